@@ -1,0 +1,264 @@
+"""Frozen, validated configuration objects.
+
+Every config is a frozen dataclass checked in ``__post_init__``; a bad value raises
+``ConfigError`` naming the field, so a CLI or HTTP layer can report it as is.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+def _require(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{name}: {msg}")
+
+
+class CapacityPolicy(str, enum.Enum):
+    """How the scheduler admits requests when KV blocks are scarce (REFERENCE section 2)."""
+
+    # Admit only if blocks for the request's whole lifetime (prompt + max_tokens) can be
+    # reserved; never pause a running request.
+    GUARANTEED_NO_EVICT = "guaranteed_no_evict"
+    # Admit on the blocks needed now; when blocks run out, pause (preempt, later recompute)
+    # the most recently started request.
+    MAX_UTILIZATION = "max_utilization"
+
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family checkpoint, read from its ``config.json``."""
+
+    architecture: str  # "llama" | "mistral" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v bias (Qwen2)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        _require(self.architecture in SUPPORTED_ARCHITECTURES.values(), "architecture",
+                 f"unsupported {self.architecture!r}; supported: "
+                 f"{sorted(SUPPORTED_ARCHITECTURES)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            _require(getattr(self, name) > 0, name, "must be > 0")
+        _require(self.num_attention_heads % self.num_key_value_heads == 0,
+                 "num_key_value_heads", "must divide num_attention_heads")
+        _require(self.torch_dtype in DTYPES, "torch_dtype", f"one of {sorted(DTYPES)}")
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES),
+                    None)
+        if arch is None and not archs and cfg.get("model_type") in SUPPORTED_ARCHITECTURES.values():
+            arch = cfg["model_type"]
+        if arch is None:
+            raise ConfigError(f"{source}: architectures={archs!r} is not supported; supported: "
+                              f"{sorted(SUPPORTED_ARCHITECTURES)}")
+        try:
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+            dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32")
+            # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older
+            # checkpoints write `rope_theta` + `rope_scaling`.
+            rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+            rope_theta = float(cfg.get("rope_theta") or rope.pop("rope_theta", 10000.0))
+            rope.pop("rope_theta", None)
+            if rope.get("rope_type", rope.get("type", "default")) == "default":
+                rope = {}
+            return cls(
+                architecture=arch,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_hidden_layers=int(cfg["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope_theta,
+                rope_scaling=rope or None,
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=tuple(int(e) for e in eos_ids),
+                torch_dtype=dtype,
+            )
+        except KeyError as e:
+            raise ConfigError(f"{source}: missing key {e.args[0]!r}") from None
+
+    @classmethod
+    def from_dir(cls, model_dir: str) -> ModelConfig:
+        path = os.path.join(model_dir, "config.json")
+        if not os.path.isfile(path):
+            raise ConfigError(f"{path}: file not found (is {model_dir!r} a Hugging Face "
+                              f"checkpoint folder?)")
+        with open(path) as f:
+            return cls.from_hf_dict(json.load(f), source=path)
+
+
+DTYPES = {"float32", "bfloat16", "float16"}
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache sizing.
+
+    Exactly one of ``kv_cache_tokens`` (an explicit token capacity) or ``kv_cache_fraction``
+    (share of free device memory after loading weights) decides the number of blocks; if both
+    are set the smaller capacity wins, as in TensorRT-LLM.
+    """
+
+    tokens_per_block: int = 32
+    kv_cache_tokens: int | None = None
+    kv_cache_fraction: float | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.tokens_per_block > 0, "tokens_per_block", "must be > 0")
+        if self.kv_cache_tokens is not None:
+            _require(self.kv_cache_tokens >= self.tokens_per_block, "kv_cache_tokens",
+                     f"must hold at least one block ({self.tokens_per_block} tokens)")
+        if self.kv_cache_fraction is not None:
+            _require(0.0 < self.kv_cache_fraction <= 1.0, "kv_cache_fraction",
+                     "must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """In-flight batching limits (TensorRT-LLM names and defaults)."""
+
+    max_batch_size: int = 2048  # requests per iteration
+    max_num_tokens: int = 8192  # tokens per iteration: context tokens + 1 per generation request
+    enable_chunked_context: bool = True
+    capacity_policy: CapacityPolicy = CapacityPolicy.GUARANTEED_NO_EVICT
+    max_model_len: int | None = None  # prompt + output limit; None = model's max positions
+    max_queue: int | None = None  # waiting requests beyond which new ones are refused
+
+    def __post_init__(self) -> None:
+        _require(self.max_batch_size > 0, "max_batch_size", "must be > 0")
+        _require(self.max_num_tokens > 0, "max_num_tokens", "must be > 0")
+        if not isinstance(self.capacity_policy, CapacityPolicy):
+            try:
+                object.__setattr__(self, "capacity_policy", CapacityPolicy(self.capacity_policy))
+            except ValueError:
+                raise ConfigError(
+                    f"capacity_policy: {self.capacity_policy!r} is not one of "
+                    f"{[p.value for p in CapacityPolicy]}") from None
+        if self.max_model_len is not None:
+            _require(self.max_model_len > 0, "max_model_len", "must be > 0")
+        if self.max_queue is not None:
+            _require(self.max_queue >= 0, "max_queue", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        _require(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", "must be >= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs besides the weights."""
+
+    model_dir: str
+    model: ModelConfig
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    dtype: str = "float32"  # compute dtype actually used
+    device: str = "cpu"  # "cpu" or "cuda[:N]"; picked at run time by ``pick_device``
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in DTYPES, "dtype", f"one of {sorted(DTYPES)}")
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len or self.model.max_position_embeddings
+
+
+def pick_device(requested: str | None = None) -> str:
+    """``requested`` if given, else ``cuda`` when available, else ``cpu``."""
+    if requested:
+        return requested
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+ENGINE_OPTION_NAMES = (
+    # (option name accepted by LLM(...) / serve / YAML) -> where it goes; see build_engine_config
+    "tokens_per_block", "kv_cache_tokens", "kv_cache_fraction", "enable_prefix_caching",
+    "max_batch_size", "max_num_tokens", "enable_chunked_context", "capacity_policy",
+    "max_model_len", "max_queue", "tensor_parallel_size", "pipeline_parallel_size", "dtype",
+    "device", "seed",
+)
+
+
+def build_engine_config(model_dir: str, **options: Any) -> EngineConfig:
+    """Build an EngineConfig from flat option names (the CLI / YAML / ``LLM(...)`` keywords)."""
+    unknown = sorted(set(options) - set(ENGINE_OPTION_NAMES))
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown engine option (known: "
+                          f"{', '.join(ENGINE_OPTION_NAMES)})")
+    model = ModelConfig.from_dir(model_dir)
+
+    def pick(cls: type, **extra: Any) -> Any:
+        names = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in options.items() if k in names and v is not None}
+        kw.update(extra)
+        return cls(**kw)
+
+    dtype = options.get("dtype") or model.torch_dtype
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype: {dtype!r} is not one of {sorted(DTYPES)}")
+    return EngineConfig(
+        model_dir=model_dir,
+        model=model,
+        cache=pick(CacheConfig),
+        scheduler=pick(SchedulerConfig),
+        parallel=pick(ParallelConfig),
+        dtype=dtype,
+        device=pick_device(options.get("device")),
+        seed=int(options.get("seed") or 0),
+    )

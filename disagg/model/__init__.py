@@ -1,0 +1,2 @@
+"""Llama-family model, loader and tiny checkpoints."""
+
