@@ -1,0 +1,408 @@
+"""In-flight batching scheduler (TensorRT-LLM semantics, REFERENCE section 2; torch-free).
+
+One call to ``schedule`` plans one model step:
+
+1. generation first: every RUNNING request that is decoding gets its 1 token;
+2. then RUNNING requests in the middle of a chunked prefill get their next chunk;
+3. then WAITING requests, first come first served, with prefix-cache hits applied;
+
+within ``max_batch_size`` requests and ``max_num_tokens`` tokens per step. The engine runs the
+model on the plan and calls ``update_from_output`` with the sampled tokens; that is where
+``num_computed_tokens`` advances, full blocks enter the prefix cache and stops are checked.
+
+A request's state is ``num_computed_tokens`` (KV in the cache) catching up with ``num_tokens``
+(prompt + generated). It samples in the step where they become equal.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from disagg.config import CapacityPolicy, SchedulerConfig
+from disagg.kv_cache.manager import KVCacheManager
+from disagg.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the tokens computed this step: all_tokens[start_pos:start_pos+n]
+    start_pos: int  # num_computed_tokens before the step (positions start here)
+    block_ids: list[int]  # the full block table after allocation
+    sample: bool  # True if this step reaches num_tokens (a token is sampled)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]  # decodes (1 token each) first, then prefill chunks
+    num_decodes: int  # len of the leading decode part
+    num_scheduled_tokens: int
+    preempted: list[str]  # request ids preempted this step
+    num_running: int  # after scheduling (for metrics)
+    num_waiting: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class _Step:
+    """Book-keeping of the step being planned."""
+
+    token_budget: int
+    decodes: dict[str, ScheduledRequest] = field(default_factory=dict)
+    prefills: dict[str, ScheduledRequest] = field(default_factory=dict)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled(self) -> int:
+        return len(self.decodes) + len(self.prefills)
+
+    def is_scheduled(self, request_id: str) -> bool:
+        return request_id in self.decodes or request_id in self.prefills
+
+    def unschedule(self, request_id: str) -> None:
+        """Drop a request planned earlier in this step (it was preempted) and refund its
+        tokens."""
+        sr = self.decodes.pop(request_id, None)
+        if sr is None:
+            sr = self.prefills.pop(request_id, None)
+        if sr is not None:
+            self.token_budget += len(sr.token_ids)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 max_model_len: int | None = None) -> None:
+        self.config = config
+        self.kv = kv
+        self.block_size = kv.block_size
+        # The engine passes the resolved limit (config or the model's max positions).
+        self.max_model_len = max_model_len if max_model_len is not None else config.max_model_len
+        self.no_evict = config.capacity_policy == CapacityPolicy.GUARANTEED_NO_EVICT
+        # Chunk ends are aligned to block boundaries so every chunk but the last fills whole
+        # blocks (they can be cached right away). A budget below one block could then never
+        # make progress, so alignment is dropped when max_num_tokens < B.
+        self._chunk_align = self.block_size if config.max_num_tokens >= self.block_size else 1
+
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        self.waiting: deque[Request] = deque()  # FCFS; preempted requests go to the front
+        self.running: list[Request] = []  # in start order: the last started is the last one
+        # Requests finished outside update_from_output (rejected by add_request), returned by
+        # its next call so the engine reports every finish in one place.
+        self._finished_early: list[Request] = []
+
+        # Counters for engine metrics.
+        self.num_preemptions_total = 0
+        self.prefix_cache_queries_tokens = 0
+        self.prefix_cache_hit_tokens = 0
+
+    # -- queries -----------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        """True while a request is unfinished, or finished but not yet returned by
+        ``update_from_output`` (so an engine loop keeps stepping until it has reported it)."""
+        return bool(self.requests) or bool(self._finished_early)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def lifetime_tokens(self, req: Request) -> int:
+        """Tokens the request may ever hold: prompt + max_tokens, capped by max_model_len."""
+        total = req.max_total_tokens
+        if self.max_model_len is not None:
+            total = min(total, self.max_model_len)
+        return total
+
+    # -- requests in and out -----------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        """Queue a request (WAITING, or WAITING_FOR_REMOTE_KV which is never scheduled here).
+
+        A request that could never run (empty prompt, longer than max_model_len, larger than the
+        whole KV cache, or than max_num_tokens without chunking) is finished at once with
+        FINISHED_ERROR and ``req.error`` set; check ``req.is_finished()`` after the call. It is
+        also returned by the next ``update_from_output``."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request {req.request_id!r} is already queued")
+        if req.status not in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KV):
+            raise ValueError(f"request {req.request_id!r} has status {req.status.value}; "
+                             f"expected waiting")
+        error = self._never_fits(req)
+        if error is not None:
+            req.status = RequestStatus.FINISHED_ERROR
+            req.error = error
+            self._finished_early.append(req)
+            return
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def _never_fits(self, req: Request) -> str | None:
+        """Why ``req`` can never be scheduled, or None. Without this check such a request
+        would wait at the head of the FCFS queue forever and block everything behind it."""
+        n = req.num_prompt_tokens
+        if n == 0:
+            return "prompt is empty"
+        if self.max_model_len is not None and n > self.max_model_len:
+            return f"prompt has {n} tokens, more than max_model_len={self.max_model_len}"
+        if not self.config.enable_chunked_context and n > self.config.max_num_tokens:
+            return (f"prompt has {n} tokens, more than max_num_tokens="
+                    f"{self.config.max_num_tokens}, and chunked context is disabled")
+        need = self.kv.blocks_needed(self.lifetime_tokens(req))
+        if need > self.kv.num_blocks:
+            return (f"prompt + max_tokens = {self.lifetime_tokens(req)} tokens need {need} KV "
+                    f"blocks, but the cache has only {self.kv.num_blocks}")
+        return None
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Finish a request as FINISHED_ABORTED and free its blocks at once (None if unknown)."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish a request from outside (a stop string, an abort, an error): frees its blocks.
+        Returns it, or None if it is unknown or already finished. An entry of it in a plan
+        already handed out is ignored by ``update_from_output``."""
+        if not status.finished:
+            raise ValueError(f"{status} is not a finished status")
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status == RequestStatus.RUNNING:
+            _remove_identical(self.running, req)
+        else:
+            _remove_identical(self.waiting, req)
+        req.status = status  # before kv.free: a finished request's hash chain is dropped
+        self.kv.free(req)
+        return req
+
+    # -- planning a step ---------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        st = _Step(token_budget=self.config.max_num_tokens)
+        max_batch = self.config.max_batch_size
+
+        # 1. Generation first: 1 token per decoding request, oldest first.
+        for req in list(self.running):  # a copy: preemption removes from self.running
+            if req.status != RequestStatus.RUNNING or not self._is_decoding(req):
+                continue
+            if st.num_scheduled >= max_batch or st.token_budget < 1:
+                break
+            if self._allocate_running(req, 1, st):
+                st.decodes[req.request_id] = self._plan(req, 1)
+                st.token_budget -= 1
+
+        # 2. Continuing chunked prefills (and recomputation of preempted requests).
+        for req in list(self.running):
+            if (req.status != RequestStatus.RUNNING or self._is_decoding(req)
+                    or st.is_scheduled(req.request_id)):
+                continue
+            if st.num_scheduled >= max_batch or st.token_budget < 1:
+                break
+            n = self._chunk_size(req, req.num_computed_tokens, st.token_budget)
+            if n == 0:
+                continue  # less than a block of budget left: wait for the next step
+            if self._allocate_running(req, n, st):
+                st.prefills[req.request_id] = self._plan(req, n)
+                st.token_budget -= n
+
+        # 3. Waiting requests, FCFS. Not in a step that preempted: the blocks just freed are
+        # for the running requests, and the preempted one would be re-admitted at once.
+        if not st.preempted:
+            self._admit_waiting(st)
+
+        scheduled = list(st.decodes.values()) + list(st.prefills.values())
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_decodes=len(st.decodes),
+            num_scheduled_tokens=sum(len(s.token_ids) for s in scheduled),
+            preempted=st.preempted,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+        )
+
+    def _admit_waiting(self, st: _Step) -> None:
+        max_batch = self.config.max_batch_size
+        # Blocks promised to running requests: their lifetime blocks not allocated yet.
+        promised = 0
+        if self.no_evict:
+            promised = sum(self._unallocated_lifetime_blocks(r) for r in self.running)
+        skipped: list[Request] = []  # WAITING_FOR_REMOTE_KV: never scheduled here, keep order
+        while self.waiting:
+            req = self.waiting[0]
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                skipped.append(self.waiting.popleft())
+                continue
+            if st.num_scheduled >= max_batch or st.token_budget < 1:
+                break
+            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            n = self._chunk_size(req, num_hit_tokens, st.token_budget)
+            if n == 0:
+                break  # does not fit this step; FCFS: everything behind it waits too
+            if self.no_evict:
+                # Reserve the whole lifetime: new blocks = lifetime - hits, and a hit on a block
+                # at ref 0 also takes that block out of the free ones.
+                need = self.kv.blocks_needed(self.lifetime_tokens(req)) - len(hits)
+                if self.kv.num_free_blocks - self.kv.num_free_among(hits) - promised < need:
+                    break
+            if self.kv.allocate_slots(req, n, hits) is None:
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit_tokens  # the hit is computed already
+            if req.num_cached_tokens < 0:
+                # First admission only: a recomputation after preemption hitting its own blocks
+                # is not a prompt-cache hit. (Recorded when the look-up is used, not while the
+                # request waits: the cache may change in between.)
+                req.num_cached_tokens = num_hit_tokens
+                self.prefix_cache_queries_tokens += req.num_prompt_tokens
+                self.prefix_cache_hit_tokens += num_hit_tokens
+            self.running.append(req)
+            if self.no_evict:
+                promised += self._unallocated_lifetime_blocks(req)
+            st.prefills[req.request_id] = self._plan(req, n)
+            st.token_budget -= n
+        self.waiting.extendleft(reversed(skipped))
+
+    def _is_decoding(self, req: Request) -> bool:
+        """Generation phase: the prompt is done and only the last sampled token is uncomputed."""
+        return req.num_output_tokens > 0 and req.num_tokens - req.num_computed_tokens == 1
+
+    def _chunk_size(self, req: Request, start: int, budget: int) -> int:
+        """Tokens of ``req`` to compute this step from position ``start`` (0: wait)."""
+        remaining = req.num_tokens - start
+        if remaining <= budget:
+            return remaining  # the final chunk (or the whole prompt) fits
+        # A preempted request recomputes prompt + output, which may exceed max_num_tokens even
+        # when its prompt did not; it is chunked, else it could never run again.
+        if not (self.config.enable_chunked_context or req.num_tokens > self.config.max_num_tokens):
+            return 0
+        # Positions [start, end) with end rounded down to a block boundary (start is on one:
+        # prefix hits are whole blocks and earlier chunks were aligned).
+        a = self._chunk_align
+        end = (start + budget) // a * a
+        return max(0, end - start)
+
+    def _allocate_running(self, req: Request, n: int, st: _Step) -> bool:
+        """Make room for ``n`` more tokens of a running request. Under MAX_UTILIZATION, preempt
+        the most recently started requests until it fits (possibly ``req`` itself: then False).
+        Under GUARANTEED_NO_EVICT the lifetime reservation makes this succeed; never
+        preempt."""
+        while self.kv.allocate_slots(req, n) is None:
+            if self.no_evict:
+                return False
+            victim = self.running[-1]
+            self._preempt(victim, st)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request, st: _Step) -> None:
+        """Free all of ``req``'s blocks; it recomputes prompt + generated tokens later."""
+        _remove_identical(self.running, req)
+        req.status = RequestStatus.PREEMPTED
+        self.kv.free(req)  # unfinished: its hash chain is kept for the recomputation
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(req)
+        st.preempted.append(req.request_id)
+        st.unschedule(req.request_id)
+
+    def _unallocated_lifetime_blocks(self, req: Request) -> int:
+        held = self.kv.num_held_blocks(req.request_id)
+        return max(0, self.kv.blocks_needed(self.lifetime_tokens(req)) - held)
+
+    def _plan(self, req: Request, n: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        return ScheduledRequest(
+            request_id=req.request_id,
+            token_ids=_token_slice(req, start, start + n),
+            start_pos=start,
+            block_ids=self.kv.block_ids(req.request_id),
+            sample=start + n == req.num_tokens,
+        )
+
+    # -- after the step ----------------------------------------------------------------------
+
+    def update_from_output(self, output: SchedulerOutput,
+                           sampled: dict[str, int]) -> list[Request]:
+        """Apply a finished step: advance ``num_computed_tokens``, cache the blocks that became
+        full, append sampled tokens, check stops. Returns the requests finished by this call
+        (and those rejected by ``add_request`` since the last call); their blocks are freed.
+
+        Plan entries of requests finished or aborted in between are ignored."""
+        live: list[tuple[ScheduledRequest, Request]] = []
+        for sr in output.scheduled:
+            req = self.requests.get(sr.request_id)
+            if (req is None or req.status != RequestStatus.RUNNING
+                    or req.num_computed_tokens != sr.start_pos):
+                continue  # finished/aborted since the plan, or a stale plan
+            if sr.sample and sr.request_id not in sampled:
+                raise ValueError(f"request {sr.request_id!r} reached its last token this step "
+                                 f"but no sampled token was given")
+            live.append((sr, req))
+
+        finished, self._finished_early = self._finished_early, []
+        for sr, req in live:
+            req.num_computed_tokens += len(sr.token_ids)
+            self.kv.cache_blocks(req, req.num_computed_tokens)
+            if not sr.sample:
+                continue
+            req.output_token_ids.append(sampled[sr.request_id])
+            status = self._check_stop(req)
+            if status is not None:
+                req.status = status  # before kv.free: a finished request's chain is dropped
+                self.kv.free(req)
+                del self.requests[req.request_id]
+                finished.append(req)
+        if finished:  # one pass instead of a list.remove per finished request
+            self.running = [r for r in self.running if not r.is_finished()]
+        return finished
+
+    def _check_stop(self, req: Request) -> RequestStatus | None:
+        """Stop conditions after appending a token. Stops (EOS, stop tokens) win over length
+        when both hold; min_tokens only suppresses stops, never the length limits."""
+        sp = req.sampling_params
+        token = req.output_token_ids[-1]
+        if req.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in sp.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= sp.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if self.max_model_len is not None and req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+
+def _token_slice(req: Request, start: int, end: int) -> list[int]:
+    """all_token_ids[start:end] without building the whole list (decodes take 1 token)."""
+    p = req.num_prompt_tokens
+    # prompt holds positions [0, p), output holds [p, num_tokens)
+    if end <= p:
+        return req.prompt_token_ids[start:end]
+    if start >= p:
+        return req.output_token_ids[start - p:end - p]
+    return req.prompt_token_ids[start:] + req.output_token_ids[:end - p]
+
+
+def _remove_identical(items: list[Request] | deque[Request], req: Request) -> None:
+    """Remove ``req`` by identity (dataclass ``==`` compares every field)."""
+    for i, r in enumerate(items):
+        if r is req:
+            del items[i]
+            return
+    raise ValueError(f"request {req.request_id!r} not found")
+
