@@ -1,0 +1,174 @@
+"""Paged attention in pure PyTorch (CPU and CUDA) over the block-major KV cache.
+
+KV cache of one rank (DESIGN.md section 1)::
+
+    kv_cache[num_blocks, num_local_layers, 2 (K=0, V=1), num_local_kv_heads, B, head_dim]
+
+A layer works on ``kv_cache[:, i]`` = ``[num_blocks, 2, H_kv, B, D]``. Token at position ``p``
+of a sequence with block table ``bt`` lives at block ``bt[p // B]``, offset ``p % B``.
+
+One forward carries a batch laid out as (DESIGN.md section 5)::
+
+    rows of q/k/v:    d_0 | d_1 | ... | d_{nd-1} | chunk nd ......... | chunk nd+1 ... |
+    query_start_loc:  0     1           nd-1       nd                   nd+q_len_nd      T
+                      <- num_decodes rows, 1 each -> <- q_len_nd rows -->
+
+Each sequence's new tokens are the *last* ``q_len`` positions of its ``seq_len``-token context.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    num_decodes: int             # the first num_decodes sequences have exactly 1 query token
+    query_start_loc: list[int]   # len B+1: sequence i's new tokens are rows [qsl[i], qsl[i+1])
+    seq_lens: list[int]          # len B: context length after this step (cached + new tokens)
+    block_tables: torch.Tensor   # [B, max_blocks] int64, padded with 0
+    slot_block: torch.Tensor     # [T] int64: block id receiving each new token's K/V
+    slot_offset: torch.Tensor    # [T] int64: offset in that block
+    decode_seq_lens: torch.Tensor  # [num_decodes] int64 (for the batched decode mask)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc[-1]
+
+
+def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             meta: AttentionMetadata) -> None:
+    """Scatter the new tokens' K/V ``[T, H_kv, D]`` into ``kv_layer`` ``[N, 2, H_kv, B, D]``.
+
+    Row t goes to ``kv_layer[slot_block[t], {0: K, 1: V}, :, slot_offset[t]]``.
+    """
+    # Advanced indices on dims 0 and 3 (split by the head slice) put the T dim first: the
+    # indexed view is [T, H_kv, D], row t = (block slot_block[t], offset slot_offset[t]).
+    kv_layer[meta.slot_block, 0, :, meta.slot_offset] = k.to(kv_layer.dtype)
+    kv_layer[meta.slot_block, 1, :, meta.slot_offset] = v.to(kv_layer.dtype)
+
+
+class GatherWorkspace:
+    """A reusable buffer for gathered context K/V.
+
+    On CPU a fresh multi-megabyte tensor per layer costs more in page faults than the gather
+    itself, so the gather writes into this buffer (grown on demand, reused by every layer of
+    one model; one workspace per model, layers run one after another). On CUDA the caching
+    allocator already reuses memory, so it is not used there.
+    """
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+
+    def take(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        n = math.prod(shape)
+        buf = self._buf
+        if (buf is None or buf.numel() < n or buf.dtype != like.dtype
+                or buf.device != like.device):
+            buf = self._buf = torch.empty(n, dtype=like.dtype, device=like.device)
+        return buf[:n].view(shape)
+
+
+def _gather_context(kv_layer: torch.Tensor, block_table: torch.Tensor,
+                    workspace: GatherWorkspace | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read the blocks of ``block_table`` ``[S, nb]`` as K and V ``[H_kv, S, nb*B, D]``.
+
+    Key index ``j`` of sequence ``s`` is its context position ``j`` (block ``j // B``, offset
+    ``j % B``); positions beyond a sequence's length are padding the caller masks out.
+    Heads lead (SDPA takes any batch dims) so that one gather on a permuted *view* of the cache
+    yields the attention layout directly: no second copy.
+    """
+    s, nb = block_table.shape
+    _, _, h, b, d = kv_layer.shape
+    kvp = kv_layer.permute(1, 2, 0, 3, 4)  # view [2, H_kv, N, B, D]
+    idx = block_table.reshape(-1)          # [S*nb]: block of (seq s, chunk c) at s*nb + c
+    shape = (2, h, s * nb, b, d)
+    if (workspace is not None and kv_layer.device.type == "cpu"
+            and not (kv_layer.requires_grad and torch.is_grad_enabled())):
+        ctx = torch.index_select(kvp, 2, idx, out=workspace.take(shape, kv_layer))
+    else:
+        ctx = kvp[:, :, idx]                # [2, H_kv, S*nb, B, D]
+    ctx = ctx.view(2, h, s, nb * b, d)     # (S*nb, B) -> (S, nb*B): free, contiguous
+    return ctx[0], ctx[1]
+
+
+def _attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Masked GQA attention without expanding K/V.
+
+    q ``[S, n, H_q, D]``, k/v ``[H_kv, S, L, D]``, mask ``[S, n, L]`` (True = attend) ->
+    ``[S, n, H_q, D]``. Query head ``h`` reads kv head ``h // G`` (G = H_q / H_kv, the
+    Hugging Face ``repeat_kv`` order), so the G query heads of one kv head are stacked on the
+    query axis: ``[H_kv, S, G*n, D]``, row ``g*n + j`` = query head ``kv*G + g``, token ``j``.
+    """
+    s, n, hq, d = q.shape
+    hkv, _, seq_l, _ = k.shape
+    g = hq // hkv
+    qg = q.view(s, n, hkv, g, d).permute(2, 0, 3, 1, 4).reshape(hkv, s, g * n, d)
+    if g > 1 and n > 1:
+        mask = mask[:, None].expand(s, g, n, seq_l).reshape(s, g * n, seq_l)
+    out = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype),
+                                         attn_mask=mask.unsqueeze(0), scale=scale)
+    return out.view(hkv, s, g, n, d).permute(1, 3, 0, 2, 4).reshape(s, n, hq, d)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+                    meta: AttentionMetadata, scale: float,
+                    workspace: GatherWorkspace | None = None) -> torch.Tensor:
+    """Write the new K/V into the cache, then attend.
+
+    q ``[T, H_q, D]``, k/v ``[T, H_kv, D]`` (RoPE applied), kv_layer ``[N, 2, H_kv, B, D]``.
+    Returns ``[T, H_q, D]``.
+    """
+    write_kv(kv_layer, k, v, meta)
+    block_size = kv_layer.shape[3]
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    qsl = meta.query_start_loc
+
+    if nd > 0:
+        # Decodes: rows [0, nd), one query each; context of sequence i = keys [0, seq_lens[i]).
+        # All padded to L = nb*B keys (nb = blocks of the longest), masked per sequence:
+        #   key j attended  <=>  j < decode_seq_lens[i]
+        nb = -(-max(meta.seq_lens[:nd]) // block_size)
+        kc, vc = _gather_context(kv_layer, meta.block_tables[:nd, :nb], workspace)
+        keys = torch.arange(nb * block_size, device=q.device)
+        mask = (keys[None, :] < meta.decode_seq_lens[:, None]).unsqueeze(1)  # [nd, 1, L]
+        out[:nd] = _attend_grouped(q[:nd].unsqueeze(1), kc, vc, mask, scale).squeeze(1)
+
+    for i in range(nd, meta.num_seqs):
+        # Prefill chunk: rows [qsl[i], qsl[i+1]) = positions [ctx, seq_len), ctx = seq_len - n.
+        #
+        #   keys:    0 ........ ctx-1 | ctx ........ seq_len-1
+        #            (cached earlier)   (this chunk, written above)
+        #   query j (position ctx + j) sees keys 0 .. ctx + j
+        start, end = qsl[i], qsl[i + 1]
+        n = end - start
+        seq_len = meta.seq_lens[i]
+        ctx = seq_len - n
+        if ctx == 0:
+            # Whole prompt in this chunk: plain causal attention over the new K/V, no gather
+            # (lets CUDA pick the flash kernel).
+            qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H_q, n, D]
+            ki = k[start:end].transpose(0, 1).unsqueeze(0)  # [1, H_kv, n, D]
+            vi = v[start:end].transpose(0, 1).unsqueeze(0)
+            oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
+                                                enable_gqa=ki.shape[1] != qi.shape[1])
+            out[start:end] = oi[0].transpose(0, 1)
+        else:
+            nb = -(-seq_len // block_size)
+            kc, vc = _gather_context(kv_layer, meta.block_tables[i:i + 1, :nb], workspace)
+            keys = torch.arange(nb * block_size, device=q.device)
+            rows = torch.arange(n, device=q.device)
+            mask = (keys[None, :] <= rows[:, None] + ctx).unsqueeze(0)  # [1, n, L]
+            out[start:end] = _attend_grouped(q[start:end].unsqueeze(0), kc, vc, mask,
+                                             scale)[0]
+    return out

@@ -1,0 +1,289 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache.
+
+Reads like the paper: x -> [RMSNorm -> attention (RoPE, GQA) -> +x] -> [RMSNorm -> SwiGLU
+-> +x] per layer, final RMSNorm, LM head. Parameter names follow Hugging Face
+(``model.layers.N.self_attn.q_proj.weight`` ...) so safetensors checkpoints load as they are.
+
+Tokens of the whole batch are flattened: activations are ``[T, hidden]``; the paged attention
+op (``attention.py``) splits them back into sequences with ``AttentionMetadata``.
+
+Parallelism hooks (used by later issues):
+- pipeline: ``layer_range=(start, end)`` holds global layers ``[start, end)``; the first stage
+  owns ``embed_tokens``, the last ``norm`` + ``lm_head``; layer ``g`` uses KV cache layer
+  ``g - start``. A non-first stage receives ``hidden_states`` instead of ``input_ids``.
+- tensor: q/k/v and gate/up are column-parallel (output rows split over ranks), o/down are
+  row-parallel (input columns split; partial sums all-reduced through ``tp_all_reduce``).
+  Modules already use the local head counts / intermediate size; ``tp_shard_dim`` tells the
+  loader which dimension of each checkpoint tensor to slice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from disagg.config import ConfigError, ModelConfig
+from disagg.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 (as the reference implementation does), scale in x's dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies ``theta^(-2i/D)``, i < D/2, with optional llama3 scaling (float32)."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (
+        torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
+    scaling = config.rope_scaling
+    if not scaling:
+        return inv_freq
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type != "llama3":
+        raise ConfigError(f"rope_scaling: rope_type {rope_type!r} is not supported "
+                          f"(supported: 'default', 'llama3')")
+    try:
+        factor = float(scaling["factor"])
+        low = float(scaling["low_freq_factor"])
+        high = float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+    except KeyError as e:
+        raise ConfigError(f"rope_scaling: llama3 needs key {e.args[0]!r}") from None
+    # Llama 3.1: long wavelengths (> old_ctx / low) are slowed by `factor`, short ones
+    # (< old_ctx / high) kept, the band in between interpolated smoothly.
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for arbitrary positions; rotates halves (``rotate_half`` convention)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        # A plain attribute, not a buffer: weights are loaded into a meta-built model with
+        # ``to_empty`` which would wipe a buffer; moved lazily to the positions' device.
+        self.inv_freq = rope_inv_freq(config)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2], float32
+        emb = torch.cat((freqs, freqs), dim=-1)                      # [T, D]
+        # [T, 1, D]: broadcasts over heads of q/k [T, H, D]
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [T, H, D]: dims [0, D/2) pair with [D/2, D)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _split(total: int, tp_size: int, what: str) -> int:
+    if total % tp_size:
+        raise ConfigError(f"{what}={total} is not divisible by tensor_parallel_size={tp_size}")
+    return total // tp_size
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, tp_size: int,
+                 reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        d = config.head_dim
+        self.head_dim = d
+        # Local (this TP rank's) head counts; the projections below are sized by them.
+        self.num_heads = _split(config.num_attention_heads, tp_size, "num_attention_heads")
+        self.num_kv_heads = _split(config.num_key_value_heads, tp_size, "num_key_value_heads")
+        self.scale = d ** -0.5
+        qkv_bias = config.attention_bias
+        # Llama's `attention_bias` also adds an o_proj bias; Qwen2 has q/k/v bias only.
+        o_bias = config.attention_bias and config.architecture != "qwen2"
+        h = config.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=o_bias)
+        self._reduce = reduce
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_layer: torch.Tensor, meta: AttentionMetadata,
+                workspace: GatherWorkspace | None = None) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        o = paged_attention(q, k, v, kv_layer, meta, self.scale, workspace)
+        # Row-parallel o_proj: sum the ranks' partial products, then add the (replicated)
+        # bias once.
+        out = self._reduce(nn.functional.linear(o.reshape(t, self.num_heads * self.head_dim),
+                                                self.o_proj.weight))
+        return out if self.o_proj.bias is None else out + self.o_proj.bias
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig, tp_size: int,
+                 reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.intermediate_size = _split(config.intermediate_size, tp_size, "intermediate_size")
+        self.gate_proj = nn.Linear(h, self.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, h, bias=False)
+        self._reduce = reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._reduce(
+            self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, tp_size: int,
+                 reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, tp_size, reduce)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config, tp_size, reduce)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_layer: torch.Tensor, meta: AttentionMetadata,
+                workspace: GatherWorkspace | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, meta, workspace)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """The decoder stack of one pipeline stage (HF's ``model.`` prefix)."""
+
+    def __init__(self, config: ModelConfig, layer_range: tuple[int, int], tp_size: int,
+                 reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        start, end = layer_range
+        self.is_first = start == 0
+        self.is_last = end == config.num_hidden_layers
+        self.embed_tokens = (nn.Embedding(config.vocab_size, config.hidden_size)
+                             if self.is_first else None)
+        # Keyed by the *global* layer index so names match the checkpoint
+        # ("model.layers.5..." on a stage holding layers [4, 8)).
+        self.layers = nn.ModuleDict(
+            {str(g): DecoderLayer(config, tp_size, reduce) for g in range(start, end)})
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last else None
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, layer_range: tuple[int, int] | None = None,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        n = config.num_hidden_layers
+        start, end = layer_range if layer_range is not None else (0, n)
+        if not 0 <= start < end <= n:
+            raise ConfigError(f"layer_range: ({start}, {end}) is not a non-empty range "
+                              f"within [0, {n}]")
+        if not 0 <= tp_rank < tp_size:
+            raise ConfigError(f"tp_rank: {tp_rank} not in [0, {tp_size})")
+        self.config = config
+        self.layer_range = (start, end)
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        # Sum of the row-parallel partial outputs across TP ranks; identity at tp_size == 1.
+        # The TP issue sets this (e.g. to a torch.distributed all-reduce).
+        self.tp_all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.num_local_layers = end - start
+        self.num_local_kv_heads = _split(config.num_key_value_heads, tp_size,
+                                         "num_key_value_heads")
+        self.rotary = RotaryEmbedding(config)
+        self.workspace = GatherWorkspace()  # scratch for paged attention, shared by the layers
+        self.model = LlamaModel(config, self.layer_range, tp_size, self._reduce)
+        self.lm_head = (nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+                        if self.model.is_last else None)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share embed_tokens' weight with lm_head when tied and both live on this stage."""
+        if (self.config.tie_word_embeddings and self.lm_head is not None
+                and self.model.embed_tokens is not None):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.model.is_first
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.model.is_last
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return x
+        if self.tp_all_reduce is None:
+            raise NotImplementedError("tensor parallel forward needs tp_all_reduce to be set")
+        return self.tp_all_reduce(x)
+
+    @staticmethod
+    def tp_shard_dim(name: str) -> int | None:
+        """Dimension along which a checkpoint tensor is split across TP ranks (None: whole).
+
+        Column-parallel q/k/v/gate/up split their output rows (dim 0, biases too);
+        row-parallel o/down split their input columns (dim 1; o_proj's bias is replicated).
+        """
+        if any(p in name for p in ("q_proj.", "k_proj.", "v_proj.", "gate_proj.", "up_proj.")):
+            return 0
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            return 1
+        return None
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        """Run this stage's layers on ``T`` flattened tokens -> ``[T, hidden]``.
+
+        The first stage embeds ``input_ids`` (``[T]``); others take ``hidden_states``
+        (``[T, hidden]``, the previous stage's output). The last stage returns the final
+        normed hidden states, others the residual stream. ``kv_cache`` is this rank's cache;
+        local layer ``i`` uses ``kv_cache[:, i]``.
+        """
+        if self.model.embed_tokens is not None and hidden_states is None:
+            x = self.model.embed_tokens(input_ids)
+        elif hidden_states is not None:
+            x = hidden_states
+        else:
+            raise ValueError("a non-first pipeline stage needs hidden_states")
+        if kv_cache.shape[1] != self.num_local_layers:
+            raise ValueError(f"kv_cache holds {kv_cache.shape[1]} layers, this stage has "
+                             f"{self.num_local_layers}")
+        cos, sin = self.rotary(positions, x.dtype)
+        for i, layer in enumerate(self.model.layers.values()):
+            x = layer(x, cos, sin, kv_cache[:, i], meta, self.workspace)
+        if self.model.norm is not None:
+            x = self.model.norm(x)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[S, hidden]`` (final normed states of the rows to sample) -> float32 ``[S, vocab]``."""
+        if self.lm_head is None:
+            raise RuntimeError("compute_logits on a non-last pipeline stage")
+        return self.lm_head(hidden).float()
