@@ -1,0 +1,486 @@
+"""The engine: scheduler + model runner + sampler + detokenizer, stepped in a loop.
+
+``LLMEngine`` is synchronous: ``add_request`` / ``abort_request`` / ``step``. ``AsyncLLM`` runs
+``step`` on its own thread (never on the HTTP event loop) and hands each request's incremental
+outputs to the asyncio task that iterates ``generate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import torch
+
+from disagg.config import EngineConfig, build_engine_config
+from disagg.kv_cache.manager import KVCacheManager
+from disagg.request import Request, RequestStatus, SamplingParams
+from disagg.runner import ModelRunner
+from disagg.sampler import Sampler
+from disagg.scheduler import Scheduler, SchedulerOutput
+from disagg.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at ``max_queue``; the caller should retry later."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped because of an internal error."""
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    delta_text: str
+    delta_token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    delta_logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int
+    metrics: RequestMetrics
+    error: str | None = None
+    prompt: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_preempted_total: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_blocks_cached: int
+    prefix_cache_queries_tokens: int
+    prefix_cache_hit_tokens: int
+    last_step_batch_size: int
+    last_step_num_tokens: int
+    steps_total: int
+
+
+@dataclass
+class _State:
+    """Engine-side bookkeeping of one request besides the scheduler's Request."""
+
+    request: Request
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None
+    metrics: RequestMetrics
+    logprobs: list[dict[int, float]] | None
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+    prompt: str | None = None
+    banned_until_min: tuple[int, ...] = field(default_factory=tuple)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        torch.manual_seed(config.seed)
+        self.tokenizer: Tokenizer = load_tokenizer(config.model_dir)
+        self.runner = ModelRunner(config)
+        B = config.cache.tokens_per_block
+        self.kv = KVCacheManager(self.runner.num_blocks, B, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len=config.max_model_len)
+        self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
+        self.eos_token_ids = tuple(
+            sorted(set(self.tokenizer.eos_token_ids) | set(config.model.eos_token_ids))
+        )
+        self._states: dict[str, _State] = {}
+        self._last_sched: SchedulerOutput | None = None
+        self._steps = 0
+
+    @classmethod
+    def from_options(cls, model_dir: str, **options: object) -> LLMEngine:
+        return cls(build_engine_config(model_dir, **options))
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError for a request that can never be served (the server's 400)."""
+        if not prompt_token_ids:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.config.model.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad} is out of range [0, {vocab})")
+        total = len(prompt_token_ids) + params.max_tokens
+        max_len = self.config.max_model_len
+        if total > max_len:
+            raise ValueError(
+                f"max_tokens: this model's maximum context length is {max_len} tokens; the "
+                f"prompt has {len(prompt_token_ids)} tokens and max_tokens is "
+                f"{params.max_tokens} ({total} in all)"
+            )
+        capacity = self.runner.num_blocks * self.config.cache.tokens_per_block
+        if total > capacity:
+            raise ValueError(
+                f"max_tokens: prompt + max_tokens = {total} tokens exceeds the KV cache "
+                f"capacity of {capacity} tokens"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        if request_id in self._states:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        max_queue = self.config.scheduler.max_queue
+        if max_queue is not None and self.scheduler.num_waiting >= max_queue:
+            raise QueueFullError(f"waiting queue is full ({max_queue} requests)")
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
+        )
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        # Before min_tokens, EOS and stop tokens are masked out so the model cannot pick them.
+        banned = tuple(sorted(set(req.eos_token_ids) | set(params.stop_token_ids)))
+        self._states[request_id] = _State(
+            request=req,
+            detok=IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params),
+            generator=gen,
+            metrics=RequestMetrics(arrival_time=req.arrival_time),
+            logprobs=[] if params.logprobs is not None else None,
+            prompt=prompt,
+            banned_until_min=banned if params.min_tokens > 0 else (),
+        )
+        self.scheduler.add_request(req)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort and free the request's blocks now; returns its final output, if it existed."""
+        st = self._states.get(request_id)
+        if st is None:
+            return None
+        self.scheduler.abort_request(request_id)
+        st.request.status = RequestStatus.FINISHED_ABORTED
+        del self._states[request_id]
+        return self._make_output(st, "", finished=True)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._states)
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        self._last_sched = sched
+        self._steps += 1
+        outputs: list[RequestOutput] = []
+        if not sched.scheduled:
+            # Still reported: requests the scheduler refused when they were added.
+            self.scheduler.update_from_output(sched, {})
+            return self._collect_finished_without_step(outputs)
+        now = time.monotonic()
+        for r in sched.scheduled:
+            st = self._states[r.request_id]
+            if st.metrics.first_scheduled_time is None:
+                st.metrics.first_scheduled_time = now
+        try:
+            rids, logits = self.runner.execute(sched)
+            sampled: dict[str, int] = {}
+            if rids:
+                states = [self._states[rid] for rid in rids]
+                banned = [
+                    st.banned_until_min
+                    if st.request.num_output_tokens < st.request.sampling_params.min_tokens
+                    else ()
+                    for st in states
+                ]
+                out = self.sampler.sample(
+                    logits,
+                    [st.request.sampling_params for st in states],
+                    [st.generator for st in states],
+                    banned,
+                )
+                sampled = dict(zip(rids, out.token_ids, strict=True))
+                for st, lp in zip(states, out.logprobs, strict=True):
+                    if st.logprobs is not None and lp is not None:
+                        st.logprobs.append(lp)
+        except Exception as e:  # the step failed: fail its requests, keep the loop alive
+            logger.exception("engine step failed")
+            outputs = self._fail_requests([r.request_id for r in sched.scheduled], repr(e))
+            self.scheduler.update_from_output(sched, {})  # every plan entry is now stale
+            return outputs
+
+        finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
+        now = time.monotonic()
+        for rid, tok in sampled.items():
+            st = self._states[rid]
+            if st.metrics.first_token_time is None:
+                st.metrics.first_token_time = now
+            st.metrics.last_token_time = now
+            delta = st.detok.update(tok)
+            if st.detok.stopped and rid not in finished:
+                st.request.stop_reason = st.detok.stop_reason
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+                finished.add(rid)
+            if rid in finished and not st.detok.stopped:
+                delta += st.detok.flush()
+            outputs.append(self._make_output(st, delta, finished=rid in finished))
+        # Requests the scheduler ended without sampling (errors) still owe a final output.
+        for rid in finished - set(sampled):
+            st = self._states[rid]
+            outputs.append(self._make_output(st, st.detok.flush(), finished=True))
+        return self._collect_finished_without_step(outputs)
+
+    def _collect_finished_without_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        # The scheduler may end a request during schedule() (e.g. one that can never fit).
+        reported = {o.request_id for o in outputs}
+        for rid, st in list(self._states.items()):
+            if st.request.is_finished() and rid not in reported:
+                outputs.append(self._make_output(st, st.detok.flush(), finished=True))
+        for o in outputs:
+            if o.finished:
+                self._states.pop(o.request_id, None)
+        return outputs
+
+    def _fail_requests(self, request_ids: list[str], error: str) -> list[RequestOutput]:
+        outputs = []
+        for rid in request_ids:
+            st = self._states.get(rid)
+            if st is None:
+                continue
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
+            st.request.status = RequestStatus.FINISHED_ERROR
+            st.request.error = error
+            outputs.append(self._make_output(st, "", finished=True))
+        return self._collect_finished_without_step(outputs)
+
+    def _make_output(self, st: _State, delta_text: str, finished: bool) -> RequestOutput:
+        req = st.request
+        if finished:
+            st.metrics.finished_time = time.monotonic()
+        tokens = list(req.output_token_ids)
+        delta_tokens = tokens[st.sent_tokens :]
+        st.sent_tokens = len(tokens)
+        delta_lp = None
+        if st.logprobs is not None:
+            delta_lp = st.logprobs[st.sent_logprobs :]
+            st.sent_logprobs = len(st.logprobs)
+        comp = CompletionOutput(
+            index=0,
+            text=st.detok.text,
+            token_ids=tokens,
+            delta_text=delta_text,
+            delta_token_ids=delta_tokens,
+            logprobs=list(st.logprobs) if st.logprobs is not None else None,
+            delta_logprobs=delta_lp,
+            finish_reason=req.status.finish_reason if finished else None,
+            stop_reason=req.stop_reason if finished else None,
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[comp],
+            finished=finished,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            metrics=st.metrics,
+            error=req.error if finished else None,
+            prompt=st.prompt,
+        )
+
+    # ---- introspection --------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        pool = self.kv.stats()
+        last = self._last_sched
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_preempted_total=self.scheduler.num_preemptions_total,
+            kv_blocks_used=pool.used,
+            kv_blocks_total=pool.total,
+            kv_blocks_cached=pool.cached,
+            prefix_cache_queries_tokens=self.scheduler.prefix_cache_queries_tokens,
+            prefix_cache_hit_tokens=self.scheduler.prefix_cache_hit_tokens,
+            last_step_batch_size=len(last.scheduled) if last else 0,
+            last_step_num_tokens=last.num_scheduled_tokens if last else 0,
+            steps_total=self._steps,
+        )
+
+
+class AsyncLLM:
+    """Runs an LLMEngine on a background thread for asyncio callers (the HTTP server)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self._cmds: queue.SimpleQueue[tuple[str, tuple]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._sinks_lock = threading.Lock()
+        self._pending_adds = 0
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @classmethod
+    def from_options(cls, model_dir: str, **options: object) -> AsyncLLM:
+        return cls(build_engine_config(model_dir, **options))
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="disagg-engine", daemon=True)
+            self._thread.start()
+
+    async def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
+
+    def is_healthy(self) -> bool:
+        return (
+            self._thread is not None and self._thread.is_alive() and self._error is None
+            and not self._stop.is_set()
+        )
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    # ---- requests -------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        if not self.is_healthy():
+            raise EngineDeadError(f"engine is not running: {self._error!r}")
+        self.engine.validate(prompt_token_ids, params)
+        max_queue = self.config.scheduler.max_queue
+        if max_queue is not None and self.engine.scheduler.num_waiting + self._pending_adds >= (
+            max_queue
+        ):
+            raise QueueFullError(f"waiting queue is full ({max_queue} requests)")
+        loop = asyncio.get_running_loop()
+        sink: asyncio.Queue = asyncio.Queue()
+        with self._sinks_lock:
+            if request_id in self._sinks:
+                raise ValueError(f"request_id: {request_id!r} is already in use")
+            self._sinks[request_id] = (loop, sink)
+            self._pending_adds += 1
+        self._cmds.put(("add", (request_id, list(prompt_token_ids), params, prompt,
+                                time.monotonic())))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._sinks_lock:
+                self._sinks.pop(request_id, None)
+            if not finished:  # consumer went away (client disconnect, cancel): free its blocks
+                self._cmds.put(("abort", (request_id,)))
+                self._wake.set()
+
+    async def abort(self, request_id: str) -> None:
+        self._cmds.put(("abort", (request_id,)))
+        self._wake.set()
+
+    # ---- the loop thread ------------------------------------------------------------------
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._sinks_lock:
+            target = self._sinks.get(request_id)
+        if target is None:
+            return
+        loop, sink = target
+        try:
+            loop.call_soon_threadsafe(sink.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed
+            pass
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, args = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                rid, tokens, params, prompt, arrival = args
+                with self._sinks_lock:
+                    self._pending_adds -= 1
+                try:
+                    self.engine.add_request(rid, tokens, params, prompt, arrival)
+                except Exception as e:  # validation raced with a config change, queue full, ...
+                    self._deliver(rid, e)
+            elif kind == "abort":
+                out = self.engine.abort_request(args[0])
+                if out is not None:
+                    self._deliver(args[0], out)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands()
+                if self.engine.has_unfinished():
+                    for out in self.engine.step():
+                        self._deliver(out.request_id, out)
+                else:
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+        except BaseException as e:  # a bug in the engine itself: report and stop serving
+            logger.exception("engine loop died")
+            self._error = e
+            with self._sinks_lock:
+                rids = list(self._sinks)
+            for rid in rids:
+                self._deliver(rid, EngineDeadError(f"engine loop died: {e!r}"))
+        finally:
+            # Abort whatever is left so nothing waits forever and every block is freed.
+            with self._sinks_lock:
+                rids = list(self._sinks)
+            for rid in rids:
+                out = self.engine.abort_request(rid)
+                if out is not None:
+                    self._deliver(rid, out)
