@@ -1,0 +1,288 @@
+"""``disagg serve``: one worker process serving one model over HTTP (FastAPI + uvicorn).
+
+Options come from three layers, later ones winning: built-in defaults, a worker YAML
+(``--config``; the same snake_case keys as a server section of the disagg YAML, i.e. the
+engine option names of ``build_engine_config`` plus the server's own), and command-line flags.
+
+Shutdown: SIGTERM or SIGINT stops accepting connections, gives in-flight requests
+``drain_timeout`` seconds to finish, aborts the rest, stops the engine and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+from disagg.config import CapacityPolicy, ConfigError
+
+logger = logging.getLogger("disagg.server")
+
+
+@dataclass(frozen=True)
+class _Opt:
+    type: type  # int, float, bool or str
+    help: str
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+
+
+# Engine options: exactly config.ENGINE_OPTION_NAMES (a test keeps them in step).
+ENGINE_OPTIONS: dict[str, _Opt] = {
+    "tokens_per_block": _Opt(int, "tokens per KV cache block (default 32)", metavar="N"),
+    "kv_cache_tokens": _Opt(int, "KV cache capacity in tokens", metavar="N"),
+    "kv_cache_fraction": _Opt(float, "share of free device memory for the KV cache, in (0, 1]",
+                              metavar="F"),
+    "enable_prefix_caching": _Opt(bool, "reuse cached KV blocks of shared prompt prefixes "
+                                  "(default on)"),
+    "max_batch_size": _Opt(int, "requests per iteration (default 2048)", metavar="N"),
+    "max_num_tokens": _Opt(int, "tokens per iteration (default 8192)", metavar="N"),
+    "enable_chunked_context": _Opt(bool, "split long prompts over iterations (default on)"),
+    "capacity_policy": _Opt(str, "KV admission policy (default guaranteed_no_evict)",
+                            choices=tuple(p.value for p in CapacityPolicy)),
+    "max_model_len": _Opt(int, "prompt + output token limit (default: the model's)",
+                          metavar="N"),
+    "max_queue": _Opt(int, "waiting requests beyond which new ones get 503 + Retry-After",
+                      metavar="N"),
+    "tensor_parallel_size": _Opt(int, "tensor parallel ranks (default 1)", metavar="N"),
+    "pipeline_parallel_size": _Opt(int, "pipeline parallel stages (default 1)", metavar="N"),
+    "dtype": _Opt(str, "compute dtype (default: the checkpoint's)",
+                  choices=("float32", "bfloat16", "float16")),
+    "device": _Opt(str, "cpu or cuda[:N] (default: cuda when available)"),
+    "seed": _Opt(int, "engine seed for unseeded sampling (default 0)"),
+}
+
+ROLES = ("aggregated", "context", "generation")
+# context / generation need the KV transfer (a later issue); refuse them rather than pretend.
+AVAILABLE_ROLES = ("aggregated",)
+
+
+class RoleNotAvailableError(ValueError):
+    """The requested worker role is not implemented yet."""
+
+
+def check_role(role: str) -> None:
+    if role not in ROLES:
+        raise ValueError(f"role: {role!r} is not one of {list(ROLES)}")
+    if role not in AVAILABLE_ROLES:
+        raise RoleNotAvailableError(
+            f"role: {role!r} is not available yet: disaggregated context/generation workers "
+            f"arrive with KV transfer; use --role aggregated")
+
+SERVER_OPTIONS: dict[str, _Opt] = {
+    "model": _Opt(str, "checkpoint folder (instead of the MODEL_DIR argument)"),
+    "host": _Opt(str, "address to bind (default 127.0.0.1)"),
+    "port": _Opt(int, "port to bind; 0 picks a free one (default 8000)"),
+    "role": _Opt(str, "worker role (default aggregated; context/generation arrive with KV "
+                 "transfer)", choices=ROLES),
+    "served_model_name": _Opt(str, "model name clients send (default: MODEL_DIR as given)",
+                              metavar="NAME"),
+    "api_key": _Opt(str, "require 'Authorization: Bearer KEY' on /v1/*", metavar="KEY"),
+    "drain_timeout": _Opt(float, "seconds in-flight requests get to finish on SIGTERM "
+                          "(default 30)", metavar="S"),
+    "log_level": _Opt(str, "log level (default info)",
+                      choices=("critical", "error", "warning", "info", "debug")),
+}
+
+SERVER_DEFAULTS: dict[str, Any] = {
+    "host": "127.0.0.1", "port": 8000, "role": "aggregated", "drain_timeout": 30.0,
+    "log_level": "info",
+}
+
+# Keys of a disagg YAML server section that describe the cluster, not one worker.
+_SECTION_ONLY_KEYS = ("num_instances", "urls", "router")
+
+
+def _coerce(name: str, opt: _Opt, value: Any, where: str) -> Any:
+    """Check a YAML value's type (YAML already parsed it); name the key and file on error."""
+    if value is None:
+        return None
+    ok = {
+        bool: lambda v: isinstance(v, bool),
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+        str: lambda v: isinstance(v, str),
+    }[opt.type](value)
+    if not ok:
+        raise ConfigError(f"{where}: {name}: expected {opt.type.__name__}, got {value!r}")
+    if opt.choices and value not in opt.choices:
+        raise ConfigError(f"{where}: {name}: {value!r} is not one of {list(opt.choices)}")
+    return float(value) if opt.type is float else value
+
+
+def load_worker_yaml(path: str) -> dict[str, Any]:
+    """Options from a worker YAML; unknown keys and wrong types are errors naming both."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of options, got {type(data).__name__}")
+    known = {**SERVER_OPTIONS, **ENGINE_OPTIONS}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in known:
+            hint = (" (a cluster key of the disagg YAML; a worker file holds only worker "
+                    "options)" if key in _SECTION_ONLY_KEYS else "")
+            raise ConfigError(f"{path}: unknown key {key!r}{hint}; known keys: "
+                              f"{', '.join(sorted(known))}")
+        out[key] = _coerce(key, known[key], value, path)
+    return out
+
+
+def add_cli(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "serve", help="serve one model over an OpenAI-compatible HTTP API",
+        description="Serve one model over an OpenAI-compatible HTTP API (one worker process).")
+    p.add_argument("model_dir", nargs="?", metavar="MODEL_DIR",
+                   help="Hugging Face checkpoint folder")
+    p.add_argument("--config", metavar="worker.yaml",
+                   help="worker YAML (keys: these options in snake_case); flags override it")
+    # Every option defaults to None so that only flags actually given override the YAML.
+    for name, opt in SERVER_OPTIONS.items():
+        if name != "model":
+            _add_option(p, name, opt)
+    group = p.add_mutually_exclusive_group()
+    for name, opt in ENGINE_OPTIONS.items():
+        target = group if name in ("kv_cache_tokens", "kv_cache_fraction") else p
+        _add_option(target, name, opt)
+    p.set_defaults(func=_cmd_serve)
+
+
+def _add_option(p: Any, name: str, opt: _Opt) -> None:
+    flag = "--" + name.replace("_", "-")
+    if opt.type is bool:
+        p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
+                       help=opt.help)
+    else:
+        p.add_argument(flag, dest=name, type=opt.type, choices=opt.choices, default=None,
+                       metavar=opt.metavar, help=opt.help)
+
+
+def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Defaults < YAML < flags; returns one flat dict of server and engine options."""
+    options: dict[str, Any] = dict(SERVER_DEFAULTS)
+    if getattr(args, "config", None):
+        options.update({k: v for k, v in load_worker_yaml(args.config).items() if v is not None})
+    for name in (*SERVER_OPTIONS, *ENGINE_OPTIONS):
+        value = getattr(args, name, None)
+        if value is not None:
+            options[name] = value
+    if getattr(args, "model_dir", None):
+        options["model"] = args.model_dir
+    if not options.get("model"):
+        raise ConfigError("MODEL_DIR: required (as an argument or as 'model' in --config)")
+    return options
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        options = resolve_options(args)
+    except ConfigError as e:
+        print(f"disagg serve: error: {e}", file=sys.stderr)
+        return 2
+    server = {k: options.pop(k) for k in list(options) if k in SERVER_OPTIONS}
+    return run_server(server.pop("model"), engine_options=options, **server)
+
+
+def run_server(
+    model_dir: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    role: str = "aggregated",
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    drain_timeout: float = 30.0,
+    log_level: str = "info",
+    engine_options: dict[str, Any] | None = None,
+) -> int:
+    """Load the model, serve until SIGTERM/SIGINT, drain, return the exit code."""
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        check_role(role)  # before loading anything: fail fast on a role we cannot serve
+    except RoleNotAvailableError as e:
+        print(f"disagg serve: error: {e}", file=sys.stderr)
+        return 2
+
+    import uvicorn
+
+    from disagg.config import build_engine_config
+    from disagg.engine import AsyncLLM
+    from disagg.server.app import ServerSettings, begin_drain, build_app
+
+    try:
+        config = build_engine_config(model_dir, **(engine_options or {}))
+    except ConfigError as e:
+        print(f"disagg serve: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        engine = AsyncLLM(config)
+    except (ValueError, OSError) as e:  # unreadable checkpoint, bad tensor, KV does not fit
+        print(f"disagg serve: error: cannot load {model_dir}: {e}", file=sys.stderr)
+        return 1
+    settings = ServerSettings(model_dir=model_dir, served_model_name=served_model_name,
+                              role=role, api_key=api_key)
+    app = build_app(engine, settings)
+
+    def on_exit() -> None:
+        # /health turns 503 and new requests get 503 at once; late requests are aborted
+        # (cleanly, through the engine) when the drain period ends.
+        begin_drain(app, drain_timeout)
+
+    uv_config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, lifespan="on",
+        # A backstop only: by then our own drain has aborted every request.
+        timeout_graceful_shutdown=int(drain_timeout) + 5,
+    )
+    server = make_draining_server(uv_config, on_exit)
+    logger.info("serving %s as %r (role %s) on %s:%d", model_dir, settings.model_name, role,
+                host, port)
+    asyncio.run(server.serve())
+    return 0 if server.started else 1
+
+
+def make_draining_server(config: Any, on_exit: Callable[[], None]) -> Any:
+    """A ``uvicorn.Server`` whose SIGTERM/SIGINT drain and then let the process exit 0.
+
+    uvicorn re-raises the captured signal once it has shut down, so a SIGTERM-ed worker would
+    die "killed by signal"; a drained shutdown is a success, so it is not re-raised here.
+    (Defined lazily: uvicorn is an optional dependency of the package.)
+    """
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield  # signals belong to the main thread (e.g. servers in test threads)
+                return
+            sigs = (signal.SIGINT, signal.SIGTERM)
+            original = {s: signal.signal(s, self.handle_exit) for s in sigs}
+            try:
+                yield
+            finally:
+                for s, handler in original.items():
+                    signal.signal(s, handler)
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            on_exit()
+            super().handle_exit(sig, frame)
+
+    return DrainingServer(config)

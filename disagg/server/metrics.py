@@ -1,0 +1,194 @@
+"""Prometheus metrics of one worker server.
+
+Every server owns a ``CollectorRegistry`` (never the process-global one) so that several servers
+can live in one process (tests, a router beside workers). Two sources feed it:
+
+- per-request observations made by the server as outputs stream out (latency histograms,
+  token counters, finish reasons);
+- a scrape-time collector reading ``engine.stats()`` (queue depths, last step's batch, KV blocks,
+  prefix cache), so engine-side numbers are never stale and cost nothing between scrapes.
+
+Why batches are small (seed 000) should be readable from these: compare
+``disagg_iteration_batch_size`` with ``disagg_num_requests_running`` / ``_waiting`` (too little
+load, or requests waiting), ``disagg_kv_blocks_used`` with ``disagg_kv_blocks_total`` (KV-capped),
+``disagg_iteration_num_tokens`` with ``disagg_max_num_tokens`` (token-budget-capped), and the
+``disagg_request_generation_tokens`` histogram (1-token outputs leave after one step).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "disagg_"
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+               0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+class ServerMetrics:
+    """The collectors of one server; ``render()`` is the ``/metrics`` body."""
+
+    def __init__(self, engine: Any, model_name: str, max_batch_size: int | None = None,
+                 max_num_tokens: int | None = None) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        reg = self.registry
+
+        self.requests_finished = Counter(
+            PREFIX + "requests_finished", "Engine requests finished, by finish reason "
+            "(stop, length, abort, error); each of n choices is one engine request.",
+            labels + ["finish_reason"], registry=reg)
+        self.requests_rejected = Counter(
+            PREFIX + "requests_rejected", "HTTP requests refused before reaching the engine, "
+            "by reason (invalid_request, unauthorized, model_not_found, queue_full, draining, "
+            "engine_unavailable).", labels + ["reason"], registry=reg)
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prompt tokens of admitted engine requests.", labels,
+            registry=reg)
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Generated tokens (counted as they stream out).",
+            labels, registry=reg)
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Time from request arrival at the server "
+            "to its first generated token.", labels, buckets=TTFT_BUCKETS, registry=reg)
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds", "Time between successive generated tokens "
+            "of one request.", labels, buckets=ITL_BUCKETS, registry=reg)
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "Time from arrival at the server to the "
+            "request's last output.", labels, buckets=E2E_BUCKETS, registry=reg)
+        self.queue_time = Histogram(
+            PREFIX + "request_queue_time_seconds", "Time from arrival in the engine to first "
+            "being scheduled.", labels, buckets=TTFT_BUCKETS, registry=reg)
+        self.prompt_len = Histogram(
+            PREFIX + "request_prompt_tokens", "Prompt length of finished requests.", labels,
+            buckets=TOKEN_BUCKETS, registry=reg)
+        self.gen_len = Histogram(
+            PREFIX + "request_generation_tokens", "Generated tokens of finished requests.",
+            labels, buckets=TOKEN_BUCKETS, registry=reg)
+        reg.register(_EngineStatsCollector(engine, model_name, max_batch_size, max_num_tokens))
+
+        # Pre-create the common label sets so that they appear (at 0) before any traffic.
+        for reason in ("stop", "length", "abort", "error"):
+            self.requests_finished.labels(model_name, reason)
+        self.prompt_tokens.labels(model_name)
+        self.generation_tokens.labels(model_name)
+
+    # -- per-request observations (called by the server) --------------------------------------
+
+    def rejected(self, reason: str) -> None:
+        self.requests_rejected.labels(self.model_name, reason).inc()
+
+    def admitted(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
+
+    def tokens(self, n: int, gap_s: float | None, first_token_s: float | None) -> None:
+        """``n`` new tokens arrived; ``gap_s`` since the previous ones (spread evenly, as one
+        output may carry several tokens when the server lags behind the engine)."""
+        if n <= 0:
+            return
+        self.generation_tokens.labels(self.model_name).inc(n)
+        if first_token_s is not None:
+            self.ttft.labels(self.model_name).observe(first_token_s)
+            n -= 1  # the first token has no inter-token gap
+        if gap_s is not None and n > 0:
+            itl = self.itl.labels(self.model_name)
+            for _ in range(n):
+                itl.observe(gap_s / n)
+
+    def finished(self, finish_reason: str, num_prompt_tokens: int, num_generated: int,
+                 e2e_s: float, queue_s: float | None) -> None:
+        m = self.model_name
+        self.requests_finished.labels(m, finish_reason or "abort").inc()
+        self.e2e.labels(m).observe(e2e_s)
+        self.prompt_len.labels(m).observe(num_prompt_tokens)
+        self.gen_len.labels(m).observe(num_generated)
+        if queue_s is not None:
+            self.queue_time.labels(m).observe(queue_s)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _EngineStatsCollector(Collector):
+    """Reads ``engine.stats()`` at scrape time."""
+
+    def __init__(self, engine: Any, model_name: str, max_batch_size: int | None,
+                 max_num_tokens: int | None) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.max_batch_size = max_batch_size
+        self.max_num_tokens = max_num_tokens
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # dynamic: do not call stats() at registration
+
+    def collect(self) -> Iterator[Metric]:
+        lv = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g.add_metric(lv, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            c.add_metric(lv, value)
+            return c
+
+        try:
+            healthy = bool(self.engine.is_healthy())
+        except Exception:  # a scrape must never fail because of the engine
+            healthy = False
+        yield gauge("engine_healthy", "1 when the engine loop is alive.", 1.0 if healthy else 0.0)
+        if self.max_batch_size is not None:
+            yield gauge("max_batch_size", "Configured limit: requests per iteration.",
+                        self.max_batch_size)
+        if self.max_num_tokens is not None:
+            yield gauge("max_num_tokens", "Configured limit: tokens per iteration.",
+                        self.max_num_tokens)
+        try:
+            s = self.engine.stats()
+        except Exception:
+            logger.exception("engine.stats() failed during a metrics scrape")
+            return
+        yield gauge("num_requests_running", "Requests in the running batch (scheduled each "
+                    "iteration).", s.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting for admission (queue depth).",
+                    s.num_waiting)
+        yield gauge("iteration_batch_size", "Requests scheduled in the last engine iteration.",
+                    s.last_step_batch_size)
+        yield gauge("iteration_num_tokens", "Tokens scheduled in the last engine iteration "
+                    "(prefill chunks + 1 per decode).", s.last_step_num_tokens)
+        yield gauge("kv_blocks_used", "KV cache blocks held by requests.", s.kv_blocks_used)
+        yield gauge("kv_blocks_cached", "Free KV blocks still holding reusable prefix-cache "
+                    "content.", s.kv_blocks_cached)
+        yield gauge("kv_blocks_total", "KV cache blocks in the pool.", s.kv_blocks_total)
+        usage = s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0
+        yield gauge("kv_cache_usage_ratio", "kv_blocks_used / kv_blocks_total.", usage)
+        yield counter("prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix "
+                      "cache.", s.prefix_cache_queries_tokens)
+        yield counter("prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache.",
+                      s.prefix_cache_hit_tokens)
+        yield counter("num_preemptions", "Requests preempted (KV blocks taken back, to be "
+                      "recomputed).", s.num_preempted_total)
+        yield counter("engine_steps", "Engine iterations run.", s.steps_total)

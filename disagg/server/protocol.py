@@ -1,0 +1,474 @@
+"""OpenAI wire format: request models, their translation to SamplingParams, responses, errors.
+
+Everything here is pure (no engine, no HTTP framework) so that it can be unit tested alone.
+Requests are validated in two layers: pydantic checks shapes and types, then
+``SamplingParams.__post_init__`` checks ranges; both become an ``APIError`` (400) that names the
+offending field, in OpenAI's error JSON shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+
+from disagg.request import SamplingParams, SamplingParamsError
+
+MAX_N = 128  # choices per request: each is an engine request, so bound the fan-out
+MAX_LOGPROBS = 20  # OpenAI's limit for both APIs
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    """An error to send to the client as OpenAI error JSON with an HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None,
+    code: str | int | None = None,
+) -> dict[str, Any]:
+    """OpenAI's error JSON: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def _param_of(message: str) -> str | None:
+    # SamplingParamsError / engine ValueError messages start with "<field>: ".
+    head, sep, _ = message.partition(":")
+    return head if sep and head.isidentifier() else None
+
+
+def from_value_error(e: ValueError) -> APIError:
+    """A SamplingParamsError or an engine ValueError (bad input found late) -> 400."""
+    msg = str(e)
+    return bad_request(msg, param=_param_of(msg))
+
+
+def from_validation_error(e: ValidationError) -> APIError:
+    """First pydantic error -> 400 naming the field (``messages.0.role``)."""
+    errors = e.errors(include_url=False)
+    first = errors[0]
+    loc = list(first.get("loc", ()))
+    # A union field reports one error per member, tagged in loc (("prompt", "list[int]", 0));
+    # name the accepted shapes instead of the first member's complaint.
+    cut = next((i for i, p in enumerate(loc) if _is_union_tag(p)), None)
+    if cut is not None:
+        prefix = loc[:cut]
+        tags = [str(err["loc"][cut]) for err in errors
+                if list(err.get("loc", ()))[:cut] == prefix and len(err["loc"]) > cut]
+        path = ".".join(str(p) for p in prefix)
+        shapes = ", ".join(dict.fromkeys(tags))
+        return bad_request(f"{path}: invalid type or value (expected one of: {shapes})",
+                           param=str(prefix[0]) if prefix else None)
+    path = ".".join(str(p) for p in loc)
+    msg = first.get("msg", "invalid value")
+    return bad_request(f"{path}: {msg}" if path else msg, param=str(loc[0]) if loc else None)
+
+
+def _is_union_tag(part: object) -> bool:
+    # pydantic names union members by type: "str", "list[int]", "function-after[...]", ...
+    return isinstance(part, str) and (
+        part in ("str", "int", "float", "bool", "none") or "[" in part)
+
+
+# ---- requests -------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """Fields shared by both endpoints: OpenAI's, plus vLLM's extensions (``top_k``, ...)."""
+
+    # Unknown fields are ignored (clients send vendor extras); the server logs their names.
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: StrictInt | None = None
+    seed: StrictInt | None = None
+    stop: str | list[str] | None = None
+    user: str | None = None
+    # vLLM extensions
+    ignore_eos: bool = False
+    min_tokens: StrictInt = 0
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # Accepted only at their neutral value: a silent no-op would mislead the caller.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # Disaggregated serving (router -> worker); arrives with the KV-transfer issue.
+    disaggregated_params: dict[str, Any] | None = None
+
+    def common_checks(self) -> None:
+        if self.disaggregated_params is not None:
+            raise bad_request(
+                "disaggregated_params: not supported by this worker yet (disaggregated "
+                "context/generation serving is not available; send the request without it)",
+                param="disaggregated_params")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options: only allowed when stream is true",
+                              param="stream_options")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise bad_request(f"{name}: not supported (only 0)", param=name)
+        if self.logit_bias:
+            raise bad_request("logit_bias: not supported", param="logit_bias")
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """Base params for one choice (n is fanned out by the server, seed + i per choice)."""
+        kw: dict[str, Any] = dict(
+            n=self.n,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            seed=self.seed,
+            stop=tuple([self.stop] if isinstance(self.stop, str) else (self.stop or ())),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+        # None means "OpenAI default" (temperature 1, top_p 1, top_k off).
+        if self.temperature is not None:
+            kw["temperature"] = self.temperature
+        if self.top_p is not None:
+            kw["top_p"] = self.top_p
+        if self.top_k is not None:
+            kw["top_k"] = self.top_k
+        try:
+            return SamplingParams(**kw)
+        except SamplingParamsError as e:
+            raise from_value_error(e) from None
+
+
+class CompletionRequest(_Request):
+    # A string, strings, token ids, or lists of token ids (one completion set per prompt).
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = 16  # OpenAI's default for the legacy completions API
+    logprobs: StrictInt | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: StrictInt | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list; raises 400 for an empty one."""
+        p = self.prompt
+        if isinstance(p, str):
+            items: list[str | list[int]] = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            items = [list(p)]  # type: ignore[arg-type]
+        else:
+            items = list(p)  # type: ignore[arg-type]
+        if not items:
+            raise bad_request("prompt: must not be empty", param="prompt")
+        for i, item in enumerate(items):
+            if len(item) == 0:
+                where = "prompt" if len(items) == 1 else f"prompt.{i}"
+                raise bad_request(f"{where}: must not be empty", param="prompt")
+        return items
+
+    def to_sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+        self.common_checks()
+        if self.echo:
+            raise bad_request("echo: not supported", param="echo")
+        if self.suffix:
+            raise bad_request("suffix: not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of: not supported (must equal n)", param="best_of")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"logprobs: must be in [0, {MAX_LOGPROBS}]", param="logprobs")
+        max_tokens = self.max_tokens if self.max_tokens is not None else 16
+        check_context_length(num_prompt_tokens, max_tokens, max_model_len, "prompt")
+        return self._sampling_params(max_tokens, self.logprobs)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id, ...
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: bool = False
+    top_logprobs: StrictInt | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True  # vLLM extension
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """Messages as plain dicts for the chat template; only text content is supported."""
+        out = []
+        for i, m in enumerate(self.messages):
+            if m.role not in ("system", "developer", "user", "assistant", "tool"):
+                raise bad_request(f"messages.{i}.role: unknown role {m.role!r}",
+                                  param="messages")
+            content = m.content
+            if isinstance(content, list):
+                for j, part in enumerate(content):
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise bad_request(
+                            f"messages.{i}.content.{j}: only text parts are supported",
+                            param="messages")
+                content = "".join(part["text"] for part in content)
+            msg = {k: v for k, v in m.model_dump().items() if v is not None}
+            msg["content"] = content
+            # Llama-style templates know "system", not OpenAI's newer "developer".
+            if m.role == "developer":
+                msg["role"] = "system"
+            out.append(msg)
+        return out
+
+    def to_sampling_params(self, num_prompt_tokens: int, max_model_len: int,
+                           kv_capacity_tokens: int | None = None) -> SamplingParams:
+        self.common_checks()
+        if self.tools:
+            raise bad_request("tools: tool calling is not supported", param="tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice: tool calling is not supported", param="tool_choice")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise bad_request("response_format: only {\"type\": \"text\"} is supported",
+                              param="response_format")
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise bad_request(f"top_logprobs: must be in [0, {MAX_LOGPROBS}]",
+                                  param="top_logprobs")
+            if not self.logprobs:
+                raise bad_request("top_logprobs: requires logprobs to be true",
+                                  param="top_logprobs")
+        max_tokens = self.max_completion_tokens
+        name = "max_completion_tokens"
+        if max_tokens is None:
+            max_tokens, name = self.max_tokens, "max_tokens"
+        if max_tokens is None:
+            # OpenAI's chat default: as much as the context allows (and the KV cache holds,
+            # else the engine refuses the request as one that can never fit).
+            check_context_length(num_prompt_tokens, 1, max_model_len, "messages")
+            limit = min(max_model_len, kv_capacity_tokens or max_model_len)
+            max_tokens = max(limit - num_prompt_tokens, 1)
+        elif max_tokens < 1:
+            raise bad_request(f"{name}: must be >= 1", param=name)
+        else:
+            check_context_length(num_prompt_tokens, max_tokens, max_model_len, "messages")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs)
+
+
+def check_context_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int,
+                         prompt_field: str) -> None:
+    if max_tokens < 1:
+        raise bad_request("max_tokens: must be >= 1", param="max_tokens")
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+            f"{prompt_field}, {max_tokens} in the completion). Please reduce the length of the "
+            f"{prompt_field} or completion.",
+            param=prompt_field, code="context_length_exceeded")
+
+
+def parse_request(model: type[_Request], raw: bytes) -> Any:
+    """Body bytes -> request model, or a 400 ``APIError`` (malformed JSON, wrong types)."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"malformed JSON body: {e}") from None
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def choice_params(base: SamplingParams, i: int) -> SamplingParams:
+    """Params of choice ``i`` of ``n``: one engine request each; seeded ones get seed + i
+    (as the offline ``LLM`` does) so choices differ yet stay reproducible."""
+    if base.n == 1:
+        return base
+    seed = None if base.seed is None else base.seed + i
+    return dataclasses.replace(base, n=1, seed=seed)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+# ---- responses ------------------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+TokenText = Callable[[int], str]  # token id -> its text (a decode of the single id)
+
+
+def completion_logprobs(
+    token_ids: Sequence[int], logprobs: Sequence[dict[int, float]], token_text: TokenText,
+    text_offset: int = 0,
+) -> dict[str, Any]:
+    """Legacy completions ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset.
+
+    ``logprobs[i]`` holds the chosen token and the top-n, so top_logprobs has up to n + 1
+    entries, as OpenAI documents.
+    """
+    tokens, token_lps, tops, offsets = [], [], [], []
+    offset = text_offset
+    for tok, lp in zip(token_ids, logprobs, strict=False):
+        s = token_text(tok)
+        tokens.append(s)
+        token_lps.append(_finite(lp.get(tok)))
+        ranked = sorted(lp.items(), key=lambda kv: -kv[1])
+        tops.append({token_text(t): _finite(v) for t, v in ranked})
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_logprobs(
+    token_ids: Sequence[int], logprobs: Sequence[dict[int, float]], token_text: TokenText,
+    top_n: int,
+) -> dict[str, Any]:
+    """Chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    content = []
+    for tok, lp in zip(token_ids, logprobs, strict=False):
+        s = token_text(tok)
+        ranked = sorted(lp.items(), key=lambda kv: -kv[1])[:top_n]
+        content.append({
+            "token": s,
+            "logprob": _finite(lp.get(tok)),
+            "bytes": list(s.encode("utf-8")),
+            "top_logprobs": [
+                {"token": token_text(t), "logprob": _finite(v),
+                 "bytes": list(token_text(t).encode("utf-8"))}
+                for t, v in ranked
+            ],
+        })
+    return {"content": content}
+
+
+def _finite(v: float | None) -> float:
+    # JSON has no -inf; OpenAI clients expect a number. -9999.0 is what OpenAI/vLLM send.
+    if v is None or v != v or v == float("-inf"):
+        return -9999.0
+    return float(v)
+
+
+def completion_response(rid: str, created: int, model: str, choices: list[dict[str, Any]],
+                        usage_: dict[str, Any]) -> dict[str, Any]:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage_}
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None,
+                      logprobs: dict[str, Any] | None = None,
+                      stop_reason: int | str | None = None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs,
+            "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+
+def completion_chunk(rid: str, created: int, model: str, choices: list[dict[str, Any]],
+                     usage_: dict[str, Any] | None = None,
+                     with_usage_field: bool = False) -> dict[str, Any]:
+    chunk: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
+                             "model": model, "choices": choices}
+    if with_usage_field:  # include_usage: every chunk carries "usage", null but the last
+        chunk["usage"] = usage_
+    return chunk
+
+
+def chat_response(rid: str, created: int, model: str, choices: list[dict[str, Any]],
+                  usage_: dict[str, Any]) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage_}
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None,
+                logprobs: dict[str, Any] | None = None,
+                stop_reason: int | str | None = None) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+
+def chat_chunk(rid: str, created: int, model: str, choices: list[dict[str, Any]],
+               usage_: dict[str, Any] | None = None,
+               with_usage_field: bool = False) -> dict[str, Any]:
+    chunk: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                             "model": model, "choices": choices}
+    if with_usage_field:
+        chunk["usage"] = usage_
+    return chunk
+
+
+def chat_chunk_choice(index: int, delta: dict[str, Any], finish_reason: str | None = None,
+                      logprobs: dict[str, Any] | None = None,
+                      stop_reason: int | str | None = None) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs,
+            "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+
+def sse(data: dict[str, Any] | Literal["[DONE]"]) -> str:
+    """One server-sent event: ``data: <json>`` and a blank line."""
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = sse("[DONE]")
