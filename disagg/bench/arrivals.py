@@ -1,0 +1,46 @@
+"""Request arrival processes (REFERENCE section 7).
+
+Arrival times are offsets in seconds from the benchmark start; the first request goes at 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def inter_arrival_times(n: int, rate: float, burstiness: float = 1.0,
+                        seed: int = 0) -> np.ndarray:
+    """``n`` gaps between successive requests at ``rate`` requests/s on average.
+
+    Gamma-distributed with shape = ``burstiness`` and scale = 1 / (rate * burstiness): the mean
+    is 1/rate whatever the burstiness, the coefficient of variation is 1/sqrt(burstiness).
+    burstiness 1 is a Poisson process (exponential gaps); < 1 burstier, > 1 more regular.
+    ``rate`` = inf sends everything at once (all gaps 0).
+    """
+    if rate <= 0 or math.isnan(rate):
+        raise ValueError(f"request rate must be > 0, got {rate}")
+    if burstiness <= 0:
+        raise ValueError(f"burstiness must be > 0, got {burstiness}")
+    if math.isinf(rate):
+        return np.zeros(n)
+    rng = np.random.default_rng(seed)
+    return rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
+
+
+def arrival_offsets(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """Send times (s) of ``n`` requests: the first at 0, then cumulative gamma gaps."""
+    if n <= 0:
+        return []
+    gaps = inter_arrival_times(n - 1, rate, burstiness, seed)
+    return [0.0, *np.cumsum(gaps).tolist()]
+
+
+def trace_offsets(timestamps: Sequence[float]) -> list[float]:
+    """Send times (s) replaying trace timestamps (s), relative to the earliest."""
+    if not timestamps:
+        return []
+    t0 = min(timestamps)
+    return [t - t0 for t in timestamps]

@@ -1,0 +1,315 @@
+"""``disagg bench``: serving benchmark (``serve``) and plots of saved results (``plot``).
+
+Examples::
+
+    disagg bench serve --base-url http://127.0.0.1:8000 --tokenizer ./tiny \\
+        --random-input-len 512 --random-output-len 64 --num-prompts 200 --request-rate 4 \\
+        --goodput ttft:500 tpot:50 --save-result run.json
+    disagg bench plot run-*.json --out-dir plots/
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+from disagg.bench.client import make_transport
+from disagg.bench.datasets import (
+    DatasetError,
+    SampleRequest,
+    TokenizerLike,
+    load_bench_tokenizer,
+    sample_mooncake,
+    sample_random,
+    sample_sharegpt,
+)
+from disagg.bench.metrics import format_summary, parse_goodput, parse_percentiles
+from disagg.bench.runner import BenchmarkConfig, BenchmarkError, resolve_model, run_benchmark
+
+# ----------------------------------------------------------------------- argument types
+# argparse reports a type error as "argument --flag: <message>", naming the flag.
+
+
+def _int_at_least(low: int):  # noqa: ANN202 - argparse type factory
+    def conv(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {v}")
+        return v
+    return conv
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v > 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return v
+
+
+def _ratio(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return v
+
+
+def _percentiles(text: str) -> tuple[float, ...]:
+    try:
+        return parse_percentiles(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _slo(text: str) -> dict[str, float]:
+    try:
+        return parse_goodput([text])
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        v = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return v
+
+
+# ------------------------------------------------------------------------------ parsers
+
+
+def add_cli(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser("bench", help="serving benchmarks",
+                                  description="Serving benchmarks of OpenAI-compatible endpoints.")
+    sub = bench.add_subparsers(dest="bench_command", metavar="BENCH_COMMAND")
+    bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
+
+    serve = sub.add_parser(
+        "serve", help="benchmark a serving endpoint",
+        description="Stream a workload to an OpenAI-compatible endpoint (disagg, vLLM, "
+                    "TensorRT-LLM...) and report TTFT, TPOT, ITL, E2EL, throughput and goodput.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = serve.add_argument_group("endpoint")
+    g.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="server URL (with or without a trailing /v1)")
+    g.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
+                   help="/v1/completions or /v1/chat/completions")
+    g.add_argument("--model", default="", help="model name (default: the first of /v1/models)")
+    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="bearer token (default: $OPENAI_API_KEY)")
+    g.add_argument("--extra-body", type=_json_object, default={},
+                   help="JSON object merged into every request body")
+    g.add_argument("--http-client", choices=("auto", "aiohttp", "httpx"), default="auto",
+                   help="HTTP library (auto: aiohttp if installed)")
+    g.add_argument("--request-timeout", type=_positive_float, default=6 * 3600.0,
+                   help="seconds before one request is abandoned (counted as failed)")
+
+    g = serve.add_argument_group("workload")
+    g.add_argument("--dataset", choices=("random", "sharegpt", "mooncake-trace"),
+                   default="random")
+    g.add_argument("--dataset-path", help="ShareGPT JSON or Mooncake trace JSONL file")
+    g.add_argument("--tokenizer",
+                   help="tokenizer folder or tokenizer.json (default: --model if a folder)")
+    g.add_argument("--num-prompts", type=_int_at_least(1), default=1000)
+    g.add_argument("--random-input-len", type=_int_at_least(1), default=1024)
+    g.add_argument("--random-output-len", type=_int_at_least(1), default=128)
+    g.add_argument("--random-range-ratio", type=_ratio, default=0.0,
+                   help="lengths uniform in [len*(1-r), len*(1+r)]")
+    g.add_argument("--random-prefix-len", type=_int_at_least(0), default=0,
+                   help="tokens of a random prefix shared by every prompt")
+    g.add_argument("--sharegpt-output-len", type=_int_at_least(1), default=None,
+                   help="override ShareGPT output lengths")
+    g.add_argument("--trace-block-size", type=_int_at_least(1), default=512,
+                   help="tokens per Mooncake hash id")
+    g.add_argument("--trace-speedup", type=_positive_float, default=1.0,
+                   help="replay Mooncake timestamps this many times faster")
+    g.add_argument("--prompt-as-token-ids", action="store_true",
+                   help="send prompts as token id lists (completions; exact lengths by "
+                        "construction, the server must accept token-id prompts)")
+    g.add_argument("--seed", type=int, default=0)
+
+    g = serve.add_argument_group("load")
+    g.add_argument("--request-rate", type=_positive_float, default=None,
+                   help="requests/s (default inf: all at once; with a Mooncake trace, default "
+                        "replays its timestamps)")
+    g.add_argument("--burstiness", type=_positive_float, default=1.0,
+                   help="gamma shape of inter-arrival times: 1 Poisson, <1 burstier")
+    g.add_argument("--max-concurrency", type=_int_at_least(1), default=None,
+                   help="at most this many requests in flight")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="ask the server to ignore EOS so outputs have max_tokens tokens")
+    g.add_argument("--num-warmups", type=_int_at_least(0), default=0,
+                   help="requests sent first and left out of the results")
+
+    g = serve.add_argument_group("results")
+    g.add_argument("--goodput", type=_slo, nargs="+", default=[], metavar="NAME:MS",
+                   help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000")
+    g.add_argument("--percentiles", type=_percentiles, default=(90.0, 99.0),
+                   help="comma-separated percentiles reported besides mean and median")
+    g.add_argument("--save-result", metavar="FILE", help="write the JSON result here")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    serve.set_defaults(func=lambda args: serve_main(args, serve))
+
+    plot = sub.add_parser("plot", help="redraw PNGs from saved results",
+                          description="Latency CDFs and throughput vs tokens/s/user from "
+                                      "`disagg bench serve --save-result` files.")
+    plot.add_argument("files", nargs="+", metavar="FILE")
+    plot.add_argument("--out-dir", help="where to write PNGs (default: the first file's folder)")
+    plot.add_argument("--devices", type=_positive_float, default=1.0,
+                      help="divide throughput by this many devices")
+    plot.add_argument("--title", help="figure title")
+    plot.set_defaults(func=lambda args: plot_main(args, plot))
+
+
+# --------------------------------------------------------------------------------- serve
+
+
+def _check_serve_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Cross-flag checks; parser.error exits with status 2 and names the flag."""
+    if args.dataset in ("sharegpt", "mooncake-trace"):
+        if not args.dataset_path:
+            parser.error(f"--dataset-path: required with --dataset {args.dataset}")
+        if not os.path.isfile(args.dataset_path):
+            parser.error(f"--dataset-path: no such file {args.dataset_path!r}")
+    if args.prompt_as_token_ids and args.endpoint == "chat":
+        parser.error("--prompt-as-token-ids: only with --endpoint completions")
+    if args.tokenizer and not os.path.exists(args.tokenizer):
+        parser.error(f"--tokenizer: no such folder {args.tokenizer!r}")
+    if args.save_result:
+        parent = os.path.dirname(os.path.abspath(args.save_result))
+        if not os.path.isdir(parent):
+            parser.error(f"--save-result: folder {parent!r} does not exist")
+
+
+def build_samples(args: argparse.Namespace, tok: TokenizerLike) -> list[SampleRequest]:
+    if args.dataset == "random":
+        return sample_random(tok, args.num_prompts, args.random_input_len,
+                             args.random_output_len, args.random_range_ratio,
+                             args.random_prefix_len, args.seed, args.prompt_as_token_ids)
+    if args.dataset == "sharegpt":
+        return sample_sharegpt(args.dataset_path, tok, args.num_prompts, args.seed,
+                               args.sharegpt_output_len, args.prompt_as_token_ids)
+    return sample_mooncake(args.dataset_path, tok, args.num_prompts, args.seed,
+                           args.trace_block_size, args.prompt_as_token_ids, args.trace_speedup)
+
+
+def _workload(args: argparse.Namespace) -> dict[str, Any]:
+    w: dict[str, Any] = {"dataset": args.dataset, "num_prompts": args.num_prompts,
+                         "prompt_as_token_ids": args.prompt_as_token_ids}
+    if args.dataset == "random":
+        w.update(input_len=args.random_input_len, output_len=args.random_output_len,
+                 range_ratio=args.random_range_ratio, prefix_len=args.random_prefix_len)
+    else:
+        w["dataset_path"] = args.dataset_path
+    if args.dataset == "mooncake-trace":
+        w.update(block_size=args.trace_block_size, speedup=args.trace_speedup)
+    return w
+
+
+def _err(msg: str) -> None:
+    print(f"disagg bench serve: error: {msg}", file=sys.stderr)
+
+
+async def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    slos: dict[str, float] = {}
+    for d in args.goodput:
+        slos.update(d)
+    config = BenchmarkConfig(
+        base_url=args.base_url, endpoint=args.endpoint, model=args.model,
+        request_rate=args.request_rate if args.request_rate is not None else math.inf,
+        burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+        # An explicit --request-rate replaces a trace's own timestamps.
+        use_trace_timestamps=args.request_rate is None, ignore_eos=args.ignore_eos,
+        goodput_slos_ms=slos, percentiles=args.percentiles, seed=args.seed,
+        num_warmups=args.num_warmups, api_key=args.api_key, extra_body=args.extra_body,
+        http_client=args.http_client, request_timeout_s=args.request_timeout,
+        workload=_workload(args))
+    transport = make_transport(config.http_client, config.request_timeout_s)
+    try:
+        try:
+            config.model = await resolve_model(config, transport)
+        except BenchmarkError as e:
+            _err(str(e))
+            return 1
+        tok_dir = args.tokenizer or (config.model if os.path.isdir(config.model) else None)
+        if tok_dir is None:
+            parser.error(f"--tokenizer: needed to build {args.dataset} prompts and model "
+                         f"{config.model!r} is not a local folder")
+        config.workload["tokenizer"] = tok_dir
+        t = time.perf_counter()
+        try:
+            tok = load_bench_tokenizer(tok_dir)
+            samples = build_samples(args, tok)
+        except (DatasetError, OSError) as e:
+            _err(str(e))
+            return 1
+        inexact = sum(not s.exact for s in samples)
+        print(f"Built {len(samples)} {args.dataset} prompts in {time.perf_counter() - t:.1f} s"
+              + (f" ({inexact} not of the exact target length; their true lengths are used)"
+                 if inexact else ""), file=sys.stderr)
+        if len(samples) < args.num_prompts:
+            print(f"note: the dataset has only {len(samples)} usable requests "
+                  f"(--num-prompts {args.num_prompts})", file=sys.stderr)
+        timing = ("trace timestamps" if config.use_trace_timestamps
+                  and all(s.timestamp is not None for s in samples)
+                  else f"rate {config.request_rate:g} req/s, burstiness {config.burstiness:g}")
+        print(f"Benchmarking {config.model!r} at {config.base_url} ({config.endpoint}): "
+              f"{len(samples)} requests, {timing}, max concurrency "
+              f"{config.max_concurrency or 'unlimited'}", file=sys.stderr)
+        try:
+            result = await run_benchmark(config, samples, progress=not args.no_progress,
+                                         transport=transport)
+        except BenchmarkError as e:
+            _err(str(e))
+            return 1
+    finally:
+        await transport.aclose()
+    print(format_summary(result.summary, config.percentiles))
+    if args.save_result:
+        result.save(args.save_result)
+        print(f"Saved {args.save_result}", file=sys.stderr)
+    if result.summary["completed"] == 0:
+        _err("every request failed")
+        return 1
+    return 0
+
+
+def serve_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    _check_serve_args(args, parser)
+    return asyncio.run(_serve(args, parser))
+
+
+# ---------------------------------------------------------------------------------- plot
+
+
+def plot_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from disagg.bench.plot import plot_results
+    from disagg.bench.runner import load_result
+
+    results = []
+    for path in args.files:
+        try:
+            results.append((path, load_result(path)))
+        except (OSError, ValueError) as e:  # JSONDecodeError is a ValueError
+            parser.error(f"FILE {path!r}: {e}")
+    out_dir = args.out_dir or os.path.dirname(os.path.abspath(args.files[0]))
+    for path in plot_results(results, out_dir, devices=args.devices, title=args.title):
+        print(path)
+    return 0
