@@ -13,6 +13,7 @@ import sys
 
 # Modules that provide add_cli(subparsers), in the order shown by --help.
 SUBCOMMAND_MODULES = (
+    "disagg.demo",  # demo: a worker on the tiny model answering one chat request
     "disagg.generate",  # generate: offline generation
     "disagg.model.tiny",  # model tiny: write a tiny checkpoint
     "disagg.server.cli",  # serve
@@ -27,13 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"disagg {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:  # the module exists but a dependency is missing: say so
-                raise
-            continue
-        module.add_cli(sub)
+        importlib.import_module(name).add_cli(sub)
     return parser
 
 
