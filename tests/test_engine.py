@@ -220,3 +220,30 @@ def test_async_engine_streams_aborts_and_limits_queue(tiny_llama):
         assert not engine.is_healthy()
 
     asyncio.run(main())
+
+
+def test_failed_step_fails_its_requests_and_the_loop_goes_on(tiny_llama, monkeypatch):
+    engine = LLMEngine.from_options(tiny_llama, kv_cache_tokens=1024, tokens_per_block=4)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7], params)
+    real = engine.runner.execute
+    calls = {"n": 0}
+
+    def flaky(sched):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected failure")
+        return real(sched)
+
+    monkeypatch.setattr(engine.runner, "execute", flaky)
+    engine.step()  # prefill of "a"
+    failed = engine.step()  # the injected failure hits the step that decodes "a"
+    assert [(o.request_id, o.finished, o.outputs[0].finish_reason) for o in failed] == [
+        ("a", True, "error")]
+    assert "injected failure" in failed[0].error
+    assert engine.stats().kv_blocks_used == 0 and not engine.has_unfinished()
+    engine.add_request("b", [5, 6, 7], params)
+    done = []
+    while engine.has_unfinished():
+        done += [o for o in engine.step() if o.finished]
+    assert done[0].request_id == "b" and len(done[0].outputs[0].token_ids) == 6
