@@ -5,6 +5,9 @@ One call to ``schedule`` plans one model step:
 1. generation first: every RUNNING request that is decoding gets its 1 token;
 2. then RUNNING requests in the middle of a chunked prefill get their next chunk;
 3. then WAITING requests, first come first served, with prefix-cache hits applied;
+   a request whose KV comes from another worker (WAITING_FOR_REMOTE_KV) takes its place in the
+   same queue: it gets blocks for its prompt and is listed in ``kv_fetches``; the engine pulls
+   the KV and calls ``remote_kv_ready``, after which the request decodes like any other;
 
 within ``max_batch_size`` requests and ``max_num_tokens`` tokens per step. The engine runs the
 model on the plan and calls ``update_from_output`` with the sampled tokens; that is where
@@ -34,6 +37,15 @@ class ScheduledRequest:
 
 
 @dataclass(frozen=True)
+class KVFetch:
+    """Blocks allocated for a request whose prompt KV is pulled from a context worker."""
+
+    request_id: str
+    block_ids: list[int]  # the request's block table: token p -> block_ids[p // B]
+    num_tokens: int  # KV of positions [0, num_tokens) arrives (the whole prompt)
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]  # decodes (1 token each) first, then prefill chunks
     num_decodes: int  # len of the leading decode part
@@ -41,6 +53,7 @@ class SchedulerOutput:
     preempted: list[str]  # request ids preempted this step
     num_running: int  # after scheduling (for metrics)
     num_waiting: int
+    kv_fetches: list[KVFetch] = field(default_factory=list)  # transfers to start now
 
     @property
     def is_empty(self) -> bool:
@@ -55,6 +68,7 @@ class _Step:
     decodes: dict[str, ScheduledRequest] = field(default_factory=dict)
     prefills: dict[str, ScheduledRequest] = field(default_factory=dict)
     preempted: list[str] = field(default_factory=list)
+    fetches: list[KVFetch] = field(default_factory=list)
 
     @property
     def num_scheduled(self) -> int:
@@ -90,6 +104,12 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()  # FCFS; preempted requests go to the front
         self.running: list[Request] = []  # in start order: the last started is the last one
+        # WAITING_FOR_REMOTE_KV requests holding blocks while their KV is being pulled.
+        self.fetching: dict[str, Request] = {}
+        # Context-only requests whose blocks outlive them (leased to a generation worker):
+        # marked by hold_blocks_on_finish, then block ids by request id until release_held.
+        self._hold: set[str] = set()
+        self.held: dict[str, list[int]] = {}
         # Requests finished outside update_from_output (rejected by add_request), returned by
         # its next call so the engine reports every finish in one place.
         self._finished_early: list[Request] = []
@@ -109,6 +129,10 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_fetching(self) -> int:
+        return len(self.fetching)
+
     def has_unfinished(self) -> bool:
         """True while a request is unfinished, or finished but not yet returned by
         ``update_from_output`` (so an engine loop keeps stepping until it has reported it)."""
@@ -127,7 +151,8 @@ class Scheduler:
     # -- requests in and out -----------------------------------------------------------------
 
     def add_request(self, req: Request) -> None:
-        """Queue a request (WAITING, or WAITING_FOR_REMOTE_KV which is never scheduled here).
+        """Queue a request: WAITING, or WAITING_FOR_REMOTE_KV (its prompt KV will be pulled
+        from another worker; its output already holds the token(s) that worker sampled).
 
         A request that could never run (empty prompt, longer than max_model_len, larger than the
         whole KV cache, or than max_num_tokens without chunking) is finished at once with
@@ -179,11 +204,38 @@ class Scheduler:
             return None
         if req.status == RequestStatus.RUNNING:
             _remove_identical(self.running, req)
-        else:
+        elif self.fetching.pop(request_id, None) is None:
             _remove_identical(self.waiting, req)
         req.status = status  # before kv.free: a finished request's hash chain is dropped
         self.kv.free(req)
+        self._hold.discard(request_id)
         return req
+
+    # -- KV that crosses workers -------------------------------------------------------------
+
+    def remote_kv_ready(self, request_id: str) -> None:
+        """The prompt KV of a fetching request is in its blocks: it decodes from the next step
+        (its last sampled token, from the context worker, is the one token left to compute)."""
+        req = self.fetching.pop(request_id)
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.kv.cache_blocks(req, req.num_computed_tokens)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def hold_blocks_on_finish(self, request_id: str) -> None:
+        """Keep the request's blocks when it finishes by length (a context-only request whose
+        KV a generation worker will pull); they wait in ``held`` until ``release_held``. A stop
+        (EOS, stop token) or an abort frees them as usual: that answer is final."""
+        self._hold.add(request_id)
+
+    def release_held(self, request_id: str) -> bool:
+        """Free the blocks held for a finished request (lease confirmed, expired or released).
+        Returns False if nothing was held (released already)."""
+        blocks = self.held.pop(request_id, None)
+        if blocks is None:
+            return False
+        self.kv.free_blocks(blocks)
+        return True
 
     # -- planning a step ---------------------------------------------------------------------
 
@@ -228,6 +280,7 @@ class Scheduler:
             preempted=st.preempted,
             num_running=len(self.running),
             num_waiting=len(self.waiting),
+            kv_fetches=st.fetches,
         )
 
     def _admit_waiting(self, st: _Step) -> None:
@@ -235,12 +288,25 @@ class Scheduler:
         # Blocks promised to running requests: their lifetime blocks not allocated yet.
         promised = 0
         if self.no_evict:
-            promised = sum(self._unallocated_lifetime_blocks(r) for r in self.running)
-        skipped: list[Request] = []  # WAITING_FOR_REMOTE_KV: never scheduled here, keep order
+            promised = sum(self._unallocated_lifetime_blocks(r)
+                           for r in (*self.running, *self.fetching.values()))
         while self.waiting:
             req = self.waiting[0]
             if req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
-                skipped.append(self.waiting.popleft())
+                # Blocks for the prompt only; no compute this step (no token budget).
+                if self.no_evict:
+                    need = self.kv.blocks_needed(self.lifetime_tokens(req))
+                    if self.kv.num_free_blocks - promised < need:
+                        break
+                if self.kv.allocate_slots(req, req.num_prompt_tokens) is None:
+                    break
+                self.waiting.popleft()
+                req.num_cached_tokens = max(req.num_cached_tokens, 0)
+                self.fetching[req.request_id] = req
+                if self.no_evict:
+                    promised += self._unallocated_lifetime_blocks(req)
+                st.fetches.append(KVFetch(req.request_id, self.kv.block_ids(req.request_id),
+                                          req.num_prompt_tokens))
                 continue
             if st.num_scheduled >= max_batch or st.token_budget < 1:
                 break
@@ -271,7 +337,6 @@ class Scheduler:
                 promised += self._unallocated_lifetime_blocks(req)
             st.prefills[req.request_id] = self._plan(req, n)
             st.token_budget -= n
-        self.waiting.extendleft(reversed(skipped))
 
     def _is_decoding(self, req: Request) -> bool:
         """Generation phase: the prompt is done and only the last sampled token is uncomputed."""
@@ -362,7 +427,11 @@ class Scheduler:
             status = self._check_stop(req)
             if status is not None:
                 req.status = status  # before kv.free: a finished request's chain is dropped
-                self.kv.free(req)
+                if req.request_id in self._hold and status == RequestStatus.FINISHED_LENGTH:
+                    self.held[req.request_id] = self.kv.detach(req)
+                else:
+                    self.kv.free(req)
+                self._hold.discard(req.request_id)
                 del self.requests[req.request_id]
                 finished.append(req)
         if finished:  # one pass instead of a list.remove per finished request

@@ -10,6 +10,7 @@ import pytest
 
 from disagg.config import CapacityPolicy, SchedulerConfig
 from disagg.kv_cache.block_pool import BlockPoolStats
+from disagg.kv_cache.hashing import hash_token_blocks
 from disagg.kv_cache.manager import KVCacheManager
 from disagg.request import Request, RequestStatus, SamplingParams
 from disagg.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
@@ -580,22 +581,75 @@ def test_other_requests_that_can_never_run_are_rejected() -> None:
         sched.add_request(make_req("x", [1]))
 
 
-def test_waiting_for_remote_kv_is_skipped_without_blocking() -> None:
-    sched = make_sched(max_batch_size=1)
-    remote = make_req("remote", [1, 3, 4])
+def test_remote_kv_request_fetches_then_decodes() -> None:
+    sched = make_sched(num_blocks=8, max_batch_size=4)
+    # Prompt of 6 tokens (2 blocks of 4); the context worker sampled token 50.
+    remote = make_req("remote", [1, 3, 4, 5, 6, 7], max_tokens=3)
+    remote.output_token_ids = [50]
     remote.status = RequestStatus.WAITING_FOR_REMOTE_KV
     local = make_req("local", [5, 6])
-    later = make_req("later", [7, 8])
-    for r in (remote, local, later):
+    for r in (remote, local):
         sched.add_request(r)
     drv = Driver(sched)
     out, _ = drv.step()
+    # The remote request gets blocks for its prompt and no compute; the local one prefills.
+    assert [(f.request_id, f.block_ids, f.num_tokens) for f in out.kv_fetches] == [
+        ("remote", [0, 1], 6)]
     assert plan(out) == [("local", 2)]
-    assert out.num_waiting == 2
-    # The skipped request keeps its place in the queue.
-    assert list(sched.waiting) == [remote, later] and remote.num_computed_tokens == 0
+    assert sched.num_fetching == 1 and sched.num_waiting == 0
     out, _ = drv.step()
-    assert plan(out) == [("local", 1)]
-    assert list(sched.waiting) == [remote, later]
-    assert sched.kv.block_ids("remote") == []
-    assert remote.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    assert out.kv_fetches == [] and plan(out) == [("local", 1)]  # still pulling: not scheduled
+    sched.remote_kv_ready("remote")
+    assert remote.status == RequestStatus.RUNNING and remote.num_computed_tokens == 6
+    out, _ = drv.step()
+    # Decodes the context worker's token at position 6 (block 1, offset 2) and samples.
+    rem = next(s for s in out.scheduled if s.request_id == "remote")
+    assert (rem.token_ids, rem.start_pos, rem.block_ids, rem.sample) == ([50], 6, [0, 1], True)
+    assert len(remote.output_token_ids) == 2
+    # remote holds blocks 0-1 (positions 0..6), local block 2 (positions 0..3).
+    assert sched.kv.stats().used == 3
+    # The full prompt block entered the prefix cache when the KV arrived.
+    assert sched.kv.pool.get_cached_block(hash_token_blocks([1, 3, 4, 5], 4)[0]) == 0
+    out, finished = drv.step()
+    assert "remote" in finished and remote.status == RequestStatus.FINISHED_LENGTH
+    assert remote.output_token_ids[0] == 50 and len(remote.output_token_ids) == 3
+
+
+def test_remote_kv_waits_fcfs_for_blocks_and_failure_frees() -> None:
+    sched = make_sched(num_blocks=4, max_batch_size=4)
+    first = make_req("first", [1] * 9, max_tokens=4)  # lifetime 13 tokens: 4 blocks
+    sched.add_request(first)
+    remote = make_req("remote", [2] * 5, max_tokens=2)
+    remote.output_token_ids = [9]
+    remote.status = RequestStatus.WAITING_FOR_REMOTE_KV
+    sched.add_request(remote)
+    drv = Driver(sched)
+    out, _ = drv.step()
+    # guaranteed_no_evict: "first" reserved the whole cache; the remote request waits.
+    assert plan(out) == [("first", 9)] and out.kv_fetches == []
+    assert list(sched.waiting) == [remote]
+    while first.status != RequestStatus.FINISHED_LENGTH:
+        drv.step()
+    out, _ = drv.step()
+    assert [f.request_id for f in out.kv_fetches] == ["remote"]
+    # The transfer failed: finishing the request frees its blocks at once.
+    assert sched.finish_request("remote", RequestStatus.FINISHED_ERROR) is remote
+    assert sched.kv.stats().used == 0 and not sched.fetching and not sched.has_unfinished()
+
+
+def test_context_request_blocks_held_until_released() -> None:
+    sched = make_sched(num_blocks=8)
+    ctx = make_req("ctx", [1, 2, 3, 4, 5, 6], max_tokens=1)
+    stop = make_req("stopped", [1, 2, 3, 9], max_tokens=1)
+    for r in (ctx, stop):
+        sched.add_request(r)
+        sched.hold_blocks_on_finish(r.request_id)
+    drv = Driver(sched, token=lambda rid, step: EOS if rid == "stopped" else 77)
+    _, finished = drv.step()
+    assert sorted(finished) == ["ctx", "stopped"]
+    # Finished by length: blocks kept for the lease; finished by EOS: final, freed.
+    assert sched.held == {"ctx": [0, 1]}
+    stats = sched.kv.stats()
+    assert stats.used == 2 and stats.free + stats.used + stats.cached == stats.total
+    assert sched.release_held("ctx") and not sched.release_held("ctx")
+    assert sched.kv.stats().used == 0

@@ -141,6 +141,19 @@ class KVCacheManager:
             self.pool.cache_block(table[i], hashes[i])
         self._num_registered[rid] = num_full
 
+    def detach(self, req: Request) -> list[int]:
+        """Forget the finished request's table but keep its block references: the caller
+        now owns them (a lease) and returns them with ``free_blocks``."""
+        rid = req.request_id
+        table = self._tables.pop(rid, [])
+        self._num_registered.pop(rid, None)
+        self._hashes.pop(rid, None)
+        return table
+
+    def free_blocks(self, block_ids: Sequence[int]) -> None:
+        """Release blocks taken over by ``detach`` (tail first, like ``free``)."""
+        self.pool.free(reversed(list(block_ids)))
+
     def free(self, req: Request) -> None:
         """Release the request's blocks (tail first, so its tail is evicted first) and forget
         its table. Its hash chain is kept while it is unfinished (a preempted request reuses
