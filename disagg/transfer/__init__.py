@@ -1,0 +1,1 @@
+"""KV transfer between context and generation workers: layout conversion, transports, leases."""
