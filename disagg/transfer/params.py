@@ -1,0 +1,133 @@
+"""`disaggregated_params`: what the context worker tells the generation worker (torch-free).
+
+Request (router -> worker)::
+
+    {"request_type": "context_only"}                       # prefill, keep the KV, answer params
+    {"request_type": "generation_only", ...ContextParams}  # pull the KV, then decode
+    {"request_type": "context_and_generation"}             # or no params: an ordinary request
+
+Context answer (worker -> router), the fields of ``ContextParams``::
+
+    ctx_request_id      the lease id: the generation side names it when reading and releasing
+    first_gen_tokens    token(s) the context worker sampled (the first output token)
+    first_gen_logprobs  their logprobs ({token id: logprob} per token) when asked, else null
+    prompt_token_ids    the prompt as the context worker tokenized it
+    worker_id           the context worker's id (a restarted worker has a new one)
+    backend             "UCX" | "TCP": how to read
+    addresses           transfer address of each context rank, by rank
+    block_ids           the request's block table (the same on every rank)
+    num_tokens          tokens whose KV is held: positions [0, num_tokens)
+    layout              WorkerLayout.to_dict(): tp, pp, layer and kv-head ranges per rank,
+                        head_dim, tokens_per_block, dtype
+    lease_expiry        wall-clock time (seconds since the epoch) after which reads fail
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from disagg.transfer.layout import WorkerLayout
+
+REQUEST_TYPES = ("context_only", "generation_only", "context_and_generation")
+
+
+class DisaggParamsError(ValueError):
+    """Malformed disaggregated_params; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ContextParams:
+    ctx_request_id: str
+    first_gen_tokens: list[int]
+    prompt_token_ids: list[int]
+    worker_id: str
+    backend: str
+    addresses: list[str]
+    block_ids: list[int]
+    num_tokens: int
+    layout: WorkerLayout
+    lease_expiry: float
+    first_gen_logprobs: list[dict[int, float]] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ctx_request_id": self.ctx_request_id,
+            "first_gen_tokens": list(self.first_gen_tokens),
+            "first_gen_logprobs": None if self.first_gen_logprobs is None else [
+                {str(k): v for k, v in lp.items()} for lp in self.first_gen_logprobs],
+            "prompt_token_ids": list(self.prompt_token_ids),
+            "worker_id": self.worker_id,
+            "backend": self.backend,
+            "addresses": list(self.addresses),
+            "block_ids": list(self.block_ids),
+            "num_tokens": self.num_tokens,
+            "layout": self.layout.to_dict(),
+            "lease_expiry": self.lease_expiry,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, prompt_token_ids: list[int] | None = None) -> ContextParams:
+        """Validate what a client sent; ``prompt_token_ids`` may come from the request body."""
+        if not isinstance(d, dict):
+            raise DisaggParamsError("disaggregated_params: must be an object")
+
+        def get(name: str, kind: type | tuple[type, ...]) -> Any:
+            if name not in d:
+                raise DisaggParamsError(f"disaggregated_params.{name}: missing")
+            v = d[name]
+            if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool:
+                raise DisaggParamsError(f"disaggregated_params.{name}: wrong type")
+            return v
+
+        def int_list(name: str, v: Any) -> list[int]:
+            if not isinstance(v, list) or not all(
+                    isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
+                raise DisaggParamsError(
+                    f"disaggregated_params.{name}: must be a list of integers >= 0")
+            return list(v)
+
+        prompt = prompt_token_ids if prompt_token_ids is not None else d.get("prompt_token_ids")
+        first = int_list("first_gen_tokens", get("first_gen_tokens", list))
+        if not first:
+            raise DisaggParamsError("disaggregated_params.first_gen_tokens: must not be empty")
+        backend = str(get("backend", str)).upper()
+        if backend not in ("UCX", "TCP"):
+            raise DisaggParamsError("disaggregated_params.backend: must be UCX or TCP")
+        try:
+            layout = WorkerLayout.from_dict(get("layout", dict))
+        except ValueError as e:
+            raise DisaggParamsError(f"disaggregated_params.layout: {e}") from None
+        addresses = get("addresses", list)
+        if len(addresses) != len(layout.ranks) or not all(isinstance(a, str) for a in addresses):
+            raise DisaggParamsError("disaggregated_params.addresses: one host:port per rank")
+        num_tokens = get("num_tokens", int)
+        prompt_ids = int_list("prompt_token_ids", prompt)
+        if num_tokens != len(prompt_ids) or num_tokens < 1:
+            raise DisaggParamsError("disaggregated_params.num_tokens: must equal the number of "
+                                    "prompt tokens")
+        block_ids = int_list("block_ids", get("block_ids", list))
+        if len(block_ids) * layout.tokens_per_block < num_tokens:
+            raise DisaggParamsError("disaggregated_params.block_ids: too few blocks for "
+                                    "num_tokens")
+        raw_lp = d.get("first_gen_logprobs")
+        logprobs = None
+        if raw_lp is not None:
+            try:
+                logprobs = [{int(k): float(v) for k, v in lp.items()} for lp in raw_lp]
+            except (AttributeError, TypeError, ValueError):
+                raise DisaggParamsError(
+                    "disaggregated_params.first_gen_logprobs: malformed") from None
+        return cls(
+            ctx_request_id=str(get("ctx_request_id", str)),
+            first_gen_tokens=first,
+            prompt_token_ids=prompt_ids,
+            worker_id=str(get("worker_id", str)),
+            backend=backend,
+            addresses=list(addresses),
+            block_ids=block_ids,
+            num_tokens=num_tokens,
+            layout=layout,
+            lease_expiry=float(get("lease_expiry", (int, float))),
+            first_gen_logprobs=logprobs,
+        )
