@@ -184,12 +184,33 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """Ranks of one worker: ``tensor_parallel_size * pipeline_parallel_size`` processes.
+
+    ``pp_partition`` (layers per stage, e.g. ``(3, 1)``) overrides the even layer split; the
+    layout of every rank is ``disagg.parallel.layout.ParallelLayout.all_ranks``.
+    """
+
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    pp_partition: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         _require(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", "must be >= 1")
+        if self.pp_partition is not None:
+            # Lists come from YAML / keyword arguments; keep the dataclass hashable.
+            raw = self.pp_partition
+            try:  # "3,1" (a flag) or [3, 1]
+                part = tuple(int(n) for n in (raw.split(",") if isinstance(raw, str) else raw))
+            except (TypeError, ValueError):
+                raise ConfigError(f"pp_partition: expected a list of layer counts, got "
+                                  f"{self.pp_partition!r}") from None
+            object.__setattr__(self, "pp_partition", part)
+            _require(len(part) == self.pipeline_parallel_size, "pp_partition",
+                     f"{list(part)} has {len(part)} entries for pipeline_parallel_size="
+                     f"{self.pipeline_parallel_size}")
+            _require(all(n >= 1 for n in part), "pp_partition",
+                     f"{list(part)}: every stage needs at least one layer")
 
     @property
     def world_size(self) -> int:
@@ -211,6 +232,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, "dtype", f"one of {sorted(DTYPES)}")
+        # Fail on a model that cannot be split this way now, not in a spawned rank.
+        from disagg.parallel.layout import ParallelLayout
+
+        ParallelLayout.all_ranks(self.model, self.parallel)
 
     @property
     def max_model_len(self) -> int:
@@ -230,8 +255,8 @@ ENGINE_OPTION_NAMES = (
     # (option name accepted by LLM(...) / serve / YAML) -> where it goes; see build_engine_config
     "tokens_per_block", "kv_cache_tokens", "kv_cache_fraction", "enable_prefix_caching",
     "max_batch_size", "max_num_tokens", "enable_chunked_context", "capacity_policy",
-    "max_model_len", "max_queue", "tensor_parallel_size", "pipeline_parallel_size", "dtype",
-    "device", "seed",
+    "max_model_len", "max_queue", "tensor_parallel_size", "pipeline_parallel_size",
+    "pp_partition", "dtype", "device", "seed",
 )
 
 

@@ -19,6 +19,7 @@ import torch
 
 from disagg.config import EngineConfig, build_engine_config
 from disagg.kv_cache.manager import KVCacheManager
+from disagg.parallel.executor import DistributedExecutor, WorkerDiedError
 from disagg.request import Request, RequestStatus, SamplingParams
 from disagg.runner import ModelRunner
 from disagg.sampler import Sampler
@@ -100,12 +101,23 @@ class _State:
     banned_until_min: tuple[int, ...] = field(default_factory=tuple)
 
 
+def make_executor(config: EngineConfig) -> ModelRunner | DistributedExecutor:
+    """The model executor: this process alone, or rank 0 of ``tp * pp`` rank processes.
+
+    Both offer ``num_blocks``, ``execute(sched) -> (sample request ids, logits [S, V])``,
+    ``error`` (set once a rank died), ``rank_pids`` and ``shutdown()``.
+    """
+    if config.parallel.world_size == 1:
+        return ModelRunner(config)
+    return DistributedExecutor(config)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         torch.manual_seed(config.seed)
         self.tokenizer: Tokenizer = load_tokenizer(config.model_dir)
-        self.runner = ModelRunner(config)
+        self.runner = make_executor(config)
         B = config.cache.tokens_per_block
         self.kv = KVCacheManager(self.runner.num_blocks, B, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len=config.max_model_len)
@@ -195,6 +207,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._states)
 
+    @property
+    def fatal_error(self) -> str | None:
+        """Why the engine can no longer run steps (a rank of a parallel worker died)."""
+        return self.runner.error
+
+    def shutdown(self) -> None:
+        """Release the executor (stops and reaps the other ranks of a parallel worker)."""
+        self.runner.shutdown()
+
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -232,6 +253,8 @@ class LLMEngine:
                 for st, lp in zip(states, out.logprobs, strict=True):
                     if st.logprobs is not None and lp is not None:
                         st.logprobs.append(lp)
+        except WorkerDiedError:
+            raise  # not this step's fault: the engine cannot go on (AsyncLLM stops)
         except Exception as e:  # the step failed: fail its requests, keep the loop alive
             logger.exception("engine step failed")
             outputs = self._fail_requests([r.request_id for r in sched.scheduled], repr(e))
@@ -365,14 +388,26 @@ class AsyncLLM:
     async def shutdown(self) -> None:
         self._stop.set()
         self._wake.set()
+        loop = asyncio.get_running_loop()
         if self._thread is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
+            await loop.run_in_executor(None, self._thread.join, 10.0)
+        await loop.run_in_executor(None, self.engine.shutdown)
 
     def is_healthy(self) -> bool:
         return (
             self._thread is not None and self._thread.is_alive() and self._error is None
-            and not self._stop.is_set()
+            and not self._stop.is_set() and self.engine.fatal_error is None
         )
+
+    @property
+    def fatal_error(self) -> str | None:
+        """Set when the engine can never serve again (a rank died): the server should exit."""
+        return self.engine.fatal_error
+
+    @property
+    def rank_pids(self) -> list[int]:
+        """Process ids of the worker's ranks, rank 0 (this process) first."""
+        return self.engine.runner.rank_pids
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -462,6 +497,8 @@ class AsyncLLM:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
+                if self.engine.fatal_error is not None:
+                    raise WorkerDiedError(self.engine.fatal_error)
                 self._drain_commands()
                 if self.engine.has_unfinished():
                     for out in self.engine.step():

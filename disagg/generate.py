@@ -27,6 +27,10 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-tokens", type=int, default=None)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
+    p.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="tensor parallel ranks (processes) (default 1)")
+    p.add_argument("--pipeline-parallel-size", type=int, default=None, metavar="N",
+                   help="pipeline parallel stages (processes) (default 1)")
     p.set_defaults(func=run)
 
 
@@ -51,12 +55,17 @@ def run(args: argparse.Namespace) -> int:
             kv_cache_tokens=args.kv_cache_tokens,
             dtype=args.dtype,
             device=args.device,
+            tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
         )
     except (ConfigError, SamplingParamsError) as e:
         print(f"disagg generate: error: {e}", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    try:
+        outs = llm.generate(prompts, params)
+    finally:
+        llm.shutdown()  # stops the ranks of a parallel run
     elapsed = time.perf_counter() - start
     n_tokens = 0
     for out in outs:

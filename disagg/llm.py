@@ -20,10 +20,24 @@ Prompt = str | Sequence[int]
 
 
 class LLM:
+    """``tensor_parallel_size`` / ``pipeline_parallel_size`` > 1 spawn rank processes: call
+    ``shutdown()`` (or use ``with LLM(...) as llm``) to stop them early; they are stopped at
+    exit otherwise. As with any ``spawn``, a script doing so needs an
+    ``if __name__ == "__main__":`` guard."""
+
     def __init__(self, model: str, **engine_options: object) -> None:
         self.engine = LLMEngine(build_engine_config(model, **engine_options))
         self.tokenizer = self.engine.tokenizer
         self._counter = itertools.count()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def generate(
         self,

@@ -1,10 +1,14 @@
 """Model runner: owns the weights and the paged KV cache of one rank, turns a SchedulerOutput
-into model inputs and returns the logits of the rows that sample."""
+into model inputs and returns the logits of the rows that sample.
+
+``prepare_inputs`` is the one place step inputs are built; with several ranks each of them
+calls it on the same SchedulerOutput (``disagg.parallel.worker``)."""
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +16,7 @@ import torch
 from disagg.config import EngineConfig
 from disagg.model.attention import AttentionMetadata
 from disagg.model.loader import allocate_kv_cache, kv_cache_bytes_per_block, load_model
+from disagg.parallel.layout import ParallelLayout
 from disagg.scheduler import SchedulerOutput
 
 # Share of free memory given to the KV cache when the user sets neither a token count nor a
@@ -45,22 +50,48 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    """The model shard and KV cache of one rank; executes whole steps when it is the only one.
+
+    With several ranks (``disagg.parallel``) every rank builds one of these for its
+    ``layout``; ``agree_num_blocks`` then turns this rank's block count into the one all ranks
+    use (block tables are global, so every rank must have the same number of blocks).
+    """
+
+    def __init__(self, config: EngineConfig, layout: ParallelLayout | None = None,
+                 agree_num_blocks: Callable[[int], int] | None = None,
+                 device: torch.device | str | None = None) -> None:
         self.config = config
-        self.device = torch.device(config.device)
+        self.layout = layout or ParallelLayout.for_rank(config.model, 1, 1, 0)
+        self.device = torch.device(device if device is not None else config.device)
         self.dtype = getattr(torch, config.dtype)
         self.block_size = config.cache.tokens_per_block
-        self.model = load_model(config.model_dir, config.model, self.dtype, self.device)
-        self.num_blocks = self._decide_num_blocks()
+        lay = self.layout
+        self.model = load_model(config.model_dir, config.model, self.dtype, self.device,
+                                layer_range=lay.layer_range, tp_rank=lay.tp_rank,
+                                tp_size=lay.tp_size)
+        num_blocks = self._decide_num_blocks()
+        self.num_blocks = agree_num_blocks(num_blocks) if agree_num_blocks else num_blocks
         self.kv_cache = allocate_kv_cache(
-            config.model, self.num_blocks, self.block_size, self.dtype, self.device
+            config.model, self.num_blocks, self.block_size, self.dtype, self.device,
+            num_layers=lay.num_local_layers, num_kv_heads=lay.num_local_kv_heads,
         )
+
+    # The executor interface the engine uses (see disagg.parallel.executor for world > 1).
+    error: str | None = None  # a single process has no rank that can die on its own
+
+    @property
+    def rank_pids(self) -> list[int]:
+        return [os.getpid()]
+
+    def shutdown(self) -> None:
+        pass
 
     def _decide_num_blocks(self) -> int:
         cache = self.config.cache
+        lay = self.layout
         per_block = kv_cache_bytes_per_block(
-            self.config.model, self.block_size, self.dtype,
-            self.config.model.num_hidden_layers, self.config.model.num_key_value_heads,
+            self.config.model, self.block_size, self.dtype, lay.num_local_layers,
+            lay.num_local_kv_heads,
         )
         candidates = []
         if cache.kv_cache_tokens is not None:
@@ -69,7 +100,11 @@ class ModelRunner:
         if fraction is None and cache.kv_cache_tokens is None:
             fraction = DEFAULT_KV_FRACTION["cuda" if self.device.type == "cuda" else "cpu"]
         if fraction is not None:
-            candidates.append(int(fraction * free_memory_bytes(self.device)) // per_block)
+            share = fraction * free_memory_bytes(self.device)
+            if self.device.type == "cpu":
+                # The ranks of one worker share the host's memory: each takes its part.
+                share /= lay.world_size
+            candidates.append(int(share) // per_block)
         # Never more than every batch slot filled to the model length could use.
         sched = self.config.scheduler
         candidates.append(

@@ -9,6 +9,8 @@ import pytest
 
 # Two cores: keep torch from oversubscribing when several test processes run.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Parallel-worker tests: a hung collective fails in a minute, not in the default five.
+os.environ.setdefault("DISAGG_DIST_TIMEOUT_S", "60")
 
 
 @pytest.fixture(scope="session")

@@ -89,8 +89,11 @@ def test_info_endpoints(live: SimpleNamespace) -> None:
     assert info["tokens_per_block"] == 16 and info["block_hash_scheme"] == "sha256-chain-v1"
     assert info["max_batch_size"] == 64 and info["max_num_tokens"] == 256
     assert info["max_model_len"] == 1024 and info["kv_cache_blocks"] == 8192 // 16
-    assert info["parallel"] == {"tensor_parallel_size": 1, "pipeline_parallel_size": 1,
-                                "world_size": 1}
+    par = info["parallel"]
+    assert (par["tensor_parallel_size"], par["pipeline_parallel_size"], par["world_size"]) == (
+        1, 1, 1)
+    assert len(par["layouts"]) == 1 and par["layouts"][0]["layer_range"] == [0, 2]
+    assert par["layouts"][0]["kv_head_range"] == [0, 2] and len(par["rank_pids"]) == 1
 
 
 # ---- outputs ------------------------------------------------------------------------------

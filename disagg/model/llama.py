@@ -13,8 +13,10 @@ Parallelism hooks (used by later issues):
   ``g - start``. A non-first stage receives ``hidden_states`` instead of ``input_ids``.
 - tensor: q/k/v and gate/up are column-parallel (output rows split over ranks), o/down are
   row-parallel (input columns split; partial sums all-reduced through ``tp_all_reduce``).
-  Modules already use the local head counts / intermediate size; ``tp_shard_dim`` tells the
-  loader which dimension of each checkpoint tensor to slice.
+  Modules already use the local head counts / intermediate size; ``tp_shard`` tells the
+  loader which slice of each checkpoint tensor to read. With more TP ranks than kv heads,
+  each rank holds the one kv head its query heads read (replicated, as vLLM does).
+  Embeddings, norms and the LM head are replicated on the ranks of their stage.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch import nn
 
 from disagg.config import ConfigError, ModelConfig
 from disagg.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
+from disagg.parallel.layout import kv_head_replicas, tp_kv_head_range
 
 
 class RMSNorm(nn.Module):
@@ -111,9 +114,11 @@ class Attention(nn.Module):
         super().__init__()
         d = config.head_dim
         self.head_dim = d
-        # Local (this TP rank's) head counts; the projections below are sized by them.
+        # Local (this TP rank's) head counts; the projections below are sized by them. With
+        # more TP ranks than kv heads each rank holds one (replicated) kv head.
         self.num_heads = _split(config.num_attention_heads, tp_size, "num_attention_heads")
-        self.num_kv_heads = _split(config.num_key_value_heads, tp_size, "num_key_value_heads")
+        lo, hi = tp_kv_head_range(config.num_key_value_heads, tp_size, 0)
+        self.num_kv_heads = hi - lo
         self.scale = d ** -0.5
         qkv_bias = config.attention_bias
         # Llama's `attention_bias` also adds an o_proj bias; Qwen2 has q/k/v bias only.
@@ -213,8 +218,9 @@ class LlamaForCausalLM(nn.Module):
         # The TP issue sets this (e.g. to a torch.distributed all-reduce).
         self.tp_all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.num_local_layers = end - start
-        self.num_local_kv_heads = _split(config.num_key_value_heads, tp_size,
-                                         "num_key_value_heads")
+        # Global kv heads [lo, hi) of this rank (see parallel/layout.py for the drawing).
+        self.kv_head_range = tp_kv_head_range(config.num_key_value_heads, tp_size, tp_rank)
+        self.num_local_kv_heads = self.kv_head_range[1] - self.kv_head_range[0]
         self.rotary = RotaryEmbedding(config)
         self.workspace = GatherWorkspace()  # scratch for paged attention, shared by the layers
         self.model = LlamaModel(config, self.layer_range, tp_size, self._reduce)
@@ -255,6 +261,26 @@ class LlamaForCausalLM(nn.Module):
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             return 1
         return None
+
+    def tp_shard(self, name: str, local_size: int) -> tuple[int, int, int, int] | None:
+        """This rank's slice of checkpoint tensor ``name``: ``(dim, lo, hi, full_size)``.
+
+        ``local_size`` is the parameter's size along ``dim`` on this rank. Evenly split
+        tensors: rank r takes ``[r * local, (r + 1) * local)`` of ``tp * local``. k/v with
+        replicated kv heads (tp > kv heads): rank r takes kv head ``h = r // replicas``, rows
+        ``[h * D, (h + 1) * D)`` of the full ``[H_kv * D, ...]`` tensor. None: read whole.
+        """
+        dim = self.tp_shard_dim(name)
+        if dim is None or self.tp_size == 1:
+            return None
+        cfg = self.config
+        if (("k_proj." in name or "v_proj." in name)
+                and kv_head_replicas(cfg.num_key_value_heads, self.tp_size) > 1):
+            d = cfg.head_dim
+            lo, hi = self.kv_head_range
+            return 0, lo * d, hi * d, cfg.num_key_value_heads * d
+        r = self.tp_rank
+        return dim, r * local_size, (r + 1) * local_size, self.tp_size * local_size
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,

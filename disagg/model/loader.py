@@ -66,25 +66,24 @@ def _source_name(param_name: str, config: ModelConfig, weight_map: dict[str, str
 
 
 def _read_tensor(handle: object, name: str, file_name: str, local_shape: tuple[int, ...],
-                 shard_dim: int | None, tp_rank: int, tp_size: int) -> torch.Tensor:
+                 shard: tuple[int, int, int, int] | None) -> torch.Tensor:
     """Read ``name``, checking its full shape; return this TP rank's slice of it.
 
-    With ``shard_dim`` = d the full tensor has ``tp_size * local_shape[d]`` along d and rank r
-    takes ``[r * local, (r + 1) * local)`` of it; other dimensions are read whole.
+    ``shard = (dim, lo, hi, full)``: the full tensor has ``full`` along ``dim`` and this rank
+    takes ``[lo, hi)`` of it (``LlamaForCausalLM.tp_shard``); other dimensions are read whole.
     """
     full = list(local_shape)
-    if shard_dim is not None:
-        full[shard_dim] *= tp_size
+    if shard is not None:
+        full[shard[0]] = shard[3]
     sl = handle.get_slice(name)  # lazy: reads only the bytes sliced below
     have = tuple(sl.get_shape())
     if have != tuple(full):
         raise CheckpointError(f"{name}: expected shape {tuple(full)}, checkpoint has {have} "
                               f"in {file_name}")
-    if shard_dim is None or tp_size == 1:
+    if shard is None:
         return sl[:]
-    n = local_shape[shard_dim]
-    lo, hi = tp_rank * n, (tp_rank + 1) * n
-    return sl[lo:hi] if shard_dim == 0 else sl[:, lo:hi]
+    dim, lo, hi, _ = shard
+    return sl[lo:hi] if dim == 0 else sl[:, lo:hi]
 
 
 def load_model(model_dir: str, config: ModelConfig | None = None,
@@ -127,8 +126,9 @@ def load_model(model_dir: str, config: ModelConfig | None = None,
         with safe_open(path, framework="pt", device="cpu") as f:
             for pname, src in entries:
                 param = params[pname]
-                tensor = _read_tensor(f, src, file_name, tuple(param.shape),
-                                      model.tp_shard_dim(pname), tp_rank, tp_size)
+                dim = model.tp_shard_dim(pname)
+                shard = None if dim is None else model.tp_shard(pname, param.shape[dim])
+                tensor = _read_tensor(f, src, file_name, tuple(param.shape), shard)
                 _set_parameter(model, pname, tensor.to(device=device, dtype=dtype))
     model.tie_weights()
     model.eval()

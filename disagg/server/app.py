@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from disagg import __version__
 from disagg.engine import EngineDeadError, QueueFullError
 from disagg.kv_cache.hashing import BLOCK_HASH_SCHEME
+from disagg.parallel.layout import ParallelLayout
 from disagg.request import SamplingParams
 from disagg.server import protocol as P
 from disagg.server.cli import check_role
@@ -565,6 +566,10 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                 "tensor_parallel_size": cfg.parallel.tensor_parallel_size,
                 "pipeline_parallel_size": cfg.parallel.pipeline_parallel_size,
                 "world_size": cfg.parallel.world_size,
+                # Which layers / kv heads each rank's KV cache holds (for KV transfer).
+                "layouts": [lay.to_dict()
+                            for lay in ParallelLayout.all_ranks(cfg.model, cfg.parallel)],
+                "rank_pids": getattr(engine, "rank_pids", None),
             },
             "dtype": cfg.dtype,
             "device": cfg.device,

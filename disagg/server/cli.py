@@ -29,7 +29,7 @@ logger = logging.getLogger("disagg.server")
 
 @dataclass(frozen=True)
 class _Opt:
-    type: type  # int, float, bool or str
+    type: type  # int, float, bool, str, or list (of ints: "3,1" on the command line)
     help: str
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
@@ -54,6 +54,8 @@ ENGINE_OPTIONS: dict[str, _Opt] = {
                       metavar="N"),
     "tensor_parallel_size": _Opt(int, "tensor parallel ranks (default 1)", metavar="N"),
     "pipeline_parallel_size": _Opt(int, "pipeline parallel stages (default 1)", metavar="N"),
+    "pp_partition": _Opt(list, "layers per pipeline stage, e.g. 3,1 (default: even split)",
+                         metavar="N,N,..."),
     "dtype": _Opt(str, "compute dtype (default: the checkpoint's)",
                   choices=("float32", "bfloat16", "float16")),
     "device": _Opt(str, "cpu or cuda[:N] (default: cuda when available)"),
@@ -110,7 +112,11 @@ def _coerce(name: str, opt: _Opt, value: Any, where: str) -> Any:
         int: lambda v: isinstance(v, int) and not isinstance(v, bool),
         float: lambda v: isinstance(v, int | float) and not isinstance(v, bool),
         str: lambda v: isinstance(v, str),
+        list: lambda v: isinstance(v, list) and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in v),
     }[opt.type](value)
+    if opt.type is list and not ok:
+        raise ConfigError(f"{where}: {name}: expected a list of integers, got {value!r}")
     if not ok:
         raise ConfigError(f"{where}: {name}: expected {opt.type.__name__}, got {value!r}")
     if opt.choices and value not in opt.choices:
@@ -169,9 +175,20 @@ def _add_option(p: Any, name: str, opt: _Opt) -> None:
     if opt.type is bool:
         p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
                        help=opt.help)
+    elif opt.type is list:
+        p.add_argument(flag, dest=name, type=_int_list, default=None, metavar=opt.metavar,
+                       help=opt.help)
     else:
         p.add_argument(flag, dest=name, type=opt.type, choices=opt.choices, default=None,
                        metavar=opt.metavar, help=opt.help)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}"
+                                         ) from None
 
 
 def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -225,6 +242,7 @@ def run_server(
 
     from disagg.config import build_engine_config
     from disagg.engine import AsyncLLM
+    from disagg.parallel.executor import WorkerStartupError
     from disagg.server.app import ServerSettings, begin_drain, build_app
 
     try:
@@ -236,6 +254,9 @@ def run_server(
         engine = AsyncLLM(config)
     except (ValueError, OSError) as e:  # unreadable checkpoint, bad tensor, KV does not fit
         print(f"disagg serve: error: cannot load {model_dir}: {e}", file=sys.stderr)
+        return 1
+    except WorkerStartupError as e:  # a rank of a parallel worker failed to start
+        print(f"disagg serve: error: {e}", file=sys.stderr)
         return 1
     settings = ServerSettings(model_dir=model_dir, served_model_name=served_model_name,
                               role=role, api_key=api_key)
@@ -251,23 +272,43 @@ def run_server(
         # A backstop only: by then our own drain has aborted every request.
         timeout_graceful_shutdown=int(drain_timeout) + 5,
     )
-    server = make_draining_server(uv_config, on_exit)
+    def fatal() -> str | None:
+        return engine.fatal_error
+
+    server = make_draining_server(uv_config, on_exit, fatal)
     logger.info("serving %s as %r (role %s) on %s:%d", model_dir, settings.model_name, role,
                 host, port)
-    asyncio.run(server.serve())
+    if config.parallel.world_size > 1:
+        logger.info("rank pids: %s", engine.rank_pids)
+    try:
+        asyncio.run(server.serve())
+    finally:
+        engine.engine.shutdown()  # idempotent; also when serve() itself failed
+    if engine.fatal_error is not None:
+        logger.error("exiting: %s", engine.fatal_error)
+        return 1
     return 0 if server.started else 1
 
 
-def make_draining_server(config: Any, on_exit: Callable[[], None]) -> Any:
+def make_draining_server(config: Any, on_exit: Callable[[], None],
+                         fatal: Callable[[], str | None] | None = None) -> Any:
     """A ``uvicorn.Server`` whose SIGTERM/SIGINT drain and then let the process exit 0.
 
     uvicorn re-raises the captured signal once it has shut down, so a SIGTERM-ed worker would
     die "killed by signal"; a drained shutdown is a success, so it is not re-raised here.
+    ``fatal()`` returning a reason (a rank of the worker died) stops the server at once: it
+    has already reported unhealthy, and a supervisor should restart it.
     (Defined lazily: uvicorn is an optional dependency of the package.)
     """
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
+        async def on_tick(self, counter: int) -> bool:
+            if fatal is not None and not self.should_exit and fatal() is not None:
+                logger.error("engine failed (%s): shutting down", fatal())
+                self.should_exit = True
+            return await super().on_tick(counter)
+
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             if threading.current_thread() is not threading.main_thread():

@@ -1,0 +1,292 @@
+"""Rank 0's side of a parallel worker: the ``ModelRunner`` interface over ``tp * pp`` ranks.
+
+``DistributedExecutor(config)`` is what ``LLMEngine`` uses when ``world_size > 1``. The
+engine's process is rank 0: it holds the scheduler (and the HTTP server) and computes its own
+shard like any other rank. The other ranks are ``spawn``-ed children (``worker.rank_main``).
+
+Failure model: a rank that dies makes the whole worker dead (``error`` is set, the other ranks
+are killed, ``execute`` raises ``WorkerDiedError``); the server then reports unhealthy and
+exits non-zero. Nothing is left behind: children leave when rank 0 says stop, when their pipe
+to rank 0 closes, or when they find themselves re-parented (rank 0 killed); rank 0 reaps them
+on shutdown, on garbage collection and at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import threading
+import time
+import weakref
+from dataclasses import asdict
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from disagg.config import ConfigError, EngineConfig
+from disagg.parallel.layout import ParallelLayout
+from disagg.parallel.worker import (
+    CommStats,
+    RankComm,
+    StageWorker,
+    dist_timeout_s,
+    encode,
+    rank_device,
+    rank_main,
+    threads_per_rank,
+)
+from disagg.runner import ModelRunner
+from disagg.scheduler import SchedulerOutput
+
+logger = logging.getLogger("disagg.parallel")
+
+
+def startup_timeout_s() -> float:
+    """Seconds the other ranks get to load their shards and join (a crash is seen at once)."""
+    return float(os.environ.get("DISAGG_STARTUP_TIMEOUT_S", "600"))
+
+
+# Seconds ranks get to exit after "stop" before they are killed.
+STOP_GRACE_S = 5.0
+
+
+class WorkerDiedError(RuntimeError):
+    """A rank of a parallel worker died (or a step failed mid-way): the worker cannot go on."""
+
+
+class WorkerStartupError(RuntimeError):
+    """A rank failed to start (its traceback is in the message)."""
+
+
+def _stop_children(procs: list[BaseProcess], conns: list[Connection], grace_s: float) -> None:
+    """Ask every child to stop, wait up to ``grace_s`` in all, kill and reap the rest."""
+    for c in conns:
+        try:
+            c.send_bytes(encode("stop"))
+        except (OSError, ValueError):  # already dead / closed
+            pass
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(5.0)
+    for c in conns:
+        c.close()
+
+
+class DistributedExecutor:
+    """Spawns ranks 1..N-1, runs rank 0's shard, and executes steps on all of them."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.layouts = ParallelLayout.all_ranks(config.model, config.parallel)
+        self.layout = self.layouts[0]
+        world = self.layout.world_size
+        self.error: str | None = None
+        self._stopping = False
+        self._lock = threading.Lock()
+        self._procs: list[BaseProcess] = []
+        self._conns: list[Connection] = []  # index r - 1 talks to rank r
+        self._finalizer = weakref.finalize(self, _stop_children, self._procs, self._conns,
+                                           STOP_GRACE_S)
+        self._threads_before: int | None = None
+        device = rank_device(config.device, 0)
+        if device.type == "cuda" and (device.index or 0) + world > torch.cuda.device_count():
+            raise ConfigError(f"tensor_parallel_size * pipeline_parallel_size = {world} ranks "
+                              f"need GPUs {device.index or 0}..{(device.index or 0) + world - 1}"
+                              f"; {torch.cuda.device_count()} visible")
+        if dist.is_initialized():
+            raise RuntimeError("a torch.distributed process group already exists in this "
+                               "process: one parallel worker per process")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        self._timeout_s = dist_timeout_s()
+        timeout = datetime.timedelta(seconds=self._timeout_s)
+        # Port 0: the OS picks a free port for the rendezvous (no fixed ports, no races).
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timeout,
+                                    wait_for_workers=False)
+        self.comm = RankComm(self.layout, device)
+        try:
+            ctx = mp.get_context("spawn")
+            level = logging.getLogger().getEffectiveLevel()
+            for lay in self.layouts[1:]:
+                parent_conn, child_conn = ctx.Pipe()
+                p = ctx.Process(
+                    target=rank_main, name=f"disagg-rank{lay.rank}", daemon=True,
+                    args=(config, lay, "127.0.0.1", self._store.port, os.getpid(), child_conn,
+                          level, self._timeout_s))
+                p.start()
+                child_conn.close()  # only the child holds its end: EOF if it dies
+                self._procs.append(p)
+                self._conns.append(parent_conn)
+                logger.info("started rank %d (pid %d): layers %s, kv heads %s", lay.rank, p.pid,
+                            lay.layer_range, lay.kv_head_range)
+            if device.type == "cpu":
+                self._threads_before = torch.get_num_threads()
+                torch.set_num_threads(threads_per_rank(world))
+            self.runner = ModelRunner(config, self.layout, agree_num_blocks=self._agree,
+                                      device=device)
+            self._wait_all("ready", time.monotonic() + startup_timeout_s())
+        except BaseException:
+            # The other ranks may be blocked in the rendezvous: no point asking them to stop.
+            self._stopping = True
+            for p in self._procs:
+                p.kill()
+            self.shutdown()
+            raise
+        self.num_blocks = self.runner.num_blocks
+        self.worker = StageWorker(self.runner, self.comm)
+        self._monitor = threading.Thread(target=self._watch_ranks, name="disagg-rank-monitor",
+                                         daemon=True)
+        self._monitor.start()
+        logger.info("parallel worker up: tp=%d pp=%d, rank pids %s, %d KV blocks per rank",
+                    self.layout.tp_size, self.layout.pp_size, self.rank_pids, self.num_blocks)
+
+    # ---- startup --------------------------------------------------------------------------
+
+    def _agree(self, num_blocks: int) -> int:
+        # Every other rank has loaded its shard before anyone blocks in the rendezvous, so a
+        # rank that fails to load is reported (with its traceback) instead of timing out.
+        self._wait_all("loaded", time.monotonic() + startup_timeout_s())
+        self.comm.init(self._store, self._timeout_s)
+        return self.comm.min_over_ranks(num_blocks)
+
+    def _wait_all(self, kind: str, deadline: float) -> dict[int, Any]:
+        """Wait for message ``kind`` from every child; raise on an error or a dead child."""
+        got: dict[int, Any] = {}
+        while len(got) < len(self._procs):
+            pending = [r for r in range(1, len(self._procs) + 1) if r not in got]
+            objs: list[Any] = [self._conns[r - 1] for r in pending]
+            objs += [self._procs[r - 1].sentinel for r in pending]
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not wait(objs, remaining):
+                raise WorkerStartupError(f"ranks {pending} did not report {kind!r} within "
+                                         f"{startup_timeout_s():.0f}s")
+            for r in pending:
+                conn, proc = self._conns[r - 1], self._procs[r - 1]
+                if conn.poll():
+                    try:
+                        msg_kind, payload = conn.recv()
+                    except EOFError:
+                        msg_kind, payload = "error", None
+                    if msg_kind == "error":
+                        proc.join(5.0)
+                        raise WorkerStartupError(
+                            f"rank {r} (pid {proc.pid}) failed to start"
+                            + (f":\n{payload}" if payload else
+                               f" (exit code {proc.exitcode})"))
+                    if msg_kind == kind:
+                        got[r] = payload
+                elif not proc.is_alive():
+                    raise WorkerStartupError(f"rank {r} (pid {proc.pid}) exited with code "
+                                             f"{proc.exitcode} while starting")
+        return got
+
+    # ---- failure --------------------------------------------------------------------------
+
+    def _watch_ranks(self) -> None:
+        while not self._stopping:
+            alive = [p for p in self._procs if p.exitcode is None]
+            if not alive:
+                return
+            wait([p.sentinel for p in alive])
+            if self._stopping:  # shutdown reaps them; don't race it for the exit status
+                return
+            for r, p in enumerate(self._procs, start=1):
+                if p.exitcode is not None:  # exitcode polls (reaps) the child
+                    self._fail(f"rank {r} (pid {p.pid}) exited with code {p.exitcode}")
+                    return
+
+    def _fail(self, reason: str) -> None:
+        """Mark the worker dead and kill the remaining ranks (they cannot be used again, and
+        killing them unblocks any collective rank 0 may be waiting in)."""
+        with self._lock:
+            if self.error is not None:
+                return
+            self.error = reason
+        logger.error("parallel worker failed: %s; stopping all ranks", reason)
+        for p in self._procs:
+            if p.exitcode is None:
+                p.kill()
+
+    # ---- the runner interface -------------------------------------------------------------
+
+    @property
+    def rank_pids(self) -> list[int]:
+        return [os.getpid(), *(int(p.pid or 0) for p in self._procs)]
+
+    def execute(self, sched: SchedulerOutput) -> tuple[list[str], torch.Tensor | None]:
+        if self.error is not None:
+            raise WorkerDiedError(self.error)
+        try:
+            t0 = time.perf_counter()
+            msg = encode("step", sched)
+            for c in self._conns:
+                c.send_bytes(msg)
+            dt = time.perf_counter() - t0
+            self.comm.stats.control_s += dt
+            self.comm.stats.step_s += dt
+            return self.worker.step(sched)
+        except Exception as e:
+            # Any failure mid-step leaves the ranks out of step with each other: fatal. A
+            # collective usually fails because a peer died: name that rank if so (it may take
+            # its sentinel a moment to fire after its sockets closed).
+            wait([p.sentinel for p in self._procs], timeout=1.0)
+            dead = next(((r, p) for r, p in enumerate(self._procs, start=1)
+                         if p.exitcode is not None), None)
+            reason = (f"rank {dead[0]} (pid {dead[1].pid}) exited with code {dead[1].exitcode}"
+                      if dead else f"step failed on rank 0: {e!r}")
+            self._fail(reason)
+            raise WorkerDiedError(self.error or reason) from e
+
+    def comm_stats(self) -> list[dict[str, Any]]:
+        """Every rank's ``CommStats`` (as dicts, rank order). Call from the engine's thread."""
+        out = [asdict(self.comm.stats)]
+        for c in self._conns:
+            c.send_bytes(encode("stats"))
+        for r, c in enumerate(self._conns, start=1):
+            if not c.poll(30.0):
+                raise WorkerDiedError(f"rank {r} did not answer a stats request")
+            kind, payload = c.recv()
+            if kind != "stats":
+                raise WorkerDiedError(f"rank {r} answered {kind!r} to a stats request")
+            out.append(payload)
+        return out
+
+    def probe_comm(self, num_tokens: int, iters: int = 50) -> list[dict[str, float]]:
+        """Every rank's pure transfer time (ms) of one ``[num_tokens, hidden]`` all-reduce / stage
+        hop (``RankComm.probe``), rank order. Call from the engine's thread, between steps."""
+        args = ((num_tokens, self.config.model.hidden_size), self.runner.dtype, iters)
+        for c in self._conns:
+            c.send_bytes(encode("probe", args))
+        out = [self.comm.probe(*args)]
+        for r, c in enumerate(self._conns, start=1):
+            if not c.poll(60.0):
+                raise WorkerDiedError(f"rank {r} did not answer a probe request")
+            kind, payload = c.recv()
+            if kind != "probe":
+                raise WorkerDiedError(f"rank {r} answered {kind!r} to a probe request")
+            out.append(payload)
+        return out
+
+    def reset_comm_stats(self) -> None:
+        self.comm.stats = CommStats(rank=0)
+        for c in self._conns:
+            c.send_bytes(encode("reset_stats"))
+
+    def shutdown(self) -> None:
+        """Stop and reap every rank, leave the process group. Idempotent."""
+        self._stopping = True
+        self._finalizer()
+        self.comm.close()
+        self._store = None
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
