@@ -1,1 +1,67 @@
-"""KV transfer between context and generation workers: layout conversion, transports, leases."""
+"""KV transfer between context and generation workers: layout conversion, transports, leases.
+
+(REFERENCE section 6.) Layout side: ``layout`` (pull plans between TP/PP layouts), ``params``
+(the context answer's ``disaggregated_params``), ``kvcopy`` (token-major gather / scatter).
+Transport side:
+
+- ``base``: wire messages (``ReadRequest``, ``ReadResult``, ``TransferError``), header
+  encoding, the ``TransportBackend`` abstraction and ``make_backend("UCX" | "TCP")``.
+- ``lease``: ``LeaseTable`` (torch-free): which blocks may be read, until when.
+- ``stats``: ``TransferStats`` (torch-free) for the worker's metrics.
+- ``tcp`` / ``ucx``: the two backends (ucxx is imported lazily, on first use).
+- ``payload``: zero-copy views and gathers of the KV cache for a READ.
+- ``service``: ``KVTransferServer`` (context rank) and ``KVTransferClient`` (generation rank).
+
+Importing this package does not import torch; the torch-using names load on first access.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from disagg.transfer.base import (
+    BAD_REQUEST,
+    CLOSED,
+    CONNECTION_FAILED,
+    EXPIRED_LEASE,
+    PROTOCOL_ERROR,
+    TIMEOUT,
+    UNAUTHORIZED,
+    UNKNOWN_LEASE,
+    CacheTransceiverConfig,
+    ReadRequest,
+    ReadResult,
+    TransferError,
+    TransportBackend,
+    make_backend,
+    resolve_cluster_token,
+)
+from disagg.transfer.lease import Lease, LeaseError, LeaseStats, LeaseTable
+from disagg.transfer.stats import TransferStats, TransferStatsSnapshot
+
+if TYPE_CHECKING:
+    from disagg.transfer.payload import payload_shape
+    from disagg.transfer.service import KVTransferClient, KVTransferServer
+
+_LAZY = {
+    "KVTransferServer": "disagg.transfer.service",
+    "KVTransferClient": "disagg.transfer.service",
+    "payload_shape": "disagg.transfer.payload",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'disagg.transfer' has no attribute {name!r}")
+
+
+__all__ = [
+    "BAD_REQUEST", "CLOSED", "CONNECTION_FAILED", "EXPIRED_LEASE", "PROTOCOL_ERROR", "TIMEOUT",
+    "UNAUTHORIZED", "UNKNOWN_LEASE", "CacheTransceiverConfig", "KVTransferClient",
+    "KVTransferServer", "Lease", "LeaseError", "LeaseStats", "LeaseTable", "ReadRequest",
+    "ReadResult", "TransferError", "TransferStats", "TransferStatsSnapshot",
+    "TransportBackend", "make_backend", "payload_shape", "resolve_cluster_token",
+]

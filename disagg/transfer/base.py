@@ -1,0 +1,403 @@
+"""KV transfer: wire messages, header encoding, the transport abstraction, the backend factory.
+
+Wire protocol (one request = one coalesced transfer per rank pair; REFERENCE section 6)::
+
+    client (generation rank)                         server (context rank)
+      READ {op, token, lease_id, block_ids,   ──────►  1. token (else: unauthorized, hang up)
+            layer_slice [l0,l1), head_slice            2. lease (unknown_/expired_lease)
+            [h0,h1), num_tokens, format,               3. validation (bad_request)
+            dtype, nbytes}                             4. gather (or zero-copy view)
+                                              ◄──────  {ok: true, nbytes, zero_copy}
+                                              ◄──────  payload: exactly nbytes raw bytes
+      RELEASE {op, token, lease_id, reader_id} ──────►
+                                              ◄──────  {ok: true, released}
+      PING {op, token}                        ──────►
+                                              ◄──────  {ok: true, server_id, backend}
+    an error answer is {ok: false, code, message} and is never followed by a payload.
+
+Headers are length-prefixed JSON (4-byte big-endian length, then UTF-8 JSON, at most
+``HEADER_MAX_BYTES``); payloads are raw bytes (bfloat16 travels as ``view(torch.uint8)``).
+
+Payload formats (local indices of the server's rank; kv cache layout in docs/DESIGN.md 1):
+- ``"blocks"``: ``kv[block_ids][:, l0:l1, :, h0:h1]`` as a contiguous
+  ``[n_blocks, nl, 2, nh, B, D]`` array.
+- ``"tokens"``: token-major ``[nl, 2, nh, num_tokens, D]``: tokens ``0..num_tokens-1`` of the
+  sequence through its block table, so the receiver may use another tokens_per_block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import json
+import logging
+import os
+import struct
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+import numpy as np
+
+logger = logging.getLogger("disagg.transfer")
+
+T = TypeVar("T")
+
+HEADER_MAX_BYTES = 1 << 20  # a 1 MiB header holds ~150k block ids: far beyond any prompt
+_LEN = struct.Struct("!I")
+
+# Error codes a server answers with (the request gets no payload).
+UNKNOWN_LEASE = "unknown_lease"
+EXPIRED_LEASE = "expired_lease"
+UNAUTHORIZED = "unauthorized"
+BAD_REQUEST = "bad_request"
+SERVER_CODES = frozenset({UNKNOWN_LEASE, EXPIRED_LEASE, UNAUTHORIZED, BAD_REQUEST})
+# Error codes raised on the client side.
+CONNECTION_FAILED = "connection_failed"  # connect refused, peer died (also mid-transfer)
+TIMEOUT = "timeout"
+CLOSED = "closed"  # the client was closed
+PROTOCOL_ERROR = "protocol_error"  # malformed or inconsistent answer
+
+FORMATS = ("blocks", "tokens")
+CLUSTER_TOKEN_ENV = "DISAGG_CLUSTER_TOKEN"
+
+
+class TransferError(Exception):
+    """A KV transfer failed. ``code`` is one of the codes above; ``remote`` is True when the
+    server answered with the error (so the connection is still good)."""
+
+    def __init__(self, code: str, message: str = "", *, remote: bool = False) -> None:
+        super().__init__(f"{code}: {message}" if message else code)
+        self.code = code
+        self.message = message
+        self.remote = remote
+
+
+class ConnectionClosedError(ConnectionError):
+    """The transport connection is gone (EOF, reset, peer died, closed locally)."""
+
+
+class ProtocolError(Exception):
+    """A peer sent something that does not follow the wire protocol."""
+
+
+# ---- messages ------------------------------------------------------------------------------
+
+
+def _slice_pair(value: Any, name: str) -> tuple[int, int]:
+    if (
+        not isinstance(value, (list, tuple))
+        or len(value) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
+        raise ValueError(f"{name} must be a pair of ints [start, stop), got {value!r}")
+    start, stop = value
+    if not 0 <= start < stop:
+        raise ValueError(f"{name} must satisfy 0 <= start < stop, got {value!r}")
+    return (start, stop)
+
+
+@dataclass(frozen=True)
+class ReadRequest:
+    """What a generation rank pulls from one context rank for one request.
+
+    ``layer_slice`` / ``head_slice`` are ``[start, stop)`` in the server rank's **local** layer
+    and kv-head indices. ``num_tokens`` is required by the ``"tokens"`` format (then
+    ``ceil(num_tokens / B) == len(block_ids)``) and informational for ``"blocks"``.
+    """
+
+    lease_id: str
+    block_ids: tuple[int, ...]
+    layer_slice: tuple[int, int]
+    head_slice: tuple[int, int]
+    num_tokens: int = 0
+    format: str = "blocks"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lease_id, str) or not self.lease_id:
+            raise ValueError("lease_id must be a non-empty string")
+        ids = tuple(self.block_ids)
+        if not ids or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0
+                              for b in ids):
+            raise ValueError("block_ids must be a non-empty list of non-negative ints")
+        object.__setattr__(self, "block_ids", ids)
+        object.__setattr__(self, "layer_slice", _slice_pair(self.layer_slice, "layer_slice"))
+        object.__setattr__(self, "head_slice", _slice_pair(self.head_slice, "head_slice"))
+        if not isinstance(self.num_tokens, int) or self.num_tokens < 0:
+            raise ValueError("num_tokens must be a non-negative int")
+        if self.format not in FORMATS:
+            raise ValueError(f"format must be one of {FORMATS}, got {self.format!r}")
+        if self.format == "tokens" and self.num_tokens == 0:
+            raise ValueError("format 'tokens' needs num_tokens > 0")
+
+    def to_wire(self, token: str, dtype: str, nbytes: int) -> dict[str, Any]:
+        """The READ header. ``dtype``/``nbytes`` describe the receiver's buffer: the server
+        refuses (bad_request) when its payload would not match them exactly."""
+        return {
+            "op": "READ", "token": token, "lease_id": self.lease_id,
+            "block_ids": list(self.block_ids), "layer_slice": list(self.layer_slice),
+            "head_slice": list(self.head_slice), "num_tokens": self.num_tokens,
+            "format": self.format, "dtype": dtype, "nbytes": nbytes,
+        }
+
+    @classmethod
+    def from_wire(cls, msg: Mapping[str, Any]) -> ReadRequest:
+        """Parse a READ header; raises ``TransferError(bad_request)``."""
+        try:
+            return cls(
+                lease_id=msg["lease_id"], block_ids=tuple(msg["block_ids"]),
+                layer_slice=tuple(msg["layer_slice"]), head_slice=tuple(msg["head_slice"]),
+                num_tokens=msg.get("num_tokens", 0), format=msg.get("format", "blocks"),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise TransferError(BAD_REQUEST, f"malformed READ: {e}") from None
+
+
+@dataclass(frozen=True)
+class ReadResult:
+    """What a completed read delivered into the caller's ``out`` tensor."""
+
+    nbytes: int
+    num_blocks: int
+    seconds: float  # request sent -> last payload byte received (client side)
+    zero_copy: bool  # the server sent straight from its cache memory (no gather)
+
+
+def encode_header(obj: Mapping[str, Any]) -> bytes:
+    body = json.dumps(obj, separators=(",", ":")).encode()
+    if len(body) + _LEN.size > HEADER_MAX_BYTES:
+        raise ProtocolError(f"header of {len(body)} bytes exceeds {HEADER_MAX_BYTES}")
+    return _LEN.pack(len(body)) + body
+
+
+def header_length(prefix: bytes | memoryview | np.ndarray) -> int:
+    (n,) = _LEN.unpack_from(prefix, 0)
+    if n > HEADER_MAX_BYTES - _LEN.size:
+        raise ProtocolError(f"header length {n} exceeds {HEADER_MAX_BYTES}")
+    return n
+
+
+def decode_header(body: bytes | memoryview) -> dict[str, Any]:
+    try:
+        obj = json.loads(bytes(body))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ProtocolError(f"header is not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("header is not a JSON object")
+    return obj
+
+
+HEADER_PREFIX_BYTES = _LEN.size
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` (or ``"[v6]:port"``) -> (host, port)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"address must be 'host:port', got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def resolve_cluster_token(value: str | None = None, env: str = CLUSTER_TOKEN_ENV) -> str:
+    """The shared cluster secret: the configured value, else ``$DISAGG_CLUSTER_TOKEN``."""
+    token = value if value else os.environ.get(env, "")
+    if not token:
+        raise ValueError(f"no cluster token: set it in the config or in ${env}")
+    return token
+
+
+# ---- event-loop thread ---------------------------------------------------------------------
+
+
+class LoopThread:
+    """An asyncio loop running in its own (daemon) thread: bulk I/O never touches the caller's
+    loop, and the engine thread only ever submits coroutines and gets futures back."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        self._started.wait()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.call_soon(self._started.set)
+        try:
+            self.loop.run_forever()
+        finally:
+            # Cancel what is left (connection handlers, sweeps) so nothing leaks past stop().
+            tasks = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
+            for t in tasks:
+                t.cancel()
+            if tasks:
+                self.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            # getaddrinfo uses the default executor: join its threads too.
+            self.loop.run_until_complete(self.loop.shutdown_default_executor())
+            self.loop.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> cf.Future[T]:
+        """Thread-safe; never blocks the caller."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = 30.0) -> T:
+        """Submit and wait (start/stop paths only, never from the loop's own thread)."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("LoopThread.run() called from its own thread")
+        return self.submit(coro).result(timeout_s)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                logger.warning("loop thread %s did not stop within %.1fs", self.name, timeout_s)
+
+
+# ---- transport abstraction -----------------------------------------------------------------
+
+
+class Connection(ABC):
+    """One ordered, bidirectional message channel to a peer. Used by one coroutine at a time
+    (the server answers a connection's requests in order; the client holds a lock per peer).
+    Every method raises ``ConnectionClosedError`` when the peer is gone."""
+
+    @abstractmethod
+    async def send_header(self, obj: Mapping[str, Any]) -> None: ...
+
+    @abstractmethod
+    async def recv_header(self) -> dict[str, Any]:
+        """Raises ``ProtocolError`` for a malformed or oversized header."""
+
+    @abstractmethod
+    async def send_payload(self, data: np.ndarray) -> None:
+        """Send a contiguous 1-D uint8 array as is (no copy on our side)."""
+
+    @abstractmethod
+    async def recv_payload_into(self, out: np.ndarray) -> None:
+        """Fill exactly ``out.nbytes`` bytes of a contiguous 1-D uint8 array."""
+
+    @property
+    @abstractmethod
+    def closed(self) -> bool: ...
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Idempotent; never raises."""
+
+
+class Listener(ABC):
+    @property
+    @abstractmethod
+    def port(self) -> int: ...
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+
+ConnectionHandler = Callable[[Connection], Awaitable[None]]
+
+
+class TransportBackend(ABC):
+    """A byte transport for KV transfers (``tcp`` or ``ucx``).
+
+    Rules every backend and its users (``KVTransferServer``, ``KVTransferClient``) keep:
+
+    1. **Authenticate first.** Every message carries the shared cluster token; the server
+       checks it (constant-time) before it looks at anything else, answers ``unauthorized``
+       and closes the connection otherwise.
+    2. **Never send data for a bad request**: a bad token, an unknown or expired lease, a
+       malformed request or one whose size/dtype does not match gets an error header and no
+       payload. A lease is pinned while its payload is in flight, so its blocks cannot be
+       freed (and reused) under a transfer.
+    3. **Connections are opened lazily and cached per peer address** (one per peer, requests
+       serialised on it); any failure on a connection (reset, EOF, timeout, protocol error)
+       closes it and drops the cache entry, so a failed or restarted peer is reconnected on
+       the next request. A request that fails before its answer on a *reused* connection is
+       retried once on a fresh one (READ and RELEASE are idempotent): a restarted peer costs
+       no request.
+    4. **All bulk I/O runs off the caller's event loop**: on the loop thread the backend hands
+       out (``acquire_loop``); callers only submit coroutines there and get futures back.
+    5. Payloads go straight from / into caller memory (the KV cache or a staging buffer;
+       the caller's preallocated ``out``): the backend never allocates per transfer.
+
+    ``listen`` / ``connect`` and every ``Connection`` method run on the backend's loop.
+    """
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def acquire_loop(self, role: str) -> LoopThread:
+        """The loop thread a server or client (``role``) runs its I/O on."""
+
+    @abstractmethod
+    def release_loop(self, loop_thread: LoopThread) -> None:
+        """Give back a loop from ``acquire_loop`` (its owner has closed all its I/O)."""
+
+    @abstractmethod
+    async def listen(self, host: str, port: int, handler: ConnectionHandler) -> Listener:
+        """Accept connections on ``port`` (0: any free port); ``handler`` runs once per
+        accepted connection, as a task on the loop."""
+
+    @abstractmethod
+    async def connect(self, host: str, port: int, timeout_s: float) -> Connection:
+        """Open a connection; raises ``ConnectionClosedError`` when the peer is unreachable."""
+
+
+# ---- factory -------------------------------------------------------------------------------
+
+BACKEND_NAMES = ("ucx", "tcp")
+
+
+@dataclass(frozen=True)
+class CacheTransceiverConfig:
+    """The ``cache_transceiver_config`` section of a worker config:
+    ``{backend: UCX | TCP, ucx_profile: same_host | cross_host}`` (case-insensitive)."""
+
+    backend: str = "UCX"
+    ucx_profile: str = "same_host"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backend, str) or self.backend.lower() not in BACKEND_NAMES:
+            raise ValueError(f"cache_transceiver_config.backend must be UCX or TCP, "
+                             f"got {self.backend!r}")
+        object.__setattr__(self, "backend", self.backend.upper())
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> CacheTransceiverConfig:
+        d = dict(d or {})
+        unknown = set(d) - {"backend", "ucx_profile"}
+        if unknown:
+            raise ValueError(f"cache_transceiver_config: unknown keys {sorted(unknown)}")
+        return cls(**d)
+
+
+def make_backend(
+    spec: str | CacheTransceiverConfig | Mapping[str, Any] | TransportBackend,
+) -> TransportBackend:
+    """A backend by name (``"UCX"`` / ``"TCP"``, case-insensitive), from a
+    ``cache_transceiver_config`` mapping or object, or an instance passed through.
+    Importing the UCX backend does not import ucxx (that happens on first use)."""
+    if isinstance(spec, TransportBackend):
+        return spec
+    if isinstance(spec, str):
+        cfg = CacheTransceiverConfig(backend=spec)
+    elif isinstance(spec, CacheTransceiverConfig):
+        cfg = spec
+    else:
+        cfg = CacheTransceiverConfig.from_dict(spec)
+    if cfg.backend == "TCP":
+        from disagg.transfer.tcp import TcpBackend
+
+        return TcpBackend()
+    from disagg.transfer.ucx import UcxBackend
+
+    return UcxBackend(profile=cfg.ucx_profile)

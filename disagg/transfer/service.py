@@ -1,0 +1,495 @@
+"""KV transfer server (context rank) and client (generation rank) over any ``TransportBackend``.
+
+Threads: the server and the client each do all their I/O on the backend's loop thread (TCP: one
+per server / client; UCX: one per process). The engine thread calls ``client.read(...)``, which
+returns a ``concurrent.futures.Future`` at once; it polls or adds a done-callback, never blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import contextlib
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from disagg.transfer.base import (
+    BAD_REQUEST,
+    CLOSED,
+    CONNECTION_FAILED,
+    PROTOCOL_ERROR,
+    SERVER_CODES,
+    TIMEOUT,
+    UNAUTHORIZED,
+    Connection,
+    ConnectionClosedError,
+    Listener,
+    LoopThread,
+    ProtocolError,
+    ReadRequest,
+    ReadResult,
+    TransferError,
+    TransportBackend,
+    make_backend,
+    parse_address,
+)
+from disagg.transfer.lease import LeaseError, LeaseTable
+from disagg.transfer.payload import (
+    StagingPool,
+    as_byte_array,
+    dtype_name,
+    gather_into,
+    plan_read,
+)
+from disagg.transfer.stats import TransferStats
+
+logger = logging.getLogger("disagg.transfer")
+
+GATHER_INLINE_MAX_BYTES = 1 << 20  # bigger gathers run on a worker thread, not the I/O loop
+
+
+def _token_ok(given: Any, expected: bytes) -> bool:
+    return isinstance(given, str) and hmac.compare_digest(given.encode(), expected)
+
+
+def _error(code: str, message: str) -> dict[str, Any]:
+    return {"ok": False, "code": code, "message": message}
+
+
+class KVTransferServer:
+    """Serves one rank's KV cache to generation ranks that hold the cluster token.
+
+    ``kv_cache``: ``[num_blocks, num_local_layers, 2, num_local_kv_heads, tokens_per_block,
+    head_dim]`` on the CPU. ``leases`` decides what may be read; a RELEASE from a reader
+    ``confirm``s its lease. Expired leases are swept every ``sweep_interval_s`` (None: the owner
+    calls ``leases.expire()`` itself).
+    """
+
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        leases: LeaseTable,
+        token: str,
+        backend: str | TransportBackend = "tcp",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        advertise_host: str | None = None,
+        stats: TransferStats | None = None,
+        sweep_interval_s: float | None = 1.0,
+        max_staging_buffers: int = 4,
+    ) -> None:
+        if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
+            raise ValueError(f"kv_cache must be [N, L, 2, H, B, D], got {tuple(kv_cache.shape)}")
+        if kv_cache.device.type != "cpu":
+            raise ValueError("KVTransferServer serves CPU KV caches only (for now)")
+        if not token:
+            raise ValueError("a non-empty cluster token is required")
+        self.kv_cache = kv_cache
+        self.leases = leases
+        self.backend = make_backend(backend)
+        self.host = host
+        self.stats = stats if stats is not None else TransferStats()
+        self.stats.bind_leases(leases)
+        self.server_id = uuid.uuid4().hex  # changes on restart: lets peers tell instances apart
+        self.staging = StagingPool(max_staging_buffers)  # used on the loop thread only
+        self._token = token.encode()
+        self._port = port
+        self._advertise = advertise_host or host
+        self._sweep_interval_s = sweep_interval_s
+        self._dtype = dtype_name(kv_cache.dtype)
+        self._loop: LoopThread | None = None
+        self._listener: Listener | None = None
+        self._conns: set[Connection] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._gather_pool: cf.ThreadPoolExecutor | None = None
+        self._closing = False
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        if self._listener is None:
+            raise RuntimeError("server not started")
+        return f"{self._advertise}:{self._listener.port}"
+
+    def start(self) -> KVTransferServer:
+        if self._loop is not None:
+            raise RuntimeError("server already started")
+        self._closing = False
+        self._gather_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kv-transfer-gather")
+        self._loop = self.backend.acquire_loop("server")
+        try:
+            self._loop.run(self._start())
+        except BaseException:
+            self._release_loop()
+            raise
+        logger.info("kv transfer server (%s) listening on %s", self.backend.name, self.address)
+        return self
+
+    async def _start(self) -> None:
+        self._listener = await self.backend.listen(self.host, self._port, self._serve)
+        if self._sweep_interval_s:
+            self._spawn(self._sweep())
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Close the listener and every connection (in-flight reads fail on the peer), stop
+        the loop thread. Idempotent."""
+        if self._loop is None:
+            return
+        try:
+            self._loop.run(self._stop(), timeout_s)
+        except Exception as e:
+            logger.warning("kv transfer server stop: %r", e)
+        finally:
+            self._release_loop()
+
+    async def _stop(self) -> None:
+        self._closing = True  # connections accepted from now on are closed at once
+        for conn in list(self._conns):
+            await conn.close()
+        tasks = [t for t in self._tasks if not t.done()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._listener is not None:  # after the handlers: ucxx waits for them to retire
+            await self._listener.close()
+
+    def _release_loop(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            self.backend.release_loop(loop)
+        if self._gather_pool is not None:
+            self._gather_pool.shutdown(wait=True)
+            self._gather_pool = None
+
+    def __enter__(self) -> KVTransferServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _sweep(self) -> None:
+        assert self._sweep_interval_s
+        while True:
+            await asyncio.sleep(self._sweep_interval_s)
+            self.leases.expire()
+
+    # ---- requests -------------------------------------------------------------------------
+
+    async def _serve(self, conn: Connection) -> None:
+        """One connection: answer its requests in order until it closes."""
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        self._conns.add(conn)
+        try:
+            if self._closing:
+                return
+            while True:
+                try:
+                    msg = await conn.recv_header()
+                except (ConnectionClosedError, ProtocolError):
+                    return
+                if not _token_ok(msg.get("token"), self._token):
+                    # Authenticate first: nothing about leases or data before this check.
+                    self.stats.record_failure(UNAUTHORIZED)
+                    with contextlib.suppress(ConnectionClosedError):
+                        await conn.send_header(_error(UNAUTHORIZED, "bad cluster token"))
+                    return
+                op = msg.get("op")
+                if op == "READ":
+                    await self._read(conn, msg)
+                elif op == "RELEASE":
+                    await conn.send_header(self._release(msg))
+                elif op == "PING":
+                    await conn.send_header({"ok": True, "server_id": self.server_id,
+                                            "backend": self.backend.name})
+                else:
+                    await conn.send_header(_error(BAD_REQUEST, f"unknown op {op!r}"))
+        except ConnectionClosedError:
+            pass
+        except Exception:  # a bug must not kill the server; the stream state is unknown
+            logger.exception("kv transfer server: request failed; closing the connection")
+        finally:
+            self._conns.discard(conn)
+            await conn.close()
+            if task is not None:
+                self._tasks.discard(task)
+
+    def _release(self, msg: Mapping[str, Any]) -> dict[str, Any]:
+        lease_id, reader_id = msg.get("lease_id"), msg.get("reader_id")
+        if not isinstance(lease_id, str) or not isinstance(reader_id, (str, int)):
+            return _error(BAD_REQUEST, "RELEASE needs lease_id and reader_id")
+        try:
+            return {"ok": True, "released": self.leases.confirm(lease_id, str(reader_id))}
+        except LeaseError as e:
+            return _error(e.code, str(e))
+
+    async def _read(self, conn: Connection, msg: Mapping[str, Any]) -> None:
+        t0 = time.perf_counter()
+        try:
+            req = ReadRequest.from_wire(msg)
+            lease = self.leases.pin(req.lease_id)
+        except (TransferError, LeaseError) as e:
+            self.stats.record_failure(e.code)
+            await conn.send_header(_error(e.code, str(e)))
+            return
+        staging = None
+        try:
+            try:
+                plan = plan_read(self.kv_cache, req, lease.block_set)
+                if msg.get("dtype") != self._dtype:
+                    raise TransferError(BAD_REQUEST, f"dtype {msg.get('dtype')!r} != server "
+                                                     f"cache dtype {self._dtype!r}")
+                if msg.get("nbytes") != plan.nbytes:
+                    raise TransferError(BAD_REQUEST, f"receiver buffer of {msg.get('nbytes')} "
+                                                     f"bytes, payload is {plan.nbytes}")
+            except TransferError as e:
+                self.stats.record_failure(e.code)
+                await conn.send_header(_error(e.code, e.message))
+                return
+            if plan.zero_copy is not None:
+                data = as_byte_array(plan.zero_copy)
+            else:
+                staging = self.staging.acquire(plan.nbytes)
+                dst = staging[:plan.nbytes].view(self.kv_cache.dtype).view(plan.shape)
+                if plan.nbytes <= GATHER_INLINE_MAX_BYTES or self._gather_pool is None:
+                    gather_into(self.kv_cache, req, dst)
+                else:  # torch copies release the GIL: the loop keeps serving meanwhile
+                    await asyncio.get_running_loop().run_in_executor(
+                        self._gather_pool, gather_into, self.kv_cache, req, dst)
+                data = staging[:plan.nbytes].numpy()
+            await conn.send_header({"ok": True, "nbytes": plan.nbytes,
+                                    "zero_copy": plan.zero_copy is not None})
+            try:
+                await conn.send_payload(data)
+            except ConnectionClosedError:
+                self.stats.record_failure(CONNECTION_FAILED)
+                raise
+            self.stats.record_transfer(plan.nbytes, len(req.block_ids),
+                                       time.perf_counter() - t0, plan.zero_copy is not None)
+        finally:
+            if staging is not None:
+                self.staging.release(staging)
+            self.leases.unpin(req.lease_id)
+
+
+@dataclass
+class _Peer:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    conn: Connection | None = None
+
+
+class KVTransferClient:
+    """Pulls KV from ``KVTransferServer``s. Thread-safe: ``read`` / ``release`` / ``ping`` may
+    be called from any thread and return ``concurrent.futures.Future``s at once (from an event
+    loop: ``await asyncio.wrap_future(fut)``); failures are ``TransferError``s (``.code``: a
+    server code, or connection_failed / timeout / closed / protocol_error). ``timeout_s``
+    bounds each request, connect and queueing behind other requests to the same peer
+    included."""
+
+    def __init__(
+        self,
+        backend: str | TransportBackend = "tcp",
+        token: str = "",
+        *,
+        timeout_s: float = 30.0,
+        connect_timeout_s: float = 5.0,
+        stats: TransferStats | None = None,
+    ) -> None:
+        if not token:
+            raise ValueError("a non-empty cluster token is required")
+        self.backend = make_backend(backend)
+        self.stats = stats if stats is not None else TransferStats()
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._token = token
+        self._peers: dict[str, _Peer] = {}  # touched on the loop thread only
+        self._closed = False
+        self._loop: LoopThread | None = self.backend.acquire_loop("client")
+
+    # ---- public API -----------------------------------------------------------------------
+
+    def read(self, address: str, request: ReadRequest, out: torch.Tensor) -> cf.Future[ReadResult]:
+        """Pull ``request`` from the server at ``address`` into ``out``: a preallocated,
+        contiguous CPU tensor of the payload's exact shape (see ``payload.payload_shape``) and
+        the server cache's dtype. ``out`` is untouched on an error answer; on a failure mid-
+        transfer its contents are undefined."""
+        if not out.is_contiguous() or out.device.type != "cpu":
+            raise ValueError("out must be a contiguous CPU tensor")
+        parse_address(address)  # a malformed address is the caller's bug: raise here
+        buf = as_byte_array(out)  # a view: the payload lands in `out` itself
+        msg = request.to_wire(self._token, dtype_name(out.dtype), int(buf.nbytes))
+        return self._submit(self._read(address, msg, buf, len(request.block_ids)), read=True)
+
+    def release(self, address: str, lease_id: str, reader_id: str | int) -> cf.Future[bool]:
+        """Confirm that reader ``reader_id`` has its data; True when that released the lease."""
+        parse_address(address)
+        msg = {"op": "RELEASE", "token": self._token, "lease_id": lease_id,
+               "reader_id": str(reader_id)}
+        return self._submit(self._release(address, msg))
+
+    def ping(self, address: str) -> cf.Future[dict[str, Any]]:
+        """The server's ``{ok, server_id, backend}`` (server_id changes when it restarts)."""
+        parse_address(address)
+        return self._submit(self._request(address, {"op": "PING", "token": self._token}))
+
+    def invalidate(self, address: str) -> cf.Future[None]:
+        """Drop the cached connection to ``address`` (e.g. the peer is known to be gone)."""
+        return self._submit(self._invalidate(address))
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Close every connection and stop the loop; pending requests fail. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        loop, self._loop = self._loop, None
+        if loop is None:
+            return
+        try:
+            loop.run(self._close_all(), timeout_s)
+        except Exception as e:
+            logger.warning("kv transfer client close: %r", e)
+        finally:
+            self.backend.release_loop(loop)
+
+    def __enter__(self) -> KVTransferClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals (loop thread) ----------------------------------------------------------
+
+    def _submit(self, coro: Any, read: bool = False) -> cf.Future[Any]:
+        loop = self._loop
+        if self._closed or loop is None:
+            coro.close()
+            fut: cf.Future[Any] = cf.Future()
+            fut.set_exception(TransferError(CLOSED, "client is closed"))
+            return fut
+        return loop.submit(self._bounded(coro, read))
+
+    async def _bounded(self, coro: Any, read: bool) -> Any:
+        try:
+            return await asyncio.wait_for(coro, self.timeout_s)
+        except asyncio.TimeoutError:
+            if read:  # failed transfers count reads only (as _read does)
+                self.stats.record_failure(TIMEOUT)
+            raise TransferError(TIMEOUT, f"no complete answer within {self.timeout_s}s") from None
+        except asyncio.CancelledError:
+            if self._closed:
+                raise TransferError(CLOSED, "client closed") from None
+            raise
+
+    async def _read(self, address: str, msg: dict[str, Any], buf: np.ndarray,
+                    num_blocks: int) -> ReadResult:
+        t0 = time.perf_counter()
+        try:
+            resp = await self._request(address, msg, payload=buf)
+        except TransferError as e:
+            self.stats.record_failure(e.code)
+            raise
+        dt = time.perf_counter() - t0
+        zero_copy = bool(resp.get("zero_copy", False))
+        self.stats.record_transfer(int(buf.nbytes), num_blocks, dt, zero_copy)
+        return ReadResult(int(buf.nbytes), num_blocks, dt, zero_copy)
+
+    async def _release(self, address: str, msg: dict[str, Any]) -> bool:
+        resp = await self._request(address, msg)
+        return bool(resp.get("released", False))
+
+    async def _invalidate(self, address: str) -> None:
+        peer = self._peers.get(address)
+        if peer is not None:
+            async with peer.lock:
+                await self._drop(peer)
+
+    async def _close_all(self) -> None:
+        for peer in list(self._peers.values()):
+            await self._drop(peer)
+        self._peers.clear()
+
+    @staticmethod
+    async def _drop(peer: _Peer) -> None:
+        conn, peer.conn = peer.conn, None
+        if conn is not None:
+            await conn.close()
+
+    async def _request(
+        self, address: str, msg: dict[str, Any], payload: np.ndarray | None = None
+    ) -> dict[str, Any]:
+        """Send ``msg`` on the peer's cached connection (opened lazily), read the answer and
+        then, for an ok READ, the payload into ``payload``."""
+        peer = self._peers.get(address)
+        if peer is None:
+            peer = self._peers[address] = _Peer()
+        async with peer.lock:  # one request at a time per connection
+            return await self._exchange(address, peer, msg, payload)
+
+    async def _exchange(
+        self, address: str, peer: _Peer, msg: dict[str, Any], payload: np.ndarray | None
+    ) -> dict[str, Any]:
+        for attempt in range(2):
+            reused = peer.conn is not None and not peer.conn.closed
+            if not reused:
+                await self._drop(peer)
+                host, port = parse_address(address)
+                try:
+                    peer.conn = await self.backend.connect(host, port, self.connect_timeout_s)
+                except ConnectionClosedError as e:
+                    raise TransferError(CONNECTION_FAILED, str(e)) from None
+            conn = peer.conn
+            assert conn is not None
+            settled = False
+            try:
+                try:
+                    await conn.send_header(msg)
+                    resp = await conn.recv_header()
+                except ConnectionClosedError as e:
+                    if reused and attempt == 0:
+                        # A stale cached connection (the peer restarted or dropped it): the
+                        # requests are idempotent, so retry once on a fresh connection.
+                        logger.info("kv transfer: reconnecting to %s (%s)", address, e)
+                        continue
+                    raise TransferError(CONNECTION_FAILED, str(e)) from None
+                except ProtocolError as e:
+                    raise TransferError(PROTOCOL_ERROR, str(e)) from None
+                if not resp.get("ok"):
+                    code = resp.get("code")
+                    if code not in SERVER_CODES:
+                        raise TransferError(PROTOCOL_ERROR, f"bad error answer {resp!r}")
+                    settled = code != UNAUTHORIZED  # the server hangs up after unauthorized
+                    raise TransferError(code, str(resp.get("message", "")), remote=True)
+                if payload is not None:
+                    if resp.get("nbytes") != payload.nbytes:
+                        raise TransferError(PROTOCOL_ERROR, f"server announced "
+                                            f"{resp.get('nbytes')} bytes, expected "
+                                            f"{payload.nbytes}")
+                    try:
+                        await conn.recv_payload_into(payload)
+                    except ConnectionClosedError as e:
+                        raise TransferError(CONNECTION_FAILED,
+                                            f"peer failed mid-transfer: {e}") from None
+                settled = True
+                return resp
+            finally:
+                if not settled:
+                    # Any failure, timeout or cancel mid-exchange leaves the stream in an
+                    # unknown state: invalidate the cached connection.
+                    await self._drop(peer)
+        raise AssertionError("unreachable")

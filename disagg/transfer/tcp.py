@@ -1,0 +1,175 @@
+"""TCP backend: asyncio on raw non-blocking sockets.
+
+``loop.sock_sendall`` straight from the KV cache / staging memory and ``loop.sock_recv_into``
+straight into the caller's preallocated buffer: ~2.5 GB/s on loopback here, where asyncio
+streams (``readexactly``, a copy per chunk) manage ~0.3 GB/s (UCX-NOTES). Each server and each
+client gets its own loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+
+from disagg.transfer.base import (
+    HEADER_PREFIX_BYTES,
+    Connection,
+    ConnectionClosedError,
+    ConnectionHandler,
+    Listener,
+    LoopThread,
+    TransportBackend,
+    decode_header,
+    encode_header,
+    header_length,
+)
+
+logger = logging.getLogger("disagg.transfer")
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        # Headers are tiny request/answer pairs: do not let Nagle hold them back.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class TcpConnection(Connection):
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self._sock = sock
+        self._loop = asyncio.get_running_loop()
+        self._closed = False
+        self.peer = peer
+        self._prefix = bytearray(HEADER_PREFIX_BYTES)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def _recv_exact(self, view: memoryview) -> None:
+        pos, n = 0, len(view)
+        while pos < n:
+            try:
+                got = await self._loop.sock_recv_into(self._sock, view[pos:])
+            except OSError as e:
+                raise ConnectionClosedError(f"{self.peer}: {e}") from e
+            if got == 0:
+                raise ConnectionClosedError(f"{self.peer}: connection closed by peer "
+                                            f"({pos}/{n} bytes received)")
+            pos += got
+
+    async def _send(self, data: bytes | memoryview) -> None:
+        if self._closed:
+            raise ConnectionClosedError(f"{self.peer}: connection closed")
+        try:
+            await self._loop.sock_sendall(self._sock, data)
+        except OSError as e:
+            raise ConnectionClosedError(f"{self.peer}: {e}") from e
+
+    async def send_header(self, obj: Mapping[str, Any]) -> None:
+        await self._send(encode_header(obj))
+
+    async def recv_header(self) -> dict[str, Any]:
+        if self._closed:
+            raise ConnectionClosedError(f"{self.peer}: connection closed")
+        await self._recv_exact(memoryview(self._prefix))
+        body = bytearray(header_length(self._prefix))
+        await self._recv_exact(memoryview(body))
+        return decode_header(body)
+
+    async def send_payload(self, data: np.ndarray) -> None:
+        await self._send(memoryview(data).cast("B"))
+
+    async def recv_payload_into(self, out: np.ndarray) -> None:
+        if self._closed:
+            raise ConnectionClosedError(f"{self.peer}: connection closed")
+        await self._recv_exact(memoryview(out).cast("B"))
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            with contextlib.suppress(OSError):
+                self._sock.close()
+
+
+class TcpListener(Listener):
+    def __init__(self, sock: socket.socket, task: asyncio.Task[None]) -> None:
+        self._sock = sock
+        self._task = task
+        self._port = sock.getsockname()[1]
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+
+class TcpBackend(TransportBackend):
+    name: ClassVar[str] = "tcp"
+
+    def acquire_loop(self, role: str) -> LoopThread:
+        return LoopThread(f"kv-transfer-tcp-{role}")
+
+    def release_loop(self, loop_thread: LoopThread) -> None:
+        loop_thread.stop()
+
+    async def listen(self, host: str, port: int, handler: ConnectionHandler) -> Listener:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _, _, _, addr = info[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            # A restarted server must be able to take its port back at once (TIME_WAIT).
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+            sock.listen(128)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(self._accept_loop(sock, handler))
+        return TcpListener(sock, task)
+
+    async def _accept_loop(self, sock: socket.socket, handler: ConnectionHandler) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn_sock, addr = await loop.sock_accept(sock)
+            except OSError as e:  # e.g. EMFILE: back off instead of spinning
+                logger.warning("kv transfer accept failed: %s", e)
+                await asyncio.sleep(0.1)
+                continue
+            _tune(conn_sock)
+            loop.create_task(handler(TcpConnection(conn_sock, f"{addr[0]}:{addr[1]}")))
+
+    async def connect(self, host: str, port: int, timeout_s: float) -> Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            info = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as e:
+            raise ConnectionClosedError(f"{host}:{port}: {e}") from e
+        family, _, _, _, addr = info[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await asyncio.wait_for(loop.sock_connect(sock, addr), timeout_s)
+        except (OSError, asyncio.TimeoutError) as e:
+            sock.close()
+            raise ConnectionClosedError(f"{host}:{port}: connect failed: {e!r}") from e
+        except BaseException:
+            sock.close()
+            raise
+        _tune(sock)
+        return TcpConnection(sock, f"{host}:{port}")
