@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import argparse
 import os
+
+# With two OpenMP threads on a shared 2-core machine, spinning waits make runs erratic
+# (measured in bench/results/parallel.md); passive waiting keeps both systems comparable.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import platform
 import random
 import statistics
@@ -164,7 +168,8 @@ def main() -> None:
         f"## engine_throughput ({time.strftime('%Y-%m-%d')})",
         "",
         f"- machine: {platform.machine()}, {os.cpu_count()} cores, {platform.system()}, "
-        f"torch {torch.__version__}, threads {torch.get_num_threads()}, device cpu, float32",
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, device cpu, float32, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}",
         f"- model: llama {SIZES}, {n_params / 1e6:.1f} M parameters",
         f"- workload: {args.num_requests} requests, prompt 32-512, output 16-256 tokens "
         f"(seed {args.seed}), {e_tok} output tokens; batch size {args.batch_size}",
