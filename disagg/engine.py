@@ -13,7 +13,8 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,10 @@ from disagg.runner import ModelRunner
 from disagg.sampler import Sampler
 from disagg.scheduler import Scheduler, SchedulerOutput
 from disagg.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from disagg.disaggregation import DisaggRuntime, DisaggSettings
+    from disagg.transfer.params import ContextParams
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +74,8 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None
     prompt: str | None = None
+    # Context-only answers that are not final: ContextParams.to_dict() for the router.
+    disaggregated_params: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -99,6 +106,18 @@ class _State:
     sent_logprobs: int = 0
     prompt: str | None = None
     banned_until_min: tuple[int, ...] = field(default_factory=tuple)
+    # context_only: the client's real params (the engine runs max_tokens=1 and keeps these to
+    # decide whether the first token is final).
+    ctx_params: SamplingParams | None = None
+    disagg_out: dict | None = None
+    # generation_only: where the prompt KV comes from, and whether the lease was released.
+    remote: ContextParams | None = None
+    remote_released: bool = False
+
+
+def context_only_params(params: SamplingParams) -> SamplingParams:
+    """What a context worker runs for a context-only request: prefill + one sampled token."""
+    return replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
 
 
 def make_executor(config: EngineConfig) -> ModelRunner | DistributedExecutor:
@@ -128,6 +147,7 @@ class LLMEngine:
         self._states: dict[str, _State] = {}
         self._last_sched: SchedulerOutput | None = None
         self._steps = 0
+        self.transfer: DisaggRuntime | None = None  # set for context / generation workers
 
     @classmethod
     def from_options(cls, model_dir: str, **options: object) -> LLMEngine:
@@ -165,9 +185,19 @@ class LLMEngine:
         params: SamplingParams,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        context_only: bool = False,
+        remote: ContextParams | None = None,
     ) -> None:
+        """Queue a request. ``context_only``: prefill and sample one token only; unless that
+        token ends the request its blocks are leased to a generation worker. ``remote``: a
+        generation-only request whose prompt KV is pulled from the context worker named there.
+        """
         if request_id in self._states:
             raise ValueError(f"request_id: {request_id!r} is already in use")
+        ctx_params = None
+        if context_only:
+            ctx_params = params
+            params = context_only_params(params)
         self.validate(prompt_token_ids, params)
         max_queue = self.config.scheduler.max_queue
         if max_queue is not None and self.scheduler.num_waiting >= max_queue:
@@ -178,6 +208,15 @@ class LLMEngine:
             sampling_params=params,
             eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
         )
+        logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        if remote is not None:
+            if self.transfer is None:
+                raise ValueError("disaggregated_params: this worker cannot pull KV")
+            # The context worker's first token is already an output; only its KV is missing.
+            req.output_token_ids = list(remote.first_gen_tokens)
+            req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+            if logprobs is not None:
+                logprobs = list(remote.first_gen_logprobs or [{} for _ in req.output_token_ids])
         if arrival_time is not None:
             req.arrival_time = arrival_time
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
@@ -188,11 +227,17 @@ class LLMEngine:
             detok=IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params),
             generator=gen,
             metrics=RequestMetrics(arrival_time=req.arrival_time),
-            logprobs=[] if params.logprobs is not None else None,
+            logprobs=logprobs,
             prompt=prompt,
             banned_until_min=banned if params.min_tokens > 0 else (),
+            ctx_params=ctx_params,
+            remote=remote,
         )
         self.scheduler.add_request(req)
+        # Only a request that may go on keeps its blocks: real max_tokens 1 is final anyway.
+        if (ctx_params is not None and ctx_params.max_tokens > 1 and self.transfer is not None
+                and not req.is_finished()):
+            self.scheduler.hold_blocks_on_finish(request_id)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort and free the request's blocks now; returns its final output, if it existed."""
@@ -202,7 +247,99 @@ class LLMEngine:
         self.scheduler.abort_request(request_id)
         st.request.status = RequestStatus.FINISHED_ABORTED
         del self._states[request_id]
+        self._release_remote(st)
         return self._make_output(st, "", finished=True)
+
+    def _release_remote(self, st: _State) -> None:
+        """A generation-only request is done with its context lease (pulled, failed, aborted):
+        the context worker may free the blocks now. Idempotent."""
+        if st.remote is None or st.remote_released or self.transfer is None:
+            return
+        st.remote_released = True
+        self.transfer.cancel_fetch(st.request.request_id)
+        self.transfer.release_remote(st.remote)
+
+    def has_schedulable(self) -> bool:
+        """True when a step could make progress (requests that only wait for their KV
+        transfer do not count: the loop waits for the transfer instead of spinning)."""
+        sch = self.scheduler
+        return len(sch.requests) > sch.num_fetching or sch.num_finished_unreported > 0
+
+    def service_transfers(self) -> list[RequestOutput]:
+        """Engine thread, never blocks: free blocks of ended leases, expire leases, install
+        pulled KV (the request decodes from the next step) or fail requests whose pull
+        failed."""
+        rt = self.transfer
+        if rt is None:
+            return []
+        for rid in rt.drain_released():
+            self.scheduler.release_held(rid)
+        ready, failed = rt.poll_fetches()
+        outputs: list[RequestOutput] = []
+        now = time.monotonic()
+        for rid in ready:
+            st = self._states.get(rid)
+            if st is None:
+                continue
+            self.scheduler.remote_kv_ready(rid)
+            self._release_remote(st)  # the data is here: the context side frees its blocks
+            st.metrics.first_scheduled_time = st.metrics.first_scheduled_time or now
+            st.metrics.first_token_time = now
+            st.metrics.last_token_time = now
+            delta = "".join(st.detok.update(t) for t in st.request.output_token_ids)
+            finished = False
+            if st.detok.stopped:
+                st.request.stop_reason = st.detok.stop_reason
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+                finished = True
+            outputs.append(self._make_output(st, delta, finished=finished))
+        for rid, error in failed:
+            logger.warning("request %s: %s", rid, error)
+            outputs.extend(self._fail_requests([rid], error))
+        return self._collect_finished_without_step(outputs) if outputs else outputs
+
+    def _start_fetches(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        failed: list[str] = []
+        for f in sched.kv_fetches:
+            st = self._states[f.request_id]
+            assert st.remote is not None and self.transfer is not None
+            try:
+                self.transfer.start_fetch(f.request_id, st.remote, f.block_ids)
+            except Exception as e:  # e.g. a backend that cannot start: fail this request only
+                logger.exception("starting the KV pull of %s failed", f.request_id)
+                failed.append(f.request_id)
+                st.request.error = f"kv transfer failed: {e!r}"
+        outs: list[RequestOutput] = []
+        for rid in failed:
+            outs.extend(self._fail_requests([rid], self._states[rid].request.error or ""))
+        return outs
+
+    def _finish_context_only(self, st: _State) -> None:
+        """A context-only request sampled its token: lease its blocks, or (a final answer:
+        EOS, stop token or string, real max_tokens 1) free them now."""
+        req = st.request
+        rid = req.request_id
+        assert st.ctx_params is not None
+        if st.detok.stopped and req.status == RequestStatus.FINISHED_LENGTH:
+            req.status = RequestStatus.FINISHED_STOPPED  # a stop string: final
+            req.stop_reason = st.detok.stop_reason
+        blocks = self.scheduler.held.get(rid)
+        if blocks is None:
+            return  # final (or held nothing): the scheduler freed the blocks
+        if req.status != RequestStatus.FINISHED_LENGTH or self.transfer is None:
+            self.scheduler.release_held(rid)
+            return
+        try:
+            params = self.transfer.create_lease(
+                rid, blocks, req.prompt_token_ids, req.output_token_ids,
+                list(st.logprobs) if st.logprobs is not None else None)
+        except Exception as e:
+            logger.exception("leasing the blocks of %s failed", rid)
+            self.scheduler.release_held(rid)
+            req.status = RequestStatus.FINISHED_ERROR
+            req.error = f"kv lease failed: {e!r}"
+            return
+        st.disagg_out = params.to_dict()
 
     def has_unfinished(self) -> bool:
         return bool(self._states)
@@ -214,6 +351,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Release the executor (stops and reaps the other ranks of a parallel worker)."""
+        if self.transfer is not None:
+            self.transfer.shutdown()
         self.runner.shutdown()
 
     # ---- the step -------------------------------------------------------------------------
@@ -222,7 +361,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self._last_sched = sched
         self._steps += 1
-        outputs: list[RequestOutput] = []
+        outputs: list[RequestOutput] = self._start_fetches(sched) if sched.kv_fetches else []
         if not sched.scheduled:
             # Still reported: requests the scheduler refused when they were added.
             self.scheduler.update_from_output(sched, {})
@@ -257,7 +396,7 @@ class LLMEngine:
             raise  # not this step's fault: the engine cannot go on (AsyncLLM stops)
         except Exception as e:  # the step failed: fail its requests, keep the loop alive
             logger.exception("engine step failed")
-            outputs = self._fail_requests([r.request_id for r in sched.scheduled], repr(e))
+            outputs += self._fail_requests([r.request_id for r in sched.scheduled], repr(e))
             self.scheduler.update_from_output(sched, {})  # every plan entry is now stale
             return outputs
 
@@ -275,6 +414,8 @@ class LLMEngine:
                 finished.add(rid)
             if rid in finished and not st.detok.stopped:
                 delta += st.detok.flush()
+            if rid in finished and st.ctx_params is not None:
+                self._finish_context_only(st)
             outputs.append(self._make_output(st, delta, finished=rid in finished))
         # Requests the scheduler ended without sampling (errors) still owe a final output.
         for rid in finished - set(sampled):
@@ -290,7 +431,9 @@ class LLMEngine:
                 outputs.append(self._make_output(st, st.detok.flush(), finished=True))
         for o in outputs:
             if o.finished:
-                self._states.pop(o.request_id, None)
+                st = self._states.pop(o.request_id, None)
+                if st is not None:
+                    self._release_remote(st)
         return outputs
 
     def _fail_requests(self, request_ids: list[str], error: str) -> list[RequestOutput]:
@@ -336,6 +479,7 @@ class LLMEngine:
             metrics=st.metrics,
             error=req.error if finished else None,
             prompt=st.prompt,
+            disaggregated_params=st.disagg_out if finished else None,
         )
 
     # ---- introspection --------------------------------------------------------------------
@@ -361,12 +505,23 @@ class LLMEngine:
 class AsyncLLM:
     """Runs an LLMEngine on a background thread for asyncio callers (the HTTP server)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, disagg: DisaggSettings | None = None) -> None:
         self.config = config
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self._cmds: queue.SimpleQueue[tuple[str, tuple]] = queue.SimpleQueue()
         self._wake = threading.Event()
+        if disagg is not None:
+            from disagg.disaggregation import DisaggRuntime
+
+            if config.parallel.world_size != 1:
+                raise ValueError("disaggregated workers are single-rank for now")
+            try:
+                self.engine.transfer = DisaggRuntime(disagg, config, self.engine.runner.kv_cache,
+                                                     self._wake.set)
+            except BaseException:
+                self.engine.shutdown()
+                raise
         self._stop = threading.Event()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._sinks_lock = threading.Lock()
@@ -412,6 +567,17 @@ class AsyncLLM:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    @property
+    def transfer(self) -> DisaggRuntime | None:
+        """The KV transfer side of a context / generation worker (None when aggregated)."""
+        return self.engine.transfer
+
+    def release_remote(self, params: ContextParams) -> None:
+        """Release a context lease for a generation-only request refused before it reached
+        the engine (thread-safe: the client only submits to its own loop)."""
+        if self.engine.transfer is not None:
+            self.engine.transfer.release_remote(params)
+
     # ---- requests -------------------------------------------------------------------------
 
     async def generate(
@@ -420,15 +586,22 @@ class AsyncLLM:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
+        context_only: bool = False,
+        remote: ContextParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        if not self.is_healthy():
-            raise EngineDeadError(f"engine is not running: {self._error!r}")
-        self.engine.validate(prompt_token_ids, params)
-        max_queue = self.config.scheduler.max_queue
-        if max_queue is not None and self.engine.scheduler.num_waiting + self._pending_adds >= (
-            max_queue
-        ):
-            raise QueueFullError(f"waiting queue is full ({max_queue} requests)")
+        try:
+            if not self.is_healthy():
+                raise EngineDeadError(f"engine is not running: {self._error!r}")
+            self.engine.validate(prompt_token_ids,
+                                 context_only_params(params) if context_only else params)
+            max_queue = self.config.scheduler.max_queue
+            if max_queue is not None and (
+                    self.engine.scheduler.num_waiting + self._pending_adds >= max_queue):
+                raise QueueFullError(f"waiting queue is full ({max_queue} requests)")
+        except BaseException:
+            if remote is not None:  # refused: the context worker must not hold the KV
+                self.release_remote(remote)
+            raise
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         with self._sinks_lock:
@@ -437,7 +610,7 @@ class AsyncLLM:
             self._sinks[request_id] = (loop, sink)
             self._pending_adds += 1
         self._cmds.put(("add", (request_id, list(prompt_token_ids), params, prompt,
-                                time.monotonic())))
+                                time.monotonic(), context_only, remote)))
         self._wake.set()
         finished = False
         try:
@@ -482,12 +655,15 @@ class AsyncLLM:
             except queue.Empty:
                 return
             if kind == "add":
-                rid, tokens, params, prompt, arrival = args
+                rid, tokens, params, prompt, arrival, context_only, remote = args
                 with self._sinks_lock:
                     self._pending_adds -= 1
                 try:
-                    self.engine.add_request(rid, tokens, params, prompt, arrival)
+                    self.engine.add_request(rid, tokens, params, prompt, arrival,
+                                            context_only=context_only, remote=remote)
                 except Exception as e:  # validation raced with a config change, queue full, ...
+                    if remote is not None:
+                        self.release_remote(remote)
                     self._deliver(rid, e)
             elif kind == "abort":
                 out = self.engine.abort_request(args[0])
@@ -499,13 +675,19 @@ class AsyncLLM:
             while not self._stop.is_set():
                 if self.engine.fatal_error is not None:
                     raise WorkerDiedError(self.engine.fatal_error)
+                # Cleared before the work: a wake-up set meanwhile is not lost.
+                self._wake.clear()
                 self._drain_commands()
-                if self.engine.has_unfinished():
+                for out in self.engine.service_transfers():
+                    self._deliver(out.request_id, out)
+                if self.engine.has_schedulable():
                     for out in self.engine.step():
                         self._deliver(out.request_id, out)
                 else:
-                    self._wake.wait(timeout=0.5)
-                    self._wake.clear()
+                    # Idle, or only waiting for KV pulls (their futures wake us) and lease
+                    # expiries (swept every few hundred ms).
+                    rt = self.engine.transfer
+                    self._wake.wait(timeout=0.1 if rt is not None and rt.busy() else 0.5)
         except BaseException as e:  # a bug in the engine itself: report and stop serving
             logger.exception("engine loop died")
             self._error = e

@@ -133,6 +133,11 @@ class Scheduler:
     def num_fetching(self) -> int:
         return len(self.fetching)
 
+    @property
+    def num_finished_unreported(self) -> int:
+        """Requests refused by ``add_request`` that ``update_from_output`` has not returned."""
+        return len(self._finished_early)
+
     def has_unfinished(self) -> bool:
         """True while a request is unfinished, or finished but not yet returned by
         ``update_from_output`` (so an engine loop keeps stepping until it has reported it)."""

@@ -87,7 +87,7 @@ def test_prompt_forms() -> None:
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"logit_bias": {"1": 2.0}}, "logit_bias"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"disaggregated_params": {"request_type": "context_only"}}, "disaggregated_params"),
+    ({"disaggregated_params": {"request_type": "prefill_please"}}, "disaggregated_params"),
 ])
 def test_out_of_range_parameters_are_400(extra: dict, param: str) -> None:
     req = parse(P.CompletionRequest, {"prompt": "x", **extra})
@@ -364,10 +364,32 @@ def test_kv_cache_flags_are_exclusive() -> None:
                               "--kv-cache-fraction", "0.5"])
 
 
-def test_unavailable_role_exits_with_a_message(capsys) -> None:
+def test_multi_rank_disaggregated_role_exits_with_a_message(capsys, monkeypatch) -> None:
     from disagg.cli import main
 
+    monkeypatch.setenv("DISAGG_CLUSTER_TOKEN", "t")
     for role in ("context", "generation"):
-        assert main(["serve", "/nonexistent", "--role", role]) == 2
+        assert main(["serve", "/nonexistent", "--role", role,
+                     "--tensor-parallel-size", "2"]) == 2
         err = capsys.readouterr().err
-        assert f"role: '{role}' is not available yet" in err and "aggregated" in err
+        assert "multi-rank disaggregated workers are not available yet" in err, err
+
+
+def test_disaggregated_role_needs_a_cluster_token(capsys, monkeypatch) -> None:
+    from disagg.cli import main
+
+    monkeypatch.delenv("DISAGG_CLUSTER_TOKEN", raising=False)
+    assert main(["serve", "/nonexistent", "--role", "context"]) == 2
+    assert "cluster token" in capsys.readouterr().err
+
+
+def test_worker_yaml_transfer_keys(tmp_path) -> None:
+    cfg = tmp_path / "w.yaml"
+    cfg.write_text("model: /m\nrole: context\ncache_transceiver_config: {backend: tcp}\n"
+                   "kv_lease_ttl_s: 5\n")
+    opts = resolve_options(_parser().parse_args(["serve", "--config", str(cfg)]))
+    assert opts["kv_transfer_backend"] == "TCP" and opts["kv_lease_ttl"] == 5.0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: /m\ncache_transceiver_config: {backend: RDMA}\n")
+    with pytest.raises(ConfigError, match="cache_transceiver_config"):
+        resolve_options(_parser().parse_args(["serve", "--config", str(bad)]))

@@ -31,6 +31,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from disagg import __version__
+from disagg.disaggregation import KV_TRANSFER_ERROR
 from disagg.engine import EngineDeadError, QueueFullError
 from disagg.kv_cache.hashing import BLOCK_HASH_SCHEME
 from disagg.parallel.layout import ParallelLayout
@@ -38,6 +39,8 @@ from disagg.request import SamplingParams
 from disagg.server import protocol as P
 from disagg.server.cli import check_role
 from disagg.server.metrics import ServerMetrics
+from disagg.transfer.layout import check_compatible
+from disagg.transfer.params import ContextParams
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +86,8 @@ class _Choice:
     pending_ids: list[int] = field(default_factory=list)
     pending_lps: list[dict[int, float]] = field(default_factory=list)
     text_offset: int = 0
+    context_only: bool = False  # prefill + first token; the answer carries the KV lease
+    remote: ContextParams | None = None  # generation_only: where the prompt KV is pulled from
 
 
 class _FanOut:
@@ -103,8 +108,11 @@ class _FanOut:
 
     async def _pump(self, c: _Choice) -> None:
         try:
+            kw: dict[str, Any] = {}
+            if c.context_only or c.remote is not None:  # only disaggregated engines take these
+                kw = {"context_only": c.context_only, "remote": c.remote}
             gen = self.server.engine.generate(c.request_id, c.prompt_ids, c.params,
-                                              prompt=c.prompt_text)
+                                              prompt=c.prompt_text, **kw)
             async for out in gen:
                 self.queue.put_nowait((c, out))
         except asyncio.CancelledError:
@@ -129,6 +137,9 @@ class _FanOut:
                 c, item = await self.queue.get()
                 if isinstance(item, BaseException):
                     raise _map_engine_error(item)
+                if item.finished and _transfer_failed(item):
+                    # No token yet: a failed KV pull gets its own status, streamed or not.
+                    raise _transfer_error(item.error)
                 self.buffer.append((c, item))
                 if c in waiting:
                     waiting.discard(c)
@@ -155,6 +166,8 @@ class _FanOut:
             if isinstance(item, BaseException):
                 raise _map_engine_error(item)
             self._observe(c, item)
+            if item.finished and _transfer_failed(item):
+                raise _transfer_error(item.error)
             if item.finished and getattr(item, "error", None):
                 raise P.APIError(500, f"the request failed in the engine: {item.error}",
                                  type="internal_server_error")
@@ -207,6 +220,17 @@ class _FanOut:
     async def abort_if_unfinished(self) -> None:
         if not self.done:
             self.abort()
+
+
+def _transfer_failed(out: Any) -> bool:
+    error = getattr(out, "error", None)
+    return isinstance(error, str) and error.startswith(KV_TRANSFER_ERROR)
+
+
+def _transfer_error(error: str) -> P.APIError:
+    # 502: the upstream (context worker) could not deliver the KV; never answer with
+    # tokens computed without it.
+    return P.APIError(502, error, type="kv_transfer_error", code="kv_transfer_failed")
 
 
 def _map_engine_error(e: BaseException) -> P.APIError:
@@ -328,6 +352,40 @@ class _Server:
                                 param=field)
         return list(prompt)
 
+    def request_type(self, req: Any, num_prompts: int) -> str | None:
+        """The request's disaggregated type if it needs this role's KV plumbing, else None
+        (an ordinary request). 400 when this worker's role cannot serve it."""
+        kind = req.request_type
+        if kind in (None, "context_and_generation"):
+            return None
+        need = "context" if kind == "context_only" else "generation"
+        if self.settings.role != need or getattr(self.engine, "transfer", None) is None:
+            raise P.bad_request(
+                f"disaggregated_params.request_type: {kind!r} requests need a {need} worker; "
+                f"this worker's role is {self.settings.role!r}", param="disaggregated_params")
+        if req.n != 1 or num_prompts != 1:
+            raise P.bad_request(f"n: a {kind} request has exactly one prompt and n = 1",
+                                param="n")
+        if kind == "context_only" and req.stream:
+            raise P.bad_request("stream: context_only answers are not streamed", param="stream")
+        return kind
+
+    def remote_params(self, req: Any, prompt_ids: list[int] | None) -> ContextParams:
+        """Validate a generation_only request's ContextParams (400 naming the field)."""
+        d = dict(req.disaggregated_params)
+        try:
+            params = ContextParams.from_dict(
+                d, prompt_token_ids=None if "prompt_token_ids" in d else prompt_ids)
+        except ValueError as e:
+            raise P.bad_request(str(e), param="disaggregated_params") from None
+        try:
+            check_compatible(params.layout, self.engine.transfer.layout)
+        except ValueError as e:
+            self.engine.release_remote(params)  # parsed: the context worker holds its KV
+            raise P.bad_request(f"disaggregated_params.{e}", param="disaggregated_params"
+                                ) from None
+        return params
+
     async def until_disconnect(self, request: Request, work: Awaitable[T]) -> T:
         """Await ``work``; if the client disconnects first, cancel it (its cleanup aborts the
         engine requests) and raise ``_ClientGone``."""
@@ -426,6 +484,10 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         srv.check_accepting()
         rid = P.new_id("cmpl")
         prompts = req.prompts()
+        kind = srv.request_type(req, len(prompts))
+        if kind is not None:
+            return await _disagg(request, req, prompts[0], None, kind,
+                                 _CompletionFormat(srv, req, rid), t_arrival)
         choices: list[_Choice] = []
         n = req.n
         for pi, prompt in enumerate(prompts):
@@ -451,6 +513,11 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         srv.check_accepting()
         rid = P.new_id("chatcmpl")
         messages = req.chat_messages()
+        kind = srv.request_type(req, 1)
+        if kind == "generation_only" and "prompt_token_ids" in req.disaggregated_params:
+            # The context worker's token ids are the prompt (no second tokenization).
+            return await _disagg(request, req, None, None, kind, _ChatFormat(srv, req, rid),
+                                 t_arrival)
         try:
             text = engine.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=req.add_generation_prompt)
@@ -459,6 +526,9 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                                 param="messages") from None
         # The template writes the special tokens (bos) itself.
         ids = srv.encode_prompt(text, add_special_tokens=False, field="messages")
+        if kind is not None:
+            return await _disagg(request, req, ids, text, kind, _ChatFormat(srv, req, rid),
+                                 t_arrival)
         params = req.to_sampling_params(len(ids), srv.max_model_len, srv.kv_capacity_tokens())
         choices = [
             _Choice(i, rid if req.n == 1 else f"{rid}-{i}", 0, ids, text,
@@ -466,6 +536,40 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
             for i in range(req.n)
         ]
         return await _respond(request, req, choices, _ChatFormat(srv, req, rid), t_arrival)
+
+    async def _disagg(request: Request, req: Any, prompt: str | list[int] | None,
+                      text: str | None, kind: str, fmt: _Format, t_arrival: float) -> Response:
+        """One context_only or generation_only choice. ``prompt``: text or ids to encode, or
+        None when the ids come from ``disaggregated_params.prompt_token_ids``."""
+        is_chat = isinstance(fmt, _ChatFormat)
+        ids: list[int] | None = None
+        if prompt is not None:
+            if is_chat:  # chat prompts arrive encoded already
+                ids = list(prompt)  # type: ignore[arg-type]
+            elif kind == "context_only" or "prompt_token_ids" not in req.disaggregated_params:
+                ids = srv.encode_prompt(prompt)
+            if isinstance(prompt, str):
+                text = prompt
+        remote = srv.remote_params(req, ids) if kind == "generation_only" else None
+        try:
+            if remote is not None:
+                ids = list(remote.prompt_token_ids)
+            assert ids is not None
+            if is_chat:
+                params = req.to_sampling_params(len(ids), srv.max_model_len,
+                                                srv.kv_capacity_tokens())
+            else:
+                params = req.to_sampling_params(len(ids), srv.max_model_len)
+            if remote is not None and params.max_tokens <= len(remote.first_gen_tokens):
+                raise P.bad_request("max_tokens: the context worker's answer already holds "
+                                    "every token asked for (it was final)", param="max_tokens")
+        except P.APIError:
+            if remote is not None:  # refused after the params were parsed: free the context KV
+                srv.engine.release_remote(remote)
+            raise
+        choice = _Choice(0, fmt.rid, 0, ids, text, params, context_only=kind == "context_only",
+                         remote=remote)
+        return await _respond(request, req, [choice], fmt, t_arrival)
 
     async def _respond(request: Request, req: Any, choices: list[_Choice], fmt: _Format,
                        t_arrival: float) -> Response:
@@ -493,7 +597,14 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
             await srv.until_disconnect(request, run())
         except _ClientGone:
             return Response(status_code=499)  # nobody reads it; nginx's "client closed"
-        return JSONResponse(fmt.response(choices), headers={"X-Request-Id": rid})
+        body = fmt.response(choices)
+        if choices[0].context_only:
+            # The router's next call: null params mean the answer is final (EOS, stop, or
+            # max_tokens reached) and the context worker has freed the KV already.
+            final = choices[0].final
+            body["prompt_token_ids"] = list(choices[0].prompt_ids)
+            body["disaggregated_params"] = getattr(final, "disaggregated_params", None)
+        return JSONResponse(body, headers={"X-Request-Id": rid})
 
     async def _stream(fan: _FanOut, fmt: _Format) -> AsyncIterator[str]:
         try:
@@ -573,6 +684,10 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
             },
             "dtype": cfg.dtype,
             "device": cfg.device,
+            # Context / generation workers: worker_id, backend, transfer address(es).
+            "kv_transfer": (engine.transfer.info()
+                            if getattr(engine, "transfer", None) is not None else None),
+            "kv_blocks_used": _blocks_used(engine),
         }
 
     @app.get("/metrics")
@@ -581,6 +696,13 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         return Response(body, media_type=content_type)
 
     return app
+
+
+def _blocks_used(engine: Any) -> int | None:
+    try:
+        return int(engine.stats().kv_blocks_used)
+    except Exception:
+        return None
 
 
 def begin_drain(app: FastAPI, grace_s: float) -> None:

@@ -63,28 +63,40 @@ ENGINE_OPTIONS: dict[str, _Opt] = {
 }
 
 ROLES = ("aggregated", "context", "generation")
-# context / generation need the KV transfer (a later issue); refuse them rather than pretend.
-AVAILABLE_ROLES = ("aggregated",)
+AVAILABLE_ROLES = ROLES
+DISAGG_ROLES = ("context", "generation")
 
 
 class RoleNotAvailableError(ValueError):
-    """The requested worker role is not implemented yet."""
+    """The requested worker role (or this combination with it) is not implemented yet."""
 
 
-def check_role(role: str) -> None:
+def check_role(role: str, world_size: int = 1) -> None:
     if role not in ROLES:
         raise ValueError(f"role: {role!r} is not one of {list(ROLES)}")
-    if role not in AVAILABLE_ROLES:
+    if role in DISAGG_ROLES and world_size > 1:
+        # Honest refusal: the KV plumbing of multi-rank context/generation workers (one
+        # transfer server / client per rank) is not wired yet.
         raise RoleNotAvailableError(
-            f"role: {role!r} is not available yet: disaggregated context/generation workers "
-            f"arrive with KV transfer; use --role aggregated")
+            f"role: {role!r} with tensor_parallel_size * pipeline_parallel_size = {world_size}: "
+            f"multi-rank disaggregated workers are not available yet; run {role} workers with "
+            f"one rank (tp = pp = 1), or use --role aggregated")
 
 SERVER_OPTIONS: dict[str, _Opt] = {
     "model": _Opt(str, "checkpoint folder (instead of the MODEL_DIR argument)"),
     "host": _Opt(str, "address to bind (default 127.0.0.1)"),
     "port": _Opt(int, "port to bind; 0 picks a free one (default 8000)"),
-    "role": _Opt(str, "worker role (default aggregated; context/generation arrive with KV "
-                 "transfer)", choices=ROLES),
+    "role": _Opt(str, "worker role (default aggregated); context / generation serve "
+                 "disaggregated requests (single-rank workers)", choices=ROLES),
+    "kv_transfer_backend": _Opt(str, "KV transfer backend of a context/generation worker "
+                                "(default UCX; YAML: cache_transceiver_config.backend)",
+                                choices=("UCX", "TCP", "ucx", "tcp")),
+    "kv_transfer_host": _Opt(str, "address the context worker's KV transfer server binds and "
+                             "advertises (default: --host)", metavar="HOST"),
+    "cluster_token": _Opt(str, "shared secret of KV transfer peers (default: "
+                          "$DISAGG_CLUSTER_TOKEN)", metavar="TOKEN"),
+    "kv_lease_ttl": _Opt(float, "seconds a context worker keeps a request's KV for the "
+                         "generation worker (default 30; YAML: kv_lease_ttl_s)", metavar="S"),
     "served_model_name": _Opt(str, "model name clients send (default: MODEL_DIR as given)",
                               metavar="NAME"),
     "api_key": _Opt(str, "require 'Authorization: Bearer KEY' on /v1/*", metavar="KEY"),
@@ -141,6 +153,19 @@ def load_worker_yaml(path: str) -> dict[str, Any]:
         raise ConfigError(f"{path}: expected a mapping of options, got {type(data).__name__}")
     known = {**SERVER_OPTIONS, **ENGINE_OPTIONS}
     out: dict[str, Any] = {}
+    data = dict(data)
+    if "cache_transceiver_config" in data:  # trtllm-serve's shape: {backend: UCX | TCP}
+        from disagg.transfer.base import CacheTransceiverConfig
+
+        raw = data.pop("cache_transceiver_config")
+        try:
+            ctc = CacheTransceiverConfig.from_dict(raw if raw is not None else {})
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{path}: cache_transceiver_config: {e}") from None
+        out["kv_transfer_backend"] = ctc.backend
+        out["ucx_profile"] = ctc.ucx_profile
+    if "kv_lease_ttl_s" in data:
+        data["kv_lease_ttl"] = data.pop("kv_lease_ttl_s")
     for key, value in data.items():
         if key not in known:
             hint = (" (a cluster key of the disagg YAML; a worker file holds only worker "
@@ -196,6 +221,8 @@ def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = dict(SERVER_DEFAULTS)
     if getattr(args, "config", None):
         options.update({k: v for k, v in load_worker_yaml(args.config).items() if v is not None})
+    # Not a flag: the UCX profile only comes from the YAML's cache_transceiver_config.
+    ucx_profile = options.pop("ucx_profile", None)
     for name in (*SERVER_OPTIONS, *ENGINE_OPTIONS):
         value = getattr(args, name, None)
         if value is not None:
@@ -204,6 +231,8 @@ def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
         options["model"] = args.model_dir
     if not options.get("model"):
         raise ConfigError("MODEL_DIR: required (as an argument or as 'model' in --config)")
+    if ucx_profile is not None:
+        options["ucx_profile"] = ucx_profile
     return options
 
 
@@ -213,7 +242,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"disagg serve: error: {e}", file=sys.stderr)
         return 2
-    server = {k: options.pop(k) for k in list(options) if k in SERVER_OPTIONS}
+    server = {k: options.pop(k) for k in list(options)
+              if k in SERVER_OPTIONS or k == "ucx_profile"}
     return run_server(server.pop("model"), engine_options=options, **server)
 
 
@@ -228,13 +258,32 @@ def run_server(
     drain_timeout: float = 30.0,
     log_level: str = "info",
     engine_options: dict[str, Any] | None = None,
+    kv_transfer_backend: str = "UCX",
+    kv_transfer_host: str | None = None,
+    cluster_token: str | None = None,
+    kv_lease_ttl: float = 30.0,
+    ucx_profile: str = "same_host",
 ) -> int:
     """Load the model, serve until SIGTERM/SIGINT, drain, return the exit code."""
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    eo = engine_options or {}
+    world = int(eo.get("tensor_parallel_size") or 1) * int(eo.get("pipeline_parallel_size") or 1)
+    disagg_settings = None
     try:
-        check_role(role)  # before loading anything: fail fast on a role we cannot serve
-    except RoleNotAvailableError as e:
+        check_role(role, world)  # before loading anything: fail fast on a role we cannot serve
+        if role in DISAGG_ROLES:
+            from disagg.disaggregation import DisaggSettings
+            from disagg.transfer.base import resolve_cluster_token
+
+            if kv_lease_ttl is None or kv_lease_ttl <= 0:
+                raise ValueError("kv_lease_ttl: must be > 0")
+            disagg_settings = DisaggSettings(
+                role=role, cluster_token=resolve_cluster_token(cluster_token),
+                backend=(kv_transfer_backend or "UCX").upper(),
+                host=kv_transfer_host or host, lease_ttl_s=float(kv_lease_ttl),
+                ucx_profile=ucx_profile or "same_host")
+    except ValueError as e:  # RoleNotAvailableError, no cluster token, bad ttl
         print(f"disagg serve: error: {e}", file=sys.stderr)
         return 2
 
@@ -251,9 +300,12 @@ def run_server(
         print(f"disagg serve: error: {e}", file=sys.stderr)
         return 2
     try:
-        engine = AsyncLLM(config)
+        engine = AsyncLLM(config, disagg=disagg_settings)
     except (ValueError, OSError) as e:  # unreadable checkpoint, bad tensor, KV does not fit
         print(f"disagg serve: error: cannot load {model_dir}: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:  # the KV transfer backend cannot start (e.g. no ucxx)
+        print(f"disagg serve: error: KV transfer: {e}", file=sys.stderr)
         return 1
     except WorkerStartupError as e:  # a rank of a parallel worker failed to start
         print(f"disagg serve: error: {e}", file=sys.stderr)
@@ -278,6 +330,8 @@ def run_server(
     server = make_draining_server(uv_config, on_exit, fatal)
     logger.info("serving %s as %r (role %s) on %s:%d", model_dir, settings.model_name, role,
                 host, port)
+    if engine.transfer is not None:
+        logger.info("kv transfer: %s", engine.transfer.info())
     if config.parallel.world_size > 1:
         logger.info("rank pids: %s", engine.rank_pids)
     try:

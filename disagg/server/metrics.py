@@ -28,7 +28,12 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 logger = logging.getLogger(__name__)
@@ -86,6 +91,7 @@ class ServerMetrics:
             PREFIX + "request_generation_tokens", "Generated tokens of finished requests.",
             labels, buckets=TOKEN_BUCKETS, registry=reg)
         reg.register(_EngineStatsCollector(engine, model_name, max_batch_size, max_num_tokens))
+        reg.register(_TransferCollector(engine, model_name))
 
         # Pre-create the common label sets so that they appear (at 0) before any traffic.
         for reason in ("stop", "length", "abort", "error"):
@@ -192,3 +198,60 @@ class _EngineStatsCollector(Collector):
         yield counter("num_preemptions", "Requests preempted (KV blocks taken back, to be "
                       "recomputed).", s.num_preempted_total)
         yield counter("engine_steps", "Engine iterations run.", s.steps_total)
+
+
+class _TransferCollector(Collector):
+    """KV transfer metrics of a context / generation worker (``TransferStats`` and its lease
+    table), read at scrape time. An aggregated worker exports none of them."""
+
+    def __init__(self, engine: Any, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        rt = getattr(self.engine, "transfer", None)
+        if rt is None:
+            return
+        try:
+            s = rt.stats.snapshot()
+        except Exception:
+            logger.exception("transfer stats failed during a metrics scrape")
+            return
+        lv = [self.model_name]
+        role = getattr(rt, "role", "")
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name", "role"])
+            c.add_metric([*lv, role], value)
+            return c
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name", "role"])
+            g.add_metric([*lv, role], value)
+            return g
+
+        yield counter("kv_transfer_bytes", "KV bytes transferred (sent by a context worker, "
+                      "received by a generation worker).", s.bytes_transferred)
+        yield counter("kv_transfer_blocks", "KV blocks transferred.", s.blocks_transferred)
+        yield counter("kv_transfers", "Successful KV reads.", s.transfers)
+        failed = CounterMetricFamily(PREFIX + "kv_transfer_failures", "Failed KV transfers, "
+                                     "by error code.", labels=["model_name", "role", "code"])
+        for code, n in s.failures_by_code:
+            failed.add_metric([*lv, role, code], n)
+        yield failed
+        yield counter("kv_transfer_failed", "Failed KV transfers (all codes).",
+                      s.failed_transfers)
+        buckets = [(("+Inf" if b == float("inf") else repr(b)), n) for b, n in s.latency_buckets]
+        h = HistogramMetricFamily(PREFIX + "kv_transfer_seconds", "Latency of one KV read "
+                                  "(request sent -> last payload byte).",
+                                  labels=["model_name", "role"])
+        h.add_metric([*lv, role], buckets, s.latency_sum_s)
+        yield h
+        yield counter("kv_leases_expired", "Context leases that expired before their reader "
+                      "confirmed.", s.expired_leases)
+        yield gauge("kv_leases_active", "Live context leases.", s.active_leases)
+        yield gauge("kv_leased_blocks", "KV blocks held for generation workers under "
+                    "leases.", s.leased_blocks_held)

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from disagg.request import SamplingParams, SamplingParamsError
 
+REQUEST_TYPES = ("context_only", "generation_only", "context_and_generation")
 MAX_N = 128  # choices per request: each is an engine request, so bound the fan-out
 MAX_LOGPROBS = 20  # OpenAI's limit for both APIs
 
@@ -135,15 +136,21 @@ class _Request(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    # Disaggregated serving (router -> worker); arrives with the KV-transfer issue.
+    # Disaggregated serving (router -> worker): {request_type, ...ContextParams}; see README.
     disaggregated_params: dict[str, Any] | None = None
 
+    @property
+    def request_type(self) -> str | None:
+        """context_only | generation_only | context_and_generation, or None (ordinary)."""
+        if self.disaggregated_params is None:
+            return None
+        return self.disaggregated_params.get("request_type")
+
     def common_checks(self) -> None:
-        if self.disaggregated_params is not None:
+        if self.disaggregated_params is not None and self.request_type not in REQUEST_TYPES:
             raise bad_request(
-                "disaggregated_params: not supported by this worker yet (disaggregated "
-                "context/generation serving is not available; send the request without it)",
-                param="disaggregated_params")
+                f"disaggregated_params.request_type: must be one of {list(REQUEST_TYPES)}, got "
+                f"{self.request_type!r}", param="disaggregated_params")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options: only allowed when stream is true",
                               param="stream_options")

@@ -1,0 +1,350 @@
+"""Context -> generation end to end with real worker processes (single-rank workers).
+
+The test plays the router: call 1 goes to a ``--role context`` worker with
+``request_type: context_only``; unless that answer is final, call 2 goes to a ``--role
+generation`` worker with ``request_type: generation_only`` and the context's params. Greedy
+outputs must equal an aggregated worker's (served in this process), over TCP and UCX.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from server_fixtures import free_port, health_ok, serve_in_thread, wait_for
+
+from disagg.transfer.ucx import ucx_available
+
+NAME = "tiny"
+TOKEN = "e2e-cluster-secret"
+COMMON = ["--kv-cache-tokens", "4096", "--max-model-len", "512", "--max-num-tokens", "256",
+          "--max-batch-size", "32"]
+PROMPTS = ["The harbour was quiet", "Memory is organised in small blocks of tokens, and "
+           "every block holds sixteen of them.", "Numbers: 1, 2, 3"]
+CHAT = [{"role": "user", "content": "Tell me about the sea."}]
+START_TIMEOUT = 90.0
+UCX_OK, UCX_WHY = ucx_available()
+C, CHAT_PATH = "/v1/completions", "/v1/chat/completions"
+
+
+@dataclass
+class Worker:
+    name: str
+    url: str
+    proc: subprocess.Popen
+    log: Path
+
+    def info(self) -> dict[str, Any]:
+        return httpx.get(self.url + "/server_info", timeout=10).json()
+
+    def blocks_used(self) -> int:
+        return int(self.info()["kv_blocks_used"])
+
+    def wait_blocks(self, n: int = 0, timeout: float = 15.0) -> None:
+        wait_for(lambda: self.blocks_used() == n, timeout, 0.05,
+                 what=f"{self.name}: kv_blocks_used == {n}")
+
+
+def _start(tmp: Path, model_dir: str, name: str, role: str, *flags: str) -> Worker:
+    port = free_port()
+    log = tmp / f"{name}.log"
+    env = {**os.environ, "DISAGG_CLUSTER_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "disagg.cli", "serve", model_dir, "--port", str(port),
+             "--role", role, "--served-model-name", NAME, "--log-level", "warning",
+             *COMMON, *flags], stdout=f, stderr=subprocess.STDOUT, env=env)
+    return Worker(name, f"http://127.0.0.1:{port}", proc, log)
+
+
+def _wait_healthy(workers: list[Worker]) -> None:
+    for w in workers:
+        try:
+            wait_for(lambda w=w: health_ok(w.url) or w.proc.poll() is not None, START_TIMEOUT,
+                     0.1, what=f"{w.name} health")
+        except TimeoutError:
+            pass
+        if not health_ok(w.url):
+            _stop(workers)
+            raise RuntimeError(f"{w.name} did not start:\n{w.log.read_text()[-3000:]}")
+
+
+def _stop(workers: list[Worker]) -> None:
+    for w in workers:
+        if w.proc.poll() is None:
+            w.proc.send_signal(signal.SIGTERM)
+    for w in workers:
+        try:
+            w.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            w.proc.kill()
+            w.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from disagg.model.tiny import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("disagg") / "tiny"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def tcp(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Worker]]:
+    """TCP context / generation workers (plus a B=8 generation worker, a short-ttl context
+    worker and one the tests kill), all started at once."""
+    tmp = tmp_path_factory.mktemp("tcp-logs")
+    b = ["--kv-transfer-backend", "TCP"]
+    ws = {
+        "ctx": _start(tmp, model_dir, "ctx", "context", *b, "--tokens-per-block", "16"),
+        "gen": _start(tmp, model_dir, "gen", "generation", *b, "--tokens-per-block", "16"),
+        "gen8": _start(tmp, model_dir, "gen8", "generation", *b, "--tokens-per-block", "8"),
+        "ctx_short": _start(tmp, model_dir, "ctx_short", "context", *b,
+                            "--tokens-per-block", "16", "--kv-lease-ttl", "0.3"),
+        "ctx_victim": _start(tmp, model_dir, "ctx_victim", "context", *b,
+                             "--tokens-per-block", "16"),
+    }
+    try:
+        _wait_healthy(list(ws.values()))
+        yield ws
+    finally:
+        _stop(list(ws.values()))
+
+
+@pytest.fixture(scope="module")
+def ucx(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Worker]]:
+    if not UCX_OK:
+        pytest.skip(UCX_WHY)
+    tmp = tmp_path_factory.mktemp("ucx-logs")
+    b = ["--kv-transfer-backend", "UCX"]
+    ws = {"ctx": _start(tmp, model_dir, "ctx_ucx", "context", *b),
+          "gen": _start(tmp, model_dir, "gen_ucx", "generation", *b)}
+    try:
+        _wait_healthy(list(ws.values()))
+        yield ws
+    finally:
+        _stop(list(ws.values()))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: str) -> Iterator[str]:
+    """An aggregated worker in this process: the expected outputs."""
+    from disagg.engine import AsyncLLM
+    from disagg.server.app import ServerSettings, build_app
+
+    engine = AsyncLLM.from_options(model_dir, tokens_per_block=16, kv_cache_tokens=4096,
+                                   max_model_len=512, max_num_tokens=256, max_batch_size=32)
+    app = build_app(engine, ServerSettings(model_dir=model_dir, served_model_name=NAME))
+    with serve_in_thread(app) as url:
+        yield url
+
+
+# ---- the router's two calls -----------------------------------------------------------------
+
+
+def _post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=60)
+
+
+def _text_of(path: str, body: dict[str, Any]) -> str:
+    ch = body["choices"][0]
+    return ch["text"] if path == C else ch["message"]["content"]
+
+
+def _stream(url: str, path: str, body: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+    text, events = "", []
+    with httpx.stream("POST", url + path, json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            events.append(ev)
+            for ch in ev.get("choices", []):
+                text += ch.get("text", "") if path == C else ch["delta"].get("content", "")
+    return text, events
+
+
+def context_call(ctx: Worker, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = _post(ctx.url, path, {**body, "stream": False,
+                              "disaggregated_params": {"request_type": "context_only"}})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def generation_body(path: str, body: dict[str, Any], ctx_answer: dict[str, Any]
+                    ) -> dict[str, Any]:
+    gen = {**body, "disaggregated_params": {**ctx_answer["disaggregated_params"],
+                                            "request_type": "generation_only"}}
+    if path == C:  # the router replaces the prompt by the context's token ids
+        gen["prompt"] = ctx_answer["prompt_token_ids"]
+    return gen
+
+
+def disagg_text(ctx: Worker, gen: Worker, path: str, body: dict[str, Any]) -> str:
+    answer = context_call(ctx, path, body)
+    if answer["disaggregated_params"] is None:
+        return _text_of(path, answer)
+    gbody = generation_body(path, body, answer)
+    if body.get("stream"):
+        return _stream(gen.url, path, gbody)[0]
+    r = _post(gen.url, path, gbody)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["usage"]["prompt_tokens"] == len(answer["prompt_token_ids"])
+    return _text_of(path, out)
+
+
+def ref_text(ref: str, path: str, body: dict[str, Any]) -> str:
+    if body.get("stream"):
+        return _stream(ref, path, body)[0]
+    r = _post(ref, path, body)
+    assert r.status_code == 200, r.text
+    return _text_of(path, r.json())
+
+
+def _bodies() -> list[tuple[str, dict[str, Any]]]:
+    out: list[tuple[str, dict[str, Any]]] = []
+    for p in PROMPTS:
+        base = {"model": NAME, "prompt": p, "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True}
+        out += [(C, base), (C, {**base, "stream": True})]
+    chat = {"model": NAME, "messages": CHAT, "max_tokens": 10, "temperature": 0,
+            "ignore_eos": True}
+    out += [(CHAT_PATH, chat), (CHAT_PATH, {**chat, "stream": True})]
+    return out
+
+
+def _check_same(ctx: Worker, gen: Worker, ref: str) -> None:
+    for path, body in _bodies():
+        assert disagg_text(ctx, gen, path, body) == ref_text(ref, path, body), (path, body)
+    ctx.wait_blocks(0)  # every lease confirmed by the reader: nothing held
+    gen.wait_blocks(0)
+
+
+# ---- tests ----------------------------------------------------------------------------------
+
+
+def test_tcp_outputs_match_aggregated(tcp: dict[str, Worker], reference: str) -> None:
+    _check_same(tcp["ctx"], tcp["gen"], reference)
+    info = tcp["ctx"].info()["kv_transfer"]
+    assert info["backend"] == "TCP" and info["addresses"] and info["worker_id"]
+    metrics = httpx.get(tcp["gen"].url + "/metrics").text
+    assert "disagg_kv_transfer_bytes_total" in metrics
+    assert "disagg_kv_transfer_seconds_bucket" in metrics
+
+
+def test_tcp_differing_block_sizes(tcp: dict[str, Worker], reference: str) -> None:
+    _check_same(tcp["ctx"], tcp["gen8"], reference)
+
+
+def test_ucx_outputs_match_aggregated(ucx: dict[str, Worker], reference: str) -> None:
+    _check_same(ucx["ctx"], ucx["gen"], reference)
+    assert ucx["ctx"].info()["kv_transfer"]["backend"] == "UCX"
+
+
+def test_context_answer_schema_and_first_token(tcp: dict[str, Worker]) -> None:
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True, "logprobs": 2}
+    answer = context_call(tcp["ctx"], C, body)
+    dp = answer["disaggregated_params"]
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert len(dp["first_gen_tokens"]) == 1 and dp["first_gen_logprobs"]
+    assert dp["num_tokens"] == len(answer["prompt_token_ids"]) == len(dp["prompt_token_ids"])
+    assert dp["backend"] == "TCP" and dp["layout"]["tp_size"] == 1
+    assert tcp["ctx"].blocks_used() == len(dp["block_ids"])
+    # The stream's first token is the context's first token.
+    _, events = _stream(tcp["gen"].url, C, {**generation_body(C, body, answer),
+                                            "stream": True})
+    first = next(e for e in events if e["choices"] and e["choices"][0]["text"])
+    assert first["choices"][0]["text"] == answer["choices"][0]["text"]
+    tcp["ctx"].wait_blocks(0)
+    tcp["gen"].wait_blocks(0)
+
+
+def test_first_token_final_is_answered_by_context(tcp: dict[str, Worker],
+                                                  reference: str) -> None:
+    body = {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 1, "temperature": 0}
+    answer = context_call(tcp["ctx"], C, body)
+    assert answer["disaggregated_params"] is None
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert answer["choices"][0]["text"] == ref_text(reference, C, body)
+    tcp["ctx"].wait_blocks(0)
+
+
+def test_wrong_role_and_bad_params_are_400(tcp: dict[str, Worker]) -> None:
+    body = {"model": NAME, "prompt": "x", "max_tokens": 4}
+    r = _post(tcp["ctx"].url, C, {**body, "disaggregated_params": {
+        "request_type": "generation_only"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "disaggregated_params"
+    r = _post(tcp["gen"].url, C, {**body, "disaggregated_params": {
+        "request_type": "generation_only", "first_gen_tokens": [1]}})
+    assert r.status_code == 400 and "disaggregated_params." in r.json()["error"]["message"]
+    # Ordinary requests work on both roles.
+    for w in (tcp["ctx"], tcp["gen"]):
+        assert _post(w.url, C, body).status_code == 200
+
+
+def test_refused_generation_request_releases_context_blocks(tcp: dict[str, Worker]) -> None:
+    body = {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0}
+    answer = context_call(tcp["ctx"], C, body)
+    assert tcp["ctx"].blocks_used() > 0
+    bad = {**generation_body(C, body, answer), "temperature": -1}  # refused after parsing
+    r = _post(tcp["gen"].url, C, bad)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    tcp["ctx"].wait_blocks(0, timeout=10)  # released now, not after the 30 s lease
+
+
+def test_generation_disconnect_frees_both_sides(tcp: dict[str, Worker]) -> None:
+    body = {"model": NAME, "prompt": PROMPTS[2], "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    answer = context_call(tcp["ctx"], C, body)
+    with httpx.stream("POST", tcp["gen"].url + C, json=generation_body(C, body, answer),
+                      timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # one event, then hang up mid-stream
+    tcp["ctx"].wait_blocks(0)
+    tcp["gen"].wait_blocks(0)
+
+
+def test_expired_lease_fails_cleanly(tcp: dict[str, Worker]) -> None:
+    ctx, gen = tcp["ctx_short"], tcp["gen"]
+    body = {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0}
+    answer = context_call(ctx, C, body)
+    ctx.wait_blocks(0, timeout=10)  # the 0.3 s lease expired and the sweep freed the blocks
+    r = _post(gen.url, C, generation_body(C, body, answer))
+    assert r.status_code == 502, r.text
+    err = r.json()["error"]
+    assert err["code"] == "kv_transfer_failed" and "expired_lease" in err["message"]
+    # Streaming: the failure still comes before any token, as an HTTP error.
+    r = _post(gen.url, C, {**generation_body(C, body, answer), "stream": True})
+    assert r.status_code == 502
+    gen.wait_blocks(0)
+    assert "disagg_kv_leases_expired_total" in httpx.get(ctx.url + "/metrics").text
+
+
+def test_dead_context_worker_fails_request_generation_stays_healthy(
+        tcp: dict[str, Worker], reference: str) -> None:
+    ctx, gen = tcp["ctx_victim"], tcp["gen"]
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}
+    answer = context_call(ctx, C, body)
+    ctx.proc.kill()
+    ctx.proc.wait(10)
+    r = _post(gen.url, C, generation_body(C, body, answer))
+    assert r.status_code == 502, r.text
+    assert r.json()["error"]["code"] == "kv_transfer_failed"
+    gen.wait_blocks(0)
+    assert health_ok(gen.url)
+    # and it keeps serving disaggregated requests from a live context worker
+    assert disagg_text(tcp["ctx"], gen, C, body) == ref_text(reference, C, body)
