@@ -192,17 +192,16 @@ class DistributedExecutor:
     # ---- failure --------------------------------------------------------------------------
 
     def _watch_ranks(self) -> None:
+        # Check every rank's exit status, whoever reaped it: multiprocessing also polls its
+        # children (e.g. when another process starts), so a death can be reaped before this
+        # thread looks; the timeout re-checks even if a sentinel wake-up was consumed.
         while not self._stopping:
-            alive = [p for p in self._procs if p.exitcode is None]
-            if not alive:
-                return
-            wait([p.sentinel for p in alive])
-            if self._stopping:  # shutdown reaps them; don't race it for the exit status
-                return
             for r, p in enumerate(self._procs, start=1):
                 if p.exitcode is not None:  # exitcode polls (reaps) the child
-                    self._fail(f"rank {r} (pid {p.pid}) exited with code {p.exitcode}")
+                    if not self._stopping:  # shutdown reaps them; don't race it
+                        self._fail(f"rank {r} (pid {p.pid}) exited with code {p.exitcode}")
                     return
+            wait([p.sentinel for p in self._procs], timeout=0.5)
 
     def _fail(self, reason: str) -> None:
         """Mark the worker dead and kill the remaining ranks (they cannot be used again, and
