@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from disagg.transfer.base import ReadRequest
 from disagg.transfer.kvcopy import gather_tokens, scatter_tokens
 from disagg.transfer.layout import (
     RankLayout,
@@ -15,6 +16,7 @@ from disagg.transfer.layout import (
     plan_pulls,
     readers_per_context_rank,
 )
+from disagg.transfer.payload import gather_into, payload_shape
 
 L, H, D = 4, 2, 8  # layers, kv heads, head dim
 
@@ -70,8 +72,12 @@ def test_every_pair_reassembles_exactly(src_tp, src_pp, dst_tp, dst_pp, src_bloc
         pieces = plan_pulls(src, dst, d.rank)
         assert len({p.src_rank for p in pieces}) == len(pieces)  # one read per rank pair
         for p in pieces:
+            # The context side's real read path: a "tokens" READ gathered by the server code.
             cache, table = src_caches[p.src_rank]
-            payload = gather_tokens(cache, table, T, p.src_layer_slice, p.src_head_slice)
+            req = ReadRequest("lease", table, p.src_layer_slice, p.src_head_slice,
+                              num_tokens=T, format="tokens")
+            payload = torch.empty(payload_shape(tuple(cache.shape), req), dtype=cache.dtype)
+            gather_into(cache, req, payload)
             dcache, dtable = dst_caches[d.rank]
             scatter_tokens(dcache, dtable, payload, p.dst_layer_slice, p.dst_head_slice)
     for d in dst.ranks:
