@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from disagg.config import EngineConfig, build_engine_config
+from disagg.kv_cache.events import KVEventLog
 from disagg.kv_cache.manager import KVCacheManager
 from disagg.parallel.executor import DistributedExecutor, WorkerDiedError
 from disagg.request import Request, RequestStatus, SamplingParams
@@ -113,6 +115,8 @@ class _State:
     # generation_only: where the prompt KV comes from, and whether the lease was released.
     remote: ContextParams | None = None
     remote_released: bool = False
+    # benchmark gen-only: no context worker; the prompt's blocks count as computed as they are.
+    dummy_kv: bool = False
 
 
 def context_only_params(params: SamplingParams) -> SamplingParams:
@@ -187,10 +191,14 @@ class LLMEngine:
         arrival_time: float | None = None,
         context_only: bool = False,
         remote: ContextParams | None = None,
+        dummy_kv: bool = False,
     ) -> None:
         """Queue a request. ``context_only``: prefill and sample one token only; unless that
         token ends the request its blocks are leased to a generation worker. ``remote``: a
         generation-only request whose prompt KV is pulled from the context worker named there.
+        ``dummy_kv``: a benchmarking aid (TensorRT-LLM's gen-only benchmark): decode as if the
+        prompt's KV were in place, without computing or pulling it. The output is meaningless;
+        the timing is that of a generation worker whose context side keeps up.
         """
         if request_id in self._states:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -209,6 +217,15 @@ class LLMEngine:
             eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
         )
         logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        if dummy_kv:
+            if remote is not None or context_only:
+                raise ValueError("dummy_kv: only for a plain generation-only request")
+            # The first "generated" token stands in for the context worker's: the last prompt
+            # token (any valid id would do).
+            req.output_token_ids = [req.prompt_token_ids[-1]]
+            req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+            if logprobs is not None:
+                logprobs = [{}]
         if remote is not None:
             if self.transfer is None:
                 raise ValueError("disaggregated_params: this worker cannot pull KV")
@@ -232,6 +249,7 @@ class LLMEngine:
             banned_until_min=banned if params.min_tokens > 0 else (),
             ctx_params=ctx_params,
             remote=remote,
+            dummy_kv=dummy_kv,
         )
         self.scheduler.add_request(req)
         # Only a request that may go on keeps its blocks: real max_tokens 1 is final anyway.
@@ -276,32 +294,42 @@ class LLMEngine:
             self.scheduler.release_held(rid)
         ready, failed = rt.poll_fetches()
         outputs: list[RequestOutput] = []
-        now = time.monotonic()
         for rid in ready:
             st = self._states.get(rid)
             if st is None:
                 continue
-            self.scheduler.remote_kv_ready(rid)
+            outputs.append(self._kv_in_place(st))
             self._release_remote(st)  # the data is here: the context side frees its blocks
-            st.metrics.first_scheduled_time = st.metrics.first_scheduled_time or now
-            st.metrics.first_token_time = now
-            st.metrics.last_token_time = now
-            delta = "".join(st.detok.update(t) for t in st.request.output_token_ids)
-            finished = False
-            if st.detok.stopped:
-                st.request.stop_reason = st.detok.stop_reason
-                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-                finished = True
-            outputs.append(self._make_output(st, delta, finished=finished))
         for rid, error in failed:
             logger.warning("request %s: %s", rid, error)
             outputs.extend(self._fail_requests([rid], error))
         return self._collect_finished_without_step(outputs) if outputs else outputs
 
+    def _kv_in_place(self, st: _State) -> RequestOutput:
+        """A generation-only request's prompt KV is in its blocks: it decodes from the next
+        step; its first output carries the context worker's token(s)."""
+        rid = st.request.request_id
+        now = time.monotonic()
+        self.scheduler.remote_kv_ready(rid, cache=not st.dummy_kv)
+        st.metrics.first_scheduled_time = st.metrics.first_scheduled_time or now
+        st.metrics.first_token_time = now
+        st.metrics.last_token_time = now
+        delta = "".join(st.detok.update(t) for t in st.request.output_token_ids)
+        finished = False
+        if st.detok.stopped:
+            st.request.stop_reason = st.detok.stop_reason
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+            finished = True
+        return self._make_output(st, delta, finished=finished)
+
     def _start_fetches(self, sched: SchedulerOutput) -> list[RequestOutput]:
         failed: list[str] = []
+        dummy: list[RequestOutput] = []
         for f in sched.kv_fetches:
             st = self._states[f.request_id]
+            if st.dummy_kv:
+                dummy.append(self._kv_in_place(st))
+                continue
             assert st.remote is not None and self.transfer is not None
             try:
                 self.transfer.start_fetch(f.request_id, st.remote, f.block_ids)
@@ -312,7 +340,7 @@ class LLMEngine:
         outs: list[RequestOutput] = []
         for rid in failed:
             outs.extend(self._fail_requests([rid], self._states[rid].request.error or ""))
-        return outs
+        return self._collect_finished_without_step(dummy) + outs if dummy else outs
 
     def _finish_context_only(self, st: _State) -> None:
         """A context-only request sampled its token: lease its blocks, or (a final answer:
@@ -522,6 +550,10 @@ class AsyncLLM:
             except BaseException:
                 self.engine.shutdown()
                 raise
+        # New on every start: a router seeing another id knows its view of our cache is stale.
+        self.worker_id = (self.engine.transfer.worker_id if self.engine.transfer is not None
+                          else uuid.uuid4().hex)
+        self.kv_events = KVEventLog()
         self._stop = threading.Event()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._sinks_lock = threading.Lock()
@@ -588,6 +620,7 @@ class AsyncLLM:
         prompt: str | None = None,
         context_only: bool = False,
         remote: ContextParams | None = None,
+        dummy_kv: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         try:
             if not self.is_healthy():
@@ -610,7 +643,7 @@ class AsyncLLM:
             self._sinks[request_id] = (loop, sink)
             self._pending_adds += 1
         self._cmds.put(("add", (request_id, list(prompt_token_ids), params, prompt,
-                                time.monotonic(), context_only, remote)))
+                                time.monotonic(), context_only, remote, dummy_kv)))
         self._wake.set()
         finished = False
         try:
@@ -655,12 +688,13 @@ class AsyncLLM:
             except queue.Empty:
                 return
             if kind == "add":
-                rid, tokens, params, prompt, arrival, context_only, remote = args
+                rid, tokens, params, prompt, arrival, context_only, remote, dummy_kv = args
                 with self._sinks_lock:
                     self._pending_adds -= 1
                 try:
                     self.engine.add_request(rid, tokens, params, prompt, arrival,
-                                            context_only=context_only, remote=remote)
+                                            context_only=context_only, remote=remote,
+                                            dummy_kv=dummy_kv)
                 except Exception as e:  # validation raced with a config change, queue full, ...
                     if remote is not None:
                         self.release_remote(remote)
@@ -683,7 +717,9 @@ class AsyncLLM:
                 if self.engine.has_schedulable():
                     for out in self.engine.step():
                         self._deliver(out.request_id, out)
+                    self.kv_events.append(self.engine.kv.take_events())
                 else:
+                    self.kv_events.append(self.engine.kv.take_events())  # aborts, releases
                     # Idle, or only waiting for KV pulls (their futures wake us) and lease
                     # expiries (swept every few hundred ms).
                     rt = self.engine.transfer

@@ -218,12 +218,17 @@ class Scheduler:
 
     # -- KV that crosses workers -------------------------------------------------------------
 
-    def remote_kv_ready(self, request_id: str) -> None:
+    def remote_kv_ready(self, request_id: str, cache: bool = True) -> None:
         """The prompt KV of a fetching request is in its blocks: it decodes from the next step
-        (its last sampled token, from the context worker, is the one token left to compute)."""
+        (its last sampled token, from the context worker, is the one token left to compute).
+        ``cache=False``: the blocks' contents are not the prompt's (benchmark gen-only), so
+        they must never serve a prefix hit."""
         req = self.fetching.pop(request_id)
         req.num_computed_tokens = req.num_prompt_tokens
-        self.kv.cache_blocks(req, req.num_computed_tokens)
+        if cache:
+            self.kv.cache_blocks(req, req.num_computed_tokens)
+        else:
+            self.kv.never_cache(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
 

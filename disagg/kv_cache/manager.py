@@ -13,6 +13,7 @@ from disagg.kv_cache.block_pool import BlockPool, BlockPoolStats, KVCacheEvent
 from disagg.kv_cache.hashing import extend_block_hashes
 from disagg.request import Request
 
+_NEVER = 1 << 62  # "registered up to" mark of a never_cache request: beyond any table
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int,
@@ -122,6 +123,11 @@ class KVCacheManager:
         table.extend(new_ids)
         return new_ids
 
+    def never_cache(self, req: Request) -> None:
+        """None of this request's blocks may ever serve a prefix hit (their contents are not
+        what its tokens would compute: benchmark gen-only requests)."""
+        self._num_registered[req.request_id] = _NEVER
+
     def cache_blocks(self, req: Request, num_computed_tokens: int) -> None:
         """Register the blocks that became full and computed: table[i] for i in
         [already registered, num_computed_tokens // B)."""
@@ -134,7 +140,7 @@ class KVCacheManager:
             raise ValueError(f"{rid}: {num_computed_tokens} computed tokens but only "
                              f"{len(table)} blocks")
         start = self._num_registered.get(rid, 0)
-        if num_full <= start:
+        if num_full <= start:  # (always so for a never_cache request)
             return
         hashes = self.block_hashes(req)
         for i in range(start, num_full):

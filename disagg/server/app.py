@@ -56,6 +56,8 @@ class ServerSettings:
     role: str = "aggregated"
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
     owns_engine: bool = True  # the app's lifespan starts the engine and shuts it down
+    # Benchmarking aid: generation_only requests without context params decode at once.
+    benchmark_gen_only: bool = False
 
     @property
     def model_name(self) -> str:
@@ -88,6 +90,7 @@ class _Choice:
     text_offset: int = 0
     context_only: bool = False  # prefill + first token; the answer carries the KV lease
     remote: ContextParams | None = None  # generation_only: where the prompt KV is pulled from
+    dummy_kv: bool = False  # benchmark gen-only: decode without the prompt's KV
 
 
 class _FanOut:
@@ -109,8 +112,11 @@ class _FanOut:
     async def _pump(self, c: _Choice) -> None:
         try:
             kw: dict[str, Any] = {}
-            if c.context_only or c.remote is not None:  # only disaggregated engines take these
+            if c.context_only or c.remote is not None or c.dummy_kv:
+                # only disaggregated engines take these
                 kw = {"context_only": c.context_only, "remote": c.remote}
+                if c.dummy_kv:
+                    kw["dummy_kv"] = True
             gen = self.server.engine.generate(c.request_id, c.prompt_ids, c.params,
                                               prompt=c.prompt_text, **kw)
             async for out in gen:
@@ -550,7 +556,16 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                 ids = srv.encode_prompt(prompt)
             if isinstance(prompt, str):
                 text = prompt
-        remote = srv.remote_params(req, ids) if kind == "generation_only" else None
+        dummy = (kind == "generation_only" and srv.settings.benchmark_gen_only
+                 and "ctx_request_id" not in req.disaggregated_params)
+        remote = srv.remote_params(req, ids) if kind == "generation_only" and not dummy else None
+        if dummy and "prompt_token_ids" in req.disaggregated_params:
+            raw = req.disaggregated_params["prompt_token_ids"]
+            if not (isinstance(raw, list) and raw and all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in raw)):
+                raise P.bad_request("disaggregated_params.prompt_token_ids: expected a non-empty "
+                                    "list of token ids", param="disaggregated_params")
+            ids = srv.encode_prompt(raw, field="disaggregated_params.prompt_token_ids")
         try:
             if remote is not None:
                 ids = list(remote.prompt_token_ids)
@@ -568,7 +583,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                 srv.engine.release_remote(remote)
             raise
         choice = _Choice(0, fmt.rid, 0, ids, text, params, context_only=kind == "context_only",
-                         remote=remote)
+                         remote=remote, dummy_kv=dummy)
         return await _respond(request, req, [choice], fmt, t_arrival)
 
     async def _respond(request: Request, req: Any, choices: list[_Choice], fmt: _Format,
@@ -658,6 +673,8 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         B = cfg.cache.tokens_per_block
         return {
             "role": settings.role,
+            "worker_id": getattr(engine, "worker_id", None),
+            "benchmark_gen_only": settings.benchmark_gen_only,
             "model": srv.model_name,
             "model_dir": settings.model_dir,
             "architecture": cfg.model.architecture,
@@ -688,6 +705,21 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
             "kv_transfer": (engine.transfer.info()
                             if getattr(engine, "transfer", None) is not None else None),
             "kv_blocks_used": _blocks_used(engine),
+        }
+
+    @app.get("/kv_events")
+    async def kv_events(since: int = 0) -> dict[str, Any]:
+        """The KV cache's stored / removed block hashes since event ``since`` (routers poll
+        this for KV-aware routing; see disagg/kv_cache/events.py for the resync rule)."""
+        batch = engine.kv_events.since(since)
+        return {
+            "worker_id": engine.worker_id,
+            "tokens_per_block": srv.config.cache.tokens_per_block,
+            "block_hash_scheme": BLOCK_HASH_SCHEME,
+            "next_seq": batch.next_seq,
+            "events": [{"seq": seq, "type": kind, "block_hashes": hashes}
+                       for seq, kind, hashes in batch.events],
+            "snapshot": batch.snapshot,
         }
 
     @app.get("/metrics")

@@ -104,6 +104,9 @@ SERVER_OPTIONS: dict[str, _Opt] = {
                           "(default 30)", metavar="S"),
     "log_level": _Opt(str, "log level (default info)",
                       choices=("critical", "error", "warning", "info", "debug")),
+    "benchmark_gen_only": _Opt(bool, "benchmarking aid of a generation worker: accept "
+                               "generation_only requests without context params and decode as "
+                               "if their prompt KV were in place (output text is meaningless)"),
 }
 
 SERVER_DEFAULTS: dict[str, Any] = {
@@ -263,6 +266,7 @@ def run_server(
     cluster_token: str | None = None,
     kv_lease_ttl: float = 30.0,
     ucx_profile: str = "same_host",
+    benchmark_gen_only: bool = False,
 ) -> int:
     """Load the model, serve until SIGTERM/SIGINT, drain, return the exit code."""
     logging.basicConfig(level=log_level.upper(),
@@ -272,6 +276,8 @@ def run_server(
     disagg_settings = None
     try:
         check_role(role, world)  # before loading anything: fail fast on a role we cannot serve
+        if benchmark_gen_only and role != "generation":
+            raise ValueError(f"benchmark_gen_only: needs role 'generation', not {role!r}")
         if role in DISAGG_ROLES:
             from disagg.disaggregation import DisaggSettings
             from disagg.transfer.base import resolve_cluster_token
@@ -311,7 +317,8 @@ def run_server(
         print(f"disagg serve: error: {e}", file=sys.stderr)
         return 1
     settings = ServerSettings(model_dir=model_dir, served_model_name=served_model_name,
-                              role=role, api_key=api_key)
+                              role=role, api_key=api_key,
+                              benchmark_gen_only=bool(benchmark_gen_only))
     app = build_app(engine, settings)
 
     def on_exit() -> None:
