@@ -124,7 +124,8 @@ def context_only_params(params: SamplingParams) -> SamplingParams:
     return replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
 
 
-def make_executor(config: EngineConfig) -> ModelRunner | DistributedExecutor:
+def make_executor(config: EngineConfig, disagg: DisaggSettings | None = None
+                  ) -> ModelRunner | DistributedExecutor:
     """The model executor: this process alone, or rank 0 of ``tp * pp`` rank processes.
 
     Both offer ``num_blocks``, ``execute(sched) -> (sample request ids, logits [S, V])``,
@@ -132,15 +133,17 @@ def make_executor(config: EngineConfig) -> ModelRunner | DistributedExecutor:
     """
     if config.parallel.world_size == 1:
         return ModelRunner(config)
-    return DistributedExecutor(config)
+    return DistributedExecutor(config, disagg=disagg)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, disagg: DisaggSettings | None = None) -> None:
+        """``disagg``: a context / generation worker; its ranks start their KV transfer part
+        (rank 0's, ``DisaggRuntime``, is attached by ``AsyncLLM``)."""
         self.config = config
         torch.manual_seed(config.seed)
         self.tokenizer: Tokenizer = load_tokenizer(config.model_dir)
-        self.runner = make_executor(config)
+        self.runner = make_executor(config, disagg)
         B = config.cache.tokens_per_block
         self.kv = KVCacheManager(self.runner.num_blocks, B, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len=config.max_model_len)
@@ -400,6 +403,11 @@ class LLMEngine:
             if st.metrics.first_scheduled_time is None:
                 st.metrics.first_scheduled_time = now
         try:
+            if self.transfer is not None and self.transfer.peers is not None:
+                # Context-only prefills completing now: lease them on every rank first.
+                self.transfer.announce_leases([
+                    (r.request_id, list(r.block_ids)) for r in sched.scheduled
+                    if r.sample and self.scheduler.holds(r.request_id)])
             rids, logits = self.runner.execute(sched)
             sampled: dict[str, int] = {}
             if rids:
@@ -462,6 +470,8 @@ class LLMEngine:
                 st = self._states.pop(o.request_id, None)
                 if st is not None:
                     self._release_remote(st)
+                    if st.ctx_params is not None and st.disagg_out is None and self.transfer:
+                        self.transfer.not_leased(o.request_id)
         return outputs
 
     def _fail_requests(self, request_ids: list[str], error: str) -> list[RequestOutput]:
@@ -535,18 +545,19 @@ class AsyncLLM:
 
     def __init__(self, config: EngineConfig, disagg: DisaggSettings | None = None) -> None:
         self.config = config
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(config, disagg)
         self.tokenizer = self.engine.tokenizer
         self._cmds: queue.SimpleQueue[tuple[str, tuple]] = queue.SimpleQueue()
         self._wake = threading.Event()
         if disagg is not None:
             from disagg.disaggregation import DisaggRuntime
 
-            if config.parallel.world_size != 1:
-                raise ValueError("disaggregated workers are single-rank for now")
+            runner = self.engine.runner
+            peers = runner if isinstance(runner, DistributedExecutor) else None
+            kv_cache = runner.runner.kv_cache if peers is not None else runner.kv_cache
             try:
-                self.engine.transfer = DisaggRuntime(disagg, config, self.engine.runner.kv_cache,
-                                                     self._wake.set)
+                self.engine.transfer = DisaggRuntime(disagg, config, kv_cache, self._wake.set,
+                                                     peers=peers)
             except BaseException:
                 self.engine.shutdown()
                 raise

@@ -238,6 +238,10 @@ class Scheduler:
         (EOS, stop token) or an abort frees them as usual: that answer is final."""
         self._hold.add(request_id)
 
+    def holds(self, request_id: str) -> bool:
+        """True if the request's blocks will be held when it finishes by length."""
+        return request_id in self._hold
+
     def release_held(self, request_id: str) -> bool:
         """Free the blocks held for a finished request (lease confirmed, expired or released).
         Returns False if nothing was held (released already)."""

@@ -364,15 +364,14 @@ def test_kv_cache_flags_are_exclusive() -> None:
                               "--kv-cache-fraction", "0.5"])
 
 
-def test_multi_rank_disaggregated_role_exits_with_a_message(capsys, monkeypatch) -> None:
+def test_benchmark_gen_only_needs_the_generation_role(capsys, monkeypatch) -> None:
     from disagg.cli import main
 
     monkeypatch.setenv("DISAGG_CLUSTER_TOKEN", "t")
-    for role in ("context", "generation"):
-        assert main(["serve", "/nonexistent", "--role", role,
-                     "--tensor-parallel-size", "2"]) == 2
+    for role in ("context", "aggregated"):
+        assert main(["serve", "/nonexistent", "--role", role, "--benchmark-gen-only"]) == 2
         err = capsys.readouterr().err
-        assert "multi-rank disaggregated workers are not available yet" in err, err
+        assert "benchmark_gen_only: needs role 'generation'" in err, err
 
 
 def test_disaggregated_role_needs_a_cluster_token(capsys, monkeypatch) -> None:

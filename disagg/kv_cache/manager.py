@@ -15,6 +15,7 @@ from disagg.request import Request
 
 _NEVER = 1 << 62  # "registered up to" mark of a never_cache request: beyond any table
 
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int,
                  enable_prefix_caching: bool = True) -> None:

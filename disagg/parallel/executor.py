@@ -20,10 +20,12 @@ import os
 import threading
 import time
 import weakref
+from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -42,6 +44,9 @@ from disagg.parallel.worker import (
 )
 from disagg.runner import ModelRunner
 from disagg.scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    from disagg.disaggregation import DisaggSettings
 
 logger = logging.getLogger("disagg.parallel")
 
@@ -84,7 +89,7 @@ def _stop_children(procs: list[BaseProcess], conns: list[Connection], grace_s: f
 class DistributedExecutor:
     """Spawns ranks 1..N-1, runs rank 0's shard, and executes steps on all of them."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, disagg: DisaggSettings | None = None) -> None:
         self.config = config
         self.layouts = ParallelLayout.all_ranks(config.model, config.parallel)
         self.layout = self.layouts[0]
@@ -94,6 +99,12 @@ class DistributedExecutor:
         self._lock = threading.Lock()
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []  # index r - 1 talks to rank r
+        # KV transfer (context / generation workers): rank r's events (index r - 1), the
+        # transfer server addresses from the ranks' "ready", and what the reader collected.
+        self._event_conns: list[Connection] = []
+        self.transfer_addresses: list[str | None] = []
+        self._events: deque[tuple[Any, ...]] = deque()
+        self._event_callback: Callable[[], None] | None = None
         self._finalizer = weakref.finalize(self, _stop_children, self._procs, self._conns,
                                            STOP_GRACE_S)
         self._threads_before: int | None = None
@@ -118,12 +129,17 @@ class DistributedExecutor:
             level = logging.getLogger().getEffectiveLevel()
             for lay in self.layouts[1:]:
                 parent_conn, child_conn = ctx.Pipe()
+                ev_read, ev_write = (ctx.Pipe(duplex=False) if disagg is not None
+                                     else (None, None))
                 p = ctx.Process(
                     target=rank_main, name=f"disagg-rank{lay.rank}", daemon=True,
                     args=(config, lay, "127.0.0.1", self._store.port, os.getpid(), child_conn,
-                          level, self._timeout_s))
+                          level, self._timeout_s, disagg, ev_write))
                 p.start()
                 child_conn.close()  # only the child holds its end: EOF if it dies
+                if ev_read is not None and ev_write is not None:
+                    ev_write.close()
+                    self._event_conns.append(ev_read)
                 self._procs.append(p)
                 self._conns.append(parent_conn)
                 logger.info("started rank %d (pid %d): layers %s, kv heads %s", lay.rank, p.pid,
@@ -133,7 +149,8 @@ class DistributedExecutor:
                 torch.set_num_threads(threads_per_rank(world))
             self.runner = ModelRunner(config, self.layout, agree_num_blocks=self._agree,
                                       device=device)
-            self._wait_all("ready", time.monotonic() + startup_timeout_s())
+            ready = self._wait_all("ready", time.monotonic() + startup_timeout_s())
+            self.transfer_addresses = [ready[r][1] for r in range(1, world)]
         except BaseException:
             # The other ranks may be blocked in the rendezvous: no point asking them to stop.
             self._stopping = True
@@ -146,6 +163,9 @@ class DistributedExecutor:
         self._monitor = threading.Thread(target=self._watch_ranks, name="disagg-rank-monitor",
                                          daemon=True)
         self._monitor.start()
+        if self._event_conns:
+            threading.Thread(target=self._read_events, name="disagg-rank-events",
+                             daemon=True).start()
         logger.info("parallel worker up: tp=%d pp=%d, rank pids %s, %d KV blocks per rank",
                     self.layout.tp_size, self.layout.pp_size, self.rank_pids, self.num_blocks)
 
@@ -188,6 +208,54 @@ class DistributedExecutor:
                     raise WorkerStartupError(f"rank {r} (pid {proc.pid}) exited with code "
                                              f"{proc.exitcode} while starting")
         return got
+
+    # ---- KV transfer: control out, events in (disaggregation.RankPeers) ---------------------
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    def send_all(self, kind: str, payload: Any) -> None:
+        """A transfer control message to every other rank (engine thread, like ``execute``):
+        in order with the steps, so rank r handles it before the next step."""
+        if self.error is not None:
+            raise WorkerDiedError(self.error)
+        msg = encode(kind, payload)
+        try:
+            for c in self._conns:
+                c.send_bytes(msg)
+        except OSError as e:
+            self._fail(f"a rank stopped reading its control pipe: {e!r}")
+            raise WorkerDiedError(self.error or repr(e)) from e
+
+    def take_events(self) -> list[tuple[Any, ...]]:
+        out = []
+        while True:
+            try:
+                out.append(self._events.popleft())
+            except IndexError:
+                return out
+
+    def on_event(self, callback: Callable[[], None]) -> None:
+        self._event_callback = callback
+
+    def _read_events(self) -> None:
+        conns = list(self._event_conns)
+        while conns and not self._stopping:
+            try:
+                ready = wait(conns, timeout=0.5)
+            except (OSError, ValueError):  # closed by shutdown
+                return
+            for c in ready:
+                try:
+                    ev = c.recv()  # type: ignore[union-attr]
+                except (EOFError, OSError):  # the rank is gone: the monitor reports it
+                    conns.remove(c)  # type: ignore[arg-type]
+                    continue
+                self._events.append(ev)
+                cb = self._event_callback
+                if cb is not None:
+                    cb()
 
     # ---- failure --------------------------------------------------------------------------
 
@@ -284,6 +352,9 @@ class DistributedExecutor:
         """Stop and reap every rank, leave the process group. Idempotent."""
         self._stopping = True
         self._finalizer()
+        for c in self._event_conns:  # the ranks are gone: nothing more to read
+            c.close()
+        self._event_conns.clear()
         self.comm.close()
         self._store = None
         if self._threads_before is not None:

@@ -34,7 +34,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,9 @@ from disagg.config import EngineConfig
 from disagg.parallel.layout import ParallelLayout
 from disagg.runner import ModelRunner
 from disagg.scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    from disagg.disaggregation import DisaggSettings
 
 logger = logging.getLogger("disagg.parallel")
 
@@ -54,6 +57,9 @@ def dist_timeout_s() -> float:
     """
     return float(os.environ.get("DISAGG_DIST_TIMEOUT_S", "300"))
 
+
+# Control messages for a rank's KV transfer part (disaggregation.RankTransfer.handle).
+TRANSFER_MESSAGES = frozenset({"leases", "lease_release", "fetch", "cancel_fetch"})
 
 # How often a rank checks that rank 0 (its parent) is still alive.
 PARENT_POLL_S = 0.5
@@ -257,13 +263,16 @@ def encode(kind: str, payload: Any = None) -> bytes:
 
 def rank_main(config: EngineConfig, layout: ParallelLayout, store_host: str, store_port: int,
               parent_pid: int, conn: Connection, log_level: int,
-              timeout_s: float) -> None:
+              timeout_s: float, disagg: DisaggSettings | None = None,
+              events: Connection | None = None) -> None:
     """Entry point of rank ``layout.rank`` >= 1 (a ``spawn`` child of rank 0).
 
     Startup: load this rank's shard, tell rank 0 ("loaded"), join the process group, agree
-    on the block count, allocate the KV cache, tell rank 0 ("ready", pid). Then execute the
-    steps rank 0 sends until "stop" (exit 0) or until rank 0 is gone / a step fails (exit 1,
-    the traceback sent to rank 0 first). Ignores SIGINT / SIGTERM: a Ctrl-C or a group-wide
+    on the block count, allocate the KV cache, start this rank's KV transfer part (context /
+    generation workers), tell rank 0 ("ready", (pid, transfer address or None)). Then execute
+    the steps rank 0 sends until "stop" (exit 0) or until rank 0 is gone / a step fails (exit
+    1, the traceback sent to rank 0 first). Transfer control messages go to ``RankTransfer``;
+    its events go back on ``events``. Ignores SIGINT / SIGTERM: a Ctrl-C or a group-wide
     SIGTERM is rank 0's to handle, and rank 0 stops its ranks after draining.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -290,7 +299,22 @@ def rank_main(config: EngineConfig, layout: ParallelLayout, store_host: str, sto
 
         runner = ModelRunner(config, layout, agree_num_blocks=agree, device=device)
         worker = StageWorker(runner, comm)
-        conn.send(("ready", os.getpid()))
+        transfer = None
+        if disagg is not None:
+            from disagg.disaggregation import RankTransfer
+
+            assert events is not None
+            send_lock = threading.Lock()
+
+            def emit(event: tuple[Any, ...]) -> None:
+                with send_lock:  # server, sweep and installer threads all report
+                    try:
+                        events.send(event)
+                    except OSError:  # rank 0 is gone; the main loop will notice
+                        pass
+
+            transfer = RankTransfer(disagg, config, layout.rank, runner.kv_cache, emit)
+        conn.send(("ready", (os.getpid(), transfer.address if transfer is not None else None)))
         logger.debug("rank %d ready: layers %s, kv heads %s, %d blocks", layout.rank,
                      layout.layer_range, layout.kv_head_range, runner.num_blocks)
     except BaseException:
@@ -304,6 +328,10 @@ def rank_main(config: EngineConfig, layout: ParallelLayout, store_host: str, sto
                 os._exit(1)  # rank 0 is gone without saying stop
             if kind == "step":
                 worker.step(payload)
+            elif kind in TRANSFER_MESSAGES:
+                if transfer is None:
+                    raise RuntimeError(f"{kind!r} sent to a rank without KV transfer")
+                transfer.handle(kind, payload)
             elif kind == "stats":
                 conn.send(("stats", asdict(comm.stats)))
             elif kind == "reset_stats":
@@ -316,6 +344,8 @@ def rank_main(config: EngineConfig, layout: ParallelLayout, store_host: str, sto
                 raise RuntimeError(f"unknown control message {kind!r}")
     except BaseException:
         _report_and_exit(conn, "step")
+    if transfer is not None:
+        transfer.shutdown()
     comm.close()
 
 

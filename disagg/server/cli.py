@@ -67,27 +67,21 @@ AVAILABLE_ROLES = ROLES
 DISAGG_ROLES = ("context", "generation")
 
 
-class RoleNotAvailableError(ValueError):
-    """The requested worker role (or this combination with it) is not implemented yet."""
-
-
 def check_role(role: str, world_size: int = 1) -> None:
+    """A role this worker can take (any role works with any tp * pp = ``world_size``)."""
     if role not in ROLES:
         raise ValueError(f"role: {role!r} is not one of {list(ROLES)}")
-    if role in DISAGG_ROLES and world_size > 1:
-        # Honest refusal: the KV plumbing of multi-rank context/generation workers (one
-        # transfer server / client per rank) is not wired yet.
-        raise RoleNotAvailableError(
-            f"role: {role!r} with tensor_parallel_size * pipeline_parallel_size = {world_size}: "
-            f"multi-rank disaggregated workers are not available yet; run {role} workers with "
-            f"one rank (tp = pp = 1), or use --role aggregated")
+    if world_size < 1:
+        raise ValueError(f"tensor_parallel_size * pipeline_parallel_size: must be >= 1, got "
+                         f"{world_size}")
+
 
 SERVER_OPTIONS: dict[str, _Opt] = {
     "model": _Opt(str, "checkpoint folder (instead of the MODEL_DIR argument)"),
     "host": _Opt(str, "address to bind (default 127.0.0.1)"),
     "port": _Opt(int, "port to bind; 0 picks a free one (default 8000)"),
     "role": _Opt(str, "worker role (default aggregated); context / generation serve "
-                 "disaggregated requests (single-rank workers)", choices=ROLES),
+                 "disaggregated requests", choices=ROLES),
     "kv_transfer_backend": _Opt(str, "KV transfer backend of a context/generation worker "
                                 "(default UCX; YAML: cache_transceiver_config.backend)",
                                 choices=("UCX", "TCP", "ucx", "tcp")),
@@ -289,7 +283,7 @@ def run_server(
                 backend=(kv_transfer_backend or "UCX").upper(),
                 host=kv_transfer_host or host, lease_ttl_s=float(kv_lease_ttl),
                 ucx_profile=ucx_profile or "same_host")
-    except ValueError as e:  # RoleNotAvailableError, no cluster token, bad ttl
+    except ValueError as e:  # bad role, no cluster token, bad ttl
         print(f"disagg serve: error: {e}", file=sys.stderr)
         return 2
 

@@ -216,7 +216,7 @@ class _TransferCollector(Collector):
         if rt is None:
             return
         try:
-            s = rt.stats.snapshot()
+            s = rt.stats_snapshot()
         except Exception:
             logger.exception("transfer stats failed during a metrics scrape")
             return

@@ -104,3 +104,37 @@ class TransferStats:
                 leased_blocks_held=lease.leased_blocks if lease else 0,
                 expired_leases=lease.expired_total if lease else 0,
             )
+
+
+def merge_snapshots(snaps: list[TransferStatsSnapshot]) -> TransferStatsSnapshot:
+    """One worker's counters from its ranks' snapshots (rank 0 first, same buckets).
+
+    Transfers, bytes, failures and latencies add up over ranks (each rank moves its own slice;
+    ``blocks_transferred`` counts a block once per rank that read a slice of it). Lease gauges
+    are rank 0's: every rank leases the same block ids, so they describe the worker once.
+    """
+    if not snaps:
+        raise ValueError("no snapshots")
+    first = snaps[0]
+    if len(snaps) == 1:
+        return first
+    failures: dict[str, int] = {}
+    for s in snaps:
+        for code, n in s.failures_by_code:
+            failures[code] = failures.get(code, 0) + n
+    buckets = tuple((bound, sum(s.latency_buckets[i][1] for s in snaps))
+                    for i, (bound, _) in enumerate(first.latency_buckets))
+    return TransferStatsSnapshot(
+        transfers=sum(s.transfers for s in snaps),
+        bytes_transferred=sum(s.bytes_transferred for s in snaps),
+        blocks_transferred=sum(s.blocks_transferred for s in snaps),
+        zero_copy_transfers=sum(s.zero_copy_transfers for s in snaps),
+        failed_transfers=sum(s.failed_transfers for s in snaps),
+        failures_by_code=tuple(sorted(failures.items())),
+        latency_buckets=buckets,
+        latency_sum_s=sum(s.latency_sum_s for s in snaps),
+        latency_count=sum(s.latency_count for s in snaps),
+        recent_latencies_s=tuple(x for s in snaps for x in s.recent_latencies_s),
+        active_leases=first.active_leases, leased_blocks_held=first.leased_blocks_held,
+        expired_leases=first.expired_leases,
+    )

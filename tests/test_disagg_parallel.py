@@ -1,0 +1,180 @@
+"""Multi-rank context and generation workers end to end (real worker processes).
+
+Every context layout (tp, pp) in {1, 2}^2 is paired with every generation layout in {1, 2}^2:
+the generation worker's ranks pull their slices straight from the context worker's ranks,
+converting the layout (and the block size, for the B=8 generation workers). Greedy outputs
+must equal an aggregated tp1 pp1 worker's and no KV block may stay in use on either side.
+Two context workers serve over UCX (TCP when ucxx cannot import) and two over TCP, so every
+generation layout reads over both backends.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from server_fixtures import health_ok, wait_for
+from test_disagg_e2e import (
+    CHAT,
+    CHAT_PATH,
+    NAME,
+    PROMPTS,
+    UCX_OK,
+    C,
+    Worker,
+    _post,
+    _start,
+    _stop,
+    _wait_healthy,
+    context_call,
+    disagg_text,
+    generation_body,
+    ref_text,
+)
+
+from disagg.transfer.layout import WorkerLayout, plan_pulls
+from disagg.transfer.params import ContextParams
+
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+UCX_CTX = {(2, 1), (2, 2)}  # these context workers serve over UCX when it is available
+GEN_BLOCK = {(1, 1): "8", (2, 1): "16", (1, 2): "16", (2, 2): "8"}
+
+
+def _par(tp: int, pp: int) -> list[str]:
+    return ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from disagg.model.tiny import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("disagg-par") / "tiny"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir: str, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[dict[str, Worker]]:
+    tmp: Path = tmp_path_factory.mktemp("par-logs")
+    ws: dict[str, Worker] = {}
+    for tp, pp in LAYOUTS:
+        backend = "UCX" if (tp, pp) in UCX_CTX and UCX_OK else "TCP"
+        ws[f"ctx{tp}{pp}"] = _start(tmp, model_dir, f"ctx{tp}{pp}", "context", *_par(tp, pp),
+                                    "--kv-transfer-backend", backend, "--tokens-per-block", "16")
+        ws[f"gen{tp}{pp}"] = _start(tmp, model_dir, f"gen{tp}{pp}", "generation",
+                                    *_par(tp, pp), "--kv-transfer-backend", "TCP",
+                                    "--tokens-per-block", GEN_BLOCK[(tp, pp)])
+    ws["ctx_short"] = _start(tmp, model_dir, "ctx_short", "context", *_par(1, 2),
+                             "--kv-transfer-backend", "TCP", "--tokens-per-block", "16",
+                             "--kv-lease-ttl", "0.3")
+    ws["ctx_victim"] = _start(tmp, model_dir, "ctx_victim", "context", *_par(2, 1),
+                              "--kv-transfer-backend", "TCP", "--tokens-per-block", "16")
+    ws["agg"] = _start(tmp, model_dir, "agg", "aggregated", "--tokens-per-block", "16")
+    try:
+        _wait_healthy(list(ws.values()))
+        yield ws
+    finally:
+        _stop(list(ws.values()))
+
+
+def _bodies() -> list[tuple[str, dict]]:
+    base = {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 10, "temperature": 0,
+            "ignore_eos": True}
+    chat = {"model": NAME, "messages": CHAT, "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    return [(C, base), (CHAT_PATH, chat)]
+
+
+@pytest.mark.parametrize("gen_layout", LAYOUTS, ids=lambda x: f"gen-tp{x[0]}pp{x[1]}")
+@pytest.mark.parametrize("ctx_layout", LAYOUTS, ids=lambda x: f"ctx-tp{x[0]}pp{x[1]}")
+def test_every_layout_pair_matches_aggregated(cluster: dict[str, Worker],
+                                              ctx_layout: tuple[int, int],
+                                              gen_layout: tuple[int, int]) -> None:
+    ctx = cluster["ctx{}{}".format(*ctx_layout)]
+    gen = cluster["gen{}{}".format(*gen_layout)]
+    for path, body in _bodies():
+        assert disagg_text(ctx, gen, path, body) == ref_text(cluster["agg"].url, path, body), (
+            path, body)
+    ctx.wait_blocks(0)  # every rank's lease confirmed: the blocks are free
+    gen.wait_blocks(0)
+
+
+def _counter(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    m = re.search(rf"^{name}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_every_rank_reads_its_own_slices_once(cluster: dict[str, Worker]) -> None:
+    """gen tp2 pp2 pulling from ctx tp2 pp2: one coalesced read per planned rank pair, counted
+    in the worker's metrics whichever rank made it."""
+    ctx, gen = cluster["ctx22"], cluster["gen22"]
+    body = {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True}
+    answer = context_call(ctx, C, body)
+    params = ContextParams.from_dict(answer["disaggregated_params"])
+    src = params.layout
+    dst = WorkerLayout.from_dict(gen.info()["kv_transfer"]["layout"])
+    assert (dst.tp_size, dst.pp_size, dst.tokens_per_block) == (2, 2, 8)
+    planned = sum(len(plan_pulls(src, dst, r)) for r in range(len(dst.ranks)))
+    assert planned == 4  # each of the 4 generation ranks reads one context rank
+    before = _counter(gen.url, "disagg_kv_transfers_total")
+    r = _post(gen.url, C, generation_body(C, body, answer))
+    assert r.status_code == 200, r.text
+    wait_for(lambda: _counter(gen.url, "disagg_kv_transfers_total") == before + planned, 15,
+             0.05, what="every rank's reads counted")
+    ctx.wait_blocks(0)
+    gen.wait_blocks(0)
+
+
+def test_multi_rank_expired_lease_fails_cleanly(cluster: dict[str, Worker]) -> None:
+    ctx, gen = cluster["ctx_short"], cluster["gen21"]
+    body = {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0}
+    answer = context_call(ctx, C, body)
+    ctx.wait_blocks(0, timeout=10)  # expired on both ranks: the blocks are free
+    r = _post(gen.url, C, generation_body(C, body, answer))
+    assert r.status_code == 502, r.text
+    err = r.json()["error"]
+    assert err["code"] == "kv_transfer_failed" and "expired_lease" in err["message"]
+    gen.wait_blocks(0)
+
+
+def test_multi_rank_final_first_token_frees_every_rank(cluster: dict[str, Worker]) -> None:
+    ctx = cluster["ctx22"]
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 1, "temperature": 0}
+    answer = context_call(ctx, C, body)
+    assert answer["disaggregated_params"] is None  # final: nothing leased
+    ctx.wait_blocks(0)
+
+
+def test_multi_rank_generation_abort_frees_both_sides(cluster: dict[str, Worker]) -> None:
+    ctx, gen = cluster["ctx12"], cluster["gen22"]
+    body = {"model": NAME, "prompt": PROMPTS[2], "max_tokens": 300, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    answer = context_call(ctx, C, body)
+    with httpx.stream("POST", gen.url + C, json=generation_body(C, body, answer),
+                      timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # hang up after the first event
+    ctx.wait_blocks(0)
+    gen.wait_blocks(0)
+
+
+def test_dead_multi_rank_context_fails_request_generation_stays_healthy(
+        cluster: dict[str, Worker]) -> None:
+    ctx, gen = cluster["ctx_victim"], cluster["gen22"]
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}
+    answer = context_call(ctx, C, body)
+    ctx.proc.kill()  # rank 0; its other rank leaves when it finds itself orphaned
+    ctx.proc.wait(10)
+    r = _post(gen.url, C, generation_body(C, body, answer))
+    assert r.status_code == 502, r.text
+    assert r.json()["error"]["code"] == "kv_transfer_failed"
+    gen.wait_blocks(0)
+    assert health_ok(gen.url)
+    assert disagg_text(cluster["ctx11"], gen, C, body) == ref_text(cluster["agg"].url, C, body)
