@@ -15,6 +15,7 @@ import torch
 
 from disagg.config import EngineConfig
 from disagg.model.attention import AttentionMetadata
+from disagg.model.kernels import paged_decode_kernel
 from disagg.model.loader import allocate_kv_cache, kv_cache_bytes_per_block, load_model
 from disagg.parallel.layout import ParallelLayout
 from disagg.scheduler import SchedulerOutput
@@ -69,6 +70,10 @@ class ModelRunner:
         self.model = load_model(config.model_dir, config.model, self.dtype, self.device,
                                 layer_range=lay.layer_range, tp_rank=lay.tp_rank,
                                 tp_size=lay.tp_size)
+        if self.device.type == "cpu":
+            # Decode attention straight from the paged cache (built once, cached on disk);
+            # None keeps the PyTorch gather path.
+            self.model.workspace.decode_kernel = paged_decode_kernel()
         num_blocks = self._decide_num_blocks()
         self.num_blocks = agree_num_blocks(num_blocks) if agree_num_blocks else num_blocks
         self.kv_cache = allocate_kv_cache(

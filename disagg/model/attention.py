@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from disagg.model.kernels import DecodeKernel
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -57,7 +59,8 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class GatherWorkspace:
-    """A reusable buffer for gathered context K/V.
+    """A model's attention resources: a reusable buffer for gathered context K/V, and the
+    optional compiled decode kernel that reads the paged cache in place (``kernels.py``).
 
     On CPU a fresh multi-megabyte tensor per layer costs more in page faults than the gather
     itself, so the gather writes into this buffer (grown on demand, reused by every layer of
@@ -65,8 +68,10 @@ class GatherWorkspace:
     allocator already reuses memory, so it is not used there.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, decode_kernel: DecodeKernel | None = None) -> None:
         self._buf: torch.Tensor | None = None
+        # Set by the runner on CPU when the kernel builds; None: gather + SDPA for decodes.
+        self.decode_kernel = decode_kernel
 
     def take(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         n = math.prod(shape)
@@ -134,7 +139,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer:
     nd = meta.num_decodes
     qsl = meta.query_start_loc
 
-    if nd > 0:
+    kernel = workspace.decode_kernel if workspace is not None else None
+    if (nd > 0 and kernel is not None and q.device.type == "cpu" and q.dtype == kv_layer.dtype
+            and not (q.requires_grad and torch.is_grad_enabled())):
+        # Decodes, in place: sequence i attends keys [0, decode_seq_lens[i]) of its blocks.
+        out[:nd] = kernel(q[:nd].contiguous(), kv_layer, meta.block_tables[:nd],
+                          meta.decode_seq_lens, scale)
+    elif nd > 0:
         # Decodes: rows [0, nd), one query each; context of sequence i = keys [0, seq_lens[i]).
         # All padded to L = nb*B keys (nb = blocks of the longest), masked per sequence:
         #   key j attended  <=>  j < decode_seq_lens[i]
