@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -96,6 +97,8 @@ SERVER_OPTIONS: dict[str, _Opt] = {
     "api_key": _Opt(str, "require 'Authorization: Bearer KEY' on /v1/*", metavar="KEY"),
     "drain_timeout": _Opt(float, "seconds in-flight requests get to finish on SIGTERM "
                           "(default 30)", metavar="S"),
+    "router_url": _Opt(str, "register with this router (a disagg YAML with disagg_cluster) and "
+                       "heartbeat; unregister on drain", metavar="URL"),
     "log_level": _Opt(str, "log level (default info)",
                       choices=("critical", "error", "warning", "info", "debug")),
     "benchmark_gen_only": _Opt(bool, "benchmarking aid of a generation worker: accept "
@@ -261,6 +264,7 @@ def run_server(
     kv_lease_ttl: float = 30.0,
     ucx_profile: str = "same_host",
     benchmark_gen_only: bool = False,
+    router_url: str | None = None,
 ) -> int:
     """Load the model, serve until SIGTERM/SIGINT, drain, return the exit code."""
     logging.basicConfig(level=log_level.upper(),
@@ -336,7 +340,14 @@ def run_server(
     if config.parallel.world_size > 1:
         logger.info("rank pids: %s", engine.rank_pids)
     try:
-        asyncio.run(server.serve())
+        if router_url:  # dynamic membership: register once listening, heartbeat
+            from disagg.server.registration import RouterRegistration, serve_registered
+
+            reg = RouterRegistration(router_url, engine, settings, host,
+                                     cluster_token or os.environ.get("DISAGG_CLUSTER_TOKEN"))
+            asyncio.run(serve_registered(server, reg))
+        else:
+            asyncio.run(server.serve())
     finally:
         engine.engine.shutdown()  # idempotent; also when serve() itself failed
     if engine.fatal_error is not None:

@@ -1,0 +1,70 @@
+"""``disagg router -c FILE``: run the router of a cluster YAML (see ``disagg.router.config``).
+
+Once listening it prints ``disagg router listening on http://HOST:PORT`` (flushed) to stdout,
+so a supervisor that asked for port 0 learns the port. SIGTERM / SIGINT stop it (exit 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from typing import Any
+
+from disagg.router.config import ClusterConfig, RouterConfigError, load_cluster_config
+
+
+def add_cli(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "router", help="route OpenAI requests over context / generation workers",
+        description="Route OpenAI requests over the context and generation workers of a "
+                    "cluster YAML (disaggregated), or over aggregated workers.")
+    p.add_argument("-c", "--config", required=True, metavar="FILE", help="cluster YAML")
+    p.add_argument("--host", default=None, help="address to bind (default: the YAML's "
+                   "hostname)")
+    p.add_argument("--port", type=int, default=None, help="port to bind; 0 picks a free one "
+                   "(default: the YAML's port)")
+    p.add_argument("--log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug"))
+    p.set_defaults(func=_cmd_router)
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_cluster_config(args.config)
+        if args.port is not None and not 0 <= args.port <= 65535:
+            raise RouterConfigError(f"--port: {args.port} is not a port number")
+        host = args.host or config.hostname
+        port = config.port if args.port is None else args.port
+        return asyncio.run(serve(config, host, port))
+    except RouterConfigError as e:
+        print(f"disagg router: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the address is taken, etc.
+        print(f"disagg router: error: cannot listen: {e}", file=sys.stderr)
+        return 1
+
+
+async def serve(config: ClusterConfig, host: str, port: int) -> int:
+    """Run until SIGTERM / SIGINT."""
+    from disagg.router.app import build_router_app, start_router
+
+    app = build_router_app(config)
+    runner, bound = await start_router(app, host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"disagg router listening on http://{shown}:{bound}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+    return 0

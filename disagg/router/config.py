@@ -1,0 +1,433 @@
+"""The disagg cluster YAML (REFERENCE section 3), validated on load (torch-free).
+
+Shape::
+
+    hostname: localhost           # where the router listens
+    port: 8000
+    max_retries: 1                # per side: another context / generation server after a failure
+    api_key: KEY                  # optional: clients of the router send "Authorization: Bearer KEY"
+    health_check_interval_sec: 2  # router's /health polling of every worker
+    upstream_timeout_sec: 300     # longest wait for the next byte from a worker
+    model: /path/to/checkpoint    # any worker key at the top level is inherited by both sections
+    context_servers:              # optional: without it the cluster is aggregated
+      num_instances: 2            # must equal len(urls)
+      urls: ["localhost:8001", "localhost:8002"]
+      router: {type: round_robin} # round_robin | load_balancing | kv_cache_aware (+ options)
+      tensor_parallel_size: 2     # any worker key (the `disagg serve` YAML keys)
+    generation_servers: {...}     # required unless disagg_cluster is set
+    conditional_disagg_config: {max_local_prefill_length: 256}
+    disagg_cluster: {cluster_uri, minimal_instances: {context_servers, generation_servers},
+                     heartbeat_interval_sec: 5, inactive_timeout_sec: 10}
+
+Worker keys are exactly the keys of a ``disagg serve --config`` worker YAML (the serve options in
+snake_case, plus ``cache_transceiver_config`` and ``kv_lease_ttl_s``), except ``host``, ``port``
+and ``role``, which the cluster decides (from ``urls`` and the section). ``model`` is the
+checkpoint folder: the worker's ``MODEL_DIR`` argument (and the router's tokenizer for the
+policies that need token ids). A top-level worker key is inherited by both sections; a section
+that sets the same key to another value is an error (say it in the sections instead).
+
+Every error is a ``RouterConfigError`` whose message starts with ``FILE: dotted.key:``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from disagg.config import ConfigError
+
+POLICY_TYPES = ("round_robin", "load_balancing", "kv_cache_aware")
+SECTIONS = ("context_servers", "generation_servers")
+ROLE_OF_SECTION = {"context_servers": "context", "generation_servers": "generation"}
+
+# Options each policy takes (besides ``type``), with their types and defaults.
+_COMMON_POLICY_OPTIONS: dict[str, tuple[type, Any]] = {
+    # How often the router polls each worker's GET /kv_events (when it keeps a KV index).
+    "kv_events_poll_interval_sec": (float, 0.1),
+    # Checkpoint folder whose tokenizer the router uses (default: the section's `model`).
+    "tokenizer": (str, None),
+}
+POLICY_OPTIONS: dict[str, dict[str, tuple[type, Any]]] = {
+    "round_robin": dict(_COMMON_POLICY_OPTIONS),
+    "load_balancing": {"use_tokens": (bool, False), **_COMMON_POLICY_OPTIONS},
+    "kv_cache_aware": {
+        "use_tokens": (bool, False),
+        "match_weight": (float, 1.0),  # score per matched block
+        "load_weight": (float, 0.25),  # score per active request (or per block of active tokens)
+        **_COMMON_POLICY_OPTIONS,
+    },
+}
+
+# Keys of the cluster file that are not worker options.
+_TOP_KEYS = ("hostname", "port", "max_retries", "api_key", "health_check_interval_sec",
+             "upstream_timeout_sec", *SECTIONS, "conditional_disagg_config", "disagg_cluster")
+_SECTION_KEYS = ("num_instances", "urls", "router")
+# Worker options the cluster sets itself: a worker's address comes from urls, its role from
+# the section it is in.
+_CLUSTER_SET = {"host": "urls", "port": "urls", "role": "the section"}
+
+
+class RouterConfigError(ConfigError):
+    """An invalid cluster YAML; the message names the file and the (dotted) key."""
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    type: str  # round_robin | load_balancing | kv_cache_aware
+    use_tokens: bool = False
+    # Every other key of the `router:` mapping as given; option() fills in the defaults.
+    options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    def option(self, name: str) -> Any:
+        if name in self.options:
+            return self.options[name]
+        return POLICY_OPTIONS.get(self.type, {}).get(name, (None, None))[1]
+
+
+@dataclass(frozen=True)
+class ServerGroupConfig:
+    role: str  # context | generation
+    num_instances: int
+    urls: tuple[str, ...]  # "host:port", normalized (no scheme)
+    router: PolicyConfig
+    # Inherited top-level worker keys merged with the section's own (e.g. model, tp size).
+    worker_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+
+@dataclass(frozen=True)
+class ConditionalDisaggConfig:
+    # Prefill on the generation worker (no context server) when it holds the prompt's prefix
+    # and at most this many prompt tokens are not cached there.
+    max_local_prefill_length: int
+
+
+@dataclass(frozen=True)
+class DisaggClusterConfig:
+    cluster_uri: str | None
+    minimal_instances: Mapping[str, int]  # context_servers / generation_servers -> count
+    heartbeat_interval_sec: float = 5.0
+    inactive_timeout_sec: float = 10.0
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    hostname: str
+    port: int
+    max_retries: int
+    context_servers: ServerGroupConfig | None
+    generation_servers: ServerGroupConfig | None  # None only with disagg_cluster
+    conditional_disagg: ConditionalDisaggConfig | None
+    disagg_cluster: DisaggClusterConfig | None
+    api_key: str | None
+    source: str  # the file it came from (for messages)
+    health_check_interval_sec: float = 2.0
+    upstream_timeout_sec: float = 300.0
+
+    @property
+    def aggregated(self) -> bool:
+        """No context servers: requests go whole to the generation servers (aggregated
+        workers). With ``disagg_cluster``, context workers may still register later."""
+        return self.context_servers is None
+
+    def group(self, role: str) -> ServerGroupConfig | None:
+        return self.context_servers if role == "context" else self.generation_servers
+
+
+# ---- loading --------------------------------------------------------------------------------
+
+
+def load_cluster_config(path: str | os.PathLike[str]) -> ClusterConfig:
+    """Read and validate a cluster YAML; ``RouterConfigError`` names the file and key."""
+    import yaml
+
+    source = os.fspath(path)
+    try:
+        with open(source) as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise RouterConfigError(f"{source}: cannot read: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise RouterConfigError(f"{source}: invalid YAML: {e}") from None
+    return parse_cluster_config(data, source)
+
+
+def parse_cluster_config(data: Mapping[str, Any] | Any, source: str = "<config>"
+                         ) -> ClusterConfig:
+    """Validate an already parsed cluster YAML (``source`` names it in messages)."""
+    err = _Errors(source)
+    if not isinstance(data, Mapping):
+        raise err("", f"expected a mapping of cluster keys, got {type(data).__name__}")
+    worker_keys = _worker_keys()
+    inherited: dict[str, Any] = {}
+    for key, value in data.items():
+        if not isinstance(key, str):
+            raise err("", f"keys must be strings, got {key!r}")
+        if key in _TOP_KEYS:
+            continue
+        inherited[key] = _worker_value(err, key, key, value, worker_keys, top=True)
+
+    hostname = _get(err, data, "hostname", str, "localhost")
+    port = _get(err, data, "port", int, 8000)
+    if not 0 <= port <= 65535:
+        raise err("port", f"{port} is not a port number (0..65535; 0 picks a free one)")
+    max_retries = _get(err, data, "max_retries", int, 1)
+    if max_retries < 0:
+        raise err("max_retries", f"must be >= 0, got {max_retries}")
+    api_key = _get(err, data, "api_key", str, None)
+    health_s = _positive(err, data, "health_check_interval_sec", 2.0)
+    upstream_s = _positive(err, data, "upstream_timeout_sec", 300.0)
+
+    cluster = None
+    if data.get("disagg_cluster") is not None:
+        cluster = _parse_cluster(err, data["disagg_cluster"])
+    groups: dict[str, ServerGroupConfig | None] = {}
+    for section in SECTIONS:
+        raw = data.get(section)
+        if raw is None:
+            groups[section] = None
+            continue
+        groups[section] = _parse_group(err, section, raw, inherited, worker_keys,
+                                       dynamic=cluster is not None)
+    if groups["generation_servers"] is None and cluster is None:
+        raise err("generation_servers", "missing: a cluster needs generation servers (or "
+                  "aggregated workers listed there), unless disagg_cluster lets them register")
+    seen: dict[str, str] = {}
+    for section in SECTIONS:
+        group = groups[section]
+        for i, url in enumerate(group.urls if group else ()):
+            if url in seen:
+                raise err(f"{section}.urls[{i}]", f"{url} is also listed in {seen[url]}")
+            seen[url] = section
+
+    conditional = None
+    raw_cond = data.get("conditional_disagg_config")
+    if raw_cond is not None:
+        if not isinstance(raw_cond, Mapping):
+            raise err("conditional_disagg_config", "expected a mapping")
+        _no_unknown(err, "conditional_disagg_config", raw_cond, ("max_local_prefill_length",))
+        if "max_local_prefill_length" not in raw_cond:
+            raise err("conditional_disagg_config.max_local_prefill_length", "missing")
+        n = _typed(err, "conditional_disagg_config.max_local_prefill_length",
+                   raw_cond["max_local_prefill_length"], int)
+        if n < 0:
+            raise err("conditional_disagg_config.max_local_prefill_length",
+                      f"must be >= 0, got {n}")
+        conditional = ConditionalDisaggConfig(n)
+
+    return ClusterConfig(
+        hostname=hostname, port=port, max_retries=max_retries,
+        context_servers=groups["context_servers"],
+        generation_servers=groups["generation_servers"],
+        conditional_disagg=conditional, disagg_cluster=cluster, api_key=api_key,
+        source=source, health_check_interval_sec=health_s, upstream_timeout_sec=upstream_s)
+
+
+class _Errors:
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def __call__(self, key: str, message: str) -> RouterConfigError:
+        return RouterConfigError(f"{self.source}: {key}: {message}" if key
+                                 else f"{self.source}: {message}")
+
+
+def _typed(err: _Errors, key: str, value: Any, kind: type) -> Any:
+    ok = {
+        bool: lambda v: isinstance(v, bool),
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+        str: lambda v: isinstance(v, str),
+    }[kind](value)
+    if not ok:
+        raise err(key, f"expected {kind.__name__}, got {value!r}")
+    return float(value) if kind is float else value
+
+
+def _get(err: _Errors, data: Mapping[str, Any], key: str, kind: type, default: Any,
+         prefix: str = "") -> Any:
+    value = data.get(key)
+    if value is None:
+        return default
+    return _typed(err, prefix + key, value, kind)
+
+
+def _positive(err: _Errors, data: Mapping[str, Any], key: str, default: float,
+              prefix: str = "") -> float:
+    value = _get(err, data, key, float, default, prefix)
+    if value <= 0:
+        raise err(prefix + key, f"must be > 0, got {value}")
+    return float(value)
+
+
+def _no_unknown(err: _Errors, where: str, data: Mapping[str, Any], known: tuple[str, ...]
+                ) -> None:
+    for key in data:
+        if key not in known:
+            raise err(f"{where}.{key}", f"unknown key; known keys: {', '.join(known)}")
+
+
+def _worker_keys() -> dict[str, Any]:
+    """The worker YAML keys of ``disagg serve`` (name -> its ``_Opt``, or None for the two
+    keys with their own checks). Imported here so the two never drift apart."""
+    from disagg.server.cli import ENGINE_OPTIONS, SERVER_OPTIONS
+
+    keys: dict[str, Any] = {**SERVER_OPTIONS, **ENGINE_OPTIONS}
+    keys.pop("kv_lease_ttl", None)  # the YAML spells it kv_lease_ttl_s
+    keys["kv_lease_ttl_s"] = SERVER_OPTIONS.get("kv_lease_ttl")
+    keys["cache_transceiver_config"] = None
+    return keys
+
+
+def _worker_value(err: _Errors, key: str, name: str, value: Any, worker_keys: dict[str, Any],
+                  top: bool) -> Any:
+    """Check one worker option (``name`` is its dotted path in messages)."""
+    if key in _CLUSTER_SET:
+        raise err(name, f"set by the cluster (from {_CLUSTER_SET[key]}), not a worker key here")
+    if key not in worker_keys:
+        extra = ", ".join(_TOP_KEYS if top else _SECTION_KEYS)
+        raise err(name, f"unknown key (neither a cluster key: {extra}; nor a worker key: "
+                        f"{', '.join(sorted(k for k in worker_keys if k not in _CLUSTER_SET))})")
+    if value is None:
+        return None
+    if key == "cache_transceiver_config":
+        from disagg.transfer.base import CacheTransceiverConfig
+
+        if not isinstance(value, Mapping):
+            raise err(name, "expected a mapping {backend: UCX | TCP, ucx_profile: ...}")
+        try:
+            CacheTransceiverConfig.from_dict(value)
+        except (TypeError, ValueError) as e:
+            raise err(name, str(e)) from None
+        return dict(value)
+    from disagg.server.cli import _coerce
+
+    try:
+        return _coerce(name, worker_keys[key], value, err.source)
+    except ConfigError as e:
+        raise RouterConfigError(str(e)) from None
+
+
+def _normalize_url(err: _Errors, key: str, url: Any) -> str:
+    """``http://host:port[/]`` or ``host:port`` -> ``host:port``."""
+    if not isinstance(url, str) or not url.strip():
+        raise err(key, f"expected 'host:port', got {url!r}")
+    text = url.strip()
+    if "://" in text:
+        scheme, _, text = text.partition("://")
+        if scheme.lower() != "http":
+            raise err(key, f"{url!r}: only http:// workers are supported")
+    text = text.rstrip("/")
+    if "/" in text:
+        raise err(key, f"{url!r}: expected 'host:port' (no path)")
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise err(key, f"{url!r} is not 'host:port'")
+    if host.startswith("[") != host.endswith("]") or (":" in host and not host.startswith("[")):
+        raise err(key, f"{url!r}: write an IPv6 host in brackets, [::1]:8000")
+    if not 1 <= int(port) <= 65535:
+        raise err(key, f"{url!r}: port {port} is out of range 1..65535")
+    return f"{host}:{int(port)}"
+
+
+def _parse_policy(err: _Errors, key: str, raw: Any) -> PolicyConfig:
+    if raw is None:
+        return PolicyConfig("round_robin", options=MappingProxyType({}))
+    if not isinstance(raw, Mapping):
+        raise err(key, f"expected a mapping like {{type: round_robin}}, got {raw!r}")
+    kind = raw.get("type", "round_robin")
+    if kind not in POLICY_TYPES:
+        raise err(f"{key}.type", f"unknown router type {kind!r}; one of {list(POLICY_TYPES)}")
+    known = POLICY_OPTIONS[kind]
+    options: dict[str, Any] = {}
+    for name, value in raw.items():
+        if name == "type":
+            continue
+        if name not in known:
+            raise err(f"{key}.{name}", f"unknown option of the {kind} router; known: "
+                      f"{', '.join(['type', *known])}")
+        kind_of, _ = known[name]
+        if value is None:
+            continue
+        options[name] = _typed(err, f"{key}.{name}", value, kind_of)
+        if kind_of is float and options[name] < 0:
+            raise err(f"{key}.{name}", f"must be >= 0, got {value}")
+    poll = options.get("kv_events_poll_interval_sec")
+    if poll is not None and poll <= 0:
+        raise err(f"{key}.kv_events_poll_interval_sec", f"must be > 0, got {poll}")
+    use_tokens = bool(options.pop("use_tokens", False))
+    return PolicyConfig(kind, use_tokens, MappingProxyType(options))
+
+
+def _parse_group(err: _Errors, section: str, raw: Any, inherited: Mapping[str, Any],
+                 worker_keys: dict[str, Any], dynamic: bool) -> ServerGroupConfig:
+    if not isinstance(raw, Mapping):
+        raise err(section, f"expected a mapping, got {type(raw).__name__}")
+    own: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in _SECTION_KEYS:
+            continue
+        own[key] = _worker_value(err, key, f"{section}.{key}", value, worker_keys, top=False)
+    for key, value in own.items():
+        if key in inherited and inherited[key] != value:
+            raise err(f"{section}.{key}", f"{value!r} conflicts with the top-level value "
+                      f"{inherited[key]!r} (top-level keys are inherited by both sections; "
+                      f"set it in each section instead)")
+    urls_raw = raw.get("urls")
+    if urls_raw is None:
+        if not dynamic:
+            raise err(f"{section}.urls", "missing (a list of 'host:port'; only a cluster with "
+                      "disagg_cluster may leave it out and let workers register)")
+        urls_raw = []
+    if isinstance(urls_raw, str) or not isinstance(urls_raw, list):
+        raise err(f"{section}.urls", f"expected a list of 'host:port', got {urls_raw!r}")
+    urls = tuple(_normalize_url(err, f"{section}.urls[{i}]", u) for i, u in enumerate(urls_raw))
+    for i, u in enumerate(urls):
+        if u in urls[:i]:
+            raise err(f"{section}.urls[{i}]", f"{u} is listed twice")
+    num = raw.get("num_instances")
+    if num is None:
+        num = len(urls)
+    num = _typed(err, f"{section}.num_instances", num, int)
+    if num < 0:
+        raise err(f"{section}.num_instances", f"must be >= 0, got {num}")
+    if urls or not dynamic:
+        if num != len(urls):
+            raise err(f"{section}.num_instances", f"{num} but {len(urls)} url(s)")
+    if not urls and not dynamic:
+        raise err(f"{section}.urls", "empty: list at least one 'host:port'")
+    policy = _parse_policy(err, f"{section}.router", raw.get("router"))
+    options = {k: v for k, v in {**inherited, **own}.items() if v is not None}
+    return ServerGroupConfig(ROLE_OF_SECTION[section], num, urls, policy,
+                             MappingProxyType(options))
+
+
+def _parse_cluster(err: _Errors, raw: Any) -> DisaggClusterConfig:
+    key = "disagg_cluster"
+    if not isinstance(raw, Mapping):
+        raise err(key, "expected a mapping")
+    _no_unknown(err, key, raw, ("cluster_uri", "minimal_instances", "heartbeat_interval_sec",
+                                "inactive_timeout_sec"))
+    uri = _get(err, raw, "cluster_uri", str, None, f"{key}.")
+    if uri is not None and not uri.startswith("http://"):
+        raise err(f"{key}.cluster_uri", f"{uri!r}: workers register over http:// with the "
+                  "router (etcd and other stores are not supported)")
+    minimal_raw = raw.get("minimal_instances") or {}
+    if not isinstance(minimal_raw, Mapping):
+        raise err(f"{key}.minimal_instances", "expected {context_servers: N, "
+                  "generation_servers: N}")
+    _no_unknown(err, f"{key}.minimal_instances", minimal_raw, SECTIONS)
+    minimal: dict[str, int] = {}
+    for section in SECTIONS:
+        n = _get(err, minimal_raw, section, int, 0, f"{key}.minimal_instances.")
+        if n < 0:
+            raise err(f"{key}.minimal_instances.{section}", f"must be >= 0, got {n}")
+        minimal[section] = n
+    beat = _positive(err, raw, "heartbeat_interval_sec", 5.0, f"{key}.")
+    inactive = _positive(err, raw, "inactive_timeout_sec", 10.0, f"{key}.")
+    if inactive <= beat:
+        raise err(f"{key}.inactive_timeout_sec", f"{inactive} must exceed "
+                  f"heartbeat_interval_sec ({beat}), or every worker would time out")
+    return DisaggClusterConfig(uri, MappingProxyType(minimal), beat, inactive)

@@ -1,0 +1,373 @@
+"""The router's workers: static ones from the YAML and, with ``disagg_cluster``, registered ones.
+
+Pools: ``context`` and ``generation``. A static worker is in the pool of its section for good;
+a registered worker (``POST /cluster/register`` by ``disagg serve --router-url``) joins the pool
+of its role (``aggregated`` workers join the generation pool) and heartbeats by registering
+again; it is dropped when no heartbeat came for ``inactive_timeout_sec``, or when its health
+checks have failed for that long, or when it unregisters (on drain).
+
+Health: every ``health_check_interval_sec`` the router GETs each worker's ``/health`` and
+``/server_info`` (role, tokens_per_block, worker_id, model_dir); a worker out of rotation is
+probed every 0.5 s (or the interval, if shorter). A worker is in rotation only
+while healthy; a request that cannot reach a worker (or gets 503) takes it out at once, and
+the next passing check puts it back. A worker whose role does not fit its pool (an
+aggregated worker where generation_only requests are sent) stays out, with the reason shown in
+``GET /cluster_info``.
+
+KV index (kv_cache_aware sides, and generation workers under conditional disaggregation):
+the router polls each healthy worker's ``GET /kv_events?since=SEQ`` every
+``router.kv_events_poll_interval_sec`` (default 0.1 s) and applies the answer to the worker's
+``KVIndex`` (see ``kv_index``); the answer carries ``tokens_per_block`` and ``worker_id``, so a
+restart with another block size resyncs the index before anything is matched again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from disagg.router.config import ClusterConfig, PolicyConfig
+from disagg.router.kv_index import KVEventsError, KVIndex
+
+logger = logging.getLogger("disagg.router")
+
+ROLES = ("context", "generation")
+HEALTH_TIMEOUT_S = 5.0
+UNHEALTHY_RECHECK_S = 0.5  # how often a worker out of rotation is probed again
+
+
+@dataclass(eq=False)
+class Worker:
+    url: str  # host:port
+    pool: str  # context | generation
+    static: bool  # from the YAML (never dropped) or registered
+    healthy: bool = False
+    reason: str = "not checked yet"
+    active_requests: int = 0  # the router's requests in flight on it
+    active_tokens: int = 0  # their prompt tokens
+    kv: KVIndex | None = None
+    role: str | None = None  # as the worker reports it
+    worker_id: str | None = None
+    tokens_per_block: int | None = None
+    model_dir: str | None = None
+    kv_blocks_used: int | None = None
+    last_seen: float = field(default_factory=time.monotonic)  # last heartbeat / passing check
+    failing_since: float | None = None
+    last_check: float = 0.0
+    checking: bool = False  # a health check is in flight
+    registration: dict[str, Any] | None = None
+    requests_total: int = 0
+    kv_poll_errors: int = 0
+
+    @property
+    def base(self) -> str:
+        return "http://" + self.url
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "url": self.url, "pool": self.pool, "role": self.role,
+            "source": "static" if self.static else "registered", "healthy": self.healthy,
+            "reason": None if self.healthy else self.reason,
+            "active_requests": self.active_requests, "active_tokens": self.active_tokens,
+            "requests_total": self.requests_total, "worker_id": self.worker_id,
+            "tokens_per_block": self.tokens_per_block, "kv_blocks_used": self.kv_blocks_used,
+            "kv_index": None if self.kv is None else {
+                "synced": self.kv.synced, "blocks": len(self.kv.blocks),
+                "tokens_per_block": self.kv.tokens_per_block, "next_seq": self.kv.next_seq,
+                "resyncs": self.kv.resyncs},
+        }
+
+
+class Membership:
+    """Pools of workers, their health checks and KV index polling (started by the app)."""
+
+    def __init__(self, config: ClusterConfig, policies: Mapping[str, PolicyConfig],
+                 on_model_dir: Callable[[str], None] | None = None) -> None:
+        self.config = config
+        self.policies = policies  # role -> the side's policy config (for KV needs, poll rate)
+        self.kv_roles = {role for role, p in policies.items() if p.type == "kv_cache_aware"}
+        if config.conditional_disagg is not None:
+            self.kv_roles.add("generation")
+        self.on_model_dir = on_model_dir  # a worker's checkpoint folder (tokenizer discovery)
+        self.pools: dict[str, list[Worker]] = {role: [] for role in ROLES}
+        self.by_url: dict[str, Worker] = {}
+        self.session: Any = None  # aiohttp.ClientSession, set by start()
+        self._tasks: dict[str, list[asyncio.Task[None]]] = {}
+        self._health_task: asyncio.Task[None] | None = None
+        self._spawned: set[asyncio.Task[Any]] = set()
+        for role in ROLES:
+            group = config.group(role)
+            for url in group.urls if group else ():
+                self._add(Worker(url, role, static=True))
+
+    # -- pools --------------------------------------------------------------------------------
+
+    @property
+    def disaggregated(self) -> bool:
+        """Requests take the context -> generation path (else whole to generation workers)."""
+        return self.config.context_servers is not None or bool(self.pools["context"])
+
+    def candidates(self, pool: str, exclude: set[str] | frozenset[str] = frozenset()
+                   ) -> list[Worker]:
+        return [w for w in self.pools[pool] if w.healthy and w.url not in exclude]
+
+    def _add(self, w: Worker) -> None:
+        if w.pool in self.kv_roles:
+            w.kv = KVIndex()
+        self.pools[w.pool].append(w)
+        self.by_url[w.url] = w
+        if self.session is not None:
+            self._start_worker_tasks(w)
+
+    def _remove(self, w: Worker, why: str) -> None:
+        logger.warning("dropping worker %s (%s): %s", w.url, w.pool, why)
+        self.by_url.pop(w.url, None)
+        with contextlib.suppress(ValueError):
+            self.pools[w.pool].remove(w)
+        w.healthy = False
+        w.reason = why
+        for t in self._tasks.pop(w.url, []):
+            t.cancel()
+
+    def mark_failed(self, w: Worker, why: str) -> None:
+        """Take ``w`` out of rotation now (a request could not use it); the health loop puts
+        it back when it passes again."""
+        if w.healthy:
+            logger.warning("worker %s (%s) out of rotation: %s", w.url, w.pool, why)
+        w.healthy = False
+        w.reason = why
+        if w.failing_since is None:
+            w.failing_since = time.monotonic()
+        if not w.checking:
+            self.spawn(self.check(w))  # confirm soon rather than at the next round
+
+    def ready(self) -> tuple[bool, str]:
+        """Ready when enough workers of each pool are healthy: ``minimal_instances`` with
+        disagg_cluster, else at least one generation worker (and one context worker in a
+        disaggregated cluster)."""
+        need: dict[str, int] = {"generation": 1, "context": 1 if self.disaggregated else 0}
+        if self.config.disagg_cluster is not None:
+            mins = self.config.disagg_cluster.minimal_instances
+            need = {"context": mins.get("context_servers", 0),
+                    "generation": mins.get("generation_servers", 0)}
+            if not any(need.values()):
+                need["generation"] = 1  # at least something to send requests to
+        missing = []
+        for role in ROLES:
+            have = len(self.candidates(role))
+            if have < need[role]:
+                missing.append(f"{have}/{need[role]} healthy {role} workers")
+        return (not missing, "; ".join(missing) or "ok")
+
+    # -- registration -------------------------------------------------------------------------
+
+    def register(self, payload: Mapping[str, Any]) -> Worker:
+        """Add or refresh a registered worker (ValueError naming the field when malformed)."""
+        role = payload.get("role")
+        if role not in ("context", "generation", "aggregated"):
+            raise ValueError(f"role: must be context, generation or aggregated, got {role!r}")
+        url = payload.get("url")
+        if not isinstance(url, str) or ":" not in url:
+            raise ValueError(f"url: expected 'host:port', got {url!r}")
+        url = url.removeprefix("http://").rstrip("/")
+        pool = "context" if role == "context" else "generation"
+        w = self.by_url.get(url)
+        if w is not None and w.pool != pool:
+            if w.static:
+                raise ValueError(f"url: {url} is a static {w.pool} worker of the config")
+            self._remove(w, f"registered again as {role}")
+            w = None
+        if w is None:
+            w = Worker(url, pool, static=False)
+            logger.info("worker %s registered (%s)", url, role)
+            self._add(w)
+            self.spawn(self.check(w))
+        elif payload.get("worker_id") and w.worker_id and payload["worker_id"] != w.worker_id:
+            # Restarted under the same address: forget what we knew until it is checked.
+            w.healthy, w.reason = False, "restarted; re-checking"
+            if w.kv is not None:
+                w.kv.reset()
+            self.spawn(self.check(w))
+        w.registration = dict(payload)
+        w.last_seen = time.monotonic()
+        return w
+
+    def unregister(self, url: str) -> bool:
+        w = self.by_url.get(url.removeprefix("http://").rstrip("/"))
+        if w is None or w.static:
+            return False
+        self._remove(w, "unregistered")
+        return True
+
+    # -- background work ----------------------------------------------------------------------
+
+    def spawn(self, coro: Any) -> None:
+        if self.session is None:  # not started (unit tests): nothing to run it on
+            coro.close()
+            return
+        task = asyncio.get_running_loop().create_task(coro)
+        self._spawned.add(task)
+        task.add_done_callback(self._spawned.discard)
+
+    async def start(self, session: Any) -> None:
+        self.session = session
+        for w in list(self.by_url.values()):
+            self._start_worker_tasks(w)
+        self._health_task = asyncio.create_task(self._health_loop())
+        # First checks now, so that a router started after its workers is ready at once.
+        await asyncio.gather(*(self.check(w) for w in list(self.by_url.values())))
+
+    async def stop(self) -> None:
+        tasks = [t for ts in self._tasks.values() for t in ts] + list(self._spawned)
+        if self._health_task is not None:
+            tasks.append(self._health_task)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    def _start_worker_tasks(self, w: Worker) -> None:
+        if w.kv is not None and w.url not in self._tasks:
+            self._tasks[w.url] = [asyncio.get_running_loop().create_task(self._kv_loop(w))]
+
+    async def _health_loop(self) -> None:
+        # Healthy workers are checked every interval; unhealthy ones every tick, so that a
+        # worker that comes back is in rotation again within half a second.
+        interval = self.config.health_check_interval_sec
+        tick = min(interval, UNHEALTHY_RECHECK_S)
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            due = [w for w in list(self.by_url.values())
+                   if not w.healthy or now - w.last_check >= interval - tick / 2]
+            await asyncio.gather(*(self.check(w) for w in due), return_exceptions=True)
+            self._expire()
+
+    def _expire(self) -> None:
+        dc = self.config.disagg_cluster
+        if dc is None:
+            return
+        now = time.monotonic()
+        for w in list(self.by_url.values()):
+            if w.static:
+                continue
+            if now - w.last_seen > dc.inactive_timeout_sec:
+                self._remove(w, f"no heartbeat for {now - w.last_seen:.1f} s")
+            elif w.failing_since is not None and now - w.failing_since > dc.inactive_timeout_sec:
+                self._remove(w, f"failing health checks for {now - w.failing_since:.1f} s: "
+                             f"{w.reason}")
+
+    def _expected_roles(self, w: Worker) -> tuple[str, ...]:
+        if w.pool == "context":
+            return ("context",)
+        if self.disaggregated:
+            return ("generation",)
+        return ("aggregated", "generation", "context")  # any role serves ordinary requests
+
+    async def check(self, w: Worker) -> bool:
+        """One health check: /health then /server_info; updates ``w`` and returns healthy."""
+        import aiohttp
+
+        timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
+        why = None
+        info: dict[str, Any] | None = None
+        w.last_check = time.monotonic()
+        w.checking = True
+        try:
+            async with self.session.get(w.base + "/health", timeout=timeout) as r:
+                if r.status != 200:
+                    why = f"/health answered {r.status}"
+            if why is None:
+                async with self.session.get(w.base + "/server_info", timeout=timeout) as r:
+                    if r.status != 200:
+                        why = f"/server_info answered {r.status}"
+                    else:
+                        info = await r.json()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # connection refused, timeout, bad JSON: all "not healthy"
+            why = f"unreachable: {type(e).__name__}: {e}".rstrip(": ")
+        finally:
+            w.checking = False
+        if info is not None:
+            why = self._apply_info(w, info)
+        now = time.monotonic()
+        if why is None:
+            if not w.healthy:
+                logger.info("worker %s (%s) healthy", w.url, w.pool)
+            w.healthy, w.reason, w.failing_since = True, "", None
+            if w.static:
+                w.last_seen = now
+        else:
+            if w.healthy:
+                logger.warning("worker %s (%s) unhealthy: %s", w.url, w.pool, why)
+            w.healthy, w.reason = False, why
+            if w.failing_since is None:
+                w.failing_since = now
+        return w.healthy
+
+    def _apply_info(self, w: Worker, info: Mapping[str, Any]) -> str | None:
+        role = info.get("role")
+        worker_id = info.get("worker_id") or (info.get("kv_transfer") or {}).get("worker_id")
+        if w.worker_id is not None and worker_id is not None and worker_id != w.worker_id:
+            logger.info("worker %s restarted (worker_id %s -> %s)", w.url, w.worker_id,
+                        worker_id)
+        w.role, w.worker_id = role, worker_id
+        tpb = info.get("tokens_per_block")
+        if tpb != w.tokens_per_block and w.tokens_per_block is not None:
+            logger.info("worker %s: tokens_per_block %s -> %s", w.url, w.tokens_per_block, tpb)
+            if w.kv is not None and w.kv.tokens_per_block != tpb:
+                w.kv.reset()  # never match with the old block size; the next poll resyncs
+        w.tokens_per_block = tpb
+        w.kv_blocks_used = info.get("kv_blocks_used")
+        model_dir = info.get("model_dir")
+        if model_dir and model_dir != w.model_dir:
+            w.model_dir = model_dir
+            if self.on_model_dir is not None:
+                self.on_model_dir(model_dir)
+        if role not in self._expected_roles(w):
+            return (f"role is {role!r} but the {w.pool} pool needs "
+                    f"{' or '.join(self._expected_roles(w))}")
+        return None
+
+    async def _kv_loop(self, w: Worker) -> None:
+        import aiohttp
+
+        policy = self.policies.get(w.pool)
+        interval = float(policy.option("kv_events_poll_interval_sec") if policy else 0.1)
+        timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
+        while True:
+            await asyncio.sleep(interval if w.kv_poll_errors == 0 else
+                                min(interval * 2 ** w.kv_poll_errors, 5.0))
+            if not w.healthy or w.kv is None:
+                continue
+            try:
+                url = f"{w.base}/kv_events?since={w.kv.next_seq}"
+                async with self.session.get(url, timeout=timeout) as r:
+                    if r.status != 200:
+                        raise KVEventsError(f"/kv_events answered {r.status}")
+                    answer = await r.json()
+                w.kv.apply(answer)
+                w.kv_poll_errors = 0
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                if w.kv_poll_errors == 0:
+                    logger.warning("worker %s: KV events poll failed: %s", w.url, e)
+                w.kv_poll_errors = min(w.kv_poll_errors + 1, 6)
+
+    def cluster_info(self) -> dict[str, Any]:
+        ready, why = self.ready()
+        return {
+            "ready": ready, "reason": why, "disaggregated": self.disaggregated,
+            "disagg_cluster": None if self.config.disagg_cluster is None else {
+                "minimal_instances": dict(self.config.disagg_cluster.minimal_instances),
+                "heartbeat_interval_sec": self.config.disagg_cluster.heartbeat_interval_sec,
+                "inactive_timeout_sec": self.config.disagg_cluster.inactive_timeout_sec},
+            "workers": {role: [w.info() for w in self.pools[role]] for role in ROLES},
+        }

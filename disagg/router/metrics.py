@@ -1,0 +1,93 @@
+"""The router's Prometheus metrics (``GET /metrics``), one registry per app.
+
+- ``disagg_router_requests_total{endpoint, outcome}``: outcome = success | client_error
+  (4xx, ours or a worker's) | upstream_error (every try failed, or a worker's 5xx) |
+  no_worker | stream_error (failed after the first byte) | disconnected (client gone);
+- ``disagg_router_ctx_latency_seconds``: the context call (prefill + first token);
+  ``disagg_router_gen_first_byte_seconds`` / ``disagg_router_gen_latency_seconds``: the
+  generation (or aggregated) call to its first byte and to its end;
+  ``disagg_router_request_latency_seconds``: the whole request as the router saw it;
+- ``disagg_router_retries_total{role, reason}``: a try on another worker (or a new prefill);
+- ``disagg_router_routing_decisions_total{role, policy, worker}``;
+  ``disagg_router_local_prefill_total``: conditional disaggregation skipped the context side;
+- ``disagg_router_kv_matched_tokens_total{role, worker}`` and
+  ``disagg_router_kv_prompt_tokens_total{role}``: prompt tokens found in the chosen worker's
+  cache by kv_cache_aware routing, of all prompt tokens it routed;
+- per worker, read at scrape time: ``disagg_router_worker_active_requests{role, worker}``,
+  ``disagg_router_worker_healthy{role, worker}``, ``disagg_router_kv_index_blocks{role,
+  worker}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from disagg.router.membership import Membership
+
+P = "disagg_router_"
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 30.0, 60.0, 120.0, float("inf"))
+
+
+class RouterMetrics:
+    def __init__(self, membership: Membership) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(P + "requests", "Requests by endpoint and outcome.",
+                                ["endpoint", "outcome"], registry=r)
+        self.ctx_latency = Histogram(P + "ctx_latency_seconds", "Context call: sent -> answer.",
+                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.gen_first_byte = Histogram(P + "gen_first_byte_seconds", "Generation call: sent -> "
+                                        "first byte.", buckets=LATENCY_BUCKETS, registry=r)
+        self.gen_latency = Histogram(P + "gen_latency_seconds", "Generation call: sent -> end.",
+                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.request_latency = Histogram(P + "request_latency_seconds", "Whole request at the "
+                                         "router.", buckets=LATENCY_BUCKETS, registry=r)
+        self.retries = Counter(P + "retries", "Tries on another worker, or new prefills.",
+                               ["role", "reason"], registry=r)
+        self.decisions = Counter(P + "routing_decisions", "Workers chosen, by policy.",
+                                 ["role", "policy", "worker"], registry=r)
+        self.local_prefill = Counter(P + "local_prefill", "Requests prefilled on the generation "
+                                     "worker (conditional disaggregation).", registry=r)
+        self.kv_matched = Counter(P + "kv_matched_tokens", "Prompt tokens found in the chosen "
+                                  "worker's KV cache (kv_cache_aware).", ["role", "worker"],
+                                  registry=r)
+        self.kv_prompt = Counter(P + "kv_prompt_tokens", "Prompt tokens routed by "
+                                 "kv_cache_aware.", ["role"], registry=r)
+        r.register(_WorkerCollector(membership))
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _WorkerCollector(Collector):
+    def __init__(self, membership: Membership) -> None:
+        self.membership = membership
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["role", "worker"]
+        active = GaugeMetricFamily(P + "worker_active_requests", "Router requests in flight on "
+                                   "the worker.", labels=labels)
+        healthy = GaugeMetricFamily(P + "worker_healthy", "1 while the worker is in rotation.",
+                                    labels=labels)
+        blocks = GaugeMetricFamily(P + "kv_index_blocks", "Block hashes in the router's index "
+                                   "of the worker's KV cache.", labels=labels)
+        for pool, workers in self.membership.pools.items():
+            for w in workers:
+                active.add_metric([pool, w.url], w.active_requests)
+                healthy.add_metric([pool, w.url], 1.0 if w.healthy else 0.0)
+                if w.kv is not None:
+                    blocks.add_metric([pool, w.url], len(w.kv.blocks))
+        yield active
+        yield healthy
+        yield blocks

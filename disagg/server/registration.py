@@ -1,0 +1,157 @@
+"""Worker side of dynamic membership: ``disagg serve --router-url URL``.
+
+Once the HTTP server listens, the worker ``POST``s ``URL/cluster/register`` with what the
+router needs to route to it::
+
+    {"role", "url": "host:port", "model", "model_dir", "tokens_per_block",
+     "block_hash_scheme", "worker_id", "layout": [every rank's ParallelLayout.to_dict()],
+     "kv_transfer": {role, worker_id, backend, addresses} | null}
+
+and registers again every ``heartbeat_interval_sec`` (the router's answer says how often; the
+router drops a worker that stays silent for its ``inactive_timeout_sec``). When the worker
+starts draining (SIGTERM) it ``POST``s ``URL/cluster/unregister`` at once, so the router stops
+sending it new requests while the running ones finish. With ``$DISAGG_CLUSTER_TOKEN`` (or
+``--cluster-token``) set, the calls carry it as ``X-Disagg-Cluster-Token``. A router that is
+down or refuses is retried every second, logged once per distinct reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from typing import Any
+
+logger = logging.getLogger("disagg.server.registration")
+
+RETRY_S = 1.0
+TIMEOUT_S = 5.0
+
+
+def advertised_host(host: str) -> str:
+    """An address the router can reach: the bound host, or this machine's name for a
+    wildcard bind."""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        return socket.gethostname()
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def worker_payload(engine: Any, settings: Any, url: str) -> dict[str, Any]:
+    """The registration body of the worker serving ``engine`` with ``settings``."""
+    from disagg.kv_cache.hashing import BLOCK_HASH_SCHEME
+    from disagg.parallel.layout import ParallelLayout
+
+    cfg = engine.config
+    transfer = getattr(engine, "transfer", None)
+    return {
+        "role": settings.role,
+        "url": url,
+        "model": settings.model_name,
+        "model_dir": settings.model_dir,
+        "tokens_per_block": cfg.cache.tokens_per_block,
+        "block_hash_scheme": BLOCK_HASH_SCHEME,
+        "worker_id": getattr(engine, "worker_id", None),
+        "layout": [lay.to_dict() for lay in ParallelLayout.all_ranks(cfg.model, cfg.parallel)],
+        "kv_transfer": transfer.info() if transfer is not None else None,
+    }
+
+
+class RouterRegistration:
+    """Registers a running uvicorn server with a router and heartbeats until it stops."""
+
+    def __init__(self, router_url: str, engine: Any, settings: Any, host: str,
+                 cluster_token: str | None = None) -> None:
+        self.router_url = router_url.rstrip("/")
+        if "://" not in self.router_url:
+            self.router_url = "http://" + self.router_url
+        self.engine = engine
+        self.settings = settings
+        self.host = host
+        self.headers = {"X-Disagg-Cluster-Token": cluster_token} if cluster_token else {}
+        self.url: str | None = None  # host:port, once the server listens
+        self.registered = False
+        self._last_problem: str | None = None
+
+    async def run(self, server: Any) -> None:
+        """Wait for ``server`` (a ``uvicorn.Server``) to listen, then register and heartbeat
+        until it starts shutting down; then unregister."""
+        import httpx
+
+        while not server.started:
+            if server.should_exit:
+                return
+            await asyncio.sleep(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"{advertised_host(self.host)}:{port}"
+        payload = worker_payload(self.engine, self.settings, self.url)
+        async with httpx.AsyncClient(timeout=TIMEOUT_S, headers=self.headers) as client:
+            try:
+                while not server.should_exit:
+                    interval = await self._register(client, payload)
+                    await _sleep_unless(server, interval)
+            finally:
+                if self.registered:
+                    await self.unregister(client)
+
+    async def _register(self, client: Any, payload: dict[str, Any]) -> float:
+        import httpx
+
+        try:
+            r = await client.post(self.router_url + "/cluster/register", json=payload)
+        except httpx.HTTPError as e:
+            self._problem(f"router {self.router_url} unreachable: {type(e).__name__}: {e}")
+            return RETRY_S
+        if r.status_code != 200:
+            try:
+                why = r.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                why = r.text[:200]
+            self._problem(f"router {self.router_url} refused the registration "
+                          f"({r.status_code}): {why}")
+            return RETRY_S
+        if not self.registered or self._last_problem is not None:
+            logger.info("registered with router %s as %s (%s)", self.router_url, self.url,
+                        self.settings.role)
+        self.registered = True
+        self._last_problem = None
+        try:
+            return max(float(r.json().get("heartbeat_interval_sec", 5.0)), 0.05)
+        except (ValueError, TypeError, AttributeError):
+            return 5.0
+
+    async def unregister(self, client: Any) -> None:
+        import httpx
+
+        with contextlib.suppress(httpx.HTTPError):
+            await client.post(self.router_url + "/cluster/unregister", json={"url": self.url},
+                              timeout=2.0)
+            logger.info("unregistered from router %s", self.router_url)
+        self.registered = False
+
+    def _problem(self, why: str) -> None:
+        if why != self._last_problem:
+            logger.warning("%s; retrying every %.0f s", why, RETRY_S)
+        self._last_problem = why
+
+
+async def _sleep_unless(server: Any, seconds: float) -> None:
+    """Sleep, waking early when the server starts shutting down (drain: unregister now)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    while not server.should_exit and loop.time() < end:
+        await asyncio.sleep(min(0.1, end - loop.time()))
+
+
+async def serve_registered(server: Any, registration: RouterRegistration) -> None:
+    """``server.serve()`` with ``registration`` running beside it."""
+    task = asyncio.create_task(registration.run(server))
+    try:
+        await server.serve()
+    finally:
+        if not task.done():
+            # normally it has unregistered already (should_exit was set at drain start)
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(task, 3.0)
+        if not task.done():
+            task.cancel()

@@ -1,0 +1,137 @@
+"""Dynamic membership: workers register with the router (disagg_cluster), heartbeat, and are
+dropped when silent or failing; ``minimal_instances`` gates ``/health``; a real
+``disagg serve --router-url`` worker registers, serves through the router and unregisters on
+SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from server_fixtures import wait_for
+from test_router_live import (
+    NAME,
+    FakeWorker,
+    LoopThread,
+    cluster,
+    running_router,
+    start_worker,
+    stop_workers,
+    wait_healthy,
+)
+
+DYNAMIC = {"health_check_interval_sec": 0.2, "disagg_cluster": {
+    "minimal_instances": {"generation_servers": 1},
+    "heartbeat_interval_sec": 0.2, "inactive_timeout_sec": 1.0}}
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[LoopThread]:
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+def _register(url: str, payload: dict[str, Any], **headers: str) -> httpx.Response:
+    return httpx.post(url + "/cluster/register", json=payload, headers=headers, timeout=10)
+
+
+def _urls(url: str, pool: str) -> list[str]:
+    return [w["url"] for w in cluster(url)["workers"][pool]]
+
+
+def test_register_heartbeat_expiry_and_readiness(loop: LoopThread) -> None:
+    fake = FakeWorker("generation", [])
+    runner, fake_url = loop.serve(fake.app)
+    addr = fake_url.removeprefix("http://")
+    try:
+        with running_router(DYNAMIC, loop) as url:
+            r = httpx.get(url + "/health")
+            assert r.status_code == 503 and "0/1 healthy generation" in r.json()["reason"]
+            # malformed registrations are refused, naming the field
+            r = _register(url, {"role": "decode", "url": addr})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "role"
+            r = _register(url, {"role": "generation"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "url"
+            r = _register(url, {"role": "generation", "url": addr, "tokens_per_block": 16})
+            assert r.status_code == 200 and r.json()["heartbeat_interval_sec"] == 0.2
+            wait_for(lambda: httpx.get(url + "/health").status_code == 200, 10,
+                     what="ready with one generation worker")
+            assert _urls(url, "generation") == [addr]
+            info = cluster(url)["workers"]["generation"][0]
+            assert info["source"] == "registered" and info["healthy"]
+            # heartbeats keep it; silence drops it after inactive_timeout_sec
+            for _ in range(8):
+                assert _register(url, {"role": "generation", "url": addr}).status_code == 200
+                time.sleep(0.2)
+            assert _urls(url, "generation") == [addr]
+            wait_for(lambda: not _urls(url, "generation"), 10, what="dropped when silent")
+            assert httpx.get(url + "/health").status_code == 503
+            # heartbeating but failing health checks: dropped as well
+            _register(url, {"role": "generation", "url": addr})
+            wait_for(lambda: httpx.get(url + "/health").status_code == 200, 10, what="back")
+            loop.run(runner.cleanup())
+            deadline = time.monotonic() + 10
+            while _urls(url, "generation"):
+                assert time.monotonic() < deadline, "not dropped while failing health checks"
+                _register(url, {"role": "generation", "url": addr})
+                time.sleep(0.1)
+            # explicit unregister
+            runner, fake_url = loop.serve(fake.app)
+            addr = fake_url.removeprefix("http://")
+            _register(url, {"role": "context", "url": addr})
+            assert _urls(url, "context") == [addr]
+            r = httpx.post(url + "/cluster/unregister", json={"url": addr})
+            assert r.json()["status"] == "unregistered" and not _urls(url, "context")
+    finally:
+        loop.run(runner.cleanup())
+
+
+def test_registration_needs_disagg_cluster_and_the_cluster_token(
+        loop: LoopThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    static = {"generation_servers": {"urls": ["127.0.0.1:9"]}}
+    with running_router(static, loop) as url:
+        r = _register(url, {"role": "generation", "url": "127.0.0.1:10"})
+        assert r.status_code == 404 and "disagg_cluster" in r.json()["error"]["message"]
+        assert httpx.get(url + "/health").status_code == 503  # its only worker is down
+    monkeypatch.setenv("DISAGG_CLUSTER_TOKEN", "tok")
+    with running_router(DYNAMIC, loop) as url:
+        payload = {"role": "generation", "url": "127.0.0.1:10"}
+        assert _register(url, payload).status_code == 401
+        assert _register(url, payload, **{"X-Disagg-Cluster-Token": "bad"}).status_code == 401
+        assert _register(url, payload, **{"X-Disagg-Cluster-Token": "tok"}).status_code == 200
+
+
+def test_worker_with_router_url_registers_serves_and_unregisters(
+        loop: LoopThread, tiny_llama: str, tmp_path: Path) -> None:
+    with running_router(DYNAMIC, loop) as url:
+        w = start_worker(tmp_path, tiny_llama, "dyn", "aggregated", "--router-url", url,
+                         "--tokens-per-block", "8")
+        try:
+            wait_healthy([w])
+            wait_for(lambda: httpx.get(url + "/health").status_code == 200, 30,
+                     what="router ready after the worker registered")
+            info = cluster(url)["workers"]["generation"][0]
+            assert info["url"] == w.addr and info["role"] == "aggregated"
+            assert info["tokens_per_block"] == 8 and info["source"] == "registered"
+            client = openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=60,
+                                   max_retries=0)
+            got = client.completions.create(model=NAME, prompt="Hello there", max_tokens=6,
+                                            temperature=0, extra_body={"ignore_eos": True})
+            direct = httpx.post(w.url + "/v1/completions", json={
+                "model": NAME, "prompt": "Hello there", "max_tokens": 6, "temperature": 0,
+                "ignore_eos": True}, timeout=60).json()
+            assert got.choices[0].text == direct["choices"][0]["text"]
+            w.proc.send_signal(signal.SIGTERM)  # drains: unregisters at once
+            wait_for(lambda: not cluster(url)["workers"]["generation"], 20,
+                     what="unregistered on SIGTERM")
+            assert w.proc.wait(30) == 0
+            assert httpx.get(url + "/health").status_code == 503
+        finally:
+            stop_workers([w])
