@@ -13,10 +13,12 @@ import sys
 
 # Modules that provide add_cli(subparsers), in the order shown by --help.
 SUBCOMMAND_MODULES = (
-    "disagg.demo",  # demo: a worker on the tiny model answering one chat request
+    "disagg.demo",  # demo: alias of `launch` without -c
+    "disagg.launch",  # launch: workers + router from one disagg YAML (no -c: the demo)
     "disagg.generate",  # generate: offline generation
     "disagg.model.tiny",  # model tiny: write a tiny checkpoint
     "disagg.server.cli",  # serve
+    "disagg.router.cli",  # router
     "disagg.bench.cli",  # bench
 )
 

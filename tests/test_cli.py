@@ -1,23 +1,21 @@
-"""The README's first command (`disagg demo`) and the offline `disagg generate`."""
+"""`disagg demo` (an alias of the README's first command, `disagg launch`) and the offline
+`disagg generate`."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
-import pytest
 
+def test_demo_is_the_launch_demo():
+    """`disagg demo` (the old first command) runs `disagg launch` without -c, whose end to
+    end test is in test_launch.py."""
+    from disagg.cli import build_parser
+    from disagg.launch import run
 
-@pytest.mark.slow
-def test_demo_answers_a_chat_request(tmp_path):
-    env = dict(os.environ, DISAGG_CACHE=str(tmp_path / "cache"))
-    proc = subprocess.run([sys.executable, "-m", "disagg.cli", "demo", "--max-tokens", "8"],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "worker healthy at http://127.0.0.1:" in proc.stdout
-    assert "assistant (length" in proc.stdout
-    assert "'completion_tokens': 8" in proc.stdout
+    args = build_parser().parse_args(["demo", "--max-tokens", "8", "--keep-running"])
+    assert args.func is run and args.config is None and args.model is None
+    assert args.max_tokens == 8 and args.keep_running and args.timeout > 0
 
 
 def test_generate_cli(tiny_llama):

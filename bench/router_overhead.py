@@ -1,0 +1,679 @@
+"""What the router adds: latency and the request rate one router core sustains.
+
+In one run, this process starts fast stub OpenAI upstreams (a raw asyncio HTTP/1.1 server:
+``/v1/completions`` non-streaming JSON or an SSE stream of a few chunks, ``/health`` and
+``/server_info``, what a round-robin router calls) and ``disagg router`` in a subprocess with
+one stub as its only (aggregated) generation server, then a second router in front of two
+stubs (context + generation: two upstream calls per request). The router runs
+pinned to one core; the load generator and the stubs share the other core (a raw asyncio HTTP
+client and server, far cheaper per request than the router, so the router is the bottleneck:
+its CPU use during each run is measured and reported).
+
+For each of non-streaming and streaming requests, the same closed-loop clients call
+(a) the stub directly and (b) the router:
+
+- latency: ``--latency-requests`` requests one at a time (concurrency 1) and at
+  ``--concurrency`` requests in flight; p50 / p99 of each, and router minus direct;
+- throughput: ``--throughput-concurrency`` requests in flight for ``--duration`` seconds
+  after a warm-up: requests/s (the router's maximum on one core when its CPU is ~100%).
+
+Every answer is checked (status 200 and the stub's whole body, ``[DONE]`` for streams); a
+wrong answer aborts the run. The markdown result (machine, command, tables, whether the
+targets were met) is written to ``--out``.
+
+    python bench/router_overhead.py [--out bench/results/router.md] [--duration 6]
+        [--latency-requests 2000] [--concurrency 8] [--throughput-concurrency 64]
+        [--repeats 3] [--no-disagg] [--profile-seconds 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+TARGET_ADDED_P50_MS = 1.0
+TARGET_RPS = 1500.0
+STREAM_CHUNKS = 8
+PROMPT = ("The harbour was quiet in the early morning, and the fishing boats rocked gently "
+          "against the pier while the gulls circled overhead looking for scraps.")
+
+# -- the stub upstream ---------------------------------------------------------------------------
+
+_COMPLETION = {
+    "id": "cmpl-stub", "object": "text_completion", "created": 0, "model": "stub",
+    "choices": [{"index": 0, "text": " and then the tide came in", "logprobs": None,
+                 "finish_reason": "length"}],
+    "usage": {"prompt_tokens": 32, "completion_tokens": STREAM_CHUNKS,
+              "total_tokens": 32 + STREAM_CHUNKS},
+}
+
+
+def _sse_body() -> bytes:
+    """A streamed completion: STREAM_CHUNKS one-token chunks, a usage chunk, [DONE]; each
+    event is its own HTTP chunk, as a worker sends them."""
+    events = []
+    for i in range(STREAM_CHUNKS):
+        chunk = {"id": "cmpl-stub", "object": "text_completion", "created": 0, "model": "stub",
+                 "choices": [{"index": 0, "text": f" tok{i}", "logprobs": None,
+                              "finish_reason": "length" if i == STREAM_CHUNKS - 1 else None}]}
+        events.append(f"data: {json.dumps(chunk)}\n\n".encode())
+    events.append(b"data: [DONE]\n\n")
+    return b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
+
+
+def _response(status: str, body: bytes, ctype: bytes = b"application/json") -> bytes:
+    return (b"HTTP/1.1 " + status.encode() + b"\r\ncontent-type: " + ctype
+            + b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+STREAM_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+               b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n")
+SSE_BODY = _sse_body()
+COMPLETION_BODY = json.dumps(_COMPLETION).encode()
+
+
+class Stub:
+    """One fake worker. ``role``: what /server_info says (aggregated, context, generation)."""
+
+    def __init__(self, role: str, name: str) -> None:
+        self.role = role
+        info = {"role": role, "model": "stub", "model_dir": None, "worker_id": name,
+                "tokens_per_block": 32, "block_hash_scheme": "sha256-chain-v1",
+                "kv_blocks_used": 0, "kv_blocks_total": 1024}
+        self.routes: dict[bytes, bytes] = {
+            b"/health": _response("200 OK", b"{}"),
+            b"/server_info": _response("200 OK", json.dumps(info).encode()),
+            b"/v1/models": _response("200 OK", json.dumps(
+                {"object": "list", "data": [{"id": "stub", "object": "model"}]}).encode()),
+        }
+        ctx = dict(_COMPLETION, choices=[dict(_COMPLETION["choices"][0], text=" and")],
+                   prompt_token_ids=list(range(32)),
+                   disaggregated_params={"request_type": "context_only",
+                                         "ctx_request_id": "stub-lease", "first_gen_tokens": [7],
+                                         "worker_id": name})
+        self.context_answer = _response("200 OK", json.dumps(ctx).encode())
+        self.completion_answer = _response("200 OK", COMPLETION_BODY)
+        self.requests = 0
+
+    def answer(self, method: bytes, target: bytes, body: bytes) -> bytes:
+        path = target.split(b"?", 1)[0]
+        if method == b"POST" and path in (b"/v1/completions", b"/v1/chat/completions"):
+            self.requests += 1
+            req = json.loads(body)
+            params = req.get("disaggregated_params") or {}
+            if params.get("request_type") == "context_only":
+                return self.context_answer
+            if req.get("stream"):
+                return STREAM_HEAD + SSE_BODY
+            return self.completion_answer
+        found = self.routes.get(path)
+        return found if found is not None else _response("404 Not Found", b"{}")
+
+
+class StubProtocol(asyncio.Protocol):
+    """HTTP/1.1 keep-alive server of a Stub: parse request line, Content-Length, body."""
+
+    def __init__(self, stub: Stub) -> None:
+        self.stub = stub
+        self.buf = b""
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while True:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self.buf[:end]
+            length = 0
+            lines = head.split(b"\r\n")
+            for line in lines[1:]:
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            if len(self.buf) < end + 4 + length:
+                return
+            body = self.buf[end + 4:end + 4 + length]
+            self.buf = self.buf[end + 4 + length:]
+            method, target, _ = lines[0].split(b" ", 2)
+            assert self.transport is not None
+            self.transport.write(self.stub.answer(method, target, body))
+
+
+# -- the load generator -------------------------------------------------------------------------
+
+
+class Conn:
+    """A keep-alive HTTP/1.1 client connection (asyncio streams; Content-Length or chunked)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, port: int) -> Conn:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return cls(reader, writer)
+
+    async def request(self, raw: bytes) -> tuple[int, bytes]:
+        self.writer.write(raw)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        status = int(lines[0].split(b" ", 2)[1])
+        length, chunked = None, False
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            name = name.strip().lower()
+            if name == b"content-length":
+                length = int(value)
+            elif name == b"transfer-encoding" and b"chunked" in value.lower():
+                chunked = True
+        if not chunked:
+            return status, await self.reader.readexactly(length or 0)
+        parts = []
+        while True:
+            size = int((await self.reader.readuntil(b"\r\n")).split(b";", 1)[0], 16)
+            if size == 0:
+                await self.reader.readuntil(b"\r\n")
+                return status, b"".join(parts)
+            parts.append((await self.reader.readexactly(size + 2))[:-2])  # data + CRLF
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def build_request(port: int, stream: bool) -> bytes:
+    body = json.dumps({"model": "stub", "prompt": PROMPT, "max_tokens": STREAM_CHUNKS,
+                       "temperature": 0, "stream": stream}).encode()
+    return (b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1:%d\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+            % (port, len(body), body))
+
+
+def make_check(stream: bool) -> Callable[[int, bytes], None]:
+    """The answer must be the stub's (relayed whole by the router)."""
+
+    def check(status: int, body: bytes) -> None:
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}: {body[:300]!r}")
+        if stream:
+            events = [e for e in body.split(b"\n\n") if e.strip()]
+            texts = [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]]
+            if events[-1] != b"data: [DONE]" or texts != [f" tok{i}" for i in
+                                                        range(STREAM_CHUNKS)]:
+                raise RuntimeError(f"wrong stream: {body[:300]!r}")
+        elif json.loads(body)["choices"][0]["text"] != _COMPLETION["choices"][0]["text"]:
+            raise RuntimeError(f"wrong answer: {body[:300]!r}")
+
+    return check
+
+
+@dataclass
+class RunResult:
+    latencies_s: list[float]
+    wall_s: float
+    router_cpu: float | None  # share of one core the router process used (0..1)
+
+    @property
+    def rps(self) -> float:
+        return len(self.latencies_s) / self.wall_s
+
+    def pct(self, q: float) -> float:
+        xs = sorted(self.latencies_s)
+        return xs[min(len(xs) - 1, int(q / 100 * len(xs)))] * 1e3  # ms
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def closed_loop(port: int, stream: bool, concurrency: int, *, requests: int | None = None,
+                      duration: float | None = None, warmup_s: float = 0.5,
+                      router_pid: int | None = None) -> RunResult:
+    """``concurrency`` connections each sending one request after the other; stops after
+    ``requests`` measured requests in all, or ``duration`` seconds (after ``warmup_s``)."""
+    raw = build_request(port, stream)
+    check = make_check(stream)
+    conns = [await Conn.open(port) for _ in range(concurrency)]
+    latencies: list[float] = []
+    state = {"measuring": False, "stop": False, "started": 0}
+
+    async def worker(conn: Conn) -> None:
+        while not state["stop"]:
+            if requests is not None and state["measuring"]:
+                if state["started"] >= requests:
+                    return
+                state["started"] += 1
+            t0 = time.perf_counter()
+            status, body = await conn.request(raw)
+            dt = time.perf_counter() - t0
+            check(status, body)
+            if state["measuring"]:
+                latencies.append(dt)
+
+    tasks = [asyncio.ensure_future(worker(c)) for c in conns]
+    try:
+        await asyncio.sleep(warmup_s)  # connections, the router's first requests, caches
+        cpu0 = cpu_seconds(router_pid) if router_pid else None
+        t0 = time.perf_counter()
+        state["measuring"] = True
+        if duration is not None:
+            await asyncio.sleep(duration)
+            state["stop"] = True
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            t.result()  # a wrong answer aborts the run
+        wall = time.perf_counter() - t0
+        cpu = (cpu_seconds(router_pid) - cpu0) / wall if router_pid and cpu0 is not None \
+            else None
+    finally:
+        state["stop"] = True
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for c in conns:
+            c.close()
+    if duration is not None:
+        wall = duration  # requests finishing after the stop flag still count as measured
+    return RunResult(latencies, wall, cpu)
+
+
+# -- the router process ---------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_router(config: dict[str, Any], core: int, log_path: Path, timeout: float = 60.0,
+                 profile_to: Path | None = None) -> subprocess.Popen[bytes]:
+    """``disagg router`` pinned to ``core`` (under cProfile when ``profile_to`` is given);
+    returns once its /health answers 200."""
+    import yaml
+
+    cfg_path = log_path.with_suffix(".yaml")
+    cfg_path.write_text(yaml.safe_dump(config))
+    # Profiled: this script wraps the router CLI and profiles between SIGUSR1 and SIGUSR2
+    # (the measured window only, not imports and start-up).
+    cmd = ([sys.executable, __file__, "--profiled-router", str(profile_to)] if profile_to
+           else [sys.executable, "-m", "disagg.cli"])
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [*cmd, "router", "-c", str(cfg_path), "--log-level", "warning"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            # Pinned before exec: every thread the router makes stays on its core.
+            preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+    deadline = time.monotonic() + timeout
+    url = f"http://127.0.0.1:{config['port']}/health"
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"router exited with {proc.returncode}:\n"
+                               f"{log_path.read_text()[-3000:]}")
+        try:
+            with NO_PROXY.open(url, timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            stop(proc)
+            raise RuntimeError(f"router not healthy in {timeout} s:\n"
+                               f"{log_path.read_text()[-3000:]}")
+        time.sleep(0.1)  # health polling, bounded by the deadline
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def router_config(port: int, ctx_port: int | None, gen_port: int) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "hostname": "127.0.0.1", "port": port, "max_retries": 0,
+        "generation_servers": {"num_instances": 1, "router": {"type": "round_robin"},
+                               "urls": [f"127.0.0.1:{gen_port}"]}}
+    if ctx_port is not None:
+        cfg["context_servers"] = {"num_instances": 1, "router": {"type": "round_robin"},
+                                  "urls": [f"127.0.0.1:{ctx_port}"]}
+    return cfg
+
+
+# -- the report ---------------------------------------------------------------------------------
+
+
+def machine() -> list[str]:
+    model = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import aiohttp
+
+    cores = len(os.sched_getaffinity(0))
+    return [f"CPU: {model}, {cores} cores available to this run ({os.cpu_count()} online)",
+            f"{platform.system()} {platform.release()} {platform.machine()}, Python "
+            f"{platform.python_version()}, aiohttp {aiohttp.__version__}"]
+
+
+def fmt(x: float) -> str:
+    return f"{x:.2f}"
+
+
+@dataclass
+class Cell:
+    """One throughput cell: ``repeats`` interleaved (direct, router) runs."""
+
+    setup: str
+    mode: str
+    concurrency: int
+    direct: list[RunResult]
+    router: list[RunResult]
+
+    @property
+    def best_direct(self) -> RunResult:
+        return max(self.direct, key=lambda r: r.rps)
+
+    @property
+    def best_router(self) -> RunResult:
+        return max(self.router, key=lambda r: r.rps)
+
+    @property
+    def per_core(self) -> float:
+        """Requests per second of router CPU (median over the runs): what one core that the
+        router had to itself would sustain; robust to other processes taking its core."""
+        return statistics.median(r.rps / r.router_cpu for r in self.router if r.router_cpu)
+
+
+async def measure(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    stubs = {"agg": Stub("aggregated", "stub-agg"), "ctx": Stub("context", "stub-ctx"),
+             "gen": Stub("generation", "stub-gen")}
+    servers, ports = {}, {}
+    for name, stub in stubs.items():
+        servers[name] = await loop.create_server(lambda s=stub: StubProtocol(s), "127.0.0.1", 0)
+        ports[name] = servers[name].sockets[0].getsockname()[1]
+
+    setups = [("aggregated", None, ports["agg"], "agg")]
+    if not args.no_disagg:
+        setups.append(("context + generation", ports["ctx"], ports["gen"], "gen"))
+    results: dict[str, Any] = {"rows": [], "tput": [], "profile": None}
+
+    async def router_for(ctx_port: int | None, gen_port: int,
+                         profile_to: Path | None = None) -> subprocess.Popen[bytes]:
+        p = free_port()
+        cfg = router_config(p, ctx_port, gen_port)
+        proc = await loop.run_in_executor(None, lambda: start_router(
+            cfg, args.core, log_dir / f"router-{p}.log", profile_to=profile_to))
+        proc.port = p  # type: ignore[attr-defined]
+        return proc
+
+    c = args.throughput_concurrency
+    for setup, ctx_port, gen_port, direct in setups:
+        router = await router_for(ctx_port, gen_port)
+        rport = router.port  # type: ignore[attr-defined]
+        try:
+            for stream in (False, True):
+                mode = "streaming" if stream else "non-streaming"
+                for conc in (1, args.concurrency):
+                    d = await closed_loop(ports[direct], stream, conc,
+                                          requests=args.latency_requests)
+                    r = await closed_loop(rport, stream, conc, requests=args.latency_requests,
+                                          router_pid=router.pid)
+                    results["rows"].append((setup, mode, conc, d, r))
+                    print(f"{setup:<22} {mode:<14} c={conc:<3} direct p50 {d.pct(50):.2f} "
+                          f"p99 {d.pct(99):.2f} | router p50 {r.pct(50):.2f} p99 "
+                          f"{r.pct(99):.2f} ms", flush=True)
+                cell = Cell(setup, mode, c, [], [])
+                for _ in range(args.repeats):  # interleaved: drift hits both alike
+                    cell.direct.append(await closed_loop(ports[direct], stream, c,
+                                                         duration=args.duration, warmup_s=1.0))
+                    r = await closed_loop(rport, stream, c, duration=args.duration,
+                                          warmup_s=1.0, router_pid=router.pid)
+                    cell.router.append(r)
+                    print(f"{setup:<22} {mode:<14} c={c:<3} direct "
+                          f"{cell.direct[-1].rps:.0f} req/s | router {r.rps:.0f} req/s, "
+                          f"router CPU {r.router_cpu:.0%}", flush=True)
+                results["tput"].append(cell)
+        finally:
+            stop(router)
+
+    if args.profile_seconds > 0:  # where the router's time goes (aggregated, non-streaming)
+        prof = log_dir / "router.prof"
+        router = await router_for(None, ports["agg"], profile_to=prof)
+        try:
+            rport = router.port  # type: ignore[attr-defined]
+            await closed_loop(rport, False, c, duration=1.0, warmup_s=0.5)  # warm
+            os.kill(router.pid, signal.SIGUSR1)
+            await closed_loop(rport, False, c, duration=args.profile_seconds, warmup_s=0.0)
+            os.kill(router.pid, signal.SIGUSR2)
+            for _ in range(100):  # the dump takes a moment
+                if prof.exists():
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            stop(router)
+        results["profile"] = profile_table(prof)
+    for s in servers.values():
+        s.close()
+    return results
+
+
+# Own time grouped by where it is spent (first match wins).
+PROFILE_GROUPS = (
+    ("the router (disagg/router)", "/disagg/router/"),
+    ("aiohttp client (router -> worker)", "aiohttp/client"),
+    ("aiohttp connector (connection pool)", "aiohttp/connector"),
+    ("aiohttp server (client -> router)", "aiohttp/web"),
+    ("aiohttp other (streams, helpers, HTTP parsing)", "aiohttp/"),
+    ("prometheus_client (router metrics)", "prometheus_client/"),
+    ("asyncio event loop", "asyncio/"),
+    ("json", "json/"),
+)
+
+
+def profile_table(path: Path, top: int = 15) -> list[str]:
+    """The router's own time by area and its top functions (cProfile inflates Python calls
+    against C ones: read the shares, not the absolute times)."""
+    import pstats
+
+    rows = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
+    total = sum(v[2] for v in rows.values()) or 1.0
+    groups: dict[str, float] = {}
+    for (file, _, _func), (_, _, tt, _, _) in rows.items():
+        name = next((g for g, marker in PROFILE_GROUPS if marker in file), None)
+        if name is None:
+            name = ("C built-ins (sockets, epoll, ...)" if file == "~"
+                    else "other Python (stdlib, ...)")
+        groups[name] = groups.get(name, 0.0) + tt
+    lines = ["| area | own time share |", "|---|---|"]
+    lines += [f"| {g} | {t / total:.1%} |" for g, t in sorted(groups.items(),
+                                                             key=lambda kv: -kv[1])]
+    lines += ["", "| function | where | calls | own time share |", "|---|---|---|---|"]
+    for (file, line, func), (_, calls, tt, _, _) in sorted(
+            rows.items(), key=lambda kv: -kv[1][2])[:top]:
+        where = "built-in" if file == "~" else f"{_short(file)}:{line}"
+        lines.append(f"| `{func}` | {where} | {calls} | {tt / total:.1%} |")
+    return lines
+
+
+def _short(file: str) -> str:
+    """A readable location: the path inside site-packages, the repository or the stdlib."""
+    for marker in ("site-packages/", "/disagg/"):
+        if marker in file:
+            return ("disagg/" if marker == "/disagg/" else "") + file.split(marker, 1)[1]
+    m = re.search(r"/lib/python3\.\d+/(.*)", file)
+    return m.group(1) if m else file
+
+
+def report(args: argparse.Namespace, res: dict[str, Any], load: tuple[float, float],
+           when: str, host: list[str]) -> str:
+    lines = [f"# Router overhead ({when})", ""]
+    lines += [f"- {m}" for m in host]
+    lines += [
+        f"- router: `disagg router` (round_robin, max_retries 0) in its own process pinned to "
+        f"core {args.core} (`sched_setaffinity`); load generator and stub upstreams: one "
+        f"asyncio process pinned to the other core(s), a raw HTTP/1.1 keep-alive client and "
+        f"server (much cheaper per request than the router: see the direct column)",
+        f"- stub upstream: answers at once; non-streaming: one JSON completion "
+        f"({len(COMPLETION_BODY)} bytes); streaming: {STREAM_CHUNKS} SSE chunks + `[DONE]`, "
+        f"each its own HTTP chunk ({len(SSE_BODY)} bytes in all). *context + generation*: "
+        f"the router calls a context stub (non-streamed, `context_only`) and then a "
+        f"generation stub for each request",
+        "- every answer checked (status and the stub's full body); closed loop: each "
+        "connection sends its next request when the answer is complete",
+        f"- host load average (1 min) before / after: {load[0]:.2f} / {load[1]:.2f} (a "
+        f"shared host: other processes take CPU from both cores; the router CPU column shows "
+        f"how much of its core it got)",
+        f"- command: `{args.command}`",
+        "",
+        f"## Latency ({args.latency_requests} requests per cell, after a warm-up)",
+        "",
+        "| cluster | requests | concurrency | direct p50 ms | direct p99 ms | router p50 ms "
+        "| router p99 ms | added p50 ms | added p99 ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for setup, mode, conc, d, r in res["rows"]:
+        lines.append(f"| {setup} | {mode} | {conc} | {fmt(d.pct(50))} | {fmt(d.pct(99))} | "
+                     f"{fmt(r.pct(50))} | {fmt(r.pct(99))} | {fmt(r.pct(50) - d.pct(50))} | "
+                     f"{fmt(r.pct(99) - d.pct(99))} |")
+    lines += [
+        "",
+        f"## Throughput ({args.throughput_concurrency} requests in flight; best of "
+        f"{args.repeats} interleaved {args.duration:g} s runs after a 1 s warm-up each)",
+        "",
+        "| cluster | requests | direct req/s | router req/s | router CPU (of one core) "
+        "| router req/s per CPU-second | router p50 ms | router p99 ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for cell in res["tput"]:
+        r = cell.best_router
+        lines.append(f"| {cell.setup} | {cell.mode} | {cell.best_direct.rps:.0f} | "
+                     f"{r.rps:.0f} | {r.router_cpu:.0%} | {cell.per_core:.0f} | "
+                     f"{fmt(r.pct(50))} | {fmt(r.pct(99))} |")
+    lines += ["", "*req/s per CPU-second*: requests divided by the CPU time the router process "
+              "used (median over the runs): the rate one core would sustain if the router had "
+              "it to itself."]
+    # Targets: added p50 at concurrency 1 (the router's own cost per request, worse of
+    # streaming / non-streaming) and non-streaming requests/s, aggregated cluster.
+    agg_c1 = [(d, r) for s, m, c, d, r in res["rows"] if s == "aggregated" and c == 1]
+    added = max(r.pct(50) - d.pct(50) for d, r in agg_c1)
+    cell = next(c for c in res["tput"] if c.setup == "aggregated" and c.mode == "non-streaming")
+    rps, per_core, cpu = cell.best_router.rps, cell.per_core, cell.best_router.router_cpu
+    ok_lat = added <= TARGET_ADDED_P50_MS
+    lines += [
+        "",
+        "## Targets",
+        "",
+        f"- added p50 latency <= {TARGET_ADDED_P50_MS:g} ms (aggregated, concurrency 1, worse "
+        f"of streaming / non-streaming): {added:.2f} ms: **{'met' if ok_lat else 'missed'}**",
+    ]
+    if rps >= TARGET_RPS:
+        verdict = f"{rps:.0f} req/s measured: **met**"
+    elif per_core >= TARGET_RPS:
+        verdict = (f"{rps:.0f} req/s measured: **missed in this run**, with the router "
+                   f"getting {cpu:.0%} of its core (other processes on this shared host); "
+                   f"its CPU cost per request gives {per_core:.0f} req/s on a core of its own")
+    else:
+        verdict = (f"{rps:.0f} req/s measured, {per_core:.0f} req/s per CPU-second: "
+                   f"**missed**: the router's own CPU cost per request is too high (see the "
+                   f"profile below)")
+    lines.append(f"- >= {TARGET_RPS:.0f} requests/s non-streaming on one router core: "
+                 f"{verdict}")
+    if res["profile"]:
+        lines += ["", f"## Where the router's CPU time goes (cProfile, aggregated "
+                  f"non-streaming, {args.profile_seconds:g} s at {args.throughput_concurrency} "
+                  f"in flight; top functions by own time)", "", *res["profile"]]
+    return "\n".join(lines) + "\n"
+
+
+def profiled_router(out: str, argv: list[str]) -> int:
+    """Run ``disagg <argv>`` with cProfile on from SIGUSR1 to SIGUSR2 (then dumped to
+    ``out``). The router is one asyncio thread, the one the signal handlers run in."""
+    import cProfile
+
+    from disagg.cli import main as disagg_main
+
+    prof = cProfile.Profile()
+
+    def on(sig: int, frame: Any) -> None:
+        prof.enable()
+
+    def off(sig: int, frame: Any) -> None:
+        prof.disable()
+        prof.dump_stats(out)
+
+    signal.signal(signal.SIGUSR1, on)
+    signal.signal(signal.SIGUSR2, off)
+    return disagg_main(argv)
+
+
+def main() -> int:
+    if len(sys.argv) > 2 and sys.argv[1] == "--profiled-router":
+        return profiled_router(sys.argv[2], sys.argv[3:])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="bench/results/router.md")
+    p.add_argument("--duration", type=float, default=6.0, help="seconds per throughput cell")
+    p.add_argument("--latency-requests", type=int, default=2000)
+    p.add_argument("--concurrency", type=int, default=8, help="second latency concurrency")
+    p.add_argument("--throughput-concurrency", type=int, default=64)
+    p.add_argument("--core", type=int, default=0, help="the router's core")
+    p.add_argument("--repeats", type=int, default=3, help="throughput runs per cell")
+    p.add_argument("--no-disagg", action="store_true",
+                   help="skip the context + generation router (two upstream calls per request)")
+    p.add_argument("--profile-seconds", type=float, default=4.0,
+                   help="profile the router for this long at the end (0: no profile)")
+    args = p.parse_args()
+    args.command = " ".join(["python bench/router_overhead.py", *sys.argv[1:]])
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2 or args.core not in cores:
+        print(f"error: needs 2 cores (router on --core {args.core}, load on the others); "
+              f"have {cores}", file=sys.stderr)
+        return 2
+    host = machine()
+    os.sched_setaffinity(0, set(cores) - {args.core})  # the load generator + stubs
+    load0 = os.getloadavg()[0]
+    when = time.strftime("%Y-%m-%d")
+    with tempfile.TemporaryDirectory(prefix="router-bench-") as tmp:
+        res = asyncio.run(measure(args, Path(tmp)))
+    text = report(args, res, (load0, os.getloadavg()[0]), when, host)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text)
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

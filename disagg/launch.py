@@ -1,0 +1,781 @@
+"""``disagg launch``: a whole disaggregated cluster on this machine from one disagg YAML.
+
+``disagg launch -c cluster.yaml`` starts one ``disagg serve`` process per url of the YAML's
+``context_servers`` / ``generation_servers`` (every host must be this machine) and, once they
+are healthy, ``disagg router`` in front of them; it prints each child's progress and the
+endpoint, and writes each child's output to its own log file. Ctrl-C or SIGTERM stops every
+child (SIGTERM, a grace period, then SIGKILL) and exits 0. A child that dies during start-up
+(or is not healthy in ``--timeout`` seconds) has its log tail printed, the others are stopped
+and the exit code is 1; a child that dies later is reported, everything is stopped and the
+exit code is 1 as well (a cluster with a hole in it is not silently kept up).
+
+Without ``-c`` it runs the built-in demo: the tiny random model (created on first use in the
+cache folder), one context and one generation worker and the router on free local ports; one
+chat request goes through the router (context prefill, KV transfer, generation) and the answer
+and per-phase timings are printed before everything is stopped again.
+
+Model: ``model: tiny`` (top level or in a server section) or ``--model tiny`` means the
+built-in tiny model; any other value is a checkpoint folder (relative paths are resolved
+against the current directory). ``--model`` replaces the model of every server group. Workers
+that set no ``served_model_name`` are served under the model value as written (``tiny`` ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import ctypes
+import datetime as _dt
+import errno
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import IO, Any
+
+TINY_MODEL = "tiny"  # the placeholder model name that means the built-in tiny model
+SECTIONS = ("context_servers", "generation_servers")
+LOG_TAIL_LINES = 30
+POLL_INTERVAL_S = 0.1
+HEALTH_TIMEOUT_S = 2.0
+# Local children only: never through an HTTP proxy from the environment.
+_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+ROUTER_LISTEN_RE = re.compile(r"disagg router listening on (http://\S+)")
+DEMO_TINY_OPTIONS: dict[str, Any] = {
+    # The tiny model needs little: a fixed KV size keeps each worker's memory small (the CPU
+    # default, a tenth of free RAM, would be gigabytes per worker for no gain).
+    "kv_cache_tokens": 8192,
+    "max_model_len": 2048,
+    # TCP needs no extra package (UCX needs the `ucx` extra).
+    "cache_transceiver_config": {"backend": "TCP"},
+}
+
+
+class LaunchError(Exception):
+    """A user error found before any child was started (the message names the field/file)."""
+
+
+# -- planning: from the YAML to the commands -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    name: str  # ctx0, gen0, router
+    kind: str  # context | generation | aggregated | router
+    address: str  # host:port as in the YAML (port 0 only for the router)
+    cmd: tuple[str, ...]
+    log_path: Path
+    env: Mapping[str, str] = field(default_factory=dict)  # added to the launcher's env
+
+
+@dataclass(frozen=True)
+class Plan:
+    source: str  # the user's YAML (or "built-in demo")
+    cluster_yaml: Path  # the resolved copy the router reads
+    workers: tuple[ChildSpec, ...]
+    router: ChildSpec
+    model_name: str  # what clients send as "model"
+    api_key: str | None
+    log_dir: Path
+    notes: tuple[str, ...] = ()  # said before starting (e.g. how GPUs are shared)
+
+
+def default_cache_dir() -> Path:
+    """The cache root shared with the tiny model (``$DISAGG_CACHE`` or ``~/.cache/disagg``)."""
+    from disagg.model.tiny import default_tiny_model_dir
+
+    return Path(default_tiny_model_dir()).parent
+
+
+def new_log_dir(prefix: str) -> Path:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = default_cache_dir() / "logs" / f"{prefix}-{stamp}-{os.getpid()}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def split_url(url: str) -> tuple[str, int]:
+    """``host:port`` (optionally ``http://``, IPv6 in brackets) -> (host, port)."""
+    text = url.split("://", 1)[-1].rstrip("/")
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise LaunchError(f"url {url!r}: expected host:port")
+    return host.strip("[]"), int(port)
+
+
+def is_local_host(host: str) -> bool:
+    """True when ``host`` names this machine: an address of it can be bound."""
+    if host in ("localhost", "0.0.0.0", "::"):
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return False
+    for family, _, _, _, sockaddr in infos:
+        with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((sockaddr[0], 0))  # only an address of one of this machine's interfaces binds
+            return True
+    return False
+
+
+def connect_host(host: str) -> str:
+    """Where to connect for a server bound to ``host`` (a wildcard bind is reached locally)."""
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "::1"
+    return host
+
+
+def http_base(host: str, port: int) -> str:
+    host = connect_host(host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def resolve_model(value: Any, where: str, key: str = "model") -> str:
+    """``tiny`` -> the built-in tiny model (written on first use); else an existing folder."""
+    if not isinstance(value, str) or not value:
+        raise LaunchError(f"{where}: {key}: expected a checkpoint folder or {TINY_MODEL!r}, "
+                          f"got {value!r}")
+    if value == TINY_MODEL:
+        from disagg.model.tiny import ensure_tiny_model
+
+        return ensure_tiny_model()
+    path = os.path.abspath(os.path.expanduser(value))
+    if not os.path.isdir(path):
+        raise LaunchError(f"{where}: {key}: {value!r} is not a folder ({path}); use "
+                          f"{TINY_MODEL!r} for the built-in tiny model")
+    return path
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise LaunchError(f"{path}: cannot read: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise LaunchError(f"{path}: invalid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise LaunchError(f"{path}: expected a mapping (the disagg YAML), got "
+                          f"{type(data).__name__}")
+    return data
+
+
+def resolve_models(raw: dict[str, Any], source: str, model_override: str | None
+                   ) -> dict[str, Any]:
+    """A copy of the disagg YAML with every ``model`` resolved to an absolute folder and a
+    ``served_model_name`` (the model as written) in each server section without one."""
+    data = copy.deepcopy(raw)
+    if model_override is not None:
+        data["model"] = model_override
+        for sec in SECTIONS:
+            if isinstance(data.get(sec), dict):
+                data[sec].pop("model", None)
+    # Clients say "model": "tiny", not the cache path the launcher resolves it to: each
+    # section without a served_model_name (its own or the top level's) is served under its
+    # model as written. (Set per section: a top-level value would conflict with a section's.)
+    for sec in SECTIONS:
+        section = data.get(sec)
+        if not isinstance(section, dict):
+            continue
+        written = section.get("model", data.get("model"))
+        if (isinstance(written, str) and written and "served_model_name" not in section
+                and "served_model_name" not in data):
+            section["served_model_name"] = written.rstrip("/") or written
+    levels: list[tuple[dict[str, Any], str]] = [(data, source)]
+    levels += [(data[sec], f"{source}: {sec}") for sec in SECTIONS
+               if isinstance(data.get(sec), dict)]
+    for level, where in levels:
+        policy = level.get("router")
+        if isinstance(policy, dict) and policy.get("tokenizer") is not None:
+            # The router's tokenizer folder (kv_cache_aware): `tiny` works there too.
+            policy["tokenizer"] = resolve_model(policy["tokenizer"], f"{where}: router",
+                                                "tokenizer")
+        if "model" in level:
+            level["model"] = resolve_model(level["model"], where)
+    return data
+
+
+def visible_gpus() -> list[str]:
+    """CUDA devices the workers may use: ``$CUDA_VISIBLE_DEVICES`` when set, else the GPUs
+    ``nvidia-smi -L`` lists (none without a driver). No torch import: it costs seconds."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [x.strip() for x in env.split(",") if x.strip()]
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    listed = [line for line in out.stdout.splitlines() if line.startswith("GPU ")]
+    return [str(i) for i in range(len(listed))]
+
+
+def assign_gpus(needs: Sequence[int | None], gpus: Sequence[str]
+                ) -> tuple[list[str | None], str | None]:
+    """Give each worker its own consecutive GPUs (``CUDA_VISIBLE_DEVICES``), ranks included.
+
+    ``needs[i]``: GPUs worker i uses (tp * pp), or None when it chose its device itself
+    (``device: cpu`` / ``cuda:N``: left alone). Returns one CUDA_VISIBLE_DEVICES value (or
+    None: unchanged) per worker, and a note when the GPUs are too few to give each worker
+    its own (then none is pinned and they share, as if started by hand).
+    """
+    total = sum(n for n in needs if n)
+    if not gpus or total == 0:
+        return [None] * len(needs), None
+    if total > len(gpus):
+        return [None] * len(needs), (
+            f"the workers use {total} GPU(s) but {len(gpus)} are visible: not pinning workers "
+            f"to GPUs (they share them; set kv_cache_tokens / kv_cache_fraction to fit)")
+    out: list[str | None] = []
+    next_gpu = 0
+    for n in needs:
+        if not n:
+            out.append(None)
+            continue
+        out.append(",".join(gpus[next_gpu:next_gpu + n]))
+        next_gpu += n
+    return out, None
+
+
+def _python_cli(*args: str) -> tuple[str, ...]:
+    # sys.executable -m: works whether or not the `disagg` script is on PATH.
+    return (sys.executable, "-m", "disagg.cli", *args)
+
+
+def build_plan(config_path: str | None, log_dir: Path, *, model_override: str | None = None,
+               raw: dict[str, Any] | None = None) -> Plan:
+    """Validate the YAML for a local launch and write the files the children read.
+
+    ``raw`` (the demo) gives the YAML data directly; ``config_path`` names it otherwise.
+    Writes ``cluster.yaml`` (models resolved) and one ``<name>.yaml`` per worker into
+    ``log_dir``. Raises LaunchError (or the router's RouterConfigError) naming the problem.
+    """
+    import yaml
+
+    from disagg.router.config import RouterConfigError, load_cluster_config
+
+    source = config_path or "built-in demo"
+    if raw is None:
+        assert config_path is not None
+        try:
+            load_cluster_config(config_path)  # errors name the user's file, not our copy
+        except RouterConfigError as e:
+            raise LaunchError(str(e)) from None
+        raw = _read_yaml(config_path)
+    resolved = resolve_models(raw, source, model_override)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cluster_yaml = log_dir / "cluster.yaml"
+    cluster_yaml.write_text(f"# resolved by disagg launch from {source}\n"
+                            + yaml.safe_dump(resolved, sort_keys=False))
+    try:
+        cfg = load_cluster_config(str(cluster_yaml))
+    except RouterConfigError as e:
+        raise LaunchError(f"{source}: {e}") from None
+
+    if cfg.disagg_cluster is not None and not any(
+            g is not None and g.urls for g in (cfg.context_servers, cfg.generation_servers)):
+        raise LaunchError(f"{source}: disagg_cluster: workers that register themselves are "
+                          f"not started by disagg launch; give fixed urls instead")
+
+    seen: dict[int, str] = {}
+
+    def check_address(url: str, where: str, allow_port0: bool = False) -> tuple[str, int]:
+        host, port = split_url(url)
+        if not is_local_host(host):
+            raise LaunchError(f"{source}: {where}: {url!r}: host {host!r} is not this machine; "
+                              f"disagg launch starts every process locally (start remote "
+                              f"workers with `disagg serve` and the router with `disagg "
+                              f"router`)")
+        if port == 0 and not allow_port0:
+            raise LaunchError(f"{source}: {where}: {url!r}: port 0 is not allowed here: the "
+                              f"router needs each worker's address; pick a port")
+        if port and port in seen:
+            raise LaunchError(f"{source}: {where}: {url!r}: port {port} is also used by "
+                              f"{seen[port]}")
+        if port:
+            seen[port] = f"{where} {url!r}"
+        return host, port
+
+    model_name = TINY_MODEL
+    groups = [("context_servers", cfg.context_servers, "ctx", "context"),
+              ("generation_servers", cfg.generation_servers, "gen",
+               "aggregated" if cfg.context_servers is None else "generation")]
+    pending: list[tuple[str, str, str, tuple[str, ...], int | None]] = []
+    for section, group, prefix, role in groups:
+        if group is None:
+            continue
+        opts = dict(group.worker_options)
+        model_name = str(opts.get("served_model_name") or opts.get("model") or model_name)
+        device = opts.get("device")
+        world = int(opts.get("tensor_parallel_size") or 1) * int(
+            opts.get("pipeline_parallel_size") or 1)
+        gpu_need = world if device in (None, "cuda") else None  # an explicit device: kept
+        for i, url in enumerate(group.urls):
+            host, port = check_address(url, f"{section}.urls[{i}]")
+            name = f"{prefix}{i}"
+            worker_yaml = log_dir / f"{name}.yaml"
+            worker_yaml.write_text(yaml.safe_dump(opts, sort_keys=False))
+            cmd = _python_cli("serve", "--config", str(worker_yaml), "--role", role,
+                              "--host", host, "--port", str(port))
+            pending.append((name, role, url, cmd, gpu_need))
+    if not pending:
+        raise LaunchError(f"{source}: no worker urls: give context_servers and/or "
+                          f"generation_servers with urls")
+    # Several workers on one GPU node: each gets its own GPUs, as a person would set
+    # CUDA_VISIBLE_DEVICES by hand (the ranks of one worker use cuda:0..world-1 of its set).
+    pinned, note = assign_gpus([p[4] for p in pending], visible_gpus())
+    workers = [ChildSpec(name, role, url, cmd, log_dir / f"{name}.log",
+                         {"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else {})
+               for (name, role, url, cmd, _), gpus in zip(pending, pinned, strict=True)]
+    router_addr = f"{cfg.hostname}:{cfg.port}"
+    check_address(router_addr, "hostname/port (the router)", allow_port0=True)
+    router = ChildSpec("router", "router", router_addr,
+                       _python_cli("router", "-c", str(cluster_yaml)),
+                       log_dir / "router.log")
+    return Plan(source, cluster_yaml, tuple(workers), router, model_name, cfg.api_key,
+                log_dir, (note,) if note else ())
+
+
+# -- running: children, health, signals --------------------------------------------------------
+
+
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+def _child_preexec() -> None:
+    """In the child, before exec: undo the launcher's signal block (the mask is inherited),
+    and get SIGTERM if the launcher dies (even by SIGKILL), so a crashed launcher leaves no
+    workers behind (PR_SET_PDEATHSIG: Linux only; harmless elsewhere)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class Child:
+    spec: ChildSpec
+    proc: subprocess.Popen[bytes]
+    started: float
+    base_url: str | None  # known at start, or (router on port 0) read from its log
+    healthy_after: float | None = None
+    log_file: IO[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))  # enough for 30 lines of any sane log
+            text = f.read().decode(errors="replace")
+    except OSError as e:
+        return f"(cannot read {path}: {e.strerror or e})"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def http_status(url: str, timeout: float = HEALTH_TIMEOUT_S) -> int | None:
+    """HTTP status of GET ``url``, or None when nothing answers."""
+    try:
+        with _HTTP.open(url, timeout=timeout) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except (OSError, ValueError):  # refused, reset, timeout
+        return None
+
+
+class Stop(Exception):
+    """Ctrl-C or SIGTERM arrived: stop everything and exit 0."""
+
+
+class Cluster:
+    """The launched children; ``stop()`` always runs (``with Cluster(...) as c``)."""
+
+    def __init__(self, plan: Plan, *, out: IO[str] = sys.stdout,
+                 stop_grace_s: float = 30.0) -> None:
+        self.plan = plan
+        self.out = out
+        self.stop_grace_s = stop_grace_s
+        self.children: list[Child] = []
+        self.env = dict(os.environ)
+        # A fresh shared secret per launch: KV transfer peers authenticate with it.
+        self.env["DISAGG_CLUSTER_TOKEN"] = secrets.token_hex(16)
+        self.env["PYTHONUNBUFFERED"] = "1"  # logs are live, and the router's address line too
+        self.t0 = time.monotonic()
+        self.endpoint: str | None = None  # the router's base URL once healthy
+        self.workers_ready_s = 0.0
+        self._signals = 0
+        self._first_signal = 0.0
+        self._forced = False
+        self._stopping = False
+        self._old_handlers: dict[int, Any] = {}
+
+    # signals --------------------------------------------------------------------------------
+
+    def _on_signal(self, sig: int, frame: FrameType | None) -> None:
+        now = time.monotonic()
+        self._signals += 1
+        if self._signals == 1:
+            self._first_signal = now
+            if not self._stopping:
+                raise Stop(signal.Signals(sig).name)
+        elif now - self._first_signal >= 1.0:
+            # A second Ctrl-C while stopping: do not wait out the grace period. (Not one
+            # that comes with the first: a wrapper such as `timeout` forwards the same one.)
+            self._forced = True
+
+    def __enter__(self) -> Cluster:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.stop()
+        finally:
+            for sig, handler in self._old_handlers.items():
+                signal.signal(sig, handler)
+
+    def say(self, text: str) -> None:
+        print(text, file=self.out, flush=True)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    # start ------------------------------------------------------------------------------------
+
+    def start(self, spec: ChildSpec) -> Child:
+        host, port = split_url(spec.address)
+        base_url = http_base(host, port) if port else None
+        log = open(spec.log_path, "wb")  # closed in stop()
+        log.write(f"$ {' '.join(spec.cmd)}\n".encode())
+        log.flush()
+        # Ctrl-C / SIGTERM wait until the child is recorded, so none escapes stop().
+        signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            # A new session: the terminal's Ctrl-C reaches only the launcher, which then
+            # stops children in order; killpg also reaches a worker's rank processes.
+            proc = subprocess.Popen(spec.cmd, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env={**self.env, **spec.env},
+                                    start_new_session=True, preexec_fn=_child_preexec)
+            child = Child(spec, proc, time.monotonic(), base_url, log_file=log)
+            self.children.append(child)
+        except BaseException:
+            log.close()
+            raise
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+        gpus = spec.env.get("CUDA_VISIBLE_DEVICES")
+        self.say(f"  started {spec.name:<6} {spec.kind:<10} {spec.address:<22} pid {proc.pid}"
+                 + (f"  (GPUs {gpus})" if gpus else ""))
+        return child
+
+    def wait_healthy(self, children: Sequence[Child], deadline: float) -> None:
+        """Poll each child's /health until all answer 200; raise ChildFailed if one exits or
+        the deadline passes (with the offending log tails)."""
+        pending = list(children)
+        while pending:
+            for child in list(pending):
+                code = child.proc.poll()
+                if code is not None:
+                    raise self.failed([child], f"{child.name} exited with code {code} during "
+                                               f"start-up")
+                if child.base_url is None:  # router on port 0: its log says where it listens
+                    m = ROUTER_LISTEN_RE.search(log_tail(child.spec.log_path, 200))
+                    if m is None:
+                        continue
+                    child.base_url = m.group(1).rstrip("/")
+                if http_status(child.base_url + "/health") == 200:
+                    child.healthy_after = time.monotonic() - child.started
+                    pending.remove(child)
+                    self.say(f"  healthy {child.name:<6} after {child.healthy_after:.1f} s")
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(c.name for c in pending)
+                raise self.failed(pending, f"not healthy in {deadline - self.t0:.0f} s: {names}")
+            if pending:
+                time.sleep(POLL_INTERVAL_S)  # health polling, bounded by the deadline
+
+    def watch(self) -> None:
+        """After start-up: return never; raise ChildFailed when a child exits."""
+        while True:
+            for child in self.children:
+                code = child.proc.poll()
+                if code is not None:
+                    raise self.failed([child], f"{child.name} (pid {child.proc.pid}) exited "
+                                               f"with code {code} after start-up")
+            time.sleep(0.25)  # a signal interrupts this at once (Stop is raised)
+
+    def failed(self, children: Sequence[Child], message: str) -> ChildFailed:
+        """Report a failure with the children's log tails now (before the others are stopped,
+        so the cause is the first thing on the screen)."""
+        print(f"disagg launch: error: {message}", file=sys.stderr, flush=True)
+        for child in children:
+            print(f"--- last {LOG_TAIL_LINES} lines of {child.spec.log_path} ---\n"
+                  f"{log_tail(child.spec.log_path)}\n---", file=sys.stderr, flush=True)
+        return ChildFailed(children, message)
+
+    # stop ---------------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """SIGTERM every live child (router first: no new requests), wait up to the grace
+        period, SIGKILL the rest (their whole process group), close the logs."""
+        self._stopping = True  # from now on a signal only shortens the grace period
+        alive = [c for c in reversed(self.children) if c.proc.poll() is None]
+        if alive:
+            self.say(f"stopping {len(alive)} process(es) ...")
+        for child in alive:
+            with contextlib.suppress(ProcessLookupError):
+                child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_grace_s
+        for child in alive:
+            while child.proc.poll() is None and time.monotonic() < deadline and not self._forced:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.proc.wait(timeout=min(0.2, max(0.0, deadline - time.monotonic())))
+        for child in self.children:
+            if child.proc.poll() is None:
+                why = ("second signal" if self._forced
+                       else f"did not stop in {self.stop_grace_s:g} s")
+                self.say(f"  {child.name}: {why}: killing it")
+            # The whole group: a worker's spawned rank processes too.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.proc.pid, signal.SIGKILL)
+            child.proc.wait()
+            if child.log_file is not None:
+                child.log_file.close()
+                child.log_file = None
+        for child in alive:
+            self.say(f"  stopped {child.name:<6} (pid {child.proc.pid}, exit "
+                     f"{child.proc.returncode})")
+
+
+class ChildFailed(Exception):
+    """A child exited (or was not healthy in time); already reported with its log tail."""
+
+    def __init__(self, children: Sequence[Child], message: str) -> None:
+        super().__init__(message)
+        self.children = list(children)
+
+
+def _port_free(host: str, port: int) -> bool:
+    """Can ``host:port`` be bound now? (A clear error beats a worker's bind traceback.)"""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return True  # the worker will say what is wrong with the name
+    family, _, _, _, sockaddr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        # uvicorn sets SO_REUSEADDR too: TIME_WAIT leftovers do not count as in use.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(sockaddr)
+        except OSError as e:
+            return e.errno != errno.EADDRINUSE
+    return True
+
+
+@contextlib.contextmanager
+def _launched(plan: Plan, timeout: float, out: IO[str], stop_grace_s: float
+              ) -> Iterator[Cluster]:
+    """Start the workers, wait for them, start the router, wait for it; stop all on exit."""
+    for spec in (*plan.workers, plan.router):  # before starting anything
+        host, port = split_url(spec.address)
+        if port and not _port_free(host, port):
+            raise LaunchError(f"{plan.source}: {spec.name}: {spec.address}: the port is "
+                              f"already in use")
+    with Cluster(plan, out=out, stop_grace_s=stop_grace_s) as cluster:
+        deadline = time.monotonic() + timeout
+        for note in plan.notes:
+            cluster.say(f"note: {note}")
+        cluster.say(f"starting {len(plan.workers)} worker(s); logs in {plan.log_dir}")
+        workers = [cluster.start(spec) for spec in plan.workers]
+        cluster.wait_healthy(workers, deadline)
+        cluster.workers_ready_s = cluster.elapsed()
+        router = cluster.start(plan.router)
+        cluster.wait_healthy([router], deadline)
+        cluster.endpoint = router.base_url
+        yield cluster
+
+
+# -- the demo request ------------------------------------------------------------------------
+
+
+def post_json(url: str, body: dict[str, Any], api_key: str | None, timeout: float
+              ) -> tuple[int, dict[str, Any]]:
+    headers = {"content-type": "application/json"}
+    if api_key:
+        headers["authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers,
+                                 method="POST")
+    try:
+        with _HTTP.open(req, timeout=timeout) as resp:
+            return int(resp.status), json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        try:
+            return int(e.code), json.loads(e.read() or b"{}")
+        except ValueError:
+            return int(e.code), {}
+
+
+def metric_value(base_url: str, name: str) -> float | None:
+    """A counter from a worker's Prometheus /metrics (summed over its label sets)."""
+    try:
+        with _HTTP.open(base_url + "/metrics", timeout=HEALTH_TIMEOUT_S) as resp:
+            text = resp.read().decode()
+    except (OSError, ValueError):
+        return None
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(name) and not line.startswith("#")
+              and line[len(name):len(name) + 1] in (" ", "{")]
+    return sum(values) if values else None
+
+
+def demo_request(cluster: Cluster, message: str, max_tokens: int) -> int:
+    plan = cluster.plan
+    url = f"{cluster.endpoint}/v1/chat/completions"
+    body = {"model": plan.model_name, "messages": [{"role": "user", "content": message}],
+            "max_tokens": max_tokens, "temperature": 0}
+    cluster.say(f"\nPOST {url}\n{json.dumps(body)}")
+    try:
+        status, data = post_json(url, body, plan.api_key, timeout=120.0)
+    except (OSError, ValueError) as e:  # refused, reset, timed out, not JSON
+        print(f"disagg launch: error: the demo request failed: {e}", file=sys.stderr,
+              flush=True)
+        return 1
+    if status != 200:
+        print(f"disagg launch: error: the demo request failed: HTTP {status}: {data}",
+              file=sys.stderr, flush=True)
+        return 1
+    choice = data["choices"][0]
+    cluster.say(f"\nassistant ({choice['finish_reason']}): {choice['message']['content']!r}")
+    cluster.say(f"usage: {json.dumps(data.get('usage'))}")
+    gen = next((c for c in cluster.children if c.spec.kind == "generation"), None)
+    if gen is not None and gen.base_url:
+        blocks = metric_value(gen.base_url, "disagg_kv_transfer_blocks_total")
+        if blocks is not None:
+            cluster.say(f"KV blocks moved context -> generation: {blocks:.0f}")
+    return 0
+
+
+# -- CLI ---------------------------------------------------------------------------------------
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free local ports (held open together so none repeats)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def demo_config(model: str) -> dict[str, Any]:
+    """The demo's disagg YAML: 1 context + 1 generation worker and the router, free ports."""
+    ctx, gen, router = _free_ports(3)
+    return {"hostname": "127.0.0.1", "port": router, "model": model, **DEMO_TINY_OPTIONS,
+            "context_servers": {"num_instances": 1, "router": {"type": "round_robin"},
+                                "urls": [f"127.0.0.1:{ctx}"]},
+            "generation_servers": {"num_instances": 1, "router": {"type": "round_robin"},
+                                   "urls": [f"127.0.0.1:{gen}"]}}
+
+
+def run(args: argparse.Namespace) -> int:
+    demo = args.config is None
+    t0 = time.monotonic()
+    try:
+        log_dir = Path(args.log_dir) if args.log_dir else new_log_dir(
+            "demo" if demo else "launch")
+        if demo:
+            model = args.model or TINY_MODEL
+            if model == TINY_MODEL:
+                print("model: the built-in tiny model (random weights; written on first use)",
+                      flush=True)
+            plan = build_plan(None, log_dir, raw=demo_config(model))
+        else:
+            plan = build_plan(args.config, log_dir, model_override=args.model)
+    except (LaunchError, OSError) as e:  # OSError: log folder, tiny model cache
+        print(f"disagg launch: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    model_s = time.monotonic() - t0
+    try:
+        with _launched(plan, args.timeout, sys.stdout, args.stop_timeout) as cluster:
+            ready_s = cluster.elapsed()
+            cluster.say(f"\ncluster ready in {ready_s:.1f} s: {cluster.endpoint}  (model "
+                        f"{plan.model_name!r}; POST /v1/completions, /v1/chat/completions)")
+            if demo:
+                t_req = time.monotonic()
+                code = demo_request(cluster, args.message, args.max_tokens)
+                if code == 0:
+                    cluster.say(
+                        f"timings: model ready {model_s:.1f} s | workers healthy "
+                        f"{cluster.workers_ready_s:.1f} s | router healthy {ready_s:.1f} s | "
+                        f"chat request {(time.monotonic() - t_req) * 1e3:.0f} ms")
+                if code != 0 or not args.keep_running:
+                    return code
+            cluster.say("Ctrl-C stops the cluster.")
+            cluster.watch()
+    except Stop as e:
+        print(f"\n{e}: cluster stopped", flush=True)
+        return 0
+    except LaunchError as e:
+        print(f"disagg launch: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except ChildFailed:  # already reported, log tails included
+        print(f"logs: {plan.log_dir}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def add_demo_arguments(p: argparse.ArgumentParser) -> None:
+    """Options shared by ``disagg launch`` and its alias ``disagg demo``."""
+    p.add_argument("--log-dir", metavar="DIR",
+                   help="folder for the children's logs and YAMLs (default: a new folder "
+                        "under $DISAGG_CACHE/logs, ~/.cache/disagg/logs)")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                   help="start-up limit in seconds for all children (default 300)")
+    p.add_argument("--stop-timeout", type=float, default=30.0, metavar="S",
+                   help="grace period after SIGTERM before children are killed (default 30)")
+    demo = p.add_argument_group("demo (without -c)")
+    demo.add_argument("--message", default="Tell me a story about a fox.",
+                      help="the user message of the demo request")
+    demo.add_argument("--max-tokens", type=int, default=32)
+    demo.add_argument("--keep-running", action="store_true",
+                      help="after the demo request, keep the cluster up until Ctrl-C")
+
+
+def add_cli(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "launch", help="start a whole cluster (workers + router) on this machine from one YAML; "
+                       "without -c: the built-in demo",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-c", "--config", metavar="FILE",
+                   help="disagg YAML (hostname, port, context_servers, generation_servers, "
+                        "...); without it: the demo (tiny model, 1 context + 1 generation "
+                        "worker, one chat request)")
+    p.add_argument("--model", metavar="DIR|tiny",
+                   help="model of every worker group, replacing the YAML's; 'tiny' = the "
+                        "built-in tiny model")
+    add_demo_arguments(p)
+    p.set_defaults(func=run)

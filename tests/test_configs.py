@@ -1,0 +1,167 @@
+"""The example cluster YAMLs in configs/ load, and `disagg launch` accepts them; the launcher's
+own checks (local hosts, ports, models, GPUs) name what is wrong. No processes are started."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from disagg.launch import LaunchError, assign_gpus, build_plan, is_local_host, resolve_models
+from disagg.router.config import load_cluster_config
+
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+
+
+def test_there_are_the_four_examples():
+    assert len(CONFIGS) >= 4, CONFIGS
+    shapes = set()
+    for path in CONFIGS:
+        cfg = load_cluster_config(path)
+        ctx, gen = cfg.context_servers, cfg.generation_servers
+        if cfg.aggregated:
+            shapes.add("aggregated")
+            continue
+        ctx_tp = ctx.worker_options.get("tensor_parallel_size", 1)
+        gen_pp = gen.worker_options.get("pipeline_parallel_size", 1)
+        if ctx.num_instances == 1 and gen.num_instances == 1 and ctx_tp == gen_pp == 1:
+            shapes.add("1ctx+1gen")
+        if ctx.num_instances == 2 and ctx_tp == 2 and gen.num_instances == 1 and gen_pp == 2:
+            shapes.add("2ctx(tp2)+1gen(pp2)")
+        if (gen.router.type == "kv_cache_aware" and cfg.conditional_disagg is not None
+                and cfg.conditional_disagg.max_local_prefill_length > 0):
+            shapes.add("kv_cache_aware+conditional")
+    assert shapes == {"aggregated", "1ctx+1gen", "2ctx(tp2)+1gen(pp2)",
+                      "kv_cache_aware+conditional"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_config_loads_and_plans(path: Path, tiny_llama: str, tmp_path: Path):
+    cfg = load_cluster_config(path)
+    assert cfg.generation_servers is not None
+    # Every example uses the placeholder model, which --model (here: a test checkpoint)
+    # or `tiny` resolves.
+    raw = yaml.safe_load(path.read_text())
+    assert raw.get("model") == "tiny"
+    plan = build_plan(str(path), tmp_path, model_override=tiny_llama)
+    groups = [g for g in (cfg.context_servers, cfg.generation_servers) if g is not None]
+    assert len(plan.workers) == sum(len(g.urls) for g in groups)
+    roles = {w.kind for w in plan.workers}
+    assert roles == ({"aggregated"} if cfg.aggregated else {"context", "generation"})
+    for w in plan.workers:
+        worker_yaml = w.cmd[w.cmd.index("--config") + 1]
+        # The worker file is one `disagg serve --config` accepts, with the resolved model.
+        from disagg.server.cli import load_worker_yaml
+
+        opts = load_worker_yaml(worker_yaml)
+        # Served under the model as given (here --model's path), as `disagg serve` does.
+        assert opts["model"] == tiny_llama and opts["served_model_name"] == tiny_llama
+    resolved = load_cluster_config(plan.cluster_yaml)
+    assert resolved.port == cfg.port and plan.model_name == tiny_llama
+
+
+def test_tiny_placeholder_resolves_to_the_built_in_model(monkeypatch, tmp_path: Path):
+    monkeypatch.setenv("DISAGG_CACHE", str(tmp_path / "cache"))
+    data = resolve_models({"model": "tiny",
+                           "context_servers": {"urls": ["localhost:1"],
+                                               "served_model_name": "mine"},
+                           "generation_servers": {"urls": ["localhost:2"]}}, "x.yaml", None)
+    assert data["model"] == str(tmp_path / "cache" / "tiny-llama-v1")
+    assert (Path(data["model"]) / "config.json").is_file()
+    # Served as written, unless the YAML names it (no top-level value: it would conflict).
+    assert "served_model_name" not in data
+    assert data["context_servers"]["served_model_name"] == "mine"
+    assert data["generation_servers"]["served_model_name"] == "tiny"
+
+
+def _write(tmp_path: Path, data: dict) -> str:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def _cluster(**over) -> dict:
+    data = {"hostname": "127.0.0.1", "port": 18000,
+            "context_servers": {"num_instances": 1, "urls": ["127.0.0.1:18001"]},
+            "generation_servers": {"num_instances": 1, "urls": ["localhost:18002"]}}
+    data.update(over)
+    return data
+
+
+@pytest.mark.parametrize("data, words", [
+    (_cluster(context_servers={"num_instances": 1, "urls": ["192.0.2.7:18001"]}),
+     ["context_servers.urls[0]", "192.0.2.7:18001", "not this machine"]),
+    (_cluster(generation_servers={"num_instances": 1, "urls": ["localhost:18000"]}),
+     ["port 18000", "hostname/port (the router)", "generation_servers.urls[0]"]),
+    (_cluster(model="/no/such/checkpoint"), ["model", "/no/such/checkpoint", "not a folder"]),
+    (_cluster(hostname="no-such-host.invalid"), ["no-such-host.invalid", "not this machine"]),
+])
+def test_launch_rejects(data: dict, words: list[str], tiny_llama: str, tmp_path: Path):
+    if "model" not in data:
+        data = {**data, "model": tiny_llama}
+    with pytest.raises(LaunchError) as err:
+        build_plan(_write(tmp_path, data), tmp_path / "logs")
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
+
+
+def test_router_config_errors_name_the_users_file(tmp_path: Path):
+    path = _write(tmp_path, _cluster(context_servers={"num_instances": 2,
+                                                      "urls": ["127.0.0.1:18001"]}))
+    with pytest.raises(LaunchError) as err:
+        build_plan(path, tmp_path / "logs", model_override="tiny")
+    assert str(err.value).startswith(path) and "num_instances" in str(err.value)
+
+
+def test_cli_error_is_one_line_and_exit_2(tmp_path: Path):
+    path = _write(tmp_path, _cluster(model="/no/such/checkpoint"))
+    proc = subprocess.run([sys.executable, "-m", "disagg.cli", "launch", "-c", path,
+                           "--log-dir", str(tmp_path / "logs")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("disagg launch: error: ") and "/no/such/checkpoint" in proc.stderr
+
+
+def test_local_hosts():
+    assert is_local_host("localhost") and is_local_host("127.0.0.1")
+    try:
+        socket.getaddrinfo(socket.gethostname(), None)
+    except socket.gaierror:
+        pass  # a container whose own name does not resolve: nothing to check
+    else:
+        assert is_local_host(socket.gethostname())
+    assert not is_local_host("192.0.2.7")  # TEST-NET-1: never this machine
+    assert not is_local_host("no-such-host.invalid")
+
+
+def test_gpu_assignment():
+    gpus = ["0", "1", "2", "3", "4", "5", "6"]
+    # 2 ctx (tp 2) + 1 gen (pp 2): consecutive, disjoint sets.
+    assert assign_gpus([2, 2, 2], gpus) == (["0,1", "2,3", "4,5"], None)
+    # A worker that chose its device keeps it; the others still get their own.
+    assert assign_gpus([None, 1, 1], gpus) == ([None, "0", "1"], None)
+    # Too few GPUs: nobody is pinned and the note says why.
+    pinned, note = assign_gpus([2, 2], ["0", "1", "2"])
+    assert pinned == [None, None] and "4 GPU(s) but 3 are visible" in note
+    # No GPUs (CPU machine): nothing changes.
+    assert assign_gpus([1, 1], []) == ([None, None], None)
+
+
+def test_port_in_use_is_found_before_anything_starts(tmp_path: Path, tiny_llama: str):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        path = _write(tmp_path, _cluster(model=tiny_llama, generation_servers={
+            "num_instances": 1, "urls": [f"127.0.0.1:{port}"]}))
+        proc = subprocess.run([sys.executable, "-m", "disagg.cli", "launch", "-c", path,
+                               "--log-dir", str(tmp_path / "logs")],
+                              capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"gen0: 127.0.0.1:{port}: the port is already in use" in proc.stderr
+    assert "started" not in proc.stdout  # nothing was started
