@@ -302,6 +302,15 @@ class DisaggRuntime:
             assert self.peers is not None
             self.peers.send_all("lease_release", [request_id])
 
+    def release_lease(self, lease_id: str) -> bool:
+        """Engine thread: end a lease nobody will read (the router gave up on handing the
+        context answer to a generation worker). False if it was not live here."""
+        if self.leases is None:
+            return False
+        if self.peers is not None and lease_id in self._live_on:
+            self.peers.send_all("lease_release", [lease_id])
+        return self.leases.release(lease_id)
+
     def _on_release(self, lease: Lease, reason: str) -> None:
         # Any thread: only enqueue; the engine thread frees the blocks.
         logger.debug("lease %s ended (%s)", lease.lease_id, reason)

@@ -675,6 +675,16 @@ class AsyncLLM:
                 self._cmds.put(("abort", (request_id,)))
                 self._wake.set()
 
+    def release_lease(self, lease_id: str) -> bool:
+        """Ask the engine thread to end a context lease now (thread-safe). True if the lease
+        was live when asked."""
+        rt = self.engine.transfer
+        if rt is None or rt.leases is None or lease_id not in rt.leases:
+            return False
+        self._cmds.put(("release_lease", (lease_id,)))
+        self._wake.set()
+        return True
+
     async def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", (request_id,)))
         self._wake.set()
@@ -714,6 +724,8 @@ class AsyncLLM:
                 out = self.engine.abort_request(args[0])
                 if out is not None:
                     self._deliver(args[0], out)
+            elif kind == "release_lease" and self.engine.transfer is not None:
+                self.engine.transfer.release_lease(args[0])
 
     def _loop(self) -> None:
         try:

@@ -728,3 +728,43 @@ def test_kill_context_worker_under_load_then_restart_with_other_block_size(
     for w in (ctx1, back, gen):
         w.wait_blocks(0)
 
+
+
+def test_lease_freed_when_no_generation_worker_takes_the_request(
+        workers: dict[str, Worker], model_dir: str, loop: LoopThread, monkeypatch) -> None:
+    """Every generation worker drops the request unanswered: the router ends with an error
+    and tells the context worker to free the KV now, not at lease expiry (30 s)."""
+    monkeypatch.setenv("DISAGG_CLUSTER_TOKEN", TOKEN)  # the router's copy of the token
+    dead = FakeWorker("generation", ["drop", "drop"])
+    runner, fake_url = loop.serve(dead.app)
+    try:
+        cfg = disagg_config(workers, model_dir, max_retries=1)
+        cfg["generation_servers"]["urls"] = [fake_url.removeprefix("http://")]
+        with running_router(cfg, loop) as url:
+            wait_for(lambda: httpx.get(url + "/health").status_code == 200, 30, what="router")
+            body = {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0}
+            r = httpx.post(url + C, json=body, timeout=60)
+            assert r.status_code >= 500 and "error" in r.json(), r.text
+            assert dead.calls == 1  # then out of rotation: no generation worker left
+            for w in (workers["ctx1"], workers["ctx2"]):
+                w.wait_blocks(0, timeout=5)
+            assert metric(url, "disagg_router_lease_releases_total") == 1
+    finally:
+        loop.run(runner.cleanup())
+
+
+def test_lease_release_endpoint_needs_the_cluster_token(workers: dict[str, Worker]) -> None:
+    ctx = workers["ctx1"]
+    body = {"ctx_request_id": "no-such-lease"}
+    r = httpx.post(ctx.url + "/kv_leases/release", json=body, timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.post(ctx.url + "/kv_leases/release", json=body, timeout=10,
+                   headers={"X-Disagg-Cluster-Token": TOKEN})
+    assert r.status_code == 200 and r.json() == {"ctx_request_id": "no-such-lease",
+                                                 "released": False}
+    r = httpx.post(ctx.url + "/kv_leases/release", json={"x": 1}, timeout=10,
+                   headers={"X-Disagg-Cluster-Token": TOKEN})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "ctx_request_id"
+    r = httpx.post(workers["gen"].url + "/kv_leases/release", json=body, timeout=10,
+                   headers={"X-Disagg-Cluster-Token": TOKEN})
+    assert r.status_code == 404

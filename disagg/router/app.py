@@ -22,9 +22,10 @@ Request flow (REFERENCE section 4), for ``/v1/completions`` and ``/v1/chat/compl
 
 A client that disconnects cancels its handler (the server runs with handler cancellation):
 the upstream connection is closed, so the worker aborts the request and frees its KV (a
-generation worker also releases the context lease). Only a disconnect in the instant between
-the context answer and the generation call leaves a lease, which then expires after the
-context worker's ``kv_lease_ttl``.
+generation worker also releases the context lease). When no generation worker took the
+request (the client left in between, or every generation worker failed unreached), the router
+asks the context worker to free the lease at once (``POST /kv_leases/release``, with the
+cluster token from ``DISAGG_CLUSTER_TOKEN``).
 """
 
 from __future__ import annotations
@@ -137,6 +138,7 @@ class Router:
                 headers["Authorization"] = f"Bearer {key}"
             self.upstream_headers[role] = headers
         self.cluster_token = os.environ.get("DISAGG_CLUSTER_TOKEN") or None
+        self._background: set[asyncio.Task[None]] = set()
         self.session: aiohttp.ClientSession | None = None
         self.max_retries = config.max_retries
 
@@ -496,33 +498,71 @@ class Router:
                 gen_body["prompt"] = prompt_ids  # no second tokenization on the worker
             gen_data = _dumps(gen_body)
             ctx_usage = answer.get("usage") or {}
-            while True:
-                if first_gen is not None and first_gen.healthy and not gen_tried:
-                    w = first_gen
-                else:
-                    d = self.pick("generation", route, gen_tried)
-                    if d is None:
-                        raise self._no_worker("generation", last)
-                    w = d.worker  # type: ignore[assignment]
-                try:
-                    return await self.call_and_relay(request, st, w, "generation", path,
-                                                     gen_data, route, ctx_usage)
-                except _Failed as f:
-                    last = f
-                    gen_failures += 1
-                    if gen_failures > self.max_retries:
-                        raise self._no_worker("generation", last) from None
-                    if f.kv_transfer:
-                        # The context side's fault (lease expired, worker gone): prefill again,
-                        # elsewhere if possible; this generation worker is fine.
-                        ctx_avoid.add(ctx_worker.url)
-                        self.metrics.retries.labels("context", "kv_transfer_failed").inc()
-                        break
-                    gen_tried.add(w.url)
-                    self.metrics.retries.labels("generation", _reason(f)).inc()
-                    if f.reply is not None:
-                        break  # it answered, so it released the lease: prefill again
-                    # never reached, or died before answering: the lease may still be good
+            # Whether a generation worker took the request (and so releases the lease on every
+            # path); if we leave without one doing so (client gone, no generation worker
+            # left), the context worker is told to free the KV now.
+            taken = False
+            try:
+                while True:
+                    if first_gen is not None and first_gen.healthy and not gen_tried:
+                        w = first_gen
+                    else:
+                        d = self.pick("generation", route, gen_tried)
+                        if d is None:
+                            raise self._no_worker("generation", last)
+                        w = d.worker  # type: ignore[assignment]
+                    try:
+                        out = await self.call_and_relay(request, st, w, "generation", path,
+                                                        gen_data, route, ctx_usage)
+                        taken = True
+                        return out
+                    except _Failed as f:
+                        last = f
+                        gen_failures += 1
+                        taken = f.reply is not None or f.kv_transfer  # it answered
+                        if gen_failures > self.max_retries:
+                            raise self._no_worker("generation", last) from None
+                        if f.kv_transfer:
+                            # The context side's fault (lease expired, worker gone): prefill
+                            # again, elsewhere if possible; this generation worker is fine.
+                            ctx_avoid.add(ctx_worker.url)
+                            self.metrics.retries.labels("context", "kv_transfer_failed").inc()
+                            break
+                        gen_tried.add(w.url)
+                        self.metrics.retries.labels("generation", _reason(f)).inc()
+                        if f.reply is not None:
+                            break  # it answered, so it released the lease: prefill again
+                        # never reached, or died before answering: the lease may still be good
+            finally:
+                if not taken:
+                    self._release_lease(ctx_worker, dp)
+
+    def _release_lease(self, w: Worker, dp: Mapping[str, Any]) -> None:
+        """Fire and forget: the context worker frees a lease no generation worker will read
+        (idempotent there: a lease already confirmed or expired is left alone)."""
+        lease_id = dp.get("ctx_request_id")
+        if not isinstance(lease_id, str) or self.session is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._post_release(w, lease_id))
+        self._background.add(task)  # the loop only keeps weak references to tasks
+        task.add_done_callback(self._background.discard)
+
+    async def _post_release(self, w: Worker, lease_id: str) -> None:
+        assert self.session is not None
+        headers = {"Content-Type": "application/json"}
+        if self.cluster_token:
+            headers["X-Disagg-Cluster-Token"] = self.cluster_token
+        try:
+            async with self.session.post(w.base + "/kv_leases/release", headers=headers,
+                                         data=_dumps({"ctx_request_id": lease_id})) as r:
+                body = await r.read()
+            if r.status == 200:
+                self.metrics.lease_releases.inc()
+            else:
+                logger.info("lease %s on %s not released: %d %s", lease_id, w.url, r.status,
+                            body[:200])
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            logger.info("lease %s on %s not released: %r", lease_id, w.url, e)
 
     # -- handlers -----------------------------------------------------------------------------
 

@@ -10,6 +10,8 @@
 - ``disagg_router_retries_total{role, reason}``: a try on another worker (or a new prefill);
 - ``disagg_router_routing_decisions_total{role, policy, worker}``;
   ``disagg_router_local_prefill_total``: conditional disaggregation skipped the context side;
+  ``disagg_router_lease_releases_total``: context leases freed because no generation worker
+  took the request;
 - ``disagg_router_kv_matched_tokens_total{role, worker}`` and
   ``disagg_router_kv_prompt_tokens_total{role}``: prompt tokens found in the chosen worker's
   cache by kv_cache_aware routing, of all prompt tokens it routed;
@@ -54,6 +56,9 @@ class RouterMetrics:
                                ["role", "reason"], registry=r)
         self.decisions = Counter(P + "routing_decisions", "Workers chosen, by policy.",
                                  ["role", "policy", "worker"], registry=r)
+        self.lease_releases = Counter(P + "lease_releases", "Context leases the router freed "
+                                      "because no generation worker took the request.",
+                                      registry=r)
         self.local_prefill = Counter(P + "local_prefill", "Requests prefilled on the generation "
                                      "worker (conditional disaggregation).", registry=r)
         self.kv_matched = Counter(P + "kv_matched_tokens", "Prompt tokens found in the chosen "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Coroutine
@@ -706,6 +707,30 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                             if getattr(engine, "transfer", None) is not None else None),
             "kv_blocks_used": _blocks_used(engine),
         }
+
+    @app.post("/kv_leases/release")
+    async def release_lease(request: Request) -> JSONResponse:
+        """Cluster-internal (a router that could not hand a context answer to any generation
+        worker): free that answer's KV now instead of at lease expiry. Needs the cluster token
+        in ``X-Disagg-Cluster-Token``."""
+        rt = getattr(engine, "transfer", None)
+        if rt is None or rt.role != "context":
+            raise P.APIError(404, f"no KV leases on a {settings.role!r} worker",
+                             type="not_found_error")
+        given = request.headers.get("x-disagg-cluster-token", "")
+        if not hmac.compare_digest(given.encode(), rt.settings.cluster_token.encode()):
+            raise P.APIError(401, "X-Disagg-Cluster-Token: missing or wrong",
+                             type="authentication_error")
+        try:
+            body = json.loads(await request.body())
+            lease_id = body["ctx_request_id"]
+            if not isinstance(lease_id, str):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            raise P.bad_request("ctx_request_id: expected {\"ctx_request_id\": str}",
+                                param="ctx_request_id") from None
+        return JSONResponse({"ctx_request_id": lease_id,
+                             "released": engine.release_lease(lease_id)})
 
     @app.get("/kv_events")
     async def kv_events(since: int = 0) -> dict[str, Any]:
