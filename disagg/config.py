@@ -17,6 +17,20 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field."""
 
 
+def read_yaml(path: str | os.PathLike[str], error: type[Exception] = ConfigError) -> Any:
+    """The parsed YAML document of ``path``; an unreadable file or invalid YAML raises
+    ``error`` with a message naming the file."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            return yaml.safe_load(f)
+    except OSError as e:
+        raise error(f"{os.fspath(path)}: cannot read: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise error(f"{os.fspath(path)}: invalid YAML: {e}") from None
+
+
 def _require(cond: bool, name: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"{name}: {msg}")

@@ -161,15 +161,9 @@ def resolve_model(value: Any, where: str, key: str = "model") -> str:
 
 
 def _read_yaml(path: str) -> dict[str, Any]:
-    import yaml
+    from disagg.config import read_yaml
 
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except OSError as e:
-        raise LaunchError(f"{path}: cannot read: {e.strerror or e}") from None
-    except yaml.YAMLError as e:
-        raise LaunchError(f"{path}: invalid YAML: {e}") from None
+    data = read_yaml(path, LaunchError)
     if not isinstance(data, dict):
         raise LaunchError(f"{path}: expected a mapping (the disagg YAML), got "
                           f"{type(data).__name__}")

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from disagg.config import ConfigError
+from disagg.config import ConfigError, read_yaml
 
 POLICY_TYPES = ("round_robin", "load_balancing", "kv_cache_aware")
 SECTIONS = ("context_servers", "generation_servers")
@@ -141,17 +141,8 @@ class ClusterConfig:
 
 def load_cluster_config(path: str | os.PathLike[str]) -> ClusterConfig:
     """Read and validate a cluster YAML; ``RouterConfigError`` names the file and key."""
-    import yaml
-
     source = os.fspath(path)
-    try:
-        with open(source) as f:
-            data = yaml.safe_load(f)
-    except OSError as e:
-        raise RouterConfigError(f"{source}: cannot read: {e.strerror or e}") from None
-    except yaml.YAMLError as e:
-        raise RouterConfigError(f"{source}: invalid YAML: {e}") from None
-    return parse_cluster_config(data, source)
+    return parse_cluster_config(read_yaml(source, RouterConfigError), source)
 
 
 def parse_cluster_config(data: Mapping[str, Any] | Any, source: str = "<config>"

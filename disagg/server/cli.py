@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from disagg.config import CapacityPolicy, ConfigError
+from disagg.config import CapacityPolicy, ConfigError, read_yaml
 
 logger = logging.getLogger("disagg.server")
 
@@ -138,15 +138,7 @@ def _coerce(name: str, opt: _Opt, value: Any, where: str) -> Any:
 
 def load_worker_yaml(path: str) -> dict[str, Any]:
     """Options from a worker YAML; unknown keys and wrong types are errors naming both."""
-    import yaml
-
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    data = read_yaml(path)
     if data is None:
         return {}
     if not isinstance(data, dict):
