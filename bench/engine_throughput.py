@@ -85,6 +85,30 @@ def run_transformers(model_dir: str, work, batch_size: int) -> tuple[float, int]
     return elapsed, useful
 
 
+def step_split(model_dir: str, work, batch_size: int) -> dict[str, float]:
+    """Where the engine's time goes on the workload: steps that carry prompt tokens vs
+    decode-only steps (a second run, timed per step)."""
+    engine = LLMEngine.from_options(model_dir, max_batch_size=batch_size, max_num_tokens=2048,
+                                    tokens_per_block=32, enable_prefix_caching=False,
+                                    kv_cache_tokens=batch_size * (512 + 256 + 64))
+    for i, (p, o) in enumerate(work):
+        engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=o,
+                                                      ignore_eos=True))
+    out = dict(prefill_steps=0, prefill_s=0.0, prompt_tokens=0, decode_steps=0, decode_s=0.0)
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t0
+        sched = engine._last_sched
+        assert sched is not None
+        prompt = sum(len(r.token_ids) for r in sched.scheduled if len(r.token_ids) > 1)
+        kind = "prefill" if prompt else "decode"
+        out[f"{kind}_steps"] += 1
+        out[f"{kind}_s"] += dt
+        out["prompt_tokens"] += prompt
+    return out
+
+
 def decode_efficiency(model_dir: str, batch_size: int, ctx: int, steps: int) -> tuple[float, float]:
     """Median seconds per decode step: (engine step, bare contiguous forward)."""
     engine = LLMEngine.from_options(model_dir, max_batch_size=batch_size, max_num_tokens=8192,
@@ -160,6 +184,7 @@ def main() -> None:
         work = workload(args.num_requests, 500, special, args.seed)
         e_time, e_tok = run_engine(model_dir, work, args.batch_size)
         h_time, h_tok = run_transformers(model_dir, work, args.batch_size)
+        split = step_split(model_dir, work, args.batch_size)
         step_engine, step_bare = decode_efficiency(model_dir, args.batch_size, args.decode_ctx,
                                                    args.decode_steps)
 
@@ -184,6 +209,13 @@ def main() -> None:
         f"Decode step, batch {args.batch_size}, context {args.decode_ctx}, median of "
         f"{args.decode_steps} steps: engine {step_engine * 1e3:.1f} ms, bare contiguous forward "
         f"{step_bare * 1e3:.1f} ms -> **efficiency {step_bare / step_engine:.0%}**",
+        "",
+        f"Where the engine's time goes (a second run, timed per step): "
+        f"{split['prefill_steps']} steps carrying the {split['prompt_tokens']} prompt tokens "
+        f"take {split['prefill_s']:.1f} s "
+        f"({split['prefill_s'] / max(split['prompt_tokens'], 1) * 1e3:.2f} ms a prompt "
+        f"token); {split['decode_steps']} decode-only steps take {split['decode_s']:.1f} s "
+        f"({split['decode_s'] / max(split['decode_steps'], 1) * 1e3:.1f} ms each).",
         "",
     ]
     report = "\n".join(lines)
