@@ -397,6 +397,26 @@ def test_serve_token_id_prompts_and_trace(tmp_path: Path, tok_path: str) -> None
     assert all(p[:16] == prompts[0][:16] for p in prompts)  # hash id 7 shared
 
 
+def test_serve_gen_only_adds_the_marker(tmp_path: Path, tok_path: str) -> None:
+    """--gen-only: every body carries request_type generation_only (merged with any
+    --extra-body params) and ignore_eos; the result records it."""
+    fake = FakeServer(tok_path)
+    out = tmp_path / "g.json"
+    with serving(fake.app()) as url:
+        rc = _run_cli(["--base-url", url, "--tokenizer", tok_path, "--num-prompts", "3",
+                       "--random-input-len", "8", "--random-output-len", "3", "--gen-only",
+                       "--extra-body", '{"disaggregated_params": {"note": 1}, "top_k": 2}',
+                       "--num-warmups", "1", "--save-result", str(out)])
+    assert rc == 0
+    assert len(fake.bodies) == 4
+    for b in fake.bodies:  # warmup too
+        assert b["disaggregated_params"] == {"note": 1, "request_type": "generation_only"}
+        assert b["ignore_eos"] is True and b["top_k"] == 2
+    cfg = json.loads(out.read_text())["config"]
+    assert cfg["gen_only"] is True and cfg["ignore_eos"] is True
+    assert cfg["extra_body"] == {"disaggregated_params": {"note": 1}, "top_k": 2}
+
+
 def test_serve_all_failed_and_unreachable(tmp_path: Path, tok_path: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     with socket.socket() as s:  # a port nobody listens on
@@ -494,3 +514,44 @@ def test_serve_against_live_worker(tmp_path: Path) -> None:
         s["total_output_tokens"] + recs[0]["output_tokens"]
     assert _prom_total(metrics, "disagg_prompt_tokens_total") == \
         s["total_input_tokens"] + recs[0]["prompt_len"]
+
+
+def test_serve_against_router(tmp_path: Path, tiny_llama: str) -> None:
+    """`bench serve` through the router of a launched 1 context + 1 generation cluster: every
+    count matches the router's and both workers' own metrics."""
+    import httpx
+
+    from disagg.bench.ratematch import LaunchedCluster
+
+    n, warm = 6, 1
+    out = tmp_path / "r.json"
+    cluster = LaunchedCluster(tiny_llama, "tiny", 1, 1, {"kv_cache_tokens": 4096,
+                                                         "max_model_len": 512},
+                              str(tmp_path / "launch"), timeout_s=120, stop_timeout_s=30)
+    with cluster as url:
+        rc = _run_cli(["--base-url", url, "--tokenizer", tiny_llama, "--num-prompts", str(n),
+                       "--random-input-len", "40", "--random-output-len", "5",
+                       "--random-range-ratio", "0.5", "--ignore-eos", "--request-rate", "20",
+                       "--num-warmups", str(warm), "--request-timeout", "60",
+                       "--save-result", str(out)])
+        router, ctx, gen = (httpx.get(u + "/metrics", timeout=30).text
+                            for u in (url, cluster.ctx_urls[0], cluster.gen_urls[0]))
+    assert cluster.proc is None  # stopped and reaped
+    assert rc == 0
+    res = json.loads(out.read_text())
+    s, recs = res["summary"], res["requests"]
+    assert not [f for f in SUMMARY_FIELDS if f not in s]
+    assert (s["completed"], s["failed"]) == (n, 0)
+    assert res["config"]["model"] == "tiny"
+    warm_in, warm_out = recs[0]["prompt_len"], recs[0]["output_tokens"]  # warmup = request 0
+    assert _prom_total(router, "disagg_router_requests_total") == n + warm
+    # Every request went context -> generation: one context pass and one KV pull each.
+    assert _prom_total(ctx, "disagg_requests_finished_total") == n + warm
+    assert _prom_total(ctx, "disagg_prompt_tokens_total") == s["total_input_tokens"] + warm_in
+    assert _prom_total(gen, "disagg_kv_transfers_total") == n + warm
+    assert _prom_total(gen, "disagg_requests_finished_total") == n + warm
+    assert _prom_total(gen, "disagg_generation_tokens_total") == \
+        s["total_output_tokens"] + warm_out
+    for r in recs:
+        assert r["output_tokens"] == r["expected_output_len"]
+        assert r["prompt_len"] == r["server_prompt_tokens"]

@@ -1,10 +1,14 @@
-"""``disagg bench``: serving benchmark (``serve``) and plots of saved results (``plot``).
+"""``disagg bench``: serving benchmark (``serve``), cluster sizing (``rate-match``) and plots
+of saved results (``plot``).
 
 Examples::
 
     disagg bench serve --base-url http://127.0.0.1:8000 --tokenizer ./tiny \\
         --random-input-len 512 --random-output-len 64 --num-prompts 200 --request-rate 4 \\
         --goodput ttft:500 tpot:50 --save-result run.json
+    disagg bench rate-match --context-url http://127.0.0.1:8001 \\
+        --generation-url http://127.0.0.1:8002 --tokenizer ./tiny --isl 512 --osl 64 \\
+        --ttft-slo 1000 --concurrency 1,2,4,8 --save-result rm.json
     disagg bench plot run-*.json --out-dir plots/
 """
 
@@ -82,6 +86,27 @@ def _slo(text: str) -> dict[str, float]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}"
+                                         ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"need integers >= 1, got {text!r}")
+    return values
+
+
+def _percentile(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < v <= 100:
+        raise argparse.ArgumentTypeError(f"must be in (0, 100], got {text}")
+    return v
+
+
 def _json_object(text: str) -> dict[str, Any]:
     try:
         v = json.loads(text)
@@ -157,6 +182,12 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
                    help="ask the server to ignore EOS so outputs have max_tokens tokens")
     g.add_argument("--num-warmups", type=_int_at_least(0), default=0,
                    help="requests sent first and left out of the results")
+    g.add_argument("--gen-only", action="store_true",
+                   help="benchmarking aid: generation-only requests (adds "
+                        "disaggregated_params.request_type=generation_only, implies "
+                        "--ignore-eos) for a generation worker started with "
+                        "--benchmark-gen-only, which decodes without a context server "
+                        "(prompt KV taken as computed; contents meaningless)")
 
     g = serve.add_argument_group("results")
     g.add_argument("--goodput", type=_slo, nargs="+", default=[], metavar="NAME:MS",
@@ -167,9 +198,12 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     serve.set_defaults(func=lambda args: serve_main(args, serve))
 
+    add_rate_match_cli(sub)
+
     plot = sub.add_parser("plot", help="redraw PNGs from saved results",
                           description="Latency CDFs and throughput vs tokens/s/user from "
-                                      "`disagg bench serve --save-result` files.")
+                                      "`disagg bench serve --save-result` files; a "
+                                      "`disagg bench rate-match` result gets its curve PNG.")
     plot.add_argument("files", nargs="+", metavar="FILE")
     plot.add_argument("--out-dir", help="where to write PNGs (default: the first file's folder)")
     plot.add_argument("--devices", type=_positive_float, default=1.0,
@@ -239,7 +273,8 @@ async def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         use_trace_timestamps=args.request_rate is None, ignore_eos=args.ignore_eos,
         goodput_slos_ms=slos, percentiles=args.percentiles, seed=args.seed,
         num_warmups=args.num_warmups, api_key=args.api_key, extra_body=args.extra_body,
-        http_client=args.http_client, request_timeout_s=args.request_timeout,
+        gen_only=args.gen_only, http_client=args.http_client,
+        request_timeout_s=args.request_timeout,
         workload=_workload(args))
     transport = make_transport(config.http_client, config.request_timeout_s)
     try:
@@ -300,16 +335,185 @@ def serve_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
 
 def plot_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from disagg.bench.plot import plot_results
+    from disagg.bench.plot import plot_rate_match, plot_results
+    from disagg.bench.ratematch import RESULT_KIND as RATE_MATCH_KIND
     from disagg.bench.runner import load_result
 
-    results = []
+    results, rate_matches = [], []
     for path in args.files:
         try:
-            results.append((path, load_result(path)))
+            with open(path, encoding="utf-8") as f:
+                head = json.load(f)
+            if isinstance(head, dict) and head.get("kind") == RATE_MATCH_KIND:
+                rate_matches.append((path, head))  # drawn as its own curve PNG
+            else:
+                results.append((path, load_result(path)))
         except (OSError, ValueError) as e:  # JSONDecodeError is a ValueError
             parser.error(f"FILE {path!r}: {e}")
     out_dir = args.out_dir or os.path.dirname(os.path.abspath(args.files[0]))
-    for path in plot_results(results, out_dir, devices=args.devices, title=args.title):
-        print(path)
+    if results:
+        for path in plot_results(results, out_dir, devices=args.devices, title=args.title):
+            print(path)
+    for path, res in rate_matches:
+        stem = os.path.splitext(os.path.basename(path))[0]
+        print(plot_rate_match(res, os.path.join(out_dir, stem + ".png"), title=args.title))
     return 0
+
+
+# ---------------------------------------------------------------------------- rate-match
+
+
+def add_rate_match_cli(sub: argparse._SubParsersAction) -> None:
+    rm = sub.add_parser(
+        "rate-match", help="size a disaggregated cluster: ctx:gen ratio and tokens/s per device",
+        description="Measure one context worker (highest request rate within a TTFT SLO) and "
+                    "one generation worker (started with --benchmark-gen-only: output tokens/s "
+                    "and tokens/s/user per concurrency), rate-match them (REFERENCE section 7) "
+                    "and write JSON and a PNG of tokens/s per device against tokens/s/user. "
+                    "See disagg/bench/ratematch.py for the method and the JSON schema.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = rm.add_argument_group("endpoints")
+    g.add_argument("--context-url", required=True, help="one context worker")
+    g.add_argument("--generation-url", required=True,
+                   help="one generation worker started with --benchmark-gen-only")
+    g.add_argument("--aggregated-url", help="one aggregated worker: the baseline curve")
+    g.add_argument("--model", default="",
+                   help="served model name (default: the first of the context worker's models)")
+    g.add_argument("--tokenizer",
+                   help="tokenizer folder or tokenizer.json (default: --model if a folder)")
+    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="bearer token (default: $OPENAI_API_KEY)")
+    g.add_argument("--http-client", choices=("auto", "aiohttp", "httpx"), default="auto")
+    g.add_argument("--request-timeout", type=_positive_float, default=3600.0,
+                   help="seconds before one request is abandoned (counted as failed)")
+
+    g = rm.add_argument_group("workload")
+    g.add_argument("--isl", type=_int_at_least(1), default=1024, help="prompt tokens")
+    g.add_argument("--osl", type=_int_at_least(2), default=128, help="output tokens")
+    g.add_argument("--ttft-slo", type=_positive_float, required=True, metavar="MS",
+                   help="context side: TTFT limit (ms) at --ttft-percentile")
+    g.add_argument("--ttft-percentile", type=_percentile, default=90.0)
+    g.add_argument("--concurrency", type=_int_list, default=(1, 2, 4, 8, 16),
+                   metavar="N,N,...", help="generation concurrencies")
+    g.add_argument("--agg-concurrency", type=_int_list, default=None, metavar="N,N,...",
+                   help="aggregated concurrencies (default: --concurrency)")
+    g.add_argument("--ctx-devices", type=_positive_float, default=1.0,
+                   help="devices per context worker")
+    g.add_argument("--gen-devices", type=_positive_float, default=1.0,
+                   help="devices per generation worker")
+    g.add_argument("--agg-devices", type=_positive_float, default=1.0,
+                   help="devices per aggregated worker")
+    g.add_argument("--seed", type=int, default=0, help="prompts and Poisson arrivals")
+    g.add_argument("--num-warmups", type=_int_at_least(0), default=2,
+                   help="requests sent to each worker first, left out of the results")
+
+    g = rm.add_argument_group("search")
+    g.add_argument("--ctx-rate-start", type=_positive_float, default=None, metavar="REQ/S",
+                   help="first context rate probed (default: half of 1 / a warm TTFT)")
+    g.add_argument("--ctx-max-probes", type=_int_at_least(1), default=8)
+    g.add_argument("--ctx-tolerance", type=_positive_float, default=0.1,
+                   help="stop bisecting at hi/lo <= 1 + this")
+    g.add_argument("--ctx-probe-seconds", type=_positive_float, default=15.0,
+                   help="a probe sends rate * this many requests ...")
+    g.add_argument("--ctx-min-prompts", type=_int_at_least(1), default=16,
+                   help="... and at least this many")
+    g.add_argument("--gen-rounds", type=_int_at_least(1), default=4,
+                   help="requests per concurrency = rounds * concurrency")
+
+    g = rm.add_argument_group("verify (end to end with disagg launch on this machine)")
+    g.add_argument("--verify", action="store_true",
+                   help="start the chosen clusters with `disagg launch` and measure them")
+    g.add_argument("--verify-model", metavar="DIR",
+                   help="checkpoint folder the launched workers serve (needed by --verify)")
+    g.add_argument("--verify-worker-config", metavar="YAML",
+                   help="worker options of the launched workers (a `disagg serve --config` "
+                        "file; default KV transfer: TCP)")
+    g.add_argument("--verify-max-devices", type=_positive_float, default=2.0,
+                   help="largest cluster (in devices) to launch")
+    g.add_argument("--verify-points", type=_int_at_least(1), default=2,
+                   help="frontier points to verify, spread along it")
+    g.add_argument("--verify-timeout", type=_positive_float, default=300.0,
+                   help="start-up limit of each launched cluster (s)")
+    g.add_argument("--verify-log-dir", metavar="DIR",
+                   help="launch logs (default: a folder beside --save-result)")
+
+    g = rm.add_argument_group("results")
+    g.add_argument("--save-result", metavar="FILE", default="rate_match.json",
+                   help="JSON result")
+    g.add_argument("--plot", metavar="PNG",
+                   help="PNG of the curves (default: --save-result with .png)")
+    g.add_argument("--no-progress", action="store_true", help="no per-run lines on stderr")
+    rm.set_defaults(func=lambda args: rate_match_main(args, rm))
+
+
+def rate_match_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from disagg.bench.plot import plot_rate_match
+    from disagg.bench.ratematch import (
+        RateMatchConfig,
+        format_rate_match,
+        launch_verifier,
+        run_rate_match,
+        save_result,
+    )
+    from disagg.server.cli import load_worker_yaml
+
+    parent = os.path.dirname(os.path.abspath(args.save_result))
+    if not os.path.isdir(parent):
+        parser.error(f"--save-result: folder {parent!r} does not exist")
+    tok_dir = args.tokenizer or (args.model if args.model and os.path.isdir(args.model)
+                                 else None)
+    if tok_dir is None:
+        parser.error("--tokenizer: needed to build prompts (or give --model as a folder)")
+    if not os.path.exists(tok_dir):
+        parser.error(f"--tokenizer: no such folder {tok_dir!r}")
+    verify = None
+    if args.verify:
+        if not args.verify_model or not os.path.isdir(args.verify_model):
+            parser.error("--verify-model: a checkpoint folder is needed with --verify")
+        opts: dict[str, Any] = {}
+        if args.verify_worker_config:
+            try:
+                opts = load_worker_yaml(args.verify_worker_config)
+            except ValueError as e:  # ConfigError
+                parser.error(f"--verify-worker-config: {e}")
+            if "kv_transfer_backend" in opts:  # back to the cluster YAML's spelling
+                opts["cache_transceiver_config"] = {"backend": opts.pop("kv_transfer_backend")}
+                opts.pop("ucx_profile", None)
+        log_dir = args.verify_log_dir or os.path.splitext(
+            os.path.abspath(args.save_result))[0] + "-verify-logs"
+        verify = launch_verifier(os.path.abspath(args.verify_model), opts, log_dir,
+                                 args.verify_timeout,
+                                 progress=None if args.no_progress else sys.stderr)
+    try:
+        config = RateMatchConfig(
+            context_url=args.context_url, generation_url=args.generation_url,
+            aggregated_url=args.aggregated_url, ttft_slo_ms=args.ttft_slo, isl=args.isl,
+            osl=args.osl, concurrencies=args.concurrency,
+            agg_concurrencies=args.agg_concurrency, model=args.model,
+            ttft_percentile=args.ttft_percentile, ctx_devices=args.ctx_devices,
+            gen_devices=args.gen_devices, agg_devices=args.agg_devices,
+            ctx_rate_start=args.ctx_rate_start, ctx_max_probes=args.ctx_max_probes,
+            ctx_tolerance=args.ctx_tolerance, ctx_probe_seconds=args.ctx_probe_seconds,
+            ctx_min_prompts=args.ctx_min_prompts, gen_rounds=args.gen_rounds,
+            num_warmups=args.num_warmups, seed=args.seed, api_key=args.api_key,
+            http_client=args.http_client, request_timeout_s=args.request_timeout)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        tok = load_bench_tokenizer(tok_dir)
+    except (DatasetError, OSError) as e:
+        print(f"disagg bench rate-match: error: {e}", file=sys.stderr)
+        return 1
+    try:
+        result = asyncio.run(run_rate_match(
+            config, tok, progress=None if args.no_progress else sys.stderr, verify=verify,
+            verify_max_devices=args.verify_max_devices, verify_points=args.verify_points))
+    except (BenchmarkError, RuntimeError) as e:
+        print(f"disagg bench rate-match: error: {e}", file=sys.stderr)
+        return 1
+    print(format_rate_match(result))
+    save_result(result, args.save_result)
+    png = args.plot or os.path.splitext(args.save_result)[0] + ".png"
+    plot_rate_match(result, png)
+    print(f"Saved {args.save_result} and {png}", file=sys.stderr)
+    return 0 if result["context"]["ctx_rate"] is not None else 1

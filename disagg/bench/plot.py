@@ -3,6 +3,10 @@
 - ``latency_cdf.png``: empirical CDFs of TTFT, TPOT, ITL and E2EL, one line per result file.
 - ``throughput_vs_speed.png``: one point per file, x = tokens/s/user (1000 / median TPOT),
   y = output tokens/s (per device with ``devices``); points of a sweep are joined in x order.
+- ``plot_rate_match``: a ``disagg bench rate-match`` result: x = tokens/s/user, y = output
+  tokens/s per device; every rate-matched point (labelled with its concurrency and ctx:gen
+  ratio), the rate-matched Pareto frontier, the aggregated baseline and its frontier, the
+  end-to-end (verify) points joined to their predictions, and any extra series a script adds.
 """
 
 from __future__ import annotations
@@ -99,3 +103,82 @@ def plot_results(results: Sequence[tuple[str, dict[str, Any]]], out_dir: str,
     plt.close(fig)
     written.append(path)
     return written
+
+
+def plot_rate_match(result: dict[str, Any], path: str, title: str | None = None,
+                    extra_series: Sequence[tuple[str, Sequence[tuple[float, float]]]] = (),
+                    ) -> str:
+    """Write the rate-match PNG to ``path`` (see the module docstring); returns ``path``.
+
+    ``extra_series``: ``(label, [(tokens/s/user, tokens/s per device), ...])`` drawn as
+    markers joined in x order (e.g. end-to-end rate sweeps of a recorded benchmark).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    rm = result.get("rate_matched") or []
+    if rm:
+        ax.scatter([p["tokens_per_s_per_user"] for p in rm], [p["tput_per_device"] for p in rm],
+                   s=18, color="tab:blue", alpha=0.45, label="rate-matched points")
+        for p in rm:
+            ax.annotate(f"c{p['concurrency']} {p['ctx_per_gen']:.2f}:1",
+                        (p["tokens_per_s_per_user"], p["tput_per_device"]),
+                        textcoords="offset points", xytext=(4, 3), fontsize=6, color="tab:blue")
+    front = result.get("frontier") or []
+    if front:
+        ax.plot([p["tokens_per_s_per_user"] for p in front], [p["tput_per_device"] for p in front],
+                "o-", color="tab:blue", lw=2, label="rate-matched frontier (disaggregated)")
+    agg = result.get("aggregated")
+    if agg:
+        pts = sorted(agg["points"], key=lambda p: p["tokens_per_s_per_user"])
+        ok = [p for p in pts if p.get("meets_ttft_slo", True)]
+        miss = [p for p in pts if not p.get("meets_ttft_slo", True)]
+        if ok:
+            ax.scatter([p["tokens_per_s_per_user"] for p in ok],
+                       [p["tput_per_device"] for p in ok], color="tab:orange", s=22,
+                       label="aggregated")
+        if miss:
+            ax.scatter([p["tokens_per_s_per_user"] for p in miss],
+                       [p["tput_per_device"] for p in miss], facecolors="none",
+                       edgecolors="tab:orange", s=22, label="aggregated (misses TTFT SLO)")
+        af = agg.get("frontier") or []
+        if af:
+            ax.plot([p["tokens_per_s_per_user"] for p in af],
+                    [p["tput_per_device"] for p in af], "o-", color="tab:orange", lw=2,
+                    label="aggregated frontier")
+    for i, v in enumerate(result.get("verify") or []):
+        pr, me = v["predicted"], v["measured"]
+        ax.plot([pr["tokens_per_s_per_user"], me["tokens_per_s_per_user"]],
+                [pr["tput_per_device"], me["tput_per_device"]], ":", color="tab:red", lw=1)
+        ax.scatter([me["tokens_per_s_per_user"]], [me["tput_per_device"]], marker="*", s=110,
+                   color="tab:red", zorder=5, label="end to end" if i == 0 else None)
+        ax.annotate(f"{v['num_ctx']}ctx+{v['num_gen']}gen c{v['concurrency']}",
+                    (me["tokens_per_s_per_user"], me["tput_per_device"]),
+                    textcoords="offset points", xytext=(5, -10), fontsize=7, color="tab:red")
+    markers = "sDv^P"
+    colors = ("tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive")  # not the above
+    for i, (label, series) in enumerate(extra_series):
+        pts = sorted(series)
+        if pts:
+            xs, ys = zip(*pts, strict=True)
+            ax.plot(xs, ys, marker=markers[i % len(markers)], ls="--", lw=1,
+                    color=colors[i % len(colors)], label=label)
+    cfg = result.get("config", {})
+    ax.set_xlabel("tokens/s/user (1000 / mean TPOT ms)")
+    ax.set_ylabel("output tokens/s per device")
+    ax.set_title(title or f"Rate-matched throughput (isl {cfg.get('isl')}, osl {cfg.get('osl')}, "
+                          f"TTFT p{cfg.get('ttft_percentile', 90):g} <= "
+                          f"{cfg.get('ttft_slo_ms', 0):g} ms)", fontsize=10)
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -32,6 +32,8 @@ from disagg.bench.metrics import DEFAULT_PERCENTILES, RequestRecord, summarize
 
 RESULT_KIND = "disagg-bench-serve"
 RESULT_VERSION = 1
+# disaggregated_params.request_type of a generation-only benchmark request (no context fields).
+GEN_ONLY_REQUEST_TYPE = "generation_only"
 
 
 class BenchmarkError(RuntimeError):
@@ -56,6 +58,10 @@ class BenchmarkConfig:
     num_warmups: int = 0
     api_key: str | None = None
     extra_body: dict[str, Any] = field(default_factory=dict)
+    # Generation-only requests (a worker started with --benchmark-gen-only): the worker takes
+    # the prompt's KV as already computed and only decodes. A benchmarking aid for sizing the
+    # generation side alone; implies ignore_eos so every request decodes exactly max_tokens.
+    gen_only: bool = False
     http_client: str = "auto"  # "auto" | "aiohttp" | "httpx"
     request_timeout_s: float = 6 * 3600
     # Free-form description of the workload, copied into the result (dataset, lengths...).
@@ -72,6 +78,17 @@ class BenchmarkConfig:
             raise ValueError(f"max_concurrency: must be >= 1, got {self.max_concurrency}")
         if self.num_warmups < 0:
             raise ValueError(f"num_warmups: must be >= 0, got {self.num_warmups}")
+        if self.gen_only:
+            self.ignore_eos = True
+
+    def request_extra_body(self) -> dict[str, Any]:
+        """``extra_body``, plus the generation-only marker when ``gen_only`` is set."""
+        body = dict(self.extra_body)
+        if self.gen_only:
+            dp = body.get("disaggregated_params")
+            body["disaggregated_params"] = {**(dp if isinstance(dp, dict) else {}),
+                                            "request_type": GEN_ONLY_REQUEST_TYPE}
+        return body
 
 
 @dataclass
@@ -199,12 +216,13 @@ async def run_benchmark(config: BenchmarkConfig, samples: Sequence[SampleRequest
         model = await resolve_model(config, tr)
         config = dataclasses.replace(config, model=model)  # the result records the real model
         url = normalize_base_url(config.base_url) + ENDPOINT_PATHS[config.endpoint]
+        extra_body = config.request_extra_body()
 
         def spec(i: int, s: SampleRequest) -> RequestSpec:
             return RequestSpec(index=i, url=url, endpoint=config.endpoint, model=model,
                                prompt=s.prompt, prompt_len=s.prompt_len,
                                max_tokens=s.expected_output_len, ignore_eos=config.ignore_eos,
-                               api_key=config.api_key, extra_body=config.extra_body)
+                               api_key=config.api_key, extra_body=extra_body)
 
         sem = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
 

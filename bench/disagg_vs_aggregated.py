@@ -1,0 +1,769 @@
+"""Disaggregated (1 context + 1 generation worker) against aggregated (2 workers), same cores.
+
+A scaled-down seed workload on this machine: prompts of ``--isl`` (512) tokens, ``--osl`` (64)
+output tokens, a random Llama-shaped checkpoint of ~26 M parameters (the engine benchmark's
+shape), float32, CPU. Every worker is pinned to one core (``sched_setaffinity``) with one
+torch thread, so both systems use the same two cores:
+
+- **disaggregated**: context worker on core 0, generation worker on core 1 (KV over TCP), the
+  router in front;
+- **aggregated**: two aggregated workers on cores 0 and 1 behind the router
+  (``load_balancing``: least active requests).
+
+Steps, in one run:
+
+1. Rate matching (``disagg.bench.ratematch``): the context worker's highest Poisson rate with
+   TTFT p90 <= ``--ttft-slo``; the generation worker (``--benchmark-gen-only``, no context
+   server) at each ``--concurrency``; the rate-matched points and frontier; closed-loop end to
+   end through the disaggregated router at frontier concurrencies (``verify``), against the
+   prediction for 1 + 1; one aggregated worker at the same concurrencies (the baseline curve).
+2. Open-loop (Poisson) runs of both clusters at the same request rates (fractions of the
+   disaggregated cluster's predicted capacity): TTFT p99, TPOT p99, goodput (TTFT and TPOT
+   SLOs), and the rate-matched prediction of each run (output tokens/s, mean TPOT).
+
+The load generator (this process) and the router are not pinned: they share the two cores with
+the workers. Their CPU time, and the CPU time of every *other* process on the machine during
+each phase, are measured (``/proc``) and written into the result, so their interference is
+visible rather than assumed away. The machine is shared with other work: every measurement
+step waits for a quiet machine first and is redone when other processes used more than
+``--max-other`` cores during it (``Guard``); the attempts are in the JSON and the report.
+
+    python bench/disagg_vs_aggregated.py [--out bench/results/disagg-vs-aggregated.md]
+
+Writes the markdown, the PNG (``--png``) and the JSON of everything measured (``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from disagg.bench.client import make_transport  # noqa: E402
+from disagg.bench.datasets import load_bench_tokenizer, sample_random  # noqa: E402
+from disagg.bench.plot import plot_rate_match  # noqa: E402
+from disagg.bench.ratematch import (  # noqa: E402
+    RateMatchConfig,
+    RateMatcher,
+    build_result,
+    finish_verify_point,
+    format_rate_match,
+    predict_at_rate,
+    save_result,
+    verify_choices,
+)
+from disagg.bench.runner import BenchmarkConfig, run_benchmark  # noqa: E402
+
+SIZES = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+             num_attention_heads=8, num_key_value_heads=4, vocab_size=2048,
+             max_position_embeddings=2048)
+NAME = "m"
+TOKEN = "bench-disagg-vs-aggregated"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    for _ in range(n):  # held together: distinct
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def proc_cpu_s(pid: int) -> float:
+    """utime + stime of a live process (all its threads), seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # fields 14, 15 of stat(5)
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all processes have used since boot (every core), from /proc/stat."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = v[:8]
+    return (user + nice + system + irq + softirq + steal) / CLK_TCK
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    url: str
+    log: Path
+    cpu: int | None  # pinned core
+
+    def cpu_s(self) -> float:
+        return proc_cpu_s(self.popen.pid)
+
+
+def _pin(cpu: int | None) -> Any:
+    if cpu is None:
+        return None
+    return lambda: os.sched_setaffinity(0, {cpu})
+
+
+def start_worker(model: str, name: str, role: str, cpu: int, port: int, logs: Path,
+                 *extra: str) -> Proc:
+    log = logs / f"{name}.log"
+    env = {**os.environ, "DISAGG_CLUSTER_TOKEN": TOKEN, "OMP_NUM_THREADS": "1",
+           "OMP_WAIT_POLICY": "PASSIVE"}
+    with open(log, "wb") as f:
+        p = subprocess.Popen(
+            [sys.executable, "-m", "disagg.cli", "serve", model, "--port", str(port), "--role",
+             role, "--served-model-name", NAME, "--log-level", "warning", "--kv-cache-tokens",
+             "32768", "--max-model-len", "1024", "--kv-transfer-backend", "TCP", *extra],
+            stdout=f, stderr=subprocess.STDOUT, env=env, preexec_fn=_pin(cpu), cwd=ROOT)
+    return Proc(name, p, f"http://127.0.0.1:{port}", log, cpu)
+
+
+def start_router(cluster: dict[str, Any], port: int, logs: Path, name: str) -> Proc:
+    import yaml
+
+    path = logs / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"hostname": "127.0.0.1", "port": port, **cluster},
+                                   sort_keys=False))
+    log = logs / f"{name}.log"
+    with open(log, "wb") as f:
+        p = subprocess.Popen([sys.executable, "-m", "disagg.cli", "router", "-c", str(path),
+                              "--log-level", "warning"], stdout=f, stderr=subprocess.STDOUT,
+                             cwd=ROOT)
+    return Proc(name, p, f"http://127.0.0.1:{port}", log, None)
+
+
+def wait_healthy(procs: list[Proc], timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        while True:
+            try:
+                if httpx.get(p.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if p.popen.poll() is not None or time.monotonic() > deadline:
+                stop(procs)
+                raise RuntimeError(f"{p.name} did not start:\n{p.log.read_text()[-3000:]}")
+            time.sleep(0.2)
+
+
+def stop(procs: list[Proc]) -> None:
+    for p in reversed(procs):
+        if p.popen.poll() is None:
+            p.popen.send_signal(signal.SIGTERM)
+    for p in reversed(procs):
+        try:
+            p.popen.wait(60)
+        except subprocess.TimeoutExpired:
+            p.popen.kill()
+            p.popen.wait(10)
+
+
+def kv_metrics(url: str) -> dict[str, float]:
+    """The generation worker's KV transfer counters (all requests routed to it)."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    out = {}
+    for name in ("disagg_kv_transfer_bytes_total", "disagg_kv_transfers_total",
+                 "disagg_kv_transfer_seconds_sum"):
+        out[name] = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                        if line.startswith(name + "{") or line.startswith(name + " "))
+    return out
+
+
+class CpuMeter:
+    """CPU seconds of our processes, this process and everything else over one phase."""
+
+    def __init__(self, procs: list[Proc]) -> None:
+        self.procs = procs
+        self.t0 = time.monotonic()
+        self.busy0 = machine_busy_s()
+        self.self0 = sum(os.times()[:2])
+        self.p0 = {p.name: p.cpu_s() for p in procs}
+
+    def done(self) -> dict[str, Any]:
+        wall = time.monotonic() - self.t0
+        per = {p.name: p.cpu_s() - self.p0[p.name] for p in self.procs}
+        client = sum(os.times()[:2]) - self.self0
+        busy = machine_busy_s() - self.busy0
+        other = max(0.0, busy - sum(per.values()) - client)
+        return {"wall_s": wall, "cpu_s": per, "client_cpu_s": client, "other_cpu_s": other,
+                "machine_busy_s": busy}
+
+
+class Guard:
+    """Runs each measurement step on a quiet machine, as far as it can tell: before a step,
+    waits (up to ``max_wait_s``) for a 5 s window in which the whole machine uses at most
+    ``max_other`` of a core (our workers are idle then); after it, computes the CPU that
+    processes other than ours used during the step, and redoes the step (up to ``attempts``
+    times in all) when that exceeds ``max_other`` cores. Every attempt is logged."""
+
+    def __init__(self, log: list[dict[str, Any]], max_wait_s: float, max_other: float,
+                 attempts: int) -> None:
+        self.log, self.max_wait_s = log, max_wait_s
+        self.max_other, self.attempts = max_other, attempts
+        self.procs: list[Proc] = []
+
+    def _own_s(self) -> float:
+        return sum(p.cpu_s() for p in self.procs) + sum(os.times()[:2])
+
+    async def _wait_quiet(self) -> float:
+        t0 = time.monotonic()
+        while True:
+            b0 = machine_busy_s()
+            await asyncio.sleep(5.0)  # a measurement window, not a wait for an event
+            busy = (machine_busy_s() - b0) / 5.0
+            if busy <= self.max_other or time.monotonic() - t0 >= self.max_wait_s:
+                return time.monotonic() - t0
+
+    async def run(self, name: str, step: Any) -> Any:
+        for attempt in range(1, self.attempts + 1):
+            waited = await self._wait_quiet() if self.max_wait_s > 0 else 0.0
+            t0, b0, o0 = time.monotonic(), machine_busy_s(), self._own_s()
+            out = await step()
+            wall = time.monotonic() - t0
+            other = max(0.0, (machine_busy_s() - b0) - (self._own_s() - o0)) / wall
+            ok = other <= self.max_other
+            self.log.append({"step": name, "attempt": attempt, "wall_s": wall,
+                             "waited_s": waited, "other_cores": other, "kept": ok or
+                             attempt == self.attempts})
+            if ok or attempt == self.attempts:
+                return out
+            print(f"{name}: other processes used {other:.2f} cores meanwhile: redoing it",
+                  flush=True)
+        raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+async def open_loop(guard: Guard, label: str, url: str, tok: Any, rates: list[float],
+                    args: argparse.Namespace, tr: Any) -> list[dict[str, Any]]:
+    """One Poisson run per rate; the same prompts and arrivals for both systems at a rate."""
+    slos = {"ttft": args.ttft_slo, "tpot": args.tpot_slo}
+    warm = sample_random(tok, 2, args.isl, args.osl, seed=args.seed + 999, as_token_ids=True)
+    await run_benchmark(BenchmarkConfig(base_url=url, model=NAME, ignore_eos=True,
+                                        max_concurrency=1), warm, transport=tr)
+    out = []
+    for i, rate in enumerate(rates):
+        n = max(args.min_prompts, round(rate * args.run_seconds))
+        samples = sample_random(tok, n, args.isl, args.osl, seed=args.seed + 1 + i,
+                                as_token_ids=True)
+        cfg = BenchmarkConfig(base_url=url, model=NAME, request_rate=rate, ignore_eos=True,
+                              goodput_slos_ms=slos, percentiles=(50.0, 90.0, 99.0),
+                              seed=args.seed + i)
+
+        async def one(cfg: BenchmarkConfig = cfg, samples: Any = samples) -> dict[str, Any]:
+            return (await run_benchmark(cfg, samples, transport=tr)).summary
+
+        s = await guard.run(f"{label} open loop {rate:.3f} req/s", one)
+        print(f"  rate {rate:.3f} x {n}: {s['output_throughput']:.1f} tok/s, TTFT p99 "
+              f"{s['p99_ttft_ms']:.0f} ms, TPOT p99 {s['p99_tpot_ms']:.1f} ms, goodput "
+              f"{s['request_goodput']:.3f} req/s, {s['failed']} failed", flush=True)
+        out.append({"rate": rate, "num_requests": n, "summary": s})
+    return out
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def machine() -> list[str]:
+    import numpy as np
+    import torch
+
+    cpu = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f
+                       if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    with open("/proc/meminfo") as f:
+        kib = int(next(line.split()[1] for line in f if line.startswith("MemTotal")))
+    return [f"CPU: {cpu}, {os.cpu_count()} cores, {kib / 2**20:.0f} GiB RAM, no GPU",
+            f"{platform.system()} {platform.release()} {platform.machine()}, Python "
+            f"{platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}"]
+
+
+def _verdict(oks: list[bool]) -> str:
+    if oks and all(oks):
+        return "**met**"
+    if any(oks):
+        return f"**partly met** ({sum(oks)} of {len(oks)})"
+    return "**not met**"
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:+.1f}%"
+
+
+def _f(x: float | None, fmt: str = ".1f") -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def cpu_line(name: str, m: dict[str, Any]) -> str:
+    wall = m["wall_s"]
+    parts = [f"{k} {100 * v / wall:.0f}%" for k, v in m["cpu_s"].items()]
+    parts.append(f"load generator (this script) {100 * m['client_cpu_s'] / wall:.0f}%")
+    parts.append(f"**other processes {100 * m['other_cpu_s'] / wall:.0f}%**")
+    return (f"- {name} ({wall:.0f} s): " + ", ".join(parts)
+            + " of one core (2 cores = 200%)")
+
+
+def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
+    rm = data["rate_match"]
+    ctx_rate = rm["context"]["ctx_rate"]
+    osl = args.osl
+    L: list[str] = []
+    L.append(f"# Disaggregated vs aggregated on the same cores ({data['date'][:10]})")
+    L.append("")
+    L.append(f"Produced by `python bench/disagg_vs_aggregated.py` ({data['command']}); every "
+             "number below is the script's own output.")
+    L.append("")
+    L += [f"- {m}" for m in machine()]
+    L.append(f"- model: random llama {SIZES}, {data['params_m']:.1f} M parameters, float32, "
+             "one torch thread per worker")
+    L.append(f"- workload: prompts of {args.isl} random token ids (fresh for every run: no "
+             f"prefix-cache hits), {osl} output tokens (ignore_eos), streamed "
+             f"`/v1/completions`")
+    L.append("- disaggregated: context worker pinned to core 0, generation worker (started with "
+             "`--benchmark-gen-only`, which changes nothing for routed requests) pinned to core 1, "
+             "KV over TCP, router; aggregated: two workers pinned to cores 0 and 1 behind the "
+             "router (`load_balancing`). Router and load generator unpinned (CPU shares below)")
+    L.append(f"- SLOs: TTFT p{args.ttft_percentile:g} <= {args.ttft_slo:g} ms for the context "
+             f"rate; goodput counts requests with TTFT <= {args.ttft_slo:g} ms and TPOT <= "
+             f"{args.tpot_slo:g} ms")
+    la = data["loadavg"]
+    L.append(f"- load average (1 min) before / after: {la[0]:.2f} / {la[1]:.2f}")
+    L.append("")
+    L.append("CPU used during each phase (percent of one core, from /proc):")
+    L.append("")
+    for name, m in data["cpu"].items():
+        L.append(cpu_line(name, m))
+    L.append("")
+    steps = data.get("steps", [])
+    if steps:
+        redone = [st for st in steps if not st["kept"]]
+        kept = [st for st in steps if st["kept"]]
+        L.append(f"This machine is shared with other work. Before each measurement step the "
+                 f"script waits (up to {args.wait_quiet:g} s) for a quiet machine, and redoes "
+                 f"a step (up to {args.attempts} tries) during which other processes used more "
+                 f"than {args.max_other:g} core. Steps redone: {len(redone)}; other processes' "
+                 f"CPU during the kept steps: "
+                 + ", ".join(f"{st['step']} {st['other_cores']:.2f}" for st in kept)
+                 + " cores"
+                 + ("" if all(st["other_cores"] <= args.max_other for st in kept) else
+                    " (**a step stayed disturbed after every try**)") + ".")
+        L.append("")
+
+    # --- rate matching
+    L.append("## 1. Rate matching (one context worker, one generation worker)")
+    L.append("")
+    if ctx_rate is None:
+        L.append("No context probe met the TTFT SLO; nothing to rate-match.")
+    else:
+        L.append(f"Context worker: **{ctx_rate:.3f} req/s** within TTFT p"
+                 f"{args.ttft_percentile:g} <= {args.ttft_slo:g} ms (probes: "
+                 + ", ".join(f"{p['rate']:.3g} req/s -> {p['ttft_ms']:.0f} ms "
+                             f"{'pass' if p['passed'] else 'fail'}"
+                             for p in rm["context"]["probes"]) + ").")
+    L.append("")
+    L.append("| concurrency | gen tok/s | tok/s/user | gen req/s | ctx:gen | tok/s per device "
+             "(rate-matched) | frontier | aggregated worker tok/s | aggregated tok/s/user | "
+             "aggregated TTFT p90 ms |")
+    L.append("|---|---|---|---|---|---|---|---|---|---|")
+    agg_by = {p["concurrency"]: p for p in (rm.get("aggregated") or {}).get("points", [])}
+    for p in rm["rate_matched"]:
+        a = agg_by.get(p["concurrency"], {})
+        L.append(f"| {p['concurrency']} | {p['gen_output_tps']:.1f} | "
+                 f"{p['tokens_per_s_per_user']:.1f} | {p['gen_request_rate']:.3f} | "
+                 f"{p['ctx_per_gen']:.2f}:1 | {p['tput_per_device']:.1f} | "
+                 f"{'yes' if p['on_frontier'] else ''} | {_f(a.get('output_throughput'))} | "
+                 f"{_f(a.get('tokens_per_s_per_user'))} | {_f(a.get('ttft_ms'), '.0f')} |")
+    L.append("")
+    L.append("ctx:gen = context workers per generation worker that match request rates; tok/s "
+             "per device = gen tok/s / (ctx:gen + 1) (REFERENCE section 7). tok/s/user = 1000 / "
+             "mean TPOT. The aggregated columns: one aggregated worker (one core) at the same "
+             "concurrency, same prompts and lengths.")
+    L.append("")
+
+    # --- closed-loop verify
+    ver = rm.get("verify") or []
+    if ver:
+        L.append("## 2. End to end at rate-matched points (closed loop, 1 context + 1 "
+                 "generation, through the router)")
+        L.append("")
+        L.append("| concurrency | bound | predicted tok/s per device | measured | gap | "
+                 "predicted tok/s/user | measured | gap | TTFT mean ms | TPOT p99 ms |")
+        L.append("|---|---|---|---|---|---|---|---|---|---|")
+        for v in ver:
+            pr, me = v["predicted"], v["measured"]
+            L.append(f"| {v['concurrency']} | {pr['bound']} | {pr['tput_per_device']:.1f} | "
+                     f"{me['tput_per_device']:.1f} | {_pct(v['gap_tput_per_device'])} | "
+                     f"{pr['tokens_per_s_per_user']:.1f} | {me['tokens_per_s_per_user']:.1f} | "
+                     f"{_pct(v['gap_tokens_per_s_per_user'])} | {me['mean_ttft_ms']:.0f} | "
+                     f"{me['p99_tpot_ms']:.1f} |")
+        L.append("")
+        L.append("The prediction for 1 + 1 is the slower side's request rate: min(gen req/s at "
+                 "that concurrency, context req/s at the SLO) x osl / 2 devices; when the "
+                 "context side is the bound the generation worker runs at a lower concurrency "
+                 "and its tok/s/user is read off the generation curve at that rate.")
+        L.append("")
+
+    # --- open loop
+    L.append("## 3. Open loop (Poisson) at the same request rates")
+    L.append("")
+    L.append("| req/s | system | output tok/s | predicted tok/s | TTFT p99 ms | TPOT p99 ms | "
+             "mean TPOT ms | predicted mean TPOT ms | TPOT gap | goodput req/s | failed |")
+    L.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for d, a in zip(data["disagg_open"], data["agg_open"], strict=True):
+        pred = d["prediction"]
+        for name, r in (("disaggregated", d), ("aggregated", a)):
+            s = r["summary"]
+            tpot_gap = ((s["mean_tpot_ms"] - pred["mean_tpot_ms"]) / pred["mean_tpot_ms"]
+                        if name == "disaggregated" and pred["mean_tpot_ms"] else None)
+            L.append(f"| {r['rate']:.3f} | {name} | {s['output_throughput']:.1f} | "
+                     f"{pred['output_throughput']:.1f}{'' if pred['sustainable'] else ' (cap)'}"
+                     f"{'' if name == 'disaggregated' else ' (1+1)'} | "
+                     f"{s['p99_ttft_ms']:.0f} | {s['p99_tpot_ms']:.1f} | "
+                     f"{s['mean_tpot_ms']:.1f} | "
+                     f"{_f(pred['mean_tpot_ms']) if name == 'disaggregated' else ''} | "
+                     f"{_pct(tpot_gap) if name == 'disaggregated' else ''} | "
+                     f"{s['request_goodput']:.3f} | {s['failed']} |")
+        rows.append((d, a))
+    L.append("")
+    L.append("Predicted tok/s = rate x osl while the rate is within the 1 + 1 capacity (context "
+             "rate at the SLO, generation's highest measured rate), else the capacity (cap). "
+             "Predicted mean TPOT (`ratematch.open_loop_tpot`): a request shares each decode "
+             "step with the others in service on the generation worker, Poisson(rate x its "
+             "decode time) of them, so its TPOT is the generation-only TPOT at 1 + N users "
+             "averaged over that distribution (linear between the measured concurrencies), "
+             "solved for the decode time by fixed point. "
+             "Measured output tok/s is over the whole run (first send to last byte) of a "
+             "finite Poisson sample, so it differs from rate x osl by the sample's realized "
+             "rate and the drain at the end even when every request is served.")
+    L.append("")
+    L.append(f"![tokens/s per device against tokens/s/user]({os.path.basename(png)})")
+    L.append("")
+
+    # --- targets
+    L.append("## Targets")
+    L.append("")
+    ratios = []
+    for d, a in rows:
+        ds, as_ = d["summary"], a["summary"]
+        matched = (ds["failed"] == 0 and as_["failed"] == 0 and
+                   abs(ds["output_throughput"] - as_["output_throughput"])
+                   <= 0.1 * max(ds["output_throughput"], as_["output_throughput"]))
+        ratios.append((d["rate"], ds["p99_tpot_ms"] / as_["p99_tpot_ms"], matched))
+    matched = [(r, x) for r, x, m in ratios if m]
+    L.append("1. At matched throughput, disaggregated TPOT p99 <= 1/2 of aggregated: "
+             + _verdict([x <= 0.5 for _, x in matched]) + ". TPOT p99 disaggregated / "
+             "aggregated at each rate: "
+             + ", ".join(f"{r:.3f} req/s: {x:.2f}{'' if m else ' (throughputs differ > 10%)'}"
+                         for r, x, m in ratios) + ".")
+    gaps = [v["gap_tput_per_device"] for v in ver if v["gap_tput_per_device"] is not None]
+    tgaps = []
+    for d, _ in rows:
+        pred = d["prediction"]
+        if pred["sustainable"] and pred["mean_tpot_ms"]:
+            tgaps.append((d["summary"]["mean_tpot_ms"] - pred["mean_tpot_ms"])
+                         / pred["mean_tpot_ms"])
+    L.append("2. Rate-matched prediction within 10% of end to end: tok/s per device at the "
+             "verified points (closed loop) " + _verdict([abs(g) <= 0.10 for g in gaps])
+             + " (" + ", ".join(_pct(g) for g in gaps) + "); mean TPOT at the sustainable "
+             "open-loop rates " + _verdict([abs(g) <= 0.10 for g in tgaps]) + " ("
+             + ", ".join(_pct(g) for g in tgaps) + ").")
+    L.append("")
+    L.append("Notes:")
+    L.append("")
+    for note in data["notes"]:
+        L.append(f"- {note}")
+    return "\n".join(L) + "\n"
+
+
+def explain(data: dict[str, Any]) -> list[str]:
+    """Measured facts that explain the numbers (written from the data, not by hand)."""
+    notes = []
+    rm = data["rate_match"]
+    ver = rm.get("verify") or []
+    osl = data["args"]["osl"]
+    for v in ver:
+        me, pr = v["measured"], v["predicted"]
+        share = me["mean_ttft_ms"] / (me["mean_ttft_ms"] + (osl - 1) * me["mean_tpot_ms"])
+        notes.append(
+            f"Closed loop at concurrency {v['concurrency']} (prediction bound: {pr['bound']}): "
+            f"a request spends its TTFT (mean {me['mean_ttft_ms']:.0f} ms: context queue, "
+            f"prefill, KV transfer) outside the generation worker, {100 * share:.0f}% of its "
+            f"end-to-end time, so the generation worker "
+            + (f"holds fewer than {v['concurrency']} requests on average"
+               if v["concurrency"] > 1 else "is idle while the request is at the context side")
+            + " and a closed loop lands below the rate-matched point "
+            "(TensorRT-LLM reports 0-25% below); the open-loop runs below do not have this "
+            "bias.")
+    agg = rm.get("aggregated") or {}
+    if agg.get("points"):
+        best = max(agg["points"], key=lambda p: p["output_throughput"])
+        notes.append(f"One aggregated worker peaks at {best['output_throughput']:.1f} tok/s "
+                     f"(concurrency {best['concurrency']}); closed-loop runs start all "
+                     f"requests together, so its prefills and decodes barely interleave there. "
+                     f"The open-loop runs (Poisson) are where prefills interrupt decoding.")
+    agg_one = {p["concurrency"]: p for p in agg.get("points", [])}.get(1)
+    if agg_one and data["agg_open"]:
+        prefill = agg_one["mean_ttft_ms"]
+        osl = data["args"]["osl"]
+        overlaps = ", ".join(
+            f"{r['rate']:.3f} req/s: "
+            f"{r['rate'] / 2 * (osl - 1) * r['summary']['mean_tpot_ms'] / 1000:.1f}"
+            for r in data["agg_open"])
+        notes.append(
+            f"What sets the TPOT p99 ratio: a {data['args']['isl']}-token prefill takes "
+            f"{prefill:.0f} ms on one core (one aggregated worker's TTFT alone), adding about "
+            f"{prefill / (osl - 1):.1f} ms to the TPOT of every request decoding on that "
+            f"worker meanwhile; an aggregated request overlaps on average (rate / 2 x its "
+            f"decode time) this many prefills: {overlaps}. The matched rates stop at the 1 + 1 "
+            f"cluster's capacity ({rm['context']['ctx_rate']:.3f} req/s, the one context "
+            f"core). The disaggregated generation worker has no prefills, but its TPOT grows "
+            f"with its batch (generation-only: "
+            + ", ".join(f"{p['mean_tpot_ms']:.1f} ms at {p['concurrency']}"
+                        for p in rm["generation"]["points"][:3])
+            + "), and it installs each request's pulled KV.")
+    kv = data.get("gen_kv") or {}
+    n_kv = kv.get("disagg_kv_transfers_total", 0.0)
+    if n_kv:
+        per_req = kv["disagg_kv_transfer_bytes_total"] / n_kv
+        pull_ms = 1000 * kv["disagg_kv_transfer_seconds_sum"] / n_kv
+        gaps = [(d["rate"], (d["summary"]["mean_tpot_ms"] - d["prediction"]["mean_tpot_ms"])
+                 / d["prediction"]["mean_tpot_ms"]) for d in data["disagg_open"]
+                if d["prediction"]["mean_tpot_ms"]]
+        notes.append(
+            f"The generation worker pulled the KV of {n_kv:.0f} requests, "
+            f"{per_req / 2**20:.1f} MiB each (mean pull {pull_ms:.0f} ms), "
+            f"and installs it into its cache on its one core: at the open-loop rates that is "
+            + ", ".join(f"{r * per_req / 2**20:.1f} MiB/s at {r:.3f} req/s (TPOT gap "
+                        f"{100 * g:+.0f}%)" for r, g in gaps)
+            + ". Generation-only requests skip the pull, so the generation curve leaves this "
+              "work out of the TPOT prediction.")
+    kept = [st for st in data.get("steps", []) if st["kept"]]
+    worst = max(kept, key=lambda st: st["other_cores"]) if kept else None
+    if worst is not None and worst["other_cores"] > data["args"]["max_other"]:
+        notes.append(f"The step '{worst['step']}' kept {worst['other_cores']:.2f} cores of "
+                     f"other processes' work after every try (other work on this shared "
+                     f"machine); every worker is pinned to one of the two cores, so that load "
+                     f"slowed its workers directly.")
+    notes.append("The per-phase CPU shares above cover whole phases, including the waits for "
+                 "a quiet machine and any redone steps; the kept steps' own shares are listed "
+                 "after them.")
+    return notes
+
+
+# --------------------------------------------------------------------------------- main
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(ROOT / "bench/results/disagg-vs-aggregated.md"))
+    ap.add_argument("--png", default=None, help="default: --out with .png")
+    ap.add_argument("--json", default=None, help="default: --out with .json")
+    ap.add_argument("--isl", type=int, default=512)
+    ap.add_argument("--osl", type=int, default=64)
+    ap.add_argument("--ttft-slo", type=float, default=2000.0, help="ms")
+    ap.add_argument("--ttft-percentile", type=float, default=90.0)
+    ap.add_argument("--tpot-slo", type=float, default=100.0, help="ms, goodput only")
+    ap.add_argument("--concurrency", default="1,2,4,8,16")
+    ap.add_argument("--rate-fracs", default="0.3,0.5,0.7,0.9",
+                    help="open-loop rates as fractions of the predicted 1+1 capacity")
+    ap.add_argument("--run-seconds", type=float, default=40.0,
+                    help="open loop: rate * this many requests ...")
+    ap.add_argument("--min-prompts", type=int, default=30, help="... and at least this many")
+    ap.add_argument("--ctx-probe-seconds", type=float, default=20.0)
+    ap.add_argument("--ctx-max-probes", type=int, default=7)
+    ap.add_argument("--gen-rounds", type=int, default=4)
+    ap.add_argument("--verify-points", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--wait-quiet", type=float, default=600.0, metavar="S",
+                    help="before each step, wait up to S seconds for a 5 s window in which "
+                         "the machine uses <= --max-other cores (0: do not wait)")
+    ap.add_argument("--max-other", type=float, default=0.25, metavar="CORES",
+                    help="redo a step during which other processes used more than this")
+    ap.add_argument("--attempts", type=int, default=3, help="tries per step")
+    args = ap.parse_args()
+    png = args.png or os.path.splitext(args.out)[0] + ".png"
+    json_path = args.json or os.path.splitext(args.out)[0] + ".json"
+    concs = tuple(int(x) for x in args.concurrency.split(","))
+    fracs = [float(x) for x in args.rate_fracs.split(",")]
+
+    from disagg.model.tiny import write_tiny_checkpoint
+
+    tmp = Path(tempfile.mkdtemp(prefix="disagg-vs-agg-"))
+    model = write_tiny_checkpoint(str(tmp / "model"), seed=0, **SIZES)
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(model, "model.safetensors"), "pt") as f:
+        params = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
+    tok = load_bench_tokenizer(model)
+    load0 = os.getloadavg()[0]
+    print(f"model {model} ({params / 1e6:.1f} M parameters); logs in {tmp}", flush=True)
+    data: dict[str, Any] = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": " ".join(["python", "bench/disagg_vs_aggregated.py", *sys.argv[1:]]),
+        "params_m": params / 1e6, "args": vars(args), "cpu": {},
+    }
+
+    data["steps"] = []
+    guard = Guard(data["steps"], args.wait_quiet, args.max_other, args.attempts)
+    # ---- phase 1: disaggregated cluster
+    ports = free_ports(3)
+    ctx = start_worker(model, "context worker", "context", 0, ports[0], tmp)
+    gen = start_worker(model, "generation worker", "generation", 1, ports[1], tmp,
+                       "--benchmark-gen-only")
+    procs = [ctx, gen]
+    try:
+        wait_healthy(procs)
+        router = start_router({
+            "context_servers": {"num_instances": 1, "urls": [ctx.url[7:]],
+                                "router": {"type": "load_balancing"}},
+            "generation_servers": {"num_instances": 1, "urls": [gen.url[7:]],
+                                   "router": {"type": "load_balancing"}}},
+            ports[2], tmp, "router (disaggregated)")
+        procs.append(router)
+        wait_healthy([router])
+        guard.procs = procs
+        cfg = RateMatchConfig(context_url=ctx.url, generation_url=gen.url,
+                              ttft_slo_ms=args.ttft_slo, isl=args.isl, osl=args.osl,
+                              concurrencies=concs, model=NAME,
+                              ttft_percentile=args.ttft_percentile,
+                              ctx_probe_seconds=args.ctx_probe_seconds,
+                              ctx_max_probes=args.ctx_max_probes, gen_rounds=args.gen_rounds,
+                              seed=args.seed)
+
+        async def phase1() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+            tr = make_transport("auto", 3600)
+            try:
+                m = RateMatcher(cfg, tok, tr)
+                c = await guard.run("context sweep", m.sweep_context)
+                g = await guard.run("generation sweep", m.sweep_generation)
+                rm = build_result(cfg, NAME, c, g)
+                if c["ctx_rate"] is None:
+                    raise RuntimeError("no context rate met the TTFT SLO; raise --ttft-slo")
+                # Verify: the 1 + 1 cluster already running (pinned) stands in for `launch`.
+                choices = verify_choices(rm, 2, args.verify_points)
+                measured = []
+                for ch in choices:
+                    assert (ch["num_ctx"], ch["num_gen"]) == (1, 1)
+                    measured.append(await guard.run(
+                        f"closed loop, concurrency {ch['concurrency']}",
+                        lambda ch=ch: m.run_end_to_end(router.url, ch["concurrency"])))
+                rm["verify"] = [finish_verify_point(ch, me)
+                                for ch, me in zip(choices, measured, strict=True)]
+                cap = predict_at_rate(c["ctx_rate"], g["points"], args.osl, 1, 1,
+                                      1e9)["capacity_request_rate"]
+                rates = [f * cap for f in fracs]
+                print(f"1+1 predicted capacity {cap:.3f} req/s; open-loop rates "
+                      f"{', '.join(f'{r:.3f}' for r in rates)}", flush=True)
+                runs = await open_loop(guard, "disaggregated", router.url, tok, rates, args,
+                                       tr)
+                for d in runs:
+                    d["prediction"] = predict_at_rate(c["ctx_rate"], g["points"], args.osl,
+                                                      1, 1, d["rate"])
+                return rm, runs
+            finally:
+                await tr.aclose()
+
+        meter = CpuMeter(procs)
+        rm, dis = asyncio.run(phase1())
+        data["cpu"]["disaggregated cluster"] = meter.done()
+        data["gen_kv"] = kv_metrics(gen.url)
+    finally:
+        stop(procs)
+    rates = [d["rate"] for d in dis]
+
+    # ---- phase 2: aggregated cluster
+    ports = free_ports(3)
+    a0 = start_worker(model, "aggregated worker 0", "aggregated", 0, ports[0], tmp)
+    a1 = start_worker(model, "aggregated worker 1", "aggregated", 1, ports[1], tmp)
+    procs = [a0, a1]
+    try:
+        wait_healthy(procs)
+        router = start_router({"generation_servers": {
+            "num_instances": 2, "urls": [a0.url[7:], a1.url[7:]],
+            "router": {"type": "load_balancing"}}}, ports[2], tmp, "router (aggregated)")
+        procs.append(router)
+        wait_healthy([router])
+        guard.procs = procs
+        acfg = RateMatchConfig(context_url=a0.url, generation_url=a0.url,
+                               aggregated_url=a0.url, ttft_slo_ms=args.ttft_slo, isl=args.isl,
+                               osl=args.osl, concurrencies=concs, model=NAME,
+                               ttft_percentile=args.ttft_percentile,
+                               gen_rounds=args.gen_rounds, seed=args.seed + 7)
+
+        async def phase2() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+            tr = make_transport("auto", 3600)
+            try:
+                m = RateMatcher(acfg, tok, tr)
+                base = await guard.run("aggregated baseline (one worker)", m.sweep_aggregated)
+                return base, await open_loop(guard, "aggregated", router.url, tok, rates,
+                                             args, tr)
+            finally:
+                await tr.aclose()
+
+        meter = CpuMeter(procs)
+        rm["aggregated"], agg = asyncio.run(phase2())
+        rm["config"]["aggregated_url"] = a0.url
+        data["cpu"]["aggregated cluster"] = meter.done()
+    finally:
+        stop(procs)
+
+    data["loadavg"] = [load0, os.getloadavg()[0]]
+    data["rate_match"] = rm
+    data["disagg_open"] = dis
+    data["agg_open"] = agg
+    data["notes"] = explain(data)
+    print(format_rate_match(rm))
+
+    def series(runs: list[dict[str, Any]]) -> list[tuple[float, float]]:
+        return [(1000.0 / r["summary"]["mean_tpot_ms"], r["summary"]["output_throughput"] / 2)
+                for r in runs if r["summary"]["mean_tpot_ms"] > 0]
+
+    plot_rate_match(rm, png, extra_series=[
+        ("disaggregated 1+1, open loop (Poisson)", series(dis)),
+        ("aggregated x2, open loop (Poisson)", series(agg))])
+    save_result(data, json_path)
+    text = report(data, args, png)
+    Path(args.out).write_text(text)
+    print(text)
+    print(f"wrote {args.out}, {png}, {json_path}")
+    return 0
+
+
+def _numel(shape: Any) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+if __name__ == "__main__":
+    sys.exit(main())

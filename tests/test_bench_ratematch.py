@@ -1,0 +1,343 @@
+"""`disagg bench rate-match`: the arithmetic on hand-worked values, the context-rate search on a
+scripted server, and a short sweep on the tiny model with real worker processes (a context
+worker and a ``--benchmark-gen-only`` generation worker) that writes JSON and a PNG."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from server_fixtures import free_port, health_ok, wait_for
+
+from disagg.bench.ratematch import (
+    RateMatchConfig,
+    RateMatcher,
+    best_integer_cluster,
+    finish_verify_point,
+    gen_speed_at_rate,
+    gen_tpot_at_concurrency,
+    open_loop_tpot,
+    pareto_frontier,
+    predict_at_rate,
+    predict_cluster,
+    rate_match,
+    tput_per_device,
+    verify_choices,
+)
+from disagg.cli import main as cli_main
+
+# ------------------------------------------------------------------------------ arithmetic
+
+
+def _gp(conc: int, tps: float, speed: float) -> dict[str, Any]:
+    return {"concurrency": conc, "output_throughput": tps, "tokens_per_s_per_user": speed,
+            "mean_tpot_ms": 1000.0 / speed, "completed": 1}
+
+
+GEN = [_gp(1, 100.0, 100.0), _gp(2, 180.0, 90.0), _gp(4, 320.0, 80.0), _gp(8, 400.0, 50.0),
+       _gp(16, 380.0, 24.0)]  # saturated at 8: 16 users get less in total
+
+
+def test_tput_per_device_formula() -> None:
+    # osl 10: gen 320 tok/s = 32 req/s; ctx 8 req/s per worker -> 4 ctx workers per gen worker.
+    assert tput_per_device(320.0, 10, 8.0) == pytest.approx(320.0 / (4 + 1))
+    # Devices weigh each side: 2-device ctx workers, 1-device gen worker: 320 / (2*4 + 1).
+    assert tput_per_device(320.0, 10, 8.0, ctx_devices=2, gen_devices=1) == \
+        pytest.approx(320.0 / 9)
+    # A fast context side costs a fraction of a device: 320 / (32/64 + 2).
+    assert tput_per_device(320.0, 10, 64.0, gen_devices=2) == pytest.approx(128.0)
+
+
+def test_pareto_frontier() -> None:
+    pts = [(1.0, 5.0), (2.0, 4.0), (1.5, 3.0), (3.0, 1.0), (2.0, 4.0), (0.5, 5.0)]
+    # (1.5, 3) is beaten by (2, 4); (0.5, 5) by (1, 5); duplicates of (2, 4) both stay.
+    assert pareto_frontier(pts) == [0, 1, 4, 3]
+    assert pareto_frontier([]) == []
+
+
+def test_rate_match_points_and_frontier() -> None:
+    rm = rate_match(ctx_rate=10.0, gen_points=GEN, osl=20)
+    by = {p["concurrency"]: p for p in rm}
+    p4 = by[4]
+    assert p4["gen_request_rate"] == pytest.approx(16.0)
+    assert p4["ctx_per_gen"] == pytest.approx(1.6) and p4["gen_per_ctx"] == pytest.approx(0.625)
+    assert p4["tput_per_device"] == pytest.approx(320.0 / 2.6)
+    # 16 users: slower *and* (here) less throughput per device than 8 users: dominated.
+    assert [c for c, p in by.items() if p["on_frontier"]] == [1, 2, 4, 8]
+
+
+def test_gen_speed_at_rate_interpolates() -> None:
+    osl = 20  # rates: 5, 9, 16, 20 req/s (16 users: 19, dropped: not above 20)
+    assert gen_speed_at_rate(GEN, osl, 2.0) == 100.0  # below one user's rate: alone
+    assert gen_speed_at_rate(GEN, osl, 7.0) == pytest.approx(95.0)  # halfway 5 -> 9
+    assert gen_speed_at_rate(GEN, osl, 18.0) == pytest.approx(65.0)  # halfway 16 -> 20
+    assert gen_speed_at_rate(GEN, osl, 20.5) is None  # beyond one worker
+
+
+def test_predictions() -> None:
+    osl = 20
+    gp8 = GEN[3]  # 20 req/s per generation worker
+    # Generation-bound: 2 ctx x 15 = 30 >= 20: rate 20, speed as measured.
+    p = predict_cluster(15.0, gp8, GEN, osl, num_ctx=2, num_gen=1)
+    assert p["bound"] == "generation" and p["request_rate"] == 20.0
+    assert p["tput_per_device"] == pytest.approx(400.0 / 3)
+    assert p["tokens_per_s_per_user"] == 50.0
+    # Context-bound: 1 ctx x 12 < 20: the gen worker serves 12 req/s, faster per user.
+    p = predict_cluster(12.0, gp8, GEN, osl, num_ctx=1, num_gen=1)
+    assert p["bound"] == "context" and p["output_throughput"] == pytest.approx(240.0)
+    assert p["tokens_per_s_per_user"] == pytest.approx(90 - 10 * 3 / 7)  # 9 -> 16 req/s
+    # Best cluster within 4 devices at ctx 12 req/s: 2 ctx + 1 gen (240 of 480 tok/s -> 400/3
+    # per device) beats 1+1 (120), 1+2 (80), 1+3 (60) and 3+1 (100).
+    assert best_integer_cluster(12.0, gp8, osl, 4) == (2, 1)
+    assert best_integer_cluster(12.0, gp8, osl, 1.5) is None
+    # Open load of 7 req/s on 1 + 1: sustainable, 7 * osl tok/s, TPOT from open_loop_tpot.
+    q = predict_at_rate(12.0, GEN, osl, 1, 1, 7.0)
+    assert q["sustainable"] and q["output_throughput"] == 140.0
+    assert q["mean_tpot_ms"] == pytest.approx(open_loop_tpot(GEN, osl, 7.0)[0])
+    assert 10.0 < q["mean_tpot_ms"] < 20.0  # between 1 and 16 users' TPOT
+    q = predict_at_rate(12.0, GEN, osl, 1, 1, 13.0)
+    assert not q["sustainable"] and q["bound"] == "context"
+    assert q["capacity_request_rate"] == 12.0 and q["output_throughput"] == 240.0
+
+
+def test_open_loop_tpot_poisson_mixture() -> None:
+    # TPOT linear in the batch: 10 ms alone + 2 ms per other request (measured at 1, 2, 4, 8).
+    pts = [{"concurrency": c, "mean_tpot_ms": 10.0 + 2.0 * (c - 1)} for c in (1, 2, 4, 8)]
+    assert gen_tpot_at_concurrency(pts, 3.0) == pytest.approx(14.0)
+    assert gen_tpot_at_concurrency(pts, 0.5) == 10.0
+    assert gen_tpot_at_concurrency(pts, 10.0) == pytest.approx(28.0)  # last slope extended
+    # Linear: E[tpot(1 + N)] = 10 + 2 m with m = rate * osl * tpot / 1000 others in service.
+    # rate 2, osl 100: tpot = 10 + 0.4 tpot -> 50/3 ms, m = 10/3.
+    tpot, beyond = open_loop_tpot(pts, 100, 2.0)
+    assert tpot == pytest.approx(50 / 3, rel=1e-5)
+    assert beyond == pytest.approx(1 - sum(math.exp(-10 / 3) * (10 / 3) ** k / math.factorial(k)
+                                           for k in range(8)), rel=1e-4)  # 1 + N > 8
+    # A concave curve (a big step from 1 to 2 users): the mixture sits below the curve at
+    # the mean batch (Jensen), which the rate-matched concurrency alone would overstate.
+    conc = [{"concurrency": 1, "mean_tpot_ms": 10.0}, {"concurrency": 2, "mean_tpot_ms": 16.0},
+            {"concurrency": 4, "mean_tpot_ms": 18.0}]
+    tpot, _ = open_loop_tpot(conc, 50, 1.0)
+    m = 50 * tpot / 1000
+    assert 10.0 < tpot < gen_tpot_at_concurrency(conc, 1 + m)
+
+
+def test_verify_choices_and_gaps() -> None:
+    rm = rate_match(12.0, GEN, 20)
+    result = {"context": {"ctx_rate": 12.0}, "config": {"osl": 20}, "generation":
+              {"points": GEN}, "frontier": [p for p in rm if p["on_frontier"]]}
+    ch = verify_choices(result, max_devices=2, num_points=2)
+    # Both ends of the frontier; with 2 devices only 1 + 1 fits.
+    assert [c["concurrency_per_gen"] for c in ch] == [1, 8]
+    assert all((c["num_ctx"], c["num_gen"], c["devices"]) == (1, 1, 2) for c in ch)
+    assert ch[1]["concurrency"] == 8 and ch[1]["predicted"]["bound"] == "context"
+    v = finish_verify_point(ch[0], {"tokens_per_s_per_user": 90.0, "output_throughput": 90.0,
+                                    "completed": 4, "failed": 0, "p99_tpot_ms": 12.0,
+                                    "p99_ttft_ms": 30.0, "mean_ttft_ms": 20.0,
+                                    "mean_tpot_ms": 11.0})
+    assert v["predicted"]["tput_per_device"] == 50.0  # 1 user: 100 tok/s over 2 devices
+    assert v["gap_tput_per_device"] == pytest.approx(-0.1)
+    assert v["gap_tokens_per_s_per_user"] == pytest.approx(-0.1)
+
+
+def test_config_checks() -> None:
+    with pytest.raises(ValueError, match="osl"):
+        RateMatchConfig("a", "b", 100.0, osl=1)
+    with pytest.raises(ValueError, match="concurrencies"):
+        RateMatchConfig("a", "b", 100.0, concurrencies=(0, 2))
+    assert RateMatchConfig("a", "b", 1.0, concurrencies=(4, 1, 4)).concurrencies == (1, 4)
+
+
+# --------------------------------------------------------------------- context-rate search
+
+
+class _ScriptedMatcher(RateMatcher):
+    """A context side whose TTFT passes exactly up to ``limit`` req/s."""
+
+    def __init__(self, limit: float, **kw: Any) -> None:
+        super().__init__(RateMatchConfig("ctx", "gen", 100.0, **kw), tok=None, progress=None)
+        self.limit = limit
+        self.rates: list[float] = []
+
+    async def warmup(self, url: str, output_len: int, gen_only: bool = False) -> list[float]:
+        return [0.05]  # one warm request: 50 ms -> start at 10 req/s
+
+    async def probe_context(self, rate: float) -> dict[str, Any]:
+        self.rates.append(rate)
+        return {"rate": rate, "passed": rate <= self.limit}
+
+
+@pytest.mark.parametrize("limit", [3.0, 10.0, 37.0])
+def test_context_search_brackets_then_bisects(limit: float) -> None:
+    m = _ScriptedMatcher(limit, ctx_max_probes=12, ctx_tolerance=0.05)
+    res = asyncio.run(m.sweep_context())
+    assert m.rates[0] == pytest.approx(10.0)
+    lo = res["ctx_rate"]
+    assert lo <= limit  # never a failing rate
+    failing = [r for r in m.rates if r > limit]
+    assert failing and min(failing) / lo <= 1.05  # converged to the tolerance
+    assert res["bracketed"]
+    assert len(m.rates) < 12
+
+
+def test_context_search_budget_and_none() -> None:
+    m = _ScriptedMatcher(0.001, ctx_max_probes=3, ctx_rate_start=1.0)
+    res = asyncio.run(m.sweep_context())
+    assert m.rates == [1.0, 0.5, 0.25] and res["ctx_rate"] is None and not res["bracketed"]
+    m = _ScriptedMatcher(1e9, ctx_max_probes=3, ctx_rate_start=1.0)  # never fails
+    res = asyncio.run(m.sweep_context())
+    assert m.rates == [1.0, 2.0, 4.0] and res["ctx_rate"] == 4.0 and not res["bracketed"]
+
+
+# ------------------------------------------------------------------- live, tiny model
+
+
+NAME = "tiny"
+TOKEN = "rate-match-test-secret"
+COMMON = ["--kv-cache-tokens", "4096", "--max-model-len", "512", "--tokens-per-block", "16",
+          "--kv-transfer-backend", "TCP", "--served-model-name", NAME, "--log-level", "warning"]
+
+
+def _start(tmp: Path, model: str, name: str, *flags: str) -> tuple[subprocess.Popen, str, Path]:
+    port = free_port()
+    log = tmp / f"{name}.log"
+    env = {**os.environ, "DISAGG_CLUSTER_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "disagg.cli", "serve", model, "--port",
+                                 str(port), *COMMON, *flags],
+                                stdout=f, stderr=subprocess.STDOUT, env=env)
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory: pytest.TempPathFactory, tiny_llama: str
+            ) -> Iterator[dict[str, str]]:
+    tmp = tmp_path_factory.mktemp("ratematch")
+    started = {
+        "ctx": _start(tmp, tiny_llama, "ctx", "--role", "context"),
+        "gen": _start(tmp, tiny_llama, "gen", "--role", "generation", "--benchmark-gen-only"),
+    }
+    try:
+        for name, (proc, url, log) in started.items():
+            wait_for(lambda p=proc, u=url: health_ok(u) or p.poll() is not None, 90, 0.1,
+                     what=f"{name} worker")
+            if not health_ok(url):
+                raise RuntimeError(f"{name} did not start:\n{log.read_text()[-3000:]}")
+        yield {name: url for name, (_, url, _) in started.items()}
+    finally:
+        for proc, _, _ in started.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc, _, _ in started.values():
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    vals = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if (line.startswith(name + " ") or line.startswith(name + "{"))]
+    assert vals, f"{url}/metrics has no {name}"
+    return sum(vals)
+
+
+def test_rate_match_live_tiny_model(workers: dict[str, str], tiny_llama: str,
+                                    tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    gen_tokens_before = _metric(workers["gen"], "disagg_generation_tokens_total")
+    out = tmp_path / "rm.json"
+    isl, osl, concs, rounds, warmups = 48, 6, (1, 3), 2, 1
+    rc = cli_main(["bench", "rate-match", "--context-url", workers["ctx"],
+                   "--generation-url", workers["gen"], "--aggregated-url", workers["ctx"],
+                   "--tokenizer", tiny_llama, "--isl", str(isl), "--osl", str(osl),
+                   "--ttft-slo", "2000", "--concurrency", ",".join(map(str, concs)),
+                   "--ctx-probe-seconds", "0.5", "--ctx-min-prompts", "6",
+                   "--ctx-max-probes", "3", "--ctx-rate-start", "4", "--gen-rounds",
+                   str(rounds), "--num-warmups", str(warmups), "--request-timeout", "60",
+                   "--save-result", str(out), "--no-progress",
+                   # End to end: a 1 + 1 cluster from `disagg launch` for one frontier point.
+                   "--verify", "--verify-model", tiny_llama, "--verify-points", "1",
+                   "--verify-max-devices", "2", "--verify-timeout", "120",
+                   "--verify-log-dir", str(tmp_path / "logs")])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    assert "Rate matching" in printed.out and "end to end" in printed.out
+    res = json.loads(out.read_text())
+    assert res["kind"] == "disagg-bench-rate-match" and res["model"] == NAME
+    ctx = res["context"]
+    assert len(ctx["probes"]) == 3 and ctx["ctx_rate"] is not None
+    assert ctx["ctx_rate"] == max(p["rate"] for p in ctx["probes"] if p["passed"])
+    for p in ctx["probes"]:
+        assert p["failed"] == 0 and p["completed"] == p["num_requests"] >= 6
+        assert p["passed"] == (p["ttft_ms"] <= 2000)
+    gen = res["generation"]["points"]
+    assert [p["concurrency"] for p in gen] == list(concs)
+    for p in gen:
+        assert p["failed"] == 0 and p["completed"] == rounds * p["concurrency"]
+        assert p["output_throughput"] > 0
+        assert p["tokens_per_s_per_user"] == pytest.approx(1000 / p["mean_tpot_ms"])
+        assert p["request_rate"] == pytest.approx(p["output_throughput"] / osl)
+    # Every generation-only request decoded exactly osl tokens on the generation worker
+    # (warmups included), and none of them pulled KV from anywhere.
+    sent = warmups + max(concs) + rounds * sum(concs)  # warmups: sequential, then one round
+    assert _metric(workers["gen"], "disagg_generation_tokens_total") - gen_tokens_before \
+        == sent * osl
+    rm = res["rate_matched"]
+    assert [p["concurrency"] for p in rm] == list(concs)
+    for p in rm:
+        want = tput_per_device(p["gen_output_tps"], osl, ctx["ctx_rate"])
+        assert p["tput_per_device"] == pytest.approx(want)
+        assert p["ctx_per_gen"] == pytest.approx(p["gen_request_rate"] / ctx["ctx_rate"])
+    assert res["frontier"] and all(p["on_frontier"] for p in res["frontier"])
+    agg = res["aggregated"]
+    assert [p["concurrency"] for p in agg["points"]] == list(concs)
+    assert all(p["failed"] == 0 and p["tput_per_device"] > 0 for p in agg["points"])
+    (v,) = res["verify"]
+    assert (v["num_ctx"], v["num_gen"], v["devices"]) == (1, 1, 2)
+    fp = next(p for p in res["frontier"] if p["concurrency"] == v["concurrency_per_gen"])
+    assert v["concurrency"] == v["concurrency_per_gen"]
+    me, pr = v["measured"], v["predicted"]
+    assert me["failed"] == 0 and me["completed"] == rounds * v["concurrency"]
+    assert me["tput_per_device"] == pytest.approx(me["output_throughput"] / 2)
+    assert v["gap_tput_per_device"] == pytest.approx(
+        (me["tput_per_device"] - pr["tput_per_device"]) / pr["tput_per_device"])
+    # The prediction is the rate-matched point's, capped by whichever side is short for 1 + 1.
+    gp = next(p for p in gen if p["concurrency"] == v["concurrency_per_gen"])
+    assert pr["request_rate"] == pytest.approx(min(gp["request_rate"], ctx["ctx_rate"]))
+    assert pr["tput_per_device"] <= 2 * fp["tput_per_device"] + 1e-9
+    assert (tmp_path / "logs" / "verify-0" / "verify-cluster.yaml").is_file()
+
+    import matplotlib.image
+
+    img = matplotlib.image.imread(str(tmp_path / "rm.png"))
+    assert img.shape[0] >= 400 and img.shape[1] >= 600
+    assert not math.isclose(float(img.std()), 0.0)  # something is drawn
+    # `bench plot` redraws a rate-match result.
+    assert cli_main(["bench", "plot", str(out), "--out-dir", str(tmp_path / "p")]) == 0
+    assert matplotlib.image.imread(str(tmp_path / "p" / "rm.png")).shape == img.shape
+
+
+def test_gen_only_needs_the_worker_flag(workers: dict[str, str], tiny_llama: str,
+                                        tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Against a worker without --benchmark-gen-only every generation-only request fails
+    and rate-match says why."""
+    out = tmp_path / "x.json"
+    rc = cli_main(["bench", "rate-match", "--context-url", workers["ctx"],
+                   "--generation-url", workers["ctx"], "--tokenizer", tiny_llama,
+                   "--isl", "16", "--osl", "4", "--ttft-slo", "5000", "--concurrency", "1",
+                   "--ctx-max-probes", "1", "--ctx-min-prompts", "2", "--ctx-probe-seconds",
+                   "0.1", "--num-warmups", "0", "--save-result", str(out), "--no-progress"])
+    assert rc == 1 and not out.exists()
+    assert "--benchmark-gen-only" in capsys.readouterr().err
