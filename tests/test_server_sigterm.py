@@ -42,7 +42,7 @@ def test_sigterm_drains_and_exits_zero(tmp_path: Path) -> None:
     log = open(tmp_path / "server.log", "w+")  # a file, not a pipe: never blocks the server
     proc = subprocess.Popen(
         [sys.executable, "-m", "disagg.cli", "serve", model, "--config", str(cfg),
-         "--port", str(port), "--drain-timeout", "3", "--log-level", "info"],
+         "--port", str(port), "--drain-timeout", "0.5", "--log-level", "info"],
         stdout=log, stderr=subprocess.STDOUT)
     threads: list[threading.Thread] = []
     try:
@@ -53,6 +53,7 @@ def test_sigterm_drains_and_exits_zero(tmp_path: Path) -> None:
         short: list[str] = []
         long: list[str] = []
         short_started, long_started = threading.Event(), threading.Event()
+        # 2000 tokens cannot be decoded within the 0.5 s grace period, 24 easily can.
         for out, ev, max_tokens in ((short, short_started, 24), (long, long_started, 2000)):
             body = {"model": "tiny", "prompt": "Once", "max_tokens": max_tokens,
                     "stream": True, "ignore_eos": True}
