@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -62,3 +69,70 @@ def health_ok(url: str) -> bool:
         return httpx.get(url + "/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+# ---- worker subprocesses (`disagg serve ...`) -------------------------------------------------
+
+
+@dataclass
+class WorkerProc:
+    """A ``disagg serve`` subprocess writing to its own log file."""
+
+    name: str
+    url: str
+    proc: subprocess.Popen
+    log: Path
+    port: int
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def info(self) -> dict[str, Any]:
+        return httpx.get(self.url + "/server_info", timeout=10).json()
+
+    def blocks_used(self) -> int:
+        return int(self.info()["kv_blocks_used"])
+
+    def wait_blocks(self, n: int = 0, timeout: float = 15.0) -> None:
+        # Well under the default 30 s lease: blocks must be freed by a release, not expiry.
+        wait_for(lambda: self.blocks_used() == n, timeout, 0.05,
+                 what=f"{self.name}: kv_blocks_used == {n}")
+
+
+def start_worker_proc(tmp: Path, model_dir: str, name: str, args: list[str],
+                      env: dict[str, str], port: int | None = None) -> WorkerProc:
+    """``disagg serve MODEL --port P ARGS`` with ``env`` added to the environment, one torch
+    thread, its output in ``tmp/NAME-xxxxxx.log``."""
+    port = port or free_port()
+    log = tmp / f"{name}-{uuid.uuid4().hex[:6]}.log"
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "disagg.cli", "serve", model_dir, "--port", str(port), *args],
+            stdout=f, stderr=subprocess.STDOUT, env=full_env)
+    return WorkerProc(name, f"http://127.0.0.1:{port}", proc, log, port)
+
+
+def wait_all_healthy(workers: list[WorkerProc], timeout: float) -> None:
+    """Each worker healthy within ``timeout``; else stop them all and raise with its log."""
+    for w in workers:
+        with contextlib.suppress(TimeoutError):
+            wait_for(lambda w=w: health_ok(w.url) or w.proc.poll() is not None, timeout, 0.1,
+                     what=f"{w.name} health")
+        if not health_ok(w.url):
+            stop_all(workers)
+            raise RuntimeError(f"{w.name} did not start:\n{w.log.read_text()[-3000:]}")
+
+
+def stop_all(workers: list[WorkerProc]) -> None:
+    """SIGTERM every worker (they drain), then reap; SIGKILL what does not exit."""
+    for w in workers:
+        if w.proc.poll() is None:
+            w.proc.send_signal(signal.SIGTERM)
+    for w in workers:
+        try:
+            w.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            w.proc.kill()
+            w.proc.wait(10)

@@ -9,18 +9,20 @@ outputs must equal an aggregated worker's (served in this process), over TCP and
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from server_fixtures import free_port, health_ok, serve_in_thread, wait_for
+from server_fixtures import (
+    WorkerProc,
+    health_ok,
+    serve_in_thread,
+    start_worker_proc,
+    stop_all,
+    wait_all_healthy,
+)
 
 from disagg.transfer.ucx import ucx_available
 
@@ -36,58 +38,20 @@ UCX_OK, UCX_WHY = ucx_available()
 C, CHAT_PATH = "/v1/completions", "/v1/chat/completions"
 
 
-@dataclass
-class Worker:
-    name: str
-    url: str
-    proc: subprocess.Popen
-    log: Path
-
-    def info(self) -> dict[str, Any]:
-        return httpx.get(self.url + "/server_info", timeout=10).json()
-
-    def blocks_used(self) -> int:
-        return int(self.info()["kv_blocks_used"])
-
-    def wait_blocks(self, n: int = 0, timeout: float = 15.0) -> None:
-        wait_for(lambda: self.blocks_used() == n, timeout, 0.05,
-                 what=f"{self.name}: kv_blocks_used == {n}")
+Worker = WorkerProc
 
 
 def _start(tmp: Path, model_dir: str, name: str, role: str, *flags: str) -> Worker:
-    port = free_port()
-    log = tmp / f"{name}.log"
-    env = {**os.environ, "DISAGG_CLUSTER_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "disagg.cli", "serve", model_dir, "--port", str(port),
-             "--role", role, "--served-model-name", NAME, "--log-level", "warning",
-             *COMMON, *flags], stdout=f, stderr=subprocess.STDOUT, env=env)
-    return Worker(name, f"http://127.0.0.1:{port}", proc, log)
+    return start_worker_proc(tmp, model_dir, name, [
+        "--role", role, "--served-model-name", NAME, "--log-level", "warning", *COMMON, *flags],
+        {"DISAGG_CLUSTER_TOKEN": TOKEN})
 
 
 def _wait_healthy(workers: list[Worker]) -> None:
-    for w in workers:
-        try:
-            wait_for(lambda w=w: health_ok(w.url) or w.proc.poll() is not None, START_TIMEOUT,
-                     0.1, what=f"{w.name} health")
-        except TimeoutError:
-            pass
-        if not health_ok(w.url):
-            _stop(workers)
-            raise RuntimeError(f"{w.name} did not start:\n{w.log.read_text()[-3000:]}")
+    wait_all_healthy(workers, START_TIMEOUT)
 
 
-def _stop(workers: list[Worker]) -> None:
-    for w in workers:
-        if w.proc.poll() is None:
-            w.proc.send_signal(signal.SIGTERM)
-    for w in workers:
-        try:
-            w.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            w.proc.kill()
-            w.proc.wait(10)
+_stop = stop_all
 
 
 @pytest.fixture(scope="module")

@@ -13,15 +13,9 @@ import collections
 import concurrent.futures as cf
 import contextlib
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 import threading
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +23,14 @@ import httpx
 import openai
 import pytest
 from aiohttp import web
-from server_fixtures import free_port, health_ok, serve_in_thread, wait_for
+from server_fixtures import (
+    WorkerProc,
+    serve_in_thread,
+    start_worker_proc,
+    stop_all,
+    wait_all_healthy,
+    wait_for,
+)
 
 from disagg.router.app import build_router_app, start_router
 from disagg.router.config import ClusterConfig, parse_cluster_config
@@ -48,60 +49,22 @@ MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
 # ---- helpers shared with the other router tests ----------------------------------------------
 
 
-@dataclass
-class Worker:
-    name: str
-    url: str
-    proc: subprocess.Popen
-    log: Path
-    port: int
-
-    @property
-    def addr(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def info(self) -> dict[str, Any]:
-        return httpx.get(self.url + "/server_info", timeout=10).json()
-
-    def wait_blocks(self, n: int = 0, timeout: float = 30.0) -> None:
-        wait_for(lambda: self.info()["kv_blocks_used"] == n, timeout, 0.05,
-                 what=f"{self.name}: kv_blocks_used == {n}")
+Worker = WorkerProc
 
 
 def start_worker(tmp: Path, model_dir: str, name: str, role: str, *flags: str,
                  port: int | None = None) -> Worker:
-    port = port or free_port()
-    log = tmp / f"{name}-{uuid.uuid4().hex[:6]}.log"
-    env = {**os.environ, "DISAGG_CLUSTER_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
     backend = ["--kv-transfer-backend", "TCP"] if role != "aggregated" else []
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "disagg.cli", "serve", model_dir, "--port", str(port),
-             "--role", role, "--served-model-name", NAME, "--log-level", "warning",
-             *COMMON, *backend, *flags], stdout=f, stderr=subprocess.STDOUT, env=env)
-    return Worker(name, f"http://127.0.0.1:{port}", proc, log, port)
+    return start_worker_proc(tmp, model_dir, name, [
+        "--role", role, "--served-model-name", NAME, "--log-level", "warning", *COMMON,
+        *backend, *flags], {"DISAGG_CLUSTER_TOKEN": TOKEN}, port=port)
 
 
 def wait_healthy(workers: list[Worker]) -> None:
-    for w in workers:
-        with contextlib.suppress(TimeoutError):
-            wait_for(lambda w=w: health_ok(w.url) or w.proc.poll() is not None, START_TIMEOUT,
-                     0.1, what=f"{w.name} health")
-        if not health_ok(w.url):
-            stop_workers(workers)
-            raise RuntimeError(f"{w.name} did not start:\n{w.log.read_text()[-3000:]}")
+    wait_all_healthy(workers, START_TIMEOUT)
 
 
-def stop_workers(workers: list[Worker]) -> None:
-    for w in workers:
-        if w.proc.poll() is None:
-            w.proc.send_signal(signal.SIGTERM)
-    for w in workers:
-        try:
-            w.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            w.proc.kill()
-            w.proc.wait(10)
+stop_workers = stop_all
 
 
 class LoopThread:
