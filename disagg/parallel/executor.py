@@ -313,19 +313,23 @@ class DistributedExecutor:
             self._fail(reason)
             raise WorkerDiedError(self.error or reason) from e
 
-    def comm_stats(self) -> list[dict[str, Any]]:
-        """Every rank's ``CommStats`` (as dicts, rank order). Call from the engine's thread."""
-        out = [asdict(self.comm.stats)]
-        for c in self._conns:
-            c.send_bytes(encode("stats"))
+    def _answers(self, kind: str, timeout_s: float) -> list[Any]:
+        """Each other rank's answer to the ``kind`` request just sent, rank order."""
+        out = []
         for r, c in enumerate(self._conns, start=1):
-            if not c.poll(30.0):
-                raise WorkerDiedError(f"rank {r} did not answer a stats request")
-            kind, payload = c.recv()
-            if kind != "stats":
-                raise WorkerDiedError(f"rank {r} answered {kind!r} to a stats request")
+            if not c.poll(timeout_s):
+                raise WorkerDiedError(f"rank {r} did not answer a {kind} request")
+            got, payload = c.recv()
+            if got != kind:
+                raise WorkerDiedError(f"rank {r} answered {got!r} to a {kind} request")
             out.append(payload)
         return out
+
+    def comm_stats(self) -> list[dict[str, Any]]:
+        """Every rank's ``CommStats`` (as dicts, rank order). Call from the engine's thread."""
+        for c in self._conns:
+            c.send_bytes(encode("stats"))
+        return [asdict(self.comm.stats), *self._answers("stats", 30.0)]
 
     def probe_comm(self, num_tokens: int, iters: int = 50) -> list[dict[str, float]]:
         """Every rank's pure transfer time (ms) of one ``[num_tokens, hidden]`` all-reduce / stage
@@ -333,15 +337,8 @@ class DistributedExecutor:
         args = ((num_tokens, self.config.model.hidden_size), self.runner.dtype, iters)
         for c in self._conns:
             c.send_bytes(encode("probe", args))
-        out = [self.comm.probe(*args)]
-        for r, c in enumerate(self._conns, start=1):
-            if not c.poll(60.0):
-                raise WorkerDiedError(f"rank {r} did not answer a probe request")
-            kind, payload = c.recv()
-            if kind != "probe":
-                raise WorkerDiedError(f"rank {r} answered {kind!r} to a probe request")
-            out.append(payload)
-        return out
+        mine = self.comm.probe(*args)  # collective: runs alongside the other ranks' probes
+        return [mine, *self._answers("probe", 60.0)]
 
     def reset_comm_stats(self) -> None:
         self.comm.stats = CommStats(rank=0)
