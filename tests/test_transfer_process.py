@@ -55,7 +55,6 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _context_main(backend: str, seed: int, dtype: str, port: int,
                   cmds: Any, events: Any) -> None:
     """A context rank: serve a seeded cache; leases and faults on command."""
-    import asyncio
 
     from disagg.transfer import KVTransferServer, LeaseTable
 
@@ -83,9 +82,9 @@ def _context_main(backend: str, seed: int, dtype: str, port: int,
             async def die(self: Any, data: Any) -> None:
                 if isinstance(self, TcpConnection):  # a part of the bytes, then gone
                     await self._send(memoryview(data).cast("B")[: data.nbytes // 3])
-                else:  # the payload message is under way when the process vanishes
-                    asyncio.ensure_future(self._ep.send(data))
-                    await asyncio.sleep(0)
+                # UCX: the header went out and the client waits for the payload when the
+                # process vanishes. (Sending a part first is a race: over shared memory the
+                # client may pull the whole message before the exit.)
                 os._exit(17)
 
             TcpConnection.send_payload = die  # type: ignore[method-assign]
