@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import math
 import os
 import platform
 import signal
@@ -270,18 +271,48 @@ async def open_loop(guard: Guard, label: str, url: str, tok: Any, rates: list[fl
         n = max(args.min_prompts, round(rate * args.run_seconds))
         samples = sample_random(tok, n, args.isl, args.osl, seed=args.seed + 1 + i,
                                 as_token_ids=True)
+        # exact_rate: the sample's realized rate is the nominal one, so the prediction at
+        # that rate is comparable (a plain 40 s Poisson sample is ~15% off either way).
         cfg = BenchmarkConfig(base_url=url, model=NAME, request_rate=rate, ignore_eos=True,
                               goodput_slos_ms=slos, percentiles=(50.0, 90.0, 99.0),
-                              seed=args.seed + i)
+                              seed=args.seed + i, exact_rate=True)
 
         async def one(cfg: BenchmarkConfig = cfg, samples: Any = samples) -> dict[str, Any]:
             return (await run_benchmark(cfg, samples, transport=tr)).summary
 
         s = await guard.run(f"{label} open loop {rate:.3f} req/s", one)
-        print(f"  rate {rate:.3f} x {n}: {s['output_throughput']:.1f} tok/s, TTFT p99 "
+        print(f"  rate {rate:.3f} x {n}: {s['output_throughput']:.1f} tok/s "
+              f"({_f(s['steady_output_throughput'])} steady), TTFT p99 "
               f"{s['p99_ttft_ms']:.0f} ms, TPOT p99 {s['p99_tpot_ms']:.1f} ms, goodput "
               f"{s['request_goodput']:.3f} req/s, {s['failed']} failed", flush=True)
         out.append({"rate": rate, "num_requests": n, "summary": s})
+    return out
+
+
+async def interference(m: Any, ctx_url: str, gen_url: str, concs: list[int], rate: float,
+                       args: argparse.Namespace, tok: Any, tr: Any) -> list[dict[str, Any]]:
+    """Generation-only points with the context worker idle, then with it prefilling ordinary
+    requests at ``rate`` meanwhile: how much the busy core next door slows decoding (they
+    share the memory system), which the generation-only curve of the rate match cannot see."""
+    out = []
+    for conc in concs:
+        idle = await m.concurrency_point(gen_url, conc, True, "generation, context idle")
+        n = math.ceil(rate * 120)  # more than the point needs; cancelled when it ends
+        samples = sample_random(tok, n, args.isl, 1, seed=args.seed + 555 + conc,
+                                as_token_ids=True)
+        load = asyncio.create_task(run_benchmark(BenchmarkConfig(
+            base_url=ctx_url, model=NAME, request_rate=rate, ignore_eos=True, exact_rate=True),
+            samples, transport=tr))
+        try:
+            busy = await m.concurrency_point(gen_url, conc, True, "generation, context busy")
+        finally:
+            load.cancel()
+            await asyncio.gather(load, return_exceptions=True)
+        out.append({"concurrency": conc, "context_rate": rate,
+                    "idle_mean_tpot_ms": idle["mean_tpot_ms"],
+                    "busy_mean_tpot_ms": busy["mean_tpot_ms"]})
+        print(f"  interference at concurrency {conc}: TPOT {idle['mean_tpot_ms']:.1f} ms "
+              f"idle, {busy['mean_tpot_ms']:.1f} ms with the context core busy", flush=True)
     return out
 
 
@@ -385,9 +416,13 @@ def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
     else:
         L.append(f"Context worker: **{ctx_rate:.3f} req/s** within TTFT p"
                  f"{args.ttft_percentile:g} <= {args.ttft_slo:g} ms (probes: "
-                 + ", ".join(f"{p['rate']:.3g} req/s -> {p['ttft_ms']:.0f} ms "
+                 + ", ".join(f"{p['rate']:.3g} req/s -> {p['ttft_ms']:.0f} ms, served "
+                             f"{_f(p.get('served_rate'), '.3g')} req/s, "
                              f"{'pass' if p['passed'] else 'fail'}"
-                             for p in rm["context"]["probes"]) + ").")
+                             for p in rm["context"]["probes"]) + "). The rate is the highest "
+                 "min(offered, served) of the passing probes: a probe above the worker's "
+                 "capacity can pass a short SLO test while its queue grows, and then serves "
+                 "less than it was offered.")
     L.append("")
     L.append("| concurrency | gen tok/s | tok/s/user | gen req/s | ctx:gen | tok/s per device "
              "(rate-matched) | frontier | aggregated worker tok/s | aggregated tok/s/user | "
@@ -414,13 +449,17 @@ def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
         L.append("## 2. End to end at rate-matched points (closed loop, 1 context + 1 "
                  "generation, through the router)")
         L.append("")
-        L.append("| concurrency | bound | predicted tok/s per device | measured | gap | "
-                 "predicted tok/s/user | measured | gap | TTFT mean ms | TPOT p99 ms |")
-        L.append("|---|---|---|---|---|---|---|---|---|---|")
+        L.append("| gen concurrency | in flight | bound | predicted tok/s per device | measured "
+                 "(steady) | gap | whole run | predicted tok/s/user | measured | gap | "
+                 "TTFT mean ms | TPOT p99 ms |")
+        L.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for v in ver:
             pr, me = v["predicted"], v["measured"]
-            L.append(f"| {v['concurrency']} | {pr['bound']} | {pr['tput_per_device']:.1f} | "
+            run = me.get("run_output_throughput")
+            L.append(f"| {v['concurrency']} | {me.get('in_flight', v['concurrency'])} | "
+                     f"{pr['bound']} | {pr['tput_per_device']:.1f} | "
                      f"{me['tput_per_device']:.1f} | {_pct(v['gap_tput_per_device'])} | "
+                     f"{_f(None if run is None else run / v['devices'])} | "
                      f"{pr['tokens_per_s_per_user']:.1f} | {me['tokens_per_s_per_user']:.1f} | "
                      f"{_pct(v['gap_tokens_per_s_per_user'])} | {me['mean_ttft_ms']:.0f} | "
                      f"{me['p99_tpot_ms']:.1f} |")
@@ -428,15 +467,23 @@ def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
         L.append("The prediction for 1 + 1 is the slower side's request rate: min(gen req/s at "
                  "that concurrency, context req/s at the SLO) x osl / 2 devices; when the "
                  "context side is the bound the generation worker runs at a lower concurrency "
-                 "and its tok/s/user is read off the generation curve at that rate.")
+                 "and its tok/s/user is read off the generation curve at that rate. In flight: "
+                 "the closed loop's concurrency, the generation concurrency plus round(predicted "
+                 "rate x unloaded TTFT) requests at the context side (Little's law), so that the "
+                 "generation worker holds the rate-matched concurrency. Measured tok/s is the "
+                 "steady state, from the first completion to the last send (`metrics."
+                 "steady_state_output_throughput`); the whole-run figure (first send to last "
+                 "byte) includes the closed loop's ramp-up, where every request queues at the "
+                 "context worker at once, and the drain.")
         L.append("")
 
     # --- open loop
     L.append("## 3. Open loop (Poisson) at the same request rates")
     L.append("")
-    L.append("| req/s | system | output tok/s | predicted tok/s | TTFT p99 ms | TPOT p99 ms | "
-             "mean TPOT ms | predicted mean TPOT ms | TPOT gap | goodput req/s | failed |")
-    L.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    L.append("| req/s | system | output tok/s (steady) | whole run | predicted tok/s | "
+             "TTFT p99 ms | TPOT p99 ms | mean TPOT ms | predicted mean TPOT ms | TPOT gap | "
+             "goodput req/s | failed |")
+    L.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for d, a in zip(data["disagg_open"], data["agg_open"], strict=True):
         pred = d["prediction"]
@@ -444,7 +491,8 @@ def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
             s = r["summary"]
             tpot_gap = ((s["mean_tpot_ms"] - pred["mean_tpot_ms"]) / pred["mean_tpot_ms"]
                         if name == "disaggregated" and pred["mean_tpot_ms"] else None)
-            L.append(f"| {r['rate']:.3f} | {name} | {s['output_throughput']:.1f} | "
+            L.append(f"| {r['rate']:.3f} | {name} | {_f(s.get('steady_output_throughput'))} | "
+                     f"{s['output_throughput']:.1f} | "
                      f"{pred['output_throughput']:.1f}{'' if pred['sustainable'] else ' (cap)'}"
                      f"{'' if name == 'disaggregated' else ' (1+1)'} | "
                      f"{s['p99_ttft_ms']:.0f} | {s['p99_tpot_ms']:.1f} | "
@@ -461,9 +509,11 @@ def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
              "decode time) of them, so its TPOT is the generation-only TPOT at 1 + N users "
              "averaged over that distribution (linear between the measured concurrencies), "
              "solved for the decode time by fixed point. "
-             "Measured output tok/s is over the whole run (first send to last byte) of a "
-             "finite Poisson sample, so it differs from rate x osl by the sample's realized "
-             "rate and the drain at the end even when every request is served.")
+             "Arrivals are Poisson with the sample's gaps scaled so that its realized rate is "
+             "the nominal one (`arrival_offsets(exact_rate=True)`). Output tok/s (steady) "
+             "counts the tokens that arrived between the first completion and the last send; "
+             "the whole-run figure (first send to last byte) also has the ramp-up and the "
+             "drain in its denominator.")
     L.append("")
     L.append(f"![tokens/s per device against tokens/s/user]({os.path.basename(png)})")
     L.append("")
@@ -491,9 +541,16 @@ def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
         if pred["sustainable"] and pred["mean_tpot_ms"]:
             tgaps.append((d["summary"]["mean_tpot_ms"] - pred["mean_tpot_ms"])
                          / pred["mean_tpot_ms"])
+    ogaps = []
+    for d, _ in rows:
+        pred, st = d["prediction"], d["summary"].get("steady_output_throughput")
+        if pred["sustainable"] and st is not None:
+            ogaps.append((st - pred["output_throughput"]) / pred["output_throughput"])
     L.append("2. Rate-matched prediction within 10% of end to end: tok/s per device at the "
              "verified points (closed loop) " + _verdict([abs(g) <= 0.10 for g in gaps])
-             + " (" + ", ".join(_pct(g) for g in gaps) + "); mean TPOT at the sustainable "
+             + " (" + ", ".join(_pct(g) for g in gaps) + "); output tok/s at the sustainable "
+             "open-loop rates " + _verdict([abs(g) <= 0.10 for g in ogaps]) + " ("
+             + ", ".join(_pct(g) for g in ogaps) + "); mean TPOT at the sustainable "
              "open-loop rates " + _verdict([abs(g) <= 0.10 for g in tgaps]) + " ("
              + ", ".join(_pct(g) for g in tgaps) + ").")
     L.append("")
@@ -512,17 +569,14 @@ def explain(data: dict[str, Any]) -> list[str]:
     osl = data["args"]["osl"]
     for v in ver:
         me, pr = v["measured"], v["predicted"]
-        share = me["mean_ttft_ms"] / (me["mean_ttft_ms"] + (osl - 1) * me["mean_tpot_ms"])
+        # Little's law on the generation worker: requests/s x seconds each spends decoding.
+        on_gen = me["output_throughput"] / osl * (osl - 1) * me["mean_tpot_ms"] / 1000.0
         notes.append(
-            f"Closed loop at concurrency {v['concurrency']} (prediction bound: {pr['bound']}): "
-            f"a request spends its TTFT (mean {me['mean_ttft_ms']:.0f} ms: context queue, "
-            f"prefill, KV transfer) outside the generation worker, {100 * share:.0f}% of its "
-            f"end-to-end time, so the generation worker "
-            + (f"holds fewer than {v['concurrency']} requests on average"
-               if v["concurrency"] > 1 else "is idle while the request is at the context side")
-            + " and a closed loop lands below the rate-matched point "
-            "(TensorRT-LLM reports 0-25% below); the open-loop runs below do not have this "
-            "bias.")
+            f"Closed loop, generation concurrency {v['concurrency']} (prediction bound: "
+            f"{pr['bound']}), {me.get('in_flight', v['concurrency'])} in flight: the "
+            f"generation worker held {on_gen:.1f} requests on average (steady request rate x "
+            f"decode time), each request spent {me['mean_ttft_ms']:.0f} ms (mean TTFT: "
+            f"context queue, prefill, KV transfer) before it.")
     agg = rm.get("aggregated") or {}
     if agg.get("points"):
         best = max(agg["points"], key=lambda p: p["output_throughput"])
@@ -566,6 +620,15 @@ def explain(data: dict[str, Any]) -> list[str]:
                         f"{100 * g:+.0f}%)" for r, g in gaps)
             + ". Generation-only requests skip the pull, so the generation curve leaves this "
               "work out of the TPOT prediction.")
+    for p in rm.get("interference") or []:
+        notes.append(
+            f"Cores are not independent: generation-only at concurrency {p['concurrency']} "
+            f"decodes at a mean TPOT of {p['idle_mean_tpot_ms']:.1f} ms with the context worker "
+            f"idle and {p['busy_mean_tpot_ms']:.1f} ms "
+            f"({100 * (p['busy_mean_tpot_ms'] / p['idle_mean_tpot_ms'] - 1):+.0f}%) while it "
+            f"prefills {p['context_rate']:.3f} req/s on the other core (the two share the "
+            f"memory system). The rate-matched curve measures each side alone, so the TPOT "
+            f"prediction leaves this out.")
     kept = [st for st in data.get("steps", []) if st["kept"]]
     worst = max(kept, key=lambda st: st["other_cores"]) if kept else None
     if worst is not None and worst["other_cores"] > data["args"]["max_other"]:
@@ -675,7 +738,8 @@ def main() -> int:
                     assert (ch["num_ctx"], ch["num_gen"]) == (1, 1)
                     measured.append(await guard.run(
                         f"closed loop, concurrency {ch['concurrency']}",
-                        lambda ch=ch: m.run_end_to_end(router.url, ch["concurrency"])))
+                        lambda ch=ch: m.run_end_to_end(router.url, ch["concurrency"],
+                                                       ch["predicted"]["request_rate"])))
                 rm["verify"] = [finish_verify_point(ch, me)
                                 for ch, me in zip(choices, measured, strict=True)]
                 cap = predict_at_rate(c["ctx_rate"], g["points"], args.osl, 1, 1,
@@ -688,6 +752,10 @@ def main() -> int:
                 for d in runs:
                     d["prediction"] = predict_at_rate(c["ctx_rate"], g["points"], args.osl,
                                                       1, 1, d["rate"])
+                rm["interference"] = await guard.run(
+                    "generation-only with the context core idle / busy",
+                    lambda: interference(m, ctx.url, gen.url, [1, 4], rates[-1], args, tok,
+                                         tr))
                 return rm, runs
             finally:
                 await tr.aclose()

@@ -25,6 +25,7 @@ from disagg.bench.metrics import (
     meets_slos,
     parse_goodput,
     parse_percentiles,
+    steady_state_output_throughput,
     summarize,
 )
 
@@ -144,6 +145,46 @@ def test_arrival_offsets_shapes() -> None:
     with pytest.raises(ValueError):
         inter_arrival_times(3, 1.0, burstiness=0)
     assert np.all(inter_arrival_times(3, 1.0, seed=0) > 0)
+
+
+def test_arrival_offsets_exact_rate() -> None:
+    plain = arrival_offsets(40, 2.0, seed=5)
+    exact = arrival_offsets(40, 2.0, seed=5, exact_rate=True)
+    assert exact[-1] == pytest.approx(39 / 2.0)  # realized rate (n - 1) / span == 2.0
+    assert plain[-1] != pytest.approx(39 / 2.0, rel=1e-3)  # a plain sample is off
+    # The same gaps, scaled: relative spacing unchanged.
+    assert np.allclose(np.asarray(exact) / exact[-1], np.asarray(plain) / plain[-1])
+    assert arrival_offsets(1, 2.0, exact_rate=True) == [0.0]
+    assert arrival_offsets(3, math.inf, exact_rate=True) == [0.0, 0.0, 0.0]
+
+
+def _timed(i: int, start: float, ttft: float, itl: list[float], tokens: int | None = None,
+         ok: bool = True) -> RequestRecord:
+    return RequestRecord(index=i, success=ok, start=start, ttft=ttft, itl=itl,
+                         e2el=ttft + sum(itl),
+                         output_tokens=len(itl) + 1 if tokens is None else tokens)
+
+
+def test_steady_state_throughput_hand_worked() -> None:
+    # Token arrival times: A at 1, 2, 3 (done at 3); B at 2.5, 3.5, 4.5, 5.5;
+    # C (sent at 4, the last send) at 4.5 and 5.5 in 2-token chunks. Window [3, 4]:
+    # A's token at 3 and B's at 3.5 -> 2 tokens over 1 s.
+    recs = [_timed(0, 0.0, 1.0, [1.0, 1.0]), _timed(1, 1.0, 1.5, [1.0, 1.0, 1.0]),
+            _timed(2, 4.0, 0.5, [1.0], tokens=4), _timed(3, 3.5, 0.0, [], ok=False)]
+    tps, window = steady_state_output_throughput(recs)
+    assert window == pytest.approx(1.0) and tps == pytest.approx(2.0)
+    # Widen the window (a later send at 6): C's chunks count 2 tokens each.
+    recs.append(_timed(4, 6.0, 0.5, [], tokens=1))
+    tps, window = steady_state_output_throughput(recs)
+    # [3, 6]: A 1 (at 3) + B 3 (3.5, 4.5, 5.5) + C 4 (4.5, 5.5) = 8 tokens over 3 s.
+    assert window == pytest.approx(3.0) and tps == pytest.approx(8.0 / 3.0)
+    # All sent before the first completion (rate inf): no steady window.
+    assert steady_state_output_throughput([_timed(0, 0.0, 1.0, [1.0]),
+                                           _timed(1, 0.0, 1.0, [0.5])]) is None
+    assert steady_state_output_throughput([]) is None
+    s = summarize(recs, duration=7.0)
+    assert s["steady_output_throughput"] == pytest.approx(8.0 / 3.0)
+    assert s["steady_window_s"] == pytest.approx(3.0)
 
 
 # ----------------------------------------------------------------------------------- SSE

@@ -19,10 +19,12 @@ import httpx
 import pytest
 from server_fixtures import free_port, health_ok, wait_for
 
+from disagg.bench.metrics import RequestRecord
 from disagg.bench.ratematch import (
     RateMatchConfig,
     RateMatcher,
     best_integer_cluster,
+    context_rate,
     finish_verify_point,
     gen_speed_at_rate,
     gen_tpot_at_concurrency,
@@ -31,6 +33,7 @@ from disagg.bench.ratematch import (
     predict_at_rate,
     predict_cluster,
     rate_match,
+    served_rate,
     tput_per_device,
     verify_choices,
 )
@@ -176,6 +179,26 @@ class _ScriptedMatcher(RateMatcher):
         return {"rate": rate, "passed": rate <= self.limit}
 
 
+def test_served_rate_and_context_rate() -> None:
+    def rec(start: float, e2el: float, ok: bool = True) -> RequestRecord:
+        return RequestRecord(index=0, success=ok, start=start, ttft=e2el, e2el=e2el)
+
+    # Completions at 1.0, 1.5, 3.0 (the failed one does not count): 2 more over 2 s.
+    assert served_rate([rec(0.0, 1.0), rec(0.5, 1.0), rec(1.0, 2.0), rec(1.2, 0.1, False)]) \
+        == pytest.approx(1.0)
+    assert served_rate([rec(0.0, 1.0)]) is None
+    assert served_rate([rec(0.0, 1.0), rec(0.5, 0.5)]) is None  # no span
+    probes = [
+        {"rate": 2.0, "passed": True, "served_rate": 2.1},  # kept up: the offered rate
+        {"rate": 2.8, "passed": True, "served_rate": 2.5},  # fell behind within the SLO
+        {"rate": 4.0, "passed": False, "served_rate": 2.5},
+    ]
+    assert context_rate(probes) == pytest.approx(2.5)
+    assert context_rate(probes[:1]) == pytest.approx(2.0)
+    assert context_rate([{"rate": 3.0, "passed": True}]) == 3.0  # no served rate recorded
+    assert context_rate(probes[2:]) is None
+
+
 @pytest.mark.parametrize("limit", [3.0, 10.0, 37.0])
 def test_context_search_brackets_then_bisects(limit: float) -> None:
     m = _ScriptedMatcher(limit, ctx_max_probes=12, ctx_tolerance=0.05)
@@ -277,9 +300,11 @@ def test_rate_match_live_tiny_model(workers: dict[str, str], tiny_llama: str,
     assert res["kind"] == "disagg-bench-rate-match" and res["model"] == NAME
     ctx = res["context"]
     assert len(ctx["probes"]) == 3 and ctx["ctx_rate"] is not None
-    assert ctx["ctx_rate"] == max(p["rate"] for p in ctx["probes"] if p["passed"])
+    assert ctx["ctx_rate"] == max(min(p["rate"], p["served_rate"])
+                                  for p in ctx["probes"] if p["passed"])
     for p in ctx["probes"]:
         assert p["failed"] == 0 and p["completed"] == p["num_requests"] >= 6
+        assert p["served_rate"] > 0
         assert p["passed"] == (p["ttft_ms"] <= 2000)
     gen = res["generation"]["points"]
     assert [p["concurrency"] for p in gen] == list(concs)
@@ -308,8 +333,12 @@ def test_rate_match_live_tiny_model(workers: dict[str, str], tiny_llama: str,
     fp = next(p for p in res["frontier"] if p["concurrency"] == v["concurrency_per_gen"])
     assert v["concurrency"] == v["concurrency_per_gen"]
     me, pr = v["measured"], v["predicted"]
-    assert me["failed"] == 0 and me["completed"] == rounds * v["concurrency"]
+    # Little's law: the requests at the context side come on top of the generation's ones.
+    assert me["in_flight"] == v["concurrency"] + round(
+        pr["request_rate"] * me["unloaded_ttft_ms"] / 1000)
+    assert me["failed"] == 0 and me["completed"] == 6 * me["in_flight"]  # at least 6 rounds
     assert me["tput_per_device"] == pytest.approx(me["output_throughput"] / 2)
+    assert me["output_throughput"] > 0 and me["run_output_throughput"] > 0
     assert v["gap_tput_per_device"] == pytest.approx(
         (me["tput_per_device"] - pr["tput_per_device"]) / pr["tput_per_device"])
     # The prediction is the rate-matched point's, capped by whichever side is short for 1 + 1.

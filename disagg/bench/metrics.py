@@ -153,6 +153,37 @@ def _stats(name: str, values_ms: Sequence[float], percentiles: Sequence[float]) 
     return out
 
 
+def steady_state_output_throughput(records: Sequence[RequestRecord]
+                                   ) -> tuple[float, float] | None:
+    """Output tokens/s while the load was steady: (tokens/s, window length s), or None.
+
+    The window runs from the first completion (the pipeline has filled: a request went all the
+    way through) to the last send (after it, the load only drains). Tokens are counted at the
+    time they arrived: the first at ``start + ttft``, then one content chunk per ITL (a chunk of
+    several tokens counts ``output_tokens / chunks`` each). Unlike ``output_throughput`` (all
+    tokens over first send to last byte) it is not diluted by the ramp-up of a closed loop
+    whose requests all start together, nor by the final drain, so it can be compared with a
+    steady-state prediction. None when the window is empty (every request sent before the
+    first completed) or nothing succeeded.
+    """
+    ok = [r for r in records if r.success and r.output_tokens > 0]
+    if not ok or not records:
+        return None
+    t0 = min(r.start + r.e2el for r in ok)
+    t1 = max(r.start for r in records)
+    if t1 <= t0:
+        return None
+    tokens = 0.0
+    for r in ok:
+        per_chunk = r.output_tokens / (1 + len(r.itl))
+        t = r.start + r.ttft
+        for gap in (0.0, *r.itl):
+            t += gap
+            if t0 <= t <= t1:
+                tokens += per_chunk
+    return tokens / (t1 - t0), t1 - t0
+
+
 def summarize(records: Sequence[RequestRecord], duration: float,
               slos_ms: Mapping[str, float] | None = None,
               percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> dict[str, Any]:
@@ -179,6 +210,9 @@ def summarize(records: Sequence[RequestRecord], duration: float,
         "mean_tokens_per_s_per_user": float(np.mean([1.0 / t for t in tpots if t > 0]))
         if any(t > 0 for t in tpots) else 0.0,
     }
+    steady = steady_state_output_throughput(records)
+    summary["steady_output_throughput"] = None if steady is None else steady[0]
+    summary["steady_window_s"] = None if steady is None else steady[1]
     if slos_ms:
         good = sum(meets_slos(r, slos_ms) for r in ok)
         summary["good_requests"] = good
@@ -211,6 +245,8 @@ def format_summary(summary: Mapping[str, Any], percentiles: Sequence[float] = DE
     if summary.get("request_goodput") is not None:
         row("Request goodput (req/s):", summary["request_goodput"])
     row("Output token throughput (tok/s):", summary["output_throughput"])
+    if summary.get("steady_output_throughput") is not None:
+        row("Steady-state output throughput (tok/s):", summary["steady_output_throughput"])
     row("Total token throughput (tok/s):", summary["total_token_throughput"])
     row("Mean tokens/s/user:", summary["mean_tokens_per_s_per_user"])
     names = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",

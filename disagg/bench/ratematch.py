@@ -7,14 +7,19 @@ Every request uses token-id prompts of exactly ``isl`` tokens (random ids, fresh
 so that prefix caching never helps) on ``/v1/completions``, streamed.
 
 1. **Context side** (``--context-url``, one context worker, or any worker: the requests are
-   ordinary ones). Requests with ``max_tokens: 1`` arrive as a Poisson process (seeded). A probe
-   at rate ``r`` passes when no request failed and the TTFT at ``--ttft-percentile`` (default
-   p90) is at most ``--ttft-slo``. The search doubles (or halves) the rate from a start until it
-   brackets the limit, then bisects geometrically until ``hi / lo <= 1 + tolerance`` or the probe
-   budget is spent. ``ctx_rate`` = the highest *offered* rate that passed (requests/s per context
-   worker). A probe sends ``max(min_prompts, rate * probe_seconds)`` requests. These are
-   ordinary requests, so the context worker's cost of serving KV to generation workers (the
-   transfer's sends) is not in this number; the end-to-end check (5) includes it.
+   ordinary ones). Requests with ``max_tokens: 1`` arrive as a Poisson process (seeded, its
+   gaps scaled so the probe's realized rate is exactly ``r``: ``arrival_offsets(exact_rate)``).
+   A probe at rate ``r`` passes when no request failed and the TTFT at ``--ttft-percentile``
+   (default p90) is at most ``--ttft-slo``. The search doubles (or halves) the rate from a start
+   until it brackets the limit, then bisects geometrically until ``hi / lo <= 1 + tolerance``
+   or the probe budget is spent. A probe also records the rate the worker *served*: completed
+   requests over the span from the first to the last completion. A short probe above the
+   worker's capacity can still pass the SLO (its queue grows, but not yet past the SLO); its
+   served rate is then the capacity, below the offered rate. ``ctx_rate`` = the highest
+   ``min(offered, served)`` of the passing probes (requests/s per context worker). A probe sends
+   ``max(min_prompts, rate * probe_seconds)`` requests. These are ordinary requests, so the
+   context worker's cost of serving KV to generation workers (the transfer's sends) is not in
+   this number; the end-to-end check (5) includes it.
 2. **Generation side** (``--generation-url``, one generation worker started with
    ``--benchmark-gen-only``). For each concurrency ``c``: ``c * rounds`` generation-only requests
    (``disaggregated_params: {request_type: generation_only}``, ``ignore_eos``, ``max_tokens =
@@ -34,9 +39,15 @@ so that prefix caching never helps) on ``/v1/completions``, streamed.
    TTFT percentile meets the SLO (the disaggregated points meet it by construction).
 5. ``--verify``: for frontier points, the integer cluster (``n_ctx`` context + ``n_gen``
    generation workers, within ``--verify-max-devices``) with the best predicted throughput per
-   device is started with ``disagg launch`` on this machine and measured end to end at
-   ``n_gen * c`` concurrent full requests through its router; the result gives the gap to the
-   prediction for that same cluster (``predict_cluster``).
+   device is started with ``disagg launch`` on this machine and measured end to end with full
+   requests through its router, in a closed loop; the result gives the gap to the prediction
+   for that same cluster (``predict_cluster``). The loop keeps ``n_gen * c`` requests on the
+   generation workers plus, by Little's law, ``round(predicted rate * unloaded TTFT)`` more for
+   the ones at the context side (queue, prefill, KV transfer): with only ``n_gen * c`` in flight
+   the generation workers would hold fewer than ``c`` each. Its throughput is the steady-state
+   one (``metrics.steady_state_output_throughput``: from the first completion to the last
+   send), not diluted by the closed loop's ramp-up and drain; ``rounds * concurrency``
+   requests, at least 6 rounds.
 
 JSON result (``kind: disagg-bench-rate-match``, ``version: 1``)
 ----------------------------------------------------------------
@@ -49,8 +60,8 @@ JSON result (``kind: disagg-bench-rate-match``, ``version: 1``)
                  "ctx_rate": req/s per context worker | null (no probe passed),
                  "bracketed": false when every probe passed (the limit lies higher),
                  "probes": [{"rate", "num_requests", "ttft_ms" (at the percentile), "passed",
-                             "completed", "failed", "request_throughput", "mean_ttft_ms",
-                             "p99_ttft_ms", "duration_s", "errors"}]},
+                             "served_rate", "completed", "failed", "request_throughput",
+                             "mean_ttft_ms", "p99_ttft_ms", "duration_s", "errors"}]},
      "generation": {"url", "devices",
                     "points": [{"concurrency", "num_requests", "completed", "failed",
                                 "output_throughput", "tokens_per_s_per_user", "request_rate",
@@ -68,11 +79,14 @@ JSON result (``kind: disagg-bench-rate-match``, ``version: 1``)
                                        "p99_ttft_ms", "duration_s", "errors"}],
                            "frontier": [...points on the baseline frontier]},
      "verify": null | [{"concurrency_per_gen", "num_ctx", "num_gen", "devices",
-                        "concurrency", "predicted": {"tokens_per_s_per_user",
-                        "tput_per_device", "output_throughput", "bound"},
+                        "concurrency" (on the generation workers), "predicted":
+                        {"tokens_per_s_per_user", "tput_per_device", "output_throughput",
+                        "request_rate", "bound"},
                         "measured": {"tokens_per_s_per_user", "tput_per_device",
-                        "output_throughput", "completed", "failed", "p99_tpot_ms",
-                        "p99_ttft_ms", "mean_ttft_ms"},
+                        "output_throughput" (steady state), "run_output_throughput" (whole
+                        run), "in_flight" (the closed loop's concurrency),
+                        "unloaded_ttft_ms", "completed", "failed", "p99_tpot_ms",
+                        "p99_ttft_ms", "mean_ttft_ms", "mean_tpot_ms"},
                         "gap_tput_per_device", "gap_tokens_per_s_per_user"}]}
 
 Gaps are ``(measured - predicted) / predicted`` (negative: end to end below the prediction).
@@ -97,7 +111,7 @@ from typing import Any, TextIO
 
 from disagg.bench.client import Transport, make_transport
 from disagg.bench.datasets import SampleRequest, TokenizerLike, sample_random
-from disagg.bench.metrics import percentile_key
+from disagg.bench.metrics import RequestRecord, percentile_key
 from disagg.bench.runner import BenchmarkConfig, BenchmarkError, resolve_model, run_benchmark
 
 RESULT_KIND = "disagg-bench-rate-match"
@@ -349,6 +363,23 @@ def predict_at_rate(ctx_rate: float, gen_points: Sequence[dict[str, Any]], osl: 
     }
 
 
+def served_rate(records: Sequence[RequestRecord]) -> float | None:
+    """Requests/s a worker completed during a run: (completed - 1) over the span from the first
+    to the last completion; None with fewer than two completions (or no span)."""
+    ends = sorted(r.start + r.e2el for r in records if r.success)
+    if len(ends) < 2 or ends[-1] <= ends[0]:
+        return None
+    return (len(ends) - 1) / (ends[-1] - ends[0])
+
+
+def context_rate(probes: Sequence[dict[str, Any]]) -> float | None:
+    """The context worker's rate within the TTFT SLO: the highest ``min(offered, served)``
+    over the passing probes (module docstring, 1), or None when none passed."""
+    rates = [min(p["rate"], p["served_rate"]) if p.get("served_rate") else p["rate"]
+             for p in probes if p["passed"]]
+    return max(rates) if rates else None
+
+
 def best_integer_cluster(ctx_rate: float, gen_point: dict[str, Any], osl: int,
                          max_devices: float, ctx_devices: float = 1.0,
                          gen_devices: float = 1.0) -> tuple[int, int] | None:
@@ -443,14 +474,20 @@ class RateMatcher:
     async def probe_context(self, rate: float) -> dict[str, Any]:
         c = self.cfg
         n = max(c.ctx_min_prompts, math.ceil(rate * c.ctx_probe_seconds))
-        s = await self._run(self._bench_config(c.context_url, request_rate=rate, ignore_eos=True),
-                            self.samples.take(n, 1))
+        assert self.transport is not None
+        res = await run_benchmark(self._bench_config(c.context_url, request_rate=rate,
+                                                     ignore_eos=True, exact_rate=True),
+                                  self.samples.take(n, 1), transport=self.transport)
+        s = res.summary
         ttft = s[f"{self.pkey}_ttft_ms"]
         passed = s["failed"] == 0 and s["completed"] > 0 and ttft <= c.ttft_slo_ms
+        served = served_rate(res.records)
         _log(self.progress, f"context: {rate:.3g} req/s x {n}: TTFT {self.pkey} {ttft:.0f} ms "
-                            f"(SLO {c.ttft_slo_ms:g}), {s['failed']} failed: "
-                            f"{'pass' if passed else 'fail'}")
+                            f"(SLO {c.ttft_slo_ms:g}), served "
+                            f"{'?' if served is None else f'{served:.3g}'} req/s, "
+                            f"{s['failed']} failed: {'pass' if passed else 'fail'}")
         return {"rate": rate, "num_requests": n, "ttft_ms": ttft, "passed": passed,
+                "served_rate": served,
                 **_summary_subset(s, ("completed", "failed", "request_throughput",
                                       "mean_ttft_ms", "p99_ttft_ms", "duration_s", "errors"))}
 
@@ -468,7 +505,7 @@ class RateMatcher:
                 lone = s["mean_ttft_ms"] / 1000.0
             start = 0.5 / max(lone, 1e-3)
         probes: list[dict[str, Any]] = []
-        lo: float | None = None  # highest passing rate
+        lo: float | None = None  # highest passing offered rate
         hi: float | None = None  # lowest failing rate
         rate = start
         while len(probes) < c.ctx_max_probes:
@@ -486,10 +523,11 @@ class RateMatcher:
                 break
             else:
                 rate = math.sqrt(lo * hi)
-        _log(self.progress, f"context: {lo if lo is None else f'{lo:.3g}'} req/s per worker "
-                            f"within TTFT {self.pkey} <= {c.ttft_slo_ms:g} ms")
+        ctx_rate = context_rate(probes)
+        _log(self.progress, f"context: {'none' if ctx_rate is None else f'{ctx_rate:.3g}'} "
+                            f"req/s per worker within TTFT {self.pkey} <= {c.ttft_slo_ms:g} ms")
         return {"url": c.context_url, "devices": c.ctx_devices, "ttft_slo_ms": c.ttft_slo_ms,
-                "ttft_percentile": c.ttft_percentile, "ctx_rate": lo,
+                "ttft_percentile": c.ttft_percentile, "ctx_rate": ctx_rate,
                 "bracketed": lo is not None and hi is not None, "probes": probes}
 
     # --------------------------------------------------------------- concurrency runs
@@ -547,10 +585,38 @@ class RateMatcher:
         return {"url": c.aggregated_url, "devices": c.agg_devices, "points": points,
                 "frontier": [points[ok[i]] for i in front]}
 
-    async def run_end_to_end(self, url: str, concurrency: int) -> dict[str, Any]:
-        """Full requests through a router at ``concurrency``; the measured side of verify."""
-        await self.warmup(url, self.cfg.osl, concurrency=concurrency)
-        return await self.concurrency_point(url, concurrency, False, "end to end")
+    async def run_end_to_end(self, url: str, concurrency: int,
+                             predicted_rate: float | None = None) -> dict[str, Any]:
+        """Full requests through a router, the measured side of verify: a closed loop that
+        keeps ``concurrency`` requests on the generation workers, plus ``round(predicted_rate
+        * unloaded TTFT)`` at the context side (Little's law; the module docstring)."""
+        c = self.cfg
+        ttfts = await self.warmup(url, c.osl, concurrency=concurrency)
+        if not ttfts:  # no warmups asked: one request alone gives the unloaded TTFT
+            s = await self._run(self._bench_config(url, ignore_eos=True),
+                                self.samples.take(1, c.osl))
+            ttfts = [s["mean_ttft_ms"] / 1000.0]
+        unloaded = min(ttfts)
+        in_flight = concurrency + (round(predicted_rate * unloaded) if predicted_rate else 0)
+        n = max(c.gen_rounds, 6) * in_flight
+        s = await self._run(self._bench_config(url, max_concurrency=in_flight, ignore_eos=True),
+                            self.samples.take(n, c.osl))
+        tpot = s["mean_tpot_ms"]
+        speed = 1000.0 / tpot if tpot > 0 else 0.0
+        steady = s.get("steady_output_throughput")
+        tput = steady if steady is not None else s["output_throughput"]
+        _log(self.progress, f"end to end: {in_flight} in flight ({concurrency} + "
+                            f"{in_flight - concurrency} at the context side, unloaded TTFT "
+                            f"{unloaded * 1000:.0f} ms) x {n}: {tput:.1f} tok/s steady "
+                            f"({s['output_throughput']:.1f} over the run), {speed:.1f} "
+                            f"tok/s/user, {s['failed']} failed")
+        return {"concurrency": concurrency, "in_flight": in_flight, "num_requests": n,
+                "unloaded_ttft_ms": unloaded * 1000.0, "output_throughput": tput,
+                "run_output_throughput": s["output_throughput"],
+                "tokens_per_s_per_user": speed,
+                **_summary_subset(s, ("completed", "failed", "mean_tpot_ms", "median_tpot_ms",
+                                      "p99_tpot_ms", "mean_ttft_ms", "p99_ttft_ms",
+                                      "duration_s", "errors"))}
 
 
 def verify_choices(result: dict[str, Any], max_devices: float, num_points: int,
@@ -596,7 +662,9 @@ def finish_verify_point(choice: dict[str, Any], measured: dict[str, Any]) -> dic
     m = {"tokens_per_s_per_user": measured["tokens_per_s_per_user"],
          "tput_per_device": measured["output_throughput"] / devices,
          **{k: measured[k] for k in ("output_throughput", "completed", "failed", "p99_tpot_ms",
-                                     "p99_ttft_ms", "mean_ttft_ms", "mean_tpot_ms")}}
+                                     "p99_ttft_ms", "mean_ttft_ms", "mean_tpot_ms")},
+         **{k: measured.get(k) for k in ("run_output_throughput", "in_flight",
+                                         "unloaded_ttft_ms")}}
     pred = choice["predicted"]
     return {**choice, "measured": m,
             "gap_tput_per_device": gap(m["tput_per_device"], pred["tput_per_device"]),
@@ -842,7 +910,8 @@ def launch_verifier(model_dir: str, worker_options: dict[str, Any], log_dir: str
             with LaunchedCluster(model_dir, m.cfg.model, ch["num_ctx"], ch["num_gen"],
                                  worker_options, os.path.join(log_dir, f"verify-{i}"),
                                  timeout_s) as url:
-                out.append(await m.run_end_to_end(url, ch["concurrency"]))
+                out.append(await m.run_end_to_end(url, ch["concurrency"],
+                                                  ch["predicted"]["request_rate"]))
         return out
 
     return verify

@@ -49,6 +49,9 @@ class BenchmarkConfig:
     model: str = ""  # empty: the first model /v1/models lists
     request_rate: float = math.inf  # requests/s; inf sends everything at once
     burstiness: float = 1.0  # gamma shape; 1 = Poisson
+    # Scale the sampled gaps so the run's realized rate is exactly request_rate
+    # (arrivals.arrival_offsets); rate matching's probes use it.
+    exact_rate: bool = False
     max_concurrency: int | None = None
     use_trace_timestamps: bool = True  # replay SampleRequest.timestamp when all have one
     ignore_eos: bool = False
@@ -186,7 +189,8 @@ def schedule_offsets(config: BenchmarkConfig, samples: Sequence[SampleRequest]) 
     """Send time of each sample (s): trace timestamps when present, else the arrival process."""
     if config.use_trace_timestamps and samples and all(s.timestamp is not None for s in samples):
         return trace_offsets([float(s.timestamp) for s in samples])  # type: ignore[arg-type]
-    return arrival_offsets(len(samples), config.request_rate, config.burstiness, config.seed)
+    return arrival_offsets(len(samples), config.request_rate, config.burstiness, config.seed,
+                           exact_rate=config.exact_rate)
 
 
 async def resolve_model(config: BenchmarkConfig, transport: Transport) -> str:
