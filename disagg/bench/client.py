@@ -18,6 +18,10 @@ from typing import Any, Protocol
 from disagg.bench.metrics import RequestRecord, compute_itls
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+# Idle pooled connections are dropped after this, before a server closes them: uvicorn (vLLM,
+# SGLang, trtllm-serve, our workers' default) closes idle keep-alive connections after 5 s, and
+# a request sent on a connection the server is closing fails with "connection reset".
+CLIENT_KEEP_ALIVE_S = 4.0
 
 
 class HTTPStatusError(Exception):
@@ -118,7 +122,8 @@ class AiohttpTransport:
         # limit=0: no connection cap (aiohttp's default of 100 would silently cap concurrency).
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=timeout_s),
-            connector=aiohttp.TCPConnector(limit=0), trust_env=False)
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEP_ALIVE_S),
+            trust_env=False)
 
     @asynccontextmanager
     async def stream(self, url: str, headers: dict[str, str],
@@ -144,7 +149,8 @@ class HttpxTransport:
 
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None,
+                                keepalive_expiry=CLIENT_KEEP_ALIVE_S),
             trust_env=False)
 
     @asynccontextmanager

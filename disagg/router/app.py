@@ -57,6 +57,8 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 DONE = b"data: [DONE]\n\n"
 MAX_BODY_BYTES = 64 << 20  # long prompts as token id lists are large
 CONNECT_TIMEOUT_S = 5.0
+# Idle upstream connections are dropped before a worker closes them (bench.client explains).
+UPSTREAM_KEEP_ALIVE_S = 4.0
 LARGE_BODY_BYTES = 32 << 10  # requests above this are tokenized on a thread, not the loop
 
 
@@ -233,7 +235,8 @@ class Router:
         # One session, keep-alive connections, no pool limit (long streams must not starve
         # the others of connections).
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300),
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300,
+                                           keepalive_timeout=UPSTREAM_KEEP_ALIVE_S),
             timeout=timeout, auto_decompress=False)
         await self.membership.start(self.session)
 

@@ -25,6 +25,12 @@ from typing import Any
 
 from disagg.config import CapacityPolicy, ConfigError, read_yaml
 
+# Idle keep-alive connections stay open this long (uvicorn's default is 5 s). A client whose pool
+# keeps idle connections longer than the server reuses one just as the server closes it and
+# gets "connection reset" on a request the server never saw; common pools keep them 5-60 s
+# (httpx 5, aiohttp 15, nginx 60), the router's and bench client's less (CLIENT_KEEP_ALIVE_S).
+SERVER_KEEP_ALIVE_S = 75
+
 logger = logging.getLogger("disagg.server")
 
 
@@ -318,6 +324,7 @@ def run_server(
 
     uv_config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, lifespan="on",
+        timeout_keep_alive=SERVER_KEEP_ALIVE_S,
         # A backstop only: by then our own drain has aborted every request.
         timeout_graceful_shutdown=int(drain_timeout) + 5,
     )
