@@ -15,7 +15,7 @@ import torch
 
 from disagg.config import EngineConfig
 from disagg.model.attention import AttentionMetadata
-from disagg.model.kernels import paged_decode_kernel
+from disagg.model.kernels import paged_decode_kernel, small_linear_kernel
 from disagg.model.loader import allocate_kv_cache, kv_cache_bytes_per_block, load_model
 from disagg.parallel.layout import ParallelLayout
 from disagg.scheduler import SchedulerOutput
@@ -74,6 +74,8 @@ class ModelRunner:
             # Decode attention straight from the paged cache (built once, cached on disk);
             # None keeps the PyTorch gather path.
             self.model.workspace.decode_kernel = paged_decode_kernel()
+            # Linear layers on few rows (decode batches) through the small-M GEMM; None: torch.
+            self.model.use_linear_kernel(small_linear_kernel())
         num_blocks = self._decide_num_blocks()
         self.num_blocks = agree_num_blocks(num_blocks) if agree_num_blocks else num_blocks
         self.kv_cache = allocate_kv_cache(

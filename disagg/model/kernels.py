@@ -1,14 +1,20 @@
 """Optional compiled CPU kernels, built on first use with the local C++ compiler.
 
-``paged_decode_kernel()`` returns the decode attention of ``csrc/paged_attention.cpp`` (reads
-the paged KV cache in place instead of gathering it), or None when it cannot be had: not on a
-CPU, no compiler / ninja, a failed build, or ``DISAGG_CPU_KERNELS=0``. Callers then use the
-pure-PyTorch path, which gives the same results (tests compare the two).
+- ``paged_decode_kernel()``: the decode attention of ``csrc/paged_attention.cpp`` (reads the
+  paged KV cache in place instead of gathering it);
+- ``small_linear_kernel()``: ``csrc/small_gemm.cpp``, ``x @ w.T (+ bias)`` for a few rows
+  (decode batches), where BLAS is slow; ``small_linear_applies`` says when to use it.
 
-The build goes to ``$DISAGG_CACHE_DIR`` (default ``~/.cache/disagg``) ``/kernels/<key>``, the
-key hashing the source, the torch version and this CPU's model and flags (``-march=native``),
-so a cache shared between different machines never loads a foreign build. Concurrent builds
-(several workers starting at once) are serialised by torch's build lock.
+Each returns None when it cannot be had: not on a CPU, no compiler / ninja, a failed build, or
+switched off by ``DISAGG_CPU_KERNELS``: ``0`` (or false/no/off) disables both, a comma list
+such as ``attention`` or ``linear`` enables only those named, unset / ``1`` enables all.
+Callers then use the pure-PyTorch path, which gives the same results (tests compare the two).
+
+Each kernel is built to ``$DISAGG_CACHE_DIR`` (default ``~/.cache/disagg``)
+``/kernels/<source stem>-<key>``, the key hashing its source, the torch version and this
+CPU's model and flags (``-march=native``), so a cache shared between different machines never
+loads a foreign build and an edited source is rebuilt. Concurrent builds (several workers
+starting at once) are serialised by torch's build lock.
 """
 
 from __future__ import annotations
@@ -19,18 +25,36 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_ATTENTION_SOURCE = _CSRC / "paged_attention.cpp"
+_LINEAR_SOURCE = _CSRC / "small_gemm.cpp"
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
                         torch.Tensor]
+# (x [M, K], w [N, K], bias [N] | None) -> x @ w.T (+ bias), float32, [M, N]
+LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+KERNEL_NAMES = ("attention", "linear")
+# Up to this many rows the small-M kernel beats torch's GEMM (one Zen 3 core: 1.1-2.4x for
+# 1..32 rows with K = 512..4096; at 48 rows from +4% to -4% by shape, even at 64; see
+# docs/DESIGN.md section 5); more rows (prefill) go to F.linear.
+SMALL_LINEAR_MAX_ROWS = 32
 
 
-def kernels_enabled() -> bool:
-    return os.environ.get("DISAGG_CPU_KERNELS", "1") not in ("0", "false", "no", "off")
+def kernels_enabled(name: str | None = None) -> bool:
+    """Whether ``DISAGG_CPU_KERNELS`` allows kernel ``name`` (None: any kernel at all)."""
+    value = os.environ.get("DISAGG_CPU_KERNELS", "1").strip().lower()
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    if value in ("1", "true", "yes", "on", "all"):
+        return True
+    names = {v.strip() for v in value.split(",")}
+    return bool(names & set(KERNEL_NAMES)) if name is None else name in names
 
 
 def _cpu_signature() -> str:
@@ -42,30 +66,62 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-def _build_dir() -> Path:
+def _build_dir(source: Path) -> Path:
     key = hashlib.sha256(b"\0".join([
-        _SOURCE.read_bytes(), torch.__version__.encode(), _cpu_signature().encode()])).hexdigest()
+        source.read_bytes(), torch.__version__.encode(), _cpu_signature().encode()])).hexdigest()
     root = Path(os.environ.get("DISAGG_CACHE_DIR", Path.home() / ".cache" / "disagg"))
-    path = root / "kernels" / key[:16]
+    path = root / "kernels" / f"{source.stem}-{key[:16]}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
-@functools.lru_cache(maxsize=1)
-def paged_decode_kernel() -> DecodeKernel | None:
-    """The compiled kernel (built once per process, cached on disk), or None."""
-    if not kernels_enabled():
-        return None
+def _build(name: str, source: Path, what: str, fallback: str) -> Any | None:
+    """The extension module built from ``source``, or None (with a warning) on failure."""
     try:
         from torch.utils.cpp_extension import load
 
-        module = load(
-            name="disagg_paged_attention", sources=[str(_SOURCE)],
-            build_directory=str(_build_dir()),
+        return load(
+            name=name, sources=[str(source)], build_directory=str(_build_dir(source)),
             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
             verbose=False)
     except Exception as e:  # no compiler, no ninja, a failed build: the PyTorch path serves
-        logger.warning("CPU paged attention kernel unavailable (%s); using the PyTorch "
-                       "gather path", str(e).splitlines()[0] if str(e) else repr(e))
+        logger.warning("CPU %s kernel unavailable (%s); using %s", what,
+                       str(e).splitlines()[0] if str(e) else repr(e), fallback)
         return None
-    return module.paged_decode_attention
+
+
+@functools.lru_cache(maxsize=1)
+def paged_decode_kernel() -> DecodeKernel | None:
+    """The compiled decode attention (built once per process, cached on disk), or None."""
+    if not kernels_enabled("attention"):
+        return None
+    module = _build("disagg_paged_attention", _ATTENTION_SOURCE, "paged attention",
+                    "the PyTorch gather path")
+    return None if module is None else module.paged_decode_attention
+
+
+@functools.lru_cache(maxsize=1)
+def small_linear_kernel() -> LinearKernel | None:
+    """The compiled small-M linear (built once per process, cached on disk), or None.
+
+    Only for the inputs ``small_linear_applies`` accepts; it raises on others.
+    """
+    if not kernels_enabled("linear"):
+        return None
+    module = _build("disagg_small_gemm", _LINEAR_SOURCE, "small-M linear", "torch's GEMM")
+    return None if module is None else module.small_linear
+
+
+def small_linear_applies(x: torch.Tensor, weight: torch.Tensor,
+                         bias: torch.Tensor | None) -> bool:
+    """Whether ``small_linear_kernel()(x, weight, bias)`` serves ``F.linear(x, weight, bias)``:
+    float32 CPU tensors, ``x`` 2-D with 1..SMALL_LINEAR_MAX_ROWS rows and a dense last dim, a
+    contiguous weight (and bias), and no autograd to record."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= SMALL_LINEAR_MAX_ROWS
+            and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and x.device.type == "cpu" and weight.device.type == "cpu"
+            and x.stride(1) == 1 and weight.is_contiguous()
+            and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu"
+                                  and bias.is_contiguous()))
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                                  or (bias is not None and bias.requires_grad))))

@@ -29,6 +29,7 @@ from torch import nn
 
 from disagg.config import ConfigError, ModelConfig
 from disagg.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
+from disagg.model.kernels import LinearKernel, small_linear_applies
 from disagg.parallel.layout import kv_head_replicas, tp_kv_head_range
 
 
@@ -43,6 +44,20 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that hands few-row float32 CPU inputs (decode batches) to the compiled
+    small-M kernel when the model was given one (``use_linear_kernel``; ``kernels.py``)."""
+
+    small_m_kernel: LinearKernel | None = None
+
+    def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        bias = self.bias if add_bias else None
+        kernel = self.small_m_kernel
+        if kernel is not None and small_linear_applies(x, self.weight, bias):
+            return kernel(x, self.weight, bias)
+        return nn.functional.linear(x, self.weight, bias)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -124,10 +139,10 @@ class Attention(nn.Module):
         # Llama's `attention_bias` also adds an o_proj bias; Qwen2 has q/k/v bias only.
         o_bias = config.attention_bias and config.architecture != "qwen2"
         h = config.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=qkv_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=o_bias)
+        self.q_proj = Linear(h, self.num_heads * d, bias=qkv_bias)
+        self.k_proj = Linear(h, self.num_kv_heads * d, bias=qkv_bias)
+        self.v_proj = Linear(h, self.num_kv_heads * d, bias=qkv_bias)
+        self.o_proj = Linear(self.num_heads * d, h, bias=o_bias)
         self._reduce = reduce
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -142,8 +157,8 @@ class Attention(nn.Module):
         o = paged_attention(q, k, v, kv_layer, meta, self.scale, workspace)
         # Row-parallel o_proj: sum the ranks' partial products, then add the (replicated)
         # bias once.
-        out = self._reduce(nn.functional.linear(o.reshape(t, self.num_heads * self.head_dim),
-                                                self.o_proj.weight))
+        out = self._reduce(self.o_proj(o.reshape(t, self.num_heads * self.head_dim),
+                                       add_bias=False))
         return out if self.o_proj.bias is None else out + self.o_proj.bias
 
 
@@ -155,9 +170,9 @@ class MLP(nn.Module):
         super().__init__()
         h = config.hidden_size
         self.intermediate_size = _split(config.intermediate_size, tp_size, "intermediate_size")
-        self.gate_proj = nn.Linear(h, self.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(h, self.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(self.intermediate_size, h, bias=False)
+        self.gate_proj = Linear(h, self.intermediate_size, bias=False)
+        self.up_proj = Linear(h, self.intermediate_size, bias=False)
+        self.down_proj = Linear(self.intermediate_size, h, bias=False)
         self._reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -224,7 +239,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config)
         self.workspace = GatherWorkspace()  # scratch for paged attention, shared by the layers
         self.model = LlamaModel(config, self.layer_range, tp_size, self._reduce)
-        self.lm_head = (nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (Linear(config.hidden_size, config.vocab_size, bias=False)
                         if self.model.is_last else None)
         self.tie_weights()
 
@@ -233,6 +248,13 @@ class LlamaForCausalLM(nn.Module):
         if (self.config.tie_word_embeddings and self.lm_head is not None
                 and self.model.embed_tokens is not None):
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def use_linear_kernel(self, kernel: LinearKernel | None) -> None:
+        """Let every projection and the LM head use ``kernel`` for few-row inputs (None: torch
+        only). The runner sets it on CPU, as it sets the attention kernel."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.small_m_kernel = kernel
 
     @property
     def is_first_stage(self) -> bool:
