@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import json
 import math
 import os
 import platform
@@ -128,7 +129,7 @@ def _pin(cpu: int | None) -> Any:
 
 
 def start_worker(model: str, name: str, role: str, cpu: int, port: int, logs: Path,
-                 *extra: str) -> Proc:
+                 max_num_tokens: int, *extra: str) -> Proc:
     log = logs / f"{name}.log"
     env = {**os.environ, "DISAGG_CLUSTER_TOKEN": TOKEN, "OMP_NUM_THREADS": "1",
            "OMP_WAIT_POLICY": "PASSIVE"}
@@ -136,7 +137,8 @@ def start_worker(model: str, name: str, role: str, cpu: int, port: int, logs: Pa
         p = subprocess.Popen(
             [sys.executable, "-m", "disagg.cli", "serve", model, "--port", str(port), "--role",
              role, "--served-model-name", NAME, "--log-level", "warning", "--kv-cache-tokens",
-             "32768", "--max-model-len", "1024", "--kv-transfer-backend", "TCP", *extra],
+             "32768", "--max-model-len", "1024", "--max-num-tokens", str(max_num_tokens),
+             "--kv-transfer-backend", "TCP", *extra],
             stdout=f, stderr=subprocess.STDOUT, env=env, preexec_fn=_pin(cpu), cwd=ROOT)
     return Proc(name, p, f"http://127.0.0.1:{port}", log, cpu)
 
@@ -371,6 +373,10 @@ def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
     L.append("")
     L.append(f"Produced by `python bench/disagg_vs_aggregated.py` ({data['command']}); every "
              "number below is the script's own output.")
+    if data.get("report_rewritten"):
+        L.append("")
+        L.append(f"Report text rewritten from the saved JSON on {data['report_rewritten'][:16]} "
+                 f"(`--from-json`); the measurements are those of the original run.")
     L.append("")
     L += [f"- {m}" for m in machine()]
     L.append(f"- model: random llama {SIZES}, {data['params_m']:.1f} M parameters, float32, "
@@ -382,6 +388,14 @@ def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
              "`--benchmark-gen-only`, which changes nothing for routed requests) pinned to core 1, "
              "KV over TCP, router; aggregated: two workers pinned to cores 0 and 1 behind the "
              "router (`load_balancing`). Router and load generator unpinned (CPU shares below)")
+    per_step = max(1, args.max_num_tokens // args.isl)
+    L.append(f"- every worker: `--max-num-tokens {args.max_num_tokens}` (at most {per_step} "
+             f"{args.isl}-token prompts per step"
+             + ("; with more, a deep context queue is prefilled in one long step and its "
+                "requests reach the generation worker together" if per_step <= 2 else
+                ": a deep context queue is prefilled in long steps whose requests reach the "
+                "generation worker together")
+             + "), `--kv-cache-tokens 32768`")
     L.append(f"- SLOs: TTFT p{args.ttft_percentile:g} <= {args.ttft_slo:g} ms for the context "
              f"rate; goodput counts requests with TTFT <= {args.ttft_slo:g} ms and TPOT <= "
              f"{args.tpot_slo:g} ms")
@@ -576,7 +590,14 @@ def explain(data: dict[str, Any]) -> list[str]:
             f"{pr['bound']}), {me.get('in_flight', v['concurrency'])} in flight: the "
             f"generation worker held {on_gen:.1f} requests on average (steady request rate x "
             f"decode time), each request spent {me['mean_ttft_ms']:.0f} ms (mean TTFT: "
-            f"context queue, prefill, KV transfer) before it.")
+            f"context queue, prefill, KV transfer) before it."
+            + (f" Its TTFT p99 ({me['p99_ttft_ms']:.0f} ms) is past the SLO "
+               f"({data['args']['ttft_slo']:g} ms at p{data['args']['ttft_percentile']:g}): "
+               f"the closed loop queues requests at the context worker beyond what the SLO "
+               f"allows, so it served {me['output_throughput'] / osl:.3f} req/s, more than "
+               f"its rate within the SLO ({rm['context']['ctx_rate']:.3f} req/s) that the "
+               f"prediction uses." if pr["bound"] == "context"
+               and me["p99_ttft_ms"] > data["args"]["ttft_slo"] else ""))
     agg = rm.get("aggregated") or {}
     if agg.get("points"):
         best = max(agg["points"], key=lambda p: p["output_throughput"])
@@ -652,6 +673,10 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="default: --out with .json")
     ap.add_argument("--isl", type=int, default=512)
     ap.add_argument("--osl", type=int, default=64)
+    ap.add_argument("--max-num-tokens", type=int, default=1024,
+                    help="every worker's tokens per iteration: two prompts per step, so a "
+                         "deep queue does not turn into one long prefill step whose requests "
+                         "all reach the generation worker at once")
     ap.add_argument("--ttft-slo", type=float, default=2000.0, help="ms")
     ap.add_argument("--ttft-percentile", type=float, default=90.0)
     ap.add_argument("--tpot-slo", type=float, default=100.0, help="ms, goodput only")
@@ -672,7 +697,21 @@ def main() -> int:
     ap.add_argument("--max-other", type=float, default=0.25, metavar="CORES",
                     help="redo a step during which other processes used more than this")
     ap.add_argument("--attempts", type=int, default=3, help="tries per step")
+    ap.add_argument("--from-json", default=None, metavar="JSON",
+                    help="measure nothing: rewrite the report (and its notes) from a saved "
+                         "result JSON, e.g. after the report's wording changed")
     args = ap.parse_args()
+    if args.from_json:
+        data = json.loads(Path(args.from_json).read_text())
+        data["notes"] = explain(data)
+        data["report_rewritten"] = datetime.datetime.now().astimezone().isoformat(
+            timespec="seconds")
+        saved = argparse.Namespace(**data["args"])
+        md = os.path.splitext(args.from_json)[0] + ".md"
+        save_result(data, args.from_json)
+        Path(md).write_text(report(data, saved, os.path.splitext(md)[0] + ".png"))
+        print(f"rewrote {md} from {args.from_json}")
+        return 0
     png = args.png or os.path.splitext(args.out)[0] + ".png"
     json_path = args.json or os.path.splitext(args.out)[0] + ".json"
     concs = tuple(int(x) for x in args.concurrency.split(","))
@@ -699,8 +738,9 @@ def main() -> int:
     guard = Guard(data["steps"], args.wait_quiet, args.max_other, args.attempts)
     # ---- phase 1: disaggregated cluster
     ports = free_ports(3)
-    ctx = start_worker(model, "context worker", "context", 0, ports[0], tmp)
-    gen = start_worker(model, "generation worker", "generation", 1, ports[1], tmp,
+    mnt = args.max_num_tokens
+    ctx = start_worker(model, "context worker", "context", 0, ports[0], tmp, mnt)
+    gen = start_worker(model, "generation worker", "generation", 1, ports[1], tmp, mnt,
                        "--benchmark-gen-only")
     procs = [ctx, gen]
     try:
@@ -770,8 +810,8 @@ def main() -> int:
 
     # ---- phase 2: aggregated cluster
     ports = free_ports(3)
-    a0 = start_worker(model, "aggregated worker 0", "aggregated", 0, ports[0], tmp)
-    a1 = start_worker(model, "aggregated worker 1", "aggregated", 1, ports[1], tmp)
+    a0 = start_worker(model, "aggregated worker 0", "aggregated", 0, ports[0], tmp, mnt)
+    a1 = start_worker(model, "aggregated worker 1", "aggregated", 1, ports[1], tmp, mnt)
     procs = [a0, a1]
     try:
         wait_healthy(procs)
