@@ -8,7 +8,12 @@
    a bare forward of the same weights on contiguous K/V tensors for the same batch: efficiency =
    bare / engine.
 
-    python bench/engine_throughput.py [--batch-size 16] [--num-requests 64] [--out FILE.md]
+The machines are shared and their speed drifts by tens of percent over minutes, so the two
+systems run ``--repeats`` times alternately (engine, transformers, engine, ...) and the ratio
+reported is the median of the per-pair ratios, each pair measured back to back.
+
+    python bench/engine_throughput.py [--batch-size 16] [--num-requests 64] [--repeats 3]
+                                      [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -169,6 +174,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="alternate engine and transformers runs this many times")
     ap.add_argument("--decode-ctx", type=int, default=384)
     ap.add_argument("--decode-steps", type=int, default=20)
     ap.add_argument("--out", default=None, help="append a markdown report here")
@@ -182,13 +189,21 @@ def main() -> None:
 
         special = set(load_tokenizer(model_dir).all_special_ids)
         work = workload(args.num_requests, 500, special, args.seed)
-        e_time, e_tok = run_engine(model_dir, work, args.batch_size)
-        h_time, h_tok = run_transformers(model_dir, work, args.batch_size)
+        pairs = []  # (engine seconds, transformers seconds), each pair back to back
+        for _ in range(args.repeats):
+            e_time, e_tok = run_engine(model_dir, work, args.batch_size)
+            h_time, h_tok = run_transformers(model_dir, work, args.batch_size)
+            pairs.append((e_time, h_time))
         split = step_split(model_dir, work, args.batch_size)
         step_engine, step_bare = decode_efficiency(model_dir, args.batch_size, args.decode_ctx,
                                                    args.decode_steps)
 
-    e_tps, h_tps = e_tok / e_time, h_tok / h_time
+    assert e_tok == h_tok
+    ratios = [h / e for e, h in pairs]  # same token count: tokens/s ratio = time ratio
+    rows = [
+        f"| {i + 1} | {e:.1f} | {e_tok / e:.1f} | {h:.1f} | {h_tok / h:.1f} | {h / e:.2f}x |"
+        for i, (e, h) in enumerate(pairs)
+    ]
     lines = [
         f"## engine_throughput ({time.strftime('%Y-%m-%d')})",
         "",
@@ -199,12 +214,12 @@ def main() -> None:
         f"- workload: {args.num_requests} requests, prompt 32-512, output 16-256 tokens "
         f"(seed {args.seed}), {e_tok} output tokens; batch size {args.batch_size}",
         "",
-        "| system | output tokens | seconds | tokens/s |",
-        "|---|---|---|---|",
-        f"| disagg engine (in-flight batching) | {e_tok} | {e_time:.1f} | {e_tps:.1f} |",
-        f"| transformers generate (static batches) | {h_tok} | {h_time:.1f} | {h_tps:.1f} |",
+        "| pair | disagg engine s | tokens/s | transformers generate s | tokens/s | ratio |",
+        "|---|---|---|---|---|---|",
+        *rows,
         "",
-        f"**throughput ratio disagg / transformers: {e_tps / h_tps:.2f}x**",
+        f"**throughput ratio disagg / transformers (median of {len(pairs)} pairs): "
+        f"{statistics.median(ratios):.2f}x** (range {min(ratios):.2f}x-{max(ratios):.2f}x)",
         "",
         f"Decode step, batch {args.batch_size}, context {args.decode_ctx}, median of "
         f"{args.decode_steps} steps: engine {step_engine * 1e3:.1f} ms, bare contiguous forward "
