@@ -14,9 +14,11 @@ Steps, in one run:
 
 1. Rate matching (``disagg.bench.ratematch``): the context worker's highest Poisson rate with
    TTFT p90 <= ``--ttft-slo``; the generation worker (``--benchmark-gen-only``, no context
-   server) at each ``--concurrency``; the rate-matched points and frontier; closed-loop end to
-   end through the disaggregated router at frontier concurrencies (``verify``), against the
-   prediction for 1 + 1; one aggregated worker at the same concurrencies (the baseline curve).
+   server) at each ``--concurrency``; the rate-matched points and frontier; end to end through
+   the disaggregated router at frontier concurrencies (``verify``: a closed loop for a
+   generation-bound prediction, Poisson arrivals at the predicted rate for a context-bound
+   one), against the prediction for 1 + 1; one aggregated worker at the same concurrencies
+   (the baseline curve).
 2. Open-loop (Poisson) runs of both clusters at the same request rates (fractions of the
    disaggregated cluster's predicted capacity): TTFT p99, TPOT p99, goodput (TTFT and TPOT
    SLOs), and the rate-matched prediction of each run (output tokens/s, mean TPOT).
@@ -460,35 +462,42 @@ def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
     # --- closed-loop verify
     ver = rm.get("verify") or []
     if ver:
-        L.append("## 2. End to end at rate-matched points (closed loop, 1 context + 1 "
-                 "generation, through the router)")
+        L.append("## 2. End to end at rate-matched points (1 context + 1 generation, through "
+                 "the router)")
         L.append("")
-        L.append("| gen concurrency | in flight | bound | predicted tok/s per device | measured "
-                 "(steady) | gap | whole run | predicted tok/s/user | measured | gap | "
-                 "TTFT mean ms | TPOT p99 ms |")
+        pkey = f"p{data['args']['ttft_percentile']:g}"
+        L.append(f"| gen concurrency | bound | arrivals | predicted tok/s per device | measured "
+                 f"(steady) | gap | whole run | predicted tok/s/user | measured | gap | "
+                 f"TTFT {pkey} ms (SLO {data['args']['ttft_slo']:g}) | TPOT p99 ms |")
         L.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for v in ver:
             pr, me = v["predicted"], v["measured"]
             run = me.get("run_output_throughput")
-            L.append(f"| {v['concurrency']} | {me.get('in_flight', v['concurrency'])} | "
-                     f"{pr['bound']} | {pr['tput_per_device']:.1f} | "
+            how = (f"Poisson {me['request_rate']:.3f} req/s" if me.get("arrivals") == "poisson"
+                   else f"closed, {me.get('in_flight') or v['concurrency']} in flight")
+            ttft = me.get("ttft_ms")
+            L.append(f"| {v['concurrency']} | {pr['bound']} | {how} | "
+                     f"{pr['tput_per_device']:.1f} | "
                      f"{me['tput_per_device']:.1f} | {_pct(v['gap_tput_per_device'])} | "
                      f"{_f(None if run is None else run / v['devices'])} | "
                      f"{pr['tokens_per_s_per_user']:.1f} | {me['tokens_per_s_per_user']:.1f} | "
-                     f"{_pct(v['gap_tokens_per_s_per_user'])} | {me['mean_ttft_ms']:.0f} | "
-                     f"{me['p99_tpot_ms']:.1f} |")
+                     f"{_pct(v['gap_tokens_per_s_per_user'])} | "
+                     f"{'' if ttft is None else f'{ttft:.0f}'} | {me['p99_tpot_ms']:.1f} |")
         L.append("")
         L.append("The prediction for 1 + 1 is the slower side's request rate: min(gen req/s at "
-                 "that concurrency, context req/s at the SLO) x osl / 2 devices; when the "
-                 "context side is the bound the generation worker runs at a lower concurrency "
-                 "and its tok/s/user is read off the generation curve at that rate. In flight: "
-                 "the closed loop's concurrency, the generation concurrency plus round(predicted "
-                 "rate x unloaded TTFT) requests at the context side (Little's law), so that the "
-                 "generation worker holds the rate-matched concurrency. Measured tok/s is the "
-                 "steady state, from the first completion to the last send (`metrics."
-                 "steady_state_output_throughput`); the whole-run figure (first send to last "
-                 "byte) includes the closed loop's ramp-up, where every request queues at the "
-                 "context worker at once, and the drain.")
+                 "that concurrency, context req/s at the SLO) x osl / 2 devices (`ratematch."
+                 "predict_cluster`). Each prediction is measured under the arrivals its binding "
+                 "side was measured with. Generation bound: a closed loop of the generation "
+                 "concurrency plus round(predicted rate x unloaded TTFT) requests at the context "
+                 "side (Little's law), so that the generation worker holds the rate-matched "
+                 "concurrency. Context bound: the context rate is a rate of Poisson arrivals "
+                 "within the TTFT SLO, so the cluster gets Poisson arrivals at that rate (a "
+                 "closed loop would push the context worker to whatever TTFT its in-flight "
+                 "count forces); the generation worker then serves that rate below the measured "
+                 "concurrency, and its predicted tok/s/user is `open_loop_tpot`'s (section 3). "
+                 "Measured tok/s is the steady state, from the first completion to the last "
+                 "send (`metrics.steady_state_output_throughput`); the whole-run figure (first "
+                 "send to last byte) includes the ramp-up and the drain.")
         L.append("")
 
     # --- open loop
@@ -561,7 +570,7 @@ def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
         if pred["sustainable"] and st is not None:
             ogaps.append((st - pred["output_throughput"]) / pred["output_throughput"])
     L.append("2. Rate-matched prediction within 10% of end to end: tok/s per device at the "
-             "verified points (closed loop) " + _verdict([abs(g) <= 0.10 for g in gaps])
+             "verified points " + _verdict([abs(g) <= 0.10 for g in gaps])
              + " (" + ", ".join(_pct(g) for g in gaps) + "); output tok/s at the sustainable "
              "open-loop rates " + _verdict([abs(g) <= 0.10 for g in ogaps]) + " ("
              + ", ".join(_pct(g) for g in ogaps) + "); mean TPOT at the sustainable "
@@ -585,18 +594,27 @@ def explain(data: dict[str, Any]) -> list[str]:
         me, pr = v["measured"], v["predicted"]
         # Little's law on the generation worker: requests/s x seconds each spends decoding.
         on_gen = me["output_throughput"] / osl * (osl - 1) * me["mean_tpot_ms"] / 1000.0
+        how = (f"Poisson arrivals at {me['request_rate']:.3f} req/s"
+               if me.get("arrivals") == "poisson"
+               else f"closed loop, {me.get('in_flight') or v['concurrency']} in flight")
+        ttft = me.get("ttft_ms")
+        slo = data["args"]["ttft_slo"]
         notes.append(
-            f"Closed loop, generation concurrency {v['concurrency']} (prediction bound: "
-            f"{pr['bound']}), {me.get('in_flight', v['concurrency'])} in flight: the "
-            f"generation worker held {on_gen:.1f} requests on average (steady request rate x "
+            f"End to end, generation concurrency {v['concurrency']} (prediction bound: "
+            f"{pr['bound']}), {how}: the generation worker held {on_gen:.1f} requests on "
+            f"average (steady request rate x "
             f"decode time), each request spent {me['mean_ttft_ms']:.0f} ms (mean TTFT: "
             f"context queue, prefill, KV transfer) before it."
+            + ("" if ttft is None else
+               f" TTFT p{data['args']['ttft_percentile']:g} {ttft:.0f} ms: "
+               f"{'within' if ttft <= slo else 'past'} the SLO ({slo:g} ms).")
             + (f" Its TTFT p99 ({me['p99_ttft_ms']:.0f} ms) is past the SLO "
                f"({data['args']['ttft_slo']:g} ms at p{data['args']['ttft_percentile']:g}): "
                f"the closed loop queues requests at the context worker beyond what the SLO "
                f"allows, so it served {me['output_throughput'] / osl:.3f} req/s, more than "
                f"its rate within the SLO ({rm['context']['ctx_rate']:.3f} req/s) that the "
                f"prediction uses." if pr["bound"] == "context"
+               and me.get("arrivals", "closed") == "closed"
                and me["p99_ttft_ms"] > data["args"]["ttft_slo"] else ""))
     agg = rm.get("aggregated") or {}
     if agg.get("points"):
@@ -777,9 +795,11 @@ def main() -> int:
                 for ch in choices:
                     assert (ch["num_ctx"], ch["num_gen"]) == (1, 1)
                     measured.append(await guard.run(
-                        f"closed loop, concurrency {ch['concurrency']}",
+                        f"end to end, concurrency {ch['concurrency']} "
+                        f"({ch['predicted']['arrivals']} arrivals)",
                         lambda ch=ch: m.run_end_to_end(router.url, ch["concurrency"],
-                                                       ch["predicted"]["request_rate"])))
+                                                       ch["predicted"]["request_rate"],
+                                                       ch["predicted"]["arrivals"])))
                 rm["verify"] = [finish_verify_point(ch, me)
                                 for ch, me in zip(choices, measured, strict=True)]
                 cap = predict_at_rate(c["ctx_rate"], g["points"], args.osl, 1, 1,

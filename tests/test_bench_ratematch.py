@@ -94,11 +94,15 @@ def test_predictions() -> None:
     p = predict_cluster(15.0, gp8, GEN, osl, num_ctx=2, num_gen=1)
     assert p["bound"] == "generation" and p["request_rate"] == 20.0
     assert p["tput_per_device"] == pytest.approx(400.0 / 3)
-    assert p["tokens_per_s_per_user"] == 50.0
-    # Context-bound: 1 ctx x 12 < 20: the gen worker serves 12 req/s, faster per user.
+    assert p["tokens_per_s_per_user"] == 50.0 and p["arrivals"] == "closed"
+    # Context-bound: 1 ctx x 12 < 20: the gen worker serves 12 req/s under Poisson arrivals
+    # (the context rate's own arrivals), at open_loop_tpot's speed.
     p = predict_cluster(12.0, gp8, GEN, osl, num_ctx=1, num_gen=1)
     assert p["bound"] == "context" and p["output_throughput"] == pytest.approx(240.0)
-    assert p["tokens_per_s_per_user"] == pytest.approx(90 - 10 * 3 / 7)  # 9 -> 16 req/s
+    assert p["arrivals"] == "poisson"
+    tpot, _ = open_loop_tpot(GEN, osl, 12.0)
+    assert p["tokens_per_s_per_user"] == pytest.approx(1000.0 / tpot)
+    assert 50.0 < p["tokens_per_s_per_user"] < 100.0  # slower than alone, faster than 8 users
     # Best cluster within 4 devices at ctx 12 req/s: 2 ctx + 1 gen (240 of 480 tok/s -> 400/3
     # per device) beats 1+1 (120), 1+2 (80), 1+3 (60) and 3+1 (100).
     assert best_integer_cluster(12.0, gp8, osl, 4) == (2, 1)
@@ -333,10 +337,19 @@ def test_rate_match_live_tiny_model(workers: dict[str, str], tiny_llama: str,
     fp = next(p for p in res["frontier"] if p["concurrency"] == v["concurrency_per_gen"])
     assert v["concurrency"] == v["concurrency_per_gen"]
     me, pr = v["measured"], v["predicted"]
-    # Little's law: the requests at the context side come on top of the generation's ones.
-    assert me["in_flight"] == v["concurrency"] + round(
-        pr["request_rate"] * me["unloaded_ttft_ms"] / 1000)
-    assert me["failed"] == 0 and me["completed"] == 6 * me["in_flight"]  # at least 6 rounds
+    # Each prediction is measured under the arrivals of its binding side.
+    assert me["arrivals"] == pr["arrivals"] == \
+        ("closed" if pr["bound"] == "generation" else "poisson")
+    if me["arrivals"] == "closed":
+        # Little's law: the requests at the context side come on top of the generation's ones.
+        assert me["in_flight"] == v["concurrency"] + round(
+            pr["request_rate"] * me["unloaded_ttft_ms"] / 1000)
+        assert me["failed"] == 0 and me["completed"] == 6 * me["in_flight"]  # >= 6 rounds
+    else:
+        assert me["in_flight"] is None and me["request_rate"] == pr["request_rate"]
+        assert me["failed"] == 0 and me["completed"] == max(
+            6, math.ceil(pr["request_rate"] * 2 * 0.5))
+    assert me["meets_ttft_slo"] == (me["ttft_ms"] <= 2000)
     assert me["tput_per_device"] == pytest.approx(me["output_throughput"] / 2)
     assert me["output_throughput"] > 0 and me["run_output_throughput"] > 0
     assert v["gap_tput_per_device"] == pytest.approx(
@@ -370,3 +383,40 @@ def test_gen_only_needs_the_worker_flag(workers: dict[str, str], tiny_llama: str
                    "0.1", "--num-warmups", "0", "--save-result", str(out), "--no-progress"])
     assert rc == 1 and not out.exists()
     assert "--benchmark-gen-only" in capsys.readouterr().err
+
+
+def test_end_to_end_closed_and_poisson_arrivals(workers: dict[str, str], tiny_llama: str
+                                                ) -> None:
+    """verify's measuring step, both arrival kinds, against a worker serving full requests."""
+    from disagg.bench.client import make_transport
+    from disagg.tokenizer import load_tokenizer
+
+    cfg = RateMatchConfig(workers["ctx"], workers["gen"], 1500.0, isl=40, osl=5,
+                          concurrencies=(2,), model=NAME, num_warmups=1, gen_rounds=2,
+                          ctx_probe_seconds=1.0, ctx_min_prompts=4, request_timeout_s=60)
+
+    async def both() -> tuple[dict[str, Any], dict[str, Any]]:
+        tr = make_transport("auto", 60)
+        try:
+            m = RateMatcher(cfg, load_tokenizer(tiny_llama), tr, progress=None)
+            closed = await m.run_end_to_end(workers["ctx"], 2, 3.0, "closed")
+            poisson = await m.run_end_to_end(workers["ctx"], 2, 5.0, "poisson")
+            with pytest.raises(ValueError, match="arrivals"):
+                await m.run_end_to_end(workers["ctx"], 2, 5.0, "open")
+            return closed, poisson
+        finally:
+            await tr.aclose()
+
+    closed, poisson = asyncio.run(both())
+    # Closed: 2 on the generation side + round(3 req/s x unloaded TTFT) more, 6 rounds.
+    assert closed["arrivals"] == "closed" and closed["request_rate"] is None
+    assert closed["in_flight"] == 2 + round(3.0 * closed["unloaded_ttft_ms"] / 1000)
+    assert closed["completed"] == 6 * closed["in_flight"] and closed["failed"] == 0
+    # Poisson at 5 req/s: max(min prompts, 5 x 2 probe seconds) requests, exact rate.
+    assert poisson["arrivals"] == "poisson" and poisson["in_flight"] is None
+    assert poisson["request_rate"] == 5.0
+    assert poisson["completed"] == 10 and poisson["failed"] == 0
+    for r in (closed, poisson):
+        assert r["output_throughput"] > 0 and r["tokens_per_s_per_user"] > 0
+        assert r["served_rate"] > 0
+        assert r["meets_ttft_slo"] == (r["ttft_ms"] <= 1500.0)

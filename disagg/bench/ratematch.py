@@ -40,14 +40,25 @@ so that prefix caching never helps) on ``/v1/completions``, streamed.
 5. ``--verify``: for frontier points, the integer cluster (``n_ctx`` context + ``n_gen``
    generation workers, within ``--verify-max-devices``) with the best predicted throughput per
    device is started with ``disagg launch`` on this machine and measured end to end with full
-   requests through its router, in a closed loop; the result gives the gap to the prediction
-   for that same cluster (``predict_cluster``). The loop keeps ``n_gen * c`` requests on the
-   generation workers plus, by Little's law, ``round(predicted rate * unloaded TTFT)`` more for
-   the ones at the context side (queue, prefill, KV transfer): with only ``n_gen * c`` in flight
-   the generation workers would hold fewer than ``c`` each. Its throughput is the steady-state
-   one (``metrics.steady_state_output_throughput``: from the first completion to the last
-   send), not diluted by the closed loop's ramp-up and drain; ``rounds * concurrency``
-   requests, at least 6 rounds.
+   requests through its router; the result gives the gap to the prediction for that same
+   cluster (``predict_cluster``). Each prediction is checked under the arrivals its binding
+   side was measured with:
+
+   - *generation bound* (``arrivals: closed``): a closed loop that keeps ``n_gen * c``
+     requests on the generation workers plus, by Little's law, ``round(predicted rate *
+     unloaded TTFT)`` more for the ones at the context side (queue, prefill, KV transfer):
+     with only ``n_gen * c`` in flight the generation workers would hold fewer than ``c``
+     each. ``rounds * concurrency`` requests, at least 6 rounds.
+   - *context bound* (``arrivals: poisson``): the cluster's rate is the context workers' rate
+     under the TTFT SLO, which is a rate of Poisson arrivals; a closed loop would instead push
+     the context workers to whatever TTFT its in-flight count forces (past the SLO, serving
+     more than the prediction's rate, or, rounded down, less). So: Poisson arrivals at the
+     predicted rate (exact-rate gaps), ``2 * probe_seconds`` of them, and the measured TTFT
+     percentile against the SLO (``meets_ttft_slo``); the predicted speed is
+     ``open_loop_tpot`` at each generation worker's share of the rate.
+
+   Throughput is the steady-state one (``metrics.steady_state_output_throughput``: from the
+   first completion to the last send), not diluted by ramp-up and drain.
 
 JSON result (``kind: disagg-bench-rate-match``, ``version: 1``)
 ----------------------------------------------------------------
@@ -81,10 +92,12 @@ JSON result (``kind: disagg-bench-rate-match``, ``version: 1``)
      "verify": null | [{"concurrency_per_gen", "num_ctx", "num_gen", "devices",
                         "concurrency" (on the generation workers), "predicted":
                         {"tokens_per_s_per_user", "tput_per_device", "output_throughput",
-                        "request_rate", "bound"},
+                        "request_rate", "bound", "arrivals": "closed" | "poisson"},
                         "measured": {"tokens_per_s_per_user", "tput_per_device",
                         "output_throughput" (steady state), "run_output_throughput" (whole
-                        run), "in_flight" (the closed loop's concurrency),
+                        run), "arrivals", "in_flight" (closed loop's concurrency, else null),
+                        "request_rate" (Poisson's offered rate, else null), "served_rate",
+                        "ttft_ms" (at the percentile), "meets_ttft_slo",
                         "unloaded_ttft_ms", "completed", "failed", "p99_tpot_ms",
                         "p99_ttft_ms", "mean_ttft_ms", "mean_tpot_ms"},
                         "gap_tput_per_device", "gap_tokens_per_s_per_user"}]}
@@ -266,19 +279,25 @@ def predict_cluster(ctx_rate: float, gen_point: dict[str, Any],
     concurrency per generation worker.
 
     The cluster's request rate is the slower side's: ``min(num_gen * gen_request_rate,
-    num_ctx * ctx_rate)``. When the context side is the bound, the generation workers run below
-    the measured concurrency, at the speed ``gen_speed_at_rate`` gives for their share.
+    num_ctx * ctx_rate)``. Generation bound: the generation workers hold ``gen_point``'s
+    concurrency, as measured (``arrivals: closed``, a fixed number in flight). Context bound:
+    the context workers' rate is a rate under the TTFT SLO, measured with Poisson arrivals, so
+    the cluster is predicted under the same arrivals (``arrivals: poisson``): each generation
+    worker serves ``rate / num_gen`` below the measured concurrency, at the speed
+    ``open_loop_tpot`` gives (``gen_speed_at_rate`` when that has no answer).
     """
     gen_rate = float(gen_point["output_throughput"]) / osl
     rate = min(num_gen * gen_rate, num_ctx * ctx_rate)
     bound = "generation" if num_gen * gen_rate <= num_ctx * ctx_rate else "context"
     speed = float(gen_point["tokens_per_s_per_user"])
     if bound == "context":
-        speed = gen_speed_at_rate(gen_points, osl, rate / num_gen) or speed
+        tpot, _ = open_loop_tpot(gen_points, osl, rate / num_gen)
+        speed = (1000.0 / tpot if tpot else gen_speed_at_rate(gen_points, osl, rate / num_gen)
+                 or speed)
     devices = num_ctx * ctx_devices + num_gen * gen_devices
     return {"tokens_per_s_per_user": speed, "output_throughput": rate * osl,
             "tput_per_device": rate * osl / devices, "request_rate": rate, "bound": bound,
-            "devices": devices}
+            "arrivals": "closed" if bound == "generation" else "poisson", "devices": devices}
 
 
 def gen_tpot_at_concurrency(gen_points: Sequence[dict[str, Any]], c: float
@@ -586,34 +605,58 @@ class RateMatcher:
                 "frontier": [points[ok[i]] for i in front]}
 
     async def run_end_to_end(self, url: str, concurrency: int,
-                             predicted_rate: float | None = None) -> dict[str, Any]:
-        """Full requests through a router, the measured side of verify: a closed loop that
-        keeps ``concurrency`` requests on the generation workers, plus ``round(predicted_rate
-        * unloaded TTFT)`` at the context side (Little's law; the module docstring)."""
+                             predicted_rate: float | None = None,
+                             arrivals: str = "closed") -> dict[str, Any]:
+        """Full requests through a router, the measured side of verify (module docstring, 5).
+
+        ``arrivals="closed"`` (a generation-bound prediction): a closed loop that keeps
+        ``concurrency`` requests on the generation workers, plus ``round(predicted_rate *
+        unloaded TTFT)`` at the context side (Little's law). ``arrivals="poisson"`` (a
+        context-bound prediction): Poisson arrivals at ``predicted_rate``, as the context rate
+        was measured, with the TTFT percentile checked against the SLO."""
         c = self.cfg
+        if arrivals not in ("closed", "poisson"):
+            raise ValueError(f"arrivals: 'closed' or 'poisson', got {arrivals!r}")
+        if arrivals == "poisson" and not predicted_rate:
+            raise ValueError("arrivals='poisson' needs a predicted_rate")
         ttfts = await self.warmup(url, c.osl, concurrency=concurrency)
         if not ttfts:  # no warmups asked: one request alone gives the unloaded TTFT
             s = await self._run(self._bench_config(url, ignore_eos=True),
                                 self.samples.take(1, c.osl))
             ttfts = [s["mean_ttft_ms"] / 1000.0]
         unloaded = min(ttfts)
-        in_flight = concurrency + (round(predicted_rate * unloaded) if predicted_rate else 0)
-        n = max(c.gen_rounds, 6) * in_flight
-        s = await self._run(self._bench_config(url, max_concurrency=in_flight, ignore_eos=True),
-                            self.samples.take(n, c.osl))
+        if arrivals == "closed":
+            in_flight: int | None = concurrency + (round(predicted_rate * unloaded)
+                                                   if predicted_rate else 0)
+            n = max(c.gen_rounds, 6) * in_flight
+            bc = self._bench_config(url, max_concurrency=in_flight, ignore_eos=True)
+            how = (f"{in_flight} in flight ({concurrency} + {in_flight - concurrency} at the "
+                   f"context side, unloaded TTFT {unloaded * 1000:.0f} ms)")
+        else:
+            assert predicted_rate is not None
+            in_flight = None
+            # Twice a context probe's length: the rate must hold, not only start.
+            n = max(c.ctx_min_prompts, math.ceil(predicted_rate * 2 * c.ctx_probe_seconds))
+            bc = self._bench_config(url, request_rate=predicted_rate, exact_rate=True,
+                                    ignore_eos=True)
+            how = f"Poisson {predicted_rate:.3g} req/s"
+        res = await run_benchmark(bc, self.samples.take(n, c.osl), transport=self.transport)
+        s = res.summary
         tpot = s["mean_tpot_ms"]
         speed = 1000.0 / tpot if tpot > 0 else 0.0
         steady = s.get("steady_output_throughput")
         tput = steady if steady is not None else s["output_throughput"]
-        _log(self.progress, f"end to end: {in_flight} in flight ({concurrency} + "
-                            f"{in_flight - concurrency} at the context side, unloaded TTFT "
-                            f"{unloaded * 1000:.0f} ms) x {n}: {tput:.1f} tok/s steady "
+        ttft = s[f"{self.pkey}_ttft_ms"]
+        _log(self.progress, f"end to end: {how} x {n}: {tput:.1f} tok/s steady "
                             f"({s['output_throughput']:.1f} over the run), {speed:.1f} "
-                            f"tok/s/user, {s['failed']} failed")
-        return {"concurrency": concurrency, "in_flight": in_flight, "num_requests": n,
+                            f"tok/s/user, TTFT {self.pkey} {ttft:.0f} ms, {s['failed']} failed")
+        return {"concurrency": concurrency, "arrivals": arrivals, "in_flight": in_flight,
+                "request_rate": predicted_rate if arrivals == "poisson" else None,
+                "served_rate": served_rate(res.records), "num_requests": n,
                 "unloaded_ttft_ms": unloaded * 1000.0, "output_throughput": tput,
                 "run_output_throughput": s["output_throughput"],
-                "tokens_per_s_per_user": speed,
+                "tokens_per_s_per_user": speed, "ttft_ms": ttft,
+                "meets_ttft_slo": s["failed"] == 0 and ttft <= c.ttft_slo_ms,
                 **_summary_subset(s, ("completed", "failed", "mean_tpot_ms", "median_tpot_ms",
                                       "p99_tpot_ms", "mean_ttft_ms", "p99_ttft_ms",
                                       "duration_s", "errors"))}
@@ -664,7 +707,8 @@ def finish_verify_point(choice: dict[str, Any], measured: dict[str, Any]) -> dic
          **{k: measured[k] for k in ("output_throughput", "completed", "failed", "p99_tpot_ms",
                                      "p99_ttft_ms", "mean_ttft_ms", "mean_tpot_ms")},
          **{k: measured.get(k) for k in ("run_output_throughput", "in_flight",
-                                         "unloaded_ttft_ms")}}
+                                         "unloaded_ttft_ms", "arrivals", "request_rate",
+                                         "served_rate", "ttft_ms", "meets_ttft_slo")}}
     pred = choice["predicted"]
     return {**choice, "measured": m,
             "gap_tput_per_device": gap(m["tput_per_device"], pred["tput_per_device"]),
@@ -766,12 +810,17 @@ def format_rate_match(result: dict[str, Any]) -> str:
     for v in result.get("verify") or []:
         lines.append(f"{' end to end ':-^78}")
         pr, me = v["predicted"], v["measured"]
-        lines.append(f"{v['num_ctx']} ctx + {v['num_gen']} gen, concurrency {v['concurrency']}: "
+        how = (f"Poisson {me['request_rate']:.3g} req/s" if me.get("arrivals") == "poisson"
+               else f"closed loop, {me.get('in_flight') or v['concurrency']} in flight")
+        slo = ("" if me.get("meets_ttft_slo") is None else
+               f", TTFT {'meets' if me['meets_ttft_slo'] else 'misses'} the SLO")
+        lines.append(f"{v['num_ctx']} ctx + {v['num_gen']} gen, concurrency {v['concurrency']} "
+                     f"({pr.get('bound', '?')} bound; {how}): "
                      f"tok/s/dev {me['tput_per_device']:.1f} vs predicted "
                      f"{pr['tput_per_device']:.1f} ({_pct(v['gap_tput_per_device'])}), "
                      f"tok/s/user {me['tokens_per_s_per_user']:.2f} vs "
                      f"{pr['tokens_per_s_per_user']:.2f} "
-                     f"({_pct(v['gap_tokens_per_s_per_user'])})")
+                     f"({_pct(v['gap_tokens_per_s_per_user'])}){slo}")
     lines.append("=" * 78)
     return "\n".join(lines)
 
@@ -911,7 +960,8 @@ def launch_verifier(model_dir: str, worker_options: dict[str, Any], log_dir: str
                                  worker_options, os.path.join(log_dir, f"verify-{i}"),
                                  timeout_s) as url:
                 out.append(await m.run_end_to_end(url, ch["concurrency"],
-                                                  ch["predicted"]["request_rate"]))
+                                                  ch["predicted"]["request_rate"],
+                                                  ch["predicted"]["arrivals"]))
         return out
 
     return verify
