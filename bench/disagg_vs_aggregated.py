@@ -597,6 +597,11 @@ def explain(data: dict[str, Any]) -> list[str]:
         how = (f"Poisson arrivals at {me['request_rate']:.3f} req/s"
                if me.get("arrivals") == "poisson"
                else f"closed loop, {me.get('in_flight') or v['concurrency']} in flight")
+        if me.get("arrivals", "closed") == "closed" and me.get("unloaded_ttft_ms"):
+            exact = v["concurrency"] + pr["request_rate"] * me["unloaded_ttft_ms"] / 1000.0
+            how += (f" (Little's law asks {exact:.2f}: generation concurrency + predicted "
+                    f"rate x unloaded TTFT {me['unloaded_ttft_ms']:.0f} ms; a closed loop "
+                    f"holds whole requests)")
         ttft = me.get("ttft_ms")
         slo = data["args"]["ttft_slo"]
         notes.append(
