@@ -474,7 +474,7 @@ def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
             pr, me = v["predicted"], v["measured"]
             run = me.get("run_output_throughput")
             how = (f"Poisson {me['request_rate']:.3f} req/s" if me.get("arrivals") == "poisson"
-                   else f"closed, {me.get('in_flight') or v['concurrency']} in flight")
+                   else "closed, " + _in_flight(me, v))
             ttft = me.get("ttft_ms")
             L.append(f"| {v['concurrency']} | {pr['bound']} | {how} | "
                      f"{pr['tput_per_device']:.1f} | "
@@ -488,9 +488,12 @@ def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
                  "that concurrency, context req/s at the SLO) x osl / 2 devices (`ratematch."
                  "predict_cluster`). Each prediction is measured under the arrivals its binding "
                  "side was measured with. Generation bound: a closed loop of the generation "
-                 "concurrency plus round(predicted rate x unloaded TTFT) requests at the context "
-                 "side (Little's law), so that the generation worker holds the rate-matched "
-                 "concurrency. Context bound: the context rate is a rate of Poisson arrivals "
+                 "concurrency plus predicted rate x unloaded TTFT requests at the context side "
+                 "(Little's law), so that the generation worker holds the rate-matched "
+                 "concurrency; that count is fractional, so (unless within 0.1 of a whole "
+                 "number) loops run at the whole counts below and above it and the result is "
+                 "linear between them (`ratematch.interpolate_runs`). Context bound: the "
+                 "context rate is a rate of Poisson arrivals "
                  "within the TTFT SLO, so the cluster gets Poisson arrivals at that rate (a "
                  "closed loop would push the context worker to whatever TTFT its in-flight "
                  "count forces); the generation worker then serves that rate below the measured "
@@ -584,6 +587,16 @@ def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
     return "\n".join(L) + "\n"
 
 
+def _in_flight(me: dict[str, Any], v: dict[str, Any]) -> str:
+    """A closed loop's in-flight count: one whole count, or two interpolated."""
+    runs = me.get("in_flight_runs")
+    if runs and len(runs) == 2:
+        return f"{runs[0]} and {runs[1]} in flight, interpolated to {me['in_flight']:.2f}"
+    if runs:
+        return f"{runs[0]} in flight"
+    return f"{me.get('in_flight') or v['concurrency']} in flight"  # results before runs
+
+
 def explain(data: dict[str, Any]) -> list[str]:
     """Measured facts that explain the numbers (written from the data, not by hand)."""
     notes = []
@@ -596,12 +609,17 @@ def explain(data: dict[str, Any]) -> list[str]:
         on_gen = me["output_throughput"] / osl * (osl - 1) * me["mean_tpot_ms"] / 1000.0
         how = (f"Poisson arrivals at {me['request_rate']:.3f} req/s"
                if me.get("arrivals") == "poisson"
-               else f"closed loop, {me.get('in_flight') or v['concurrency']} in flight")
+               else "closed loop, " + _in_flight(me, v))
         if me.get("arrivals", "closed") == "closed" and me.get("unloaded_ttft_ms"):
             exact = v["concurrency"] + pr["request_rate"] * me["unloaded_ttft_ms"] / 1000.0
-            how += (f" (Little's law asks {exact:.2f}: generation concurrency + predicted "
-                    f"rate x unloaded TTFT {me['unloaded_ttft_ms']:.0f} ms; a closed loop "
-                    f"holds whole requests)")
+            how += (f" (Little's law: generation concurrency + predicted rate x unloaded "
+                    f"TTFT {me['unloaded_ttft_ms']:.0f} ms = {exact:.2f}"
+                    + ("; a closed loop holds whole requests)" if not me.get("runs") else
+                       "; the loops' own results: " + "; ".join(
+                           f"{k} in flight {r['output_throughput'] / v['devices']:.1f} tok/s "
+                           f"per device, {r['tokens_per_s_per_user']:.1f} tok/s/user"
+                           for k, r in zip(me["in_flight_runs"], me["runs"], strict=True))
+                       + ")"))
         ttft = me.get("ttft_ms")
         slo = data["args"]["ttft_slo"]
         notes.append(
@@ -737,6 +755,11 @@ def main() -> int:
         return 0
     png = args.png or os.path.splitext(args.out)[0] + ".png"
     json_path = args.json or os.path.splitext(args.out)[0] + ".json"
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)  # unwinds through the `finally`s that stop the workers
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     concs = tuple(int(x) for x in args.concurrency.split(","))
     fracs = [float(x) for x in args.rate_fracs.split(",")]
 

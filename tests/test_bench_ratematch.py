@@ -24,10 +24,12 @@ from disagg.bench.ratematch import (
     RateMatchConfig,
     RateMatcher,
     best_integer_cluster,
+    closed_loop_counts,
     context_rate,
     finish_verify_point,
     gen_speed_at_rate,
     gen_tpot_at_concurrency,
+    interpolate_runs,
     open_loop_tpot,
     pareto_frontier,
     predict_at_rate,
@@ -154,6 +156,31 @@ def test_verify_choices_and_gaps() -> None:
     assert v["predicted"]["tput_per_device"] == 50.0  # 1 user: 100 tok/s over 2 devices
     assert v["gap_tput_per_device"] == pytest.approx(-0.1)
     assert v["gap_tokens_per_s_per_user"] == pytest.approx(-0.1)
+
+
+def test_closed_loop_counts_and_interpolation() -> None:
+    assert closed_loop_counts(1.51) == (1, 2)
+    assert closed_loop_counts(16.81) == (16, 17)
+    assert closed_loop_counts(2.05) == (2,) and closed_loop_counts(2.95) == (3,)
+    assert closed_loop_counts(4.0) == (4,) and closed_loop_counts(0.4) == (1,)
+    r0 = {"output_throughput": 60.0, "run_output_throughput": 58.0, "mean_tpot_ms": 10.0,
+          "served_rate": 1.0, "completed": 6, "failed": 0, "num_requests": 6,
+          "p99_tpot_ms": 12.0, "ttft_ms": 100.0, "meets_ttft_slo": True, "errors": {}}
+    r1 = {"output_throughput": 100.0, "run_output_throughput": 96.0, "mean_tpot_ms": 14.0,
+          "served_rate": 1.6, "completed": 12, "failed": 1, "num_requests": 12,
+          "p99_tpot_ms": 20.0, "ttft_ms": 200.0, "meets_ttft_slo": False,
+          "errors": {"HTTP 502": 1}}
+    out = interpolate_runs(1.25, (1, 2), [r0, r1])
+    assert out["output_throughput"] == pytest.approx(70.0)  # a quarter of the way to 2
+    assert out["run_output_throughput"] == pytest.approx(67.5)
+    assert out["mean_tpot_ms"] == pytest.approx(11.0)
+    assert out["tokens_per_s_per_user"] == pytest.approx(1000 / 11)
+    assert out["served_rate"] == pytest.approx(1.15)
+    assert (out["completed"], out["failed"], out["num_requests"]) == (18, 1, 18)
+    assert out["p99_tpot_ms"] == 12.0 and out["ttft_ms"] == 100.0  # the nearer run's
+    assert out["meets_ttft_slo"] is False and out["errors"] == {"HTTP 502": 1}
+    assert interpolate_runs(1.75, (1, 2), [r0, r1])["p99_tpot_ms"] == 20.0
+    assert interpolate_runs(2.0, (2,), [r1]) == r1
 
 
 def test_config_checks() -> None:
@@ -342,9 +369,10 @@ def test_rate_match_live_tiny_model(workers: dict[str, str], tiny_llama: str,
         ("closed" if pr["bound"] == "generation" else "poisson")
     if me["arrivals"] == "closed":
         # Little's law: the requests at the context side come on top of the generation's ones.
-        assert me["in_flight"] == v["concurrency"] + round(
-            pr["request_rate"] * me["unloaded_ttft_ms"] / 1000)
-        assert me["failed"] == 0 and me["completed"] == 6 * me["in_flight"]  # >= 6 rounds
+        assert me["in_flight"] == pytest.approx(
+            v["concurrency"] + pr["request_rate"] * me["unloaded_ttft_ms"] / 1000)
+        assert me["in_flight_runs"] == list(closed_loop_counts(me["in_flight"]))
+        assert me["failed"] == 0 and me["completed"] == 6 * sum(me["in_flight_runs"])
     else:
         assert me["in_flight"] is None and me["request_rate"] == pr["request_rate"]
         assert me["failed"] == 0 and me["completed"] == max(
@@ -408,10 +436,13 @@ def test_end_to_end_closed_and_poisson_arrivals(workers: dict[str, str], tiny_ll
             await tr.aclose()
 
     closed, poisson = asyncio.run(both())
-    # Closed: 2 on the generation side + round(3 req/s x unloaded TTFT) more, 6 rounds.
+    # Closed: 2 on the generation side + 3 req/s x unloaded TTFT more, 6 rounds a loop.
     assert closed["arrivals"] == "closed" and closed["request_rate"] is None
-    assert closed["in_flight"] == 2 + round(3.0 * closed["unloaded_ttft_ms"] / 1000)
-    assert closed["completed"] == 6 * closed["in_flight"] and closed["failed"] == 0
+    assert closed["in_flight"] == pytest.approx(2 + 3.0 * closed["unloaded_ttft_ms"] / 1000)
+    counts = closed["in_flight_runs"]
+    assert counts == list(closed_loop_counts(closed["in_flight"]))
+    assert closed["completed"] == 6 * sum(counts) and closed["failed"] == 0
+    assert len(closed.get("runs", [None])) == len(counts)
     # Poisson at 5 req/s: max(min prompts, 5 x 2 probe seconds) requests, exact rate.
     assert poisson["arrivals"] == "poisson" and poisson["in_flight"] is None
     assert poisson["request_rate"] == 5.0

@@ -45,10 +45,14 @@ so that prefix caching never helps) on ``/v1/completions``, streamed.
    side was measured with:
 
    - *generation bound* (``arrivals: closed``): a closed loop that keeps ``n_gen * c``
-     requests on the generation workers plus, by Little's law, ``round(predicted rate *
-     unloaded TTFT)`` more for the ones at the context side (queue, prefill, KV transfer):
-     with only ``n_gen * c`` in flight the generation workers would hold fewer than ``c``
-     each. ``rounds * concurrency`` requests, at least 6 rounds.
+     requests on the generation workers plus, by Little's law, ``predicted rate * unloaded
+     TTFT`` more for the ones at the context side (queue, prefill, KV transfer): with only
+     ``n_gen * c`` in flight the generation workers would hold fewer than ``c`` each. That
+     count is fractional and a loop holds whole requests; at small counts rounding alone
+     moves the load by tens of percent (1.5 -> 2 is +33%), so unless the count lies within
+     0.1 of a whole number, two loops run, at the whole counts below and above it, and the
+     result is linear between them (``interpolate_runs``; both runs are in the JSON).
+     ``rounds * count`` requests per loop, at least 6 rounds.
    - *context bound* (``arrivals: poisson``): the cluster's rate is the context workers' rate
      under the TTFT SLO, which is a rate of Poisson arrivals; a closed loop would instead push
      the context workers to whatever TTFT its in-flight count forces (past the SLO, serving
@@ -95,7 +99,9 @@ JSON result (``kind: disagg-bench-rate-match``, ``version: 1``)
                         "request_rate", "bound", "arrivals": "closed" | "poisson"},
                         "measured": {"tokens_per_s_per_user", "tput_per_device",
                         "output_throughput" (steady state), "run_output_throughput" (whole
-                        run), "arrivals", "in_flight" (closed loop's concurrency, else null),
+                        run), "arrivals", "in_flight" (closed: Little's law's count, a
+                        float; Poisson: null), "in_flight_runs" (the whole counts run),
+                        "runs" (the two closed loops when interpolated),
                         "request_rate" (Poisson's offered rate, else null), "served_rate",
                         "ttft_ms" (at the percentile), "meets_ttft_slo",
                         "unloaded_ttft_ms", "completed", "failed", "p99_tpot_ms",
@@ -118,6 +124,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TextIO
@@ -609,9 +616,10 @@ class RateMatcher:
                              arrivals: str = "closed") -> dict[str, Any]:
         """Full requests through a router, the measured side of verify (module docstring, 5).
 
-        ``arrivals="closed"`` (a generation-bound prediction): a closed loop that keeps
-        ``concurrency`` requests on the generation workers, plus ``round(predicted_rate *
-        unloaded TTFT)`` at the context side (Little's law). ``arrivals="poisson"`` (a
+        ``arrivals="closed"`` (a generation-bound prediction): closed loops around the
+        Little's-law count ``concurrency + predicted_rate * unloaded TTFT`` (``concurrency`` on
+        the generation workers, the rest at the context side), interpolated between the two
+        whole counts around it (``closed_loop_counts``). ``arrivals="poisson"`` (a
         context-bound prediction): Poisson arrivals at ``predicted_rate``, as the context rate
         was measured, with the TTFT percentile checked against the SLO."""
         c = self.cfg
@@ -625,21 +633,33 @@ class RateMatcher:
                                 self.samples.take(1, c.osl))
             ttfts = [s["mean_ttft_ms"] / 1000.0]
         unloaded = min(ttfts)
-        if arrivals == "closed":
-            in_flight: int | None = concurrency + (round(predicted_rate * unloaded)
-                                                   if predicted_rate else 0)
-            n = max(c.gen_rounds, 6) * in_flight
-            bc = self._bench_config(url, max_concurrency=in_flight, ignore_eos=True)
-            how = (f"{in_flight} in flight ({concurrency} + {in_flight - concurrency} at the "
-                   f"context side, unloaded TTFT {unloaded * 1000:.0f} ms)")
-        else:
+        common = {"concurrency": concurrency, "arrivals": arrivals,
+                  "unloaded_ttft_ms": unloaded * 1000.0}
+        if arrivals == "poisson":
             assert predicted_rate is not None
-            in_flight = None
             # Twice a context probe's length: the rate must hold, not only start.
             n = max(c.ctx_min_prompts, math.ceil(predicted_rate * 2 * c.ctx_probe_seconds))
             bc = self._bench_config(url, request_rate=predicted_rate, exact_rate=True,
                                     ignore_eos=True)
-            how = f"Poisson {predicted_rate:.3g} req/s"
+            run = await self._e2e_run(bc, n, f"Poisson {predicted_rate:.3g} req/s")
+            return {**common, "in_flight": None, "request_rate": predicted_rate, **run}
+        exact = concurrency + (predicted_rate * unloaded if predicted_rate else 0.0)
+        counts = closed_loop_counts(exact)
+        runs = []
+        for k in counts:
+            bc = self._bench_config(url, max_concurrency=k, ignore_eos=True)
+            runs.append(await self._e2e_run(
+                bc, max(c.gen_rounds, 6) * k,
+                f"{k} in flight (Little's law: {concurrency} + {exact - concurrency:.2f} at "
+                f"the context side, unloaded TTFT {unloaded * 1000:.0f} ms)"))
+        out = {**common, "in_flight": exact, "in_flight_runs": list(counts),
+               "request_rate": None, **interpolate_runs(exact, counts, runs)}
+        if len(runs) > 1:
+            out["runs"] = runs
+        return out
+
+    async def _e2e_run(self, bc: BenchmarkConfig, n: int, how: str) -> dict[str, Any]:
+        c = self.cfg
         res = await run_benchmark(bc, self.samples.take(n, c.osl), transport=self.transport)
         s = res.summary
         tpot = s["mean_tpot_ms"]
@@ -650,16 +670,55 @@ class RateMatcher:
         _log(self.progress, f"end to end: {how} x {n}: {tput:.1f} tok/s steady "
                             f"({s['output_throughput']:.1f} over the run), {speed:.1f} "
                             f"tok/s/user, TTFT {self.pkey} {ttft:.0f} ms, {s['failed']} failed")
-        return {"concurrency": concurrency, "arrivals": arrivals, "in_flight": in_flight,
-                "request_rate": predicted_rate if arrivals == "poisson" else None,
-                "served_rate": served_rate(res.records), "num_requests": n,
-                "unloaded_ttft_ms": unloaded * 1000.0, "output_throughput": tput,
-                "run_output_throughput": s["output_throughput"],
+        return {"num_requests": n, "served_rate": served_rate(res.records),
+                "output_throughput": tput, "run_output_throughput": s["output_throughput"],
                 "tokens_per_s_per_user": speed, "ttft_ms": ttft,
                 "meets_ttft_slo": s["failed"] == 0 and ttft <= c.ttft_slo_ms,
                 **_summary_subset(s, ("completed", "failed", "mean_tpot_ms", "median_tpot_ms",
                                       "p99_tpot_ms", "mean_ttft_ms", "p99_ttft_ms",
                                       "duration_s", "errors"))}
+
+
+def closed_loop_counts(exact: float, snap: float = 0.1) -> tuple[int, ...]:
+    """Whole in-flight counts whose closed loops stand for ``exact`` (Little's law's count):
+    the nearest one when ``exact`` lies within ``snap`` of it, else the two around it (at
+    small counts rounding alone moves the load by tens of percent: 1.5 -> 2 is +33%)."""
+    lo = max(1, math.floor(exact))
+    if exact - lo <= snap:
+        return (lo,)
+    if math.ceil(exact) - exact <= snap:
+        return (math.ceil(exact),)
+    return (lo, lo + 1)
+
+
+# Fields of a closed-loop run that interpolate linearly in the in-flight count.
+_INTERPOLATED = ("output_throughput", "run_output_throughput", "mean_tpot_ms",
+                 "served_rate")
+
+
+def interpolate_runs(exact: float, counts: Sequence[int], runs: Sequence[dict[str, Any]]
+                     ) -> dict[str, Any]:
+    """One closed-loop result at the fractional count ``exact`` from runs at ``counts``.
+
+    One run: itself. Two (``k`` and ``k + 1``): throughputs and mean TPOT linear between them
+    at ``w = exact - k`` (throughput is concave in the count, so this leans low), tokens/s/user
+    = 1000 / that TPOT; percentiles and TTFTs from the nearer run; counts of completed and
+    failed requests summed, and the TTFT SLO met only if both runs met it."""
+    if len(runs) == 1:
+        return dict(runs[0])
+    (k0, _), (r0, r1) = counts, runs
+    w = exact - k0
+    out = dict(r0 if w < 0.5 else r1)
+    for key in _INTERPOLATED:
+        a, b = r0.get(key), r1.get(key)
+        out[key] = None if a is None or b is None else (1 - w) * a + w * b
+    tpot = out["mean_tpot_ms"]
+    out["tokens_per_s_per_user"] = 1000.0 / tpot if tpot else 0.0
+    for key in ("completed", "failed", "num_requests"):
+        out[key] = r0[key] + r1[key]
+    out["meets_ttft_slo"] = bool(r0["meets_ttft_slo"] and r1["meets_ttft_slo"])
+    out["errors"] = dict(Counter(r0.get("errors") or {}) + Counter(r1.get("errors") or {}))
+    return out
 
 
 def verify_choices(result: dict[str, Any], max_devices: float, num_points: int,
@@ -707,6 +766,7 @@ def finish_verify_point(choice: dict[str, Any], measured: dict[str, Any]) -> dic
          **{k: measured[k] for k in ("output_throughput", "completed", "failed", "p99_tpot_ms",
                                      "p99_ttft_ms", "mean_ttft_ms", "mean_tpot_ms")},
          **{k: measured.get(k) for k in ("run_output_throughput", "in_flight",
+                                         "in_flight_runs", "runs",
                                          "unloaded_ttft_ms", "arrivals", "request_rate",
                                          "served_rate", "ttft_ms", "meets_ttft_slo")}}
     pred = choice["predicted"]
