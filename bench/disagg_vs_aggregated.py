@@ -66,6 +66,7 @@ from disagg.bench.ratematch import (  # noqa: E402
     RateMatchConfig,
     RateMatcher,
     build_result,
+    describe_arrivals,
     finish_verify_point,
     format_rate_match,
     predict_at_rate,
@@ -473,16 +474,14 @@ def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
         for v in ver:
             pr, me = v["predicted"], v["measured"]
             run = me.get("run_output_throughput")
-            how = (f"Poisson {me['request_rate']:.3f} req/s" if me.get("arrivals") == "poisson"
-                   else "closed, " + _in_flight(me, v))
-            ttft = me.get("ttft_ms")
+            how = describe_arrivals(me)
             L.append(f"| {v['concurrency']} | {pr['bound']} | {how} | "
                      f"{pr['tput_per_device']:.1f} | "
                      f"{me['tput_per_device']:.1f} | {_pct(v['gap_tput_per_device'])} | "
                      f"{_f(None if run is None else run / v['devices'])} | "
                      f"{pr['tokens_per_s_per_user']:.1f} | {me['tokens_per_s_per_user']:.1f} | "
                      f"{_pct(v['gap_tokens_per_s_per_user'])} | "
-                     f"{'' if ttft is None else f'{ttft:.0f}'} | {me['p99_tpot_ms']:.1f} |")
+                     f"{me['ttft_ms']:.0f} | {me['p99_tpot_ms']:.1f} |")
         L.append("")
         L.append("The prediction for 1 + 1 is the slower side's request rate: min(gen req/s at "
                  "that concurrency, context req/s at the SLO) x osl / 2 devices (`ratematch."
@@ -587,16 +586,6 @@ def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
     return "\n".join(L) + "\n"
 
 
-def _in_flight(me: dict[str, Any], v: dict[str, Any]) -> str:
-    """A closed loop's in-flight count: one whole count, or two interpolated."""
-    runs = me.get("in_flight_runs")
-    if runs and len(runs) == 2:
-        return f"{runs[0]} and {runs[1]} in flight, interpolated to {me['in_flight']:.2f}"
-    if runs:
-        return f"{runs[0]} in flight"
-    return f"{me.get('in_flight') or v['concurrency']} in flight"  # results before runs
-
-
 def explain(data: dict[str, Any]) -> list[str]:
     """Measured facts that explain the numbers (written from the data, not by hand)."""
     notes = []
@@ -607,20 +596,17 @@ def explain(data: dict[str, Any]) -> list[str]:
         me, pr = v["measured"], v["predicted"]
         # Little's law on the generation worker: requests/s x seconds each spends decoding.
         on_gen = me["output_throughput"] / osl * (osl - 1) * me["mean_tpot_ms"] / 1000.0
-        how = (f"Poisson arrivals at {me['request_rate']:.3f} req/s"
-               if me.get("arrivals") == "poisson"
-               else "closed loop, " + _in_flight(me, v))
-        if me.get("arrivals", "closed") == "closed" and me.get("unloaded_ttft_ms"):
-            exact = v["concurrency"] + pr["request_rate"] * me["unloaded_ttft_ms"] / 1000.0
+        how = describe_arrivals(me)
+        if me["arrivals"] == "closed":
             how += (f" (Little's law: generation concurrency + predicted rate x unloaded "
-                    f"TTFT {me['unloaded_ttft_ms']:.0f} ms = {exact:.2f}"
-                    + ("; a closed loop holds whole requests)" if not me.get("runs") else
+                    f"TTFT {me['unloaded_ttft_ms']:.0f} ms = {me['in_flight']:.2f}"
+                    + (")" if not me.get("runs") else
                        "; the loops' own results: " + "; ".join(
                            f"{k} in flight {r['output_throughput'] / v['devices']:.1f} tok/s "
                            f"per device, {r['tokens_per_s_per_user']:.1f} tok/s/user"
                            for k, r in zip(me["in_flight_runs"], me["runs"], strict=True))
                        + ")"))
-        ttft = me.get("ttft_ms")
+        ttft = me["ttft_ms"]
         slo = data["args"]["ttft_slo"]
         notes.append(
             f"End to end, generation concurrency {v['concurrency']} (prediction bound: "
@@ -628,17 +614,8 @@ def explain(data: dict[str, Any]) -> list[str]:
             f"average (steady request rate x "
             f"decode time), each request spent {me['mean_ttft_ms']:.0f} ms (mean TTFT: "
             f"context queue, prefill, KV transfer) before it."
-            + ("" if ttft is None else
-               f" TTFT p{data['args']['ttft_percentile']:g} {ttft:.0f} ms: "
-               f"{'within' if ttft <= slo else 'past'} the SLO ({slo:g} ms).")
-            + (f" Its TTFT p99 ({me['p99_ttft_ms']:.0f} ms) is past the SLO "
-               f"({data['args']['ttft_slo']:g} ms at p{data['args']['ttft_percentile']:g}): "
-               f"the closed loop queues requests at the context worker beyond what the SLO "
-               f"allows, so it served {me['output_throughput'] / osl:.3f} req/s, more than "
-               f"its rate within the SLO ({rm['context']['ctx_rate']:.3f} req/s) that the "
-               f"prediction uses." if pr["bound"] == "context"
-               and me.get("arrivals", "closed") == "closed"
-               and me["p99_ttft_ms"] > data["args"]["ttft_slo"] else ""))
+            f" TTFT p{data['args']['ttft_percentile']:g} {ttft:.0f} ms: "
+            f"{'within' if ttft <= slo else 'past'} the SLO ({slo:g} ms).")
     agg = rm.get("aggregated") or {}
     if agg.get("points"):
         best = max(agg["points"], key=lambda p: p["output_throughput"])

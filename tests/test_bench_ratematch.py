@@ -26,6 +26,7 @@ from disagg.bench.ratematch import (
     best_integer_cluster,
     closed_loop_counts,
     context_rate,
+    describe_arrivals,
     finish_verify_point,
     gen_speed_at_rate,
     gen_tpot_at_concurrency,
@@ -181,6 +182,13 @@ def test_closed_loop_counts_and_interpolation() -> None:
     assert out["meets_ttft_slo"] is False and out["errors"] == {"HTTP 502": 1}
     assert interpolate_runs(1.75, (1, 2), [r0, r1])["p99_tpot_ms"] == 20.0
     assert interpolate_runs(2.0, (2,), [r1]) == r1
+    assert describe_arrivals({"arrivals": "closed", "in_flight": 1.6047,
+                              "in_flight_runs": [1, 2]}) == \
+        "closed loop, 1 and 2 in flight, interpolated to 1.60"
+    assert describe_arrivals({"arrivals": "closed", "in_flight": 2.05,
+                              "in_flight_runs": [2]}) == "closed loop, 2 in flight"
+    assert describe_arrivals({"arrivals": "poisson", "request_rate": 2.2349,
+                              "in_flight": None}) == "Poisson 2.235 req/s"
 
 
 def test_config_checks() -> None:

@@ -721,6 +721,17 @@ def interpolate_runs(exact: float, counts: Sequence[int], runs: Sequence[dict[st
     return out
 
 
+def describe_arrivals(measured: dict[str, Any]) -> str:
+    """How an end-to-end measurement (``run_end_to_end``'s result) loaded the cluster."""
+    if measured["arrivals"] == "poisson":
+        return f"Poisson {measured['request_rate']:.3f} req/s"
+    counts = measured["in_flight_runs"]
+    if len(counts) == 2:
+        return (f"closed loop, {counts[0]} and {counts[1]} in flight, interpolated to "
+                f"{measured['in_flight']:.2f}")
+    return f"closed loop, {counts[0]} in flight"
+
+
 def verify_choices(result: dict[str, Any], max_devices: float, num_points: int,
                    ctx_devices: float = 1.0, gen_devices: float = 1.0) -> list[dict[str, Any]]:
     """Frontier points to verify (spread evenly along it) with their best integer cluster and
@@ -870,8 +881,7 @@ def format_rate_match(result: dict[str, Any]) -> str:
     for v in result.get("verify") or []:
         lines.append(f"{' end to end ':-^78}")
         pr, me = v["predicted"], v["measured"]
-        how = (f"Poisson {me['request_rate']:.3g} req/s" if me.get("arrivals") == "poisson"
-               else f"closed loop, {me.get('in_flight') or v['concurrency']} in flight")
+        how = describe_arrivals(me)
         slo = ("" if me.get("meets_ttft_slo") is None else
                f", TTFT {'meets' if me['meets_ttft_slo'] else 'misses'} the SLO")
         lines.append(f"{v['num_ctx']} ctx + {v['num_gen']} gen, concurrency {v['concurrency']} "
