@@ -123,8 +123,9 @@ class _Read:
 
 
 def _submit_reads(client: Any, params: ContextParams, dst: WorkerLayout, dst_rank: int,
-                  dtype: torch.dtype, on_done: Callable[[cf.Future], None]) -> list[_Read]:
-    """Start rank ``dst_rank``'s reads of a request: one per context rank it needs."""
+                  kv: torch.Tensor, on_done: Callable[[cf.Future], None]) -> list[_Read]:
+    """Start rank ``dst_rank``'s reads of a request: one per context rank it needs. Payloads
+    land in host memory (pinned when ``kv``, this rank's cache, is on a GPU)."""
     src = params.layout
     # Same block size: whole blocks (server may send straight from its cache); else the
     # token-major format, scattered into our differently sized blocks.
@@ -141,7 +142,8 @@ def _submit_reads(client: Any, params: ContextParams, dst: WorkerLayout, dst_ran
         nh = piece.heads[1] - piece.heads[0]
         shape = ((len(src_blocks), nl, 2, nh, src.tokens_per_block, src.head_dim)
                  if fmt == "blocks" else (nl, 2, nh, params.num_tokens, src.head_dim))
-        out = torch.empty(shape, dtype=dtype)  # private: never freed under a transfer
+        # private: never freed under a transfer
+        out = torch.empty(shape, dtype=kv.dtype, pin_memory=kv.device.type == "cuda")
         fut = client.read(params.addresses[piece.src_rank], req, out)
         fut.add_done_callback(on_done)
         reads.append(_Read(piece, req, out, fut))
@@ -150,21 +152,26 @@ def _submit_reads(client: Any, params: ContextParams, dst: WorkerLayout, dst_ran
 
 def _install(kv: torch.Tensor, block_ids: list[int], reads: list[_Read], num_tokens: int
              ) -> None:
-    """Copy finished reads into this rank's blocks of the request."""
+    """Copy finished reads into this rank's blocks of the request. On a GPU the copies are
+    queued on the device's current stream, ahead of any step that reads these blocks."""
     B = kv.shape[4]
     for r in reads:
         p = r.piece
+        # Pinned host -> GPU without waiting; the caching host allocator keeps r.out alive
+        # until the copy has run.
+        payload = r.out.to(kv.device, non_blocking=True)
         if r.request.format == "tokens":
-            scatter_tokens(kv, block_ids, r.out, p.dst_layer_slice, p.dst_head_slice)
+            scatter_tokens(kv, block_ids, payload, p.dst_layer_slice, p.dst_head_slice)
             continue
         # Same block size: block i of the context table is block i of ours.
-        blocks = torch.tensor(block_ids[:math.ceil(num_tokens / B)], dtype=torch.long)
+        blocks = torch.tensor(block_ids[:math.ceil(num_tokens / B)], dtype=torch.long,
+                              device=kv.device)
         (l0, l1), (h0, h1) = p.dst_layer_slice, p.dst_head_slice
         if (l0, l1) == (0, kv.shape[1]) and (h0, h1) == (0, kv.shape[3]):
-            kv.index_copy_(0, blocks, r.out)
+            kv.index_copy_(0, blocks, payload)
         else:
             view = kv[:, l0:l1, :, h0:h1]
-            view[blocks] = r.out
+            view[blocks] = payload
 
 
 def _first_error(reads: list[_Read]) -> BaseException | None:
@@ -388,7 +395,7 @@ class DisaggRuntime:
         """Engine thread: submit the reads of one request (returns at once)."""
         client = self._client(params.backend)
         fetch = _Fetch(request_id, params, list(block_ids))
-        fetch.reads = _submit_reads(client, params, self.layout, 0, self.kv_cache.dtype,
+        fetch.reads = _submit_reads(client, params, self.layout, 0, self.kv_cache,
                                     lambda _f: self._wake())
         if self.peers is not None:
             fetch.remote_pending = set(range(1, self.world_size))
@@ -557,7 +564,7 @@ class RankTransfer:
             self._fetches[request_id] = fetch
             try:
                 fetch.reads = _submit_reads(
-                    client, params, self.layout, self.rank, self.kv_cache.dtype,
+                    client, params, self.layout, self.rank, self.kv_cache,
                     lambda _f: None)
             except Exception as e:
                 del self._fetches[request_id]

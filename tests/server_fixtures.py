@@ -19,6 +19,16 @@ from typing import Any
 import httpx
 
 
+def device_for_ranks(world_size: int) -> str:
+    """The device for test workers of up to ``world_size`` ranks: CUDA when there is a GPU
+    per rank (NCCL), else the CPU (gloo), so multi-rank tests also run on a one-GPU machine.
+    Every worker a test compares gets the same device: float32 CPU and GPU kernels may round
+    a near-tie differently."""
+    import torch
+
+    return "cuda" if torch.cuda.device_count() >= world_size else "cpu"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_fixtures import health_ok, wait_for
+from server_fixtures import device_for_ranks, health_ok, wait_for
 from test_disagg_e2e import (
     CHAT,
     CHAT_PATH,
@@ -43,8 +43,12 @@ UCX_CTX = {(2, 1), (2, 2)}  # these context workers serve over UCX when it is av
 GEN_BLOCK = {(1, 1): "8", (2, 1): "16", (1, 2): "16", (2, 2): "8"}
 
 
+DEVICE = device_for_ranks(4)  # every worker here, the aggregated reference too
+
+
 def _par(tp: int, pp: int) -> list[str]:
-    return ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp)]
+    return ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp),
+            "--device", DEVICE]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +75,8 @@ def cluster(model_dir: str, tmp_path_factory: pytest.TempPathFactory
                              "--kv-lease-ttl", "0.3")
     ws["ctx_victim"] = _start(tmp, model_dir, "ctx_victim", "context", *_par(2, 1),
                               "--kv-transfer-backend", "TCP", "--tokens-per-block", "16")
-    ws["agg"] = _start(tmp, model_dir, "agg", "aggregated", "--tokens-per-block", "16")
+    ws["agg"] = _start(tmp, model_dir, "agg", "aggregated", "--tokens-per-block", "16",
+                       "--device", DEVICE)
     try:
         _wait_healthy(list(ws.values()))
         yield ws

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 import yaml
-from server_fixtures import serve_in_thread, wait_for
+from server_fixtures import device_for_ranks, serve_in_thread, wait_for
 from test_launch import READY_RE, Launcher, _assert_all_gone, _config
 
 pytestmark = pytest.mark.slow
@@ -35,9 +35,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespac
     path, _ = _config(tmp, "disagg_2ctx_tp2_1gen_pp2.yaml")
     data = yaml.safe_load(Path(path).read_text())
     data["kv_cache_tokens"] = 4096  # the example's 8192 times six ranks is more than needed
+    data["device"] = device = device_for_ranks(6)  # a GPU per rank, else all on the CPU
     Path(path).write_text(yaml.safe_dump(data))
     launcher = Launcher(["-c", path, "--model", model], tmp)
-    engine = AsyncLLM.from_options(model, kv_cache_tokens=4096,
+    engine = AsyncLLM.from_options(model, kv_cache_tokens=4096, device=device,
                                    tokens_per_block=data.get("tokens_per_block", 32))
     app = build_app(engine, ServerSettings(model_dir=model, served_model_name=model))
     try:

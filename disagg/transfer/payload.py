@@ -134,14 +134,36 @@ def gather_into(kv: torch.Tensor, req: ReadRequest, dst: torch.Tensor) -> None:
         _copy(dst[:, :, :, full * block:], src[ids[full], :, :, :, :tail])
 
 
+def gather_into_from_device(kv: torch.Tensor, req: ReadRequest, dst: torch.Tensor,
+                            stream: torch.cuda.Stream) -> None:
+    """``gather_into`` for a cache in GPU memory: the selection is gathered on the GPU (on
+    ``stream``, not the engine's) and copied once into ``dst``, pinned host memory; returns
+    when ``dst`` holds the bytes. The lease keeps the blocks from being rewritten meanwhile,
+    and the prefill that wrote them finished before the lease existed (its sampled token
+    was read back to the host)."""
+    (l0, l1), (h0, h1) = req.layer_slice, req.head_slice
+    with torch.cuda.device(kv.device), torch.cuda.stream(stream):
+        ids = torch.tensor(req.block_ids, dtype=torch.long).to(kv.device, non_blocking=True)
+        sel = kv[:, l0:l1, :, h0:h1].index_select(0, ids)  # [n, nl, 2, nh, B, D]
+        if req.format == "tokens":
+            n, nl, _, nh, block, head_dim = sel.shape
+            # [n, nl, 2, nh, B, D] -> [nl, 2, nh, n*B, D]; keep tokens [0, T)
+            sel = sel.permute(1, 2, 3, 0, 4, 5).reshape(nl, 2, nh, n * block, head_dim)
+            sel = sel[:, :, :, :req.num_tokens]
+        dst.copy_(sel, non_blocking=True)
+    stream.synchronize()
+
+
 class StagingPool:
     """Reusable byte buffers for gathers: a request borrows one and gives it back after its
     payload is sent, so steady-state reads allocate nothing. ``allocations`` counts the
-    buffers ever created (for tests and metrics)."""
+    buffers ever created (for tests and metrics). ``pinned``: page-locked host memory, for
+    gathers from a GPU cache (the device-to-host copy runs at full speed and asynchronously)."""
 
-    def __init__(self, max_buffers: int = 4) -> None:
+    def __init__(self, max_buffers: int = 4, pinned: bool = False) -> None:
         self._free: list[torch.Tensor] = []
         self._max = max_buffers
+        self._pinned = pinned
         self.allocations = 0
 
     def acquire(self, nbytes: int) -> torch.Tensor:
@@ -152,7 +174,7 @@ class StagingPool:
         if self._free:  # replace the largest too-small buffer rather than hold both
             self._free.pop(max(range(len(self._free)), key=lambda i: self._free[i].numel()))
         self.allocations += 1
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pinned)
 
     def release(self, buf: torch.Tensor) -> None:
         if len(self._free) < self._max:

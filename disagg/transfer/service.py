@@ -47,6 +47,7 @@ from disagg.transfer.payload import (
     as_byte_array,
     dtype_name,
     gather_into,
+    gather_into_from_device,
     plan_read,
 )
 from disagg.transfer.stats import TransferStats
@@ -68,9 +69,10 @@ class KVTransferServer:
     """Serves one rank's KV cache to generation ranks that hold the cluster token.
 
     ``kv_cache``: ``[num_blocks, num_local_layers, 2, num_local_kv_heads, tokens_per_block,
-    head_dim]`` on the CPU. ``leases`` decides what may be read; a RELEASE from a reader
-    ``confirm``s its lease. Expired leases are swept every ``sweep_interval_s`` (None: the owner
-    calls ``leases.expire()`` itself).
+    head_dim]`` on the CPU or a CUDA device (a GPU cache's payloads are gathered on the GPU
+    and sent from pinned host memory: no GPU-direct transport yet). ``leases`` decides what may
+    be read; a RELEASE from a reader ``confirm``s its lease. Expired leases are swept every
+    ``sweep_interval_s`` (None: the owner calls ``leases.expire()`` itself).
     """
 
     def __init__(
@@ -89,8 +91,9 @@ class KVTransferServer:
     ) -> None:
         if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
             raise ValueError(f"kv_cache must be [N, L, 2, H, B, D], got {tuple(kv_cache.shape)}")
-        if kv_cache.device.type != "cpu":
-            raise ValueError("KVTransferServer serves CPU KV caches only (for now)")
+        if kv_cache.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"KVTransferServer serves CPU or CUDA KV caches, not "
+                             f"{kv_cache.device.type}")
         if not token:
             raise ValueError("a non-empty cluster token is required")
         self.kv_cache = kv_cache
@@ -100,7 +103,10 @@ class KVTransferServer:
         self.stats = stats if stats is not None else TransferStats()
         self.stats.bind_leases(leases)
         self.server_id = uuid.uuid4().hex  # changes on restart: lets peers tell instances apart
-        self.staging = StagingPool(max_staging_buffers)  # used on the loop thread only
+        on_gpu = kv_cache.device.type == "cuda"
+        # used on the loop thread only; pinned for a GPU cache (payloads are staged on the host)
+        self.staging = StagingPool(max_staging_buffers, pinned=on_gpu)
+        self._stream = torch.cuda.Stream(kv_cache.device) if on_gpu else None
         self._token = token.encode()
         self._port = port
         self._advertise = advertise_host or host
@@ -267,7 +273,11 @@ class KVTransferServer:
             else:
                 staging = self.staging.acquire(plan.nbytes)
                 dst = staging[:plan.nbytes].view(self.kv_cache.dtype).view(plan.shape)
-                if plan.nbytes <= GATHER_INLINE_MAX_BYTES or self._gather_pool is None:
+                if self._stream is not None:  # GPU cache: gather there, one copy to the host
+                    await asyncio.get_running_loop().run_in_executor(
+                        self._gather_pool, gather_into_from_device, self.kv_cache, req, dst,
+                        self._stream)
+                elif plan.nbytes <= GATHER_INLINE_MAX_BYTES or self._gather_pool is None:
                     gather_into(self.kv_cache, req, dst)
                 else:  # torch copies release the GIL: the loop keeps serving meanwhile
                     await asyncio.get_running_loop().run_in_executor(

@@ -1,0 +1,206 @@
+"""The CUDA paths: the engine against transformers on the same GPU, KV transfer from and into
+a GPU cache (gathered on the GPU, staged in pinned host memory), and context / generation
+worker processes on a GPU against an aggregated one. Skipped without a CUDA device.
+
+The rest of the suite also runs on a GPU machine: workers started without ``--device`` pick
+CUDA there, so the end-to-end and router tests exercise it too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from disagg import LLM, SamplingParams
+from disagg.disaggregation import _install, _Read
+from disagg.transfer import KVTransferClient, KVTransferServer, LeaseTable, ReadRequest
+from disagg.transfer.layout import TransferPiece
+from disagg.transfer.payload import payload_shape
+from disagg.transfer.ucx import ucx_available
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+UCX_OK, UCX_WHY = ucx_available()
+BACKENDS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(not UCX_OK, reason=UCX_WHY))]
+TOKEN = "gpu-secret"
+N, L, H, B, D = 24, 4, 4, 8, 16
+
+
+def _kv(seed: int, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(N, L, 2, H, B, D, generator=g).to(dtype).to(device)
+
+
+def _expected(kv: torch.Tensor, req: ReadRequest) -> torch.Tensor:
+    (l0, l1), (h0, h1) = req.layer_slice, req.head_slice
+    sel = kv[list(req.block_ids)][:, l0:l1, :, h0:h1]
+    if req.format == "blocks":
+        return sel.contiguous()
+    n, nl, _, nh, b, d = sel.shape
+    return sel.permute(1, 2, 3, 0, 4, 5).reshape(nl, 2, nh, n * b, d)[
+        :, :, :, :req.num_tokens].contiguous()
+
+
+def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                              b.reshape(-1).view(torch.uint8))
+
+
+# ---- engine ---------------------------------------------------------------------------------
+
+
+def test_engine_on_cuda_matches_transformers_on_cuda(tiny_llama: str) -> None:
+    import transformers
+
+    llm = LLM(tiny_llama, device="cuda", max_num_tokens=24, tokens_per_block=8,
+              kv_cache_tokens=4096)
+    assert llm.engine.config.device.startswith("cuda")
+    vocab = llm.engine.config.model.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 17, 40, 64)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
+    outs = llm.generate(prompts, params)
+    llm.shutdown()
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    hf = hf.to("cuda").eval()
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    for p, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=10,
+                              do_sample=False, return_dict_in_generate=True, output_logits=True)
+        ids = ref.sequences[0, len(p):].tolist()
+        comp = out.outputs[0]
+        assert comp.token_ids == ids
+        ref_lps = [torch.log_softmax(lg[0].float(), -1)[t].item()
+                   for lg, t in zip(ref.logits, ids, strict=True)]
+        got = [lp[t] for lp, t in zip(comp.logprobs, comp.token_ids, strict=True)]
+        assert got == pytest.approx(ref_lps, abs=1e-3)
+
+
+def test_bfloat16_engine_on_cuda_follows_float32(tiny_llama: str) -> None:
+    """bf16 rounding may flip a near-tie, so compare the first tokens only and logprobs
+    loosely: a broken cast or kernel shows as garbage, not as a 1e-2 difference."""
+    outs = {}
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(tiny_llama, device="cuda", dtype=dtype, kv_cache_tokens=2048)
+        outs[dtype] = llm.generate([[5, 6, 7, 8, 9, 10, 11, 12]], SamplingParams(
+            temperature=0, max_tokens=4, ignore_eos=True, logprobs=0))[0].outputs[0]
+        llm.shutdown()
+    f32, bf16 = outs["float32"], outs["bfloat16"]
+    assert bf16.token_ids[0] == f32.token_ids[0]
+    assert bf16.logprobs[0][bf16.token_ids[0]] == pytest.approx(
+        f32.logprobs[0][f32.token_ids[0]], abs=0.1)
+
+
+# ---- KV transfer from and into a GPU cache --------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_server_over_gpu_cache_sends_identical_bytes(backend: str, dtype: torch.dtype) -> None:
+    kv = _kv(3, dtype, "cuda")
+    leases = LeaseTable(default_ttl_s=30.0)
+    server = KVTransferServer(kv, leases, TOKEN, backend).start()
+    client = KVTransferClient(backend, TOKEN, timeout_s=20)
+    try:
+        ids = [17, 3, 4, 9, 0, 22]
+        leases.create("r", ids, readers=1)
+        cases = [
+            ReadRequest("r", ids, (0, L), (0, H)),  # whole blocks, out of order
+            ReadRequest("r", ids[1:3], (0, L), (0, H)),  # a consecutive run
+            ReadRequest("r", ids, (1, 3), (2, 4)),  # partial layers and heads
+            ReadRequest("r", ids, (0, L), (0, H), num_tokens=5 * B + 3, format="tokens"),
+            ReadRequest("r", ids[:1], (0, L), (0, H), num_tokens=B, format="tokens"),
+        ]
+        host = kv.cpu()
+        for req in cases:
+            out = torch.full(payload_shape(tuple(kv.shape), req), -7.0, dtype=dtype,
+                             pin_memory=True)
+            result = client.read(server.address, req, out).result(30)
+            assert not result.zero_copy  # a GPU cache is always gathered
+            assert _bytes_equal(out, _expected(host, req)), req
+        assert server.staging.allocations >= 1
+        assert server.stats.snapshot().failed_transfers == 0
+    finally:
+        client.close()
+        server.stop()
+
+
+@pytest.mark.parametrize("fmt", ["blocks", "tokens"])
+def test_install_into_gpu_cache_equals_cpu_install(fmt: str) -> None:
+    """The generation side's install (pinned payload -> GPU blocks) writes what the CPU
+    install writes, for a piece covering part of the layers and heads."""
+    src = _kv(5, torch.float32)
+    n_tokens = 3 * B + 5
+    src_ids = [4, 11, 7, 2]
+    req = ReadRequest("x", src_ids, (1, 3), (0, 2), num_tokens=n_tokens, format=fmt)
+    payload = _expected(src, req)
+    # Destination layers [2, 4), heads [2, 4) of a differently laid out cache.
+    piece = TransferPiece(src_rank=0, dst_rank=0, layers=(1, 3), heads=(0, 2),
+                          src_layer_slice=(1, 3), src_head_slice=(0, 2),
+                          dst_layer_slice=(2, 4), dst_head_slice=(2, 4))
+    dst_ids = [9, 1, 20, 13]
+    caches = {}
+    for device in ("cpu", "cuda"):
+        kv = torch.zeros(N, L, 2, H, B, D, device=device)
+        out = payload.clone().pin_memory() if device == "cuda" else payload.clone()
+        _install(kv, dst_ids, [_Read(piece, req, out, None)], n_tokens)  # type: ignore[arg-type]
+        caches[device] = kv
+    torch.cuda.synchronize()
+    assert torch.equal(caches["cuda"].cpu(), caches["cpu"])
+    written = caches["cpu"][dst_ids[:math.ceil(n_tokens / B)], 2:4, :, 2:4]
+    assert written.abs().sum() > 0
+
+
+# ---- worker processes on the GPU ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpu_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
+    from server_fixtures import serve_in_thread, stop_all, wait_all_healthy
+    from test_disagg_e2e import NAME, _start
+
+    from disagg.engine import AsyncLLM
+    from disagg.model.tiny import write_tiny_checkpoint
+    from disagg.server.app import ServerSettings, build_app
+
+    model_dir = write_tiny_checkpoint(str(tmp_path_factory.mktemp("gpu") / "tiny"), seed=1)
+    tmp = Path(tmp_path_factory.mktemp("gpu-logs"))
+    backends = ["TCP"] + (["UCX"] if UCX_OK else [])
+    ws = {}
+    for b in backends:
+        flags = ["--device", "cuda", "--kv-transfer-backend", b]
+        ws[f"ctx_{b}"] = _start(tmp, model_dir, f"ctx_{b}", "context", *flags)
+        ws[f"gen_{b}"] = _start(tmp, model_dir, f"gen_{b}", "generation", *flags,
+                                "--tokens-per-block", "8")
+    engine = AsyncLLM.from_options(model_dir, device="cuda", tokens_per_block=16,
+                                   kv_cache_tokens=4096, max_model_len=512,
+                                   max_num_tokens=256, max_batch_size=32)
+    app = build_app(engine, ServerSettings(model_dir=model_dir, served_model_name=NAME))
+    try:
+        wait_all_healthy(list(ws.values()), 120)
+        with serve_in_thread(app) as ref:
+            yield {"workers": ws, "ref": ref, "backends": backends}
+    finally:
+        stop_all(list(ws.values()))
+
+
+def test_gpu_context_and_generation_workers_match_aggregated(
+        gpu_workers: dict[str, object]) -> None:
+    from test_disagg_e2e import _check_same
+
+    ws = gpu_workers["workers"]
+    for b in gpu_workers["backends"]:  # type: ignore[attr-defined]
+        ctx, gen = ws[f"ctx_{b}"], ws[f"gen_{b}"]  # type: ignore[index]
+        assert ctx.info()["device"].startswith("cuda"), ctx.info()
+        # generation worker with 8-token blocks: the token-major format, scattered on the GPU
+        _check_same(ctx, gen, gpu_workers["ref"])  # type: ignore[arg-type]
