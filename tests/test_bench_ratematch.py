@@ -24,10 +24,12 @@ from disagg.bench.ratematch import (
     RateMatchConfig,
     RateMatcher,
     best_integer_cluster,
+    build_result,
     closed_loop_counts,
     context_rate,
     describe_arrivals,
     finish_verify_point,
+    gen_points_beside,
     gen_speed_at_rate,
     gen_tpot_at_concurrency,
     interpolate_runs,
@@ -157,6 +159,71 @@ def test_verify_choices_and_gaps() -> None:
     assert v["predicted"]["tput_per_device"] == 50.0  # 1 user: 100 tok/s over 2 devices
     assert v["gap_tput_per_device"] == pytest.approx(-0.1)
     assert v["gap_tokens_per_s_per_user"] == pytest.approx(-0.1)
+
+
+def _colocated(load: float, tpot_up: float, tps_down: float) -> dict[str, Any]:
+    """GEN measured alone, and again beside a context worker at ``load`` req/s: every TPOT
+    ``tpot_up`` times, every throughput ``tps_down`` times its isolated value."""
+    col = [{**p, "mean_tpot_ms": p["mean_tpot_ms"] * tpot_up,
+            "tokens_per_s_per_user": p["tokens_per_s_per_user"] / tpot_up,
+            "output_throughput": p["output_throughput"] * tps_down} for p in GEN]
+    return {"points": GEN, "colocated": {"context_load": load, "points": col}}
+
+
+def test_colocated_points_are_linear_in_the_context_load() -> None:
+    gen = _colocated(10.0, 1.25, 0.8)
+    # Load 4 of 10: 40% of the way from alone to beside the full load.
+    half = gen_points_beside(gen, 4.0)
+    assert [p["concurrency"] for p in half] == [1, 2, 4, 8, 16]
+    assert half[0]["mean_tpot_ms"] == pytest.approx(10.0 * (1 + 0.4 * 0.25))  # 11 ms
+    assert half[0]["tokens_per_s_per_user"] == pytest.approx(1000 / 11.0)
+    assert half[2]["output_throughput"] == pytest.approx(320.0 * (1 - 0.4 * 0.2))
+    assert all(p["context_load"] == 4.0 for p in half)
+    full = gen_points_beside(gen, 10.0)
+    assert full[3]["output_throughput"] == pytest.approx(320.0)  # 400 x 0.8
+    assert gen_points_beside(gen, 0.0)[1]["mean_tpot_ms"] == pytest.approx(1000 / 90)
+    # No co-located measurement: the points as measured, whatever the load.
+    assert gen_points_beside({"points": GEN, "colocated": None}, 7.0) == GEN
+
+
+def test_colocated_predictions_use_the_clusters_own_context_load() -> None:
+    osl = 20
+    gen = _colocated(10.0, 1.25, 0.8)
+    # 1 + 1 at concurrency 1, ctx 10 req/s: generation bound. Beside a context worker at
+    # load L the worker serves (100 - 2 L) / 20 = 5 - 0.1 L req/s, and L is that rate:
+    # r = 5 - 0.1 r -> r = 50 / 11; TPOT 10 ms x (1 + 0.25 r / 10).
+    p = predict_cluster(10.0, GEN[0], GEN, osl, 1, 1, generation=gen)
+    r = 50 / 11
+    assert p["bound"] == "generation" and p["request_rate"] == pytest.approx(r)
+    assert p["tput_per_device"] == pytest.approx(r * osl / 2)
+    assert p["tokens_per_s_per_user"] == pytest.approx(1000 / (10.0 * (1 + 0.025 * r)))
+    # Without the generation block: the isolated prediction (5 req/s, 100 tok/s/user).
+    alone = predict_cluster(10.0, GEN[0], GEN, osl, 1, 1)
+    assert alone["request_rate"] == 5.0 and alone["tokens_per_s_per_user"] == 100.0
+    assert predict_cluster(10.0, GEN[0], GEN, osl, 1, 1,
+                           generation={"points": GEN, "colocated": None}) == alone
+    # Context bound (concurrency 8 serves 20 req/s alone, 16 beside a full context worker):
+    # the context worker runs at its rate, so the points beside the full load.
+    p = predict_cluster(10.0, GEN[3], GEN, osl, 1, 1, generation=gen)
+    assert p["bound"] == "context" and p["request_rate"] == 10.0
+    tpot, _ = open_loop_tpot(gen_points_beside(gen, 10.0), osl, 10.0)
+    assert p["tokens_per_s_per_user"] == pytest.approx(1000 / tpot)
+    # Open loop at 3 req/s: the context worker serves 3, the points 30% of the way.
+    q = predict_at_rate(10.0, GEN, osl, 1, 1, 3.0, generation=gen)
+    assert q["output_throughput"] == 60.0 and q["sustainable"]
+    assert q["mean_tpot_ms"] == pytest.approx(
+        open_loop_tpot(gen_points_beside(gen, 3.0), osl, 3.0)[0])
+    assert q["mean_tpot_ms"] > predict_at_rate(10.0, GEN, osl, 1, 1, 3.0)["mean_tpot_ms"]
+    # Rate-matched curve: each context worker at its rate, the points beside the full load;
+    # verify_choices predicts each cluster at its own load.
+    cfg = RateMatchConfig("http://c", "http://g", 1000.0, osl=osl, colocated=True)
+    res = build_result(cfg, "m", {"ctx_rate": 10.0}, gen)
+    assert [p["gen_output_tps"] for p in res["rate_matched"]] == pytest.approx(
+        [0.8 * p["output_throughput"] for p in GEN])
+    ends = verify_choices(res, max_devices=2, num_points=2)  # both ends of the frontier
+    assert [c["concurrency_per_gen"] for c in ends] == [8, 1]
+    assert ends[1]["predicted"]["request_rate"] == pytest.approx(r)
+    assert ends[0]["predicted"] == {k: v for k, v in p.items() if k != "devices"}
 
 
 def test_closed_loop_counts_and_interpolation() -> None:
@@ -459,3 +526,86 @@ def test_end_to_end_closed_and_poisson_arrivals(workers: dict[str, str], tiny_ll
         assert r["output_throughput"] > 0 and r["tokens_per_s_per_user"] > 0
         assert r["served_rate"] > 0
         assert r["meets_ttft_slo"] == (r["ttft_ms"] <= 1500.0)
+
+
+def test_colocated_generation_sweep_loads_the_context_worker(workers: dict[str, str],
+                                                             tiny_llama: str) -> None:
+    """``--colocated``: each generation point is measured a second time while the context
+    worker serves ordinary requests at the given rate; the load stops with the point, and the
+    context worker's own counters see exactly the requests the load reports."""
+    from disagg.bench.client import make_transport
+    from disagg.tokenizer import load_tokenizer
+
+    cfg = RateMatchConfig(workers["ctx"], workers["gen"], 1500.0, isl=40, osl=8,
+                          concurrencies=(1, 2), model=NAME, num_warmups=1, gen_rounds=3,
+                          colocated=True, request_timeout_s=60)
+    before = _metric(workers["ctx"], "disagg_requests_finished_total")
+
+    async def sweep() -> dict[str, Any]:
+        tr = make_transport("auto", 60)
+        try:
+            return await RateMatcher(cfg, load_tokenizer(tiny_llama), tr,
+                                     progress=None).sweep_generation(ctx_rate=20.0)
+        finally:
+            await tr.aclose()
+
+    gen = asyncio.run(sweep())
+    assert [p["concurrency"] for p in gen["points"]] == [1, 2]
+    assert all("context" not in p for p in gen["points"])
+    col = gen["colocated"]
+    assert col["context_url"] == workers["ctx"] and col["context_load"] == 20.0
+    assert [p["concurrency"] for p in col["points"]] == [1, 2]
+    sent = 0
+    for p in col["points"]:
+        assert p["failed"] == 0 and p["completed"] == 3 * p["concurrency"]
+        load = p["context"]
+        assert load["offered_rate"] == 20.0 and load["failed"] == 0
+        assert load["completed"] >= 1 and load["mean_ttft_ms"] > 0
+        # The load ran while the point did, not longer: its arrivals stop with the point.
+        assert load["duration_s"] <= p["duration_s"] + 1.0
+        sent += load["completed"]
+    assert _metric(workers["ctx"], "disagg_requests_finished_total") - before == sent
+    # Without a context rate (none met the SLO) there is nothing to load it with.
+    cfg2 = RateMatchConfig(workers["ctx"], workers["gen"], 1500.0, isl=40, osl=8,
+                           concurrencies=(1,), model=NAME, num_warmups=0, gen_rounds=1,
+                           colocated=True, request_timeout_s=60)
+
+    async def no_rate() -> dict[str, Any]:
+        tr = make_transport("auto", 60)
+        try:
+            return await RateMatcher(cfg2, load_tokenizer(tiny_llama), tr,
+                                     progress=None).sweep_generation(ctx_rate=None)
+        finally:
+            await tr.aclose()
+
+    assert asyncio.run(no_rate())["colocated"] is None
+
+
+def test_rate_match_cli_colocated(workers: dict[str, str], tiny_llama: str, tmp_path: Path,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """``--colocated`` through the CLI: the rate-matched rows come from the points measured
+    beside the context worker at its rate, the PNG adds the each-side-alone frontier."""
+    out = tmp_path / "col.json"
+    rc = cli_main(["bench", "rate-match", "--context-url", workers["ctx"],
+                   "--generation-url", workers["gen"], "--tokenizer", tiny_llama,
+                   "--isl", "40", "--osl", "6", "--ttft-slo", "2000", "--concurrency", "1,2",
+                   "--ctx-probe-seconds", "0.5", "--ctx-min-prompts", "6",
+                   "--ctx-max-probes", "2", "--ctx-rate-start", "4", "--gen-rounds", "2",
+                   "--num-warmups", "1", "--request-timeout", "60", "--colocated",
+                   "--save-result", str(out), "--no-progress"])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    assert "co-located, measured beside the context worker serving" in printed.out
+    res = json.loads(out.read_text())
+    assert res["config"]["colocated"] is True
+    ctx_rate = res["context"]["ctx_rate"]
+    col = res["generation"]["colocated"]
+    assert col["context_load"] == ctx_rate
+    beside = {p["concurrency"]: p for p in col["points"]}
+    for p in res["rate_matched"]:
+        assert p["gen_output_tps"] == pytest.approx(beside[p["concurrency"]]["output_throughput"])
+        assert p["tput_per_device"] == pytest.approx(
+            tput_per_device(p["gen_output_tps"], 6, ctx_rate))
+    import matplotlib.image
+
+    assert matplotlib.image.imread(str(tmp_path / "col.png")).shape[0] >= 400

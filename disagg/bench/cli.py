@@ -419,6 +419,10 @@ def add_rate_match_cli(sub: argparse._SubParsersAction) -> None:
                    help="... and at least this many")
     g.add_argument("--gen-rounds", type=_int_at_least(1), default=4,
                    help="requests per concurrency = rounds * concurrency")
+    g.add_argument("--colocated", action="store_true",
+                   help="context and generation workers share one machine (CPU cores of "
+                        "one host): measure each generation point again while the context "
+                        "worker serves its SLO rate, and predict with the slowdown")
 
     g = rm.add_argument_group("verify (end to end with disagg launch on this machine)")
     g.add_argument("--verify", action="store_true",
@@ -495,6 +499,7 @@ def rate_match_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -
             ctx_rate_start=args.ctx_rate_start, ctx_max_probes=args.ctx_max_probes,
             ctx_tolerance=args.ctx_tolerance, ctx_probe_seconds=args.ctx_probe_seconds,
             ctx_min_prompts=args.ctx_min_prompts, gen_rounds=args.gen_rounds,
+            colocated=args.colocated,
             num_warmups=args.num_warmups, seed=args.seed, api_key=args.api_key,
             http_client=args.http_client, request_timeout_s=args.request_timeout)
     except ValueError as e:

@@ -5,7 +5,8 @@
   y = output tokens/s (per device with ``devices``); points of a sweep are joined in x order.
 - ``plot_rate_match``: a ``disagg bench rate-match`` result: x = tokens/s/user, y = output
   tokens/s per device; every rate-matched point (labelled with its concurrency and ctx:gen
-  ratio), the rate-matched Pareto frontier, the aggregated baseline and its frontier, the
+  ratio), the rate-matched Pareto frontier (co-located results: also the frontier of the
+  sides measured alone), the aggregated baseline and its frontier, the
   end-to-end (verify) points joined to their predictions, and any extra series a script adds.
 """
 
@@ -128,9 +129,24 @@ def plot_rate_match(result: dict[str, Any], path: str, title: str | None = None,
                         (p["tokens_per_s_per_user"], p["tput_per_device"]),
                         textcoords="offset points", xytext=(4, 3), fontsize=6, color="tab:blue")
     front = result.get("frontier") or []
+    gen = result.get("generation") or {}
+    colocated = bool(gen.get("colocated"))
     if front:
         ax.plot([p["tokens_per_s_per_user"] for p in front], [p["tput_per_device"] for p in front],
-                "o-", color="tab:blue", lw=2, label="rate-matched frontier (disaggregated)")
+                "o-", color="tab:blue", lw=2,
+                label="rate-matched frontier (disaggregated"
+                      + (", co-located)" if colocated else ")"))
+    ctx_rate = (result.get("context") or {}).get("ctx_rate")
+    if colocated and ctx_rate:  # the same curve from each side measured alone
+        from disagg.bench.ratematch import pareto_frontier, rate_match
+
+        cfg = result.get("config", {})
+        alone = rate_match(ctx_rate, gen["points"], cfg["osl"], cfg.get("ctx_devices", 1.0),
+                           cfg.get("gen_devices", 1.0))
+        xy = [(p["tokens_per_s_per_user"], p["tput_per_device"]) for p in alone]
+        fx, fy = zip(*(xy[i] for i in pareto_frontier(xy)), strict=True)
+        ax.plot(fx, fy, "o--", color="tab:blue", lw=1, alpha=0.5, ms=4,
+                label="rate-matched frontier, each side measured alone")
     agg = result.get("aggregated")
     if agg:
         pts = sorted(agg["points"], key=lambda p: p["tokens_per_s_per_user"])

@@ -27,6 +27,23 @@ so that prefix caching never helps) on ``/v1/completions``, streamed.
    decodes. ``gen_output_tps`` = output tokens/s over the run; ``tokens_per_s_per_user`` =
    1000 / mean TPOT (ms), i.e. one over the mean time per output token;
    ``gen_request_rate`` = ``gen_output_tps / osl``.
+
+   2b. **Co-located** (``--colocated``): context and generation workers on one machine (CPU
+   cores of one host, a laptop) share its caches and memory bandwidth, so a decode step is
+   slower while the neighbouring context worker prefills (10-16% on this project's 2-core
+   machine with it prefilling 2 requests/s: ``bench/results/disagg-vs-aggregated.md``).
+   Step 2 runs each side alone and leaves that out. With ``--colocated`` every concurrency is
+   measured a second time while the context worker serves ordinary ``max_tokens: 1``
+   requests as Poisson arrivals at ``ctx_rate`` (its own rate under the SLO, from 1), the load
+   a context worker carries in a rate-matched cluster. A cluster whose context workers serve
+   less (``load`` req/s each) gets points linear between the two measurements,
+   ``isolated + (load / ctx_rate) * (colocated - isolated)`` for TPOT and output tokens/s
+   (``gen_points_beside``): a context worker is busy a share of its time proportional to its
+   request rate, and interferes only while busy. Every prediction below then uses the points
+   at the context load of the cluster it predicts (the rate-matched curve: ``ctx_rate``;
+   ``predict_cluster`` and ``predict_at_rate``: the cluster's rate per context worker, by
+   fixed point, since that rate depends on the generation speed). Assumes one context worker
+   beside each generation worker, as measured.
 3. **Rate matching**, per concurrency: ``ctx_per_gen = gen_request_rate / ctx_rate`` context
    workers per generation worker make both sides' request rates equal, and
 
@@ -81,7 +98,12 @@ JSON result (``kind: disagg-bench-rate-match``, ``version: 1``)
                     "points": [{"concurrency", "num_requests", "completed", "failed",
                                 "output_throughput", "tokens_per_s_per_user", "request_rate",
                                 "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
-                                "mean_ttft_ms", "duration_s", "errors"}]},
+                                "mean_ttft_ms", "duration_s", "errors"}],
+                    "colocated": null | {"context_url", "context_load" (req/s: ctx_rate),
+                                         "points": [the points' fields, and "context":
+                                                    {"offered_rate", "served_rate",
+                                                     "completed", "failed", "mean_ttft_ms",
+                                                     "duration_s"}]}},
      "rate_matched": [{"concurrency", "tokens_per_s_per_user", "gen_output_tps",
                        "gen_request_rate", "ctx_per_gen", "gen_per_ctx", "tput_per_device",
                        "on_frontier"}],
@@ -114,6 +136,7 @@ Throughputs are output tokens/s; rates requests/s; times ms.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime
 import json
@@ -129,7 +152,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TextIO
 
-from disagg.bench.client import Transport, make_transport
+import numpy as np
+
+from disagg.bench.client import (
+    ENDPOINT_PATHS,
+    RequestSpec,
+    Transport,
+    make_transport,
+    normalize_base_url,
+    send_request,
+)
 from disagg.bench.datasets import SampleRequest, TokenizerLike, sample_random
 from disagg.bench.metrics import RequestRecord, percentile_key
 from disagg.bench.runner import BenchmarkConfig, BenchmarkError, resolve_model, run_benchmark
@@ -162,6 +194,9 @@ class RateMatchConfig:
     ctx_min_prompts: int = 16
     gen_rounds: int = 4  # requests per concurrency = rounds * concurrency
     num_warmups: int = 2
+    # Measure every generation point a second time beside the context worker serving its
+    # SLO rate (module docstring, 2b): for workers that share one machine's memory system.
+    colocated: bool = False
     seed: int = 0
     api_key: str | None = None
     http_client: str = "auto"
@@ -279,9 +314,58 @@ def gen_speed_at_rate(gen_points: Sequence[dict[str, Any]], osl: int,
     return curve[-1][1]  # unreachable: rate lies within the curve
 
 
+def gen_points_beside(generation: dict[str, Any], load: float) -> list[dict[str, Any]]:
+    """The generation points of a worker whose neighbouring context worker serves ``load``
+    requests/s (module docstring, 2b): the isolated points when the run measured no
+    co-located ones, else TPOT and output tokens/s linear in ``load`` between the isolated
+    point (load 0) and the co-located one (load ``context_load``); tokens/s/user and request
+    rate follow from them."""
+    points = generation["points"]
+    col = generation.get("colocated")
+    if not col:
+        return list(points)
+    f = load / float(col["context_load"])
+    beside = {p["concurrency"]: p for p in col["points"] if p.get("completed")}
+    out = []
+    for p in points:
+        q = beside.get(p["concurrency"])
+        if q is None or not p.get("completed", 1):
+            out.append(p)
+            continue
+        tpot = p["mean_tpot_ms"] + f * (q["mean_tpot_ms"] - p["mean_tpot_ms"])
+        tps = p["output_throughput"] + f * (q["output_throughput"] - p["output_throughput"])
+        out.append({**p, "mean_tpot_ms": tpot, "tokens_per_s_per_user": 1000.0 / tpot,
+                    "output_throughput": tps,
+                    **({"request_rate": p["request_rate"] * tps / p["output_throughput"]}
+                       if "request_rate" in p else {}),
+                    "context_load": load})
+    return out
+
+
+def _beside_own_load(generation: dict[str, Any], ctx_rate: float, num_ctx: int,
+                     rate_of: Callable[[list[dict[str, Any]]], float]
+                     ) -> list[dict[str, Any]]:
+    """The generation points at the context load their cluster puts on each context worker:
+    ``rate_of(points)`` is the cluster's request rate with those points, which depends on the
+    generation speed, which depends on the load. Iterated from the full load ``ctx_rate`` (a
+    cluster's rate never asks more of a context worker): each step changes the load by the
+    interference's effect on the rate, a small fraction of the step before, so it settles
+    within a few steps."""
+    load = ctx_rate
+    points = gen_points_beside(generation, load)
+    for _ in range(100):
+        new = min(ctx_rate, rate_of(points) / num_ctx)
+        if abs(new - load) <= 1e-9 * ctx_rate:
+            break
+        load = new
+        points = gen_points_beside(generation, load)
+    return points
+
+
 def predict_cluster(ctx_rate: float, gen_point: dict[str, Any],
                     gen_points: Sequence[dict[str, Any]], osl: int, num_ctx: int, num_gen: int,
-                    ctx_devices: float = 1.0, gen_devices: float = 1.0) -> dict[str, Any]:
+                    ctx_devices: float = 1.0, gen_devices: float = 1.0,
+                    generation: dict[str, Any] | None = None) -> dict[str, Any]:
     """Predicted end-to-end result of ``num_ctx`` + ``num_gen`` workers with ``gen_point``'s
     concurrency per generation worker.
 
@@ -292,7 +376,20 @@ def predict_cluster(ctx_rate: float, gen_point: dict[str, Any],
     the cluster is predicted under the same arrivals (``arrivals: poisson``): each generation
     worker serves ``rate / num_gen`` below the measured concurrency, at the speed
     ``open_loop_tpot`` gives (``gen_speed_at_rate`` when that has no answer).
+
+    ``generation`` (the result's ``generation`` block, with co-located points): predict with
+    the points beside this cluster's own context load instead of ``gen_point`` and
+    ``gen_points`` (``_beside_own_load``).
     """
+    if generation is not None and generation.get("colocated"):
+        c = gen_point["concurrency"]
+
+        def rate_of(points: list[dict[str, Any]]) -> float:
+            gp = next(p for p in points if p["concurrency"] == c)
+            return min(num_gen * float(gp["output_throughput"]) / osl, num_ctx * ctx_rate)
+
+        gen_points = _beside_own_load(generation, ctx_rate, num_ctx, rate_of)
+        gen_point = next(p for p in gen_points if p["concurrency"] == c)
     gen_rate = float(gen_point["output_throughput"]) / osl
     rate = min(num_gen * gen_rate, num_ctx * ctx_rate)
     bound = "generation" if num_gen * gen_rate <= num_ctx * ctx_rate else "context"
@@ -366,7 +463,8 @@ def open_loop_tpot(gen_points: Sequence[dict[str, Any]], osl: int, rate: float
 
 
 def predict_at_rate(ctx_rate: float, gen_points: Sequence[dict[str, Any]], osl: int,
-                    num_ctx: int, num_gen: int, rate: float) -> dict[str, Any]:
+                    num_ctx: int, num_gen: int, rate: float,
+                    generation: dict[str, Any] | None = None) -> dict[str, Any]:
     """Predicted behaviour of a cluster under an open (Poisson) load of ``rate`` requests/s.
 
     ``sustainable``: both sides can serve it (context within its TTFT-SLO rate, generation
@@ -374,7 +472,18 @@ def predict_at_rate(ctx_rate: float, gen_points: Sequence[dict[str, Any]], osl: 
     generation worker, serving ``rate / num_gen``, has the mean TPOT of ``open_loop_tpot``
     (``extrapolated``: the share of it beyond the measured concurrencies). Otherwise the
     capacity is the prediction.
+
+    ``generation`` (with co-located points): the points beside the context load this rate
+    (or the capacity) puts on each context worker replace ``gen_points``.
     """
+    if generation is not None and generation.get("colocated"):
+
+        def rate_of(points: list[dict[str, Any]]) -> float:
+            curve = _gen_curve(points, osl)
+            cap = min(num_gen * (curve[-1][0] if curve else 0.0), num_ctx * ctx_rate)
+            return min(rate, cap)
+
+        gen_points = _beside_own_load(generation, ctx_rate, num_ctx, rate_of)
     curve = _gen_curve(gen_points, osl)
     gen_cap = num_gen * (curve[-1][0] if curve else 0.0)
     ctx_cap = num_ctx * ctx_rate
@@ -577,22 +686,88 @@ class RateMatcher:
                                       "p99_tpot_ms", "mean_ttft_ms", "p99_ttft_ms",
                                       "duration_s", "errors"))}
 
-    async def sweep_generation(self) -> dict[str, Any]:
+    async def generation_point(self, concurrency: int, context_load: float | None = None,
+                               label: str = "generation") -> dict[str, Any]:
+        """One generation-only point; ``context_load`` (req/s): measured while the context
+        worker serves that load (module docstring, 2b), its figures under ``"context"``."""
+        c = self.cfg
+        if context_load is None:
+            p = await self.concurrency_point(c.generation_url, concurrency, True, label)
+        else:
+            stop = asyncio.Event()
+            load = asyncio.create_task(self.context_load(context_load, stop))
+            try:
+                p = await self.concurrency_point(
+                    c.generation_url, concurrency, True,
+                    f"{label} beside context {context_load:.3g} req/s")
+            finally:
+                stop.set()
+                p_ctx = await load
+            p["context"] = p_ctx
+        if p["completed"] == 0:
+            raise BenchmarkError(
+                f"every generation-only request to {c.generation_url} failed "
+                f"({next(iter(p['errors']), '?')}); was the worker started with "
+                f"--role generation --benchmark-gen-only?")
+        p.pop("ttft_ms")
+        p["request_rate"] = p["output_throughput"] / c.osl
+        return p
+
+    async def context_load(self, rate: float, stop: asyncio.Event) -> dict[str, Any]:
+        """Ordinary ``max_tokens: 1`` requests to the context worker, Poisson arrivals at
+        ``rate`` (seeded), from now until ``stop`` is set; then waits for the ones in flight
+        (each within the context worker's TTFT). Returns what it offered and what was served."""
+        c = self.cfg
+        assert self.transport is not None
+        url = normalize_base_url(c.context_url) + ENDPOINT_PATHS["completions"]
+        rng = np.random.default_rng(c.seed + 7919)
+        tasks: list[asyncio.Task[RequestRecord]] = []
+        origin = time.perf_counter()
+        next_at = 0.0
+        while not stop.is_set():
+            s = self.samples.take(1, 1)[0]
+            spec = RequestSpec(index=len(tasks), url=url, endpoint="completions",
+                               model=c.model, prompt=s.prompt, prompt_len=s.prompt_len,
+                               max_tokens=1, ignore_eos=True, api_key=c.api_key)
+            tasks.append(asyncio.create_task(send_request(self.transport, spec, origin)))
+            next_at += float(rng.exponential(1.0 / rate))
+            try:  # the next arrival, or the stop, whichever comes first
+                await asyncio.wait_for(stop.wait(),
+                                       max(0.0, origin + next_at - time.perf_counter()))
+            except TimeoutError:
+                pass
+        offered_s = time.perf_counter() - origin
+        records = list(await asyncio.gather(*tasks))
+        ok = [r for r in records if r.success]
+        if len(ok) < len(records):
+            first = next(r.error for r in records if not r.success)
+            raise BenchmarkError(f"context load on {c.context_url}: "
+                                 f"{len(records) - len(ok)} of {len(records)} requests failed "
+                                 f"({first})")
+        served = served_rate(records)
+        _log(self.progress, f"context load: {len(records)} requests in {offered_s:.1f} s "
+                            f"(offered {rate:.3g} req/s), served "
+                            f"{'?' if served is None else f'{served:.3g}'} req/s")
+        return {"offered_rate": rate, "served_rate": served, "completed": len(ok),
+                "failed": len(records) - len(ok), "duration_s": offered_s,
+                "mean_ttft_ms": (1000.0 * sum(r.ttft for r in ok) / len(ok)
+                                 if ok else None)}
+
+    async def sweep_generation(self, ctx_rate: float | None = None) -> dict[str, Any]:
+        """Generation-only points at every concurrency; with ``colocated`` (and a context
+        rate), each again beside the context worker serving ``ctx_rate``."""
         c = self.cfg
         await self.warmup(c.generation_url, c.osl, gen_only=True,
                           concurrency=max(c.concurrencies))
-        points = []
-        for conc in c.concurrencies:
-            p = await self.concurrency_point(c.generation_url, conc, True, "generation")
-            if p["completed"] == 0:
-                raise BenchmarkError(
-                    f"every generation-only request to {c.generation_url} failed "
-                    f"({next(iter(p['errors']), '?')}); was the worker started with "
-                    f"--role generation --benchmark-gen-only?")
-            p.pop("ttft_ms")
-            p["request_rate"] = p["output_throughput"] / c.osl
-            points.append(p)
-        return {"url": c.generation_url, "devices": c.gen_devices, "points": points}
+        points = [await self.generation_point(conc) for conc in c.concurrencies]
+        out: dict[str, Any] = {"url": c.generation_url, "devices": c.gen_devices,
+                               "points": points, "colocated": None}
+        if c.colocated and ctx_rate:
+            out["colocated"] = {
+                "context_url": c.context_url, "context_load": ctx_rate,
+                "points": [await self.generation_point(conc, ctx_rate)
+                           for conc in c.concurrencies]}
+        return out
 
     async def sweep_aggregated(self) -> dict[str, Any]:
         c = self.cfg
@@ -738,7 +913,8 @@ def verify_choices(result: dict[str, Any], max_devices: float, num_points: int,
     its prediction."""
     ctx_rate = result["context"]["ctx_rate"]
     osl = result["config"]["osl"]
-    gen_points = result["generation"]["points"]
+    # The rate-matched points' own (co-located: beside a context worker at its rate).
+    gen_points = gen_points_beside(result["generation"], ctx_rate)
     frontier = result["frontier"]
     if not frontier or num_points < 1:
         return []
@@ -757,7 +933,7 @@ def verify_choices(result: dict[str, Any], max_devices: float, num_points: int,
             continue
         n_ctx, n_gen = cluster
         pred = predict_cluster(ctx_rate, gp, gen_points, osl, n_ctx, n_gen, ctx_devices,
-                               gen_devices)
+                               gen_devices, generation=result["generation"])
         out.append({"concurrency_per_gen": fp["concurrency"], "num_ctx": n_ctx,
                     "num_gen": n_gen, "devices": pred.pop("devices"),
                     "concurrency": n_gen * fp["concurrency"], "predicted": pred})
@@ -807,8 +983,10 @@ def build_result(config: RateMatchConfig, model: str, ctx: dict[str, Any],
         "rate_matched": [], "frontier": [], "aggregated": agg, "verify": None,
     }
     if ctx["ctx_rate"] is not None:
-        rm = rate_match(ctx["ctx_rate"], gen["points"], config.osl, config.ctx_devices,
-                        config.gen_devices)
+        # Matched exactly, every context worker serves its rate: co-located points at that
+        # load (the isolated points when none were measured).
+        rm = rate_match(ctx["ctx_rate"], gen_points_beside(gen, ctx["ctx_rate"]), config.osl,
+                        config.ctx_devices, config.gen_devices)
         result["rate_matched"] = rm
         result["frontier"] = sorted((p for p in rm if p["on_frontier"]),
                                     key=lambda p: p["tokens_per_s_per_user"])
@@ -834,7 +1012,7 @@ async def run_rate_match(
         config = dataclasses.replace(config, model=model)
         m = RateMatcher(config, tok, tr, progress)
         ctx = await m.sweep_context()
-        gen = await m.sweep_generation()
+        gen = await m.sweep_generation(ctx["ctx_rate"])
         agg = await m.sweep_aggregated() if config.aggregated_url else None
         result = build_result(config, model, ctx, gen, agg)
         if ctx["ctx_rate"] is None:
@@ -864,6 +1042,10 @@ def format_rate_match(result: dict[str, Any]) -> str:
                                 f"{rate:.3f} req/s per worker ({ctx['devices']:g} devices)")
                  + ("" if rate is None or ctx.get("bracketed", True) else
                     " (every probe passed: the limit is higher; raise --ctx-max-probes)"))
+    col = (result.get("generation") or {}).get("colocated")
+    if col:
+        lines.append(f"generation: co-located, measured beside the context worker serving "
+                     f"{col['context_load']:.3f} req/s (the rows below)")
     lines.append(f"{'conc':>5} {'tok/s/user':>11} {'gen tok/s':>10} {'gen req/s':>10} "
                  f"{'ctx:gen':>9} {'tok/s/dev':>10} frontier")
     for p in result["rate_matched"]:
