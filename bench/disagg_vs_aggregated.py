@@ -30,7 +30,12 @@ visible rather than assumed away. The machine is shared with other work: every m
 step waits for a quiet machine first and is redone when other processes used more than
 ``--max-other`` cores during it (``Guard``); the attempts are in the JSON and the report.
 
-    python bench/disagg_vs_aggregated.py [--out bench/results/disagg-vs-aggregated.md]
+    python bench/disagg_vs_aggregated.py [--out bench/results/disagg-vs-aggregated-sequential.md]
+
+Each cluster runs once per rate, the two minutes apart; the machine's drift over minutes then
+lands in the comparison. ``bench/disagg_vs_aggregated_ab.py`` keeps both clusters up and
+alternates them in repeated pairs: its result is the recorded comparison
+(``bench/results/disagg-vs-aggregated.md``).
 
 Writes the markdown, the PNG (``--png``) and the JSON of everything measured (``--json``).
 """
@@ -686,7 +691,8 @@ def explain(data: dict[str, Any]) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(ROOT / "bench/results/disagg-vs-aggregated.md"))
+    ap.add_argument("--out",
+                    default=str(ROOT / "bench/results/disagg-vs-aggregated-sequential.md"))
     ap.add_argument("--png", default=None, help="default: --out with .png")
     ap.add_argument("--json", default=None, help="default: --out with .json")
     ap.add_argument("--isl", type=int, default=512)

@@ -17,17 +17,25 @@ from the two targets of issue #7:
   capacity, measured first in the same run (context rate under the TTFT SLO; generation sweep).
 - **Target 2** (prediction within 10% of end to end) in open loop: each disaggregated run of
   the pairs against the rate-matched prediction at its rate (``predict_at_rate``: output
-  tokens/s and mean TPOT), from the context rate and generation sweep of the same run.
+  tokens/s and mean TPOT), from the context rate and generation sweep of the same run. The
+  generation sweep is ``rate-match --colocated``'s: every point alone and again beside the
+  context worker serving its rate (the two workers share this machine's caches and memory
+  bandwidth), and the report gives both predictions, each side alone and co-located.
 - **Target 2** at the generation-bound point (prediction within 10% of end to end): the
   generation-only point at concurrency 1 (the prediction's input) and the end-to-end closed
   loop that verifies it (``RateMatcher.run_end_to_end``, as ``disagg bench rate-match
   --verify`` runs it) measured back to back, ``--gen-repeats`` times: a gap that stays when
-  both halves are seconds apart is the method's, not the machine's drift.
+  both halves are seconds apart is the method's, not the machine's drift. Predicted from the
+  point alone and co-located (``predict_cluster`` at the 1 + 1's own context load).
 
-    python bench/disagg_vs_aggregated_ab.py [--out bench/results/disagg-vs-aggregated-ab.md]
+- The PNG (issue #7's picture): tokens/s per device against tokens/s/user, the rate-matched
+  frontier (co-located and alone), one aggregated worker's closed-loop sweep (the baseline),
+  the open-loop runs of both systems and the generation-bound checks.
 
-Every step goes through the same quiet-machine guard as the main script. Writes the markdown
-and the JSON of everything measured.
+    python bench/disagg_vs_aggregated_ab.py [--out bench/results/disagg-vs-aggregated.md]
+
+Every step goes through the same quiet-machine guard as the main script. Writes the markdown,
+the PNG beside it and the JSON of everything measured.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ import signal
 import statistics
 import sys
 import tempfile
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +61,14 @@ import disagg_vs_aggregated as dva  # noqa: E402
 
 from disagg.bench.client import make_transport  # noqa: E402
 from disagg.bench.datasets import load_bench_tokenizer, sample_random  # noqa: E402
+from disagg.bench.plot import plot_rate_match  # noqa: E402
 from disagg.bench.ratematch import (  # noqa: E402
     RateMatchConfig,
     RateMatcher,
+    build_result,
     describe_arrivals,
     finish_verify_point,
+    gap,
     predict_at_rate,
     predict_cluster,
     save_result,
@@ -111,14 +122,17 @@ async def measure(args: argparse.Namespace, guard: dva.Guard, tok: Any,
                               ttft_percentile=args.ttft_percentile,
                               ctx_probe_seconds=args.ctx_probe_seconds,
                               ctx_max_probes=args.ctx_max_probes, gen_rounds=args.gen_rounds,
-                              seed=args.seed)
+                              colocated=True, aggregated_url=urls["agg0"], seed=args.seed)
         m = RateMatcher(cfg, tok, tr)
         ctx = await guard.run("context sweep", m.sweep_context)
         if ctx["ctx_rate"] is None:
             raise RuntimeError("no context rate met the TTFT SLO; raise --ttft-slo")
-        gen = await guard.run("generation sweep", m.sweep_generation)
+        # Alone, then beside the context worker at its rate (rate-match --colocated).
+        gen = await guard.run("generation sweep",
+                              lambda: m.sweep_generation(ctx["ctx_rate"]))
+        agg = await guard.run("aggregated baseline (one worker)", m.sweep_aggregated)
         cap = predict_at_rate(ctx["ctx_rate"], gen["points"], args.osl, 1, 1,
-                              1e9)["capacity_request_rate"]
+                              1e9, generation=gen)["capacity_request_rate"]
         fracs = [float(x) for x in args.rate_fracs.split(",")]
         rates = [f * cap for f in fracs]
         print(f"1+1 rate-matched capacity {cap:.3f} req/s; rates "
@@ -153,14 +167,24 @@ async def measure(args: argparse.Namespace, guard: dva.Guard, tok: Any,
         mc = RateMatcher(replace(cfg, gen_rounds=args.check_rounds, seed=args.seed + 77), tok,
                          tr)
         gen_checks = []
+        ctx_rate = ctx["ctx_rate"]
+
+        async def gen_only_points(when: str, rep: int) -> dict[str, dict[str, Any]]:
+            """Concurrency 1 alone and beside the context worker at its rate."""
+            return {
+                "alone": await guard.run(
+                    f"generation-only concurrency 1 {when} (check {rep + 1})",
+                    lambda: mc.generation_point(1, label="generation-only")),
+                "beside": await guard.run(
+                    f"generation-only concurrency 1 beside context {when} (check {rep + 1})",
+                    lambda: mc.generation_point(1, ctx_rate, label="generation-only"))}
+
         for rep in range(args.gen_repeats):
-            # The generation-only point before and after the end-to-end loops: their mean is
+            # The generation-only points before and after the end-to-end loops: their mean is
             # the prediction's input, so a drift of the machine during the check cancels to
             # first order (both halves are in the table).
-            before = await guard.run(
-                f"generation-only concurrency 1 before (check {rep + 1})",
-                lambda: mc.concurrency_point(urls["gen"], 1, True, "generation-only"))
-            pred = predict_cluster(ctx["ctx_rate"], before, [before], args.osl, 1, 1)
+            before = await gen_only_points("before", rep)
+            pred = predict_cluster(ctx_rate, before["alone"], [before["alone"]], args.osl, 1, 1)
             if pred["bound"] != "generation":
                 print(f"  concurrency 1 is {pred['bound']}-bound here: no generation-bound "
                       "check", flush=True)
@@ -169,22 +193,31 @@ async def measure(args: argparse.Namespace, guard: dva.Guard, tok: Any,
                 f"end to end, generation-bound (check {rep + 1})",
                 lambda pred=pred: mc.run_end_to_end(urls["disaggregated"], 1,
                                                     pred["request_rate"], "closed"))
-            after = await guard.run(
-                f"generation-only concurrency 1 after (check {rep + 1})",
-                lambda: mc.concurrency_point(urls["gen"], 1, True, "generation-only"))
-            point = {"concurrency": 1,
-                     **{k: (before[k] + after[k]) / 2
-                        for k in ("output_throughput", "tokens_per_s_per_user")}}
-            pred = predict_cluster(ctx["ctx_rate"], point, [point], args.osl, 1, 1)
-            choice = {"concurrency_per_gen": 1, "num_ctx": 1, "num_gen": 1,
-                      "devices": pred.pop("devices"), "concurrency": 1, "predicted": pred}
-            v = finish_verify_point(choice, e2e)
-            v["gen_only"] = {"before": before, "after": after, "mean": point}
-            print(f"  gap: tok/s per device {dva._pct(v['gap_tput_per_device'])}, "
-                  f"tok/s/user {dva._pct(v['gap_tokens_per_s_per_user'])}", flush=True)
+            after = await gen_only_points("after", rep)
+            mean = {side: {"concurrency": 1, "completed": 1,
+                           **{k: (before[side][k] + after[side][k]) / 2
+                              for k in ("output_throughput", "mean_tpot_ms")}}
+                    for side in ("alone", "beside")}
+            for pt in mean.values():
+                pt["tokens_per_s_per_user"] = 1000.0 / pt["mean_tpot_ms"]
+            v: dict[str, Any] = {"gen_only": {"before": before, "after": after, "mean": mean}}
+            # Two predictions of the same end-to-end run: from the generation side measured
+            # alone, and co-located (rate-match --colocated: at the 1 + 1's own context load).
+            generation = {"points": [mean["alone"]], "colocated": {
+                "context_load": ctx_rate, "points": [mean["beside"]]}}
+            for how, gen_block in (("alone", None), ("colocated", generation)):
+                pred = predict_cluster(ctx_rate, mean["alone"], [mean["alone"]], args.osl, 1,
+                                       1, generation=gen_block)
+                choice = {"concurrency_per_gen": 1, "num_ctx": 1, "num_gen": 1,
+                          "devices": pred.pop("devices"), "concurrency": 1, "predicted": pred}
+                v[how] = finish_verify_point(choice, e2e)
+                print(f"  gap ({how}): tok/s per device "
+                      f"{dva._pct(v[how]['gap_tput_per_device'])}, tok/s/user "
+                      f"{dva._pct(v[how]['gap_tokens_per_s_per_user'])}", flush=True)
             gen_checks.append(v)
-        return {"context": ctx, "generation": gen, "capacity": cap, "rates": rates,
-                "fracs": fracs, "pairs": pairs, "gen_checks": gen_checks}
+        return {"context": ctx, "generation": gen, "aggregated": agg, "capacity": cap,
+                "rates": rates, "fracs": fracs, "pairs": pairs, "gen_checks": gen_checks,
+                "config": asdict(cfg)}
     finally:
         await tr.aclose()
 
@@ -213,30 +246,59 @@ def summarize(data: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def open_loop_predictions(data: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per rate: the rate-matched prediction against the disaggregated runs' figures."""
+    """Per rate: the rate-matched predictions (each side measured alone; co-located) against
+    the disaggregated runs' figures."""
     osl = data["args"]["osl"]
-    ctx_rate, points = data["context"]["ctx_rate"], data["generation"]["points"]
+    ctx_rate, gen = data["context"]["ctx_rate"], data["generation"]
     out = []
     for frac, rate in zip(data["fracs"], data["rates"], strict=True):
         runs = [p["disaggregated"] for p in data["pairs"] if p["frac"] == frac]
-        pred = predict_at_rate(ctx_rate, points, osl, 1, 1, rate)
         tps = spread([s["steady_output_throughput"] or s["output_throughput"] for s in runs])
         tpot = spread([s["mean_tpot_ms"] for s in runs])
-        out.append({"frac": frac, "rate": rate, "pred_tps": pred["output_throughput"],
-                    "pred_tpot": pred["mean_tpot_ms"], "tps": tps, "tpot": tpot,
-                    "gap_tps": (tps["median"] - pred["output_throughput"])
-                    / pred["output_throughput"],
-                    "gap_tpot": (tpot["median"] - pred["mean_tpot_ms"]) / pred["mean_tpot_ms"]})
+        row: dict[str, Any] = {"frac": frac, "rate": rate, "tps": tps, "tpot": tpot}
+        for how, block in (("alone", None), ("colocated", gen)):
+            pred = predict_at_rate(ctx_rate, gen["points"], osl, 1, 1, rate, generation=block)
+            row[how] = {"tps": pred["output_throughput"], "tpot": pred["mean_tpot_ms"],
+                        "gap_tps": gap(tps["median"], pred["output_throughput"]),
+                        "gap_tpot": gap(tpot["median"], pred["mean_tpot_ms"])}
+        out.append(row)
     return out
 
 
-def report(data: dict[str, Any]) -> str:
+def plot(data: dict[str, Any], png: str) -> str:
+    """tokens/s per device against tokens/s/user: the rate-matched curve (co-located, and each
+    side alone), one aggregated worker's baseline, the open-loop runs of both systems (medians
+    over the pairs) and the generation-bound checks against their co-located prediction."""
+    cfg = RateMatchConfig(**{k: (tuple(v) if isinstance(v, list) else v)
+                             for k, v in data["config"].items()})
+    rm = build_result(cfg, NAME, data["context"], data["generation"], data.get("aggregated"))
+    rm["verify"] = [v["colocated"] for v in data["gen_checks"]]
+    series = []
+    for system, devices in (("disaggregated", 2), ("aggregated", 2)):
+        pts = []
+        for frac in data["fracs"]:
+            runs = [p[system] for p in data["pairs"] if p["frac"] == frac]
+            pts.append((1000.0 / statistics.median(s["mean_tpot_ms"] for s in runs),
+                        statistics.median(s["steady_output_throughput"]
+                                          or s["output_throughput"] for s in runs) / devices))
+        series.append((f"{system}, end to end, open loop (1 + 1 / 2 workers, median)", pts))
+    return plot_rate_match(rm, png, extra_series=series, title=(
+        f"1 context + 1 generation vs 2 aggregated workers, 2 CPU cores (isl {cfg.isl}, osl "
+        f"{cfg.osl}, TTFT p{cfg.ttft_percentile:g} <= {cfg.ttft_slo_ms:g} ms)"))
+
+
+def report(data: dict[str, Any], png: str, rewritten: str | None = None) -> str:
+    """The markdown; ``png``: the picture's file name beside it; ``rewritten``: the date of a
+    ``--from-json`` rewrite."""
     args = argparse.Namespace(**data["args"])
     rows = summarize(data)
     ctx = data["context"]
     L = [f"# Disaggregated vs aggregated, alternated pairs ({data['date'][:10]})", "",
          f"Produced by `{data['command']}`; every number below is the script's own output.",
          ""]
+    if rewritten:
+        L += [f"Report text and PNG rewritten from the saved JSON on {rewritten} "
+              "(`--from-json`); the measurements are those of the original run.", ""]
     L += [f"- {line}" for line in dva.machine()]
     L.append(f"- model: random llama {dva.SIZES}, {data['params_m']:.1f} M parameters, "
              "float32, one torch thread per worker")
@@ -269,6 +331,32 @@ def report(data: dict[str, Any]) -> str:
              + f". Capacity of 1 context + 1 generation worker: **{data['capacity']:.3f} "
              "req/s** (the slower side); the rates below are fractions of it, and 1.0 is the "
              "matched throughput itself.")
+    L.append("")
+    L.append("The generation side measured twice (`disagg bench rate-match --colocated`): "
+             "alone, and beside the context worker serving Poisson arrivals at its rate "
+             f"({ctx['ctx_rate']:.3f} req/s, ordinary `max_tokens: 1` requests), since the two "
+             "workers share this machine's caches and memory bandwidth:")
+    L.append("")
+    L.append("| concurrency | tok/s/user alone | beside the context worker | TPOT change | "
+             "gen tok/s alone | beside | context load served req/s |")
+    L.append("|---|---|---|---|---|---|---|")
+    beside = {q["concurrency"]: q for q in data["generation"]["colocated"]["points"]}
+    for pt in data["generation"]["points"]:
+        q = beside[pt["concurrency"]]
+        served = q["context"]["served_rate"]
+        L.append(f"| {pt['concurrency']} | {pt['tokens_per_s_per_user']:.1f} | "
+                 f"{q['tokens_per_s_per_user']:.1f} | "
+                 f"{dva._pct(gap(q['mean_tpot_ms'], pt['mean_tpot_ms']))} | "
+                 f"{pt['output_throughput']:.1f} | {q['output_throughput']:.1f} | "
+                 f"{'?' if served is None else f'{served:.2f}'} |")
+    L.append("")
+    L.append(f"![tokens/s per device against tokens/s/user]({os.path.basename(png)})")
+    L.append("")
+    L.append("The PNG: the rate-matched frontier from the co-located points (solid) and from "
+             "each side alone (dashed), one aggregated worker's closed-loop sweep (the "
+             "baseline, per device), the open-loop runs of section 2 for both systems "
+             "(medians, per device: 2 workers each), and the generation-bound checks of "
+             "section 4 (stars) joined to their co-located predictions.")
     L.append("")
     L.append(f"## 2. TPOT p99, {args.repeats} alternated pairs per rate")
     L.append("")
@@ -309,52 +397,101 @@ def report(data: dict[str, Any]) -> str:
              "output tokens/s = rate x osl within the capacity; mean TPOT from "
              "`open_loop_tpot`, the generation-only TPOT averaged over the Poisson number of "
              "requests sharing the generation worker), against the disaggregated runs of "
-             "section 2: median (min-max) over the pairs, gap of the median. Output tokens/s "
-             "is the steady state's (first completion to last send).")
+             "section 2: median (min-max) over the pairs, gap of the median. Alone: the "
+             "generation points measured alone. Co-located: the points at this rate's context "
+             "load, linear between alone and beside the context worker at its rate "
+             "(`ratematch.gen_points_beside`). Output tokens/s is the steady state's (first "
+             "completion to last send).")
     L.append("")
-    L.append("| fraction | req/s | predicted tok/s | measured | gap | predicted mean TPOT ms | "
-             "measured | gap |")
-    L.append("|---|---|---|---|---|---|---|---|")
-    for r in open_loop_predictions(data):
-        L.append(f"| {r['frac']:g} | {r['rate']:.3f} | {r['pred_tps']:.1f} | "
-                 f"{fmt_spread(r['tps'])} | {dva._pct(r['gap_tps'])} | "
-                 f"{r['pred_tpot']:.2f} | {fmt_spread(r['tpot'], '.2f')} | "
-                 f"{dva._pct(r['gap_tpot'])} |")
+    L.append("| fraction | req/s | predicted tok/s | measured | gap | mean TPOT ms measured | "
+             "predicted alone | gap | predicted co-located | gap |")
+    L.append("|---|---|---|---|---|---|---|---|---|---|")
+    ol = open_loop_predictions(data)
+    for r in ol:
+        a, c = r["alone"], r["colocated"]
+        L.append(f"| {r['frac']:g} | {r['rate']:.3f} | {c['tps']:.1f} | "
+                 f"{fmt_spread(r['tps'])} | {dva._pct(c['gap_tps'])} | "
+                 f"{fmt_spread(r['tpot'], '.2f')} | {a['tpot']:.2f} | "
+                 f"{dva._pct(a['gap_tpot'])} | {c['tpot']:.2f} | {dva._pct(c['gap_tpot'])} |")
     L.append("")
     checks = data["gen_checks"]
     L.append(f"## 4. The generation-bound prediction, {len(checks)} back-to-back checks")
     L.append("")
     if checks:
-        L.append("Each check measures the generation-only point at concurrency 1, then the "
-                 "end-to-end closed loops `disagg bench rate-match --verify` runs for it "
-                 "(`RateMatcher.run_end_to_end`), then the generation-only point again. The "
-                 "prediction for 1 + 1 (generation-bound: the generation-only rate x osl / 2 "
-                 "devices, at its tokens/s/user) takes the mean of the two generation-only "
-                 f"points, so a drift of the machine during the check cancels to first order. "
-                 f"Loops of {args.check_rounds} requests per in-flight slot.")
+        L.append("Each check measures the generation-only point at concurrency 1 (alone, and "
+                 "beside the context worker at its rate), then the end-to-end closed loops "
+                 "`disagg bench rate-match --verify` runs for it "
+                 "(`RateMatcher.run_end_to_end`), then the generation-only points again. The "
+                 "prediction for 1 + 1 (generation-bound: the generation rate x osl / 2 "
+                 "devices, at its tokens/s/user) takes the mean of the before and after "
+                 "points, so a drift of the machine during the check cancels to first order. "
+                 "Alone: from the point measured alone. Co-located: at the 1 + 1's own context "
+                 "load, the generation rate it serves (`predict_cluster` with the co-located "
+                 f"points). Loops of {args.check_rounds} requests per in-flight slot.")
         L.append("")
-        L.append("| check | generation-only tok/s/user before / after | predicted tok/s per "
-                 "device | measured | gap | predicted tok/s/user | measured | gap | arrivals |")
-        L.append("|---|---|---|---|---|---|---|---|---|")
+        L.append("| check | gen-only tok/s/user alone (before / after) | beside | measured "
+                 "tok/s per device | predicted alone | gap | co-located | gap | measured "
+                 "tok/s/user | predicted alone | gap | co-located | gap | arrivals |")
+        L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for i, v in enumerate(checks):
-            p, me, g = v["predicted"], v["measured"], v["gen_only"]
-            L.append(f"| {i + 1} | {g['before']['tokens_per_s_per_user']:.1f} / "
-                     f"{g['after']['tokens_per_s_per_user']:.1f} | "
-                     f"{p['tput_per_device']:.1f} | {me['tput_per_device']:.1f} | "
-                     f"{dva._pct(v['gap_tput_per_device'])} | "
-                     f"{p['tokens_per_s_per_user']:.1f} | {me['tokens_per_s_per_user']:.1f} | "
-                     f"{dva._pct(v['gap_tokens_per_s_per_user'])} | "
-                     f"{describe_arrivals(me)} |")
-        g1 = spread([v["gap_tput_per_device"] for v in checks])
-        g2 = spread([v["gap_tokens_per_s_per_user"] for v in checks])
+            a, c, g = v["alone"], v["colocated"], v["gen_only"]
+            me = a["measured"]
+            L.append(
+                f"| {i + 1} | {g['before']['alone']['tokens_per_s_per_user']:.1f} / "
+                f"{g['after']['alone']['tokens_per_s_per_user']:.1f} | "
+                f"{g['before']['beside']['tokens_per_s_per_user']:.1f} / "
+                f"{g['after']['beside']['tokens_per_s_per_user']:.1f} | "
+                f"{me['tput_per_device']:.1f} | {a['predicted']['tput_per_device']:.1f} | "
+                f"{dva._pct(a['gap_tput_per_device'])} | "
+                f"{c['predicted']['tput_per_device']:.1f} | "
+                f"{dva._pct(c['gap_tput_per_device'])} | {me['tokens_per_s_per_user']:.1f} | "
+                f"{a['predicted']['tokens_per_s_per_user']:.1f} | "
+                f"{dva._pct(a['gap_tokens_per_s_per_user'])} | "
+                f"{c['predicted']['tokens_per_s_per_user']:.1f} | "
+                f"{dva._pct(c['gap_tokens_per_s_per_user'])} | {describe_arrivals(me)} |")
         L.append("")
-        L.append(f"Median gap: tok/s per device {dva._pct(g1['median'])} "
-                 f"({dva._pct(g1['min'])} to {dva._pct(g1['max'])}), tok/s/user "
-                 f"{dva._pct(g2['median'])} ({dva._pct(g2['min'])} to {dva._pct(g2['max'])}).")
+        for how, name in (("alone", "alone"), ("colocated", "co-located")):
+            g1 = spread([v[how]["gap_tput_per_device"] for v in checks])
+            g2 = spread([v[how]["gap_tokens_per_s_per_user"] for v in checks])
+            L.append(f"Median gap, predicted {name}: tok/s per device "
+                     f"{dva._pct(g1['median'])} ({dva._pct(g1['min'])} to "
+                     f"{dva._pct(g1['max'])}), tok/s/user {dva._pct(g2['median'])} "
+                     f"({dva._pct(g2['min'])} to {dva._pct(g2['max'])}).")
+            L.append("")
     else:
         L.append("Concurrency 1 was not generation-bound in this run: no check.")
-    L.append("")
+        L.append("")
+    L += targets(rows, ol, checks)
     return "\n".join(L)
+
+
+def targets(rows: list[dict[str, Any]], ol: list[dict[str, Any]],
+            checks: list[dict[str, Any]]) -> list[str]:
+    """Issue #7's two targets, judged from the sections above."""
+    def within(xs: list[float]) -> str:
+        n = sum(1 for x in xs if abs(x) <= 0.10)
+        return f"{n} of {len(xs)} within 10% ({', '.join(dva._pct(x) for x in xs)})"
+
+    top = max(rows, key=lambda r: r["frac"])
+    L = ["## Targets", ""]
+    L.append(f"1. At matched throughput (fraction {top['frac']:g}, {top['rate']:.3f} req/s), "
+             f"disaggregated TPOT p99 <= 1/2 of aggregated: median ratio "
+             f"**{top['ratio']['median']:.2f}** (pairs "
+             f"{', '.join(f'{x:.2f}' for x in top['ratios'])}; "
+             f"pooled {top['pooled']['dis'] / top['pooled']['agg']:.2f}): "
+             f"**{'met' if top['ratio']['median'] <= 0.5 else 'not met'}**. At every rate: "
+             + ", ".join(f"{r['frac']:g}: {r['ratio']['median']:.2f}" for r in rows) + ".")
+    L.append("2. Rate-matched prediction within 10% of end to end:")
+    L.append(f"   - open-loop output tok/s: {within([r['colocated']['gap_tps'] for r in ol])}")
+    for how, name in (("colocated", "co-located"), ("alone", "each side alone")):
+        L.append(f"   - open-loop mean TPOT, predicted {name}: "
+                 f"{within([r[how]['gap_tpot'] for r in ol])}")
+        if checks:
+            L.append(f"   - generation-bound checks, predicted {name}: tok/s per device "
+                     f"{within([v[how]['gap_tput_per_device'] for v in checks])}; tok/s/user "
+                     f"{within([v[how]['gap_tokens_per_s_per_user'] for v in checks])}")
+    L.append("")
+    return L
 
 
 def idle_cpu(procs: list[dva.Proc], seconds: float) -> dict[str, float]:
@@ -369,7 +506,7 @@ def idle_cpu(procs: list[dva.Proc], seconds: float) -> dict[str, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(dva.ROOT / "bench/results/disagg-vs-aggregated-ab.md"))
+    ap.add_argument("--out", default=str(dva.ROOT / "bench/results/disagg-vs-aggregated.md"))
     ap.add_argument("--json", default=None, help="default: --out with .json")
     ap.add_argument("--isl", type=int, default=512)
     ap.add_argument("--osl", type=int, default=64)
@@ -399,7 +536,9 @@ def main() -> int:
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
         md = os.path.splitext(args.from_json)[0] + ".md"
-        Path(md).write_text(report(data))
+        png = plot(data, os.path.splitext(md)[0] + ".png")
+        now = datetime.datetime.now().astimezone().isoformat(timespec="minutes")
+        Path(md).write_text(report(data, png, rewritten=now))
         print(f"rewrote {md} from {args.from_json}")
         return 0
     if args.repeats < 1 or args.gen_repeats < 0:
@@ -446,13 +585,14 @@ def main() -> int:
         dva.wait_healthy(procs[4:])
         guard.procs = procs
         data["idle_cpu"] = idle_cpu(procs, 10.0)
-        urls = {"ctx": ctx.url, "gen": gen.url, "disaggregated": procs[4].url,
-                "aggregated": procs[5].url}
+        urls = {"ctx": ctx.url, "gen": gen.url, "agg0": a0.url,
+                "disaggregated": procs[4].url, "aggregated": procs[5].url}
         data.update(asyncio.run(measure(args, guard, tok, urls)))
     finally:
         dva.stop(procs)
     save_result(data, json_path)
-    text = report(data)
+    png = plot(data, os.path.splitext(args.out)[0] + ".png")
+    text = report(data, png)
     Path(args.out).write_text(text)
     print(text)
     print(f"wrote {args.out}, {json_path}")
