@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_transfer_service import expected as _expected
+from test_transfer_service import same_bytes as _bytes_equal
 
 from disagg import LLM, SamplingParams
 from disagg.disaggregation import _install, _Read
@@ -36,21 +38,6 @@ N, L, H, B, D = 24, 4, 4, 8, 16
 def _kv(seed: int, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(N, L, 2, H, B, D, generator=g).to(dtype).to(device)
-
-
-def _expected(kv: torch.Tensor, req: ReadRequest) -> torch.Tensor:
-    (l0, l1), (h0, h1) = req.layer_slice, req.head_slice
-    sel = kv[list(req.block_ids)][:, l0:l1, :, h0:h1]
-    if req.format == "blocks":
-        return sel.contiguous()
-    n, nl, _, nh, b, d = sel.shape
-    return sel.permute(1, 2, 3, 0, 4, 5).reshape(nl, 2, nh, n * b, d)[
-        :, :, :, :req.num_tokens].contiguous()
-
-
-def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
-                                              b.reshape(-1).view(torch.uint8))
 
 
 # ---- engine ---------------------------------------------------------------------------------
