@@ -53,6 +53,7 @@ from typing import Any, Protocol
 
 import torch
 
+from disagg.cluster_auth import PeerAllowlist
 from disagg.config import EngineConfig
 from disagg.parallel.layout import ParallelLayout
 from disagg.transfer.base import ReadRequest, TransferError, make_backend
@@ -80,6 +81,8 @@ class DisaggSettings:
     lease_ttl_s: float = 30.0
     ucx_profile: str = "same_host"
     read_timeout_s: float = 30.0
+    # Generation role: context workers that requests not signed by the cluster may name.
+    kv_peer_allowlist: PeerAllowlist = field(default_factory=PeerAllowlist)
 
 
 def worker_layout(config: EngineConfig) -> WorkerLayout:

@@ -115,6 +115,9 @@ class _State:
     # generation_only: where the prompt KV comes from, and whether the lease was released.
     remote: ContextParams | None = None
     remote_released: bool = False
+    # Whether the pulled KV may serve other requests' prefix hits (its provenance is trusted:
+    # the request came signed by the cluster). Otherwise its blocks are never cached.
+    cache_remote_kv: bool = False
     # benchmark gen-only: no context worker; the prompt's blocks count as computed as they are.
     dummy_kv: bool = False
 
@@ -195,6 +198,7 @@ class LLMEngine:
         context_only: bool = False,
         remote: ContextParams | None = None,
         dummy_kv: bool = False,
+        cache_remote_kv: bool = False,
     ) -> None:
         """Queue a request. ``context_only``: prefill and sample one token only; unless that
         token ends the request its blocks are leased to a generation worker. ``remote``: a
@@ -202,6 +206,9 @@ class LLMEngine:
         ``dummy_kv``: a benchmarking aid (TensorRT-LLM's gen-only benchmark): decode as if the
         prompt's KV were in place, without computing or pulling it. The output is meaningless;
         the timing is that of a generation worker whose context side keeps up.
+        ``cache_remote_kv``: the pulled KV may enter the prefix cache (only when the caller
+        trusts that it is the KV of ``prompt_token_ids``: a forged request could otherwise
+        plant blocks that later requests reuse); by default it serves this request only.
         """
         if request_id in self._states:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -253,6 +260,7 @@ class LLMEngine:
             ctx_params=ctx_params,
             remote=remote,
             dummy_kv=dummy_kv,
+            cache_remote_kv=cache_remote_kv,
         )
         self.scheduler.add_request(req)
         # Only a request that may go on keeps its blocks: real max_tokens 1 is final anyway.
@@ -313,7 +321,7 @@ class LLMEngine:
         step; its first output carries the context worker's token(s)."""
         rid = st.request.request_id
         now = time.monotonic()
-        self.scheduler.remote_kv_ready(rid, cache=not st.dummy_kv)
+        self.scheduler.remote_kv_ready(rid, cache=st.remote is not None and st.cache_remote_kv)
         st.metrics.first_scheduled_time = st.metrics.first_scheduled_time or now
         st.metrics.first_token_time = now
         st.metrics.last_token_time = now
@@ -632,6 +640,7 @@ class AsyncLLM:
         context_only: bool = False,
         remote: ContextParams | None = None,
         dummy_kv: bool = False,
+        cache_remote_kv: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         try:
             if not self.is_healthy():
@@ -654,7 +663,8 @@ class AsyncLLM:
             self._sinks[request_id] = (loop, sink)
             self._pending_adds += 1
         self._cmds.put(("add", (request_id, list(prompt_token_ids), params, prompt,
-                                time.monotonic(), context_only, remote, dummy_kv)))
+                                time.monotonic(), context_only, remote, dummy_kv,
+                                cache_remote_kv)))
         self._wake.set()
         finished = False
         try:
@@ -709,13 +719,15 @@ class AsyncLLM:
             except queue.Empty:
                 return
             if kind == "add":
-                rid, tokens, params, prompt, arrival, context_only, remote, dummy_kv = args
+                (rid, tokens, params, prompt, arrival, context_only, remote, dummy_kv,
+                 cache_remote_kv) = args
                 with self._sinks_lock:
                     self._pending_adds -= 1
                 try:
                     self.engine.add_request(rid, tokens, params, prompt, arrival,
                                             context_only=context_only, remote=remote,
-                                            dummy_kv=dummy_kv)
+                                            dummy_kv=dummy_kv,
+                                            cache_remote_kv=cache_remote_kv)
                 except Exception as e:  # validation raced with a config change, queue full, ...
                     if remote is not None:
                         self.release_remote(remote)

@@ -392,3 +392,23 @@ def test_worker_yaml_transfer_keys(tmp_path) -> None:
     bad.write_text("model: /m\ncache_transceiver_config: {backend: RDMA}\n")
     with pytest.raises(ConfigError, match="cache_transceiver_config"):
         resolve_options(_parser().parse_args(["serve", "--config", str(bad)]))
+
+
+def test_kv_peer_allowlist_from_yaml_and_flag(tmp_path) -> None:
+    import argparse
+
+    from disagg.cluster_auth import PeerAllowlist
+    from disagg.config import ConfigError
+    from disagg.server.cli import add_cli, load_worker_yaml, resolve_options
+
+    y = tmp_path / "w.yaml"
+    y.write_text("kv_peer_allowlist: [10.0.0.0/24, ctx-0]\n")
+    assert load_worker_yaml(str(y))["kv_peer_allowlist"] == ["10.0.0.0/24", "ctx-0"]
+    y.write_text("kv_peer_allowlist: 10.0.0.0/24\n")
+    with pytest.raises(ConfigError, match="kv_peer_allowlist: expected a list of strings"):
+        load_worker_yaml(str(y))
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    args = parser.parse_args(["serve", "m", "--kv-peer-allowlist", "10.0.0.0/24, fd00::/64"])
+    allow = PeerAllowlist.parse(resolve_options(args)["kv_peer_allowlist"])
+    assert allow.allows_host("10.0.0.3") and allow.allows_host("fd00::1")

@@ -34,9 +34,14 @@ SERVER_KEEP_ALIVE_S = 75
 logger = logging.getLogger("disagg.server")
 
 
+class StrList(list):
+    """Option type marker: a list of strings (comma-separated on the command line)."""
+
+
 @dataclass(frozen=True)
 class _Opt:
-    type: type  # int, float, bool, str, or list (of ints: "3,1" on the command line)
+    # int, float, bool, str, list (of ints: "3,1" on the command line) or StrList
+    type: type
     help: str
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
@@ -96,6 +101,9 @@ SERVER_OPTIONS: dict[str, _Opt] = {
                              "advertises (default: --host)", metavar="HOST"),
     "cluster_token": _Opt(str, "shared secret of KV transfer peers (default: "
                           "$DISAGG_CLUSTER_TOKEN)", metavar="TOKEN"),
+    "kv_peer_allowlist": _Opt(StrList, "context workers a generation worker may pull KV from "
+                              "when a request is not signed by the cluster: IPs, CIDRs or host "
+                              "names (YAML: a list)", metavar="NET,..."),
     "kv_lease_ttl": _Opt(float, "seconds a context worker keeps a request's KV for the "
                          "generation worker (default 30; YAML: kv_lease_ttl_s)", metavar="S"),
     "served_model_name": _Opt(str, "model name clients send (default: MODEL_DIR as given)",
@@ -132,9 +140,12 @@ def _coerce(name: str, opt: _Opt, value: Any, where: str) -> Any:
         str: lambda v: isinstance(v, str),
         list: lambda v: isinstance(v, list) and all(
             isinstance(x, int) and not isinstance(x, bool) for x in v),
+        StrList: lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
     }[opt.type](value)
     if opt.type is list and not ok:
         raise ConfigError(f"{where}: {name}: expected a list of integers, got {value!r}")
+    if opt.type is StrList and not ok:
+        raise ConfigError(f"{where}: {name}: expected a list of strings, got {value!r}")
     if not ok:
         raise ConfigError(f"{where}: {name}: expected {opt.type.__name__}, got {value!r}")
     if opt.choices and value not in opt.choices:
@@ -201,6 +212,9 @@ def _add_option(p: Any, name: str, opt: _Opt) -> None:
     elif opt.type is list:
         p.add_argument(flag, dest=name, type=_int_list, default=None, metavar=opt.metavar,
                        help=opt.help)
+    elif opt.type is StrList:
+        p.add_argument(flag, dest=name, type=_str_list, default=None, metavar=opt.metavar,
+                       help=opt.help)
     else:
         p.add_argument(flag, dest=name, type=opt.type, choices=opt.choices, default=None,
                        metavar=opt.metavar, help=opt.help)
@@ -212,6 +226,10 @@ def _int_list(text: str) -> list[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}"
                                          ) from None
+
+
+def _str_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -260,6 +278,7 @@ def run_server(
     kv_transfer_host: str | None = None,
     cluster_token: str | None = None,
     kv_lease_ttl: float = 30.0,
+    kv_peer_allowlist: list[str] | None = None,
     ucx_profile: str = "same_host",
     benchmark_gen_only: bool = False,
     router_url: str | None = None,
@@ -275,8 +294,8 @@ def run_server(
         if benchmark_gen_only and role != "generation":
             raise ValueError(f"benchmark_gen_only: needs role 'generation', not {role!r}")
         if role in DISAGG_ROLES:
+            from disagg.cluster_auth import PeerAllowlist, resolve_cluster_token
             from disagg.disaggregation import DisaggSettings
-            from disagg.transfer.base import resolve_cluster_token
 
             if kv_lease_ttl is None or kv_lease_ttl <= 0:
                 raise ValueError("kv_lease_ttl: must be > 0")
@@ -284,7 +303,8 @@ def run_server(
                 role=role, cluster_token=resolve_cluster_token(cluster_token),
                 backend=(kv_transfer_backend or "UCX").upper(),
                 host=kv_transfer_host or host, lease_ttl_s=float(kv_lease_ttl),
-                ucx_profile=ucx_profile or "same_host")
+                ucx_profile=ucx_profile or "same_host",
+                kv_peer_allowlist=PeerAllowlist.parse(kv_peer_allowlist))
     except ValueError as e:  # bad role, no cluster token, bad ttl
         print(f"disagg serve: error: {e}", file=sys.stderr)
         return 2

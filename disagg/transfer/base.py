@@ -31,7 +31,6 @@ import asyncio
 import concurrent.futures as cf
 import json
 import logging
-import os
 import struct
 import threading
 from abc import ABC, abstractmethod
@@ -40,6 +39,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
+
+from disagg.cluster_auth import CLUSTER_TOKEN_ENV, resolve_cluster_token  # noqa: F401 (re-exported)
 
 logger = logging.getLogger("disagg.transfer")
 
@@ -61,7 +62,6 @@ CLOSED = "closed"  # the client was closed
 PROTOCOL_ERROR = "protocol_error"  # malformed or inconsistent answer
 
 FORMATS = ("blocks", "tokens")
-CLUSTER_TOKEN_ENV = "DISAGG_CLUSTER_TOKEN"
 
 
 class TransferError(Exception):
@@ -198,14 +198,6 @@ def parse_address(address: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit():
         raise ValueError(f"address must be 'host:port', got {address!r}")
     return host.strip("[]"), int(port)
-
-
-def resolve_cluster_token(value: str | None = None, env: str = CLUSTER_TOKEN_ENV) -> str:
-    """The shared cluster secret: the configured value, else ``$DISAGG_CLUSTER_TOKEN``."""
-    token = value if value else os.environ.get(env, "")
-    if not token:
-        raise ValueError(f"no cluster token: set it in the config or in ${env}")
-    return token
 
 
 # ---- event-loop thread ---------------------------------------------------------------------
