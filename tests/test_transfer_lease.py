@@ -235,8 +235,8 @@ def test_transfer_stats(clock: FakeClock) -> None:
 def test_read_request_validation_and_wire_roundtrip() -> None:
     r = ReadRequest("L", [3, 1], [0, 2], [1, 3], num_tokens=9, format="tokens")
     assert r.block_ids == (3, 1) and r.layer_slice == (0, 2) and r.head_slice == (1, 3)
-    msg = decode_header(encode_header(r.to_wire("tok", "float32", 64))[4:])
-    assert msg["op"] == "READ" and msg["token"] == "tok" and msg["nbytes"] == 64
+    msg = decode_header(encode_header(r.to_wire("float32", 64))[4:])
+    assert msg["op"] == "READ" and msg["nbytes"] == 64 and "token" not in msg
     assert ReadRequest.from_wire(msg) == r
     for bad in (
         dict(block_ids=[]), dict(block_ids=[-1]), dict(layer_slice=(2, 2)),

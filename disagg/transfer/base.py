@@ -1,22 +1,47 @@
 """KV transfer: wire messages, header encoding, the transport abstraction, the backend factory.
 
-Wire protocol (one request = one coalesced transfer per rank pair; REFERENCE section 6)::
+Wire protocol, version 1 (one request = one coalesced transfer per rank pair; REFERENCE section
+6). The cluster token never crosses the wire: a mutual challenge-response (``handshake.py``)
+opens every connection and every request carries a proof bound to it::
 
-    client (generation rank)                         server (context rank)
-      READ {op, token, lease_id, block_ids,   ──────►  1. token (else: unauthorized, hang up)
-            layer_slice [l0,l1), head_slice            2. lease (unknown_/expired_lease)
-            [h0,h1), num_tokens, format,               3. validation (bad_request)
-            dtype, nbytes}                             4. gather (or zero-copy view)
-                                              ◄──────  {ok: true, nbytes, zero_copy}
-                                              ◄──────  payload: exactly nbytes raw bytes
-      RELEASE {op, token, lease_id, reader_id} ──────►
-                                              ◄──────  {ok: true, released}
-      PING {op, token}                        ──────►
-                                              ◄──────  {ok: true, server_id, backend}
+    client (generation rank)                          server (context rank)
+      HELLO {op, version, client_nonce}        ──────►  fresh server_nonce
+                                               ◄──────  {ok, version, server_nonce, server_id,
+                                                         backend, proof: H("server", ...)}
+      checks the proof: a peer that cannot prove
+      the token gets nothing but this HELLO
+      (TransferError unauthorized)
+      AUTH {op, proof[, ucx_address, ucx_tag]} ──────►  1. proof of seq 0 (else: unauthorized,
+                                               ◄──────     hang up)  {ok[, ucx_address]}
+      READ {op, lease_id, block_ids,           ──────►  1. proof of the next seq (else:
+            layer_slice [l0,l1), head_slice                unauthorized, hang up)
+            [h0,h1), num_tokens, format,                2. lease (unknown_/expired_lease)
+            dtype, nbytes, proof}                       3. validation (bad_request)
+                                                        4. gather (or zero-copy view)
+                                               ◄──────  {ok: true, nbytes, zero_copy}
+                                               ◄──────  payload: exactly nbytes raw bytes
+      RELEASE {op, lease_id, reader_id, proof} ──────►
+                                               ◄──────  {ok: true, released}
+      PING {op, proof}                         ──────►
+                                               ◄──────  {ok: true, server_id, backend}
     an error answer is {ok: false, code, message} and is never followed by a payload.
 
-Headers are length-prefixed JSON (4-byte big-endian length, then UTF-8 JSON, at most
-``HEADER_MAX_BYTES``); payloads are raw bytes (bfloat16 travels as ``view(torch.uint8)``).
+    H(...) = HMAC-SHA256(cluster token, "disagg-kv-v1", ...) (``cluster_auth.hmac_hex``)
+    server proof:  H("server", client_nonce, server_nonce, server_id, backend)
+    request proof: H("request", server_nonce, client_nonce, seq, canonical JSON of the header
+                   without "proof"), seq = 0 (AUTH), 1, 2, ... per connection
+
+Fresh nonces on both sides make a proof captured on one connection useless on another; the
+sequence number makes it useless on its own. Answers and payloads are not signed: the protocol
+authenticates both ends, it does not encrypt or protect against an on-path attacker (keep
+cluster traffic on a private network).
+
+Headers are length-prefixed JSON (4-byte big-endian length, then UTF-8 JSON). Until a
+connection has authenticated (HELLO and AUTH) the server reads headers of at most
+``PREAUTH_HEADER_MAX_BYTES`` and gives the peer ``handshake_timeout_s``; afterwards at most
+``HEADER_MAX_BYTES``. Both backends carry headers on a TCP connection to the server's
+``host:port``; payloads are raw bytes (bfloat16 travels as ``view(torch.uint8)``) on that
+connection (TCP) or as one UCX tag message (UCX, ``ucx.py``).
 
 Payload formats (local indices of the server's rank; kv cache layout in docs/DESIGN.md 1):
 - ``"blocks"``: ``kv[block_ids][:, l0:l1, :, h0:h1]`` as a contiguous
@@ -47,6 +72,9 @@ logger = logging.getLogger("disagg.transfer")
 T = TypeVar("T")
 
 HEADER_MAX_BYTES = 1 << 20  # a 1 MiB header holds ~150k block ids: far beyond any prompt
+# Before authentication only HELLO and AUTH arrive (a UCX AUTH carries a worker address of a few
+# hundred bytes): a peer without the token never makes the server allocate more than this.
+PREAUTH_HEADER_MAX_BYTES = 8 << 10
 _LEN = struct.Struct("!I")
 
 # Error codes a server answers with (the request gets no payload).
@@ -132,11 +160,11 @@ class ReadRequest:
         if self.format == "tokens" and self.num_tokens == 0:
             raise ValueError("format 'tokens' needs num_tokens > 0")
 
-    def to_wire(self, token: str, dtype: str, nbytes: int) -> dict[str, Any]:
-        """The READ header. ``dtype``/``nbytes`` describe the receiver's buffer: the server
-        refuses (bad_request) when its payload would not match them exactly."""
+    def to_wire(self, dtype: str, nbytes: int) -> dict[str, Any]:
+        """The READ header (unsigned). ``dtype``/``nbytes`` describe the receiver's buffer: the
+        server refuses (bad_request) when its payload would not match them exactly."""
         return {
-            "op": "READ", "token": token, "lease_id": self.lease_id,
+            "op": "READ", "lease_id": self.lease_id,
             "block_ids": list(self.block_ids), "layer_slice": list(self.layer_slice),
             "head_slice": list(self.head_slice), "num_tokens": self.num_tokens,
             "format": self.format, "dtype": dtype, "nbytes": nbytes,
@@ -172,10 +200,13 @@ def encode_header(obj: Mapping[str, Any]) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-def header_length(prefix: bytes | memoryview | np.ndarray) -> int:
+def header_length(prefix: bytes | memoryview | np.ndarray,
+                  max_bytes: int = HEADER_MAX_BYTES) -> int:
+    """The body length a prefix announces; ``ProtocolError`` above ``max_bytes`` (prefix
+    included), before anything is allocated for it."""
     (n,) = _LEN.unpack_from(prefix, 0)
-    if n > HEADER_MAX_BYTES - _LEN.size:
-        raise ProtocolError(f"header length {n} exceeds {HEADER_MAX_BYTES}")
+    if n > max_bytes - _LEN.size:
+        raise ProtocolError(f"header length {n} exceeds {max_bytes}")
     return n
 
 
@@ -184,6 +215,8 @@ def decode_header(body: bytes | memoryview) -> dict[str, Any]:
         obj = json.loads(bytes(body))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ProtocolError(f"header is not JSON: {e}") from None
+    except RecursionError:  # "[[[[..." nested deeper than the parser goes
+        raise ProtocolError("header JSON is nested too deeply") from None
     if not isinstance(obj, dict):
         raise ProtocolError("header is not a JSON object")
     return obj
@@ -266,8 +299,9 @@ class Connection(ABC):
     async def send_header(self, obj: Mapping[str, Any]) -> None: ...
 
     @abstractmethod
-    async def recv_header(self) -> dict[str, Any]:
-        """Raises ``ProtocolError`` for a malformed or oversized header."""
+    async def recv_header(self, max_bytes: int = HEADER_MAX_BYTES) -> dict[str, Any]:
+        """Raises ``ProtocolError`` for a malformed header or one over ``max_bytes`` (checked
+        on the length prefix, before the body is read)."""
 
     @abstractmethod
     async def send_payload(self, data: np.ndarray) -> None:
@@ -281,9 +315,30 @@ class Connection(ABC):
     @abstractmethod
     def closed(self) -> bool: ...
 
+    @property
+    @abstractmethod
+    def peer_host(self) -> str:
+        """The peer's IP address (the server caps connections per peer host)."""
+
     @abstractmethod
     async def close(self) -> None:
         """Idempotent; never raises."""
+
+    # Transport set-up after authentication (UCX exchanges worker addresses in AUTH). The
+    # defaults are TCP's: nothing to set up.
+
+    def attach_offer(self) -> dict[str, Any]:
+        """Client: fields to add to the AUTH request."""
+        return {}
+
+    async def attach_accept(self, offer: Mapping[str, Any]) -> dict[str, Any]:
+        """Server, once AUTH is proven: set up from the client's offer, return fields for the
+        answer. Raises ``ProtocolError`` for an unusable offer."""
+        return {}
+
+    async def attach_complete(self, answer: Mapping[str, Any]) -> None:
+        """Client: finish the set-up from the server's AUTH answer (``ProtocolError``)."""
+        return None
 
 
 class Listener(ABC):
@@ -303,10 +358,15 @@ class TransportBackend(ABC):
 
     Rules every backend and its users (``KVTransferServer``, ``KVTransferClient``) keep:
 
-    1. **Authenticate first.** Every message carries the shared cluster token; the server
-       checks it (constant-time) before it looks at anything else, answers ``unauthorized``
-       and closes the connection otherwise.
-    2. **Never send data for a bad request**: a bad token, an unknown or expired lease, a
+    1. **Authenticate first, never send the token.** A connection opens with the mutual
+       challenge-response of the module docstring: the client checks the server's proof
+       before it sends anything but its HELLO; the server checks every request's proof
+       (constant-time) before it looks at anything else, answers ``unauthorized`` and
+       closes the connection otherwise. Until then a peer costs the server at most a small
+       header buffer and ``handshake_timeout_s``; connections are capped per peer host, in
+       total and while unauthenticated, and closed after ``idle_timeout_s`` without a
+       request.
+    2. **Never send data for a bad request**: a bad proof, an unknown or expired lease, a
        malformed request or one whose size/dtype does not match gets an error header and no
        payload. A lease is pinned while its payload is in flight, so its blocks cannot be
        freed (and reused) under a transfer.
@@ -322,6 +382,7 @@ class TransportBackend(ABC):
        the caller's preallocated ``out``): the backend never allocates per transfer.
 
     ``listen`` / ``connect`` and every ``Connection`` method run on the backend's loop.
+    ``listen`` binds ``host`` only (never every interface unless ``host`` says so).
     """
 
     name: ClassVar[str]

@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import contextlib
-import hmac
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +25,7 @@ from disagg.transfer.base import (
     BAD_REQUEST,
     CLOSED,
     CONNECTION_FAILED,
+    PREAUTH_HEADER_MAX_BYTES,
     PROTOCOL_ERROR,
     SERVER_CODES,
     TIMEOUT,
@@ -41,6 +42,7 @@ from disagg.transfer.base import (
     make_backend,
     parse_address,
 )
+from disagg.transfer.handshake import ClientSession, HandshakeError, ServerSession
 from disagg.transfer.lease import LeaseError, LeaseTable
 from disagg.transfer.payload import (
     StagingPool,
@@ -55,10 +57,7 @@ from disagg.transfer.stats import TransferStats
 logger = logging.getLogger("disagg.transfer")
 
 GATHER_INLINE_MAX_BYTES = 1 << 20  # bigger gathers run on a worker thread, not the I/O loop
-
-
-def _token_ok(given: Any, expected: bytes) -> bool:
-    return isinstance(given, str) and hmac.compare_digest(given.encode(), expected)
+REFUSAL_LOG_INTERVAL_S = 10.0  # at most one warning per interval about refused connections
 
 
 def _error(code: str, message: str) -> dict[str, Any]:
@@ -66,13 +65,22 @@ def _error(code: str, message: str) -> dict[str, Any]:
 
 
 class KVTransferServer:
-    """Serves one rank's KV cache to generation ranks that hold the cluster token.
+    """Serves one rank's KV cache to generation ranks that prove they hold the cluster token
+    (the handshake in base.py; the token itself never crosses the wire).
 
     ``kv_cache``: ``[num_blocks, num_local_layers, 2, num_local_kv_heads, tokens_per_block,
     head_dim]`` on the CPU or a CUDA device (a GPU cache's payloads are gathered on the GPU
     and sent from pinned host memory: no GPU-direct transport yet). ``leases`` decides what may
     be read; a RELEASE from a reader ``confirm``s its lease. Expired leases are swept every
     ``sweep_interval_s`` (None: the owner calls ``leases.expire()`` itself).
+
+    Limits (what a peer without the token can cost): a connection must complete its handshake
+    (HELLO and a proven AUTH) within ``handshake_timeout_s``, reading headers of at most
+    ``PREAUTH_HEADER_MAX_BYTES`` meanwhile; at most ``max_connections`` connections, of which
+    at most ``max_pending_connections`` not yet authenticated (so stalled peers never take the
+    slots of authenticated ones) and ``max_connections_per_peer`` from one peer host; extra
+    connections are closed unread. An authenticated connection without a request for
+    ``idle_timeout_s`` (None: never) is closed; the client reconnects transparently.
     """
 
     def __init__(
@@ -88,6 +96,11 @@ class KVTransferServer:
         stats: TransferStats | None = None,
         sweep_interval_s: float | None = 1.0,
         max_staging_buffers: int = 4,
+        handshake_timeout_s: float = 10.0,
+        idle_timeout_s: float | None = 600.0,
+        max_connections: int = 512,
+        max_connections_per_peer: int = 64,
+        max_pending_connections: int = 128,
     ) -> None:
         if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
             raise ValueError(f"kv_cache must be [N, L, 2, H, B, D], got {tuple(kv_cache.shape)}")
@@ -96,6 +109,22 @@ class KVTransferServer:
                              f"{kv_cache.device.type}")
         if not token:
             raise ValueError("a non-empty cluster token is required")
+        if not handshake_timeout_s > 0:
+            raise ValueError(f"handshake_timeout_s must be > 0, got {handshake_timeout_s!r}")
+        if idle_timeout_s is not None and not idle_timeout_s > 0:
+            raise ValueError(f"idle_timeout_s must be > 0 or None, got {idle_timeout_s!r}")
+        for name, value in (("max_connections", max_connections),
+                            ("max_connections_per_peer", max_connections_per_peer),
+                            ("max_pending_connections", max_pending_connections)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        self.handshake_timeout_s = handshake_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.max_connections = max_connections
+        self.max_connections_per_peer = max_connections_per_peer
+        self.max_pending_connections = max_pending_connections
+        self.connections_refused = 0  # closed unread: over a connection cap
+        self.handshake_timeouts = 0  # dropped: no proven AUTH within handshake_timeout_s
         self.kv_cache = kv_cache
         self.leases = leases
         self.backend = make_backend(backend)
@@ -107,7 +136,7 @@ class KVTransferServer:
         # used on the loop thread only; pinned for a GPU cache (payloads are staged on the host)
         self.staging = StagingPool(max_staging_buffers, pinned=on_gpu)
         self._stream = torch.cuda.Stream(kv_cache.device) if on_gpu else None
-        self._token = token.encode()
+        self._token = token
         self._port = port
         self._advertise = advertise_host or host
         self._sweep_interval_s = sweep_interval_s
@@ -115,6 +144,9 @@ class KVTransferServer:
         self._loop: LoopThread | None = None
         self._listener: Listener | None = None
         self._conns: set[Connection] = set()
+        self._per_peer: Counter[str] = Counter()  # open connections per peer host
+        self._pending = 0  # open connections that have not authenticated yet
+        self._last_refusal_log = float("-inf")
         self._tasks: set[asyncio.Task[Any]] = set()
         self._gather_pool: cf.ThreadPoolExecutor | None = None
         self._closing = False
@@ -126,6 +158,11 @@ class KVTransferServer:
         if self._listener is None:
             raise RuntimeError("server not started")
         return f"{self._advertise}:{self._listener.port}"
+
+    @property
+    def num_connections(self) -> int:
+        """Open connections, authenticated or not."""
+        return len(self._conns)
 
     def start(self) -> KVTransferServer:
         if self._loop is not None:
@@ -196,25 +233,63 @@ class KVTransferServer:
 
     # ---- requests -------------------------------------------------------------------------
 
+    def _admit(self, host: str) -> bool:
+        """Whether a new connection from ``host`` fits under the caps (loop thread)."""
+        if (len(self._conns) < self.max_connections
+                and self._pending < self.max_pending_connections
+                and self._per_peer[host] < self.max_connections_per_peer):
+            return True
+        self.connections_refused += 1
+        now = time.monotonic()
+        if now - self._last_refusal_log >= REFUSAL_LOG_INTERVAL_S:
+            self._last_refusal_log = now
+            logger.warning(
+                "kv transfer server: refusing a connection from %s (open: %d of %d, not yet "
+                "authenticated: %d of %d, from this host: %d of %d; %d refused so far)",
+                host, len(self._conns), self.max_connections, self._pending,
+                self.max_pending_connections, self._per_peer[host],
+                self.max_connections_per_peer, self.connections_refused)
+        return False
+
     async def _serve(self, conn: Connection) -> None:
-        """One connection: answer its requests in order until it closes."""
+        """One connection: the handshake, then its requests in order until it closes."""
         task = asyncio.current_task()
         if task is not None:
             self._tasks.add(task)
+        host = conn.peer_host
+        if self._closing or not self._admit(host):
+            await conn.close()  # unread: a refused peer costs nothing more
+            if task is not None:
+                self._tasks.discard(task)
+            return
         self._conns.add(conn)
+        self._per_peer[host] += 1
+        self._pending += 1
+        pending = True
         try:
-            if self._closing:
+            session = ServerSession(self._token, self.server_id, self.backend.name)
+            try:
+                ok = await asyncio.wait_for(self._handshake(conn, session),
+                                            self.handshake_timeout_s)
+            except asyncio.TimeoutError:
+                self.handshake_timeouts += 1
                 return
+            if not ok:
+                return
+            self._pending -= 1
+            pending = False
             while True:
                 try:
-                    msg = await conn.recv_header()
-                except (ConnectionClosedError, ProtocolError):
+                    msg = await asyncio.wait_for(conn.recv_header(), self.idle_timeout_s)
+                except (asyncio.TimeoutError, ConnectionClosedError):
+                    return  # idle for too long, or the peer went away
+                except ProtocolError as e:
+                    await self._refuse(conn, BAD_REQUEST, str(e))
                     return
-                if not _token_ok(msg.get("token"), self._token):
+                if not session.verify(msg):
                     # Authenticate first: nothing about leases or data before this check.
                     self.stats.record_failure(UNAUTHORIZED)
-                    with contextlib.suppress(ConnectionClosedError):
-                        await conn.send_header(_error(UNAUTHORIZED, "bad cluster token"))
+                    await self._refuse(conn, UNAUTHORIZED, "bad request proof")
                     return
                 op = msg.get("op")
                 if op == "READ":
@@ -231,10 +306,54 @@ class KVTransferServer:
         except Exception:  # a bug must not kill the server; the stream state is unknown
             logger.exception("kv transfer server: request failed; closing the connection")
         finally:
+            if pending:
+                self._pending -= 1
+            self._per_peer[host] -= 1
+            if self._per_peer[host] <= 0:
+                del self._per_peer[host]
             self._conns.discard(conn)
             await conn.close()
             if task is not None:
                 self._tasks.discard(task)
+
+    async def _handshake(self, conn: Connection, session: ServerSession) -> bool:
+        """HELLO, then a proven AUTH (base.py). False: refused (answered, to be closed)."""
+        try:
+            hello = await conn.recv_header(PREAUTH_HEADER_MAX_BYTES)
+            answer = session.answer_hello(hello)
+        except ProtocolError as e:
+            await self._refuse(conn, BAD_REQUEST, str(e))
+            return False
+        except HandshakeError as e:
+            if e.code == UNAUTHORIZED:
+                self.stats.record_failure(UNAUTHORIZED)
+            await self._refuse(conn, e.code, e.message)
+            return False
+        await conn.send_header(answer)
+        try:
+            auth = await conn.recv_header(PREAUTH_HEADER_MAX_BYTES)
+        except ProtocolError as e:
+            await self._refuse(conn, BAD_REQUEST, str(e))
+            return False
+        # The first request is AUTH, proven like every later one (sequence number 0).
+        if auth.get("op") != "AUTH" or not session.verify(auth):
+            self.stats.record_failure(UNAUTHORIZED)
+            await self._refuse(conn, UNAUTHORIZED, "bad AUTH proof (is this the same cluster "
+                                                   "token?)")
+            return False
+        try:
+            extra = await conn.attach_accept(auth)
+        except ProtocolError as e:
+            await self._refuse(conn, BAD_REQUEST, str(e))
+            return False
+        await conn.send_header({"ok": True, **extra})
+        return True
+
+    @staticmethod
+    async def _refuse(conn: Connection, code: str, message: str) -> None:
+        """An error answer before hanging up (the caller closes)."""
+        with contextlib.suppress(ConnectionClosedError):
+            await conn.send_header(_error(code, message))
 
     def _release(self, msg: Mapping[str, Any]) -> dict[str, Any]:
         lease_id, reader_id = msg.get("lease_id"), msg.get("reader_id")
@@ -302,6 +421,7 @@ class KVTransferServer:
 class _Peer:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     conn: Connection | None = None
+    session: ClientSession | None = None  # the handshake state of ``conn``
 
 
 class KVTransferClient:
@@ -310,7 +430,11 @@ class KVTransferClient:
     loop: ``await asyncio.wrap_future(fut)``); failures are ``TransferError``s (``.code``: a
     server code, or connection_failed / timeout / closed / protocol_error). ``timeout_s``
     bounds each request, connect and queueing behind other requests to the same peer
-    included."""
+    included; ``connect_timeout_s`` bounds opening a connection, handshake included.
+
+    A new connection first checks that the server proves the cluster token (base.py): a
+    server that cannot gets nothing but a HELLO, and the request fails with
+    ``unauthorized``. Every request is then signed for that connection."""
 
     def __init__(
         self,
@@ -343,20 +467,19 @@ class KVTransferClient:
             raise ValueError("out must be a contiguous CPU tensor")
         parse_address(address)  # a malformed address is the caller's bug: raise here
         buf = as_byte_array(out)  # a view: the payload lands in `out` itself
-        msg = request.to_wire(self._token, dtype_name(out.dtype), int(buf.nbytes))
+        msg = request.to_wire(dtype_name(out.dtype), int(buf.nbytes))
         return self._submit(self._read(address, msg, buf, len(request.block_ids)), read=True)
 
     def release(self, address: str, lease_id: str, reader_id: str | int) -> cf.Future[bool]:
         """Confirm that reader ``reader_id`` has its data; True when that released the lease."""
         parse_address(address)
-        msg = {"op": "RELEASE", "token": self._token, "lease_id": lease_id,
-               "reader_id": str(reader_id)}
+        msg = {"op": "RELEASE", "lease_id": lease_id, "reader_id": str(reader_id)}
         return self._submit(self._release(address, msg))
 
     def ping(self, address: str) -> cf.Future[dict[str, Any]]:
         """The server's ``{ok, server_id, backend}`` (server_id changes when it restarts)."""
         parse_address(address)
-        return self._submit(self._request(address, {"op": "PING", "token": self._token}))
+        return self._submit(self._request(address, {"op": "PING"}))
 
     def invalidate(self, address: str) -> cf.Future[None]:
         """Drop the cached connection to ``address`` (e.g. the peer is known to be gone)."""
@@ -436,9 +559,51 @@ class KVTransferClient:
 
     @staticmethod
     async def _drop(peer: _Peer) -> None:
-        conn, peer.conn = peer.conn, None
+        conn, peer.conn, peer.session = peer.conn, None, None
         if conn is not None:
             await conn.close()
+
+    async def _open(self, address: str) -> tuple[Connection, ClientSession]:
+        """Connect and run the handshake (base.py); raises ``TransferError``."""
+        host, port = parse_address(address)
+        try:
+            conn = await self.backend.connect(host, port, self.connect_timeout_s)
+        except ConnectionClosedError as e:
+            raise TransferError(CONNECTION_FAILED, str(e)) from None
+        session = ClientSession(self._token)
+        ok = False
+        try:
+            await asyncio.wait_for(self._handshake(address, conn, session),
+                                   self.connect_timeout_s)
+            ok = True
+            return conn, session
+        except asyncio.TimeoutError:
+            raise TransferError(TIMEOUT, f"no handshake with {address} within "
+                                f"{self.connect_timeout_s}s") from None
+        except ConnectionClosedError as e:
+            raise TransferError(CONNECTION_FAILED, f"handshake with {address}: {e}") from None
+        except ProtocolError as e:
+            raise TransferError(PROTOCOL_ERROR, f"handshake with {address}: {e}") from None
+        finally:
+            if not ok:
+                await conn.close()
+
+    async def _handshake(self, address: str, conn: Connection, session: ClientSession
+                         ) -> None:
+        await conn.send_header(session.hello())
+        answer = await conn.recv_header(PREAUTH_HEADER_MAX_BYTES)
+        _raise_if_error(answer)
+        try:
+            session.accept(answer)  # before anything else goes to this peer
+        except HandshakeError as e:
+            raise TransferError(e.code, f"{address}: {e.message}") from None
+        if session.backend != self.backend.name:
+            raise TransferError(PROTOCOL_ERROR, f"{address} serves KV over "
+                                f"{session.backend}, this client speaks {self.backend.name}")
+        await conn.send_header(session.sign({"op": "AUTH", **conn.attach_offer()}))
+        answer = await conn.recv_header()
+        _raise_if_error(answer)
+        await conn.attach_complete(answer)
 
     async def _request(
         self, address: str, msg: dict[str, Any], payload: np.ndarray | None = None
@@ -458,17 +623,13 @@ class KVTransferClient:
             reused = peer.conn is not None and not peer.conn.closed
             if not reused:
                 await self._drop(peer)
-                host, port = parse_address(address)
-                try:
-                    peer.conn = await self.backend.connect(host, port, self.connect_timeout_s)
-                except ConnectionClosedError as e:
-                    raise TransferError(CONNECTION_FAILED, str(e)) from None
-            conn = peer.conn
-            assert conn is not None
+                peer.conn, peer.session = await self._open(address)
+            conn, session = peer.conn, peer.session
+            assert conn is not None and session is not None
             settled = False
             try:
                 try:
-                    await conn.send_header(msg)
+                    await conn.send_header(session.sign(msg))
                     resp = await conn.recv_header()
                 except ConnectionClosedError as e:
                     if reused and attempt == 0:
@@ -480,11 +641,11 @@ class KVTransferClient:
                 except ProtocolError as e:
                     raise TransferError(PROTOCOL_ERROR, str(e)) from None
                 if not resp.get("ok"):
+                    # A well-formed error answer leaves the connection usable, except
+                    # unauthorized: the server hangs up then.
                     code = resp.get("code")
-                    if code not in SERVER_CODES:
-                        raise TransferError(PROTOCOL_ERROR, f"bad error answer {resp!r}")
-                    settled = code != UNAUTHORIZED  # the server hangs up after unauthorized
-                    raise TransferError(code, str(resp.get("message", "")), remote=True)
+                    settled = code in SERVER_CODES and code != UNAUTHORIZED
+                    _raise_if_error(resp)
                 if payload is not None:
                     if resp.get("nbytes") != payload.nbytes:
                         raise TransferError(PROTOCOL_ERROR, f"server announced "
@@ -495,6 +656,8 @@ class KVTransferClient:
                     except ConnectionClosedError as e:
                         raise TransferError(CONNECTION_FAILED,
                                             f"peer failed mid-transfer: {e}") from None
+                    except ProtocolError as e:
+                        raise TransferError(PROTOCOL_ERROR, str(e)) from None
                 settled = True
                 return resp
             finally:
@@ -503,3 +666,13 @@ class KVTransferClient:
                     # unknown state: invalidate the cached connection.
                     await self._drop(peer)
         raise AssertionError("unreachable")
+
+
+def _raise_if_error(resp: Mapping[str, Any]) -> None:
+    """Raise the server's error answer as a ``TransferError`` (remote)."""
+    if resp.get("ok") is True:
+        return
+    code = resp.get("code")
+    if code not in SERVER_CODES:
+        raise TransferError(PROTOCOL_ERROR, f"bad answer {resp!r}")
+    raise TransferError(code, str(resp.get("message", "")), remote=True)

@@ -4,6 +4,9 @@
 straight into the caller's preallocated buffer: ~2.5 GB/s on loopback here, where asyncio
 streams (``readexactly``, a copy per chunk) manage ~0.3 GB/s (UCX-NOTES). Each server and each
 client gets its own loop thread.
+
+The UCX backend uses the same listening socket and connections for its headers
+(``tcp_listen`` / ``tcp_connect``): one bound, capped, authenticated door for both.
 """
 
 from __future__ import annotations
@@ -12,12 +15,13 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import numpy as np
 
 from disagg.transfer.base import (
+    HEADER_MAX_BYTES,
     HEADER_PREFIX_BYTES,
     Connection,
     ConnectionClosedError,
@@ -41,16 +45,22 @@ def _tune(sock: socket.socket) -> None:
 
 
 class TcpConnection(Connection):
-    def __init__(self, sock: socket.socket, peer: str) -> None:
+    def __init__(self, sock: socket.socket, peer: str, peer_host: str = "") -> None:
         self._sock = sock
         self._loop = asyncio.get_running_loop()
         self._closed = False
         self.peer = peer
+        self._peer_host = peer_host
         self._prefix = bytearray(HEADER_PREFIX_BYTES)
+        self._watch: asyncio.Future[bool] | None = None
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def peer_host(self) -> str:
+        return self._peer_host
 
     async def _recv_exact(self, view: memoryview) -> None:
         pos, n = 0, len(view)
@@ -75,13 +85,50 @@ class TcpConnection(Connection):
     async def send_header(self, obj: Mapping[str, Any]) -> None:
         await self._send(encode_header(obj))
 
-    async def recv_header(self) -> dict[str, Any]:
+    async def recv_header(self, max_bytes: int = HEADER_MAX_BYTES) -> dict[str, Any]:
         if self._closed:
             raise ConnectionClosedError(f"{self.peer}: connection closed")
         await self._recv_exact(memoryview(self._prefix))
-        body = bytearray(header_length(self._prefix))
+        body = bytearray(header_length(self._prefix, max_bytes))  # bounded before allocating
         await self._recv_exact(memoryview(body))
         return decode_header(body)
+
+    def watch_peer_close(self) -> asyncio.Future[bool]:
+        """A future that resolves when the socket turns readable while no header is being
+        read: True when the peer closed (EOF or reset), False when it sent bytes (it is alive;
+        they stay unread). Call ``stop_watching()`` before the next read of this connection.
+        (UCX payloads travel beside this socket: its EOF is how a dead peer is noticed.)"""
+        self.stop_watching()
+        fut: asyncio.Future[bool] = self._loop.create_future()
+        if self._closed:
+            fut.set_result(True)
+            return fut
+        fd = self._sock.fileno()
+
+        def readable() -> None:
+            try:
+                data = self._sock.recv(1, socket.MSG_PEEK)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                data = b""
+            self._loop.remove_reader(fd)  # level-triggered: once is enough
+            if not fut.done():
+                fut.set_result(not data)
+
+        self._loop.add_reader(fd, readable)
+        self._watch = fut
+        return fut
+
+    def stop_watching(self) -> None:
+        """Synchronously: a later ``sock_recv_into`` registers its own reader on this fd."""
+        fut, self._watch = self._watch, None
+        if fut is None:
+            return
+        fut.cancel()
+        if not self._closed:
+            with contextlib.suppress(OSError, ValueError):
+                self._loop.remove_reader(self._sock.fileno())
 
     async def send_payload(self, data: np.ndarray) -> None:
         await self._send(memoryview(data).cast("B"))
@@ -93,6 +140,7 @@ class TcpConnection(Connection):
 
     async def close(self) -> None:
         if not self._closed:
+            self.stop_watching()  # unregister before the fd number can be reused
             self._closed = True
             with contextlib.suppress(OSError):
                 self._sock.close()
@@ -116,6 +164,65 @@ class TcpListener(Listener):
             self._sock.close()
 
 
+async def tcp_listen(host: str, port: int, handler: ConnectionHandler,
+                     wrap: Callable[[TcpConnection], Connection] = lambda c: c) -> TcpListener:
+    """A listening socket bound to ``host`` (an address or a name; ``0.0.0.0`` / ``::`` for
+    every interface) and ``port`` (0: any free port); ``handler(wrap(conn))`` runs as a task
+    per accepted connection."""
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, addr = info[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # A restarted server must be able to take its port back at once (TIME_WAIT).
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(512)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    loop = asyncio.get_running_loop()
+    task = loop.create_task(_accept_loop(sock, handler, wrap))
+    return TcpListener(sock, task)
+
+
+async def _accept_loop(sock: socket.socket, handler: ConnectionHandler,
+                       wrap: Callable[[TcpConnection], Connection]) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            conn_sock, addr = await loop.sock_accept(sock)
+        except OSError as e:  # e.g. EMFILE: back off instead of spinning
+            logger.warning("kv transfer accept failed: %s", e)
+            await asyncio.sleep(0.1)
+            continue
+        _tune(conn_sock)
+        conn = TcpConnection(conn_sock, f"{addr[0]}:{addr[1]}", peer_host=str(addr[0]))
+        loop.create_task(handler(wrap(conn)))
+
+
+async def tcp_connect(host: str, port: int, timeout_s: float) -> TcpConnection:
+    """Raises ``ConnectionClosedError`` when ``host:port`` cannot be reached."""
+    loop = asyncio.get_running_loop()
+    try:
+        info = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise ConnectionClosedError(f"{host}:{port}: {e}") from e
+    family, _, _, _, addr = info[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        await asyncio.wait_for(loop.sock_connect(sock, addr), timeout_s)
+    except (OSError, asyncio.TimeoutError) as e:
+        sock.close()
+        raise ConnectionClosedError(f"{host}:{port}: connect failed: {e!r}") from e
+    except BaseException:
+        sock.close()
+        raise
+    _tune(sock)
+    return TcpConnection(sock, f"{host}:{port}", peer_host=str(addr[0]))
+
+
 class TcpBackend(TransportBackend):
     name: ClassVar[str] = "tcp"
 
@@ -126,50 +233,7 @@ class TcpBackend(TransportBackend):
         loop_thread.stop()
 
     async def listen(self, host: str, port: int, handler: ConnectionHandler) -> Listener:
-        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        family, _, _, _, addr = info[0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            # A restarted server must be able to take its port back at once (TIME_WAIT).
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(addr)
-            sock.listen(128)
-            sock.setblocking(False)
-        except OSError:
-            sock.close()
-            raise
-        loop = asyncio.get_running_loop()
-        task = loop.create_task(self._accept_loop(sock, handler))
-        return TcpListener(sock, task)
-
-    async def _accept_loop(self, sock: socket.socket, handler: ConnectionHandler) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                conn_sock, addr = await loop.sock_accept(sock)
-            except OSError as e:  # e.g. EMFILE: back off instead of spinning
-                logger.warning("kv transfer accept failed: %s", e)
-                await asyncio.sleep(0.1)
-                continue
-            _tune(conn_sock)
-            loop.create_task(handler(TcpConnection(conn_sock, f"{addr[0]}:{addr[1]}")))
+        return await tcp_listen(host, port, handler)
 
     async def connect(self, host: str, port: int, timeout_s: float) -> Connection:
-        loop = asyncio.get_running_loop()
-        try:
-            info = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except OSError as e:
-            raise ConnectionClosedError(f"{host}:{port}: {e}") from e
-        family, _, _, _, addr = info[0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        try:
-            await asyncio.wait_for(loop.sock_connect(sock, addr), timeout_s)
-        except (OSError, asyncio.TimeoutError) as e:
-            sock.close()
-            raise ConnectionClosedError(f"{host}:{port}: connect failed: {e!r}") from e
-        except BaseException:
-            sock.close()
-            raise
-        _tune(sock)
-        return TcpConnection(sock, f"{host}:{port}")
+        return await tcp_connect(host, port, timeout_s)

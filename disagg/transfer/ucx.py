@@ -1,5 +1,18 @@
 """UCX backend over ``ucxx`` (``pip install disagg[ucx]``: ucxx-cu12), imported lazily.
 
+Headers travel on a TCP connection to the server's ``host:port`` (``tcp.tcp_listen``: bound
+where configured, capped and authenticated like the TCP backend); payloads are UCX tag messages
+between the two processes' UCX workers, over endpoints created from worker addresses that the
+two sides exchange in AUTH (base.py), i.e. only after the client has proven the cluster token.
+There is no UCX listener: ucxx 0.52 can only create one on every interface
+(``UCXListener.create(worker, port, ...)`` has no address; the C++ ``ListenerBuilder::host``
+is not exposed to Python).
+
+UCX's own transport sockets (the tcp transport listens on an ephemeral port of every network
+device UCX uses) only serve peers that know this worker's address, which the server hands out
+in its AUTH answer; confine them with ``UCX_NET_DEVICES`` (an operator's environment wins, see
+below).
+
 Settings (measured in UCX-NOTES.md):
 
 =============  =================================================
@@ -7,8 +20,7 @@ profile        environment
 =============  =================================================
 same_host      UCX_TLS=sm,tcp UCX_MM_ERROR_HANDLING=y (~6 GB/s)
 cross_host     UCX_TLS=tcp UCX_RNDV_SCHEME=put_zcopy (~3 GB/s)
-always         UCX_WARN_UNUSED_ENV_VARS=n (else UCX prints a WARN to stdout),
-               UCX_TCP_CM_REUSEADDR=y (a restarted server rebinds its port at once)
+always         UCX_WARN_UNUSED_ENV_VARS=n (else UCX prints a WARN to stdout)
 =============  =================================================
 
 Progress mode: ``thread`` with Python futures, not the ``blocking`` mode UCX-NOTES measured:
@@ -24,17 +36,11 @@ any fork (spawn rank processes): a child forked from a process with a live conte
 connect.
 
 Known limits (ucxx 0.52 / UCX 1.21):
-- Once a server has closed an endpoint it accepted, ucxx keeps that listener alive: after
-  ``KVTransferServer.stop()`` in a process that goes on running UCX, its port stays bound and
-  connects to it go unanswered until the client's connect timeout. A restarted *process*
-  rebinds the port at once (tested); a restart inside one process needs a new port.
 - A payload is one tag message received into a buffer of the announced size; ucxx does not
   report the received length, so the server always sends exactly the announced bytes.
 - Same-host bandwidth uses a fragmented shared-memory pipeline that needs both processes on a
   core at the same time: on an oversubscribed host it varies widely and can drop far below
   the TCP backend.
-- A connect to a port where nothing listens fails only after ``connect_timeout_s`` (ucxx
-  waits for the peer-info exchange), where TCP is refused at once.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ import asyncio
 import contextlib
 import logging
 import os
-import socket
+import secrets
 import threading
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -52,17 +58,15 @@ import numpy as np
 
 from disagg.transfer.base import (
     HEADER_MAX_BYTES,
-    HEADER_PREFIX_BYTES,
     Connection,
     ConnectionClosedError,
     ConnectionHandler,
     Listener,
     LoopThread,
+    ProtocolError,
     TransportBackend,
-    decode_header,
-    encode_header,
-    header_length,
 )
+from disagg.transfer.tcp import TcpConnection, tcp_connect, tcp_listen
 
 logger = logging.getLogger("disagg.transfer")
 
@@ -72,8 +76,6 @@ UCX_PROFILES: dict[str, dict[str, str]] = {
 }
 UCX_ALWAYS_ENV = {
     "UCX_WARN_UNUSED_ENV_VARS": "n",
-    # A restarted server must take its port back while the old connections sit in TIME_WAIT.
-    "UCX_TCP_CM_REUSEADDR": "y",
 }
 # Progress: ucxx's C++ progress thread (epoll, wakes every ms) + Python futures completed by
 # its notifier thread. Not 'blocking' / 'polling': there every pending request is awaited by
@@ -178,74 +180,152 @@ def _closed_error(peer: str, e: BaseException) -> ConnectionClosedError:
     return ConnectionClosedError(f"{peer}: {type(e).__name__}: {e}")
 
 
-class UcxConnection(Connection):
-    """Tag send/recv on one ucxx endpoint. A header is one message ``[len][json]`` received
-    into a preallocated ``HEADER_MAX_BYTES`` buffer (UCX lets a message land in a larger
-    buffer); a payload is one message of exactly the announced size."""
+_TAG_MASK = (1 << 64) - 1
+_ABORT_PERIOD_NS = 2 * 10**9  # how long closing an endpoint may wait for ucxx's progress thread
+MAX_WORKER_ADDRESS_BYTES = 3 << 10  # ~190 bytes with sm + tcp on one NIC; many NICs stay far below
 
-    def __init__(self, ep: Any, peer: str) -> None:
-        self._ep = ep
-        self.peer = peer
+
+def _worker_address_hex() -> str:
+    import ucxx
+
+    return bytes(ucxx.get_worker_address().tobytes()).hex()
+
+
+async def _endpoint_to(address_hex: object) -> Any:
+    """A ucxx endpoint to the worker whose packed address is ``address_hex``."""
+    import ucxx
+
+    if not isinstance(address_hex, str) or not 0 < len(address_hex) <= 2 * MAX_WORKER_ADDRESS_BYTES:
+        raise ProtocolError("ucx_address must be a hex-encoded UCX worker address")
+    try:
+        raw = bytes.fromhex(address_hex)
+    except ValueError:
+        raise ProtocolError("ucx_address is not hex") from None
+    try:
+        address = ucxx.get_ucx_address_from_buffer(raw)
+        return await ucxx.create_endpoint_from_worker_address(address)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        raise ProtocolError(f"cannot reach the peer's UCX worker: {type(e).__name__}: {e}") from e
+
+
+class UcxConnection(Connection):
+    """Headers on a TCP connection (``ctl``: the same bound, capped, authenticated door as the
+    TCP backend), payloads as UCX tag messages between the two processes' workers.
+
+    The endpoints are created from worker addresses exchanged in AUTH, i.e. only once the
+    client has proven the token: an unauthenticated peer never costs a UCX endpoint or a
+    posted receive. Payload ``n`` of a connection travels with tag ``(ucx_tag + n) mod 2**64``
+    (``ucx_tag``: random, chosen by the client), so a payload left over from a failed request
+    can never match a later receive. While a payload is in flight the TCP connection is
+    watched: the peer's process dying closes it, and the UCX operation is cancelled then (a
+    receive into the caller's buffer never outlives the request)."""
+
+    def __init__(self, ctl: TcpConnection) -> None:
+        self._ctl = ctl
+        self.peer = ctl.peer
+        self._ep: Any = None
+        self._tag_base: int | None = None
+        self._payloads = 0  # payloads sent / received so far on this connection
         self._closed = False
-        self._hdr = np.empty(HEADER_MAX_BYTES, dtype=np.uint8)
+        self._broken = False  # the endpoint was aborted: this connection is done
 
     @property
     def closed(self) -> bool:
-        return self._closed or self._ep.closed
+        return (self._closed or self._broken or self._ctl.closed
+                or (self._ep is not None and self._ep.closed))
+
+    @property
+    def peer_host(self) -> str:
+        return self._ctl.peer_host
 
     async def send_header(self, obj: Mapping[str, Any]) -> None:
-        data = np.frombuffer(encode_header(obj), dtype=np.uint8)
-        await self._io(self._ep.send(data))
+        await self._ctl.send_header(obj)
 
-    async def recv_header(self) -> dict[str, Any]:
-        await self._io(self._ep.recv(self._hdr))
-        n = header_length(self._hdr[:HEADER_PREFIX_BYTES])
-        return decode_header(self._hdr[HEADER_PREFIX_BYTES:HEADER_PREFIX_BYTES + n].tobytes())
+    async def recv_header(self, max_bytes: int = HEADER_MAX_BYTES) -> dict[str, Any]:
+        return await self._ctl.recv_header(max_bytes)
+
+    # ---- set-up (AUTH) --------------------------------------------------------------------
+
+    def attach_offer(self) -> dict[str, Any]:
+        self._tag_base = secrets.randbits(64)
+        return {"ucx_address": _worker_address_hex(), "ucx_tag": self._tag_base}
+
+    async def attach_accept(self, offer: Mapping[str, Any]) -> dict[str, Any]:
+        tag = offer.get("ucx_tag")
+        if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag <= _TAG_MASK:
+            raise ProtocolError("ucx_tag must be an int in [0, 2**64)")
+        self._ep = await _endpoint_to(offer.get("ucx_address"))
+        self._tag_base = tag
+        return {"ucx_address": _worker_address_hex()}
+
+    async def attach_complete(self, answer: Mapping[str, Any]) -> None:
+        self._ep = await _endpoint_to(answer.get("ucx_address"))
+
+    # ---- payloads -------------------------------------------------------------------------
+
+    def _next_tag(self) -> int:
+        if self._ep is None or self._tag_base is None:
+            raise ProtocolError(f"{self.peer}: no UCX endpoint (AUTH did not set one up)")
+        tag = (self._tag_base + self._payloads) & _TAG_MASK
+        self._payloads += 1
+        return tag
 
     async def send_payload(self, data: np.ndarray) -> None:
-        await self._io(self._ep.send(data))
+        tag = self._next_tag()
+        await self._io(self._ep.send(data, tag=tag, force_tag=True))
 
     async def recv_payload_into(self, out: np.ndarray) -> None:
-        await self._io(self._ep.recv(out))
+        tag = self._next_tag()
+        await self._io(self._ep.recv(out, tag=tag, force_tag=True))
 
-    async def _io(self, op: Any) -> None:
+    async def _io(self, coro: Any) -> None:
+        """Run one UCX operation until it completes or the peer's TCP connection closes."""
         if self.closed:
-            op.close()
+            coro.close()
             raise ConnectionClosedError(f"{self.peer}: connection closed")
+        op = asyncio.ensure_future(coro)
+        watch = self._ctl.watch_peer_close()
         try:
-            await op
-        except asyncio.CancelledError:
+            while not op.done():
+                await asyncio.wait({op, watch}, return_when=asyncio.FIRST_COMPLETED)
+                if watch.done() and not op.done():
+                    if watch.result():  # the peer's process is gone: this op never completes
+                        raise ConnectionClosedError(f"{self.peer}: connection closed by peer")
+                    # Bytes arrived (the peer is alive): wait for the op alone.
+                    await asyncio.wait({op})
+        except BaseException:
+            # Cancelled (client timeout), or the peer died: cancel the UCX request now, so no
+            # late write lands in the caller's buffer.
+            self._abort()
+            self._ctl.stop_watching()
+            with contextlib.suppress(BaseException):
+                await op
             raise
+        self._ctl.stop_watching()
+        try:
+            op.result()
+        except asyncio.CancelledError:
+            raise ConnectionClosedError(f"{self.peer}: UCX operation cancelled") from None
         except Exception as e:  # ucxx errors: canceled, connection reset, truncated, ...
             raise _closed_error(self.peer, e) from e
+
+    def _abort(self) -> None:
+        self._broken = True
+        ep, self._ep = self._ep, None
+        if ep is not None:
+            try:
+                ep.abort(period=_ABORT_PERIOD_NS)
+            except Exception as e:
+                logger.debug("ucx endpoint abort: %s", e)
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        try:
-            await self._ep.close()
-        except Exception as e:
-            logger.debug("ucx endpoint close: %s", e)
-
-
-class UcxListener(Listener):
-    def __init__(self, listener: Any) -> None:
-        self._listener = listener
-        self._port = int(listener.port)
-
-    @property
-    def port(self) -> int:
-        return self._port
-
-    async def close(self) -> None:
-        # Let ucxx's per-connection handler coroutines retire first (ours have closed their
-        # endpoints by now); otherwise ucxx warns about a listener dying under live handlers.
-        wait = getattr(self._listener, "_wait_for_active_clients", None)
-        if wait is not None:
-            with contextlib.suppress(asyncio.TimeoutError, Exception):
-                await asyncio.wait_for(wait(), 2.0)
-        self._listener.close()
+        self._abort()
+        await self._ctl.close()
 
 
 class UcxBackend(TransportBackend):
@@ -264,24 +344,9 @@ class UcxBackend(TransportBackend):
         _UcxRuntime.release(loop_thread)
 
     async def listen(self, host: str, port: int, handler: ConnectionHandler) -> Listener:
-        import ucxx
-
-        async def on_endpoint(ep: Any) -> None:
-            await handler(UcxConnection(ep, "ucx-peer"))
-
-        # ucxx listens on every interface; `host` is only what the server advertises.
-        return UcxListener(ucxx.create_listener(on_endpoint, port))
+        # No UCX listener (ucxx 0.52 binds it on every interface): the TCP door bound to
+        # `host`, UCX endpoints from worker addresses once a client has authenticated.
+        return await tcp_listen(host, port, handler, UcxConnection)
 
     async def connect(self, host: str, port: int, timeout_s: float) -> Connection:
-        import ucxx
-
-        loop = asyncio.get_running_loop()
-        try:
-            ip = (await loop.getaddrinfo(host, port, family=socket.AF_INET))[0][4][0]
-            ep = await asyncio.wait_for(
-                ucxx.create_endpoint(ip, port, connect_timeout=timeout_s), timeout_s + 1.0)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            raise _closed_error(f"{host}:{port}", e) from e
-        return UcxConnection(ep, f"{host}:{port}")
+        return UcxConnection(await tcp_connect(host, port, timeout_s))
