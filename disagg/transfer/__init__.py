@@ -6,9 +6,12 @@ Transport side:
 
 - ``base``: wire messages (``ReadRequest``, ``ReadResult``, ``TransferError``), header
   encoding, the ``TransportBackend`` abstraction and ``make_backend("UCX" | "TCP")``.
+- ``handshake``: the challenge-response that proves the cluster token on every connection
+  without sending it (torch-free).
 - ``lease``: ``LeaseTable`` (torch-free): which blocks may be read, until when.
 - ``stats``: ``TransferStats`` (torch-free) for the worker's metrics.
-- ``tcp`` / ``ucx``: the two backends (ucxx is imported lazily, on first use).
+- ``tcp`` / ``ucx``: the two backends (ucxx is imported lazily, on first use); both accept
+  connections on one TCP socket bound to the configured host.
 - ``payload``: zero-copy views and gathers of the KV cache for a READ.
 - ``service``: ``KVTransferServer`` (context rank) and ``KVTransferClient`` (generation rank).
 
