@@ -47,6 +47,7 @@ from disagg.transfer import (
 
 L, H = 4, 4
 HANDSHAKE_S = 0.5  # the servers here drop a peer that has not authenticated within this
+SLACK_S = 3.0  # scheduling delay allowed on a busy 2-core host
 
 
 class Served:
@@ -115,7 +116,7 @@ def test_garbage_gets_an_error_at_most_and_a_hangup(
         s.sendall(blob)
         t0 = time.monotonic()
         data, closed = read_until_eof(s, 5.0)
-    assert closed and time.monotonic() - t0 < HANDSHAKE_S + 1.0
+    assert closed and time.monotonic() - t0 < HANDSHAKE_S + SLACK_S
     headers = only_error_headers(data)
     assert all(h["code"] in ("bad_request", "unauthorized") for h in headers), headers
     assert served.real_read_works()
@@ -173,10 +174,10 @@ def test_slowloris_is_dropped_within_the_handshake_timeout(served: Served, sent:
     with served.connect() as s:
         s.sendall(sent)
         t0 = time.monotonic()
-        data, closed = read_until_eof(s, HANDSHAKE_S + 3.0)
+        data, closed = read_until_eof(s, HANDSHAKE_S + 2 * SLACK_S)
         took = time.monotonic() - t0
     assert closed, "a stalled peer kept its connection"
-    assert HANDSHAKE_S * 0.8 <= took < HANDSHAKE_S + 1.5
+    assert HANDSHAKE_S * 0.8 <= took < HANDSHAKE_S + SLACK_S
     only_error_headers(data)
     assert served.real_read_works()
 
@@ -187,26 +188,26 @@ def test_hello_then_stall_is_dropped(served: Served) -> None:
         s.sendall(frame({"op": "HELLO", "version": 1, "client_nonce": "b2" * 16}))
         assert recv_header(s)["ok"]
         t0 = time.monotonic()
-        data, closed = read_until_eof(s, HANDSHAKE_S + 3.0)
-    assert closed and time.monotonic() - t0 < HANDSHAKE_S + 1.5
+        data, closed = read_until_eof(s, HANDSHAKE_S + 2 * SLACK_S)
+    assert closed and time.monotonic() - t0 < HANDSHAKE_S + SLACK_S
     only_error_headers(data)
 
 
 def test_connection_caps() -> None:
     s = Served(max_connections=6, max_connections_per_peer=3, max_pending_connections=5,
-               handshake_timeout_s=5.0)
+               handshake_timeout_s=30.0)
     socks: list[socket.socket] = []
     try:
         socks = [s.connect("127.0.0.1") for _ in range(3)]  # idle, unauthenticated
         with s.connect("127.0.0.1") as extra:  # a 4th from the same peer: closed unread
-            data, closed = read_until_eof(extra, 3.0)
+            data, closed = read_until_eof(extra, 2 * SLACK_S)
         assert closed and data == b""
         assert s.server.connections_refused == 1
         # Another peer address still gets in (the cap is per peer)...
         socks += [s.connect("127.0.0.2") for _ in range(2)]
         # ...until the pending (not yet authenticated) connections reach their own cap.
         with s.connect("127.0.0.3") as extra:
-            data, closed = read_until_eof(extra, 3.0)
+            data, closed = read_until_eof(extra, 2 * SLACK_S)
         assert closed and data == b""
         assert s.server.connections_refused == 2
         # The stalled ones are still open (their handshake time has not run out)...
@@ -274,8 +275,8 @@ def test_ucx_door_refuses_like_tcp() -> None:
         with s.connect() as sock:  # slowloris
             sock.sendall(b"\x00\x00\x00\x64")
             t0 = time.monotonic()
-            data, closed = read_until_eof(sock, HANDSHAKE_S + 3.0)
-        assert closed and time.monotonic() - t0 < HANDSHAKE_S + 1.5
+            data, closed = read_until_eof(sock, HANDSHAKE_S + 2 * SLACK_S)
+        assert closed and time.monotonic() - t0 < HANDSHAKE_S + SLACK_S
         assert s.real_read_works()
         with KVTransferClient("ucx", TOKEN, timeout_s=10) as client:
             with pytest.raises(TransferError) as e:
@@ -328,7 +329,7 @@ def test_length_prefix_flood_costs_no_memory_and_is_closed(backend: str) -> None
             socks.append(c)
         peak = rss0
         open_socks = list(socks)
-        deadline = t0 + limits["handshake_timeout_s"] + 3.0
+        deadline = t0 + limits["handshake_timeout_s"] + 3 * SLACK_S
         while open_socks and time.monotonic() < deadline:
             peak = max(peak, _rss_mib(proc.pid))
             still = []
@@ -343,6 +344,8 @@ def test_length_prefix_flood_costs_no_memory_and_is_closed(backend: str) -> None
                     pass
             open_socks = still
         peak = max(peak, _rss_mib(proc.pid))
+        print(f"{backend}: server RSS {rss0:.1f} -> peak {peak:.1f} MiB, 300 connections closed "
+              f"after {time.monotonic() - t0:.2f} s")
         assert peak - rss0 < 30, f"server RSS grew {peak - rss0:.0f} MiB ({rss0:.0f} -> {peak:.0f})"
         assert not open_socks, f"{len(open_socks)} of 300 connections still open"
         assert proc.is_alive()
