@@ -9,9 +9,10 @@ There is no UCX listener: ucxx 0.52 can only create one on every interface
 is not exposed to Python).
 
 UCX's own transport sockets (the tcp transport listens on an ephemeral port of every network
-device UCX uses) only serve peers that know this worker's address, which the server hands out
-in its AUTH answer; confine them with ``UCX_NET_DEVICES`` (an operator's environment wins, see
-below).
+device UCX uses, in both processes) serve peers that know the worker's address, which the two
+sides exchange only in AUTH; confine them with ``UCX_NET_DEVICES`` / ``UCX_TCP_PORT_RANGE``
+(an operator's environment wins, see below). Both directions must be reachable between a
+context and a generation worker on those ports: each side creates its endpoint to the other.
 
 Settings (measured in UCX-NOTES.md):
 
