@@ -83,3 +83,46 @@ def test_kernels_can_be_switched_off(monkeypatch) -> None:
     assert not kernels_enabled()
     monkeypatch.setenv("DISAGG_CPU_KERNELS", "1")
     assert kernels_enabled()
+
+
+def _hold_build_lock(build_dir: str, ready: str) -> None:
+    """Child process: take the build lock, say so, then hang until killed."""
+    import time
+    from pathlib import Path
+
+    from disagg.model.kernels import build_lock
+
+    with build_lock(Path(build_dir)):
+        Path(ready).touch()
+        time.sleep(600)
+
+
+def test_build_lock_survives_a_killed_builder(tmp_path) -> None:
+    """A builder killed mid-build (kill -9) must not block later builds: the flock dies with
+    it, and torch's lock file it left behind is removed (it made every later worker wait
+    forever)."""
+    import multiprocessing as mp
+    import time
+
+    from disagg.model.kernels import TORCH_LOCK_NAME, build_lock
+
+    ctx = mp.get_context("spawn")
+    ready = tmp_path / "ready"
+    child = ctx.Process(target=_hold_build_lock, args=(str(tmp_path), str(ready)))
+    child.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert child.is_alive() and time.monotonic() < deadline, "child never took the lock"
+            time.sleep(0.05)
+        (tmp_path / TORCH_LOCK_NAME).touch()  # what torch's FileBaton leaves when killed
+        child.kill()
+        child.join(10)
+        t0 = time.monotonic()
+        with build_lock(tmp_path):
+            assert not (tmp_path / TORCH_LOCK_NAME).exists()
+        assert time.monotonic() - t0 < 5
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join(10)

@@ -14,16 +14,20 @@ Each kernel is built to ``$DISAGG_CACHE_DIR`` (default ``~/.cache/disagg``)
 ``/kernels/<source stem>-<key>``, the key hashing its source, the torch version and this
 CPU's model and flags (``-march=native``), so a cache shared between different machines never
 loads a foreign build and an edited source is rebuilt. Concurrent builds (several workers
-starting at once) are serialised by torch's build lock.
+starting at once) are serialised by ``build_lock``: an ``flock`` that the OS drops when its
+holder dies. torch's own build lock is a plain file that a builder killed mid-build leaves
+behind, after which every later build waits for it forever; under our lock no other builder
+can be running, so such a file is stale and is removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,15 +79,41 @@ def _build_dir(source: Path) -> Path:
     return path
 
 
+TORCH_LOCK_NAME = "lock"  # torch.utils.cpp_extension's FileBaton in the build directory
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold the build directory's lock; clear torch's lock file left by a killed builder."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): torch's own lock alone
+        yield
+        return
+    with open(build_dir / "disagg-build.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # blocks while another live process builds
+        try:
+            stale = build_dir / TORCH_LOCK_NAME
+            if stale.exists():
+                logger.warning("removing the stale kernel build lock %s (its builder died)",
+                               stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _build(name: str, source: Path, what: str, fallback: str) -> Any | None:
     """The extension module built from ``source``, or None (with a warning) on failure."""
     try:
         from torch.utils.cpp_extension import load
 
-        return load(
-            name=name, sources=[str(source)], build_directory=str(_build_dir(source)),
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-            verbose=False)
+        build_dir = _build_dir(source)
+        with build_lock(build_dir):
+            return load(
+                name=name, sources=[str(source)], build_directory=str(build_dir),
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, a failed build: the PyTorch path serves
         logger.warning("CPU %s kernel unavailable (%s); using %s", what,
                        str(e).splitlines()[0] if str(e) else repr(e), fallback)
