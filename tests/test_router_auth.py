@@ -1,8 +1,8 @@
 """Router-side cluster authentication, with scripted fake workers (no model):
 
-- every call the router makes to a worker about cluster state is signed over the exact method,
-  path + query and body it sends (the two calls of a disaggregated request, health and
-  server-info checks, KV event polls, lease releases, /v1/models); requests sent whole are not;
+- every call whose handling depends on it is signed over the exact method, path + query and
+  body the router sends (the generation_only call, health and server-info checks, KV event
+  polls, lease releases, /v1/models); the context_only call and requests sent whole are not;
 - /cluster/register and /cluster/unregister need a signature; a router without a cluster token
   refuses to start when it would take registrations (unless --insecure-membership) or has
   context servers (it could not sign);
@@ -146,8 +146,8 @@ def test_router_signs_its_calls_to_workers(loop: LoopThread, tiny_llama: str) ->
     assert {"/health", "/server_info", C, "/v1/models"} <= _targets(gen)
     for w in (ctx, gen):
         for call in w.calls:
-            if call["target"] == C and call["kind"] is None:
-                # a whole (aggregated) request: nothing on the worker depends on a signature
+            if call["target"] == C and call["kind"] in (None, "context_only"):
+                # a whole (aggregated) request or a prefill: nothing depends on a signature
                 assert call["header"] is None, call
             else:
                 assert call["valid"], (w.role, call)

@@ -26,14 +26,15 @@ generation worker also releases the context lease). When no generation worker to
 request (the client left in between, or every generation worker failed unreached), the router
 asks the context worker to free the lease at once (``POST /kv_leases/release``).
 
-Cluster authentication: the router signs (``cluster_auth.sign_http``, with the token from
-``$DISAGG_CLUSTER_TOKEN``) both calls of a disaggregated request, its health / server-info
-checks, KV event polls, lease releases and ``/v1/models``: a generation worker trusts the
-context addresses of a signed generation_only request and caches its pulled KV. Requests sent
-whole (aggregated serving) are not signed: nothing on the worker depends on it, and it keeps
-the hottest path as it was. It verifies the signatures of ``/cluster/register`` and
-``/cluster/unregister``. Without a token it refuses to start when it could not sign (context
-servers) or would let anyone register (``disagg_cluster``, unless ``insecure_membership``).
+Cluster authentication: the router signs (``cluster_auth.HttpSigner``, with the token from
+``$DISAGG_CLUSTER_TOKEN``) the calls whose handling depends on it: the generation_only call (a
+generation worker trusts the context addresses of a signed request and caches its pulled KV),
+health / server-info checks, KV event polls, lease releases and ``/v1/models``. The
+context_only call and requests sent whole carry no signature: the worker decides nothing on
+it, and the hot path pays for one signature per request, not three. It verifies the
+signatures of ``/cluster/register`` and ``/cluster/unregister``. Without a token it refuses to
+start when it could not sign (context servers) or would let anyone register
+(``disagg_cluster``, unless ``insecure_membership``).
 """
 
 from __future__ import annotations
@@ -53,13 +54,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from disagg.cluster_auth import (
-    AUTH_HEADER,
-    AuthError,
-    HttpVerifier,
-    cluster_token_or_none,
-    sign_http,
-)
+from disagg.cluster_auth import AUTH_HEADER, AuthError, HttpVerifier, cluster_token_or_none
 from disagg.router.config import ClusterConfig, PolicyConfig, RouterConfigError
 from disagg.router.membership import ROLES, Membership, UpstreamAuth, Worker
 from disagg.router.metrics import RouterMetrics
@@ -335,8 +330,8 @@ class Router:
         be reached)."""
         assert self.session is not None
         headers = self.upstream_headers[role]
-        if signed and self.cluster_token:
-            headers = {**headers, **sign_http(self.cluster_token, "POST", path, data)}
+        if signed:
+            headers = {**headers, **self.auth.signature("POST", path, data)}
         try:
             return await self.session.post(w.base + path, data=data, headers=headers)
         except aiohttp.ClientConnectorError as e:  # never connected: it saw nothing
@@ -489,7 +484,7 @@ class Router:
             t0 = time.monotonic()
             resp = None
             try:
-                resp = await self._post(w, "context", path, data, signed=True)
+                resp = await self._post(w, "context", path, data)
                 if resp.status >= 500:
                     raise await self._error_answer(w, resp)
                 try:

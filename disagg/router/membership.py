@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from disagg.cluster_auth import sign_http
+from disagg.cluster_auth import HttpSigner
 from disagg.router.config import ClusterConfig, PolicyConfig
 from disagg.router.kv_index import KVEventsError, KVIndex
 
@@ -50,17 +50,18 @@ class UpstreamAuth:
 
     def __init__(self, cluster_token: str | None = None,
                  api_keys: Mapping[str, str | None] | None = None) -> None:
-        self.cluster_token = cluster_token
+        self.signer = HttpSigner(cluster_token) if cluster_token else None
         self._keys = {pool: {"Authorization": f"Bearer {key}"}
                       for pool, key in (api_keys or {}).items() if key}
 
+    def signature(self, method: str, path: str, body: bytes = b"") -> dict[str, str]:
+        """The signature header of one call (none without a cluster token)."""
+        return {} if self.signer is None else self.signer.headers(method, path, body)
+
     def headers(self, pool: str, method: str, path: str, body: bytes = b"") -> dict[str, str]:
-        """Headers of one call to a worker of ``pool``; ``path`` with its query, exactly as
-        sent (the signature covers it)."""
-        h = dict(self._keys.get(pool, {}))
-        if self.cluster_token:
-            h.update(sign_http(self.cluster_token, method, path, body))
-        return h
+        """Headers of one call to a worker of ``pool``: its API key and the signature;
+        ``path`` with its query, exactly as sent (the signature covers it)."""
+        return {**self._keys.get(pool, {}), **self.signature(method, path, body)}
 
 
 @dataclass(eq=False)
