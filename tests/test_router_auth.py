@@ -235,23 +235,30 @@ def test_router_metrics_need_the_api_key_or_a_signature_unless_public(
         assert httpx.get(url + "/metrics", timeout=10).status_code == 200  # no API key
 
 
-def test_router_cli_public_metrics_flag(tmp_path: Path) -> None:
+def test_router_cli_flags_public_metrics_and_insecure_membership(tmp_path: Path) -> None:
+    """``--insecure-membership`` lets a tokenless router with disagg_cluster start (anyone may
+    register); ``--public-metrics`` opens /metrics although api_key is set."""
     path = tmp_path / "keyed.yaml"
-    path.write_text(yaml.safe_dump({"api_key": "k", "generation_servers": {
-        "urls": ["127.0.0.1:9"]}}))
-    proc = subprocess.Popen([sys.executable, "-m", "disagg.cli", "router", "-c", str(path),
-                             "--host", "127.0.0.1", "--port", "0", "--log-level", "warning",
-                             "--public-metrics"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    path.write_text(yaml.safe_dump({"api_key": "k", **DYNAMIC}))
+    cmd = [sys.executable, "-m", "disagg.cli", "router", "-c", str(path), "--host", "127.0.0.1",
+           "--port", "0", "--log-level", "warning", "--public-metrics", "--insecure-membership"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         ready, _, _ = select.select([proc.stdout], [], [], 60)
         assert ready, "the router printed nothing in 60 s"
-        url = proc.stdout.readline().split()[-1]
+        line = proc.stdout.readline()
+        assert line.startswith("disagg router listening on "), line
+        url = line.split()[-1]
         assert httpx.get(url + "/metrics", timeout=10).status_code == 200
         assert httpx.get(url + "/cluster_info", timeout=10).status_code == 401  # key still
+        r = httpx.post(url + "/cluster/register", timeout=10,
+                       json={"role": "generation", "url": "127.0.0.1:10"})
+        assert r.status_code == 200, r.text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+        assert proc.stderr is not None
+        assert "accepts anyone" in proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()
