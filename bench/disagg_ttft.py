@@ -33,6 +33,8 @@ from typing import Any
 
 import httpx
 
+from disagg.cluster_auth import sign_http
+
 TOKEN = "bench-secret"
 LINE_PREFIX = "Transfer share of TTFT at"
 
@@ -83,8 +85,13 @@ def one(ctx: str, gen: str, prompt: list[int]) -> tuple[float, float]:
     dp = answer["disaggregated_params"]
     gbody = {**body, "stream": True,
              "disaggregated_params": {**dp, "request_type": "generation_only"}}
+    # Signed as the router signs it: the generation worker trusts the context's addresses.
+    data = json.dumps(gbody).encode()
+    headers = {"Content-Type": "application/json",
+               **sign_http(TOKEN, "POST", "/v1/completions", data)}
     ttft = None
-    with httpx.stream("POST", gen + "/v1/completions", json=gbody, timeout=120) as r:
+    with httpx.stream("POST", gen + "/v1/completions", content=data, headers=headers,
+                      timeout=120) as r:
         for line in r.iter_lines():
             if line.startswith("data: {") and ttft is None:
                 ev = json.loads(line[6:])

@@ -159,9 +159,10 @@ def start_router(cluster: dict[str, Any], port: int, logs: Path, name: str) -> P
                                    sort_keys=False))
     log = logs / f"{name}.log"
     with open(log, "wb") as f:
+        # The workers' token: a disaggregated router signs its calls with it.
         p = subprocess.Popen([sys.executable, "-m", "disagg.cli", "router", "-c", str(path),
                               "--log-level", "warning"], stdout=f, stderr=subprocess.STDOUT,
-                             cwd=ROOT)
+                             cwd=ROOT, env={**os.environ, "DISAGG_CLUSTER_TOKEN": TOKEN})
     return Proc(name, p, f"http://127.0.0.1:{port}", log, None)
 
 

@@ -326,6 +326,8 @@ def start_router(config: dict[str, Any], core: int, log_path: Path, timeout: flo
         proc = subprocess.Popen(
             [*cmd, "router", "-c", str(cfg_path), "--log-level", "warning"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            # A disaggregated router needs a cluster token (the stubs do not check signatures).
+            env={**os.environ, "DISAGG_CLUSTER_TOKEN": "router-overhead-bench"},
             # Pinned before exec: every thread the router makes stays on its core.
             preexec_fn=lambda: os.sched_setaffinity(0, {core}))
     deadline = time.monotonic() + timeout

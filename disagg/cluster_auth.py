@@ -101,6 +101,28 @@ def sign_http(token: str, method: str, path: str, body: bytes = b"", *,
     return {AUTH_HEADER: f"{HTTP_SCHEME};ts={ts};nonce={nonce};sig={sig}"}
 
 
+class HttpSigner:
+    """``sign_http`` for one token with the keyed HMAC state set up once (not per call): the
+    same headers, cheaper for a caller that signs on its hot path (the router)."""
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ValueError("a non-empty cluster token is required")
+        self._keyed = hmac.new(token.encode(), digestmod=hashlib.sha256)
+
+    def headers(self, method: str, path: str, body: bytes = b"", *,
+                now: float | None = None, nonce: str | None = None) -> dict[str, str]:
+        ts = str(int(time.time() if now is None else now))
+        nonce = nonce or new_nonce()
+        mac = self._keyed.copy()
+        # hmac_hex's framing: every part length-prefixed
+        for data in (_HTTP_DOMAIN, method.upper().encode(), path.encode(), ts.encode(),
+                     nonce.encode(), hashlib.sha256(body).digest()):
+            mac.update(len(data).to_bytes(8, "big"))
+            mac.update(data)
+        return {AUTH_HEADER: f"{HTTP_SCHEME};ts={ts};nonce={nonce};sig={mac.hexdigest()}"}
+
+
 def _parse_header(value: str) -> tuple[str, str, str]:
     scheme, _, rest = value.partition(";")
     if scheme.strip() != HTTP_SCHEME:

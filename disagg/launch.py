@@ -628,10 +628,15 @@ def post_json(url: str, body: dict[str, Any], api_key: str | None, timeout: floa
             return int(e.code), {}
 
 
-def metric_value(base_url: str, name: str) -> float | None:
-    """A counter from a worker's Prometheus /metrics (summed over its label sets)."""
+def metric_value(base_url: str, name: str, cluster_token: str | None = None) -> float | None:
+    """A counter from a worker's Prometheus /metrics (summed over its label sets); signed with
+    ``cluster_token`` (a worker with an API key answers /metrics to the cluster only)."""
+    from disagg.cluster_auth import sign_http
+
+    headers = sign_http(cluster_token, "GET", "/metrics") if cluster_token else {}
     try:
-        with _HTTP.open(base_url + "/metrics", timeout=HEALTH_TIMEOUT_S) as resp:
+        with _HTTP.open(urllib.request.Request(base_url + "/metrics", headers=headers),
+                        timeout=HEALTH_TIMEOUT_S) as resp:
             text = resp.read().decode()
     except (OSError, ValueError):
         return None
@@ -662,7 +667,8 @@ def demo_request(cluster: Cluster, message: str, max_tokens: int) -> int:
     cluster.say(f"usage: {json.dumps(data.get('usage'))}")
     gen = next((c for c in cluster.children if c.spec.kind == "generation"), None)
     if gen is not None and gen.base_url:
-        blocks = metric_value(gen.base_url, "disagg_kv_transfer_blocks_total")
+        blocks = metric_value(gen.base_url, "disagg_kv_transfer_blocks_total",
+                              cluster.env.get("DISAGG_CLUSTER_TOKEN"))
         if blocks is not None:
             cluster.say(f"KV blocks moved context -> generation: {blocks:.0f}")
     return 0

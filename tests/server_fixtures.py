@@ -1,8 +1,10 @@
-"""Helpers for the server tests: a live uvicorn server in a thread, free ports, polling."""
+"""Helpers for the server tests: a live uvicorn server in a thread, free ports, polling, and
+requests signed with the cluster token (as the router sends them)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -74,6 +76,26 @@ def serve_in_thread(app: Any, timeout: float = 30.0) -> Iterator[str]:
         assert not thread.is_alive(), "server thread did not stop"
 
 
+def signed(token: str, method: str, path: str, body: Any = None,
+           headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """httpx keyword arguments for a request signed with the cluster ``token`` (as the router
+    signs its calls): ``path`` with its query, ``body`` a JSON value sent as exactly the bytes
+    signed. ``httpx.post(url + path, **signed(TOKEN, "POST", path, body))``."""
+    from disagg.cluster_auth import sign_http
+
+    data = b"" if body is None else json.dumps(body).encode()
+    h = {**(headers or {}), **sign_http(token, method, path, data)}
+    if body is not None:
+        h["Content-Type"] = "application/json"
+    return {"content": data, "headers": h} if body is not None else {"headers": h}
+
+
+def signed_post(url: str, path: str, body: Any, token: str, timeout: float = 60.0
+                ) -> httpx.Response:
+    """POST ``body`` to ``url + path`` signed with the cluster ``token``."""
+    return httpx.post(url + path, timeout=timeout, **signed(token, "POST", path, body))
+
+
 def health_ok(url: str) -> bool:
     try:
         return httpx.get(url + "/health", timeout=2).status_code == 200
@@ -93,13 +115,17 @@ class WorkerProc:
     proc: subprocess.Popen
     log: Path
     port: int
+    cluster_token: str | None = None  # /server_info needs its signature
 
     @property
     def addr(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def info(self) -> dict[str, Any]:
-        return httpx.get(self.url + "/server_info", timeout=10).json()
+        kw = signed(self.cluster_token, "GET", "/server_info") if self.cluster_token else {}
+        r = httpx.get(self.url + "/server_info", timeout=10, **kw)
+        r.raise_for_status()
+        return r.json()
 
     def blocks_used(self) -> int:
         return int(self.info()["kv_blocks_used"])
@@ -121,7 +147,8 @@ def start_worker_proc(tmp: Path, model_dir: str, name: str, args: list[str],
         proc = subprocess.Popen(
             [sys.executable, "-m", "disagg.cli", "serve", model_dir, "--port", str(port), *args],
             stdout=f, stderr=subprocess.STDOUT, env=full_env)
-    return WorkerProc(name, f"http://127.0.0.1:{port}", proc, log, port)
+    return WorkerProc(name, f"http://127.0.0.1:{port}", proc, log, port,
+                      env.get("DISAGG_CLUSTER_TOKEN"))
 
 
 def wait_all_healthy(workers: list[WorkerProc], timeout: float) -> None:

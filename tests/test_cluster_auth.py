@@ -7,6 +7,7 @@ import pytest
 from disagg.cluster_auth import (
     AUTH_HEADER,
     AuthError,
+    HttpSigner,
     HttpVerifier,
     PeerAllowlist,
     hmac_hex,
@@ -130,3 +131,20 @@ def test_allowlist_matches_literal_hosts_only() -> None:
 def test_allowlist_rejects_bad_entries_naming_them(bad: object) -> None:
     with pytest.raises(ValueError, match=r"kv_peer_allowlist\[1\]"):
         PeerAllowlist.parse(["127.0.0.1", bad])  # type: ignore[list-item]
+
+
+def test_http_signer_signs_exactly_like_sign_http() -> None:
+    clock = Clock()
+    signer = HttpSigner(TOKEN)
+    for method, path, body in (("POST", "/v1/completions", b'{"a":1}'), ("get", "/x?y=1", b""),
+                               ("POST", "/p\u00e9", "é".encode())):
+        nonce = "0123456789abcdef" * 2
+        assert signer.headers(method, path, body, now=clock.t, nonce=nonce) == sign_http(
+            TOKEN, method, path, body, now=clock.t, nonce=nonce)
+    v = HttpVerifier(TOKEN, clock=clock)
+    v.check(signer.headers("GET", "/server_info", now=clock.t)[AUTH_HEADER], "GET",
+            "/server_info")
+    a, b = (signer.headers("GET", "/x", now=clock.t)[AUTH_HEADER] for _ in range(2))
+    assert a != b  # a fresh nonce each time
+    with pytest.raises(ValueError):
+        HttpSigner("")

@@ -2,8 +2,10 @@
 
 The test plays the router: call 1 goes to a ``--role context`` worker with
 ``request_type: context_only``; unless that answer is final, call 2 goes to a ``--role
-generation`` worker with ``request_type: generation_only`` and the context's params. Greedy
-outputs must equal an aggregated worker's (served in this process), over TCP and UCX.
+generation`` worker with ``request_type: generation_only`` and the context's params, signed
+with the cluster token as the router signs it. Greedy outputs must equal an aggregated
+worker's (served in this process), over TCP and UCX. Unsigned generation_only requests: the
+worker trusts their context addresses only when allow-listed, and never caches their KV.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from server_fixtures import (
     WorkerProc,
     health_ok,
     serve_in_thread,
+    signed,
     start_worker_proc,
     stop_all,
     wait_all_healthy,
@@ -71,6 +74,9 @@ def tcp(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[di
         "ctx": _start(tmp, model_dir, "ctx", "context", *b, "--tokens-per-block", "16"),
         "gen": _start(tmp, model_dir, "gen", "generation", *b, "--tokens-per-block", "16"),
         "gen8": _start(tmp, model_dir, "gen8", "generation", *b, "--tokens-per-block", "8"),
+        # trusts unsigned requests that name local context workers
+        "gen_allow": _start(tmp, model_dir, "gen_allow", "generation", *b,
+                            "--tokens-per-block", "16", "--kv-peer-allowlist", "127.0.0.1"),
         "ctx_short": _start(tmp, model_dir, "ctx_short", "context", *b,
                             "--tokens-per-block", "16", "--kv-lease-ttl", "0.3"),
         "ctx_victim": _start(tmp, model_dir, "ctx_victim", "context", *b,
@@ -114,8 +120,12 @@ def reference(model_dir: str) -> Iterator[str]:
 # ---- the router's two calls -----------------------------------------------------------------
 
 
-def _post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(url + path, json=body, timeout=60)
+def _post(url: str, path: str, body: dict[str, Any], token: str | None = TOKEN
+          ) -> httpx.Response:
+    """POST as the router does: signed with the cluster token (``token=None``: unsigned)."""
+    if token is None:
+        return httpx.post(url + path, json=body, timeout=60)
+    return httpx.post(url + path, timeout=60, **signed(token, "POST", path, body))
 
 
 def _text_of(path: str, body: dict[str, Any]) -> str:
@@ -125,7 +135,7 @@ def _text_of(path: str, body: dict[str, Any]) -> str:
 
 def _stream(url: str, path: str, body: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     text, events = "", []
-    with httpx.stream("POST", url + path, json=body, timeout=60) as r:
+    with httpx.stream("POST", url + path, timeout=60, **signed(TOKEN, "POST", path, body)) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -271,8 +281,8 @@ def test_generation_disconnect_frees_both_sides(tcp: dict[str, Worker]) -> None:
     body = {"model": NAME, "prompt": PROMPTS[2], "max_tokens": 400, "temperature": 0,
             "ignore_eos": True, "stream": True}
     answer = context_call(tcp["ctx"], C, body)
-    with httpx.stream("POST", tcp["gen"].url + C, json=generation_body(C, body, answer),
-                      timeout=60) as r:
+    with httpx.stream("POST", tcp["gen"].url + C, timeout=60,
+                      **signed(TOKEN, "POST", C, generation_body(C, body, answer))) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -312,3 +322,76 @@ def test_dead_context_worker_fails_request_generation_stays_healthy(
     assert health_ok(gen.url)
     # and it keeps serving disaggregated requests from a live context worker
     assert disagg_text(tcp["ctx"], gen, C, body) == ref_text(reference, C, body)
+
+
+# ---- trust: signed requests, the allow-list, the prefix cache ---------------------------------
+
+
+def _cached_tokens(answer: dict[str, Any]) -> int:
+    return int((answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def test_unsigned_request_naming_unlisted_context_worker_is_refused(
+        tcp: dict[str, Worker], reference: str) -> None:
+    """Design rule 2 with a real context answer: unsigned -> 400 on a generation worker without
+    an allow-list (the lease stays: releasing would mean connecting), served by one whose
+    allow-list holds the context worker's host."""
+    ctx = tcp["ctx"]
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}
+    answer = context_call(ctx, C, body)
+    gbody = generation_body(C, body, answer)
+    r = _post(tcp["gen"].url, C, gbody, token=None)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "disaggregated_params.addresses"
+    assert "disaggregated_params.addresses" in err["message"]
+    assert ctx.blocks_used() > 0  # not released by the refusing worker
+    r = _post(tcp["gen_allow"].url, C, gbody, token=None)
+    assert r.status_code == 200, r.text
+    assert _text_of(C, r.json()) == ref_text(reference, C, body)
+    ctx.wait_blocks(0)
+    tcp["gen_allow"].wait_blocks(0)
+
+
+def test_forged_generation_request_never_changes_what_honest_requests_decode(
+        tcp: dict[str, Worker], reference: str) -> None:
+    """Design rule 3: an unsigned (allow-listed) generation_only request claims prompt P but
+    carries the KV of prompt Q. It decodes privately; a later honest request for P on the same
+    worker decodes exactly what an aggregated worker does, with nothing taken from a cache."""
+    ctx, gen = tcp["ctx"], tcp["gen_allow"]
+    n = 3 * 16 + 5  # three full blocks (the ones a prefix cache would reuse) and a partial one
+    p = [100 + (7 * i) % 300 for i in range(n)]
+    q = [50 + (11 * i) % 350 for i in range(n)]
+    answer = context_call(ctx, C, {"model": NAME, "prompt": q, "max_tokens": 8,
+                                   "temperature": 0})
+    forged = {"model": NAME, "prompt": p, "max_tokens": 4, "temperature": 0,
+              "ignore_eos": True, "disaggregated_params": {
+                  **answer["disaggregated_params"], "prompt_token_ids": p,
+                  "request_type": "generation_only"}}
+    r = _post(gen.url, C, forged, token=None)
+    assert r.status_code == 200, r.text  # served (allow-listed), with Q's KV
+    ctx.wait_blocks(0)
+    gen.wait_blocks(0)
+    honest = {"model": NAME, "prompt": p, "max_tokens": 12, "temperature": 0,
+              "ignore_eos": True}
+    r = _post(gen.url, C, honest, token=None)
+    assert r.status_code == 200, r.text
+    assert _cached_tokens(r.json()) == 0
+    assert _text_of(C, r.json()) == ref_text(reference, C, honest)
+
+
+def test_signed_generation_request_fills_the_prefix_cache(tcp: dict[str, Worker],
+                                                          reference: str) -> None:
+    """The router's (signed) path: the pulled KV is the cluster's own, so later requests on
+    the generation worker reuse it."""
+    ctx, gen = tcp["ctx"], tcp["gen"]
+    prompt = [200 + (13 * i) % 250 for i in range(3 * 16 + 2)]
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True}
+    assert disagg_text(ctx, gen, C, body) == ref_text(reference, C, body)
+    r = _post(gen.url, C, {**body, "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    assert _cached_tokens(r.json()) == 3 * 16
+    ctx.wait_blocks(0)
+    gen.wait_blocks(0)

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_fixtures import device_for_ranks, health_ok, wait_for
+from server_fixtures import device_for_ranks, health_ok, signed, wait_for
 from test_disagg_e2e import (
     CHAT,
     CHAT_PATH,
     NAME,
     PROMPTS,
+    TOKEN,
     UCX_OK,
     C,
     Worker,
@@ -159,8 +160,8 @@ def test_multi_rank_generation_abort_frees_both_sides(cluster: dict[str, Worker]
     body = {"model": NAME, "prompt": PROMPTS[2], "max_tokens": 300, "temperature": 0,
             "ignore_eos": True, "stream": True}
     answer = context_call(ctx, C, body)
-    with httpx.stream("POST", gen.url + C, json=generation_body(C, body, answer),
-                      timeout=60) as r:
+    with httpx.stream("POST", gen.url + C, timeout=60,
+                      **signed(TOKEN, "POST", C, generation_body(C, body, answer))) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: "):

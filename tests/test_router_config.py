@@ -81,6 +81,19 @@ def test_reference_shape(tmp_path: Path) -> None:
     assert cfg.disagg_cluster is None and cfg.api_key is None
 
 
+def test_public_metrics_is_the_routers_top_level_key_and_a_worker_key_in_sections() -> None:
+    gen = {"urls": ["127.0.0.1:9001"], "api_key": "w", "public_metrics": True}
+    cfg = parse_cluster_config({"api_key": "k", "generation_servers": gen})
+    assert cfg.public_metrics is False  # the router's own: off unless said at the top level
+    assert cfg.generation_servers is not None
+    assert cfg.generation_servers.worker_options["public_metrics"] is True
+    cfg = parse_cluster_config({"public_metrics": True, "generation_servers": GEN})
+    assert cfg.public_metrics is True
+    assert "public_metrics" not in cfg.generation_servers.worker_options  # not inherited
+    with pytest.raises(RouterConfigError, match="public_metrics: expected bool"):
+        parse_cluster_config({"public_metrics": "yes", "generation_servers": GEN})
+
+
 def test_aggregated_cluster_is_valid(tmp_path: Path) -> None:
     cfg = load_cluster_config(_write(tmp_path, {
         "generation_servers": {"urls": ["127.0.0.1:9001", "127.0.0.1:9002"],

@@ -26,6 +26,7 @@ from aiohttp import web
 from server_fixtures import (
     WorkerProc,
     serve_in_thread,
+    signed,
     start_worker_proc,
     stop_all,
     wait_all_healthy,
@@ -91,14 +92,15 @@ class LoopThread:
 
 
 @contextlib.contextmanager
-def running_router(config: ClusterConfig | dict[str, Any], loop: LoopThread | None = None
-                   ) -> Iterator[str]:
-    """The router app of ``config`` served on an ephemeral port; yields its base URL."""
+def running_router(config: ClusterConfig | dict[str, Any], loop: LoopThread | None = None,
+                   cluster_token: str | None = TOKEN, **kw: Any) -> Iterator[str]:
+    """The router app of ``config`` served on an ephemeral port; yields its base URL. It holds
+    the workers' cluster token (``cluster_token``) unless told otherwise."""
     cfg = config if isinstance(config, ClusterConfig) else parse_cluster_config(config, "test")
     own = loop is None
     lt = loop or LoopThread()
     try:
-        runner, url = lt.serve(build_router_app(cfg))
+        runner, url = lt.serve(build_router_app(cfg, cluster_token=cluster_token, **kw))
         try:
             yield url
         finally:
@@ -387,7 +389,9 @@ class FakeWorker:
                     data = json.loads(body)
                     data["stream"] = False
                     data.pop("stream_options", None)
-                    async with s.post(self.upstream + request.path, json=data) as r:
+                    kw = signed(TOKEN, "POST", request.path, data)  # as the router signs
+                    async with s.post(self.upstream + request.path, data=kw["content"],
+                                      headers=kw["headers"]) as r:
                         await r.read()
                 code = action.split(":")[1]
                 kv = code == "502kv"
@@ -396,8 +400,10 @@ class FakeWorker:
                     "type": "x", "param": None, "code": "kv_transfer_failed" if kv else None}},
                     status=502 if kv else int(code))
             assert self.upstream
+            # the router's signature covers what is forwarded unchanged (its nonce is unspent)
+            auth = {k: v for k, v in request.headers.items() if k.lower() == "x-disagg-auth"}
             async with s.post(self.upstream + request.path, data=body,
-                              headers={"Content-Type": "application/json"}) as r:
+                              headers={"Content-Type": "application/json", **auth}) as r:
                 if action == "proxy" or r.content_type != "text/event-stream":
                     return web.Response(status=r.status, body=await r.read(),
                                         content_type=r.content_type)
@@ -694,10 +700,10 @@ def test_kill_context_worker_under_load_then_restart_with_other_block_size(
 
 
 def test_lease_freed_when_no_generation_worker_takes_the_request(
-        workers: dict[str, Worker], model_dir: str, loop: LoopThread, monkeypatch) -> None:
+        workers: dict[str, Worker], model_dir: str, loop: LoopThread) -> None:
     """Every generation worker drops the request unanswered: the router ends with an error
-    and tells the context worker to free the KV now, not at lease expiry (30 s)."""
-    monkeypatch.setenv("DISAGG_CLUSTER_TOKEN", TOKEN)  # the router's copy of the token
+    and tells the context worker to free the KV now, not at lease expiry (30 s), with a signed
+    call (the release endpoint answers nothing else)."""
     dead = FakeWorker("generation", ["drop", "drop"])
     runner, fake_url = loop.serve(dead.app)
     try:
@@ -716,18 +722,19 @@ def test_lease_freed_when_no_generation_worker_takes_the_request(
         loop.run(runner.cleanup())
 
 
-def test_lease_release_endpoint_needs_the_cluster_token(workers: dict[str, Worker]) -> None:
-    ctx = workers["ctx1"]
+def test_lease_release_endpoint_needs_a_cluster_signature(workers: dict[str, Worker]) -> None:
+    ctx, path = workers["ctx1"], "/kv_leases/release"
     body = {"ctx_request_id": "no-such-lease"}
-    r = httpx.post(ctx.url + "/kv_leases/release", json=body, timeout=10)
+    r = httpx.post(ctx.url + path, json=body, timeout=10)
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-    r = httpx.post(ctx.url + "/kv_leases/release", json=body, timeout=10,
+    # the token itself in a header is no proof: it must never cross the wire
+    r = httpx.post(ctx.url + path, json=body, timeout=10,
                    headers={"X-Disagg-Cluster-Token": TOKEN})
+    assert r.status_code == 401
+    r = httpx.post(ctx.url + path, timeout=10, **signed(TOKEN, "POST", path, body))
     assert r.status_code == 200 and r.json() == {"ctx_request_id": "no-such-lease",
                                                  "released": False}
-    r = httpx.post(ctx.url + "/kv_leases/release", json={"x": 1}, timeout=10,
-                   headers={"X-Disagg-Cluster-Token": TOKEN})
+    r = httpx.post(ctx.url + path, timeout=10, **signed(TOKEN, "POST", path, {"x": 1}))
     assert r.status_code == 400 and r.json()["error"]["param"] == "ctx_request_id"
-    r = httpx.post(workers["gen"].url + "/kv_leases/release", json=body, timeout=10,
-                   headers={"X-Disagg-Cluster-Token": TOKEN})
+    r = httpx.post(workers["gen"].url + path, timeout=10, **signed(TOKEN, "POST", path, body))
     assert r.status_code == 404

@@ -1,7 +1,8 @@
 """Dynamic membership: workers register with the router (disagg_cluster), heartbeat, and are
 dropped when silent or failing; ``minimal_instances`` gates ``/health``; a real
 ``disagg serve --router-url`` worker registers, serves through the router and unregisters on
-SIGTERM."""
+SIGTERM. Registrations are signed with the cluster token (test_router_auth.py checks that
+unsigned ones are refused)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from server_fixtures import wait_for
+from server_fixtures import signed, wait_for
 from test_router_live import (
     NAME,
+    TOKEN,
     FakeWorker,
     LoopThread,
     cluster,
@@ -38,8 +40,9 @@ def loop() -> Iterator[LoopThread]:
     lt.close()
 
 
-def _register(url: str, payload: dict[str, Any], **headers: str) -> httpx.Response:
-    return httpx.post(url + "/cluster/register", json=payload, headers=headers, timeout=10)
+def _register(url: str, payload: dict[str, Any]) -> httpx.Response:
+    return httpx.post(url + "/cluster/register", timeout=10,
+                      **signed(TOKEN, "POST", "/cluster/register", payload))
 
 
 def _urls(url: str, pool: str) -> list[str]:
@@ -87,25 +90,19 @@ def test_register_heartbeat_expiry_and_readiness(loop: LoopThread) -> None:
             addr = fake_url.removeprefix("http://")
             _register(url, {"role": "context", "url": addr})
             assert _urls(url, "context") == [addr]
-            r = httpx.post(url + "/cluster/unregister", json={"url": addr})
+            r = httpx.post(url + "/cluster/unregister",
+                           **signed(TOKEN, "POST", "/cluster/unregister", {"url": addr}))
             assert r.json()["status"] == "unregistered" and not _urls(url, "context")
     finally:
         loop.run(runner.cleanup())
 
 
-def test_registration_needs_disagg_cluster_and_the_cluster_token(
-        loop: LoopThread, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_registration_needs_disagg_cluster(loop: LoopThread) -> None:
     static = {"generation_servers": {"urls": ["127.0.0.1:9"]}}
     with running_router(static, loop) as url:
         r = _register(url, {"role": "generation", "url": "127.0.0.1:10"})
         assert r.status_code == 404 and "disagg_cluster" in r.json()["error"]["message"]
         assert httpx.get(url + "/health").status_code == 503  # its only worker is down
-    monkeypatch.setenv("DISAGG_CLUSTER_TOKEN", "tok")
-    with running_router(DYNAMIC, loop) as url:
-        payload = {"role": "generation", "url": "127.0.0.1:10"}
-        assert _register(url, payload).status_code == 401
-        assert _register(url, payload, **{"X-Disagg-Cluster-Token": "bad"}).status_code == 401
-        assert _register(url, payload, **{"X-Disagg-Cluster-Token": "tok"}).status_code == 200
 
 
 def test_worker_with_router_url_registers_serves_and_unregisters(

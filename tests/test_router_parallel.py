@@ -19,6 +19,7 @@ from test_launch import READY_RE, Launcher, _assert_all_gone, _config
 
 pytestmark = pytest.mark.slow
 
+WORKER_KEY = "workers-key"  # /server_info answers it (the launch's cluster token is random)
 PROMPTS = ["The harbour was quiet", "Memory is organised in small blocks of tokens, and every "
            "block holds sixteen of them."]
 CHAT = [{"role": "user", "content": "Tell me about the sea."}]
@@ -36,6 +37,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespac
     data = yaml.safe_load(Path(path).read_text())
     data["kv_cache_tokens"] = 4096  # the example's 8192 times six ranks is more than needed
     data["device"] = device = device_for_ranks(6)  # a GPU per rank, else all on the CPU
+    for section in ("context_servers", "generation_servers"):
+        data[section]["api_key"] = WORKER_KEY  # the router sends it; clients send none
     Path(path).write_text(yaml.safe_dump(data))
     launcher = Launcher(["-c", path, "--model", model], tmp)
     engine = AsyncLLM.from_options(model, kv_cache_tokens=4096, device=device,
@@ -104,12 +107,15 @@ def test_every_request_went_context_then_generation_and_freed_its_blocks(
     assert not re.search(r'disagg_router_requests_total\{[^}]*outcome="(?!success)[^"]*"'
                          r'[^}]*\} [1-9]', metrics), metrics
 
+    def server_info(url: str) -> dict:
+        return httpx.get(f"http://{url}/server_info", timeout=10,
+                         headers={"Authorization": f"Bearer {WORKER_KEY}"}).json()
+
     def idle() -> bool:
-        return all(httpx.get(f"http://{u}/server_info", timeout=10).json()["kv_blocks_used"]
-                   == 0 for u in cluster.workers)
+        return all(server_info(u)["kv_blocks_used"] == 0 for u in cluster.workers)
 
     wait_for(idle, 20, 0.1, what="no KV block in use on any worker")
-    info = httpx.get(f"http://{cluster.workers[0]}/server_info", timeout=10).json()
+    info = server_info(cluster.workers[0])
     assert info["parallel"]["tensor_parallel_size"] == 2 and info["role"] == "context"
-    gen = httpx.get(f"http://{cluster.workers[-1]}/server_info", timeout=10).json()
+    gen = server_info(cluster.workers[-1])
     assert gen["parallel"]["pipeline_parallel_size"] == 2 and gen["role"] == "generation"

@@ -58,7 +58,8 @@ def auth() -> dict[str, str]:
 
 
 def metric_samples(url: str) -> dict[tuple[str, tuple], float]:
-    text = httpx.get(url + "/metrics", timeout=10).text
+    # the live worker has an API key: /metrics needs it (README, Security model)
+    text = httpx.get(url + "/metrics", timeout=10, headers=auth()).text
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -84,7 +85,8 @@ def test_info_endpoints(live: SimpleNamespace) -> None:
     assert httpx.get(live.url + "/version").json()["version"]
     models = live.client.models.list()
     assert [m.id for m in models.data] == [NAME]
-    info = httpx.get(live.url + "/server_info").json()
+    assert httpx.get(live.url + "/server_info").status_code == 401  # the API key is set
+    info = httpx.get(live.url + "/server_info", headers=auth()).json()
     assert info["role"] == "aggregated" and info["model"] == NAME
     assert info["tokens_per_block"] == 16 and info["block_hash_scheme"] == "sha256-chain-v1"
     assert info["max_batch_size"] == 64 and info["max_num_tokens"] == 256

@@ -412,3 +412,17 @@ def test_kv_peer_allowlist_from_yaml_and_flag(tmp_path) -> None:
     args = parser.parse_args(["serve", "m", "--kv-peer-allowlist", "10.0.0.0/24, fd00::/64"])
     allow = PeerAllowlist.parse(resolve_options(args)["kv_peer_allowlist"])
     assert allow.allows_host("10.0.0.3") and allow.allows_host("fd00::1")
+
+
+def test_public_metrics_from_yaml_and_flag(tmp_path) -> None:
+    y = tmp_path / "w.yaml"
+    y.write_text("model: /m\napi_key: k\npublic_metrics: true\n")
+    assert resolve_options(_parser().parse_args(["serve", "--config", str(y)]))[
+        "public_metrics"] is True
+    args = _parser().parse_args(["serve", "--config", str(y), "--no-public-metrics"])
+    assert resolve_options(args)["public_metrics"] is False
+    assert resolve_options(_parser().parse_args(["serve", "/m", "--public-metrics"]))[
+        "public_metrics"] is True
+    y.write_text("public_metrics: yes please\n")
+    with pytest.raises(ConfigError, match="public_metrics: expected bool"):
+        resolve_options(_parser().parse_args(["serve", "--config", str(y)]))

@@ -24,8 +24,17 @@ A client that disconnects cancels its handler (the server runs with handler canc
 the upstream connection is closed, so the worker aborts the request and frees its KV (a
 generation worker also releases the context lease). When no generation worker took the
 request (the client left in between, or every generation worker failed unreached), the router
-asks the context worker to free the lease at once (``POST /kv_leases/release``, with the
-cluster token from ``DISAGG_CLUSTER_TOKEN``).
+asks the context worker to free the lease at once (``POST /kv_leases/release``).
+
+Cluster authentication: the router signs (``cluster_auth.HttpSigner``, with the token from
+``$DISAGG_CLUSTER_TOKEN``) the calls whose handling depends on it: the generation_only call (a
+generation worker trusts the context addresses of a signed request and caches its pulled KV),
+health / server-info checks, KV event polls, lease releases and ``/v1/models``. The
+context_only call and requests sent whole carry no signature: the worker decides nothing on
+it, and the hot path pays for one signature per request, not three. It verifies the
+signatures of ``/cluster/register`` and ``/cluster/unregister``. Without a token it refuses to
+start when it could not sign (context servers) or would let anyone register
+(``disagg_cluster``, unless ``insecure_membership``).
 """
 
 from __future__ import annotations
@@ -45,8 +54,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from disagg.cluster_auth import AUTH_HEADER, AuthError, HttpVerifier, cluster_token_or_none
 from disagg.router.config import ClusterConfig, PolicyConfig, RouterConfigError
-from disagg.router.membership import ROLES, Membership, Worker
+from disagg.router.membership import ROLES, Membership, UpstreamAuth, Worker
 from disagg.router.metrics import RouterMetrics
 from disagg.router.policies import Decision, RouteRequest, RoutingPolicy, make_policy
 
@@ -111,9 +121,34 @@ class _RequestState:
     outcome: str = "success"
 
 
+def check_cluster_token(config: ClusterConfig, token: str | None,
+                        insecure_membership: bool = False) -> None:
+    """RouterConfigError when the router could not do its part of cluster authentication."""
+    if token:
+        return
+    if config.disagg_cluster is not None and not insecure_membership:
+        raise RouterConfigError(
+            f"{config.source}: disagg_cluster: no cluster token, so anyone could register as "
+            f"a worker and receive user traffic: set $DISAGG_CLUSTER_TOKEN to the workers' "
+            f"token (or pass --insecure-membership to accept unauthenticated registrations)")
+    if config.context_servers is not None:
+        raise RouterConfigError(
+            f"{config.source}: context_servers: no cluster token: a disaggregated router signs "
+            f"its calls to the workers with it (generation workers trust only signed requests' "
+            f"context addresses): set $DISAGG_CLUSTER_TOKEN to the workers' token")
+
+
 class Router:
-    def __init__(self, config: ClusterConfig, tokenizer: Any = None) -> None:
+    def __init__(self, config: ClusterConfig, tokenizer: Any = None, *,
+                 cluster_token: str | None = None, insecure_membership: bool = False) -> None:
         self.config = config
+        # The cluster secret (never sent): signs the calls to workers, verifies registrations.
+        self.cluster_token = cluster_token_or_none(cluster_token)
+        check_cluster_token(config, self.cluster_token, insecure_membership)
+        self.verifier = HttpVerifier(self.cluster_token) if self.cluster_token else None
+        if config.disagg_cluster is not None and self.verifier is None:
+            logger.warning("--insecure-membership: /cluster/register accepts anyone (no "
+                           "cluster token); use it only on a trusted network")
         policy_configs: dict[str, PolicyConfig] = {}
         for role in ROLES:
             group = config.group(role)
@@ -129,17 +164,20 @@ class Router:
         self._tokenizer_loading = False
         if self.need_tokens and tokenizer is None:
             self._load_configured_tokenizer()
-        self.membership = Membership(config, policy_configs, on_model_dir=self._discover)
-        self.metrics = RouterMetrics(self.membership)
+        keys: dict[str, str | None] = {}
         self.upstream_headers: dict[str, dict[str, str]] = {}
         for role in ROLES:
             group = config.group(role)
             key = group.worker_options.get("api_key") if group else None
+            keys[role] = key
             headers = {"Content-Type": "application/json"}
             if key:  # the workers' own key; the client's (the router's) is not forwarded
                 headers["Authorization"] = f"Bearer {key}"
             self.upstream_headers[role] = headers
-        self.cluster_token = os.environ.get("DISAGG_CLUSTER_TOKEN") or None
+        self.auth = UpstreamAuth(self.cluster_token, keys)
+        self.membership = Membership(config, policy_configs, on_model_dir=self._discover,
+                                     auth=self.auth)
+        self.metrics = RouterMetrics(self.membership)
         self._background: set[asyncio.Task[None]] = set()
         self.session: aiohttp.ClientSession | None = None
         self.max_retries = config.max_retries
@@ -285,14 +323,17 @@ class Router:
         return Reply.error(503, f"no healthy {role} worker", "service_unavailable",
                            code="no_healthy_worker", outcome="no_worker")
 
-    async def _post(self, w: Worker, role: str, path: str, data: bytes
+    async def _post(self, w: Worker, role: str, path: str, data: bytes, signed: bool = False
                     ) -> aiohttp.ClientResponse:
-        """Send; a failure to get response headers is ``_Failed`` (the worker is taken out of
-        rotation when it could not be reached)."""
+        """Send (``signed``: with the cluster signature over ``data``); a failure to get
+        response headers is ``_Failed`` (the worker is taken out of rotation when it could not
+        be reached)."""
         assert self.session is not None
+        headers = self.upstream_headers[role]
+        if signed:
+            headers = {**headers, **self.auth.signature("POST", path, data)}
         try:
-            return await self.session.post(w.base + path, data=data,
-                                           headers=self.upstream_headers[role])
+            return await self.session.post(w.base + path, data=data, headers=headers)
         except aiohttp.ClientConnectorError as e:  # never connected: it saw nothing
             self.membership.mark_failed(w, f"unreachable: {e}")
             raise _Failed(f"{w.url}: {e}", reached=False) from None
@@ -319,7 +360,8 @@ class Router:
 
     async def call_and_relay(self, request: web.Request, st: _RequestState, w: Worker,
                              role: str, path: str, data: bytes, route: RouteRequest,
-                             ctx_usage: Mapping[str, Any] | None = None) -> web.StreamResponse:
+                             ctx_usage: Mapping[str, Any] | None = None,
+                             signed: bool = False) -> web.StreamResponse:
         """One try on ``w``: relay its answer to the client. ``_Failed`` if it fails before
         the first byte reaches the client."""
         w.active_requests += 1
@@ -328,7 +370,7 @@ class Router:
         t0 = time.monotonic()
         resp: aiohttp.ClientResponse | None = None
         try:
-            resp = await self._post(w, role, path, data)
+            resp = await self._post(w, role, path, data, signed)
             if resp.status >= 500:
                 raise await self._error_answer(w, resp)
             if resp.content_type == "text/event-stream" and resp.status == 200:
@@ -516,7 +558,7 @@ class Router:
                         w = d.worker  # type: ignore[assignment]
                     try:
                         out = await self.call_and_relay(request, st, w, "generation", path,
-                                                        gen_data, route, ctx_usage)
+                                                        gen_data, route, ctx_usage, signed=True)
                         taken = True
                         return out
                     except _Failed as f:
@@ -552,12 +594,12 @@ class Router:
 
     async def _post_release(self, w: Worker, lease_id: str) -> None:
         assert self.session is not None
-        headers = {"Content-Type": "application/json"}
-        if self.cluster_token:
-            headers["X-Disagg-Cluster-Token"] = self.cluster_token
+        path = "/kv_leases/release"
+        data = _dumps({"ctx_request_id": lease_id})
+        headers = {"Content-Type": "application/json",
+                   **self.auth.headers(w.pool, "POST", path, data)}
         try:
-            async with self.session.post(w.base + "/kv_leases/release", headers=headers,
-                                         data=_dumps({"ctx_request_id": lease_id})) as r:
+            async with self.session.post(w.base + path, headers=headers, data=data) as r:
                 body = await r.read()
             if r.status == 200:
                 self.metrics.lease_releases.inc()
@@ -628,8 +670,9 @@ class Router:
             w: Worker = d.worker  # type: ignore[assignment]
             tried.add(w.url)
             try:
-                async with self.session.get(w.base + "/v1/models",
-                                            headers=self.upstream_headers["generation"]) as r:
+                async with self.session.get(
+                        w.base + "/v1/models",
+                        headers=self.auth.headers(w.pool, "GET", "/v1/models")) as r:
                     body = await r.read()
                     if r.status < 500:
                         return web.Response(status=r.status, body=body,
@@ -644,7 +687,33 @@ class Router:
         return web.json_response({"status": "ok" if ready else "unavailable", "reason": why},
                                  status=200 if ready else 503)
 
+    def _api_key_ok(self, request: web.Request) -> bool:
+        key = self.config.api_key
+        if not key:
+            return False
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                                   key.encode())
+
+    def _signature_error(self, request: web.Request, body: bytes) -> str | None:
+        """Why ``request`` is not signed by the cluster (None: it is)."""
+        if self.verifier is None:
+            return "this router has no cluster token"
+        try:
+            self.verifier.check(request.headers.get(AUTH_HEADER), request.method,
+                                request.raw_path, body)
+        except AuthError as e:
+            return str(e)
+        return None
+
     async def handle_metrics(self, request: web.Request) -> web.Response:
+        if (self.config.api_key and not self.config.public_metrics
+                and not self._api_key_ok(request)):
+            why = self._signature_error(request, b"")
+            if why is not None:
+                return Reply.error(401, f"/metrics: needs the API key ('Authorization: Bearer "
+                                   f"<key>') or a cluster signature ({AUTH_HEADER}): {why}",
+                                   "authentication_error", code="unauthorized").response()
         body, content_type = self.metrics.render()
         return web.Response(body=body, headers={"Content-Type": content_type})
 
@@ -663,21 +732,23 @@ class Router:
         info["tokenizer"] = self.tokenizer_source
         return web.json_response(info)
 
-    def _check_cluster_token(self, request: web.Request) -> None:
+    async def _membership_body(self, request: web.Request) -> dict[str, Any]:
+        """The body of a signed /cluster/* call (open only with --insecure-membership)."""
         if self.config.disagg_cluster is None:
             raise Reply.error(404, "dynamic membership is off (no disagg_cluster in the "
                               f"router's config {self.config.source})", code="not_enabled")
-        if self.cluster_token is None:
-            return
-        given = request.headers.get("X-Disagg-Cluster-Token", "")
-        if not hmac.compare_digest(given.encode(), self.cluster_token.encode()):
-            raise Reply.error(401, "invalid or missing cluster token (X-Disagg-Cluster-Token: "
-                              "$DISAGG_CLUSTER_TOKEN)", code="invalid_cluster_token")
+        raw = await request.read()
+        if self.verifier is not None:  # else: --insecure-membership (warned at start)
+            why = self._signature_error(request, raw)
+            if why is not None:
+                raise Reply.error(401, f"{request.path}: needs a cluster signature "
+                                  f"({AUTH_HEADER}): {why}", "authentication_error",
+                                  code="invalid_cluster_signature")
+        return _parse_body(raw)
 
     async def handle_register(self, request: web.Request) -> web.Response:
         try:
-            self._check_cluster_token(request)
-            payload = _parse_body(await request.read())
+            payload = await self._membership_body(request)
             try:
                 w = self.membership.register(payload)
             except ValueError as e:
@@ -692,8 +763,7 @@ class Router:
 
     async def handle_unregister(self, request: web.Request) -> web.Response:
         try:
-            self._check_cluster_token(request)
-            payload = _parse_body(await request.read())
+            payload = await self._membership_body(request)
             url = payload.get("url")
             if not isinstance(url, str):
                 raise Reply.error(400, "url: expected 'host:port'", param="url")
@@ -829,11 +899,15 @@ async def _final_answer(request: web.Request, path: str, body: Mapping[str, Any]
 # ---- the app --------------------------------------------------------------------------------
 
 
-def build_router_app(config: ClusterConfig, *, tokenizer: Any = None) -> web.Application:
+def build_router_app(config: ClusterConfig, *, tokenizer: Any = None,
+                     cluster_token: str | None = None, insecure_membership: bool = False
+                     ) -> web.Application:
     """The router as an aiohttp app (its startup connects to the workers). Run it with
     ``handler_cancellation=True`` (``start_router`` does) so that a client disconnect
-    cancels the upstream requests."""
-    router = Router(config, tokenizer=tokenizer)
+    cancels the upstream requests. ``cluster_token``: default ``$DISAGG_CLUSTER_TOKEN``;
+    RouterConfigError when there is none and the config needs one (``check_cluster_token``)."""
+    router = Router(config, tokenizer=tokenizer, cluster_token=cluster_token,
+                    insecure_membership=insecure_membership)
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[ROUTER_KEY] = router
     app.on_startup.append(router.startup)

@@ -2,6 +2,8 @@
 
 Once listening it prints ``disagg router listening on http://HOST:PORT`` (flushed) to stdout,
 so a supervisor that asked for port 0 learns the port. SIGTERM / SIGINT stop it (exit 0).
+The cluster token comes from ``$DISAGG_CLUSTER_TOKEN``; without one a router with context
+servers, or with ``disagg_cluster`` (unless ``--insecure-membership``), exits 2 at once.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import sys
@@ -29,6 +32,12 @@ def add_cli(subparsers: Any) -> None:
                    "(default: the YAML's port)")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--public-metrics", action="store_true",
+                   help="serve /metrics to anyone even when api_key is set (YAML: "
+                   "public_metrics: true)")
+    p.add_argument("--insecure-membership", action="store_true",
+                   help="with disagg_cluster but no cluster token ($DISAGG_CLUSTER_TOKEN): "
+                   "accept worker registrations from anyone (trusted networks only)")
     p.set_defaults(func=_cmd_router)
 
 
@@ -39,9 +48,12 @@ def _cmd_router(args: argparse.Namespace) -> int:
         config = load_cluster_config(args.config)
         if args.port is not None and not 0 <= args.port <= 65535:
             raise RouterConfigError(f"--port: {args.port} is not a port number")
+        if args.public_metrics:
+            config = dataclasses.replace(config, public_metrics=True)
         host = args.host or config.hostname
         port = config.port if args.port is None else args.port
-        return asyncio.run(serve(config, host, port))
+        return asyncio.run(serve(config, host, port,
+                                 insecure_membership=args.insecure_membership))
     except RouterConfigError as e:
         print(f"disagg router: error: {e}", file=sys.stderr)
         return 2
@@ -50,11 +62,12 @@ def _cmd_router(args: argparse.Namespace) -> int:
         return 1
 
 
-async def serve(config: ClusterConfig, host: str, port: int) -> int:
+async def serve(config: ClusterConfig, host: str, port: int,
+                insecure_membership: bool = False) -> int:
     """Run until SIGTERM / SIGINT."""
     from disagg.router.app import build_router_app, start_router
 
-    app = build_router_app(config)
+    app = build_router_app(config, insecure_membership=insecure_membership)
     runner, bound = await start_router(app, host, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

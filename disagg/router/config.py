@@ -6,6 +6,7 @@ Shape::
     port: 8000
     max_retries: 1                # per side: another context / generation server after a failure
     api_key: KEY                  # optional: clients of the router send "Authorization: Bearer KEY"
+    public_metrics: false         # true: the router's /metrics is open even with api_key
     health_check_interval_sec: 2  # router's /health polling of every worker
     upstream_timeout_sec: 300     # longest wait for the next byte from a worker
     model: /path/to/checkpoint    # any worker key at the top level is inherited by both sections
@@ -62,8 +63,9 @@ POLICY_OPTIONS: dict[str, dict[str, tuple[type, Any]]] = {
 }
 
 # Keys of the cluster file that are not worker options.
-_TOP_KEYS = ("hostname", "port", "max_retries", "api_key", "health_check_interval_sec",
-             "upstream_timeout_sec", *SECTIONS, "conditional_disagg_config", "disagg_cluster")
+_TOP_KEYS = ("hostname", "port", "max_retries", "api_key", "public_metrics",
+             "health_check_interval_sec", "upstream_timeout_sec", *SECTIONS,
+             "conditional_disagg_config", "disagg_cluster")
 _SECTION_KEYS = ("num_instances", "urls", "router")
 # Worker options the cluster sets itself: a worker's address comes from urls, its role from
 # the section it is in.
@@ -125,6 +127,8 @@ class ClusterConfig:
     source: str  # the file it came from (for messages)
     health_check_interval_sec: float = 2.0
     upstream_timeout_sec: float = 300.0
+    # The router's /metrics without the API key (the workers' is a section key, like api_key).
+    public_metrics: bool = False
 
     @property
     def aggregated(self) -> bool:
@@ -168,6 +172,7 @@ def parse_cluster_config(data: Mapping[str, Any] | Any, source: str = "<config>"
     if max_retries < 0:
         raise err("max_retries", f"must be >= 0, got {max_retries}")
     api_key = _get(err, data, "api_key", str, None)
+    public_metrics = _get(err, data, "public_metrics", bool, False)
     health_s = _positive(err, data, "health_check_interval_sec", 2.0)
     upstream_s = _positive(err, data, "upstream_timeout_sec", 300.0)
 
@@ -213,7 +218,8 @@ def parse_cluster_config(data: Mapping[str, Any] | Any, source: str = "<config>"
         context_servers=groups["context_servers"],
         generation_servers=groups["generation_servers"],
         conditional_disagg=conditional, disagg_cluster=cluster, api_key=api_key,
-        source=source, health_check_interval_sec=health_s, upstream_timeout_sec=upstream_s)
+        source=source, health_check_interval_sec=health_s, upstream_timeout_sec=upstream_s,
+        public_metrics=public_metrics)
 
 
 class _Errors:

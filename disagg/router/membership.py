@@ -7,7 +7,8 @@ again; it is dropped when no heartbeat came for ``inactive_timeout_sec``, or whe
 checks have failed for that long, or when it unregisters (on drain).
 
 Health: every ``health_check_interval_sec`` the router GETs each worker's ``/health`` and
-``/server_info`` (role, tokens_per_block, worker_id, model_dir); a worker out of rotation is
+``/server_info`` (role, tokens_per_block, worker_id, model_dir), signed with the cluster token
+and with the pool's API key (``UpstreamAuth``); a worker out of rotation is
 probed every 0.5 s (or the interval, if shorter). A worker is in rotation only
 while healthy; a request that cannot reach a worker (or gets 503) takes it out at once, and
 the next passing check puts it back. A worker whose role does not fit its pool (an
@@ -25,12 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from disagg.cluster_auth import HttpSigner
 from disagg.router.config import ClusterConfig, PolicyConfig
 from disagg.router.kv_index import KVEventsError, KVIndex
 
@@ -39,6 +42,26 @@ logger = logging.getLogger("disagg.router")
 ROLES = ("context", "generation")
 HEALTH_TIMEOUT_S = 5.0
 UNHEALTHY_RECHECK_S = 0.5  # how often a worker out of rotation is probed again
+
+
+class UpstreamAuth:
+    """How the router authenticates to its workers: each pool's API key (the workers' own,
+    sent as a bearer token) and signatures with the cluster token (the token is never sent)."""
+
+    def __init__(self, cluster_token: str | None = None,
+                 api_keys: Mapping[str, str | None] | None = None) -> None:
+        self.signer = HttpSigner(cluster_token) if cluster_token else None
+        self._keys = {pool: {"Authorization": f"Bearer {key}"}
+                      for pool, key in (api_keys or {}).items() if key}
+
+    def signature(self, method: str, path: str, body: bytes = b"") -> dict[str, str]:
+        """The signature header of one call (none without a cluster token)."""
+        return {} if self.signer is None else self.signer.headers(method, path, body)
+
+    def headers(self, pool: str, method: str, path: str, body: bytes = b"") -> dict[str, str]:
+        """Headers of one call to a worker of ``pool``: its API key and the signature;
+        ``path`` with its query, exactly as sent (the signature covers it)."""
+        return {**self._keys.get(pool, {}), **self.signature(method, path, body)}
 
 
 @dataclass(eq=False)
@@ -87,8 +110,10 @@ class Membership:
     """Pools of workers, their health checks and KV index polling (started by the app)."""
 
     def __init__(self, config: ClusterConfig, policies: Mapping[str, PolicyConfig],
-                 on_model_dir: Callable[[str], None] | None = None) -> None:
+                 on_model_dir: Callable[[str], None] | None = None,
+                 auth: UpstreamAuth | None = None) -> None:
         self.config = config
+        self.auth = auth or UpstreamAuth()
         self.policies = policies  # role -> the side's policy config (for KV needs, poll rate)
         self.kv_roles = {role for role, p in policies.items() if p.type == "kv_cache_aware"}
         if config.conditional_disagg is not None:
@@ -279,12 +304,18 @@ class Membership:
         w.last_check = time.monotonic()
         w.checking = True
         try:
-            async with self.session.get(w.base + "/health", timeout=timeout) as r:
+            async with self.session.get(w.base + "/health", timeout=timeout,
+                                        headers=self.auth.headers(w.pool, "GET", "/health")
+                                        ) as r:
                 if r.status != 200:
                     why = f"/health answered {r.status}"
             if why is None:
-                async with self.session.get(w.base + "/server_info", timeout=timeout) as r:
-                    if r.status != 200:
+                async with self.session.get(w.base + "/server_info", timeout=timeout,
+                                            headers=self.auth.headers(w.pool, "GET",
+                                                                      "/server_info")) as r:
+                    if r.status == 401:  # say why: a missing or different cluster token
+                        why = f"/server_info answered 401: {await _error_message(r)}"
+                    elif r.status != 200:
                         why = f"/server_info answered {r.status}"
                     else:
                         info = await r.json()
@@ -347,8 +378,10 @@ class Membership:
             if not w.healthy or w.kv is None:
                 continue
             try:
-                url = f"{w.base}/kv_events?since={w.kv.next_seq}"
-                async with self.session.get(url, timeout=timeout) as r:
+                path = f"/kv_events?since={w.kv.next_seq}"
+                async with self.session.get(w.base + path, timeout=timeout,
+                                            headers=self.auth.headers(w.pool, "GET", path)
+                                            ) as r:
                     if r.status != 200:
                         raise KVEventsError(f"/kv_events answered {r.status}")
                     answer = await r.json()
@@ -371,3 +404,13 @@ class Membership:
                 "inactive_timeout_sec": self.config.disagg_cluster.inactive_timeout_sec},
             "workers": {role: [w.info() for w in self.pools[role]] for role in ROLES},
         }
+
+
+async def _error_message(r: Any) -> str:
+    """The message of a worker's OpenAI error answer (its text when it is not one)."""
+    body = b""
+    try:
+        body = await r.read()
+        return str(json.loads(body)["error"]["message"])[:300]
+    except Exception:
+        return body[:300].decode(errors="replace")

@@ -5,6 +5,13 @@ async generators, so the event loop never runs the model. Each of a request's ch
 and every prompt of a batched completions request) is one engine request; a ``_FanOut`` pumps
 their outputs into one queue that the handler drains.
 
+Access (the README's "Security model"): ``/v1/*`` needs the API key when one is set;
+``/server_info`` and ``/kv_events`` a cluster signature (``cluster_auth.sign_http``) or the API
+key; ``/metrics`` the API key or a signature when an API key is set (unless
+``public_metrics``); ``/kv_leases/release`` a signature. A ``generation_only`` request pulls KV
+only from addresses it may trust (signed by the cluster, or every host in
+``kv_peer_allowlist``), and its pulled KV enters the prefix cache only when it was signed.
+
 Failure policy: every client-caused problem is an ``APIError`` rendered as OpenAI error JSON
 with its status; an unexpected exception is logged with its traceback and the client gets a
 bare 500 without it. A client that goes away (mid-stream or while waiting for a non-streamed
@@ -15,11 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from functools import lru_cache
 from types import SimpleNamespace
@@ -32,6 +40,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from disagg import __version__
+from disagg.cluster_auth import AUTH_HEADER, AuthError, HttpVerifier, PeerAllowlist
 from disagg.disaggregation import KV_TRANSFER_ERROR
 from disagg.engine import EngineDeadError, QueueFullError
 from disagg.kv_cache.hashing import BLOCK_HASH_SCHEME
@@ -56,6 +65,10 @@ class ServerSettings:
     served_model_name: str | None = None  # default: model_dir as given (as vllm serve does)
     role: str = "aggregated"
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    # The cluster secret: requests signed with it are the cluster's (router -> worker). A
+    # context / generation worker uses its transfer settings' token when this is None.
+    cluster_token: str | None = None
+    public_metrics: bool = False  # /metrics open even when an API key is set
     owns_engine: bool = True  # the app's lifespan starts the engine and shuts it down
     # Benchmarking aid: generation_only requests without context params decode at once.
     benchmark_gen_only: bool = False
@@ -91,6 +104,7 @@ class _Choice:
     text_offset: int = 0
     context_only: bool = False  # prefill + first token; the answer carries the KV lease
     remote: ContextParams | None = None  # generation_only: where the prompt KV is pulled from
+    cache_remote_kv: bool = False  # the pulled KV may enter the prefix cache (signed request)
     dummy_kv: bool = False  # benchmark gen-only: decode without the prompt's KV
 
 
@@ -116,6 +130,8 @@ class _FanOut:
             if c.context_only or c.remote is not None or c.dummy_kv:
                 # only disaggregated engines take these
                 kw = {"context_only": c.context_only, "remote": c.remote}
+                if c.remote is not None:
+                    kw["cache_remote_kv"] = c.cache_remote_kv
                 if c.dummy_kv:
                     kw["dummy_kv"] = True
             gen = self.server.engine.generate(c.request_id, c.prompt_ids, c.params,
@@ -276,6 +292,11 @@ class _Server:
         self.token_text = lru_cache(maxsize=1 << 16)(self._decode_one)
         self.created = P.now()
         self.loop: asyncio.AbstractEventLoop | None = None  # set when the app starts
+        transfer_settings = getattr(getattr(engine, "transfer", None), "settings", None)
+        token = settings.cluster_token or getattr(transfer_settings, "cluster_token", None)
+        self.verifier = HttpVerifier(token) if token else None
+        self.peer_allowlist: PeerAllowlist = getattr(
+            transfer_settings, "kv_peer_allowlist", None) or PeerAllowlist()
 
     def _decode_one(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -320,6 +341,81 @@ class _Server:
                                                                   key.encode()):
             raise P.APIError(401, "invalid or missing API key (send 'Authorization: Bearer "
                              "<key>')", code="invalid_api_key")
+
+    # -- cluster authentication (see the module docstring for the endpoint rules) -------------
+
+    def _api_key_ok(self, request: Request) -> bool:
+        key = self.settings.api_key
+        if not key:
+            return False
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                                   key.encode())
+
+    def signature_error(self, request: Request, body: bytes) -> str | None:
+        """Why ``request`` is not signed by the cluster (None: it is). Checked once per
+        request: a signature's nonce is spent by its first check."""
+        state = request.state
+        if not hasattr(state, "cluster_auth_error"):
+            if self.verifier is None:
+                why: str | None = "this worker has no cluster token"
+            else:
+                try:
+                    self.verifier.check(request.headers.get(AUTH_HEADER), request.method,
+                                        _request_target(request), body)
+                    why = None
+                except AuthError as e:
+                    why = str(e)
+            state.cluster_auth_error = why
+        return state.cluster_auth_error
+
+    def is_signed(self, request: Request, body: bytes) -> bool:
+        return self.signature_error(request, body) is None
+
+    def check_cluster_access(self, request: Request) -> None:
+        """401 unless a bodiless request (GET) is signed by the cluster or carries the API
+        key."""
+        if self._api_key_ok(request):
+            return
+        why = self.signature_error(request, b"")
+        if why is None:
+            return
+        alt = " or the API key ('Authorization: Bearer <key>')" if self.settings.api_key else ""
+        raise P.APIError(401, f"{request.url.path}: needs a cluster signature "
+                         f"({AUTH_HEADER}){alt}: {why}", type="authentication_error",
+                         code="unauthorized")
+
+    def check_internal_access(self, request: Request) -> None:
+        """/server_info, /kv_events: a signature or the API key; open on a worker with
+        neither (it warned at start)."""
+        if self.verifier is None and not self.settings.api_key:
+            return
+        self.check_cluster_access(request)
+
+    def check_metrics_access(self, request: Request) -> None:
+        if self.settings.public_metrics or not self.settings.api_key:
+            return
+        self.check_cluster_access(request)
+
+    def trusts_addresses(self, request: Request, body: bytes, addresses: list[str]) -> bool:
+        """May this worker connect to ``addresses`` for ``request`` (design rule 2): the
+        request is signed by the cluster, or every host is in ``kv_peer_allowlist``."""
+        return self.is_signed(request, body) or (
+            bool(addresses) and self.peer_allowlist.first_denied(addresses) is None)
+
+    def release_refused(self, request: Request, body: bytes) -> None:
+        """A generation_only request refused before the engine took it (bad field, wrong
+        model, queue full...): free the context worker's KV now instead of at lease expiry,
+        but only toward addresses it may trust (releasing means connecting)."""
+        if self.settings.role != "generation" or getattr(request.state, "lease_taken", False):
+            return
+        if getattr(self.engine, "transfer", None) is None:
+            return
+        ref = _lease_of(body)
+        if ref is None or not self.trusts_addresses(request, body, list(ref.addresses)):
+            return
+        logger.info("request refused: releasing context lease %s", ref.ctx_request_id)
+        self.engine.release_remote(ref)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -377,18 +473,26 @@ class _Server:
             raise P.bad_request("stream: context_only answers are not streamed", param="stream")
         return kind
 
-    def remote_params(self, req: Any, prompt_ids: list[int] | None) -> ContextParams:
-        """Validate a generation_only request's ContextParams (400 naming the field)."""
+    def remote_params(self, req: Any, prompt_ids: list[int] | None, signed: bool
+                      ) -> ContextParams:
+        """Validate a generation_only request's ContextParams (400 naming the field). A
+        refusal releases the lease through ``release_refused``."""
         d = dict(req.disaggregated_params)
         try:
             params = ContextParams.from_dict(
                 d, prompt_token_ids=None if "prompt_token_ids" in d else prompt_ids)
         except ValueError as e:
             raise P.bad_request(str(e), param="disaggregated_params") from None
+        denied = None if signed else self.peer_allowlist.first_denied(params.addresses)
+        if denied is not None:
+            # Never connect where an unauthenticated client points (not even to release).
+            raise P.bad_request(
+                f"disaggregated_params.addresses: {denied!r} is not a trusted context worker: "
+                f"the request is not signed by the cluster ({AUTH_HEADER}) and its host is not "
+                f"in this worker's kv_peer_allowlist", param="disaggregated_params.addresses")
         try:
             check_compatible(params.layout, self.engine.transfer.layout)
         except ValueError as e:
-            self.engine.release_remote(params)  # parsed: the context worker holds its KV
             raise P.bad_request(f"disaggregated_params.{e}", param="disaggregated_params"
                                 ) from None
         return params
@@ -413,6 +517,47 @@ class _Server:
 
 class _ClientGone(Exception):
     """The client closed the connection before its answer was ready."""
+
+
+def _request_target(request: Request) -> str:
+    """The path and query exactly as the client sent them (what a cluster signature covers)."""
+    scope = request.scope
+    raw = scope.get("raw_path") or scope["path"].encode()
+    query = scope.get("query_string") or b""
+    target = raw.decode("latin-1")
+    return f"{target}?{query.decode('latin-1')}" if query else target
+
+
+@dataclass(frozen=True)
+class _LeaseRef:
+    """What releasing a context lease needs, when the rest of the params did not parse."""
+
+    ctx_request_id: str
+    backend: str
+    addresses: tuple[str, ...]
+
+
+def _lease_of(body: bytes) -> ContextParams | _LeaseRef | None:
+    """The context lease a generation_only request body names, if it names one (the full
+    params when they parse, else just the lease id, backend and addresses)."""
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    dp = data.get("disaggregated_params") if isinstance(data, dict) else None
+    if not isinstance(dp, dict) or dp.get("request_type") != "generation_only":
+        return None
+    with contextlib.suppress(ValueError):
+        prompt = None if "prompt_token_ids" in dp else data.get("prompt")
+        return ContextParams.from_dict(dp, prompt_token_ids=prompt if isinstance(
+            prompt, list) else None)
+    lease, backend, addresses = (dp.get("ctx_request_id"), dp.get("backend"),
+                                 dp.get("addresses"))
+    if not (isinstance(lease, str) and isinstance(backend, str)
+            and backend.upper() in ("UCX", "TCP") and isinstance(addresses, list)
+            and addresses and all(isinstance(a, str) for a in addresses)):
+        return None
+    return _LeaseRef(lease, backend.upper(), tuple(addresses))
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -447,6 +592,9 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="disagg worker", version=__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None)
     app.state.server = srv
+    if srv.verifier is None and not settings.api_key:
+        logger.warning("no API key and no cluster token: /server_info and /kv_events answer "
+                       "anyone who can reach this port (set --api-key or --cluster-token)")
 
     def error_response(e: P.APIError) -> JSONResponse:
         reason = {400: "invalid_request", 401: "unauthorized", 404: "model_not_found"}.get(
@@ -481,7 +629,27 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
 
     # -- OpenAI endpoints ---------------------------------------------------------------------
 
+    def releasing_refused(handler: Callable[[Request], Awaitable[Response]]
+                          ) -> Callable[[Request], Awaitable[Response]]:
+        """A generation_only request that fails before the engine takes it (any refusal after
+        its body was read) releases its context lease: nobody else will read that KV."""
+
+        @functools.wraps(handler)
+        async def wrapped(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except Exception as e:
+                if not (isinstance(e, P.APIError) and e.status == 401):  # body not read
+                    try:
+                        srv.release_refused(request, await request.body())
+                    except Exception:  # never hide the refusal itself
+                        logger.exception("cannot release the context lease")
+                raise
+
+        return wrapped
+
     @app.post("/v1/completions")
+    @releasing_refused
     async def completions(request: Request) -> Response:
         t_arrival = time.monotonic()
         srv.check_auth(request)
@@ -510,6 +678,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                               t_arrival)
 
     @app.post("/v1/chat/completions")
+    @releasing_refused
     async def chat_completions(request: Request) -> Response:
         t_arrival = time.monotonic()
         srv.check_auth(request)
@@ -559,7 +728,11 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                 text = prompt
         dummy = (kind == "generation_only" and srv.settings.benchmark_gen_only
                  and "ctx_request_id" not in req.disaggregated_params)
-        remote = srv.remote_params(req, ids) if kind == "generation_only" and not dummy else None
+        signed = False
+        remote = None
+        if kind == "generation_only" and not dummy:
+            signed = srv.is_signed(request, await request.body())
+            remote = srv.remote_params(req, ids, signed)
         if dummy and "prompt_token_ids" in req.disaggregated_params:
             raw = req.disaggregated_params["prompt_token_ids"]
             if not (isinstance(raw, list) and raw and all(
@@ -567,24 +740,22 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                 raise P.bad_request("disaggregated_params.prompt_token_ids: expected a non-empty "
                                     "list of token ids", param="disaggregated_params")
             ids = srv.encode_prompt(raw, field="disaggregated_params.prompt_token_ids")
-        try:
-            if remote is not None:
-                ids = list(remote.prompt_token_ids)
-            assert ids is not None
-            if is_chat:
-                params = req.to_sampling_params(len(ids), srv.max_model_len,
-                                                srv.kv_capacity_tokens())
-            else:
-                params = req.to_sampling_params(len(ids), srv.max_model_len)
-            if remote is not None and params.max_tokens <= len(remote.first_gen_tokens):
-                raise P.bad_request("max_tokens: the context worker's answer already holds "
-                                    "every token asked for (it was final)", param="max_tokens")
-        except P.APIError:
-            if remote is not None:  # refused after the params were parsed: free the context KV
-                srv.engine.release_remote(remote)
-            raise
+        if remote is not None:
+            ids = list(remote.prompt_token_ids)
+        assert ids is not None
+        if is_chat:
+            params = req.to_sampling_params(len(ids), srv.max_model_len,
+                                            srv.kv_capacity_tokens())
+        else:
+            params = req.to_sampling_params(len(ids), srv.max_model_len)
+        if remote is not None and params.max_tokens <= len(remote.first_gen_tokens):
+            raise P.bad_request("max_tokens: the context worker's answer already holds "
+                                "every token asked for (it was final)", param="max_tokens")
+        # Only KV the cluster vouches for may be reused by other requests (design rule 3):
+        # anyone else could send KV that does not belong to prompt_token_ids.
         choice = _Choice(0, fmt.rid, 0, ids, text, params, context_only=kind == "context_only",
-                         remote=remote, dummy_kv=dummy)
+                         remote=remote, dummy_kv=dummy, cache_remote_kv=signed)
+        request.state.lease_taken = True  # from here the engine releases it on every path
         return await _respond(request, req, [choice], fmt, t_arrival)
 
     async def _respond(request: Request, req: Any, choices: list[_Choice], fmt: _Format,
@@ -665,7 +836,8 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         return {"version": __version__}
 
     @app.get("/server_info")
-    async def server_info() -> dict[str, Any]:
+    async def server_info(request: Request) -> dict[str, Any]:
+        srv.check_internal_access(request)
         cfg = srv.config
         try:
             kv_blocks = engine.stats().kv_blocks_total
@@ -711,18 +883,20 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     @app.post("/kv_leases/release")
     async def release_lease(request: Request) -> JSONResponse:
         """Cluster-internal (a router that could not hand a context answer to any generation
-        worker): free that answer's KV now instead of at lease expiry. Needs the cluster token
-        in ``X-Disagg-Cluster-Token``."""
+        worker): free that answer's KV now instead of at lease expiry. Needs a cluster
+        signature."""
         rt = getattr(engine, "transfer", None)
         if rt is None or rt.role != "context":
             raise P.APIError(404, f"no KV leases on a {settings.role!r} worker",
                              type="not_found_error")
-        given = request.headers.get("x-disagg-cluster-token", "")
-        if not hmac.compare_digest(given.encode(), rt.settings.cluster_token.encode()):
-            raise P.APIError(401, "X-Disagg-Cluster-Token: missing or wrong",
-                             type="authentication_error")
+        raw = await request.body()
+        why = srv.signature_error(request, raw)
+        if why is not None:
+            raise P.APIError(401, f"/kv_leases/release: needs a cluster signature "
+                             f"({AUTH_HEADER}): {why}", type="authentication_error",
+                             code="unauthorized")
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
             lease_id = body["ctx_request_id"]
             if not isinstance(lease_id, str):
                 raise TypeError
@@ -733,9 +907,10 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
                              "released": engine.release_lease(lease_id)})
 
     @app.get("/kv_events")
-    async def kv_events(since: int = 0) -> dict[str, Any]:
+    async def kv_events(request: Request, since: int = 0) -> dict[str, Any]:
         """The KV cache's stored / removed block hashes since event ``since`` (routers poll
         this for KV-aware routing; see disagg/kv_cache/events.py for the resync rule)."""
+        srv.check_internal_access(request)  # it tells whether a guessed prompt is cached
         batch = engine.kv_events.since(since)
         return {
             "worker_id": engine.worker_id,
@@ -748,7 +923,8 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         }
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        srv.check_metrics_access(request)
         body, content_type = srv.metrics.render()
         return Response(body, media_type=content_type)
 

@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import sys
 import threading
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
+from disagg.cluster_auth import cluster_token_or_none
 from disagg.config import CapacityPolicy, ConfigError, read_yaml
 
 # Idle keep-alive connections stay open this long (uvicorn's default is 5 s). A client whose pool
@@ -99,7 +99,8 @@ SERVER_OPTIONS: dict[str, _Opt] = {
                                 choices=("UCX", "TCP", "ucx", "tcp")),
     "kv_transfer_host": _Opt(str, "address the context worker's KV transfer server binds and "
                              "advertises (default: --host)", metavar="HOST"),
-    "cluster_token": _Opt(str, "shared secret of KV transfer peers (default: "
+    "cluster_token": _Opt(str, "shared secret of the cluster's members: the router signs its "
+                          "calls with it, KV transfer peers prove they hold it (default: "
                           "$DISAGG_CLUSTER_TOKEN)", metavar="TOKEN"),
     "kv_peer_allowlist": _Opt(StrList, "context workers a generation worker may pull KV from "
                               "when a request is not signed by the cluster: IPs, CIDRs or host "
@@ -108,7 +109,9 @@ SERVER_OPTIONS: dict[str, _Opt] = {
                          "generation worker (default 30; YAML: kv_lease_ttl_s)", metavar="S"),
     "served_model_name": _Opt(str, "model name clients send (default: MODEL_DIR as given)",
                               metavar="NAME"),
-    "api_key": _Opt(str, "require 'Authorization: Bearer KEY' on /v1/*", metavar="KEY"),
+    "api_key": _Opt(str, "require 'Authorization: Bearer KEY' on /v1/* (and, unless "
+                    "--public-metrics, on /metrics)", metavar="KEY"),
+    "public_metrics": _Opt(bool, "serve /metrics to anyone even when --api-key is set"),
     "drain_timeout": _Opt(float, "seconds in-flight requests get to finish on SIGTERM "
                           "(default 30)", metavar="S"),
     "router_url": _Opt(str, "register with this router (a disagg YAML with disagg_cluster) and "
@@ -282,6 +285,7 @@ def run_server(
     ucx_profile: str = "same_host",
     benchmark_gen_only: bool = False,
     router_url: str | None = None,
+    public_metrics: bool = False,
 ) -> int:
     """Load the model, serve until SIGTERM/SIGINT, drain, return the exit code."""
     logging.basicConfig(level=log_level.upper(),
@@ -289,6 +293,8 @@ def run_server(
     eo = engine_options or {}
     world = int(eo.get("tensor_parallel_size") or 1) * int(eo.get("pipeline_parallel_size") or 1)
     disagg_settings = None
+    # Any role: requests signed with it are the cluster's (the disaggregated roles need it).
+    cluster_token = cluster_token_or_none(cluster_token)
     try:
         check_role(role, world)  # before loading anything: fail fast on a role we cannot serve
         if benchmark_gen_only and role != "generation":
@@ -333,7 +339,8 @@ def run_server(
         print(f"disagg serve: error: {e}", file=sys.stderr)
         return 1
     settings = ServerSettings(model_dir=model_dir, served_model_name=served_model_name,
-                              role=role, api_key=api_key,
+                              role=role, api_key=api_key, cluster_token=cluster_token,
+                              public_metrics=bool(public_metrics),
                               benchmark_gen_only=bool(benchmark_gen_only))
     app = build_app(engine, settings)
 
@@ -362,8 +369,7 @@ def run_server(
         if router_url:  # dynamic membership: register once listening, heartbeat
             from disagg.server.registration import RouterRegistration, serve_registered
 
-            reg = RouterRegistration(router_url, engine, settings, host,
-                                     cluster_token or os.environ.get("DISAGG_CLUSTER_TOKEN"))
+            reg = RouterRegistration(router_url, engine, settings, host, cluster_token)
             asyncio.run(serve_registered(server, reg))
         else:
             asyncio.run(server.serve())

@@ -11,17 +11,22 @@ and registers again every ``heartbeat_interval_sec`` (the router's answer says h
 router drops a worker that stays silent for its ``inactive_timeout_sec``). When the worker
 starts draining (SIGTERM) it ``POST``s ``URL/cluster/unregister`` at once, so the router stops
 sending it new requests while the running ones finish. With ``$DISAGG_CLUSTER_TOKEN`` (or
-``--cluster-token``) set, the calls carry it as ``X-Disagg-Cluster-Token``. A router that is
-down or refuses is retried every second, logged once per distinct reason.
+``--cluster-token``) set, every call is signed with it (``cluster_auth.sign_http``; the token
+itself is never sent). A router that is down or refuses is retried every second, logged once
+per distinct reason.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import socket
 from typing import Any
+from urllib.parse import urlsplit
+
+from disagg.cluster_auth import sign_http
 
 logger = logging.getLogger("disagg.server.registration")
 
@@ -68,7 +73,7 @@ class RouterRegistration:
         self.engine = engine
         self.settings = settings
         self.host = host
-        self.headers = {"X-Disagg-Cluster-Token": cluster_token} if cluster_token else {}
+        self.cluster_token = cluster_token
         self.url: str | None = None  # host:port, once the server listens
         self.registered = False
         self._last_problem: str | None = None
@@ -85,7 +90,7 @@ class RouterRegistration:
         port = server.servers[0].sockets[0].getsockname()[1]
         self.url = f"{advertised_host(self.host)}:{port}"
         payload = worker_payload(self.engine, self.settings, self.url)
-        async with httpx.AsyncClient(timeout=TIMEOUT_S, headers=self.headers) as client:
+        async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
             try:
                 while not server.should_exit:
                     interval = await self._register(client, payload)
@@ -98,7 +103,7 @@ class RouterRegistration:
         import httpx
 
         try:
-            r = await client.post(self.router_url + "/cluster/register", json=payload)
+            r = await self._post(client, "/cluster/register", payload)
         except httpx.HTTPError as e:
             self._problem(f"router {self.router_url} unreachable: {type(e).__name__}: {e}")
             return RETRY_S
@@ -124,10 +129,22 @@ class RouterRegistration:
         import httpx
 
         with contextlib.suppress(httpx.HTTPError):
-            await client.post(self.router_url + "/cluster/unregister", json={"url": self.url},
-                              timeout=2.0)
+            await self._post(client, "/cluster/unregister", {"url": self.url}, timeout=2.0)
             logger.info("unregistered from router %s", self.router_url)
         self.registered = False
+
+    async def _post(self, client: Any, path: str, payload: dict[str, Any],
+                    timeout: float = TIMEOUT_S) -> Any:
+        """POST ``payload`` to the router, signed over the exact bytes sent when this worker
+        has a cluster token."""
+        url = self.router_url + path
+        body = json.dumps(payload).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.cluster_token:
+            target = urlsplit(url)
+            signed_path = target.path + (f"?{target.query}" if target.query else "")
+            headers.update(sign_http(self.cluster_token, "POST", signed_path, body))
+        return await client.post(url, content=body, headers=headers, timeout=timeout)
 
     def _problem(self, why: str) -> None:
         if why != self._last_problem:
