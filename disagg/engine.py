@@ -463,7 +463,9 @@ class LLMEngine:
             outputs.append(self._make_output(st, delta, finished=rid in finished))
         # Requests the scheduler ended without sampling (errors) still owe a final output.
         for rid in finished - set(sampled):
-            st = self._states[rid]
+            st = self._states.get(rid)
+            if st is None:  # aborted after the scheduler refused it: reported by the abort
+                continue
             outputs.append(self._make_output(st, st.detok.flush(), finished=True))
         return self._collect_finished_without_step(outputs)
 

@@ -247,3 +247,25 @@ def test_failed_step_fails_its_requests_and_the_loop_goes_on(tiny_llama, monkeyp
     while engine.has_unfinished():
         done += [o for o in engine.step() if o.finished]
     assert done[0].request_id == "b" and len(done[0].outputs[0].token_ids) == 6
+
+
+def _run_all(engine: LLMEngine) -> dict[str, object]:
+    final = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                final[o.request_id] = o
+    return final
+
+
+def test_abort_of_a_refused_request_before_the_next_step(tiny_llama):
+    """A request the scheduler refuses (longer than max_num_tokens without chunking) and that
+    is aborted before the next step (a client gone at once) must not kill the engine loop."""
+    engine = LLMEngine.from_options(tiny_llama, kv_cache_tokens=2048, tokens_per_block=4,
+                                    max_num_tokens=16, enable_chunked_context=False)
+    engine.add_request("long", list(range(5, 45)), SamplingParams(max_tokens=2))
+    assert engine.abort_request("long").finished
+    engine.add_request("ok", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3))
+    final = _run_all(engine)
+    assert list(final) == ["ok"] and final["ok"].error is None
+    assert engine.stats().kv_blocks_used == 0
