@@ -14,7 +14,8 @@ Each kernel is built to ``$DISAGG_CACHE_DIR`` (default ``~/.cache/disagg``)
 ``/kernels/<source stem>-<key>``, the key hashing its source, the torch version and this
 CPU's model and flags (``-march=native``), so a cache shared between different machines never
 loads a foreign build and an edited source is rebuilt. Concurrent builds (several workers
-starting at once) are serialised by torch's build lock.
+starting at once) are serialised by torch's build lock; a build already there is imported
+without taking that lock.
 """
 
 from __future__ import annotations
@@ -75,13 +76,39 @@ def _build_dir(source: Path) -> Path:
     return path
 
 
+def _import_built(name: str, build_dir: Path) -> Any | None:
+    """The module already built in ``build_dir`` (its key pins the source), or None.
+
+    Imported directly rather than through ``load``, which takes torch's build lock even to find
+    the build up to date: a process killed while holding that lock (a worker SIGKILLed during
+    startup) leaves a lock file behind that makes every later start wait forever."""
+    import importlib.util
+
+    path = build_dir / f"{name}.so"
+    if not path.is_file():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            return None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except ImportError:  # half-written by a concurrent build: build (or wait) as usual
+        return None
+
+
 def _build(name: str, source: Path, what: str, fallback: str) -> Any | None:
     """The extension module built from ``source``, or None (with a warning) on failure."""
     try:
         from torch.utils.cpp_extension import load
 
+        build_dir = _build_dir(source)
+        module = _import_built(name, build_dir)
+        if module is not None:
+            return module
         return load(
-            name=name, sources=[str(source)], build_directory=str(_build_dir(source)),
+            name=name, sources=[str(source)], build_directory=str(build_dir),
             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
             verbose=False)
     except Exception as e:  # no compiler, no ninja, a failed build: the PyTorch path serves
