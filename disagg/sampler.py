@@ -130,9 +130,11 @@ class Sampler:
         want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_lp = torch.log_softmax(x[want_lp], dim=-1) if want_lp else None
         if any(banned):
+            V = x.shape[1]
             for i, b in enumerate(banned):
-                if b:
-                    x[i, list(b)] = _NEG_INF
+                ids = [t for t in b if 0 <= t < V]  # a stop token id beyond the vocabulary
+                if ids:  # can never be sampled anyway
+                    x[i, ids] = _NEG_INF
 
         greedy = [p.temperature < SAMPLING_EPS for p in params]
         if all(greedy):

@@ -266,6 +266,9 @@ PATHOLOGICAL = [
     SamplingParams(temperature=0.8, top_p=1e-300, max_tokens=6, ignore_eos=True),
     SamplingParams(temperature=1e-38, top_p=5e-324, top_k=1, logprobs=3, max_tokens=6,
                    ignore_eos=True),
+    # masked until min_tokens: an id beyond the vocabulary used to raise an IndexError
+    SamplingParams(temperature=0.7, min_tokens=3, stop_token_ids=[10**9], max_tokens=6,
+                   ignore_eos=True),
 ]
 
 
