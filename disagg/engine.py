@@ -101,7 +101,6 @@ class _State:
 
     request: Request
     detok: IncrementalDetokenizer
-    generator: torch.Generator | None
     metrics: RequestMetrics
     logprobs: list[dict[int, float]] | None
     sent_tokens: int = 0
@@ -246,13 +245,11 @@ class LLMEngine:
                 logprobs = list(remote.first_gen_logprobs or [{} for _ in req.output_token_ids])
         if arrival_time is not None:
             req.arrival_time = arrival_time
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         # Before min_tokens, EOS and stop tokens are masked out so the model cannot pick them.
         banned = tuple(sorted(set(req.eos_token_ids) | set(params.stop_token_ids)))
         self._states[request_id] = _State(
             request=req,
             detok=IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params),
-            generator=gen,
             metrics=RequestMetrics(arrival_time=req.arrival_time),
             logprobs=logprobs,
             prompt=prompt,
@@ -418,6 +415,7 @@ class LLMEngine:
                     if r.sample and self.scheduler.holds(r.request_id)])
             rids, logits = self.runner.execute(sched)
             sampled: dict[str, int] = {}
+            sampling_failed: list[tuple[str, str]] = []
             if rids:
                 states = [self._states[rid] for rid in rids]
                 banned = [
@@ -426,14 +424,20 @@ class LLMEngine:
                     else ()
                     for st in states
                 ]
+                # A seeded draw depends on (seed, output position) only: a generation worker
+                # continuing a context worker's first token draws what one worker would.
                 out = self.sampler.sample(
                     logits,
                     [st.request.sampling_params for st in states],
-                    [st.generator for st in states],
+                    [st.request.num_output_tokens for st in states],
                     banned,
                 )
-                sampled = dict(zip(rids, out.token_ids, strict=True))
-                for st, lp in zip(states, out.logprobs, strict=True):
+                for rid, st, tok, lp, err in zip(rids, states, out.token_ids, out.logprobs,
+                                                 out.errors, strict=True):
+                    if err is not None:
+                        sampling_failed.append((rid, err))
+                        continue
+                    sampled[rid] = tok
                     if st.logprobs is not None and lp is not None:
                         st.logprobs.append(lp)
         except WorkerDiedError:
@@ -444,6 +448,11 @@ class LLMEngine:
             self.scheduler.update_from_output(sched, {})  # every plan entry is now stale
             return outputs
 
+        # A request whose own sampling failed ends alone; its batch-mates go on. Finished
+        # before update_from_output, which then ignores its plan entry.
+        for rid, err in sampling_failed:
+            logger.warning("request %s: %s", rid, err)
+            outputs += self._fail_requests([rid], err)
         finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
         now = time.monotonic()
         for rid, tok in sampled.items():
@@ -463,7 +472,9 @@ class LLMEngine:
             outputs.append(self._make_output(st, delta, finished=rid in finished))
         # Requests the scheduler ended without sampling (errors) still owe a final output.
         for rid in finished - set(sampled):
-            st = self._states[rid]
+            st = self._states.get(rid)
+            if st is None:  # aborted after the scheduler refused it: reported by the abort
+                continue
             outputs.append(self._make_output(st, st.detok.flush(), finished=True))
         return self._collect_finished_without_step(outputs)
 

@@ -21,8 +21,9 @@ Prompt = str | Sequence[int]
 
 class LLM:
     """``tensor_parallel_size`` / ``pipeline_parallel_size`` > 1 spawn rank processes: call
-    ``shutdown()`` (or use ``with LLM(...) as llm``) to stop them early; they are stopped at
-    exit otherwise. As with any ``spawn``, a script doing so needs an
+    ``shutdown()`` (or use ``with LLM(...) as llm``) to stop them and leave the process group;
+    dropping the last reference (``del llm``) does the same, and so does exit. Another parallel
+    LLM can then start in the same process. As with any ``spawn``, a script doing so needs an
     ``if __name__ == "__main__":`` guard."""
 
     def __init__(self, model: str, **engine_options: object) -> None:

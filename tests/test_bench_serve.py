@@ -486,11 +486,9 @@ def test_serve_against_live_worker(tmp_path: Path) -> None:
 
     model = write_tiny_checkpoint(str(tmp_path / "tiny"))
     # A small KV cache: allocating the default share of free memory is slow and not needed.
-    # Prefix caching off: the warmup resends prompt 0, and when this test was written a
-    # prefix-cache hit crashed the engine ("block N freed more often than referenced"); that is
-    # the engine's bug to test, not the benchmark's. Turn it back on once fixed.
+    # Prefix caching on (the default): the warmup resends prompt 0, a full prefix hit.
     engine = AsyncLLM(build_engine_config(model, kv_cache_tokens=4096,
-                                          enable_prefix_caching=False))
+                                          enable_prefix_caching=True))
     app = build_app(engine, ServerSettings(model_dir=model))
     out = tmp_path / "r.json"
     with serving(app, lifespan="on") as url:

@@ -194,6 +194,10 @@ def _bodies() -> list[tuple[str, dict[str, Any]]]:
     chat = {"model": NAME, "messages": CHAT, "max_tokens": 10, "temperature": 0,
             "ignore_eos": True}
     out += [(CHAT_PATH, chat), (CHAT_PATH, {**chat, "stream": True})]
+    # Seeded sampling: the generation worker continues the context worker's first draw.
+    seeded = {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 2.0,
+              "top_p": 0.95, "seed": 11, "ignore_eos": True}
+    out += [(C, seeded), (C, {**seeded, "seed": 2**33 + 5, "top_k": 40, "stream": True})]
     return out
 
 

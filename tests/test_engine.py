@@ -247,3 +247,93 @@ def test_failed_step_fails_its_requests_and_the_loop_goes_on(tiny_llama, monkeyp
     while engine.has_unfinished():
         done += [o for o in engine.step() if o.finished]
     assert done[0].request_id == "b" and len(done[0].outputs[0].token_ids) == 6
+
+
+def _run_all(engine: LLMEngine) -> dict[str, object]:
+    final = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                final[o.request_id] = o
+    return final
+
+
+# Values SamplingParams accepts that used to break the sampler (inf / NaN probabilities, an
+# empty nucleus) and fail every request of the step.
+PATHOLOGICAL = [
+    SamplingParams(temperature=1e-39, max_tokens=6, ignore_eos=True),
+    SamplingParams(temperature=5e-324, seed=3, max_tokens=6, ignore_eos=True),
+    SamplingParams(temperature=0.8, top_p=1e-300, max_tokens=6, ignore_eos=True),
+    SamplingParams(temperature=1e-38, top_p=5e-324, top_k=1, logprobs=3, max_tokens=6,
+                   ignore_eos=True),
+    # masked until min_tokens: an id beyond the vocabulary used to raise an IndexError
+    SamplingParams(temperature=0.7, min_tokens=3, stop_token_ids=[10**9], max_tokens=6,
+                   ignore_eos=True),
+]
+
+
+def test_pathological_params_never_fail_batch_mates(tiny_llama):
+    engine = LLMEngine.from_options(tiny_llama, kv_cache_tokens=2048, tokens_per_block=4)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = [5, 6, 7, 8, 9]
+    engine.add_request("alone", prompt, greedy)
+    alone = _run_all(engine)["alone"].outputs[0].token_ids
+    engine.add_request("greedy", prompt, greedy)
+    for i, p in enumerate(PATHOLOGICAL):
+        engine.add_request(f"bad{i}", [11 + i, 12, 13], p)
+    final = _run_all(engine)
+    assert final["greedy"].error is None and final["greedy"].outputs[0].token_ids == alone
+    for i in range(len(PATHOLOGICAL)):
+        out = final[f"bad{i}"]
+        assert out.error is None and out.outputs[0].finish_reason == "length", out.error
+        assert len(out.outputs[0].token_ids) == 6
+    # A sub-normal temperature is greedy: the same tokens as temperature 0.
+    engine.add_request("tiny_t", prompt, PATHOLOGICAL[0])
+    assert _run_all(engine)["tiny_t"].outputs[0].token_ids == alone
+    assert engine.stats().kv_blocks_used == 0
+
+
+def test_a_request_whose_sampling_fails_fails_alone(tiny_llama, monkeypatch):
+    from disagg.sampler import Sampler
+
+    engine = LLMEngine.from_options(tiny_llama, kv_cache_tokens=2048, tokens_per_block=4)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
+    doomed = SamplingParams(temperature=1.0, seed=13, max_tokens=6, ignore_eos=True)
+    engine.add_request("g", [5, 6, 7], greedy)
+    engine.add_request("s", [8, 9], seeded)
+    expected = {rid: o.outputs[0].token_ids for rid, o in _run_all(engine).items()}
+    real = Sampler._sample_rows
+    calls = {"n": 0}
+
+    def broken(self, logits, params, positions, banned):
+        if any(p.seed == 13 for p in params):
+            calls["n"] += 1
+            if calls["n"] > 2:  # the doomed request's third token cannot be sampled
+                raise RuntimeError("injected sampling failure")
+        return real(self, logits, params, positions, banned)
+
+    monkeypatch.setattr(Sampler, "_sample_rows", broken)
+    engine.add_request("g2", [5, 6, 7], greedy)
+    engine.add_request("doomed", [4, 4, 4], doomed)
+    engine.add_request("s2", [8, 9], seeded)
+    final = _run_all(engine)
+    bad = final["doomed"]
+    assert bad.outputs[0].finish_reason == "error" and "injected" in bad.error
+    assert len(bad.outputs[0].token_ids) == 2
+    assert final["g2"].error is None and final["g2"].outputs[0].token_ids == expected["g"]
+    assert final["s2"].error is None and final["s2"].outputs[0].token_ids == expected["s"]
+    assert engine.stats().kv_blocks_used == 0
+
+
+def test_abort_of_a_refused_request_before_the_next_step(tiny_llama):
+    """A request the scheduler refuses (longer than max_num_tokens without chunking) and that
+    is aborted before the next step (a client gone at once) must not kill the engine loop."""
+    engine = LLMEngine.from_options(tiny_llama, kv_cache_tokens=2048, tokens_per_block=4,
+                                    max_num_tokens=16, enable_chunked_context=False)
+    engine.add_request("long", list(range(5, 45)), SamplingParams(max_tokens=2))
+    assert engine.abort_request("long").finished
+    engine.add_request("ok", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3))
+    final = _run_all(engine)
+    assert list(final) == ["ok"] and final["ok"].error is None
+    assert engine.stats().kv_blocks_used == 0

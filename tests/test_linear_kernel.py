@@ -127,3 +127,30 @@ def test_kernels_can_be_switched_off_one_by_one(monkeypatch) -> None:
     assert not kernels_enabled() and not kernels_enabled("linear")
     monkeypatch.setenv("DISAGG_CPU_KERNELS", "1")
     assert kernels_enabled("linear") and kernels_enabled("attention")
+
+
+def test_a_built_kernel_loads_despite_a_stale_build_lock(tmp_path) -> None:
+    """A process killed while holding torch's build lock (a worker SIGKILLed as it starts)
+    leaves the lock file behind; the next worker must still start, not wait forever."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from disagg.model import kernels
+
+    if kernels.small_linear_kernel() is None:
+        pytest.skip("the small-M kernel cannot be built here")
+    built = kernels._build_dir(kernels._LINEAR_SOURCE)
+    cache = tmp_path / "cache"
+    stale = cache / "kernels" / built.name
+    stale.mkdir(parents=True)
+    shutil.copy(built / "disagg_small_gemm.so", stale)
+    (stale / "lock").touch()  # nobody holds it
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, DISAGG_CACHE_DIR=str(cache),
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    code = ("from disagg.model import kernels\n"
+            "assert kernels.small_linear_kernel() is not None\n")
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)

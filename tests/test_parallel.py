@@ -150,3 +150,65 @@ def spawned_children() -> list[int]:
         if int(fields[1]) == me and fields[0] != "Z" and b"spawn_main" in cmd:
             kids.append(int(p))
     return kids
+
+
+LIFECYCLE_SCRIPT = '''
+import gc
+import os
+import sys
+
+import torch.distributed as dist
+
+from disagg import LLM, SamplingParams
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def main(model):
+    opts = dict(tensor_parallel_size=2, tokens_per_block=8, kv_cache_tokens=512,
+                max_num_tokens=48, device="cpu")
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm = LLM(model, **opts)
+    first = llm.generate("The harbour was quiet", greedy)[0].outputs[0].token_ids
+    ranks = llm.engine.runner.rank_pids[1:]
+    # As in a notebook: drop the last reference; the ranks and the process group go with it.
+    del llm
+    gc.collect()
+    assert not dist.is_initialized(), "process group left behind by del"
+    assert not any(alive(p) for p in ranks), f"ranks {ranks} left running by del"
+    llm = LLM(model, **opts)
+    assert llm.generate("The harbour was quiet", greedy)[0].outputs[0].token_ids == first
+    ranks = llm.engine.runner.rank_pids[1:]
+    llm.shutdown()
+    assert not dist.is_initialized(), "process group left behind by shutdown"
+    assert not any(alive(p) for p in ranks), f"ranks {ranks} left running by shutdown"
+    with LLM(model, **opts) as llm:
+        assert llm.generate("The harbour was quiet", greedy)[0].outputs[0].token_ids == first
+    assert not dist.is_initialized(), "process group left behind by with"
+    print("LIFECYCLE OK", flush=True)
+
+
+if __name__ == "__main__":  # spawn re-imports this module in the ranks
+    main(sys.argv[1])
+'''
+
+
+def test_parallel_llm_can_be_dropped_and_created_again(models, tmp_path: Path) -> None:
+    """Notebook use: ``del llm`` (or ``shutdown()`` / ``with``) frees the ranks and the process
+    group, so a second tensor-parallel LLM starts in the same process with the same tokens."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "lifecycle.py"
+    script.write_text(LIFECYCLE_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(script), models["llama3"]], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "LIFECYCLE OK" in proc.stdout, proc.stderr[-4000:]

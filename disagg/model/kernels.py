@@ -17,7 +17,8 @@ loads a foreign build and an edited source is rebuilt. Concurrent builds (severa
 starting at once) are serialised by ``build_lock``: an ``flock`` that the OS drops when its
 holder dies. torch's own build lock is a plain file that a builder killed mid-build leaves
 behind, after which every later build waits for it forever; under our lock no other builder
-can be running, so such a file is stale and is removed.
+can be running, so such a file is stale and is removed. A build already there is imported
+directly, without any lock.
 """
 
 from __future__ import annotations
@@ -103,12 +104,37 @@ def build_lock(build_dir: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _import_built(name: str, build_dir: Path) -> Any | None:
+    """The module already built in ``build_dir`` (its key pins the source), or None.
+
+    Imported directly rather than through ``load``, which takes torch's build lock even to find
+    the build up to date: a process killed while holding that lock (a worker SIGKILLed during
+    startup) leaves a lock file behind that makes every later start wait forever."""
+    import importlib.util
+
+    path = build_dir / f"{name}.so"
+    if not path.is_file():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            return None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except ImportError:  # half-written by a concurrent build: build (or wait) as usual
+        return None
+
+
 def _build(name: str, source: Path, what: str, fallback: str) -> Any | None:
     """The extension module built from ``source``, or None (with a warning) on failure."""
     try:
         from torch.utils.cpp_extension import load
 
         build_dir = _build_dir(source)
+        module = _import_built(name, build_dir)
+        if module is not None:
+            return module
         with build_lock(build_dir):
             return load(
                 name=name, sources=[str(source)], build_directory=str(build_dir),

@@ -22,7 +22,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
@@ -86,6 +86,76 @@ def _stop_children(procs: list[BaseProcess], conns: list[Connection], grace_s: f
         c.close()
 
 
+@dataclass
+class _Resources:
+    """What a parallel worker holds outside Python's memory: the rank processes and their
+    pipes, the process group, the rendezvous store. Shared by the executor, its finalizer and
+    its helper threads; neither of the latter references the executor, so dropping the last
+    reference to it (``del llm`` in a notebook) releases everything."""
+
+    procs: list[BaseProcess] = field(default_factory=list)
+    conns: list[Connection] = field(default_factory=list)  # index r - 1 talks to rank r
+    event_conns: list[Connection] = field(default_factory=list)  # rank r's events (r - 1)
+    events: deque[tuple[Any, ...]] = field(default_factory=deque)
+    event_callback: Callable[[], None] | None = None
+    stopping: threading.Event = field(default_factory=threading.Event)
+    store: Any = None  # the TCPStore rank 0 serves the rendezvous from
+    comm: RankComm | None = None
+    threads_before: int | None = None
+
+
+def _release(res: _Resources, grace_s: float) -> None:
+    """Stop and reap the ranks, leave the process group (so another parallel worker can start
+    in this process), close the store, give the CPU threads back. Run once, by ``shutdown``,
+    by the garbage collector or at interpreter exit."""
+    res.stopping.set()
+    _stop_children(res.procs, res.conns, grace_s)
+    for c in res.event_conns:  # the ranks are gone: nothing more to read
+        c.close()
+    res.event_conns.clear()
+    if res.comm is not None:
+        res.comm.close()
+    res.store = None  # the last reference: the store's server stops
+    if res.threads_before is not None:
+        torch.set_num_threads(res.threads_before)
+        res.threads_before = None
+
+
+def _watch_ranks(executor: weakref.ReferenceType[DistributedExecutor], res: _Resources) -> None:
+    """Monitor thread: mark the worker dead when a rank exits on its own."""
+    # Check every rank's exit status, whoever reaped it: multiprocessing also polls its
+    # children (e.g. when another process starts), so a death can be reaped before this
+    # thread looks; the timeout re-checks even if a sentinel wake-up was consumed.
+    while not res.stopping.is_set():
+        for r, p in enumerate(res.procs, start=1):
+            if p.exitcode is not None:  # exitcode polls (reaps) the child
+                ex = executor()
+                if ex is not None and not res.stopping.is_set():  # shutdown reaps them
+                    ex._fail(f"rank {r} (pid {p.pid}) exited with code {p.exitcode}")
+                return
+        wait([p.sentinel for p in res.procs], timeout=0.5)
+
+
+def _read_events(res: _Resources) -> None:
+    """Reader thread: the ranks' transfer events, in arrival order."""
+    conns = list(res.event_conns)
+    while conns and not res.stopping.is_set():
+        try:
+            ready = wait(conns, timeout=0.5)
+        except (OSError, ValueError):  # closed by shutdown
+            return
+        for c in ready:
+            try:
+                ev = c.recv()  # type: ignore[union-attr]
+            except (EOFError, OSError):  # the rank is gone: the monitor reports it
+                conns.remove(c)  # type: ignore[arg-type]
+                continue
+            res.events.append(ev)
+            cb = res.event_callback
+            if cb is not None:
+                cb()
+
+
 class DistributedExecutor:
     """Spawns ranks 1..N-1, runs rank 0's shard, and executes steps on all of them."""
 
@@ -95,19 +165,14 @@ class DistributedExecutor:
         self.layout = self.layouts[0]
         world = self.layout.world_size
         self.error: str | None = None
-        self._stopping = False
         self._lock = threading.Lock()
-        self._procs: list[BaseProcess] = []
-        self._conns: list[Connection] = []  # index r - 1 talks to rank r
-        # KV transfer (context / generation workers): rank r's events (index r - 1), the
-        # transfer server addresses from the ranks' "ready", and what the reader collected.
-        self._event_conns: list[Connection] = []
+        self._res = _Resources()
+        self._procs = self._res.procs
+        self._conns = self._res.conns
+        # KV transfer (context / generation workers): the transfer server addresses from the
+        # ranks' "ready" (their events arrive on _res.event_conns).
         self.transfer_addresses: list[str | None] = []
-        self._events: deque[tuple[Any, ...]] = deque()
-        self._event_callback: Callable[[], None] | None = None
-        self._finalizer = weakref.finalize(self, _stop_children, self._procs, self._conns,
-                                           STOP_GRACE_S)
-        self._threads_before: int | None = None
+        self._finalizer = weakref.finalize(self, _release, self._res, STOP_GRACE_S)
         device = rank_device(config.device, 0)
         if device.type == "cuda" and (device.index or 0) + world > torch.cuda.device_count():
             raise ConfigError(f"tensor_parallel_size * pipeline_parallel_size = {world} ranks "
@@ -121,9 +186,9 @@ class DistributedExecutor:
         self._timeout_s = dist_timeout_s()
         timeout = datetime.timedelta(seconds=self._timeout_s)
         # Port 0: the OS picks a free port for the rendezvous (no fixed ports, no races).
-        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timeout,
-                                    wait_for_workers=False)
-        self.comm = RankComm(self.layout, device)
+        self._res.store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timeout,
+                                        wait_for_workers=False)
+        self.comm = self._res.comm = RankComm(self.layout, device)
         try:
             ctx = mp.get_context("spawn")
             level = logging.getLogger().getEffectiveLevel()
@@ -133,19 +198,20 @@ class DistributedExecutor:
                                      else (None, None))
                 p = ctx.Process(
                     target=rank_main, name=f"disagg-rank{lay.rank}", daemon=True,
-                    args=(config, lay, "127.0.0.1", self._store.port, os.getpid(), child_conn,
+                    args=(config, lay, "127.0.0.1", self._res.store.port, os.getpid(),
+                          child_conn,
                           level, self._timeout_s, disagg, ev_write))
                 p.start()
                 child_conn.close()  # only the child holds its end: EOF if it dies
                 if ev_read is not None and ev_write is not None:
                     ev_write.close()
-                    self._event_conns.append(ev_read)
+                    self._res.event_conns.append(ev_read)
                 self._procs.append(p)
                 self._conns.append(parent_conn)
                 logger.info("started rank %d (pid %d): layers %s, kv heads %s", lay.rank, p.pid,
                             lay.layer_range, lay.kv_head_range)
             if device.type == "cpu":
-                self._threads_before = torch.get_num_threads()
+                self._res.threads_before = torch.get_num_threads()
                 torch.set_num_threads(threads_per_rank(world))
             self.runner = ModelRunner(config, self.layout, agree_num_blocks=self._agree,
                                       device=device)
@@ -153,18 +219,19 @@ class DistributedExecutor:
             self.transfer_addresses = [ready[r][1] for r in range(1, world)]
         except BaseException:
             # The other ranks may be blocked in the rendezvous: no point asking them to stop.
-            self._stopping = True
+            self._res.stopping.set()
             for p in self._procs:
                 p.kill()
             self.shutdown()
             raise
         self.num_blocks = self.runner.num_blocks
         self.worker = StageWorker(self.runner, self.comm)
-        self._monitor = threading.Thread(target=self._watch_ranks, name="disagg-rank-monitor",
-                                         daemon=True)
+        # The threads get the shared resources and at most a weak reference to the executor.
+        self._monitor = threading.Thread(target=_watch_ranks, args=(weakref.ref(self), self._res),
+                                         name="disagg-rank-monitor", daemon=True)
         self._monitor.start()
-        if self._event_conns:
-            threading.Thread(target=self._read_events, name="disagg-rank-events",
+        if self._res.event_conns:
+            threading.Thread(target=_read_events, args=(self._res,), name="disagg-rank-events",
                              daemon=True).start()
         logger.info("parallel worker up: tp=%d pp=%d, rank pids %s, %d KV blocks per rank",
                     self.layout.tp_size, self.layout.pp_size, self.rank_pids, self.num_blocks)
@@ -175,7 +242,7 @@ class DistributedExecutor:
         # Every other rank has loaded its shard before anyone blocks in the rendezvous, so a
         # rank that fails to load is reported (with its traceback) instead of timing out.
         self._wait_all("loaded", time.monotonic() + startup_timeout_s())
-        self.comm.init(self._store, self._timeout_s)
+        self.comm.init(self._res.store, self._timeout_s)
         return self.comm.min_over_ranks(num_blocks)
 
     def _wait_all(self, kind: str, deadline: float) -> dict[int, Any]:
@@ -232,44 +299,14 @@ class DistributedExecutor:
         out = []
         while True:
             try:
-                out.append(self._events.popleft())
+                out.append(self._res.events.popleft())
             except IndexError:
                 return out
 
     def on_event(self, callback: Callable[[], None]) -> None:
-        self._event_callback = callback
-
-    def _read_events(self) -> None:
-        conns = list(self._event_conns)
-        while conns and not self._stopping:
-            try:
-                ready = wait(conns, timeout=0.5)
-            except (OSError, ValueError):  # closed by shutdown
-                return
-            for c in ready:
-                try:
-                    ev = c.recv()  # type: ignore[union-attr]
-                except (EOFError, OSError):  # the rank is gone: the monitor reports it
-                    conns.remove(c)  # type: ignore[arg-type]
-                    continue
-                self._events.append(ev)
-                cb = self._event_callback
-                if cb is not None:
-                    cb()
+        self._res.event_callback = callback
 
     # ---- failure --------------------------------------------------------------------------
-
-    def _watch_ranks(self) -> None:
-        # Check every rank's exit status, whoever reaped it: multiprocessing also polls its
-        # children (e.g. when another process starts), so a death can be reaped before this
-        # thread looks; the timeout re-checks even if a sentinel wake-up was consumed.
-        while not self._stopping:
-            for r, p in enumerate(self._procs, start=1):
-                if p.exitcode is not None:  # exitcode polls (reaps) the child
-                    if not self._stopping:  # shutdown reaps them; don't race it
-                        self._fail(f"rank {r} (pid {p.pid}) exited with code {p.exitcode}")
-                    return
-            wait([p.sentinel for p in self._procs], timeout=0.5)
 
     def _fail(self, reason: str) -> None:
         """Mark the worker dead and kill the remaining ranks (they cannot be used again, and
@@ -346,14 +383,6 @@ class DistributedExecutor:
             c.send_bytes(encode("reset_stats"))
 
     def shutdown(self) -> None:
-        """Stop and reap every rank, leave the process group. Idempotent."""
-        self._stopping = True
+        """Stop and reap every rank, leave the process group, close the store. Idempotent;
+        also done when the executor is garbage collected and at interpreter exit."""
         self._finalizer()
-        for c in self._event_conns:  # the ranks are gone: nothing more to read
-            c.close()
-        self._event_conns.clear()
-        self.comm.close()
-        self._store = None
-        if self._threads_before is not None:
-            torch.set_num_threads(self._threads_before)
-            self._threads_before = None
