@@ -30,6 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from disagg import __version__
 from disagg.disaggregation import KV_TRANSFER_ERROR
@@ -39,6 +40,7 @@ from disagg.parallel.layout import ParallelLayout
 from disagg.request import SamplingParams
 from disagg.server import protocol as P
 from disagg.server.cli import check_role
+from disagg.server.http_guard import MAX_BODY_BYTES, HttpGuard
 from disagg.server.metrics import ServerMetrics
 from disagg.transfer.layout import check_compatible
 from disagg.transfer.params import ContextParams
@@ -144,6 +146,12 @@ class _FanOut:
                 c, item = await self.queue.get()
                 if isinstance(item, BaseException):
                     raise _map_engine_error(item)
+                if item is _END:
+                    # A choice that already finished (its outputs are buffered) ends while
+                    # others still wait for capacity; or one that ended without any output.
+                    self.buffer.append((c, item))
+                    waiting.discard(c)
+                    continue
                 if item.finished and _transfer_failed(item):
                     # No token yet: a failed KV pull gets its own status, streamed or not.
                     raise _transfer_error(item.error)
@@ -276,6 +284,7 @@ class _Server:
         self.token_text = lru_cache(maxsize=1 << 16)(self._decode_one)
         self.created = P.now()
         self.loop: asyncio.AbstractEventLoop | None = None  # set when the app starts
+        self.body_timeout_s = P.BODY_TIMEOUT_S  # then 408 (tests shorten it)
 
     def _decode_one(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -307,6 +316,37 @@ class _Server:
     def abort_all(self) -> None:
         for fan in {id(f): f for f in self.inflight.values()}.values():
             fan.abort()
+
+    async def read_body(self, request: Request) -> bytes:
+        """The request body: plain (415 for a Content-Encoding), at most MAX_BODY_BYTES (413),
+        arrived within ``body_timeout_s`` (408; a client that announced more than it sends
+        would otherwise hold its handler forever)."""
+        P.check_content_encoding(request.headers.get("content-encoding"))
+        close = {"Connection": "close"}  # the rest of the body is not read
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > MAX_BODY_BYTES:
+            raise P.APIError(413, f"request body too large: {length} bytes (at most "
+                             f"{MAX_BODY_BYTES})", code="body_too_large", headers=close)
+
+        async def read() -> bytes:
+            chunks, size = [], 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise P.APIError(413, f"request body too large (at most {MAX_BODY_BYTES} "
+                                     "bytes)", code="body_too_large", headers=close)
+                chunks.append(chunk)
+            return b"".join(chunks)
+
+        try:
+            return await asyncio.wait_for(read(), self.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise P.APIError(408, f"the request body did not arrive within "
+                             f"{self.body_timeout_s:g} s", code="request_timeout",
+                             headers=close) from None
+        except ClientDisconnect:  # nobody will read the answer
+            raise P.APIError(400, "the client closed the connection before sending its body",
+                             code="client_disconnected") from None
 
     # -- checks -------------------------------------------------------------------------------
 
@@ -447,6 +487,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="disagg worker", version=__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None)
     app.state.server = srv
+    app.add_middleware(HttpGuard)  # HTTP limits; a 500 that keeps the connection alive
 
     def error_response(e: P.APIError) -> JSONResponse:
         reason = {400: "invalid_request", 401: "unauthorized", 404: "model_not_found"}.get(
@@ -485,7 +526,8 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     async def completions(request: Request) -> Response:
         t_arrival = time.monotonic()
         srv.check_auth(request)
-        req: P.CompletionRequest = P.parse_request(P.CompletionRequest, await request.body())
+        req: P.CompletionRequest = P.parse_request(P.CompletionRequest,
+                                                   await srv.read_body(request))
         _log_extra(req)
         srv.check_model(req.model)
         srv.check_accepting()
@@ -514,7 +556,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         t_arrival = time.monotonic()
         srv.check_auth(request)
         req: P.ChatCompletionRequest = P.parse_request(P.ChatCompletionRequest,
-                                                       await request.body())
+                                                       await srv.read_body(request))
         _log_extra(req)
         srv.check_model(req.model)
         srv.check_accepting()
