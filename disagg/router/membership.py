@@ -9,10 +9,13 @@ checks have failed for that long, or when it unregisters (on drain).
 Health: every ``health_check_interval_sec`` the router GETs each worker's ``/health`` and
 ``/server_info`` (role, tokens_per_block, worker_id, model_dir); a worker out of rotation is
 probed every 0.5 s (or the interval, if shorter). A worker is in rotation only
-while healthy; a request that cannot reach a worker (or gets 503) takes it out at once, and
-the next passing check puts it back. A worker whose role does not fit its pool (an
-aggregated worker where generation_only requests are sent) stays out, with the reason shown in
-``GET /cluster_info``.
+while healthy. Health comes from these checks, not from one request: a refused connection, or
+a 503 saying the worker drains or its engine is down, takes it out at once (the same as a
+failing check would); any other failed request only triggers a check now, and
+``REQUEST_FAILURE_THRESHOLD`` consecutive failed requests take it out (a request that got an
+answer resets the count). The next passing check puts it back. A worker whose role does not
+fit its pool (an aggregated worker where generation_only requests are sent) stays out, with the
+reason shown in ``GET /cluster_info``.
 
 KV index (kv_cache_aware sides, and generation workers under conditional disaggregation):
 the router polls each healthy worker's ``GET /kv_events?since=SEQ`` every
@@ -39,6 +42,9 @@ logger = logging.getLogger("disagg.router")
 ROLES = ("context", "generation")
 HEALTH_TIMEOUT_S = 5.0
 UNHEALTHY_RECHECK_S = 0.5  # how often a worker out of rotation is probed again
+# Consecutive failed requests (reset, timeout, cut mid-answer) that take a worker out of
+# rotation without waiting for its health check; one failure alone never does.
+REQUEST_FAILURE_THRESHOLD = 3
 
 
 @dataclass(eq=False)
@@ -63,6 +69,7 @@ class Worker:
     registration: dict[str, Any] | None = None
     requests_total: int = 0
     kv_poll_errors: int = 0
+    request_failures: int = 0  # consecutive failed requests (reset by any answer)
 
     @property
     def base(self) -> str:
@@ -145,6 +152,15 @@ class Membership:
             w.failing_since = time.monotonic()
         if not w.checking:
             self.spawn(self.check(w))  # confirm soon rather than at the next round
+
+    def request_failed(self, w: Worker, why: str) -> None:
+        """A request to ``w`` failed after connecting (reset, timeout, cut): check its health
+        now; ``REQUEST_FAILURE_THRESHOLD`` in a row take it out of rotation."""
+        w.request_failures += 1
+        if w.request_failures >= REQUEST_FAILURE_THRESHOLD:
+            self.mark_failed(w, f"{w.request_failures} failed requests in a row; last: {why}")
+        elif not w.checking:
+            self.spawn(self.check(w))
 
     def ready(self) -> tuple[bool, str]:
         """Ready when enough workers of each pool are healthy: ``minimal_instances`` with
