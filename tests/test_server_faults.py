@@ -302,3 +302,50 @@ def test_slow_and_odd_http(live: SimpleNamespace) -> None:
         assert results[name][0].startswith(b"HTTP/1.1 505 "), results[name]
     assert all(b"<still open>" not in out for out, _ in results.values()), results
     assert httpx.get(live.url + "/health", timeout=10).status_code == 200
+
+
+# ---- the shared parser and schema (pure) --------------------------------------------------------
+
+
+def test_parse_json_object_and_validate_request() -> None:
+    from disagg.server import protocol as P
+
+    def status(raw: bytes) -> int | None:
+        try:
+            P.parse_json_object(raw)
+        except P.APIError as e:
+            return e.status
+        return None
+
+    assert status(b'{"a":"\\ud83d\\ude00","b":[1,2.5]}') is None  # a surrogate pair is fine
+    assert status('{"a": 1}'.encode("utf-16")) is None  # JSON's other encodings too
+    for raw in (b'{"a":"\\ud800"}', b'{"\\udc00":1}', b'{"a":[{"b":"x\\uDBFF"}]}', b"{\"a\":NaN}",
+                b'{"a":-Infinity}', b'{"a":1e999}', b'{"a":"\xed\xa0\x80"}', b"\xff",
+                b'{"a":' + b"[" * 33 + b"]" * 33 + b"}", b"[]", b""):
+        assert status(raw) == 400, raw[:40]
+    assert status(b'{"a":' + b"[" * 31 + b"]" * 31 + b"}") is None
+
+    def bad(path: str, body: dict) -> str | None:
+        try:
+            P.validate_request(path, body)
+        except P.APIError as e:
+            assert e.status == 400
+            return e.param
+        return None
+
+    assert bad(C, {"prompt": "x"}) is None
+    assert bad(CHAT, {"messages": [{"role": "user", "content": "x"}]}) is None
+    assert bad(C, {"prompt": "x", "stream": None}) == "stream"
+    assert bad(C, {"prompt": "x", "stream": True, "stream_options": 5}) == "stream_options"
+    assert bad(C, {"prompt": []}) == "prompt"
+    assert bad(C, {"prompt": "x", "max_tokens": 0}) == "max_tokens"
+    assert bad(C, {"prompt": "x", "max_tokens": 2, "min_tokens": 3}) == "min_tokens"
+    assert bad(CHAT, {"messages": [{"role": "user", "content": "x"}], "min_tokens": 3}) is None
+    assert bad(CHAT, {"messages": [{"role": "robot", "content": "x"}]}) == "messages"
+    assert bad(CHAT, {"messages": [{"role": "user", "content": "x"}],
+                      "max_completion_tokens": 0}) == "max_completion_tokens"
+    assert bad(CHAT, {"messages": [{"role": "user", "content": "x"}], "top_p": 0}) == "top_p"
+    assert P.check_content_encoding("identity") is None
+    with pytest.raises(P.APIError) as e:
+        P.check_content_encoding("gzip")
+    assert e.value.status == 415

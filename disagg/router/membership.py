@@ -101,6 +101,8 @@ class Membership:
         if config.conditional_disagg is not None:
             self.kv_roles.add("generation")
         self.on_model_dir = on_model_dir  # a worker's checkpoint folder (tokenizer discovery)
+        # called with a worker dropped from its pool (the router forgets its metric series)
+        self.on_remove: Callable[[Worker], None] | None = None
         self.pools: dict[str, list[Worker]] = {role: [] for role in ROLES}
         self.by_url: dict[str, Worker] = {}
         self.session: Any = None  # aiohttp.ClientSession, set by start()
@@ -140,6 +142,8 @@ class Membership:
         w.reason = why
         for t in self._tasks.pop(w.url, []):
             t.cancel()
+        if self.on_remove is not None:
+            self.on_remove(w)
 
     def mark_failed(self, w: Worker, why: str) -> None:
         """Take ``w`` out of rotation now (a request could not use it); the health loop puts
