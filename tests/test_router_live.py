@@ -352,14 +352,16 @@ class FakeWorker:
     Actions: ``proxy``; ``status:N`` (answer N; a generation fake first forwards the request
     whole, consuming the lease; ``status:502kv`` answers a KV transfer failure); ``drop``
     (close the connection, answering nothing); ``cut`` (relay the first streamed event, then
-    close the connection)."""
+    close the connection). Every answer says ``Connection: close``: each request comes on a new
+    connection, so a drop is the worker's failure (on a reused keep-alive connection the router
+    would take it for a stale connection and send again at once)."""
 
     def __init__(self, role: str, script: list[str], upstream: str | None = None) -> None:
         self.role = role
         self.script = collections.deque(script)
         self.upstream = upstream
         self.calls = 0
-        app = web.Application()
+        app = web.Application(middlewares=[_close_after])
         app.router.add_get("/health", self.health)
         app.router.add_get("/server_info", self.server_info)
         app.router.add_post("/v1/{tail:.*}", self.handle)
@@ -418,6 +420,13 @@ class FakeWorker:
                 assert request.transport is not None
                 request.transport.abort()  # cut: closing r too aborts the real request
                 return out
+
+
+@web.middleware
+async def _close_after(request: web.Request, handler: Any) -> web.StreamResponse:
+    resp = await handler(request)
+    resp.force_close()
+    return resp
 
 
 def _retries(url: str, role: str) -> float:
@@ -714,7 +723,7 @@ def test_lease_freed_when_no_generation_worker_takes_the_request(
             body = {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0}
             r = httpx.post(url + C, json=body, timeout=60)
             assert r.status_code >= 500 and "error" in r.json(), r.text
-            assert dead.calls == 1  # then out of rotation: no generation worker left
+            assert dead.calls == 1  # no other generation worker to try
             for w in (workers["ctx1"], workers["ctx2"]):
                 w.wait_blocks(0, timeout=5)
             assert metric(url, "disagg_router_lease_releases_total") == 1

@@ -2,6 +2,9 @@
 
 Request flow (REFERENCE section 4), for ``/v1/completions`` and ``/v1/chat/completions``:
 
+0. The body is parsed and checked with the workers' own schema (``protocol.validate_request``)
+   whenever the router reads it (disaggregated, or a policy needs the prompt): a request the
+   generation worker would refuse never reaches a context worker.
 1. Disaggregated cluster: the context call. The request goes to a context worker (its side's
    policy) non-streamed with ``disaggregated_params: {request_type: context_only}``. A connection
    failure or a 5xx tries another context worker, up to ``max_retries`` more; a 4xx goes back
@@ -23,8 +26,9 @@ Request flow (REFERENCE section 4), for ``/v1/completions`` and ``/v1/chat/compl
 A client that disconnects cancels its handler (the server runs with handler cancellation):
 the upstream connection is closed, so the worker aborts the request and frees its KV (a
 generation worker also releases the context lease). When no generation worker took the
-request (the client left in between, or every generation worker failed unreached), the router
-asks the context worker to free the lease at once (``POST /kv_leases/release``).
+request (the client left in between, every generation worker failed unreached, or one refused
+it with a 4xx), the router asks the context worker to free the lease at once (``POST
+/kv_leases/release``).
 
 Cluster authentication: the router signs (``cluster_auth.HttpSigner``, with the token from
 ``$DISAGG_CLUSTER_TOKEN``) the calls whose handling depends on it: the generation_only call (a
@@ -41,11 +45,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import ctypes
+import ctypes.util
 import hmac
 import json
 import logging
 import os
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -59,6 +67,7 @@ from disagg.router.config import ClusterConfig, PolicyConfig, RouterConfigError
 from disagg.router.membership import ROLES, Membership, UpstreamAuth, Worker
 from disagg.router.metrics import RouterMetrics
 from disagg.router.policies import Decision, RouteRequest, RoutingPolicy, make_policy
+from disagg.server import protocol as P
 
 logger = logging.getLogger("disagg.router")
 
@@ -70,6 +79,22 @@ CONNECT_TIMEOUT_S = 5.0
 # Idle upstream connections are dropped before a worker closes them (bench.client explains).
 UPSTREAM_KEEP_ALIVE_S = 4.0
 LARGE_BODY_BYTES = 32 << 10  # requests above this are tokenized on a thread, not the loop
+# HTTP limits of the router's own server, set explicitly (aiohttp's values): a request line or
+# header field of at most 8190 bytes, at most 128 header fields (else 400). aiohttp closes a
+# connection that sent no complete request head within KEEP_ALIVE_S of connecting or of its
+# previous answer: idle keep-alive and the header timeout are one knob there. The body must
+# arrive within protocol.BODY_TIMEOUT_S (408).
+KEEP_ALIVE_S = 75.0  # as the workers' (server.cli.SERVER_KEEP_ALIVE_S): clients keep <= 60 s
+# After answering a request whose body was not read (408, 413, 415), aiohttp reads and drops
+# the rest for at most this long, so that a client still sending sees the answer; then closes.
+LINGER_S = 2.0
+MAX_LINE_BYTES = 8190
+MAX_FIELD_BYTES = 8190
+MAX_HEADERS = 128
+# glibc keeps memory the router freed: under a steady load RSS crept ~0.3 MiB/min while live
+# Python objects and malloc's in-use bytes stayed flat (DESIGN section 10); malloc_trim hands
+# it back. Once a minute, well under a millisecond on this heap.
+MALLOC_TRIM_INTERVAL_S = 60.0
 
 
 def _dumps(obj: Any) -> bytes:
@@ -85,22 +110,32 @@ class Reply(Exception):
     """Answer the client with this (an error, ours or a worker's passed through)."""
 
     def __init__(self, status: int, body: bytes, content_type: str = "application/json",
-                 outcome: str = "client_error") -> None:
+                 outcome: str = "client_error", close: bool = False) -> None:
         super().__init__(status)
         self.status = status
         self.body = body
         self.content_type = content_type
         self.outcome = outcome
+        self.close = close  # the request body was not read: the connection cannot be reused
 
     @classmethod
     def error(cls, status: int, message: str, type: str = "invalid_request_error",
               param: str | None = None, code: str | None = None,
-              outcome: str | None = None) -> Reply:
+              outcome: str | None = None, close: bool = False) -> Reply:
         return cls(status, _dumps(error_body(message, type, param, code)),
-                   outcome=outcome or ("client_error" if status < 500 else "upstream_error"))
+                   outcome=outcome or ("client_error" if status < 500 else "upstream_error"),
+                   close=close)
+
+    @classmethod
+    def from_api_error(cls, e: P.APIError, close: bool = False) -> Reply:
+        return cls(e.status, _dumps(e.body()), close=close,
+                   outcome="client_error" if e.status < 500 else "upstream_error")
 
     def response(self) -> web.Response:
-        return web.Response(status=self.status, body=self.body, content_type=self.content_type)
+        resp = web.Response(status=self.status, body=self.body, content_type=self.content_type)
+        if self.close:
+            resp.force_close()
+        return resp
 
 
 class _Failed(Exception):
@@ -136,6 +171,39 @@ def check_cluster_token(config: ClusterConfig, token: str | None,
             f"{config.source}: context_servers: no cluster token: a disaggregated router signs "
             f"its calls to the workers with it (generation workers trust only signed requests' "
             f"context addresses): set $DISAGG_CLUSTER_TOKEN to the workers' token")
+
+
+# What a stale pooled connection raises when the request is sent on it (the worker closed it
+# or reset it before sending any response byte).
+_STALE_CONNECTION = tuple(e for e in (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
+                                      getattr(aiohttp, "ClientConnectionResetError", None))
+                          if e is not None)
+
+
+# Whether this task's latest upstream send got a pooled connection that had carried a request
+# before (set by _Connector.connect, read by Router._post after a failure: the send runs in
+# the caller's task, so in its context). aiohttp's trace hooks tell the same at ~25 us a
+# request; this costs ~1 us.
+_SENT_ON_USED: contextvars.ContextVar[bool] = contextvars.ContextVar("sent_on_used",
+                                                                    default=False)
+
+
+class _Connector(aiohttp.TCPConnector):
+    """A TCPConnector that notes, per sending task, whether a connection was used before."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._used: weakref.WeakSet[Any] = weakref.WeakSet()  # protocols that sent a request
+
+    async def connect(self, req: Any, traces: Any, timeout: Any) -> Any:
+        conn = await super().connect(req, traces, timeout)
+        proto = conn.protocol
+        try:
+            _SENT_ON_USED.set(proto in self._used)
+            self._used.add(proto)
+        except TypeError:  # not weak-referenceable (another aiohttp): never retried
+            _SENT_ON_USED.set(False)
+        return conn
 
 
 class Router:
@@ -178,9 +246,15 @@ class Router:
         self.membership = Membership(config, policy_configs, on_model_dir=self._discover,
                                      auth=self.auth)
         self.metrics = RouterMetrics(self.membership)
+        self.membership.on_remove = lambda w: self.metrics.forget_worker(
+            w.pool, self.policies[w.pool].name, w.url)
         self._background: set[asyncio.Task[None]] = set()
         self.session: aiohttp.ClientSession | None = None
+        # New connections only: the retry of a send whose pooled connection turned out stale.
+        self.fresh_session: aiohttp.ClientSession | None = None
         self.max_retries = config.max_retries
+        self.body_timeout_s = P.BODY_TIMEOUT_S  # then 408 (tests shorten it)
+        self._trim_task: asyncio.Task[None] | None = None
 
     # -- tokenizer (only for policies that need prompt tokens) --------------------------------
 
@@ -273,15 +347,24 @@ class Router:
         # One session, keep-alive connections, no pool limit (long streams must not starve
         # the others of connections).
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300,
-                                           keepalive_timeout=UPSTREAM_KEEP_ALIVE_S),
+            connector=_Connector(limit=0, limit_per_host=0, ttl_dns_cache=300,
+                                 keepalive_timeout=UPSTREAM_KEEP_ALIVE_S),
+            timeout=timeout, auto_decompress=False)
+        self.fresh_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=True),
             timeout=timeout, auto_decompress=False)
         await self.membership.start(self.session)
+        trim = _malloc_trim()
+        if trim is not None:
+            self._trim_task = asyncio.get_running_loop().create_task(_trim_loop(trim))
 
     async def cleanup(self, app: web.Application) -> None:
+        if self._trim_task is not None:
+            self._trim_task.cancel()
         await self.membership.stop()
-        if self.session is not None:
-            await self.session.close()
+        for session in (self.session, self.fresh_session):
+            if session is not None:
+                await session.close()
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -326,20 +409,35 @@ class Router:
     async def _post(self, w: Worker, role: str, path: str, data: bytes, signed: bool = False
                     ) -> aiohttp.ClientResponse:
         """Send (``signed``: with the cluster signature over ``data``); a failure to get
-        response headers is ``_Failed`` (the worker is taken out of rotation when it could not
-        be reached)."""
-        assert self.session is not None
-        headers = self.upstream_headers[role]
-        if signed:
-            headers = {**headers, **self.auth.signature("POST", path, data)}
+        response headers is ``_Failed``. A worker that refuses the connection is taken out of
+        rotation at once; other failures count towards ``REQUEST_FAILURE_THRESHOLD``. A pooled
+        keep-alive connection that the worker had already closed (reset or closed before any
+        response byte: the worker never saw the request) is no failure: the send is repeated
+        at once on a new connection (with a new signature: a nonce is accepted once)."""
+        assert self.session is not None and self.fresh_session is not None
+        url, base = w.base + path, self.upstream_headers[role]
+        headers = {**base, **self.auth.signature("POST", path, data)} if signed else base
+        _SENT_ON_USED.set(False)
         try:
-            return await self.session.post(w.base + path, data=data, headers=headers)
+            try:
+                resp = await self.session.post(url, data=data, headers=headers)
+            except aiohttp.ClientConnectorError:
+                raise
+            except _STALE_CONNECTION:
+                if not _SENT_ON_USED.get():
+                    raise
+                logger.debug("%s: pooled connection was stale; sending again", w.url)
+                if signed:
+                    headers = {**base, **self.auth.signature("POST", path, data)}
+                resp = await self.fresh_session.post(url, data=data, headers=headers)
         except aiohttp.ClientConnectorError as e:  # never connected: it saw nothing
             self.membership.mark_failed(w, f"unreachable: {e}")
             raise _Failed(f"{w.url}: {e}", reached=False) from None
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            self.membership.mark_failed(w, f"failed: {type(e).__name__}: {e}")
+            self.membership.request_failed(w, f"failed: {type(e).__name__}: {e}")
             raise _Failed(f"{w.url}: {type(e).__name__}: {e}") from None
+        w.request_failures = 0  # it answered
+        return resp
 
     async def _error_answer(self, w: Worker, resp: aiohttp.ClientResponse) -> _Failed:
         """A worker's 5xx answer, as a retryable failure carrying it (for pass-through)."""
@@ -349,7 +447,8 @@ class Router:
             body = _dumps(error_body(f"{w.url} answered {resp.status}", "upstream_error"))
         finally:
             resp.release()
-        if resp.status == 503:  # draining or engine down: out until /health says otherwise
+        if resp.status == 503 and (b'"draining"' in body or b'"engine_unavailable"' in body):
+            # what its /health says too: out until a check passes (a full queue is no reason)
             self.membership.mark_failed(w, "answered 503")
         kv = resp.status == 502 and b"kv_transfer_failed" in body
         return _Failed(f"{w.url} answered {resp.status}",
@@ -378,7 +477,7 @@ class Router:
             try:
                 body = await resp.read()
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                self.membership.mark_failed(w, f"failed mid-answer: {type(e).__name__}")
+                self.membership.request_failed(w, f"failed mid-answer: {type(e).__name__}")
                 raise _Failed(f"{w.url}: {type(e).__name__}: {e}") from None
             now = time.monotonic()
             self.metrics.gen_first_byte.observe(now - t0)
@@ -429,10 +528,10 @@ class Router:
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             why = f"generation worker {w.url} failed mid-stream: {type(e).__name__}: {e}"
             if out is None:  # nothing sent yet: another worker may still serve it
-                self.membership.mark_failed(w, why)
+                self.membership.request_failed(w, why)
                 raise _Failed(why) from None
             logger.warning("%s", why)
-            self.membership.mark_failed(w, why)
+            self.membership.request_failed(w, why)
             st.outcome = "stream_error"
             err = error_body(why, "upstream_error", code="upstream_failed")
             with contextlib.suppress(ConnectionError):
@@ -490,7 +589,8 @@ class Router:
                 try:
                     body = await resp.read()
                 except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                    self.membership.mark_failed(w, f"failed mid-answer: {type(e).__name__}")
+                    self.membership.request_failed(w, f"failed mid-answer: "
+                                                   f"{type(e).__name__}")
                     raise _Failed(f"{w.url}: {type(e).__name__}: {e}") from None
                 self.metrics.ctx_latency.observe(time.monotonic() - t0)
                 if resp.status != 200:
@@ -559,7 +659,9 @@ class Router:
                     try:
                         out = await self.call_and_relay(request, st, w, "generation", path,
                                                         gen_data, route, ctx_usage, signed=True)
-                        taken = True
+                        # A refusal (4xx) reads no KV: free the lease now, not at its expiry
+                        # (idempotent should the worker have released it too).
+                        taken = out.status < 400
                         return out
                     except _Failed as f:
                         last = f
@@ -617,11 +719,18 @@ class Router:
         t0 = time.monotonic()
         try:
             self.check_auth(request)
-            raw = await request.read()
+            raw = await self.read_body(request)
             m = self.membership
             body: dict[str, Any] | None = None
             if m.disaggregated or self.need_tokens:
                 body = _parse_body(raw)
+                # The workers' own schema, once, before the context call: the context worker
+                # gets the request with `stream` rewritten, so it alone cannot refuse what the
+                # generation worker would (and would hold KV for a request nobody reads).
+                try:
+                    _normalize(body, P.validate_request(path, body))
+                except P.APIError as e:
+                    raise Reply.from_api_error(e) from None
             route = RouteRequest()
             if self.need_tokens and body is not None:
                 if len(raw) > LARGE_BODY_BYTES:  # tokenizing and hashing take milliseconds:
@@ -656,6 +765,26 @@ class Router:
             self.metrics.requests.labels(path, st.outcome).inc()
             self.metrics.request_latency.observe(time.monotonic() - t0)
 
+    async def read_body(self, request: web.Request) -> bytes:
+        """The body, plain JSON (415 for a Content-Encoding), within ``body_timeout_s`` (408;
+        a client that announced more than it sends would otherwise hold its handler), at
+        most ``MAX_BODY_BYTES`` (413)."""
+        try:
+            P.check_content_encoding(request.headers.get("Content-Encoding"))
+        except P.APIError as e:
+            raise Reply.from_api_error(e, close=True) from None
+        try:
+            if request.content.is_eof():  # the usual case: it came with the headers
+                return await request.read()
+            return await asyncio.wait_for(request.read(), self.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise Reply.error(408, f"the request body did not arrive within "
+                              f"{self.body_timeout_s:g} s", code="request_timeout",
+                              close=True) from None
+        except web.HTTPRequestEntityTooLarge:
+            raise Reply.error(413, f"request body too large (at most {MAX_BODY_BYTES} bytes)",
+                              code="body_too_large", close=True) from None
+
     async def handle_models(self, request: web.Request) -> web.Response:
         try:
             self.check_auth(request)
@@ -677,8 +806,10 @@ class Router:
                     if r.status < 500:
                         return web.Response(status=r.status, body=body,
                                             content_type=r.content_type)
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            except aiohttp.ClientConnectorError as e:
                 self.membership.mark_failed(w, f"unreachable: {e}")
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                self.membership.request_failed(w, f"failed: {type(e).__name__}: {e}")
         return Reply.error(503, "no healthy generation worker", "service_unavailable",
                            code="no_healthy_worker").response()
 
@@ -783,6 +914,20 @@ ROUTER_KEY = web.AppKey("router", Router)
 # ---- pure helpers ---------------------------------------------------------------------------
 
 
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim``, or None (musl, macOS: nothing to do)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+async def _trim_loop(trim: Any) -> None:
+    while True:
+        await asyncio.sleep(MALLOC_TRIM_INTERVAL_S)
+        trim(0)
+
+
 def _reason(f: _Failed) -> str:
     if f.kv_transfer:
         return "kv_transfer_failed"
@@ -792,16 +937,25 @@ def _reason(f: _Failed) -> str:
 
 
 def _parse_body(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise Reply.error(400, f"malformed JSON body: {e}") from None
-    if not isinstance(body, dict):
-        raise Reply.error(400, "the request body must be a JSON object")
+    try:  # the workers' parser: also refuses NaN, deep nesting, lone surrogates
+        body = P.parse_json_object(raw)
+    except P.APIError as e:
+        raise Reply.from_api_error(e) from None
     if body.get("disaggregated_params") is not None:
         raise Reply.error(400, "disaggregated_params: set by the router, not by clients",
                           param="disaggregated_params")
     return body
+
+
+def _normalize(body: dict[str, Any], req: Any) -> None:
+    """``stream`` and ``include_usage`` as the workers read them (pydantic also takes "true",
+    1, "false", ...), so that the router's own final answer agrees with theirs."""
+    if "stream" in body and body["stream"] is not req.stream:
+        body["stream"] = req.stream
+    opts = body.get("stream_options")
+    if isinstance(opts, dict) and "include_usage" in opts and (
+            opts["include_usage"] is not req.stream_options.include_usage):
+        body["stream_options"] = {**opts, "include_usage": req.stream_options.include_usage}
 
 
 def _splittable(path: str, body: Mapping[str, Any]) -> bool:
@@ -899,6 +1053,26 @@ async def _final_answer(request: web.Request, path: str, body: Mapping[str, Any]
 # ---- the app --------------------------------------------------------------------------------
 
 
+_HTTP_VERSIONS = (aiohttp.HttpVersion10, aiohttp.HttpVersion11)
+
+
+@web.middleware
+async def _guard(request: web.Request, handler: Any) -> web.StreamResponse:
+    """HTTP/1.0 and 1.1 only (aiohttp's parser passes 0.9 and 2.0 on: 505); an unexpected
+    error is a logged 500 with OpenAI error JSON."""
+    if request.version not in _HTTP_VERSIONS:
+        v = request.version
+        return Reply.error(505, f"HTTP/{v.major}.{v.minor} is not supported (HTTP/1.0 or 1.1)",
+                           code="http_version", close=True).response()
+    try:
+        return await handler(request)
+    except (web.HTTPException, asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception:
+        logger.exception("unhandled error serving %s", request.path)
+        return Reply.error(500, "internal server error", "internal_server_error").response()
+
+
 def build_router_app(config: ClusterConfig, *, tokenizer: Any = None,
                      cluster_token: str | None = None, insecure_membership: bool = False
                      ) -> web.Application:
@@ -908,7 +1082,7 @@ def build_router_app(config: ClusterConfig, *, tokenizer: Any = None,
     RouterConfigError when there is none and the config needs one (``check_cluster_token``)."""
     router = Router(config, tokenizer=tokenizer, cluster_token=cluster_token,
                     insecure_membership=insecure_membership)
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_guard])
     app[ROUTER_KEY] = router
     app.on_startup.append(router.startup)
     app.on_cleanup.append(router.cleanup)
@@ -924,10 +1098,15 @@ def build_router_app(config: ClusterConfig, *, tokenizer: Any = None,
     return app
 
 
-async def start_router(app: web.Application, host: str, port: int
-                       ) -> tuple[web.AppRunner, int]:
-    """Serve ``app`` on ``host:port`` (0: a free port); returns the runner and the port."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+async def start_router(app: web.Application, host: str, port: int, *,
+                       keep_alive_s: float = KEEP_ALIVE_S) -> tuple[web.AppRunner, int]:
+    """Serve ``app`` on ``host:port`` (0: a free port); returns the runner and the port.
+    ``keep_alive_s``: idle keep-alive, and the time a request head has to arrive in."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           keepalive_timeout=keep_alive_s, max_line_size=MAX_LINE_BYTES,
+                           max_field_size=MAX_FIELD_BYTES, max_headers=MAX_HEADERS,
+                           lingering_time=LINGER_S,
+                           auto_decompress=False)  # bodies are plain JSON (else 415)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=1024)
     await site.start()

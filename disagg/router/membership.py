@@ -10,10 +10,13 @@ Health: every ``health_check_interval_sec`` the router GETs each worker's ``/hea
 ``/server_info`` (role, tokens_per_block, worker_id, model_dir), signed with the cluster token
 and with the pool's API key (``UpstreamAuth``); a worker out of rotation is
 probed every 0.5 s (or the interval, if shorter). A worker is in rotation only
-while healthy; a request that cannot reach a worker (or gets 503) takes it out at once, and
-the next passing check puts it back. A worker whose role does not fit its pool (an
-aggregated worker where generation_only requests are sent) stays out, with the reason shown in
-``GET /cluster_info``.
+while healthy. Health comes from these checks, not from one request: a refused connection, or
+a 503 saying the worker drains or its engine is down, takes it out at once (the same as a
+failing check would); any other failed request only triggers a check now, and
+``REQUEST_FAILURE_THRESHOLD`` consecutive failed requests take it out (a request that got an
+answer resets the count). The next passing check puts it back. A worker whose role does not
+fit its pool (an aggregated worker where generation_only requests are sent) stays out, with the
+reason shown in ``GET /cluster_info``.
 
 KV index (kv_cache_aware sides, and generation workers under conditional disaggregation):
 the router polls each healthy worker's ``GET /kv_events?since=SEQ`` every
@@ -42,6 +45,9 @@ logger = logging.getLogger("disagg.router")
 ROLES = ("context", "generation")
 HEALTH_TIMEOUT_S = 5.0
 UNHEALTHY_RECHECK_S = 0.5  # how often a worker out of rotation is probed again
+# Consecutive failed requests (reset, timeout, cut mid-answer) that take a worker out of
+# rotation without waiting for its health check; one failure alone never does.
+REQUEST_FAILURE_THRESHOLD = 3
 
 
 class UpstreamAuth:
@@ -86,6 +92,7 @@ class Worker:
     registration: dict[str, Any] | None = None
     requests_total: int = 0
     kv_poll_errors: int = 0
+    request_failures: int = 0  # consecutive failed requests (reset by any answer)
 
     @property
     def base(self) -> str:
@@ -119,6 +126,8 @@ class Membership:
         if config.conditional_disagg is not None:
             self.kv_roles.add("generation")
         self.on_model_dir = on_model_dir  # a worker's checkpoint folder (tokenizer discovery)
+        # called with a worker dropped from its pool (the router forgets its metric series)
+        self.on_remove: Callable[[Worker], None] | None = None
         self.pools: dict[str, list[Worker]] = {role: [] for role in ROLES}
         self.by_url: dict[str, Worker] = {}
         self.session: Any = None  # aiohttp.ClientSession, set by start()
@@ -158,6 +167,8 @@ class Membership:
         w.reason = why
         for t in self._tasks.pop(w.url, []):
             t.cancel()
+        if self.on_remove is not None:
+            self.on_remove(w)
 
     def mark_failed(self, w: Worker, why: str) -> None:
         """Take ``w`` out of rotation now (a request could not use it); the health loop puts
@@ -170,6 +181,15 @@ class Membership:
             w.failing_since = time.monotonic()
         if not w.checking:
             self.spawn(self.check(w))  # confirm soon rather than at the next round
+
+    def request_failed(self, w: Worker, why: str) -> None:
+        """A request to ``w`` failed after connecting (reset, timeout, cut): check its health
+        now; ``REQUEST_FAILURE_THRESHOLD`` in a row take it out of rotation."""
+        w.request_failures += 1
+        if w.request_failures >= REQUEST_FAILURE_THRESHOLD:
+            self.mark_failed(w, f"{w.request_failures} failed requests in a row; last: {why}")
+        elif not w.checking:
+            self.spawn(self.check(w))
 
     def ready(self) -> tuple[bool, str]:
         """Ready when enough workers of each pool are healthy: ``minimal_instances`` with

@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -67,6 +68,15 @@ class RouterMetrics:
         self.kv_prompt = Counter(P + "kv_prompt_tokens", "Prompt tokens routed by "
                                  "kv_cache_aware.", ["role"], registry=r)
         r.register(_WorkerCollector(membership))
+
+    def forget_worker(self, role: str, policy: str, url: str) -> None:
+        """Drop the series labelled with a worker that left the cluster: with dynamic
+        membership every restart on a new port is a new ``worker`` label, and the registry
+        would otherwise keep each one's series for the router's lifetime."""
+        for metric, labels in ((self.decisions, (role, policy, url)),
+                               (self.kv_matched, (role, url))):
+            with contextlib.suppress(KeyError):  # never used (older prometheus_client raises)
+                metric.remove(*labels)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

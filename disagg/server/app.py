@@ -38,6 +38,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from disagg import __version__
 from disagg.cluster_auth import AUTH_HEADER, AuthError, HttpVerifier, PeerAllowlist
@@ -48,6 +49,7 @@ from disagg.parallel.layout import ParallelLayout
 from disagg.request import SamplingParams
 from disagg.server import protocol as P
 from disagg.server.cli import check_role
+from disagg.server.http_guard import MAX_BODY_BYTES, HttpGuard
 from disagg.server.metrics import ServerMetrics
 from disagg.transfer.layout import check_compatible
 from disagg.transfer.params import ContextParams
@@ -160,6 +162,12 @@ class _FanOut:
                 c, item = await self.queue.get()
                 if isinstance(item, BaseException):
                     raise _map_engine_error(item)
+                if item is _END:
+                    # A choice that already finished (its outputs are buffered) ends while
+                    # others still wait for capacity; or one that ended without any output.
+                    self.buffer.append((c, item))
+                    waiting.discard(c)
+                    continue
                 if item.finished and _transfer_failed(item):
                     # No token yet: a failed KV pull gets its own status, streamed or not.
                     raise _transfer_error(item.error)
@@ -297,6 +305,7 @@ class _Server:
         self.verifier = HttpVerifier(token) if token else None
         self.peer_allowlist: PeerAllowlist = getattr(
             transfer_settings, "kv_peer_allowlist", None) or PeerAllowlist()
+        self.body_timeout_s = P.BODY_TIMEOUT_S  # then 408 (tests shorten it)
 
     def _decode_one(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -328,6 +337,44 @@ class _Server:
     def abort_all(self) -> None:
         for fan in {id(f): f for f in self.inflight.values()}.values():
             fan.abort()
+
+    async def read_body(self, request: Request) -> bytes:
+        """The request body: plain (415 for a Content-Encoding), at most MAX_BODY_BYTES (413),
+        arrived within ``body_timeout_s`` (408; a client that announced more than it sends
+        would otherwise hold its handler forever)."""
+        P.check_content_encoding(request.headers.get("content-encoding"))
+        close = {"Connection": "close"}  # the rest of the body is not read
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > MAX_BODY_BYTES:
+            raise P.APIError(413, f"request body too large: {length} bytes (at most "
+                             f"{MAX_BODY_BYTES})", code="body_too_large", headers=close)
+
+        async def read() -> bytes:
+            chunks, size = [], 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise P.APIError(413, f"request body too large (at most {MAX_BODY_BYTES} "
+                                     "bytes)", code="body_too_large", headers=close)
+                chunks.append(chunk)
+            return b"".join(chunks)
+
+        try:
+            body = await asyncio.wait_for(read(), self.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise P.APIError(408, f"the request body did not arrive within "
+                             f"{self.body_timeout_s:g} s", code="request_timeout",
+                             headers=close) from None
+        except ClientDisconnect:  # nobody will read the answer
+            raise P.APIError(400, "the client closed the connection before sending its body",
+                             code="client_disconnected") from None
+        request.state.body = body  # the stream is consumed: later readers use body_of
+        return body
+
+    @staticmethod
+    def body_of(request: Request) -> bytes | None:
+        """The body ``read_body`` read (None when it was not read, or refused)."""
+        return getattr(request.state, "body", None)
 
     # -- checks -------------------------------------------------------------------------------
 
@@ -595,6 +642,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     if srv.verifier is None and not settings.api_key:
         logger.warning("no API key and no cluster token: /server_info and /kv_events answer "
                        "anyone who can reach this port (set --api-key or --cluster-token)")
+    app.add_middleware(HttpGuard)  # HTTP limits; a 500 that keeps the connection alive
 
     def error_response(e: P.APIError) -> JSONResponse:
         reason = {400: "invalid_request", 401: "unauthorized", 404: "model_not_found"}.get(
@@ -638,10 +686,11 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         async def wrapped(request: Request) -> Response:
             try:
                 return await handler(request)
-            except Exception as e:
-                if not (isinstance(e, P.APIError) and e.status == 401):  # body not read
+            except Exception:
+                body = srv.body_of(request)
+                if body is not None:  # (a refusal before the body was read names no lease)
                     try:
-                        srv.release_refused(request, await request.body())
+                        srv.release_refused(request, body)
                     except Exception:  # never hide the refusal itself
                         logger.exception("cannot release the context lease")
                 raise
@@ -653,7 +702,8 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     async def completions(request: Request) -> Response:
         t_arrival = time.monotonic()
         srv.check_auth(request)
-        req: P.CompletionRequest = P.parse_request(P.CompletionRequest, await request.body())
+        req: P.CompletionRequest = P.parse_request(P.CompletionRequest,
+                                                   await srv.read_body(request))
         _log_extra(req)
         srv.check_model(req.model)
         srv.check_accepting()
@@ -683,7 +733,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         t_arrival = time.monotonic()
         srv.check_auth(request)
         req: P.ChatCompletionRequest = P.parse_request(P.ChatCompletionRequest,
-                                                       await request.body())
+                                                       await srv.read_body(request))
         _log_extra(req)
         srv.check_model(req.model)
         srv.check_accepting()
@@ -731,7 +781,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         signed = False
         remote = None
         if kind == "generation_only" and not dummy:
-            signed = srv.is_signed(request, await request.body())
+            signed = srv.is_signed(request, srv.body_of(request) or b"")
             remote = srv.remote_params(req, ids, signed)
         if dummy and "prompt_token_ids" in req.disaggregated_params:
             raw = req.disaggregated_params["prompt_token_ids"]
@@ -889,18 +939,17 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         if rt is None or rt.role != "context":
             raise P.APIError(404, f"no KV leases on a {settings.role!r} worker",
                              type="not_found_error")
-        raw = await request.body()
+        raw = await srv.read_body(request)
         why = srv.signature_error(request, raw)
         if why is not None:
             raise P.APIError(401, f"/kv_leases/release: needs a cluster signature "
                              f"({AUTH_HEADER}): {why}", type="authentication_error",
                              code="unauthorized")
         try:
-            body = json.loads(raw)
-            lease_id = body["ctx_request_id"]
+            lease_id = P.parse_json_object(raw)["ctx_request_id"]
             if not isinstance(lease_id, str):
                 raise TypeError
-        except (ValueError, KeyError, TypeError):
+        except (P.APIError, KeyError, TypeError):
             raise P.bad_request("ctx_request_id: expected {\"ctx_request_id\": str}",
                                 param="ctx_request_id") from None
         return JSONResponse({"ctx_request_id": lease_id,

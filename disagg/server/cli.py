@@ -349,9 +349,12 @@ def run_server(
         # (cleanly, through the engine) when the drain period ends.
         begin_drain(app, drain_timeout)
 
+    from disagg.server.http_guard import uvicorn_options
+
     uv_config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, lifespan="on",
-        timeout_keep_alive=SERVER_KEEP_ALIVE_S,
+        # h11 with explicit limits and a header timeout; keep-alive SERVER_KEEP_ALIVE_S
+        **uvicorn_options(),
         # A backstop only: by then our own drain has aborted every request.
         timeout_graceful_shutdown=int(drain_timeout) + 5,
     )

@@ -218,6 +218,13 @@ class CompletionRequest(_Request):
         return items
 
     def to_sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+        self.check_fields()
+        max_tokens = self.max_tokens if self.max_tokens is not None else 16
+        check_context_length(num_prompt_tokens, max_tokens, max_model_len, "prompt")
+        return self._sampling_params(max_tokens, self.logprobs)
+
+    def check_fields(self) -> None:
+        """Every check that needs neither the tokenizer nor the model's limits."""
         self.common_checks()
         if self.echo:
             raise bad_request("echo: not supported", param="echo")
@@ -227,9 +234,6 @@ class CompletionRequest(_Request):
             raise bad_request("best_of: not supported (must equal n)", param="best_of")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad_request(f"logprobs: must be in [0, {MAX_LOGPROBS}]", param="logprobs")
-        max_tokens = self.max_tokens if self.max_tokens is not None else 16
-        check_context_length(num_prompt_tokens, max_tokens, max_model_len, "prompt")
-        return self._sampling_params(max_tokens, self.logprobs)
 
 
 class ChatMessage(BaseModel):
@@ -275,6 +279,32 @@ class ChatCompletionRequest(_Request):
 
     def to_sampling_params(self, num_prompt_tokens: int, max_model_len: int,
                            kv_capacity_tokens: int | None = None) -> SamplingParams:
+        self.check_fields()
+        max_tokens, _ = self.requested_max_tokens()
+        if max_tokens is None:
+            # OpenAI's chat default: as much as the context allows (and the KV cache holds,
+            # else the engine refuses the request as one that can never fit).
+            check_context_length(num_prompt_tokens, 1, max_model_len, "messages")
+            limit = min(max_model_len, kv_capacity_tokens or max_model_len)
+            max_tokens = max(limit - num_prompt_tokens, 1)
+        else:
+            check_context_length(num_prompt_tokens, max_tokens, max_model_len, "messages")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs)
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """max_completion_tokens, else max_tokens (None: as many as fit), and its field name;
+        400 when it is < 1."""
+        max_tokens = self.max_completion_tokens
+        name = "max_completion_tokens"
+        if max_tokens is None:
+            max_tokens, name = self.max_tokens, "max_tokens"
+        if max_tokens is not None and max_tokens < 1:
+            raise bad_request(f"{name}: must be >= 1", param=name)
+        return max_tokens, name
+
+    def check_fields(self) -> None:
+        """Every check that needs neither the tokenizer nor the model's limits."""
         self.common_checks()
         if self.tools:
             raise bad_request("tools: tool calling is not supported", param="tools")
@@ -290,22 +320,6 @@ class ChatCompletionRequest(_Request):
             if not self.logprobs:
                 raise bad_request("top_logprobs: requires logprobs to be true",
                                   param="top_logprobs")
-        max_tokens = self.max_completion_tokens
-        name = "max_completion_tokens"
-        if max_tokens is None:
-            max_tokens, name = self.max_tokens, "max_tokens"
-        if max_tokens is None:
-            # OpenAI's chat default: as much as the context allows (and the KV cache holds,
-            # else the engine refuses the request as one that can never fit).
-            check_context_length(num_prompt_tokens, 1, max_model_len, "messages")
-            limit = min(max_model_len, kv_capacity_tokens or max_model_len)
-            max_tokens = max(limit - num_prompt_tokens, 1)
-        elif max_tokens < 1:
-            raise bad_request(f"{name}: must be >= 1", param=name)
-        else:
-            check_context_length(num_prompt_tokens, max_tokens, max_model_len, "messages")
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
 
 
 def check_context_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int,
@@ -323,12 +337,7 @@ def check_context_length(num_prompt_tokens: int, max_tokens: int, max_model_len:
 
 def parse_request(model: type[_Request], raw: bytes) -> Any:
     """Body bytes -> request model, or a 400 ``APIError`` (malformed JSON, wrong types)."""
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad_request(f"malformed JSON body: {e}") from None
-    if not isinstance(data, dict):
-        raise bad_request("the request body must be a JSON object")
+    data = parse_json_object(raw)
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -479,3 +488,127 @@ def sse(data: dict[str, Any] | Literal["[DONE]"]) -> str:
 
 
 SSE_DONE = sse("[DONE]")
+
+
+# ---- request bodies: one parser and one schema check for the workers and the router ----------
+
+MAX_JSON_DEPTH = 32  # OpenAI bodies nest 4-5 levels; deeper JSON only stresses the parsers
+BODY_TIMEOUT_S = 30.0  # longest wait for a request body once its headers arrived (then 408)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):  # 1e400
+        raise ValueError(f"{text[:20]} is out of range (numbers must be finite)")
+    return value
+
+
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """A request body -> its JSON object, or a 400 ``APIError``: malformed JSON, not UTF-8
+    (or UTF-16/32), ``NaN`` / ``Infinity``, nesting deeper than ``MAX_JSON_DEPTH``, lone
+    UTF-16 surrogates (``"\\ud800"``: no tokenizer or JSON encoder takes them)."""
+    try:
+        text = raw.decode(json.detect_encoding(raw))
+    except UnicodeDecodeError as e:
+        raise bad_request(f"malformed JSON body: not valid UTF-8 ({e.reason} at byte "
+                          f"{e.start})") from None
+    try:
+        data = _DECODER.decode(text)
+    except RecursionError:
+        raise bad_request(f"malformed JSON body: nested deeper than {MAX_JSON_DEPTH} levels"
+                          ) from None
+    except ValueError as e:
+        raise bad_request(f"malformed JSON body: {e}") from None
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object")
+    # Cheap scans first: most bodies have neither surrogate escapes nor many brackets.
+    surrogates = "\\ud" in text or "\\uD" in text
+    if surrogates or text.count("[") + text.count("{") > MAX_JSON_DEPTH:
+        _check_json_tree(data, surrogates)
+    return data
+
+
+def _check_json_tree(data: Any, strings: bool) -> None:
+    stack: list[tuple[Any, int, str]] = [(data, 1, "")]
+    while stack:
+        obj, depth, path = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise bad_request(f"malformed JSON body: nested deeper than {MAX_JSON_DEPTH} "
+                              "levels", param=path.partition(".")[0] or None)
+        if isinstance(obj, dict):
+            items: Any = obj.items()
+        elif isinstance(obj, list):
+            items = enumerate(obj)
+        else:
+            continue
+        for key, value in items:
+            if strings and isinstance(key, str) and not _utf8_ok(key):
+                key = key.encode("utf-8", "backslashreplace").decode()  # printable in the error
+                where = f"{path}.{key}" if path else key
+                raise bad_request(f"{where}: a key with a lone UTF-16 surrogate (invalid "
+                                  "Unicode)", param=where.partition(".")[0])
+            where = f"{path}.{key}" if path else str(key)
+            if strings and isinstance(value, str) and not _utf8_ok(value):
+                raise bad_request(f"{where}: contains a lone UTF-16 surrogate (invalid "
+                                  "Unicode)", param=where.partition(".")[0])
+            if isinstance(value, dict | list):
+                stack.append((value, depth + 1, where))
+
+
+def _utf8_ok(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_content_encoding(value: str | None) -> None:
+    """Request bodies are plain JSON: a ``Content-Encoding`` (gzip, ...) is refused with 415."""
+    if value and value.strip().lower() != "identity":
+        raise APIError(415, f"Content-Encoding: {value!r} is not supported; send the JSON "
+                       "body uncompressed", type="invalid_request_error",
+                       param="Content-Encoding", code="unsupported_media_type")
+
+
+REQUEST_MODELS: dict[str, type[_Request]] = {
+    "/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+
+
+def validate_request(path: str, body: dict[str, Any]) -> _Request:
+    """The checks a worker applies to an OpenAI request that need neither its tokenizer nor
+    its model's limits (shapes and types, ranges, unsupported options), for a parsed body of
+    ``path``; 400 ``APIError`` naming the field. The router runs it once before the context
+    call, so the context and generation workers never disagree about a request (the router
+    rewrites ``stream`` for the first call). Returns the validated request."""
+    try:
+        req = REQUEST_MODELS[path].model_validate(body)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+    except RecursionError:
+        raise bad_request(f"malformed JSON body: nested deeper than {MAX_JSON_DEPTH} levels"
+                          ) from None
+    req.check_fields()
+    if isinstance(req, CompletionRequest):
+        req.prompts()
+        max_tokens, logprobs = (req.max_tokens if req.max_tokens is not None else 16,
+                                req.logprobs)
+        if max_tokens < 1:
+            raise bad_request("max_tokens: must be >= 1", param="max_tokens")
+    else:
+        assert isinstance(req, ChatCompletionRequest)
+        req.chat_messages()
+        max_tokens, _ = req.requested_max_tokens()
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    # Ranges (temperature, top_p, stop, ...); without a max_tokens the worker derives one from
+    # the prompt, so min_tokens is checked against it there.
+    req._sampling_params(max_tokens if max_tokens is not None else max(req.min_tokens, 1),
+                         logprobs)
+    return req
