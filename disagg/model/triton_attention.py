@@ -96,21 +96,21 @@ if HAS_TRITON:
     @triton.jit
     def _decode_split_kernel(
         q_ptr, kv_ptr, bt_ptr, lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-        qk_scale,                                   # softmax scale * log2(e)
+        qk_scale, num_splits,                       # softmax scale * log2(e), grid dim 2
         stride_qs, stride_qh,                       # q [S, H_q, D]
         stride_kn, stride_kkv, stride_kh, stride_kb,  # kv [N, 2, H_kv, B, D]
         stride_bts,                                 # block table [S, M]
         stride_os, stride_oh,                       # out [S, H_q, D]
         BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TILE_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr,
+        SPLIT: tl.constexpr,                        # num_splits > 1: write partials
     ):
         s = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         seq_len = tl.load(lens_ptr + s)
         # This split's keys [start, end): whole tiles, the last split takes the remainder.
-        tiles_per_split = tl.cdiv(tl.cdiv(seq_len, TILE_N), NUM_SPLITS)
+        tiles_per_split = tl.cdiv(tl.cdiv(seq_len, TILE_N), num_splits)
         start = split * tiles_per_split * TILE_N
         end = tl.minimum(start + tiles_per_split * TILE_N, seq_len)
 
@@ -147,36 +147,35 @@ if HAS_TRITON:
 
         safe_l = tl.where(l_i > 0, l_i, 1.0)
         o = acc / safe_l[:, None]                               # 0 where no key was read
-        if NUM_SPLITS == 1:
+        if not SPLIT:
             tl.store(out_ptr + s * stride_os + head[:, None] * stride_oh + d[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
         else:
-            # part_o [S, H_q, NUM_SPLITS, HEAD_PAD] float32, part_lse [S, H_q, NUM_SPLITS]
+            # part_o [S, H_q, num_splits, HEAD_PAD] float32, part_lse [S, H_q, num_splits]
             lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
             hq = tl.num_programs(1) * GROUP
-            idx = (s * hq + head) * NUM_SPLITS + split          # [GROUP_PAD]
+            idx = (s * hq + head) * num_splits + split          # [GROUP_PAD]
             tl.store(part_lse_ptr + idx, lse, mask=g_ok)
             tl.store(part_o_ptr + idx[:, None] * HEAD_PAD + d[None, :], o,
                      mask=g_ok[:, None])
 
     @triton.jit
     def _decode_reduce_kernel(
-        part_o_ptr, part_lse_ptr, out_ptr, stride_os, stride_oh,
-        HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+        part_o_ptr, part_lse_ptr, out_ptr, num_splits, stride_os, stride_oh,
+        HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
     ):
         s = tl.program_id(0)
         h = tl.program_id(1)
         hq = tl.num_programs(1)
         j = tl.arange(0, SPLITS_PAD)
         d = tl.arange(0, HEAD_PAD)
-        base = (s * hq + h) * NUM_SPLITS
-        lse = tl.load(part_lse_ptr + base + j, mask=j < NUM_SPLITS, other=float("-inf"))
+        base = (s * hq + h) * num_splits
+        lse = tl.load(part_lse_ptr + base + j, mask=j < num_splits, other=float("-inf"))
         m = tl.max(lse, 0)
         m = tl.where(m == float("-inf"), 0.0, m)                # every split empty: weights 0
         w = tl.exp2(lse - m)                                    # [SPLITS_PAD]
         o = tl.load(part_o_ptr + (base + j)[:, None] * HEAD_PAD + d[None, :],
-                    mask=(j < NUM_SPLITS)[:, None], other=0.0)  # [SPLITS_PAD, HEAD_PAD]
+                    mask=(j < num_splits)[:, None], other=0.0)  # [SPLITS_PAD, HEAD_PAD]
         denom = tl.sum(w, 0)
         res = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
         tl.store(out_ptr + s * stride_os + h * stride_oh + d,
@@ -318,20 +317,19 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Te
         part_o = part_lse = out  # unused by the kernel
     _decode_split_kernel[(s, hkv, num_splits)](
         q, kv_layer, block_tables, seq_lens, out, part_o, part_lse,
-        scale * _LOG2E,
+        scale * _LOG2E, num_splits,
         q.stride(0), q.stride(1),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         BLOCK_SIZE=bsz, HEAD_DIM=d, HEAD_PAD=head_pad,
         GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), TILE_N=tile_n,
-        NUM_SPLITS=num_splits, num_warps=num_warps,
+        SPLIT=num_splits > 1, num_warps=num_warps,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(s, hq)](
-            part_o, part_lse, out, out.stride(0), out.stride(1),
-            HEAD_DIM=d, HEAD_PAD=head_pad, NUM_SPLITS=num_splits,
-            SPLITS_PAD=_next_pow2(num_splits), num_warps=4,
+            part_o, part_lse, out, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=d, HEAD_PAD=head_pad, SPLITS_PAD=_next_pow2(num_splits), num_warps=4,
         )
     return out
 
