@@ -20,7 +20,7 @@ done
 PKGS=(
   fastapi==0.165.0 starlette==1.10.0 pydantic==2.13.4 pydantic-core==2.46.4
   annotated-types==0.7.0 typing-inspection==0.4.2 annotated-doc==0.0.7 uvicorn==0.54.0
-  ucxx-cu13==0.52.0 libucxx-cu13==0.52.0 'libucx-cu13>=1.21,<1.22' 'librmm-cu13==26.10.*' 'rapids-logger==0.2.*' opentelemetry-api 'rmm-cu13==26.10.*'
+  ucxx-cu13==0.52.0 libucxx-cu13==0.52.0 'libucx-cu13>=1.21,<1.22' 'librmm-cu13==26.10.*' 'rapids-logger==0.3.*' opentelemetry-api 'rmm-cu13==26.10.*'
 
 )
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
