@@ -125,10 +125,49 @@ class _Read:
     future: cf.Future
 
 
+_RECEIVE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_RECEIVE_STREAMS_LOCK = threading.Lock()
+
+
+def _receive_stream(device: torch.device) -> torch.cuda.Stream:
+    """A stream no kernel ever runs on, under which GPU receive buffers are allocated: the
+    caching allocator hands such a buffer out again only once every stream it was used on
+    (``record_stream`` in ``_install``) has finished with it, so the transport, which writes
+    outside any stream, never lands in memory that queued work still reads."""
+    with _RECEIVE_STREAMS_LOCK:
+        stream = _RECEIVE_STREAMS.get(device)
+        if stream is None:
+            stream = _RECEIVE_STREAMS[device] = torch.cuda.Stream(device)
+        return stream
+
+
+def _alloc_out(shape: tuple[int, ...], kv: torch.Tensor, device_direct: bool) -> torch.Tensor:
+    """A private receive buffer: GPU memory when the transport moves it, pinned host memory
+    for a GPU cache otherwise, plain host memory for a CPU cache."""
+    if kv.device.type == "cuda" and device_direct:
+        with torch.cuda.stream(_receive_stream(kv.device)):
+            return torch.empty(shape, dtype=kv.dtype, device=kv.device)
+    return torch.empty(shape, dtype=kv.dtype, pin_memory=kv.device.type == "cuda")
+
+
+def log_kv_path(client: Any, kv: torch.Tensor, where: str) -> None:
+    """Say once per client how pulled KV reaches a GPU cache (and why not directly)."""
+    if kv.device.type != "cuda":
+        return
+    ok, how = client.device_support
+    if ok:
+        logger.info("%s: pulled KV goes GPU to GPU (%s)", where, how)
+    else:
+        logger.warning("%s: pulled KV is staged in pinned host memory: %s", where, how)
+
+
 def _submit_reads(client: Any, params: ContextParams, dst: WorkerLayout, dst_rank: int,
                   kv: torch.Tensor, on_done: Callable[[cf.Future], None]) -> list[_Read]:
     """Start rank ``dst_rank``'s reads of a request: one per context rank it needs. Payloads
-    land in host memory (pinned when ``kv``, this rank's cache, is on a GPU)."""
+    land in GPU memory when ``kv``, this rank's cache, is on a GPU and the client's transport
+    moves GPU memory; else in host memory (pinned for a GPU cache)."""
+    device_direct = kv.device.type == "cuda" and bool(getattr(client, "device_payloads",
+                                                              False))
     src = params.layout
     # Same block size: whole blocks (server may send straight from its cache); else the
     # token-major format, scattered into our differently sized blocks.
@@ -145,8 +184,7 @@ def _submit_reads(client: Any, params: ContextParams, dst: WorkerLayout, dst_ran
         nh = piece.heads[1] - piece.heads[0]
         shape = ((len(src_blocks), nl, 2, nh, src.tokens_per_block, src.head_dim)
                  if fmt == "blocks" else (nl, 2, nh, params.num_tokens, src.head_dim))
-        # private: never freed under a transfer
-        out = torch.empty(shape, dtype=kv.dtype, pin_memory=kv.device.type == "cuda")
+        out = _alloc_out(shape, kv, device_direct)  # private: never freed under a transfer
         fut = client.read(params.addresses[piece.src_rank], req, out)
         fut.add_done_callback(on_done)
         reads.append(_Read(piece, req, out, fut))
@@ -156,13 +194,21 @@ def _submit_reads(client: Any, params: ContextParams, dst: WorkerLayout, dst_ran
 def _install(kv: torch.Tensor, block_ids: list[int], reads: list[_Read], num_tokens: int
              ) -> None:
     """Copy finished reads into this rank's blocks of the request. On a GPU the copies are
-    queued on the device's current stream, ahead of any step that reads these blocks."""
+    queued on the device's current stream, ahead of any step that reads these blocks; a
+    payload already in GPU memory (device-direct transfer) is read there, no host copy."""
     B = kv.shape[4]
     for r in reads:
         p = r.piece
-        # Pinned host -> GPU without waiting; the caching host allocator keeps r.out alive
-        # until the copy has run.
-        payload = r.out.to(kv.device, non_blocking=True)
+        if r.out.device == kv.device:
+            payload = r.out
+            if kv.device.type == "cuda":
+                # r.out was allocated under the receive stream: keep the allocator from
+                # handing it out again before this stream's copies below have read it.
+                payload.record_stream(torch.cuda.current_stream(kv.device))
+        else:
+            # Pinned host -> GPU without waiting; the caching host allocator keeps r.out
+            # alive until the copy has run.
+            payload = r.out.to(kv.device, non_blocking=True)
         if r.request.format == "tokens":
             scatter_tokens(kv, block_ids, payload, p.dst_layer_slice, p.dst_head_slice)
             continue
@@ -390,7 +436,8 @@ class DisaggRuntime:
     def _client(self, backend: str):  # noqa: ANN202 (KVTransferClient, imported lazily)
         client = self._clients.get(backend)
         if client is None:
-            client = _make_client(self.backend, backend, self.settings, self.stats)
+            client = _make_client(self.backend, backend, self.settings, self.stats,
+                                  self.kv_cache, "kv pulls of rank 0")
             self._clients[backend] = client
         return client
 
@@ -454,13 +501,15 @@ class DisaggRuntime:
             fut.add_done_callback(_log_release_failure)
 
 
-def _make_client(own: Any, backend: str, settings: DisaggSettings, stats: TransferStats
-                 ) -> Any:
+def _make_client(own: Any, backend: str, settings: DisaggSettings, stats: TransferStats,
+                 kv: torch.Tensor, where: str) -> Any:
     from disagg.transfer.service import KVTransferClient
 
     b = own if backend == own.name.upper() else make_backend(backend)
-    return KVTransferClient(b, settings.cluster_token, timeout_s=settings.read_timeout_s,
-                            stats=stats)
+    client = KVTransferClient(b, settings.cluster_token, timeout_s=settings.read_timeout_s,
+                              stats=stats)
+    log_kv_path(client, kv, f"{where} over {b.name}")
+    return client
 
 
 def _log_release_failure(fut: cf.Future) -> None:
@@ -562,7 +611,8 @@ class RankTransfer:
         client = self._clients.get(params.backend)
         if client is None:
             client = self._clients[params.backend] = _make_client(
-                self.backend, params.backend, self.settings, self.stats)
+                self.backend, params.backend, self.settings, self.stats, self.kv_cache,
+                f"kv pulls of rank {self.rank}")
         with self._lock:
             self._fetches[request_id] = fetch
             try:

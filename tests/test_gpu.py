@@ -1,6 +1,7 @@
 """The CUDA paths: the engine against transformers on the same GPU, KV transfer from and into
-a GPU cache (gathered on the GPU, staged in pinned host memory), and context / generation
-worker processes on a GPU against an aggregated one. Skipped without a CUDA device.
+a GPU cache (GPU to GPU over UCX's CUDA transports where UCX has them, else gathered on the GPU
+and staged in pinned host memory), and context / generation worker processes on a GPU against
+an aggregated one. Skipped without a CUDA device.
 
 The rest of the suite also runs on a GPU machine: workers started without ``--device`` pick
 CUDA there, so the end-to-end and router tests exercise it too.
@@ -18,7 +19,7 @@ from test_transfer_service import expected as _expected
 from test_transfer_service import same_bytes as _bytes_equal
 
 from disagg import LLM, SamplingParams
-from disagg.disaggregation import _install, _Read
+from disagg.disaggregation import _alloc_out, _install, _Read
 from disagg.transfer import KVTransferClient, KVTransferServer, LeaseTable, ReadRequest
 from disagg.transfer.layout import TransferPiece
 from disagg.transfer.payload import payload_shape
@@ -113,19 +114,71 @@ def test_server_over_gpu_cache_sends_identical_bytes(backend: str, dtype: torch.
             out = torch.full(payload_shape(tuple(kv.shape), req), -7.0, dtype=dtype,
                              pin_memory=True)
             result = client.read(server.address, req, out).result(30)
-            assert not result.zero_copy  # a GPU cache is always gathered
+            # zero copy only for a consecutive run of whole blocks (or one full block as
+            # tokens), sent from GPU memory
+            assert result.zero_copy == (server.device_direct
+                                        and any(req is c for c in (cases[1], cases[4])))
+            assert not result.device_direct  # the client staged in pinned host memory
             assert _bytes_equal(out, _expected(host, req)), req
         assert server.staging.allocations >= 1
-        assert server.stats.snapshot().failed_transfers == 0
+        snap = server.stats.snapshot()
+        assert snap.failed_transfers == 0
+        if backend == "tcp":
+            assert not server.device_direct
+            assert server.staging_reason == "the tcp backend moves host memory only"
+            assert snap.host_staged_transfers == len(cases)
+        assert client.stats.snapshot().host_staged_transfers == len(cases)
     finally:
         client.close()
         server.stop()
 
 
+@pytest.mark.skipif(not UCX_OK, reason=UCX_WHY)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ucx_moves_gpu_cache_gpu_to_gpu(dtype: torch.dtype) -> None:
+    """Where UCX has CUDA support, a GPU cache's payload goes GPU to GPU: sent from the cache
+    (consecutive whole blocks) or a device staging buffer, received into GPU memory; the
+    result and both sides' counters say so. Skips with UCX's reason where it has none."""
+    kv = _kv(7, dtype, "cuda")
+    leases = LeaseTable(default_ttl_s=30.0)
+    server = KVTransferServer(kv, leases, TOKEN, "ucx").start()
+    client = KVTransferClient("ucx", TOKEN, timeout_s=20)
+    try:
+        if not (server.device_direct and client.device_payloads):
+            pytest.skip(f"UCX cannot move GPU memory here: {client.device_support[1]}")
+        assert "cuda_copy" in client.device_support[1]
+        ids = [17, 3, 4, 9, 0, 22]
+        leases.create("r", ids, readers=1)
+        cases = [
+            ReadRequest("r", ids, (0, L), (0, H)),  # gathered into device staging
+            ReadRequest("r", ids[1:3], (0, L), (0, H)),  # zero copy from the cache
+            ReadRequest("r", ids, (1, 3), (2, 4)),
+            ReadRequest("r", ids, (0, L), (0, H), num_tokens=5 * B + 3, format="tokens"),
+        ]
+        host = kv.cpu()
+        for req in cases:
+            out = torch.full(payload_shape(tuple(kv.shape), req), -7.0, dtype=dtype,
+                             device="cuda")
+            result = client.read(server.address, req, out).result(30)
+            assert result.device_direct and result.staging_reason == "", result
+            assert result.zero_copy == (req is cases[1])
+            assert _bytes_equal(out.cpu(), _expected(host, req)), req
+        snap = server.stats.snapshot()
+        assert snap.device_direct_transfers == len(cases) and snap.host_staged_transfers == 0
+        csnap = client.stats.snapshot()
+        assert csnap.device_direct_transfers == len(cases) and csnap.host_staged_transfers == 0
+        assert server.staging.allocations >= 1  # a device buffer: no pinned host memory
+    finally:
+        client.close()
+        server.stop()
+
+
+@pytest.mark.parametrize("payload_on", ["pinned", "cuda"])
 @pytest.mark.parametrize("fmt", ["blocks", "tokens"])
-def test_install_into_gpu_cache_equals_cpu_install(fmt: str) -> None:
-    """The generation side's install (pinned payload -> GPU blocks) writes what the CPU
-    install writes, for a piece covering part of the layers and heads."""
+def test_install_into_gpu_cache_equals_cpu_install(fmt: str, payload_on: str) -> None:
+    """The generation side's install (pinned payload -> GPU blocks, or a payload already in
+    GPU memory after a device-direct pull) writes what the CPU install writes, for a piece
+    covering part of the layers and heads."""
     src = _kv(5, torch.float32)
     n_tokens = 3 * B + 5
     src_ids = [4, 11, 7, 2]
@@ -139,7 +192,14 @@ def test_install_into_gpu_cache_equals_cpu_install(fmt: str) -> None:
     caches = {}
     for device in ("cpu", "cuda"):
         kv = torch.zeros(N, L, 2, H, B, D, device=device)
-        out = payload.clone().pin_memory() if device == "cuda" else payload.clone()
+        if device == "cpu":
+            out = payload.clone()
+        elif payload_on == "pinned":
+            out = payload.clone().pin_memory()
+        else:  # as _submit_reads allocates it: under the receive stream
+            out = _alloc_out(tuple(payload.shape), kv, device_direct=True)
+            out.copy_(payload)
+            torch.cuda.synchronize()
         _install(kv, dst_ids, [_Read(piece, req, out, None)], n_tokens)  # type: ignore[arg-type]
         caches[device] = kv
     torch.cuda.synchronize()

@@ -18,7 +18,8 @@ opens every connection and every request carries a proof bound to it::
             [h0,h1), num_tokens, format,                2. lease (unknown_/expired_lease)
             dtype, nbytes, proof}                       3. validation (bad_request)
                                                         4. gather (or zero-copy view)
-                                               ◄──────  {ok: true, nbytes, zero_copy}
+                                               ◄──────  {ok: true, nbytes, zero_copy, device
+                                                         [, staging]}
                                                ◄──────  payload: exactly nbytes raw bytes
       RELEASE {op, lease_id, reader_id, proof} ──────►
                                                ◄──────  {ok: true, released}
@@ -42,6 +43,12 @@ connection has authenticated (HELLO and AUTH) the server reads headers of at mos
 ``HEADER_MAX_BYTES``. Both backends carry headers on a TCP connection to the server's
 ``host:port``; payloads are raw bytes (bfloat16 travels as ``view(torch.uint8)``) on that
 connection (TCP) or as one UCX tag message (UCX, ``ucx.py``).
+
+GPU memory: a UCX backend whose UCX has CUDA transports (``cuda_copy``, ``cuda_ipc``) sends
+payloads from and receives them into GPU memory (the server's cache or a device staging buffer;
+the client's device ``out``): the READ answer's ``device`` says the server sent from GPU memory,
+``staging`` (only for a GPU cache) why it went through pinned host memory instead. The wire is
+the same either way: a UCX tag message does not care which memory either end uses.
 
 Payload formats (local indices of the server's rank; kv cache layout in docs/DESIGN.md 1):
 - ``"blocks"``: ``kv[block_ids][:, l0:l1, :, h0:h1]`` as a contiguous
@@ -191,6 +198,12 @@ class ReadResult:
     num_blocks: int
     seconds: float  # request sent -> last payload byte received (client side)
     zero_copy: bool  # the server sent straight from its cache memory (no gather)
+    # GPU to GPU: the server sent from GPU memory and the payload landed in the client's GPU
+    # ``out``, no host staging on either end.
+    device_direct: bool = False
+    # Why a payload of a GPU cache crossed pinned host memory ("" when it did not, or when no
+    # GPU is involved): the first reason, server's or client's.
+    staging_reason: str = ""
 
 
 def encode_header(obj: Mapping[str, Any]) -> bytes:
@@ -304,12 +317,14 @@ class Connection(ABC):
         on the length prefix, before the body is read)."""
 
     @abstractmethod
-    async def send_payload(self, data: np.ndarray) -> None:
-        """Send a contiguous 1-D uint8 array as is (no copy on our side)."""
+    async def send_payload(self, data: Any) -> None:
+        """Send a contiguous 1-D uint8 array as is (no copy on our side): a numpy array, or,
+        where the backend's ``device_memory_support()`` says so, a CUDA uint8 tensor."""
 
     @abstractmethod
-    async def recv_payload_into(self, out: np.ndarray) -> None:
-        """Fill exactly ``out.nbytes`` bytes of a contiguous 1-D uint8 array."""
+    async def recv_payload_into(self, out: Any) -> None:
+        """Fill exactly ``out.nbytes`` bytes of a contiguous 1-D uint8 array (numpy, or a CUDA
+        uint8 tensor where the backend supports device memory)."""
 
     @property
     @abstractmethod
@@ -403,6 +418,12 @@ class TransportBackend(ABC):
     @abstractmethod
     async def connect(self, host: str, port: int, timeout_s: float) -> Connection:
         """Open a connection; raises ``ConnectionClosedError`` when the peer is unreachable."""
+
+    def device_memory_support(self) -> tuple[bool, str]:
+        """``(True, how)`` when payloads may be sent from and received into CUDA memory
+        (valid once a loop is acquired: UCX decides when its context starts), else
+        ``(False, why not)``: a GPU cache then stages payloads in pinned host memory."""
+        return False, f"the {self.name} backend moves host memory only"
 
 
 # ---- factory -------------------------------------------------------------------------------

@@ -17,6 +17,9 @@ A READ asks for blocks ``ids``, layers ``[l0, l1)``, heads ``[h0, h1)``; nl = l1
 Zero copy: a consecutive run ``ids = b, b+1, .., b+n-1`` whose slice ``kv[b:b+n, l0:l1, :,
 h0:h1]`` is contiguous (full layer and head slices, or a single block with full heads) is sent
 straight from the cache; for "tokens" only a single full block (T == B) has the same bytes.
+A GPU cache is sent straight from GPU memory only when the transport moves GPU memory
+(``device_ok``: UCX with CUDA transports); otherwise it is gathered on the GPU and copied to
+pinned host memory once.
 """
 
 from __future__ import annotations
@@ -36,6 +39,15 @@ def dtype_name(dtype: torch.dtype) -> str:
 def as_byte_array(t: torch.Tensor) -> np.ndarray:
     """A contiguous CPU tensor's memory as a 1-D uint8 numpy view (no copy; bf16 included)."""
     return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def as_payload(t: torch.Tensor) -> np.ndarray | torch.Tensor:
+    """What a transport sends from / receives into: a CPU tensor as a uint8 numpy view, a CUDA
+    tensor as a 1-D uint8 CUDA tensor (it exposes ``__cuda_array_interface__``; bfloat16 does
+    not, uint8 does). No copy either way; ``t`` must be contiguous."""
+    if t.device.type == "cpu":
+        return as_byte_array(t)
+    return t.reshape(-1).view(torch.uint8)
 
 
 def consecutive_runs(ids: tuple[int, ...]) -> list[tuple[int, int, int]]:
@@ -66,10 +78,12 @@ class ReadPlan:
 
 
 def plan_read(
-    kv: torch.Tensor, req: ReadRequest, leased: frozenset[int] | None = None
+    kv: torch.Tensor, req: ReadRequest, leased: frozenset[int] | None = None,
+    device_ok: bool = False,
 ) -> ReadPlan:
     """Validate ``req`` against the cache (and the lease's blocks); raises
-    ``TransferError(bad_request)``."""
+    ``TransferError(bad_request)``. ``device_ok``: the transport can send a GPU cache's memory
+    as is (else a GPU cache is never zero-copy)."""
     num_blocks, num_layers, _, num_heads, block, _ = kv.shape
     (l0, l1), (h0, h1) = req.layer_slice, req.head_slice
     if l1 > num_layers:
@@ -94,7 +108,7 @@ def plan_read(
     if req.format == "blocks" or single_full_block:
         if len(consecutive_runs(ids)) == 1:
             v = kv[ids[0]:ids[0] + len(ids), l0:l1, :, h0:h1]
-            if v.is_contiguous() and kv.device.type == "cpu":
+            if v.is_contiguous() and (kv.device.type == "cpu" or device_ok):
                 view = v
     return ReadPlan(shape, nbytes, view)
 
@@ -134,23 +148,53 @@ def gather_into(kv: torch.Tensor, req: ReadRequest, dst: torch.Tensor) -> None:
         _copy(dst[:, :, :, full * block:], src[ids[full], :, :, :, :tail])
 
 
+def _device_gather_views(kv: torch.Tensor, req: ReadRequest, dst: torch.Tensor
+                         ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(dst view, cache view) pairs whose copies fill ``dst``: one per run of consecutive
+    block ids (the same runs as ``gather_into``), so a gather is a few strided copies and
+    never materialises an intermediate selection."""
+    (l0, l1), (h0, h1) = req.layer_slice, req.head_slice
+    src = kv[:, l0:l1, :, h0:h1]  # [N, nl, 2, nh, B, D], a view
+    ids = req.block_ids
+    if req.format == "blocks":
+        return [(dst[i:i + r], src[b:b + r]) for i, b, r in consecutive_runs(ids)]
+    nl, _, nh, num_tokens, head_dim = dst.shape
+    block = kv.shape[4]
+    full = num_tokens // block
+    pairs = [(dst[:, :, :, i * block:(i + r) * block].view(nl, 2, nh, r, block, head_dim),
+              src[b:b + r].permute(1, 2, 3, 0, 4, 5))
+             for i, b, r in consecutive_runs(ids[:full])]
+    tail = num_tokens - full * block
+    if tail:
+        pairs.append((dst[:, :, :, full * block:], src[ids[full], :, :, :, :tail]))
+    return pairs
+
+
 def gather_into_from_device(kv: torch.Tensor, req: ReadRequest, dst: torch.Tensor,
                             stream: torch.cuda.Stream) -> None:
-    """``gather_into`` for a cache in GPU memory: the selection is gathered on the GPU (on
-    ``stream``, not the engine's) and copied once into ``dst``, pinned host memory; returns
-    when ``dst`` holds the bytes. The lease keeps the blocks from being rewritten meanwhile,
-    and the prefill that wrote them finished before the lease existed (its sampled token
-    was read back to the host)."""
-    (l0, l1), (h0, h1) = req.layer_slice, req.head_slice
+    """``gather_into`` for a cache in GPU memory, on ``stream`` (not the engine's); returns
+    when ``dst`` holds the bytes. ``dst`` on the GPU (a device staging buffer, for a transport
+    that sends GPU memory): the runs are copied there directly. ``dst`` in pinned host memory:
+    the selection is gathered on the GPU and copied to the host once. The lease keeps the
+    blocks from being rewritten meanwhile, and the prefill that wrote them finished before
+    the lease existed (its sampled token was read back to the host)."""
     with torch.cuda.device(kv.device), torch.cuda.stream(stream):
-        ids = torch.tensor(req.block_ids, dtype=torch.long).to(kv.device, non_blocking=True)
-        sel = kv[:, l0:l1, :, h0:h1].index_select(0, ids)  # [n, nl, 2, nh, B, D]
-        if req.format == "tokens":
-            n, nl, _, nh, block, head_dim = sel.shape
-            # [n, nl, 2, nh, B, D] -> [nl, 2, nh, n*B, D]; keep tokens [0, T)
-            sel = sel.permute(1, 2, 3, 0, 4, 5).reshape(nl, 2, nh, n * block, head_dim)
-            sel = sel[:, :, :, :req.num_tokens]
-        dst.copy_(sel, non_blocking=True)
+        if dst.device.type == "cuda":
+            # A GPU staging buffer is only ever written on `stream` (StagingPool reuses it
+            # after the transport finished reading it), so no other stream is involved.
+            for d, s in _device_gather_views(kv, req, dst):
+                d.copy_(s, non_blocking=True)
+        else:
+            (l0, l1), (h0, h1) = req.layer_slice, req.head_slice
+            ids = torch.tensor(req.block_ids, dtype=torch.long).to(kv.device,
+                                                                  non_blocking=True)
+            sel = kv[:, l0:l1, :, h0:h1].index_select(0, ids)  # [n, nl, 2, nh, B, D]
+            if req.format == "tokens":
+                n, nl, _, nh, block, head_dim = sel.shape
+                # [n, nl, 2, nh, B, D] -> [nl, 2, nh, n*B, D]; keep tokens [0, T)
+                sel = sel.permute(1, 2, 3, 0, 4, 5).reshape(nl, 2, nh, n * block, head_dim)
+                sel = sel[:, :, :, :req.num_tokens]
+            dst.copy_(sel, non_blocking=True)
     stream.synchronize()
 
 
@@ -158,12 +202,15 @@ class StagingPool:
     """Reusable byte buffers for gathers: a request borrows one and gives it back after its
     payload is sent, so steady-state reads allocate nothing. ``allocations`` counts the
     buffers ever created (for tests and metrics). ``pinned``: page-locked host memory, for
-    gathers from a GPU cache (the device-to-host copy runs at full speed and asynchronously)."""
+    gathers from a GPU cache (the device-to-host copy runs at full speed and asynchronously).
+    ``device``: GPU memory instead (gathers for a transport that sends GPU memory)."""
 
-    def __init__(self, max_buffers: int = 4, pinned: bool = False) -> None:
+    def __init__(self, max_buffers: int = 4, pinned: bool = False,
+                 device: torch.device | None = None) -> None:
         self._free: list[torch.Tensor] = []
         self._max = max_buffers
-        self._pinned = pinned
+        self._pinned = pinned and device is None
+        self._device = device
         self.allocations = 0
 
     def acquire(self, nbytes: int) -> torch.Tensor:
@@ -174,6 +221,8 @@ class StagingPool:
         if self._free:  # replace the largest too-small buffer rather than hold both
             self._free.pop(max(range(len(self._free)), key=lambda i: self._free[i].numel()))
         self.allocations += 1
+        if self._device is not None:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self._device)
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pinned)
 
     def release(self, buf: torch.Tensor) -> None:

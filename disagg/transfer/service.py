@@ -46,7 +46,7 @@ from disagg.transfer.handshake import ClientSession, HandshakeError, ServerSessi
 from disagg.transfer.lease import LeaseError, LeaseTable
 from disagg.transfer.payload import (
     StagingPool,
-    as_byte_array,
+    as_payload,
     dtype_name,
     gather_into,
     gather_into_from_device,
@@ -69,8 +69,11 @@ class KVTransferServer:
     (the handshake in base.py; the token itself never crosses the wire).
 
     ``kv_cache``: ``[num_blocks, num_local_layers, 2, num_local_kv_heads, tokens_per_block,
-    head_dim]`` on the CPU or a CUDA device (a GPU cache's payloads are gathered on the GPU
-    and sent from pinned host memory: no GPU-direct transport yet). ``leases`` decides what may
+    head_dim]`` on the CPU or a CUDA device. A GPU cache's payloads go GPU to GPU where the
+    backend moves GPU memory (UCX with CUDA transports: sent straight from the cache, or
+    gathered on the GPU into a device staging buffer); otherwise they are gathered on the GPU
+    and sent from pinned host memory, and ``staging_reason`` says why (logged at start, counted
+    in ``stats``, told to the client in every READ answer). ``leases`` decides what may
     be read; a RELEASE from a reader ``confirm``s its lease. Expired leases are swept every
     ``sweep_interval_s`` (None: the owner calls ``leases.expire()`` itself).
 
@@ -133,9 +136,16 @@ class KVTransferServer:
         self.stats.bind_leases(leases)
         self.server_id = uuid.uuid4().hex  # changes on restart: lets peers tell instances apart
         on_gpu = kv_cache.device.type == "cuda"
-        # used on the loop thread only; pinned for a GPU cache (payloads are staged on the host)
+        self._on_gpu = on_gpu
+        self._max_staging = max_staging_buffers
+        # used on the loop thread only; pinned for a GPU cache staged on the host, device
+        # memory when the transport sends GPU memory (decided in start(), once UCX runs)
         self.staging = StagingPool(max_staging_buffers, pinned=on_gpu)
         self._stream = torch.cuda.Stream(kv_cache.device) if on_gpu else None
+        # GPU cache: whether payloads leave GPU memory through the transport itself, and if
+        # not, why ("" while the cache is on the CPU: nothing to stage).
+        self.device_direct = False
+        self.staging_reason = ""
         self._token = token
         self._port = port
         self._advertise = advertise_host or host
@@ -176,6 +186,17 @@ class KVTransferServer:
             self._release_loop()
             raise
         logger.info("kv transfer server (%s) listening on %s", self.backend.name, self.address)
+        if self._on_gpu:
+            ok, how = self.backend.device_memory_support()
+            self.device_direct, self.staging_reason = ok, ("" if ok else how)
+            self.staging = StagingPool(self._max_staging, pinned=not ok,
+                                       device=self.kv_cache.device if ok else None)
+            if ok:
+                logger.info("kv transfer server: GPU cache payloads are sent from GPU memory "
+                            "(%s)", how)
+            else:
+                logger.warning("kv transfer server: GPU cache payloads are staged in pinned "
+                               "host memory: %s", how)
         return self
 
     async def _start(self) -> None:
@@ -376,7 +397,7 @@ class KVTransferServer:
         staging = None
         try:
             try:
-                plan = plan_read(self.kv_cache, req, lease.block_set)
+                plan = plan_read(self.kv_cache, req, lease.block_set, self.device_direct)
                 if msg.get("dtype") != self._dtype:
                     raise TransferError(BAD_REQUEST, f"dtype {msg.get('dtype')!r} != server "
                                                      f"cache dtype {self._dtype!r}")
@@ -388,11 +409,13 @@ class KVTransferServer:
                 await conn.send_header(_error(e.code, e.message))
                 return
             if plan.zero_copy is not None:
-                data = as_byte_array(plan.zero_copy)
+                # CPU cache, or a GPU cache over a transport that sends GPU memory (the
+                # prefill that wrote these blocks finished before the lease existed)
+                data = as_payload(plan.zero_copy)
             else:
                 staging = self.staging.acquire(plan.nbytes)
                 dst = staging[:plan.nbytes].view(self.kv_cache.dtype).view(plan.shape)
-                if self._stream is not None:  # GPU cache: gather there, one copy to the host
+                if self._stream is not None:  # GPU cache: gather there (into GPU or pinned)
                     await asyncio.get_running_loop().run_in_executor(
                         self._gather_pool, gather_into_from_device, self.kv_cache, req, dst,
                         self._stream)
@@ -401,16 +424,22 @@ class KVTransferServer:
                 else:  # torch copies release the GIL: the loop keeps serving meanwhile
                     await asyncio.get_running_loop().run_in_executor(
                         self._gather_pool, gather_into, self.kv_cache, req, dst)
-                data = staging[:plan.nbytes].numpy()
-            await conn.send_header({"ok": True, "nbytes": plan.nbytes,
-                                    "zero_copy": plan.zero_copy is not None})
+                data = as_payload(staging[:plan.nbytes])
+            answer: dict[str, Any] = {"ok": True, "nbytes": plan.nbytes,
+                                      "zero_copy": plan.zero_copy is not None,
+                                      "device": self._on_gpu and self.device_direct}
+            if self._on_gpu and not self.device_direct:
+                answer["staging"] = self.staging_reason
+            await conn.send_header(answer)
             try:
                 await conn.send_payload(data)
             except ConnectionClosedError:
                 self.stats.record_failure(CONNECTION_FAILED)
                 raise
-            self.stats.record_transfer(plan.nbytes, len(req.block_ids),
-                                       time.perf_counter() - t0, plan.zero_copy is not None)
+            self.stats.record_transfer(
+                plan.nbytes, len(req.block_ids), time.perf_counter() - t0,
+                plan.zero_copy is not None, device_direct=answer["device"],
+                staging_reason=answer.get("staging"))
         finally:
             if staging is not None:
                 self.staging.release(staging)
@@ -455,20 +484,43 @@ class KVTransferClient:
         self._peers: dict[str, _Peer] = {}  # touched on the loop thread only
         self._closed = False
         self._loop: LoopThread | None = self.backend.acquire_loop("client")
+        # Known once the loop runs (UCX decides when its context starts).
+        self.device_support: tuple[bool, str] = self.backend.device_memory_support()
 
     # ---- public API -----------------------------------------------------------------------
 
+    @property
+    def device_payloads(self) -> bool:
+        """Whether ``read`` may receive into GPU memory (the backend moves it: UCX with CUDA
+        transports); ``device_support[1]`` says how, or why not."""
+        return self.device_support[0]
+
     def read(self, address: str, request: ReadRequest, out: torch.Tensor) -> cf.Future[ReadResult]:
         """Pull ``request`` from the server at ``address`` into ``out``: a preallocated,
-        contiguous CPU tensor of the payload's exact shape (see ``payload.payload_shape``) and
-        the server cache's dtype. ``out`` is untouched on an error answer; on a failure mid-
-        transfer its contents are undefined."""
-        if not out.is_contiguous() or out.device.type != "cpu":
-            raise ValueError("out must be a contiguous CPU tensor")
+        contiguous tensor of the payload's exact shape (see ``payload.payload_shape``) and the
+        server cache's dtype, in host memory, or in GPU memory when ``device_payloads``.
+        ``out`` is untouched on an error answer; on a failure mid-transfer its contents are
+        undefined. A pinned host ``out`` counts as host staging for a GPU cache in ``stats``.
+
+        GPU ``out``: the transport writes it outside any CUDA stream, so it must not be in use
+        by queued GPU work (allocate it under a stream nothing else runs on, e.g.
+        ``disaggregation._submit_reads``); its bytes are in place when the future is done."""
+        if not out.is_contiguous() or out.device.type not in ("cpu", "cuda"):
+            raise ValueError("out must be a contiguous CPU or CUDA tensor")
+        staged: str | None = None
+        if out.device.type == "cuda":
+            if not self.device_payloads:
+                raise ValueError(f"out is on {out.device}, but this client cannot receive "
+                                 f"into GPU memory ({self.device_support[1]}): pass pinned "
+                                 f"host memory")
+        elif out.is_pinned():  # host memory standing in for a GPU cache
+            staged = "" if self.device_payloads else self.device_support[1]
+            staged = staged or "the caller chose host memory"
         parse_address(address)  # a malformed address is the caller's bug: raise here
-        buf = as_byte_array(out)  # a view: the payload lands in `out` itself
+        buf = as_payload(out)  # a view: the payload lands in `out` itself
         msg = request.to_wire(dtype_name(out.dtype), int(buf.nbytes))
-        return self._submit(self._read(address, msg, buf, len(request.block_ids)), read=True)
+        return self._submit(self._read(address, msg, buf, len(request.block_ids), staged),
+                            read=True)
 
     def release(self, address: str, lease_id: str, reader_id: str | int) -> cf.Future[bool]:
         """Confirm that reader ``reader_id`` has its data; True when that released the lease."""
@@ -529,8 +581,8 @@ class KVTransferClient:
                 raise TransferError(CLOSED, "client closed") from None
             raise
 
-    async def _read(self, address: str, msg: dict[str, Any], buf: np.ndarray,
-                    num_blocks: int) -> ReadResult:
+    async def _read(self, address: str, msg: dict[str, Any], buf: Any,
+                    num_blocks: int, staged: str | None) -> ReadResult:
         t0 = time.perf_counter()
         try:
             resp = await self._request(address, msg, payload=buf)
@@ -539,8 +591,14 @@ class KVTransferClient:
             raise
         dt = time.perf_counter() - t0
         zero_copy = bool(resp.get("zero_copy", False))
-        self.stats.record_transfer(int(buf.nbytes), num_blocks, dt, zero_copy)
-        return ReadResult(int(buf.nbytes), num_blocks, dt, zero_copy)
+        into_device = not isinstance(buf, np.ndarray)
+        server_staging = resp.get("staging")
+        reason = str(server_staging) if server_staging else (staged or "")
+        self.stats.record_transfer(int(buf.nbytes), num_blocks, dt, zero_copy,
+                                   device_direct=into_device, staging_reason=staged)
+        return ReadResult(int(buf.nbytes), num_blocks, dt, zero_copy,
+                          device_direct=into_device and resp.get("device") is True,
+                          staging_reason=reason)
 
     async def _release(self, address: str, msg: dict[str, Any]) -> bool:
         resp = await self._request(address, msg)
@@ -606,7 +664,7 @@ class KVTransferClient:
         await conn.attach_complete(answer)
 
     async def _request(
-        self, address: str, msg: dict[str, Any], payload: np.ndarray | None = None
+        self, address: str, msg: dict[str, Any], payload: Any = None
     ) -> dict[str, Any]:
         """Send ``msg`` on the peer's cached connection (opened lazily), read the answer and
         then, for an ok READ, the payload into ``payload``."""
@@ -617,7 +675,7 @@ class KVTransferClient:
             return await self._exchange(address, peer, msg, payload)
 
     async def _exchange(
-        self, address: str, peer: _Peer, msg: dict[str, Any], payload: np.ndarray | None
+        self, address: str, peer: _Peer, msg: dict[str, Any], payload: Any
     ) -> dict[str, Any]:
         for attempt in range(2):
             reused = peer.conn is not None and not peer.conn.closed

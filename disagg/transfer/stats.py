@@ -41,6 +41,11 @@ class TransferStatsSnapshot:
     active_leases: int
     leased_blocks_held: int
     expired_leases: int
+    # GPU caches, this end of each transfer: the payload left (server) or arrived in (client)
+    # GPU memory through the transport itself, or crossed pinned host memory, and why.
+    device_direct_transfers: int = 0
+    host_staged_transfers: int = 0
+    staging_reasons: tuple[tuple[str, int], ...] = ()  # sorted (reason, count)
 
 
 class TransferStats:
@@ -59,6 +64,9 @@ class TransferStats:
         self._bytes = 0
         self._blocks = 0
         self._zero_copy = 0
+        self._device_direct = 0
+        self._host_staged = 0
+        self._staging_reasons: dict[str, int] = {}
         self._failures: dict[str, int] = {}
         self._leases: _LeaseSource | None = None
 
@@ -67,13 +75,21 @@ class TransferStats:
         self._leases = leases
 
     def record_transfer(
-        self, nbytes: int, nblocks: int, seconds: float, zero_copy: bool = False
+        self, nbytes: int, nblocks: int, seconds: float, zero_copy: bool = False, *,
+        device_direct: bool = False, staging_reason: str | None = None,
     ) -> None:
+        """``device_direct``: this end's payload memory was the GPU's; ``staging_reason`` (not
+        None): this end stood for a GPU cache but went through pinned host memory, because."""
         with self._lock:
             self._transfers += 1
             self._bytes += nbytes
             self._blocks += nblocks
             self._zero_copy += int(zero_copy)
+            self._device_direct += int(device_direct)
+            if staging_reason is not None:
+                self._host_staged += 1
+                reason = staging_reason or "unknown"
+                self._staging_reasons[reason] = self._staging_reasons.get(reason, 0) + 1
             self._observe_locked(seconds)
 
     def record_failure(self, code: str) -> None:
@@ -103,6 +119,9 @@ class TransferStats:
                 active_leases=lease.active_leases if lease else 0,
                 leased_blocks_held=lease.leased_blocks if lease else 0,
                 expired_leases=lease.expired_total if lease else 0,
+                device_direct_transfers=self._device_direct,
+                host_staged_transfers=self._host_staged,
+                staging_reasons=tuple(sorted(self._staging_reasons.items())),
             )
 
 
@@ -119,9 +138,12 @@ def merge_snapshots(snaps: list[TransferStatsSnapshot]) -> TransferStatsSnapshot
     if len(snaps) == 1:
         return first
     failures: dict[str, int] = {}
+    reasons: dict[str, int] = {}
     for s in snaps:
         for code, n in s.failures_by_code:
             failures[code] = failures.get(code, 0) + n
+        for reason, n in s.staging_reasons:
+            reasons[reason] = reasons.get(reason, 0) + n
     buckets = tuple((bound, sum(s.latency_buckets[i][1] for s in snaps))
                     for i, (bound, _) in enumerate(first.latency_buckets))
     return TransferStatsSnapshot(
@@ -137,4 +159,7 @@ def merge_snapshots(snaps: list[TransferStatsSnapshot]) -> TransferStatsSnapshot
         recent_latencies_s=tuple(x for s in snaps for x in s.recent_latencies_s),
         active_leases=first.active_leases, leased_blocks_held=first.leased_blocks_held,
         expired_leases=first.expired_leases,
+        device_direct_transfers=sum(s.device_direct_transfers for s in snaps),
+        host_staged_transfers=sum(s.host_staged_transfers for s in snaps),
+        staging_reasons=tuple(sorted(reasons.items())),
     )

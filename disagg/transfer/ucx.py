@@ -22,7 +22,32 @@ profile        environment
 same_host      UCX_TLS=sm,tcp UCX_MM_ERROR_HANDLING=y (~6 GB/s)
 cross_host     UCX_TLS=tcp UCX_RNDV_SCHEME=put_zcopy (~3 GB/s)
 always         UCX_WARN_UNUSED_ENV_VARS=n (else UCX prints a WARN to stdout)
+with CUDA      UCX_TLS += cuda_copy,cuda_ipc (same_host) / cuda_copy (cross_host)
 =============  =================================================
+
+GPU memory ("device-direct"): in a process that has a CUDA device, the profile's ``UCX_TLS`` also
+names UCX's CUDA transports: ``cuda_ipc`` (a process maps the other's GPU memory: GPU to GPU on
+one host, one device-to-device copy) and ``cuda_copy`` (moves between host and GPU memory where
+no GPU path exists). ucxx accepts objects exposing ``__cuda_array_interface__`` (a torch CUDA
+uint8 tensor) when its context has CUDA support, i.e. UCX reports the CUDA memory type and
+``UCX_TLS`` names a ``cuda`` transport (``ucxx::Context::hasCudaSupport``), and raises
+otherwise. That flag is not enough on its own: libucx wheels always carry the CUDA modules and
+report the memory type even where no CUDA transport could start (no driver), so support is
+also checked in the context's resource list (``cuda_copy/...``). When it holds, the server sends
+from its GPU cache (or a GPU staging buffer) and the client receives into GPU memory; when it
+does not (``device_memory_support()`` says why: no CUDA device in the process, UCX without
+CUDA, ``UCX_TLS`` without cuda, or ``DISAGG_KV_DEVICE_DIRECT=0``), payloads of a GPU cache are
+staged in pinned host memory as with TCP.
+
+- ``UCX_MEMTYPE_CACHE``: ucxx sets it to ``n`` at import (UCX's memory-type cache hooks
+  cudaMalloc and misses memory from other allocators): every buffer's type is asked from the
+  driver (``cuPointerGetAttributes``, ~1 us per message).
+- UCX does the CUDA work on ucxx's progress thread, which needs a current CUDA context: ucxx
+  makes one there with ``cuda.core`` on device 0; the backend makes it torch's current device
+  instead (no cuda-core needed, the right GPU for rank r).
+- ``cuda_ipc`` maps memory allocated with ``cudaMalloc`` (torch's caching allocator); memory
+  from ``expandable_segments`` (``cuMemCreate`` without a shareable handle) cannot be mapped and
+  UCX then falls back to a pipeline through host memory (slower, still correct).
 
 Progress mode: ``thread`` with Python futures, not the ``blocking`` mode UCX-NOTES measured:
 see ``PROGRESS_MODE``.
@@ -50,12 +75,11 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import secrets
 import threading
 from collections.abc import Mapping
 from typing import Any, ClassVar
-
-import numpy as np
 
 from disagg.transfer.base import (
     HEADER_MAX_BYTES,
@@ -78,6 +102,10 @@ UCX_PROFILES: dict[str, dict[str, str]] = {
 UCX_ALWAYS_ENV = {
     "UCX_WARN_UNUSED_ENV_VARS": "n",
 }
+# The CUDA transports added to a profile's UCX_TLS in a process with a CUDA device.
+UCX_CUDA_TLS: dict[str, str] = {"same_host": "cuda_copy,cuda_ipc", "cross_host": "cuda_copy"}
+# "0" (or no/false/off): never hand GPU memory to UCX; a GPU cache stages in pinned host memory.
+DEVICE_DIRECT_ENV = "DISAGG_KV_DEVICE_DIRECT"
 # Progress: ucxx's C++ progress thread (epoll, wakes every ms) + Python futures completed by
 # its notifier thread. Not 'blocking' / 'polling': there every pending request is awaited by
 # polling the event loop (`await asyncio.sleep(0)` until done), and a server always has a
@@ -88,16 +116,76 @@ UCX_ALWAYS_ENV = {
 PROGRESS_MODE = "thread"
 
 
-def configure_ucx_env(profile: str = "same_host") -> dict[str, str]:
+def configure_ucx_env(profile: str = "same_host", cuda: bool = False) -> dict[str, str]:
     """Put the profile's UCX variables in ``os.environ`` unless already set; returns what is in
-    effect. Call before ucxx creates its context (``UcxBackend`` does it for you)."""
+    effect. ``cuda``: add the profile's CUDA transports to ``UCX_TLS``. Call before ucxx
+    creates its context (``UcxBackend`` does it for you)."""
     if profile not in UCX_PROFILES:
         raise ValueError(f"ucx profile must be one of {sorted(UCX_PROFILES)}, got {profile!r}")
+    env = {**UCX_PROFILES[profile], **UCX_ALWAYS_ENV}
+    if cuda:
+        env["UCX_TLS"] = f"{env['UCX_TLS']},{UCX_CUDA_TLS[profile]}"
     applied = {}
-    for k, v in {**UCX_PROFILES[profile], **UCX_ALWAYS_ENV}.items():
+    for k, v in env.items():
         os.environ.setdefault(k, v)
         applied[k] = os.environ[k]
     return applied
+
+
+def device_direct_wanted() -> tuple[bool, str]:
+    """Whether this process should offer UCX its GPU memory: ``(True, "")``, or ``(False,
+    why)``. Asked before the UCX context starts (it decides ``UCX_TLS``)."""
+    if os.environ.get(DEVICE_DIRECT_ENV, "1").strip().lower() in ("0", "n", "no", "false",
+                                                                  "off"):
+        return False, f"{DEVICE_DIRECT_ENV}={os.environ[DEVICE_DIRECT_ENV]} forces host staging"
+    try:
+        import torch
+    except ImportError:
+        return False, "torch is not installed"
+    if not torch.cuda.is_available():
+        return False, "no CUDA device in this process"
+    return True, ""
+
+
+def cuda_transports(context_info: str) -> list[str]:
+    """The CUDA transports a UCX context runs, from its ``ucp_context_print_info`` text
+    (resource lines such as ``resource 5 : md 4 dev 3 flags -- cuda_copy/cuda``)."""
+    return sorted(set(re.findall(r"\b(cuda_[a-z_]+)/", context_info)))
+
+
+def _probe_device_support(ucxx: Any, wanted: bool, why: str) -> tuple[bool, str]:
+    """After ``ucxx.init``: may payloads be CUDA memory? ``(ok, how or why not)``."""
+    if not wanted:
+        return False, why
+    tls = os.environ.get("UCX_TLS", "")
+    try:
+        ctx = ucxx.core._get_ctx().context
+        flag, info = bool(ctx.cuda_support), str(ctx.info)
+    except Exception as e:  # an API this ucxx lacks: stay on the host path
+        return False, f"cannot query UCX's CUDA support: {type(e).__name__}: {e}"
+    if not flag:
+        return False, (f"UCX has no CUDA support (no CUDA memory type, or UCX_TLS={tls!r} "
+                       f"names no cuda transport)")
+    found = cuda_transports(info)
+    if "cuda_copy" not in found:
+        return False, (f"UCX started no CUDA transport (UCX_TLS={tls!r}; libucx without CUDA "
+                       f"or no usable driver)")
+    return True, "UCX " + ",".join(found)
+
+
+def _bind_progress_thread_to_torch_device() -> None:
+    """ucxx's progress thread makes a CUDA context current when it starts, with cuda.core on
+    device 0 (``ucxx._cuda_context.ensure_cuda_context``, looked up at call time). Make it
+    torch's current device of the calling thread instead: the rank's GPU, no cuda-core."""
+    import torch
+    import ucxx._cuda_context as cuda_context
+
+    device = torch.cuda.current_device()
+
+    def ensure_cuda_context(device_id: int = 0) -> None:
+        torch.cuda.set_device(device)
+
+    cuda_context.ensure_cuda_context = ensure_cuda_context
 
 
 def ucx_available() -> tuple[bool, str]:
@@ -128,6 +216,7 @@ class _UcxRuntime:
     _users = 0
     _loop: LoopThread | None = None
     _profile: str | None = None
+    device_support: tuple[bool, str] = (False, "UCX is not started")
 
     @classmethod
     def acquire(cls, profile: str) -> LoopThread:
@@ -138,23 +227,32 @@ class _UcxRuntime:
                                      f"process; cannot also use {profile!r}")
                 cls._users += 1
                 return cls._loop
-            configure_ucx_env(profile)  # before ucxx reads the environment
+            wanted, why = device_direct_wanted()
+            configure_ucx_env(profile, cuda=wanted)  # before ucxx reads the environment
             ucxx = _import_ucxx()
+            if wanted:
+                _bind_progress_thread_to_torch_device()
             loop = LoopThread("kv-transfer-ucx")
 
-            async def _init() -> None:
+            async def _init() -> tuple[bool, str]:
                 # Inside the loop: ucxx binds its progress and future notifier to the running
                 # loop (a loop created outside would be a stray one).
                 ucxx.init(progress_mode=PROGRESS_MODE, enable_python_future=True)
+                return _probe_device_support(ucxx, wanted, why)
 
             try:
-                loop.run(_init(), timeout_s=30.0)
+                support = loop.run(_init(), timeout_s=30.0)
             except BaseException:
                 loop.stop()
                 with contextlib.suppress(Exception):
                     ucxx.reset()
                 raise
             cls._loop, cls._profile, cls._users = loop, profile, 1
+            cls.device_support = support
+            if wanted or support[0]:
+                logger.info("UCX KV transfer (UCX_TLS=%s): %s", os.environ.get("UCX_TLS"),
+                            f"GPU memory moves directly ({support[1]})" if support[0]
+                            else f"GPU payloads are staged in pinned host memory: {support[1]}")
             return loop
 
     @classmethod
@@ -166,6 +264,7 @@ class _UcxRuntime:
             if cls._users:
                 return
             cls._loop, cls._profile = None, None
+            cls.device_support = (False, "UCX is not started")
             loop.stop()  # closing the loop cancels ucxx's progress tasks
             import ucxx
 
@@ -273,11 +372,13 @@ class UcxConnection(Connection):
         self._payloads += 1
         return tag
 
-    async def send_payload(self, data: np.ndarray) -> None:
+    async def send_payload(self, data: Any) -> None:
+        # numpy, or a CUDA uint8 tensor (ucxx reads its __cuda_array_interface__; UCX moves it
+        # with cuda_ipc / cuda_copy). The caller has synchronised whatever wrote it.
         tag = self._next_tag()
         await self._io(self._ep.send(data, tag=tag, force_tag=True))
 
-    async def recv_payload_into(self, out: np.ndarray) -> None:
+    async def recv_payload_into(self, out: Any) -> None:
         tag = self._next_tag()
         await self._io(self._ep.recv(out, tag=tag, force_tag=True))
 
@@ -343,6 +444,9 @@ class UcxBackend(TransportBackend):
 
     def release_loop(self, loop_thread: LoopThread) -> None:
         _UcxRuntime.release(loop_thread)
+
+    def device_memory_support(self) -> tuple[bool, str]:
+        return _UcxRuntime.device_support
 
     async def listen(self, host: str, port: int, handler: ConnectionHandler) -> Listener:
         # No UCX listener (ucxx 0.52 binds it on every interface): the TCP door bound to
