@@ -39,16 +39,21 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
+from disagg.cluster_auth import sign_http
+
+_T = TypeVar("_T")
 TINY_MODEL = "tiny"  # the placeholder model name that means the built-in tiny model
 SECTIONS = ("context_servers", "generation_servers")
 LOG_TAIL_LINES = 30
 POLL_INTERVAL_S = 0.1
+WATCH_INTERVAL_S = 0.25
+KILL_WAIT_S = 5.0  # after SIGKILL: a process is gone at once unless stuck in the kernel
 HEALTH_TIMEOUT_S = 2.0
 # Local children only: never through an HTTP proxy from the environment.
 _HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -401,7 +406,15 @@ class Stop(Exception):
 
 
 class Cluster:
-    """The launched children; ``stop()`` always runs (``with Cluster(...) as c``)."""
+    """The launched children; ``stop()`` always runs (``with Cluster(...) as c``).
+
+    Signals: the handler raises Stop only while the main thread is in ``blocking()`` (a sleep
+    or a local HTTP request: safe to abandon); anywhere else it records the signal and the
+    next ``blocking()`` raises Stop before it blocks. An exception raised from a handler at an
+    arbitrary point can land inside library code between taking a lock and the ``try`` that
+    releases it: in ``Popen.poll()`` that left the child's waitpid lock held, so every later
+    ``poll()`` said "running" and ``stop()``'s ``Popen.wait()`` waited on that lock forever.
+    """
 
     def __init__(self, plan: Plan, *, out: IO[str] = sys.stdout,
                  stop_grace_s: float = 30.0) -> None:
@@ -418,8 +431,10 @@ class Cluster:
         self.workers_ready_s = 0.0
         self._signals = 0
         self._first_signal = 0.0
+        self._signal_name: str | None = None  # the first stop signal, once one came
         self._forced = False
         self._stopping = False
+        self._interruptible = False  # in blocking(): the handler may raise Stop
         self._old_handlers: dict[int, Any] = {}
 
     # signals --------------------------------------------------------------------------------
@@ -429,12 +444,29 @@ class Cluster:
         self._signals += 1
         if self._signals == 1:
             self._first_signal = now
-            if not self._stopping:
-                raise Stop(signal.Signals(sig).name)
+            self._signal_name = signal.Signals(sig).name
+            if self._interruptible and not self._stopping:
+                raise Stop(self._signal_name)
         elif now - self._first_signal >= 1.0:
             # A second Ctrl-C while stopping: do not wait out the grace period. (Not one
             # that comes with the first: a wrapper such as `timeout` forwards the same one.)
             self._forced = True
+
+    def check_stop(self) -> None:
+        """Raise Stop if a stop signal has come (and stopping has not begun)."""
+        if self._signal_name is not None and not self._stopping:
+            raise Stop(self._signal_name)
+
+    def blocking(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """``fn(*args, **kwargs)``, a blocking call that is safe to abandon (a sleep, a local
+        HTTP request: no lock held across it), during which a stop signal raises Stop at once;
+        a signal that came before raises it here, before blocking (none is lost)."""
+        self._interruptible = True
+        try:
+            self.check_stop()
+            return fn(*args, **kwargs)
+        finally:
+            self._interruptible = False
 
     def __enter__(self) -> Cluster:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -497,7 +529,7 @@ class Cluster:
                     if m is None:
                         continue
                     child.base_url = m.group(1).rstrip("/")
-                if http_status(child.base_url + "/health") == 200:
+                if self.blocking(http_status, child.base_url + "/health") == 200:
                     child.healthy_after = time.monotonic() - child.started
                     pending.remove(child)
                     self.say(f"  healthy {child.name:<6} after {child.healthy_after:.1f} s")
@@ -505,7 +537,7 @@ class Cluster:
                 names = ", ".join(c.name for c in pending)
                 raise self.failed(pending, f"not healthy in {deadline - self.t0:.0f} s: {names}")
             if pending:
-                time.sleep(POLL_INTERVAL_S)  # health polling, bounded by the deadline
+                self.blocking(time.sleep, POLL_INTERVAL_S)  # health polling, bounded
 
     def watch(self) -> None:
         """After start-up: return never; raise ChildFailed when a child exits."""
@@ -515,7 +547,7 @@ class Cluster:
                 if code is not None:
                     raise self.failed([child], f"{child.name} (pid {child.proc.pid}) exited "
                                                f"with code {code} after start-up")
-            time.sleep(0.25)  # a signal interrupts this at once (Stop is raised)
+            self.blocking(time.sleep, WATCH_INTERVAL_S)  # a stop signal raises Stop
 
     def failed(self, children: Sequence[Child], message: str) -> ChildFailed:
         """Report a failure with the children's log tails now (before the others are stopped,
@@ -530,7 +562,9 @@ class Cluster:
 
     def stop(self) -> None:
         """SIGTERM every live child (router first: no new requests), wait up to the grace
-        period, SIGKILL the rest (their whole process group), close the logs."""
+        period, SIGKILL the rest (their whole process group), reap them, close the logs.
+        Bounded: the grace period plus at most KILL_WAIT_S (a SIGKILLed process is reaped at
+        once unless stuck in the kernel; such a one is reported, not waited for forever)."""
         self._stopping = True  # from now on a signal only shortens the grace period
         alive = [c for c in reversed(self.children) if c.proc.poll() is None]
         if alive:
@@ -551,7 +585,11 @@ class Cluster:
             # The whole group: a worker's spawned rank processes too.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(child.proc.pid, signal.SIGKILL)
-            child.proc.wait()
+            try:
+                child.proc.wait(timeout=KILL_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.say(f"  {child.name}: pid {child.proc.pid} not reaped {KILL_WAIT_S:g} s "
+                         f"after SIGKILL (stuck in the kernel?)")
             if child.log_file is not None:
                 child.log_file.close()
                 child.log_file = None
@@ -631,8 +669,6 @@ def post_json(url: str, body: dict[str, Any], api_key: str | None, timeout: floa
 def metric_value(base_url: str, name: str, cluster_token: str | None = None) -> float | None:
     """A counter from a worker's Prometheus /metrics (summed over its label sets); signed with
     ``cluster_token`` (a worker with an API key answers /metrics to the cluster only)."""
-    from disagg.cluster_auth import sign_http
-
     headers = sign_http(cluster_token, "GET", "/metrics") if cluster_token else {}
     try:
         with _HTTP.open(urllib.request.Request(base_url + "/metrics", headers=headers),
@@ -653,7 +689,7 @@ def demo_request(cluster: Cluster, message: str, max_tokens: int) -> int:
             "max_tokens": max_tokens, "temperature": 0}
     cluster.say(f"\nPOST {url}\n{json.dumps(body)}")
     try:
-        status, data = post_json(url, body, plan.api_key, timeout=120.0)
+        status, data = cluster.blocking(post_json, url, body, plan.api_key, timeout=120.0)
     except (OSError, ValueError) as e:  # refused, reset, timed out, not JSON
         print(f"disagg launch: error: the demo request failed: {e}", file=sys.stderr,
               flush=True)
@@ -667,7 +703,7 @@ def demo_request(cluster: Cluster, message: str, max_tokens: int) -> int:
     cluster.say(f"usage: {json.dumps(data.get('usage'))}")
     gen = next((c for c in cluster.children if c.spec.kind == "generation"), None)
     if gen is not None and gen.base_url:
-        blocks = metric_value(gen.base_url, "disagg_kv_transfer_blocks_total",
+        blocks = cluster.blocking(metric_value, gen.base_url, "disagg_kv_transfer_blocks_total",
                               cluster.env.get("DISAGG_CLUSTER_TOKEN"))
         if blocks is not None:
             cluster.say(f"KV blocks moved context -> generation: {blocks:.0f}")

@@ -221,3 +221,117 @@ def test_child_dying_after_start_up_stops_the_cluster(launch, tmp_path: Path,
     assert launcher.wait(60) == 1, launcher.stdout + launcher.stderr
     assert f"gen0 (pid {victim}) exited with code -9 after start-up" in launcher.stderr
     _assert_all_gone(launcher, 2)
+
+
+# -- stop signals at any moment: the launcher's Cluster with plain sleeper children -----------
+
+_CLUSTER_SCRIPT = r'''
+import os, signal, subprocess, sys, threading, time
+from pathlib import Path
+from disagg.launch import ChildSpec, Cluster, Stop
+
+mode, tmp, grace = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])
+sleeper = "import time; print('up', flush=True); time.sleep(600)"
+deaf = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "signal.signal(signal.SIGINT, signal.SIG_IGN); print('up', flush=True); time.sleep(600)")
+codes = [deaf if mode == "deaf" and i == 0 else sleeper for i in range(2)]
+specs = [ChildSpec(f"c{i}", "context", "127.0.0.1:0", (sys.executable, "-c", code),
+                   tmp / f"c{i}.log") for i, code in enumerate(codes)]
+
+
+class SignalAfterAcquire:
+    """Popen's waitpid lock; right after the first acquire that takes it comes a Ctrl-C, so
+    the signal lands inside Popen.poll() between taking the lock and the try that releases
+    it (where a loaded machine put a real Ctrl-C now and then)."""
+
+    def __init__(self, lock):
+        self.lock, self.armed = lock, True
+
+    def acquire(self, blocking=True, timeout=-1):
+        got = self.lock.acquire(blocking, timeout)
+        if got and self.armed:
+            self.armed = False
+            signal.raise_signal(signal.SIGINT)  # runs the Python handler before returning
+        return got
+
+    def release(self):
+        self.lock.release()
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+try:
+    with Cluster(None, stop_grace_s=grace) as cluster:
+        for spec in specs:
+            cluster.start(spec)
+        deadline = time.monotonic() + 60
+        while not all(b"\nup\n" in s.log_path.read_bytes() for s in specs):  # handlers set
+            assert time.monotonic() < deadline, "children did not start"
+            time.sleep(0.05)  # polling, bounded by the deadline
+        if mode == "poll":
+            proc = cluster.children[1].proc
+            proc._waitpid_lock = SignalAfterAcquire(proc._waitpid_lock)
+        t_ready = time.monotonic()
+        cluster.say("ready")
+        cluster.watch()
+except Stop as e:
+    print(f"Stop({e}) done {time.monotonic() - t_ready:.2f} s after ready", flush=True)
+for child in cluster.children:
+    print(f"{child.name} pid {child.proc.pid} exit {child.proc.returncode}", flush=True)
+'''
+
+
+def _run_cluster_script(tmp_path: Path, mode: str, grace: float, timeout: float
+                        ) -> tuple[str, dict[str, tuple[int, int | None]]]:
+    """The Cluster script in its own process (a hang fails the test instead of hanging it);
+    SIGINT after "ready" unless the script signals itself. Returns its stdout and, per
+    child, (pid, exit code); no child may be left alive."""
+    proc = subprocess.Popen([sys.executable, "-c", _CLUSTER_SCRIPT, mode, str(tmp_path),
+                             str(grace)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        if mode != "poll":
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if line.strip() == "ready":
+                    proc.send_signal(signal.SIGINT)
+                    break
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # hung: its children get SIGTERM through PDEATHSIG
+        proc.kill()
+        out = proc.communicate()[0] + f"\n(killed: not done in {timeout:g} s)"
+    children = {m.group(1): (int(m.group(2)), None if m.group(3) == "None" else int(m.group(3)))
+                for m in re.finditer(r"^(c\d) pid (\d+) exit (\S+)$", out, re.M)}
+    left = [name for name, (pid, _) in children.items() if _alive(pid)]
+    for name in left:
+        os.kill(children[name][0], signal.SIGKILL)
+    assert proc.returncode == 0 and len(children) == 2 and not left, (proc.returncode, left, out)
+    return out, children
+
+
+def test_ctrl_c_landing_inside_popen_poll_still_stops_and_reaps_every_child(tmp_path: Path):
+    """The CI hang: Ctrl-C right after the "Ctrl-C stops the cluster" line reached the
+    launcher inside watch()'s Popen.poll(); the Stop raised by the handler there left that
+    child's waitpid lock held, poll() said "running" for the whole grace period and stop()'s
+    Popen.wait() then waited on the lock forever. The signal must take effect at the next
+    safe point: every child stopped by SIGTERM in time and reaped."""
+    out, children = _run_cluster_script(tmp_path, "poll", grace=5.0, timeout=30)
+    assert re.search(r"^Stop\(SIGINT\) done [\d.]+ s after ready$", out, re.M), out
+    assert "killing it" not in out, out  # both had stopped on SIGTERM, as they do
+    assert all(code == -signal.SIGTERM for _, code in children.values()), out
+
+
+def test_child_ignoring_sigterm_is_killed_after_the_stop_timeout(tmp_path: Path):
+    """A child that ignores SIGTERM and SIGINT: SIGKILLed once the grace period is over and
+    reaped; the launcher is done within the grace period plus a small margin."""
+    grace = 2.0
+    out, children = _run_cluster_script(tmp_path, "deaf", grace=grace, timeout=60)
+    assert f"c0: did not stop in {grace:g} s: killing it" in out, out
+    assert children["c0"][1] == -signal.SIGKILL and children["c1"][1] == -signal.SIGTERM, out
+    took = float(re.search(r"^Stop\(SIGINT\) done ([\d.]+) s after ready$", out, re.M)[1])
+    assert grace <= took < grace + 5.0, out
