@@ -166,6 +166,9 @@ class ModelRunner:
             slot_block=t(slot_block),
             slot_offset=t(slot_offset),
             decode_seq_lens=t(seq_lens[: sched.num_decodes]),
+            seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc_t=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
+            max_query_len=max((len(r.token_ids) for r in sched.scheduled), default=0),
         )
         return StepInputs(t(input_ids), t(positions), meta, t(logits_rows), sample_ids)
 

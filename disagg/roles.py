@@ -1,0 +1,48 @@
+"""The words of the cluster protocol, defined once: worker roles and disaggregated request types.
+
+Both are ``str`` enums: a member equals its wire value (``Role.CONTEXT == "context"``), so JSON,
+YAML and command-line values compare and serialise as they are.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Role(str, enum.Enum):
+    """What a worker serves. Every role serves ordinary requests; ``context`` also prefills
+    ``context_only`` requests and leases their KV, ``generation`` also decodes
+    ``generation_only`` requests whose KV it pulls from a context worker."""
+
+    AGGREGATED = "aggregated"
+    CONTEXT = "context"
+    GENERATION = "generation"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def disaggregated(self) -> bool:
+        """True for the two roles that move KV (context, generation)."""
+        return self is not Role.AGGREGATED
+
+
+class RequestType(str, enum.Enum):
+    """``disaggregated_params.request_type`` of a request sent to a worker."""
+
+    CONTEXT_ONLY = "context_only"  # prefill, keep the KV under a lease, answer its params
+    GENERATION_ONLY = "generation_only"  # pull the KV named in the params, then decode
+    CONTEXT_AND_GENERATION = "context_and_generation"  # an ordinary request
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def needs_role(self) -> Role | None:
+        """The worker role this request type needs (None: any)."""
+        return {RequestType.CONTEXT_ONLY: Role.CONTEXT,
+                RequestType.GENERATION_ONLY: Role.GENERATION}.get(self)
+
+
+ROLES = tuple(r.value for r in Role)
+REQUEST_TYPES = tuple(t.value for t in RequestType)
