@@ -172,6 +172,17 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt: token id {bad} is out of range [0, {vocab})")
+        # Ids the model can never produce are a client's mistake too (another tokenizer's).
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids: token id {bad} is out of range [0, {vocab})")
+        # What Scheduler._never_fits would finish with an error instead: a bad request.
+        sched = self.config.scheduler
+        if not sched.enable_chunked_context and len(prompt_token_ids) > sched.max_num_tokens:
+            raise ValueError(
+                f"prompt: has {len(prompt_token_ids)} tokens, more than max_num_tokens="
+                f"{sched.max_num_tokens}, and this worker prefills whole prompts only "
+                f"(enable_chunked_context is off)")
         total = len(prompt_token_ids) + params.max_tokens
         max_len = self.config.max_model_len
         if total > max_len:

@@ -266,9 +266,6 @@ PATHOLOGICAL = [
     SamplingParams(temperature=0.8, top_p=1e-300, max_tokens=6, ignore_eos=True),
     SamplingParams(temperature=1e-38, top_p=5e-324, top_k=1, logprobs=3, max_tokens=6,
                    ignore_eos=True),
-    # masked until min_tokens: an id beyond the vocabulary used to raise an IndexError
-    SamplingParams(temperature=0.7, min_tokens=3, stop_token_ids=[10**9], max_tokens=6,
-                   ignore_eos=True),
 ]
 
 
@@ -326,11 +323,32 @@ def test_a_request_whose_sampling_fails_fails_alone(tiny_llama, monkeypatch):
     assert engine.stats().kv_blocks_used == 0
 
 
+def test_requests_that_could_never_run_are_refused_by_validate(tiny_llama):
+    """A prompt longer than max_num_tokens without chunked context, stop_token_ids the model
+    can never produce: ValueError naming the field (the server's 400), before the scheduler
+    takes them (it would finish the first with an error: a 500). The sampler still ignores
+    banned ids beyond the vocabulary (an EOS id of a larger tokenizer; test_sampler)."""
+    engine = LLMEngine.from_options(tiny_llama, kv_cache_tokens=2048, tokens_per_block=4,
+                                    max_num_tokens=16, enable_chunked_context=False)
+    vocab = engine.config.model.vocab_size
+    with pytest.raises(ValueError, match="^prompt: .*max_num_tokens=16"):
+        engine.add_request("long", list(range(5, 22)), SamplingParams(max_tokens=2))
+    for bad in (vocab, 10**9):
+        with pytest.raises(ValueError, match=f"^stop_token_ids: token id {bad} "):
+            engine.add_request("stop", [5, 6], SamplingParams(min_tokens=1, max_tokens=3,
+                                                              stop_token_ids=[1, bad]))
+    engine.add_request("ok", list(range(5, 21)), SamplingParams(
+        temperature=0, max_tokens=3, stop_token_ids=[vocab - 1]))
+    assert _run_all(engine)["ok"].error is None
+    assert engine.stats().kv_blocks_used == 0
+
+
 def test_abort_of_a_refused_request_before_the_next_step(tiny_llama):
     """A request the scheduler refuses (longer than max_num_tokens without chunking) and that
     is aborted before the next step (a client gone at once) must not kill the engine loop."""
     engine = LLMEngine.from_options(tiny_llama, kv_cache_tokens=2048, tokens_per_block=4,
                                     max_num_tokens=16, enable_chunked_context=False)
+    engine.validate = lambda ids, params: None  # the scheduler's own refusal (a backstop)
     engine.add_request("long", list(range(5, 45)), SamplingParams(max_tokens=2))
     assert engine.abort_request("long").finished
     engine.add_request("ok", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3))

@@ -1062,8 +1062,17 @@ async def _guard(request: web.Request, handler: Any) -> web.StreamResponse:
     error is a logged 500 with OpenAI error JSON."""
     if request.version not in _HTTP_VERSIONS:
         v = request.version
-        return Reply.error(505, f"HTTP/{v.major}.{v.minor} is not supported (HTTP/1.0 or 1.1)",
+        resp = Reply.error(505, f"HTTP/{v.major}.{v.minor} is not supported (HTTP/1.0 or 1.1)",
                            code="http_version", close=True).response()
+        # aiohttp writes the request's version in the status line ("HTTP/2.0 505"): answer
+        # as the HTTP/1.1 server this is (RFC 9110 6.2), through a copy of the request.
+        as_11 = request.clone()
+        as_11._version = aiohttp.HttpVersion11  # (what BaseRequest.version reads)
+        if as_11.version != aiohttp.HttpVersion11:  # another aiohttp: its status line then
+            return resp
+        await resp.prepare(as_11)
+        await resp.write_eof()
+        return resp
     try:
         return await handler(request)
     except (web.HTTPException, asyncio.CancelledError, ConnectionError):

@@ -32,7 +32,9 @@ Every error is a ``RouterConfigError`` whose message starts with ``FILE: dotted.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -308,24 +310,44 @@ def _worker_value(err: _Errors, key: str, name: str, value: Any, worker_keys: di
 
 
 def _normalize_url(err: _Errors, key: str, url: Any) -> str:
-    """``http://host:port[/]`` or ``host:port`` -> ``host:port``."""
+    try:
+        return normalize_worker_url(url)
+    except ValueError as e:
+        raise err(key, str(e)) from None
+
+
+# A host name (RFC 1123 labels; "_" too, as container names have it) or an IPv4 address.
+_HOST_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,251}[A-Za-z0-9_])?")
+
+
+def normalize_worker_url(url: Any) -> str:
+    """``http://host:port[/]`` or ``host:port`` -> ``host:port``; ValueError saying why not
+    (a worker's address from the config or from a registration: it becomes the base of every
+    call to the worker, so nothing but a host and a port)."""
     if not isinstance(url, str) or not url.strip():
-        raise err(key, f"expected 'host:port', got {url!r}")
+        raise ValueError(f"expected 'host:port', got {url!r}")
     text = url.strip()
     if "://" in text:
         scheme, _, text = text.partition("://")
         if scheme.lower() != "http":
-            raise err(key, f"{url!r}: only http:// workers are supported")
+            raise ValueError(f"{url!r}: only http:// workers are supported")
     text = text.rstrip("/")
     if "/" in text:
-        raise err(key, f"{url!r}: expected 'host:port' (no path)")
+        raise ValueError(f"{url!r}: expected 'host:port' (no path)")
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise err(key, f"{url!r} is not 'host:port'")
+    if not sep or not host or not (port.isascii() and port.isdigit()):
+        raise ValueError(f"{url!r} is not 'host:port'")
     if host.startswith("[") != host.endswith("]") or (":" in host and not host.startswith("[")):
-        raise err(key, f"{url!r}: write an IPv6 host in brackets, [::1]:8000")
+        raise ValueError(f"{url!r}: write an IPv6 host in brackets, [::1]:8000")
+    if host.startswith("["):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise ValueError(f"{url!r}: {host} is not an IPv6 address") from None
+    elif not _HOST_NAME.fullmatch(host):
+        raise ValueError(f"{url!r}: {host!r} is not a host name or IP address")
     if not 1 <= int(port) <= 65535:
-        raise err(key, f"{url!r}: port {port} is out of range 1..65535")
+        raise ValueError(f"{url!r}: port {port} is out of range 1..65535")
     return f"{host}:{int(port)}"
 
 

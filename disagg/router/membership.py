@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disagg.cluster_auth import HttpSigner
-from disagg.router.config import ClusterConfig, PolicyConfig
+from disagg.router.config import ClusterConfig, PolicyConfig, normalize_worker_url
 from disagg.router.kv_index import KVEventsError, KVIndex
 
 logger = logging.getLogger("disagg.router")
@@ -216,10 +216,10 @@ class Membership:
         role = payload.get("role")
         if role not in ("context", "generation", "aggregated"):
             raise ValueError(f"role: must be context, generation or aggregated, got {role!r}")
-        url = payload.get("url")
-        if not isinstance(url, str) or ":" not in url:
-            raise ValueError(f"url: expected 'host:port', got {url!r}")
-        url = url.removeprefix("http://").rstrip("/")
+        try:
+            url = normalize_worker_url(payload.get("url"))
+        except ValueError as e:
+            raise ValueError(f"url: {e}") from None
         pool = "context" if role == "context" else "generation"
         w = self.by_url.get(url)
         if w is not None and w.pool != pool:
@@ -243,7 +243,10 @@ class Membership:
         return w
 
     def unregister(self, url: str) -> bool:
-        w = self.by_url.get(url.removeprefix("http://").rstrip("/"))
+        try:
+            w = self.by_url.get(normalize_worker_url(url))
+        except ValueError:  # not an address: not a worker of ours either
+            return False
         if w is None or w.static:
             return False
         self._remove(w, "unregistered")

@@ -491,16 +491,25 @@ class _Server:
     def encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True,
                       field: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
-            ids = self.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            ids = list(self.engine.tokenizer.encode(prompt,
+                                                    add_special_tokens=add_special_tokens))
             if not ids:
                 raise P.bad_request(f"{field}: encodes to no tokens", param=field)
-            return list(ids)
-        vocab = self.config.model.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise P.bad_request(f"{field}: token id {bad} is out of range [0, {vocab})",
-                                param=field)
-        return list(prompt)
+        else:
+            vocab = self.config.model.vocab_size
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise P.bad_request(f"{field}: token id {bad} is out of range [0, {vocab})",
+                                    param=field)
+            ids = list(prompt)
+        sched = self.config.scheduler
+        if not sched.enable_chunked_context and len(ids) > sched.max_num_tokens:
+            # (the engine would take it, then fail it: it could never be scheduled)
+            raise P.bad_request(
+                f"{field}: {len(ids)} tokens, more than max_num_tokens={sched.max_num_tokens}; "
+                f"this worker prefills whole prompts only (enable_chunked_context is off)",
+                param=field)
+        return ids
 
     def request_type(self, req: Any, num_prompts: int) -> str | None:
         """The request's disaggregated type if it needs this role's KV plumbing, else None

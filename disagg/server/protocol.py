@@ -21,6 +21,10 @@ from disagg.request import SamplingParams, SamplingParamsError
 
 REQUEST_TYPES = ("context_only", "generation_only", "context_and_generation")
 MAX_N = 128  # choices per request: each is an engine request, so bound the fan-out
+# Choices of one request in all (prompts x n): each is an engine request with its own state
+# (~5 KiB) and its share of the scheduler's per-step work, so a 64 MiB body of one-character
+# prompts would be millions of them (measured: 5000 took 3 s, 20000 took 27 s and 110 MiB).
+MAX_CHOICES = 2048
 MAX_LOGPROBS = 20  # OpenAI's limit for both APIs
 
 
@@ -211,6 +215,12 @@ class CompletionRequest(_Request):
             items = list(p)  # type: ignore[arg-type]
         if not items:
             raise bad_request("prompt: must not be empty", param="prompt")
+        if len(items) * self.n > MAX_CHOICES:
+            raise bad_request(
+                f"{'prompt' if len(items) > MAX_CHOICES else 'n'}: {len(items)} prompts x n="
+                f"{self.n} = {len(items) * self.n} choices; at most {MAX_CHOICES} per request "
+                f"(send the prompts in several requests)",
+                param="prompt" if len(items) > MAX_CHOICES else "n")
         for i, item in enumerate(items):
             if len(item) == 0:
                 where = "prompt" if len(items) == 1 else f"prompt.{i}"
