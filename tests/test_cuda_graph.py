@@ -135,3 +135,46 @@ def test_padded_rows_never_touch_request_blocks(tiny_llama) -> None:
     plain.kv_cache.copy_(before[: plain.num_blocks])
     _, want = plain.execute(SchedulerOutput(reqs, 3, 3, [], 3, 0))
     assert torch.allclose(logits, want, atol=1e-5)
+
+
+def test_memory_and_graph_options_validate_and_flow_from_cli_and_yaml(tiny_llama, tmp_path) -> None:
+    import argparse
+
+    from disagg.config import CacheConfig, ConfigError, CudaGraphConfig, build_engine_config
+    from disagg.server.cli import add_cli, load_worker_yaml, resolve_options
+
+    for bad in (0.0, -0.1, 1.5, True, "0.5"):
+        with pytest.raises(ConfigError, match="gpu_memory_fraction"):
+            CacheConfig(gpu_memory_fraction=bad)
+    with pytest.raises(ConfigError, match="cuda_graph_max_batch_size"):
+        CudaGraphConfig(cuda_graph_max_batch_size=0)
+    cfg = build_engine_config(tiny_llama, gpu_memory_fraction=0.45, enforce_eager=True,
+                              cuda_graph_max_batch_size=32)
+    assert cfg.cache.gpu_memory_fraction == 0.45
+    assert cfg.cuda_graph == CudaGraphConfig(enforce_eager=True, cuda_graph_max_batch_size=32)
+
+    yaml_path = tmp_path / "worker.yaml"
+    yaml_path.write_text("gpu_memory_fraction: 0.4\nenforce_eager: true\n")
+    assert load_worker_yaml(str(yaml_path)) == {"gpu_memory_fraction": 0.4,
+                                                "enforce_eager": True}
+    yaml_path.write_text("gpu_memory_fraction: lots\n")
+    with pytest.raises(ConfigError, match="gpu_memory_fraction"):
+        load_worker_yaml(str(yaml_path))
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    # gpu_memory_fraction combines with kv_cache_tokens (the smaller capacity wins)
+    args = parser.parse_args(["serve", "/m", "--gpu-memory-fraction", "0.5", "--kv-cache-tokens",
+                              "4096", "--no-enforce-eager", "--cuda-graph-max-batch-size", "64"])
+    opts = resolve_options(args)
+    assert opts["gpu_memory_fraction"] == 0.5 and opts["kv_cache_tokens"] == 4096
+    assert opts["enforce_eager"] is False and opts["cuda_graph_max_batch_size"] == 64
+
+
+def test_cpu_runner_never_captures_and_keeps_its_cache_shape(tiny_llama) -> None:
+    from disagg.config import build_engine_config
+
+    config = build_engine_config(tiny_llama, tokens_per_block=8, kv_cache_tokens=256,
+                                 gpu_memory_fraction=0.3)  # CUDA-only: no effect on CPU
+    runner = ModelRunner(config)
+    assert runner.graphs is None and runner.memory_profile is None
+    assert runner.kv_cache.shape[0] == runner.num_blocks == 32
