@@ -190,7 +190,7 @@ class DecodeGraphs:
         """Write the rows of ``scheduled`` (padded to ``b``) into the static buffers: host
         layout in the pinned buffer, then one non-blocking copy."""
         m, bs = self.max_blocks, self.block_size
-        if self._copied is not None:
+        if self._copied is not None and not self._copied.query():
             self._copied.synchronize()  # the previous step's copy has read the host buffer
         h = self._host_np[: b * (5 + m)]
         h[:] = 0

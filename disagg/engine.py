@@ -419,10 +419,13 @@ class LLMEngine:
                 self.transfer.announce_leases([
                     (r.request_id, list(r.block_ids)) for r in sched.scheduled
                     if r.sample and self.scheduler.holds(r.request_id)])
+            oom_failed: list[tuple[str, str]] = []
             try:
                 results = [self._run_step(sched)]
-                oom_failed: list[tuple[str, str]] = []
             except torch.cuda.OutOfMemoryError:
+                results = []  # retried below, once the error (and the frames holding the
+                # failed forward's activations) is released
+            if not results:
                 # A request too large for the memory left fails alone: re-run in smaller groups.
                 results, oom_failed = self._run_isolating_oom(sched)
             sampled: dict[str, int] = {}

@@ -289,7 +289,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             flat = torch.tensor([x for p in parts for x in p], dtype=torch.long)
             return list(flat.split(sizes))
-        if self._staged is not None:
+        if self._staged is not None and not self._staged.query():
             self._staged.synchronize()  # the last copy has read the staging buffer
         if self._staging is None or self._staging.numel() < total:
             self._staging = torch.empty(max(total, 4096), dtype=torch.long, pin_memory=True)

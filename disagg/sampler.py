@@ -166,8 +166,9 @@ class Sampler:
             raw_lp = torch.log_softmax(x.index_select(0, lp_idx.long()), dim=-1)
             raw_lp = raw_lp.nan_to_num(nan=MIN_LOGPROB, neginf=MIN_LOGPROB, posinf=0.0)
         if ban_rows:
+            # (a device fill: torch.tensor(-inf, device=cuda) would be a blocking copy)
             x.index_put_((ban_r.long(), ban_c.long()),
-                         torch.tensor(_NEG_INF, dtype=x.dtype, device=dev))
+                         torch.full((), _NEG_INF, dtype=x.dtype, device=dev))
         chosen = x.argmax(dim=-1)
         if s_rows:
             s_long = s_idx.long()
