@@ -333,9 +333,9 @@ class ModelRunner:
             if r.sample:
                 logits_rows.append(query_start_loc[-1] - 1)  # last new token of the sequence
                 sample_ids.append(r.request_id)
-        ids_t, pos_t, sb_t, so_t, dsl_t, rows_t, tables_t = self._to_device(
+        ids_t, pos_t, sb_t, so_t, dsl_t, rows_t, tables_t, sl_t, qsl_t = self._to_device(
             input_ids, positions, slot_block, slot_offset, seq_lens[: sched.num_decodes],
-            logits_rows, tables)
+            logits_rows, tables, seq_lens, query_start_loc)
         meta = AttentionMetadata(
             num_decodes=sched.num_decodes,
             query_start_loc=query_start_loc,
@@ -344,6 +344,10 @@ class ModelRunner:
             slot_block=sb_t,
             slot_offset=so_t,
             decode_seq_lens=dsl_t,
+            # int32 copies made on the device (no second host-to-device copy)
+            seq_lens_t=sl_t.to(torch.int32),
+            query_start_loc_t=qsl_t.to(torch.int32),
+            max_query_len=max((len(r.token_ids) for r in sched.scheduled), default=0),
         )
         return StepInputs(ids_t, pos_t, meta, rows_t, sample_ids)
 

@@ -14,12 +14,19 @@ One forward carries a batch laid out as (DESIGN.md section 5)::
                       <- num_decodes rows, 1 each -> <- q_len_nd rows -->
 
 Each sequence's new tokens are the *last* ``q_len`` positions of its ``seq_len``-token context.
+
+On CUDA (triton importable, ``DISAGG_CUDA_ATTENTION`` not ``torch``) the attention itself runs in
+the Triton kernels of ``triton_attention.py`` (decodes: split-KV ``paged_decode``; prefill
+chunks: one varlen ``paged_prefill`` launch), reading the cache through the block table in
+place; CPU keeps the PyTorch / compiled-kernel path below.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +43,12 @@ class AttentionMetadata:
     slot_block: torch.Tensor     # [T] int64: block id receiving each new token's K/V
     slot_offset: torch.Tensor    # [T] int64: offset in that block
     decode_seq_lens: torch.Tensor  # [num_decodes] int64 (for the batched decode mask)
+    # Device copies for the CUDA kernels (the runner fills them; None: built from the lists on
+    # use). A pure-decode step on CUDA reads only block_tables, seq_lens_t and num_decodes,
+    # so a captured CUDA graph can refill them in place.
+    seq_lens_t: torch.Tensor | None = None         # [B] int32: seq_lens
+    query_start_loc_t: torch.Tensor | None = None  # [B+1] int32: query_start_loc
+    max_query_len: int = -1                        # max new tokens of a sequence (-1: unknown)
 
     @property
     def num_seqs(self) -> int:
@@ -44,6 +57,16 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return self.query_start_loc[-1]
+
+    def seq_lens_tensor(self, device: torch.device) -> torch.Tensor:
+        if self.seq_lens_t is not None:
+            return self.seq_lens_t
+        return torch.tensor(self.seq_lens, dtype=torch.int32, device=device)
+
+    def query_start_loc_tensor(self, device: torch.device) -> torch.Tensor:
+        if self.query_start_loc_t is not None:
+            return self.query_start_loc_t
+        return torch.tensor(self.query_start_loc, dtype=torch.int32, device=device)
 
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -125,6 +148,47 @@ def _attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.view(hkv, s, g, n, d).permute(1, 3, 0, 2, 4).reshape(s, n, hq, d)
 
 
+@lru_cache(maxsize=1)
+def triton_available() -> bool:
+    """Triton kernels usable for CUDA attention: triton imports and ``DISAGG_CUDA_ATTENTION``
+    is not ``torch`` (which keeps the PyTorch path on CUDA, e.g. to compare)."""
+    if os.environ.get("DISAGG_CUDA_ATTENTION", "triton").strip().lower() == "torch":
+        return False
+    from disagg.model.triton_attention import HAS_TRITON
+    return HAS_TRITON
+
+
+def _triton_applies(q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
+    return (q.device.type == "cuda" and q.dtype == kv_layer.dtype
+            and not (q.requires_grad and torch.is_grad_enabled()) and triton_available())
+
+
+def triton_paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
+                           scale: float) -> torch.Tensor:
+    """Attention over the paged cache (new K/V already written) with the Triton kernels.
+
+    Rows ``[0, nd)``: decodes, one ``paged_decode`` launch (split-KV; reads block_tables,
+    seq_lens_t and num_decodes only). Rows ``[nd, T)``: every prefill chunk in one
+    ``paged_prefill`` launch. No host sync, no per-sequence loop.
+    """
+    from disagg.model import triton_attention as ta
+
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    num_seqs = len(meta.query_start_loc) - 1
+    seq_lens = meta.seq_lens_tensor(q.device)
+    if nd > 0:
+        ta.paged_decode(q[:nd], kv_layer, meta.block_tables[:nd], seq_lens[:nd], scale,
+                        out=out[:nd])
+    if num_seqs > nd:
+        qsl = meta.query_start_loc_tensor(q.device)
+        ta.paged_prefill(q, kv_layer, meta.block_tables[nd:], seq_lens[nd:], qsl[nd:],
+                         meta.query_start_loc[-1] - meta.query_start_loc[nd], scale, out=out)
+    return out
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                     meta: AttentionMetadata, scale: float,
                     workspace: GatherWorkspace | None = None) -> torch.Tensor:
@@ -134,6 +198,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer:
     Returns ``[T, H_q, D]``.
     """
     write_kv(kv_layer, k, v, meta)
+    if _triton_applies(q, kv_layer):
+        return triton_paged_attention(q, kv_layer, meta, scale)
     block_size = kv_layer.shape[3]
     out = torch.empty_like(q)
     nd = meta.num_decodes
