@@ -149,14 +149,19 @@ DTYPES = {"float32", "bfloat16", "float16"}
 class CacheConfig:
     """Paged KV cache sizing.
 
-    Exactly one of ``kv_cache_tokens`` (an explicit token capacity) or ``kv_cache_fraction``
-    (share of free device memory after loading weights) decides the number of blocks; if both
-    are set the smaller capacity wins, as in TensorRT-LLM.
+    ``kv_cache_tokens`` (an explicit token capacity), ``kv_cache_fraction`` (share of the device
+    memory free after loading the weights and, on CUDA, after the activations a profiling
+    forward at ``max_num_tokens`` peaked at) and ``gpu_memory_fraction`` (CUDA only: share of
+    the GPU's *total* memory this worker may use for weights + activations + KV cache, so
+    workers sharing one GPU split it, like vLLM's ``gpu_memory_utilization``) each bound the
+    number of blocks; the smallest capacity wins, as in TensorRT-LLM. With none of them set a
+    CUDA worker uses ``gpu_memory_fraction=0.9``, a CPU worker 0.1 of free RAM.
     """
 
     tokens_per_block: int = 32
     kv_cache_tokens: int | None = None
     kv_cache_fraction: float | None = None
+    gpu_memory_fraction: float | None = None
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -167,6 +172,11 @@ class CacheConfig:
         if self.kv_cache_fraction is not None:
             _require(0.0 < self.kv_cache_fraction <= 1.0, "kv_cache_fraction",
                      "must be in (0, 1]")
+        if self.gpu_memory_fraction is not None:
+            _require(isinstance(self.gpu_memory_fraction, (int, float))
+                     and not isinstance(self.gpu_memory_fraction, bool)
+                     and 0.0 < self.gpu_memory_fraction <= 1.0, "gpu_memory_fraction",
+                     f"must be a number in (0, 1], got {self.gpu_memory_fraction!r}")
 
 
 @dataclass(frozen=True)
@@ -232,6 +242,21 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class CudaGraphConfig:
+    """Pure-decode steps captured as CUDA graphs, one per batch-size bucket (CUDA only; a CPU
+    worker never captures). ``enforce_eager`` turns them off; batches above
+    ``cuda_graph_max_batch_size`` (capped by ``max_batch_size``) run eagerly."""
+
+    enforce_eager: bool = False
+    cuda_graph_max_batch_size: int = 256
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.enforce_eager, bool), "enforce_eager", "must be true or false")
+        _require(self.cuda_graph_max_batch_size >= 1, "cuda_graph_max_batch_size",
+                 "must be >= 1")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs besides the weights."""
 
@@ -240,6 +265,7 @@ class EngineConfig:
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
+    cuda_graph: CudaGraphConfig = CudaGraphConfig()
     dtype: str = "float32"  # compute dtype actually used
     device: str = "cpu"  # "cpu" or "cuda[:N]"; picked at run time by ``pick_device``
     seed: int = 0
@@ -267,7 +293,8 @@ def pick_device(requested: str | None = None) -> str:
 
 ENGINE_OPTION_NAMES = (
     # (option name accepted by LLM(...) / serve / YAML) -> where it goes; see build_engine_config
-    "tokens_per_block", "kv_cache_tokens", "kv_cache_fraction", "enable_prefix_caching",
+    "tokens_per_block", "kv_cache_tokens", "kv_cache_fraction", "gpu_memory_fraction",
+    "enable_prefix_caching", "enforce_eager", "cuda_graph_max_batch_size",
     "max_batch_size", "max_num_tokens", "enable_chunked_context", "capacity_policy",
     "max_model_len", "max_queue", "tensor_parallel_size", "pipeline_parallel_size",
     "pp_partition", "dtype", "device", "seed",
@@ -297,6 +324,7 @@ def build_engine_config(model_dir: str, **options: Any) -> EngineConfig:
         cache=pick(CacheConfig),
         scheduler=pick(SchedulerConfig),
         parallel=pick(ParallelConfig),
+        cuda_graph=pick(CudaGraphConfig),
         dtype=dtype,
         device=pick_device(options.get("device")),
         seed=int(options.get("seed") or 0),

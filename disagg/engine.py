@@ -25,7 +25,7 @@ from disagg.kv_cache.manager import KVCacheManager
 from disagg.parallel.executor import DistributedExecutor, WorkerDiedError
 from disagg.request import Request, RequestStatus, SamplingParams
 from disagg.runner import ModelRunner
-from disagg.sampler import Sampler
+from disagg.sampler import Sampler, SamplerOutput
 from disagg.scheduler import Scheduler, SchedulerOutput
 from disagg.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
@@ -119,6 +119,12 @@ class _State:
     cache_remote_kv: bool = False
     # benchmark gen-only: no context worker; the prompt's blocks count as computed as they are.
     dummy_kv: bool = False
+
+
+def _release_device_cache() -> None:
+    """Hand the caching allocator's unused blocks back (after an out-of-memory error)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def context_only_params(params: SamplingParams) -> SamplingParams:
@@ -424,31 +430,27 @@ class LLMEngine:
                 self.transfer.announce_leases([
                     (r.request_id, list(r.block_ids)) for r in sched.scheduled
                     if r.sample and self.scheduler.holds(r.request_id)])
-            rids, logits = self.runner.execute(sched)
+            oom_failed: list[tuple[str, str]] = []
+            try:
+                results = [self._run_step(sched)]
+            except torch.cuda.OutOfMemoryError:
+                results = []  # retried below, once the error (and the frames holding the
+                # failed forward's activations) is released
+            if not results:
+                # A request too large for the memory left fails alone: re-run in smaller groups.
+                results, oom_failed = self._run_isolating_oom(sched)
             sampled: dict[str, int] = {}
-            sampling_failed: list[tuple[str, str]] = []
-            if rids:
-                states = [self._states[rid] for rid in rids]
-                banned = [
-                    st.banned_until_min
-                    if st.request.num_output_tokens < st.request.sampling_params.min_tokens
-                    else ()
-                    for st in states
-                ]
-                # A seeded draw depends on (seed, output position) only: a generation worker
-                # continuing a context worker's first token draws what one worker would.
-                out = self.sampler.sample(
-                    logits,
-                    [st.request.sampling_params for st in states],
-                    [st.request.num_output_tokens for st in states],
-                    banned,
-                )
-                for rid, st, tok, lp, err in zip(rids, states, out.token_ids, out.logprobs,
-                                                 out.errors, strict=True):
+            sampling_failed: list[tuple[str, str]] = list(oom_failed)
+            for rids, out in results:
+                if out is None:
+                    continue
+                for rid, tok, lp, err in zip(rids, out.token_ids, out.logprobs, out.errors,
+                                             strict=True):
                     if err is not None:
                         sampling_failed.append((rid, err))
                         continue
                     sampled[rid] = tok
+                    st = self._states[rid]
                     if st.logprobs is not None and lp is not None:
                         st.logprobs.append(lp)
         except WorkerDiedError:
@@ -488,6 +490,72 @@ class LLMEngine:
                 continue
             outputs.append(self._make_output(st, st.detok.flush(), finished=True))
         return self._collect_finished_without_step(outputs)
+
+    def _run_step(self, sched: SchedulerOutput) -> tuple[list[str], SamplerOutput | None]:
+        """Execute ``sched`` and sample its rows: (sampling request ids, their draws)."""
+        rids, logits = self.runner.execute(sched)
+        if not rids:
+            return [], None
+        states = [self._states[rid] for rid in rids]
+        banned = [
+            st.banned_until_min
+            if st.request.num_output_tokens < st.request.sampling_params.min_tokens
+            else ()
+            for st in states
+        ]
+        # A seeded draw depends on (seed, output position) only: a generation worker
+        # continuing a context worker's first token draws what one worker would.
+        out = self.sampler.sample(
+            logits,
+            [st.request.sampling_params for st in states],
+            [st.request.num_output_tokens for st in states],
+            banned,
+        )
+        return rids, out
+
+    def _run_isolating_oom(self, sched: SchedulerOutput
+                           ) -> tuple[list[tuple[list[str], SamplerOutput | None]],
+                                      list[tuple[str, str]]]:
+        """The step ran out of device memory: run its requests again in halves, recursively,
+        until each group fits; a single request that still does not fit fails alone.
+
+            [r0 r1 r2 r3 r4 r5]  OOM
+            [r0 r1 r2] ok   [r3 r4 r5] OOM
+                            [r3] ok  [r4 r5] OOM
+                                     [r4] OOM -> r4 fails   [r5] ok
+
+        Re-running is safe: a group writes the same K/V into the same slots again. Groups keep
+        the plan's order (decodes first), so each is a valid step on its own."""
+        logger.warning("step of %d requests (%d tokens) ran out of device memory: retrying "
+                       "in smaller groups", len(sched.scheduled), sched.num_scheduled_tokens)
+        results: list[tuple[list[str], SamplerOutput | None]] = []
+        failed: list[tuple[str, str]] = []
+
+        def attempt(lo: int, hi: int) -> None:  # sched.scheduled[lo:hi]
+            group = sched.scheduled[lo:hi]
+            sub = replace(sched, scheduled=group,
+                          num_decodes=max(0, min(hi, sched.num_decodes) - lo),
+                          num_scheduled_tokens=sum(len(r.token_ids) for r in group),
+                          kv_fetches=[])
+            _release_device_cache()
+            try:
+                results.append(self._run_step(sub))
+                return
+            except torch.cuda.OutOfMemoryError as e:
+                if hi - lo == 1:
+                    r = group[0]
+                    failed.append((r.request_id, (
+                        f"out of device memory: this request ({len(r.token_ids)} new tokens, "
+                        f"{r.start_pos + len(r.token_ids)} in context) does not fit in the "
+                        f"memory left on its own: {e}")))
+                    return
+            mid = (lo + hi) // 2
+            attempt(lo, mid)
+            attempt(mid, hi)
+
+        attempt(0, len(sched.scheduled))
+        _release_device_cache()
+        return results, failed
 
     def _collect_finished_without_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         # The scheduler may end a request during schedule() (e.g. one that can never fit).

@@ -239,7 +239,8 @@ def assign_gpus(needs: Sequence[int | None], gpus: Sequence[str]
     if total > len(gpus):
         return [None] * len(needs), (
             f"the workers use {total} GPU(s) but {len(gpus)} are visible: not pinning workers "
-            f"to GPUs (they share them; set kv_cache_tokens / kv_cache_fraction to fit)")
+            f"to GPUs (they share them; set gpu_memory_fraction, e.g. 0.45 each, or "
+            f"kv_cache_tokens to fit)")
     out: list[str | None] = []
     next_gpu = 0
     for n in needs:

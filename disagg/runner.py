@@ -6,6 +6,7 @@ calls it on the same SchedulerOutput (``disagg.parallel.worker``)."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Callable
@@ -14,16 +15,20 @@ from dataclasses import dataclass
 import torch
 
 from disagg.config import EngineConfig
+from disagg.cuda_graph import DecodeFn, DecodeGraphs, graph_batch_sizes, triton_paged_decode
 from disagg.model.attention import AttentionMetadata
 from disagg.model.kernels import paged_decode_kernel, small_linear_kernel
 from disagg.model.loader import allocate_kv_cache, kv_cache_bytes_per_block, load_model
 from disagg.parallel.layout import ParallelLayout
-from disagg.scheduler import SchedulerOutput
+from disagg.scheduler import ScheduledRequest, SchedulerOutput
 
-# Share of free memory given to the KV cache when the user sets neither a token count nor a
-# fraction. On a GPU this is TensorRT-LLM's default; on a CPU the same memory also holds the
-# process, the OS and often other workers, so the default is much smaller.
-DEFAULT_KV_FRACTION = {"cuda": 0.9, "cpu": 0.1}
+# With no sizing option set: a CUDA worker may use this share of the GPU's total memory
+# (vLLM's gpu_memory_utilization default); a CPU worker gives the KV cache this share of free
+# RAM (the same memory also holds the process, the OS and often other workers).
+DEFAULT_GPU_MEMORY_FRACTION = 0.9
+DEFAULT_CPU_KV_FRACTION = 0.1
+
+logger = logging.getLogger("disagg.runner")
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -42,6 +47,27 @@ def free_memory_bytes(device: torch.device) -> int:
 
 
 @dataclass(frozen=True)
+class MemoryProfile:
+    """What sized the KV cache on CUDA (bytes; logged at start-up)."""
+
+    total: int  # the GPU's memory
+    weights: int  # allocated by this process after loading the model
+    activation_peak: int  # peak above that of a forward at max_num_tokens + its sampling
+    free_after: int  # driver's free memory after the profiling run (cache emptied)
+    profiled_tokens: int  # tokens of the profiling forward (0: not profiled)
+    kv_bytes: int  # what the KV cache was given
+    per_block: int  # bytes of one KV block
+
+    def describe(self) -> str:
+        gib = 1024**3
+        return (f"total {self.total / gib:.2f} GiB, weights {self.weights / gib:.2f} GiB, "
+                f"activation peak {self.activation_peak / gib:.3f} GiB at "
+                f"{self.profiled_tokens} tokens, free after profiling "
+                f"{self.free_after / gib:.2f} GiB -> KV cache {self.kv_bytes / gib:.2f} GiB "
+                f"({self.kv_bytes // self.per_block} blocks)")
+
+
+@dataclass(frozen=True)
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -56,17 +82,26 @@ class ModelRunner:
     With several ranks (``disagg.parallel``) every rank builds one of these for its
     ``layout``; ``agree_num_blocks`` then turns this rank's block count into the one all ranks
     use (block tables are global, so every rank must have the same number of blocks).
+
+    On CUDA (one rank, ``enforce_eager`` off, Triton present) pure-decode steps replay CUDA
+    graphs (``disagg.cuda_graph``); the cache then holds one scratch block past
+    ``num_blocks`` for their padding rows. ``padded_decode`` forces that padded static path
+    with the given attention function (run eagerly off CUDA: the CPU tests of the buckets).
     """
 
     def __init__(self, config: EngineConfig, layout: ParallelLayout | None = None,
                  agree_num_blocks: Callable[[int], int] | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None,
+                 padded_decode: DecodeFn | None = None) -> None:
         self.config = config
         self.layout = layout or ParallelLayout.for_rank(config.model, 1, 1, 0)
         self.device = torch.device(device if device is not None else config.device)
         self.dtype = getattr(torch, config.dtype)
         self.block_size = config.cache.tokens_per_block
         lay = self.layout
+        # Pinned staging of the step inputs (CUDA), grown on demand; see _to_device.
+        self._staging: torch.Tensor | None = None
+        self._staged: torch.cuda.Event | None = None
         self.model = load_model(config.model_dir, config.model, self.dtype, self.device,
                                 layer_range=lay.layer_range, tp_rank=lay.tp_rank,
                                 tp_size=lay.tp_size)
@@ -76,12 +111,46 @@ class ModelRunner:
             self.model.workspace.decode_kernel = paged_decode_kernel()
             # Linear layers on few rows (decode batches) through the small-M GEMM; None: torch.
             self.model.use_linear_kernel(small_linear_kernel())
+        decode = padded_decode
+        if (decode is None and self.device.type == "cuda" and lay.world_size == 1
+                and not config.cuda_graph.enforce_eager):
+            decode = triton_paged_decode()
+            if decode is None:
+                logger.warning("CUDA graphs off: disagg.model.triton_attention.paged_decode "
+                               "is not available (no triton?); decode steps run eagerly")
+        self.memory_profile: MemoryProfile | None = None
         num_blocks = self._decide_num_blocks()
         self.num_blocks = agree_num_blocks(num_blocks) if agree_num_blocks else num_blocks
+        # Block num_blocks (past every block the pool hands out) is the padding rows' scratch.
+        extra = 1 if decode is not None else 0
         self.kv_cache = allocate_kv_cache(
-            config.model, self.num_blocks, self.block_size, self.dtype, self.device,
+            config.model, self.num_blocks + extra, self.block_size, self.dtype, self.device,
             num_layers=lay.num_local_layers, num_kv_heads=lay.num_local_kv_heads,
         )
+        self.graphs: DecodeGraphs | None = None
+        if decode is not None:
+            self.graphs = self._make_graphs(decode)
+
+    def _make_graphs(self, decode: DecodeFn) -> DecodeGraphs | None:
+        sched = self.config.scheduler
+        limit = min(self.config.cuda_graph.cuda_graph_max_batch_size, sched.max_batch_size,
+                    sched.max_num_tokens)
+        capture = self.device.type == "cuda"
+        try:
+            with torch.inference_mode():
+                return DecodeGraphs(
+                    self.model, self.kv_cache, self.block_size,
+                    max_blocks_per_seq=-(-self.config.max_model_len // self.block_size),
+                    scratch_block=self.num_blocks, sizes=graph_batch_sizes(limit),
+                    decode=decode, capture=capture)
+        except Exception:
+            if not capture:
+                raise
+            # The worker still serves, eagerly (e.g. no memory left for the graph pool).
+            logger.exception("CUDA graph capture failed: decode steps run eagerly")
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            return None
 
     # The executor interface the engine uses (see disagg.parallel.executor for world > 1).
     error: str | None = None  # a single process has no rank that can die on its own
@@ -92,6 +161,8 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         pass
+
+    # -- KV cache sizing ---------------------------------------------------------------------
 
     def _decide_num_blocks(self) -> int:
         cache = self.config.cache
@@ -104,14 +175,22 @@ class ModelRunner:
         if cache.kv_cache_tokens is not None:
             candidates.append(cache.kv_cache_tokens // self.block_size)
         fraction = cache.kv_cache_fraction
-        if fraction is None and cache.kv_cache_tokens is None:
-            fraction = DEFAULT_KV_FRACTION["cuda" if self.device.type == "cuda" else "cpu"]
-        if fraction is not None:
-            share = fraction * free_memory_bytes(self.device)
-            if self.device.type == "cpu":
+        if self.device.type == "cuda":
+            gpu_fraction = cache.gpu_memory_fraction
+            if gpu_fraction is None and fraction is None and cache.kv_cache_tokens is None:
+                gpu_fraction = DEFAULT_GPU_MEMORY_FRACTION
+            if gpu_fraction is not None or fraction is not None:
+                prof = self._profile_cuda(per_block, fraction, gpu_fraction)
+                self.memory_profile = prof
+                logger.info("KV cache sizing: %s", prof.describe())
+                candidates.append(prof.kv_bytes // per_block)
+        else:
+            if fraction is None and cache.kv_cache_tokens is None:
+                fraction = DEFAULT_CPU_KV_FRACTION
+            if fraction is not None:
                 # The ranks of one worker share the host's memory: each takes its part.
-                share /= lay.world_size
-            candidates.append(int(share) // per_block)
+                share = fraction * free_memory_bytes(self.device) / lay.world_size
+                candidates.append(int(share) // per_block)
         # Never more than every batch slot filled to the model length could use.
         sched = self.config.scheduler
         candidates.append(
@@ -121,9 +200,109 @@ class ModelRunner:
         if num_blocks < 1:
             raise MemoryError(
                 f"KV cache: not enough memory for a single block of {per_block} bytes "
-                f"(kv_cache_tokens={cache.kv_cache_tokens}, kv_cache_fraction={fraction})"
+                f"(kv_cache_tokens={cache.kv_cache_tokens}, kv_cache_fraction={fraction}, "
+                f"gpu_memory_fraction={cache.gpu_memory_fraction}"
+                + (f"; {self.memory_profile.describe()}" if self.memory_profile else "") + ")"
             )
         return num_blocks
+
+    def _profile_batch(self) -> SchedulerOutput:
+        """A step as large as the scheduler can make: ``R = min(max_batch_size,
+        max_num_tokens)`` prompts, ``max_num_tokens`` tokens split evenly (each within
+        ``max_model_len``), all sampling; they share blocks ``[0, nb)`` (KV values do not
+        matter, the activations do)."""
+        sched = self.config.scheduler
+        rows = min(sched.max_batch_size, sched.max_num_tokens)
+        per, extra = divmod(sched.max_num_tokens, rows)
+        lens = [min(per + (i < extra), self.config.max_model_len) for i in range(rows)]
+        vocab = self.config.model.vocab_size
+        scheduled = [ScheduledRequest(f"profile-{i}", [(7 * i + j) % vocab for j in range(n)],
+                                      0, list(range(-(-n // self.block_size))), True)
+                     for i, n in enumerate(lens)]
+        return SchedulerOutput(scheduled, 0, sum(lens), [], 0, 0)
+
+    def _profile_cuda(self, per_block: int, kv_fraction: float | None,
+                      gpu_fraction: float | None) -> MemoryProfile:
+        """Peak activation memory of the largest step (a forward at ``max_num_tokens`` plus
+        sampling its rows, as vLLM's profile_run), then the KV budget:
+
+            gpu_memory_fraction:  fraction * total - weights - activation peak
+            kv_cache_fraction:    fraction * (free after profiling - activation peak)
+            never more than       free after profiling - activation peak
+        """
+        from disagg.request import SamplingParams
+        from disagg.sampler import Sampler
+
+        dev = self.device
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        weights = torch.cuda.memory_allocated(dev)
+        profiled = 0
+        peak = 0
+        if self.layout.world_size == 1:
+            # Ranks of a parallel worker cannot run a forward alone (their collectives are not
+            # up yet): they size from free memory without the activation term.
+            sched = self._profile_batch()
+            nb = max(len(r.block_ids) for r in sched.scheduled)
+            lay = self.layout
+            dummy = allocate_kv_cache(self.config.model, nb, self.block_size, self.dtype, dev,
+                                      num_layers=lay.num_local_layers,
+                                      num_kv_heads=lay.num_local_kv_heads)
+            torch.cuda.synchronize(dev)
+            base = torch.cuda.memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            with torch.inference_mode():
+                inputs = self.prepare_inputs(sched)
+                hidden = self.model(inputs.input_ids, inputs.positions, dummy, inputs.meta)
+                logits = self.model.compute_logits(hidden[inputs.logits_indices])
+                del hidden
+                # The heaviest sampling: temperature + top-k + top-p + logprobs on every row
+                # (seeded: the global generator is not touched).
+                n = logits.shape[0]
+                Sampler().sample(logits, [SamplingParams(temperature=1.0, top_k=50, top_p=0.9,
+                                                         logprobs=5, seed=0)] * n, [0] * n)
+                del logits, inputs
+            torch.cuda.synchronize(dev)
+            peak = max(0, torch.cuda.max_memory_allocated(dev) - base)
+            profiled = sched.num_scheduled_tokens
+            del dummy
+            torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        room = free - peak
+        budgets = [room]
+        if gpu_fraction is not None:
+            budgets.append(int(gpu_fraction * total) - weights - peak)
+        if kv_fraction is not None:
+            budgets.append(int(kv_fraction * room))
+        return MemoryProfile(total=int(total), weights=int(weights), activation_peak=int(peak),
+                             free_after=int(free), profiled_tokens=profiled,
+                             kv_bytes=max(0, min(budgets)), per_block=per_block)
+
+    # -- step inputs -------------------------------------------------------------------------
+
+    def _to_device(self, *parts: list[int]) -> list[torch.Tensor]:
+        """int64 device tensors of ``parts``: on CUDA written into one pinned host buffer and
+        moved by a single non-blocking copy (the returned tensors are views of one device
+        buffer)."""
+        sizes = [len(p) for p in parts]
+        total = sum(sizes)
+        if self.device.type != "cuda":
+            flat = torch.tensor([x for p in parts for x in p], dtype=torch.long)
+            return list(flat.split(sizes))
+        if self._staged is not None and not self._staged.query():
+            self._staged.synchronize()  # the last copy has read the staging buffer
+        if self._staging is None or self._staging.numel() < total:
+            self._staging = torch.empty(max(total, 4096), dtype=torch.long, pin_memory=True)
+        host = self._staging.numpy()
+        at = 0
+        for p in parts:
+            host[at:at + len(p)] = p
+            at += len(p)
+        out = torch.empty(total, dtype=torch.long, device=self.device)
+        out.copy_(self._staging[:total], non_blocking=True)
+        self._staged = torch.cuda.Event()
+        self._staged.record()
+        return list(out.split(sizes))
 
     def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         B = self.block_size
@@ -136,7 +315,9 @@ class ModelRunner:
         logits_rows: list[int] = []
         sample_ids: list[str] = []
         max_blocks = max((len(r.block_ids) for r in sched.scheduled), default=0)
-        tables = torch.zeros(len(sched.scheduled), max(max_blocks, 1), dtype=torch.long)
+        width = max(max_blocks, 1)
+        # Block tables [S, width], row-major, padded with 0.
+        tables = [0] * (len(sched.scheduled) * width)
         for i, r in enumerate(sched.scheduled):
             n = len(r.token_ids)
             # New tokens occupy positions [start_pos, start_pos + n); position p goes to block
@@ -148,33 +329,38 @@ class ModelRunner:
             slot_offset.extend(p % B for p in pos)
             query_start_loc.append(query_start_loc[-1] + n)
             seq_lens.append(r.start_pos + n)
-            if r.block_ids:
-                tables[i, : len(r.block_ids)] = torch.tensor(r.block_ids, dtype=torch.long)
+            tables[i * width: i * width + len(r.block_ids)] = r.block_ids
             if r.sample:
                 logits_rows.append(query_start_loc[-1] - 1)  # last new token of the sequence
                 sample_ids.append(r.request_id)
-        dev = self.device
-
-        def t(x: list[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.long, device=dev)
-
+        ids_t, pos_t, sb_t, so_t, dsl_t, rows_t, tables_t, sl_t, qsl_t = self._to_device(
+            input_ids, positions, slot_block, slot_offset, seq_lens[: sched.num_decodes],
+            logits_rows, tables, seq_lens, query_start_loc)
         meta = AttentionMetadata(
             num_decodes=sched.num_decodes,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
-            block_tables=tables.to(dev),
-            slot_block=t(slot_block),
-            slot_offset=t(slot_offset),
-            decode_seq_lens=t(seq_lens[: sched.num_decodes]),
-            seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc_t=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
+            block_tables=tables_t.view(len(sched.scheduled), width),
+            slot_block=sb_t,
+            slot_offset=so_t,
+            decode_seq_lens=dsl_t,
+            # int32 copies made on the device (no second host-to-device copy)
+            seq_lens_t=sl_t.to(torch.int32),
+            query_start_loc_t=qsl_t.to(torch.int32),
             max_query_len=max((len(r.token_ids) for r in sched.scheduled), default=0),
         )
-        return StepInputs(t(input_ids), t(positions), meta, t(logits_rows), sample_ids)
+        return StepInputs(ids_t, pos_t, meta, rows_t, sample_ids)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[list[str], torch.Tensor | None]:
-        """Run one step; return the sampling request ids and their logits ([S, V] float32)."""
+        """Run one step; return the sampling request ids and their logits ([S, V] float32).
+
+        A pure-decode step replays the CUDA graph of its bucket when there is one; its logits
+        are then a view of the graph's output, valid until the next step."""
+        graphs = self.graphs
+        if graphs is not None and graphs.applies(sched.scheduled, sched.num_decodes):
+            logits = graphs.run(sched.scheduled)
+            return [r.request_id for r in sched.scheduled], logits
         inputs = self.prepare_inputs(sched)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
         if not inputs.sample_request_ids:

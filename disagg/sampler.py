@@ -106,74 +106,128 @@ class Sampler:
 
     # -- one batch ---------------------------------------------------------------------------
 
-    def _uniforms(self, params: list[SamplingParams], positions: list[int],
-                  device: torch.device) -> torch.Tensor:
+    def _uniforms(self, params: list[SamplingParams], positions: list[int]) -> list[float]:
         """One uniform per row: (seed, position) for seeded rows, else the engine's
-        generator."""
+        generator (a CPU generator: no device work)."""
         unseeded = sum(p.seed is None for p in params)
         drawn = (torch.rand(unseeded, dtype=torch.float64, generator=self.default_generator)
                  .tolist() if unseeded else [])
         it = iter(drawn)
-        u = [seeded_uniform(p.seed, pos) if p.seed is not None else next(it)
-             for p, pos in zip(params, positions, strict=True)]
-        return torch.tensor(u, dtype=torch.float64, device=device)
+        return [seeded_uniform(p.seed, pos) if p.seed is not None else next(it)
+                for p, pos in zip(params, positions, strict=True)]
 
     def _sample_rows(self, logits: torch.Tensor, params: list[SamplingParams],
                      positions: list[int], banned: list[tuple[int, ...]]
                      ) -> tuple[list[int], list[dict[int, float] | None]]:
+        """The batch on the device: every per-row value goes up in one copy (from pinned memory,
+        non-blocking), tokens and logprobs come down in one ``tolist`` (the step's one host
+        sync); no per-row device work."""
         n = len(params)
         if logits.shape[0] != n or len(positions) != n or len(banned) != n:
             raise ValueError(f"{logits.shape[0]} logit rows for {n} params, "
                              f"{len(positions)} positions, {len(banned)} banned lists")
+        V = logits.shape[1]
+        dev = logits.device
+        # -- host: what each row asks for ------------------------------------------------
+        want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
+        s_rows = [i for i, p in enumerate(params) if p.temperature >= SAMPLING_EPS]
+        s_params = [params[i] for i in s_rows]
+        ks = [p.top_k if 0 < p.top_k < V else 0 for p in s_params]
+        p_rows = [j for j, p in enumerate(s_params) if p.top_p < 1.0]  # rows of s_rows
+        ban_rows: list[int] = []
+        ban_cols: list[int] = []
+        for i, b in enumerate(banned):
+            ids = [t for t in b if 0 <= t < V]  # a stop token id beyond the vocabulary
+            ban_rows += [i] * len(ids)  # can never be sampled anyway
+            ban_cols += ids
+        # Logprob rows grouped by their top-n: one topk per distinct n, not per row.
+        groups: dict[int, list[int]] = {}
+        for j, i in enumerate(want_lp):
+            groups.setdefault(min(params[i].logprobs or 0, V), []).append(j)
+        groups.pop(0, None)
+        # One float64 upload (integers below 2^53 are exact), laid out as
+        #   s_rows | temps | top-k | top_p (p_rows) | p_rows | u | want_lp | ban rows | ban cols
+        #   | rows of each logprob group
+        u = self._uniforms(s_params, [positions[i] for i in s_rows])
+        parts: list[list[float] | list[int]] = [
+            s_rows, [p.temperature for p in s_params], ks,
+            [s_params[j].top_p for j in p_rows], p_rows, u, want_lp, ban_rows, ban_cols,
+            *groups.values()]
+        up = _upload([x for part in parts for x in part], dev)
+        sizes = [len(part) for part in parts]
+        (s_idx, temps, ks_t, top_p, p_idx, u_t, lp_idx, ban_r, ban_c,
+         *group_idx) = up.split(sizes)
+
+        # -- device ----------------------------------------------------------------------
         # NaN never wins, +inf is the largest finite value: argmax and softmax stay defined.
         x = torch.nan_to_num(logits, nan=_NEG_INF, posinf=torch.finfo(torch.float32).max)
-        want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
-        raw_lp = torch.log_softmax(x[want_lp], dim=-1) if want_lp else None
-        if any(banned):
-            V = x.shape[1]
-            for i, b in enumerate(banned):
-                ids = [t for t in b if 0 <= t < V]  # a stop token id beyond the vocabulary
-                if ids:  # can never be sampled anyway
-                    x[i, ids] = _NEG_INF
+        raw_lp = None
+        if want_lp:
+            raw_lp = torch.log_softmax(x.index_select(0, lp_idx.long()), dim=-1)
+            raw_lp = raw_lp.nan_to_num(nan=MIN_LOGPROB, neginf=MIN_LOGPROB, posinf=0.0)
+        if ban_rows:
+            # (a device fill: torch.tensor(-inf, device=cuda) would be a blocking copy)
+            x.index_put_((ban_r.long(), ban_c.long()),
+                         torch.full((), _NEG_INF, dtype=x.dtype, device=dev))
+        chosen = x.argmax(dim=-1)
+        if s_rows:
+            s_long = s_idx.long()
+            drawn = _draw(x.index_select(0, s_long), temps.float(), ks_t.long(), max(ks),
+                          top_p, p_idx.long() if p_rows else None, u_t)
+            chosen = chosen.index_copy(0, s_long, drawn)
+        down = [chosen.double()]
+        if raw_lp is not None:
+            lp_long = lp_idx.long()
+            down.append(raw_lp.gather(1, chosen.index_select(0, lp_long).unsqueeze(1))
+                        .squeeze(1).double())
+            for k, gi in zip(groups, group_idx, strict=True):
+                top = torch.topk(raw_lp.index_select(0, gi.long()), k, dim=-1)
+                down += [top.indices.flatten().double(), top.values.flatten().double()]
+        flat = torch.cat(down).tolist()  # the one device -> host sync
 
-        greedy = [p.temperature < SAMPLING_EPS for p in params]
-        if all(greedy):
-            chosen = x.argmax(dim=-1).tolist()
-        else:
-            chosen = [0] * n
-            g_rows = [i for i in range(n) if greedy[i]]
-            if g_rows:
-                for i, t in zip(g_rows, x[g_rows].argmax(dim=-1).tolist(), strict=True):
-                    chosen[i] = t
-            s_rows = [i for i in range(n) if not greedy[i]]
-            s_params = [params[i] for i in s_rows]
-            u = self._uniforms(s_params, [positions[i] for i in s_rows], x.device)
-            for i, t in zip(s_rows, _draw(x[s_rows], s_params, u), strict=True):
-                chosen[i] = t
-
+        # -- host: unpack ----------------------------------------------------------------
+        tokens = [int(t) for t in flat[:n]]
         logprobs: list[dict[int, float] | None] = [None] * n
         if raw_lp is not None:
-            raw_lp = raw_lp.nan_to_num(nan=MIN_LOGPROB, neginf=MIN_LOGPROB, posinf=0.0)
-            for row, i in enumerate(want_lp):
-                k = params[i].logprobs or 0
-                lp = raw_lp[row]
+            L = len(want_lp)
+            chosen_lp = flat[n:n + L]
+            top_of: dict[int, tuple[list[float], list[float]]] = {}
+            at = n + L
+            for k, rows in groups.items():
+                cnt = len(rows) * k
+                ids, vals = flat[at:at + cnt], flat[at + cnt:at + 2 * cnt]
+                at += 2 * cnt
+                for r, j in enumerate(rows):
+                    top_of[j] = (ids[r * k:(r + 1) * k], vals[r * k:(r + 1) * k])
+            for j, i in enumerate(want_lp):
                 entry: dict[int, float] = {}
-                if k > 0:
-                    top = torch.topk(lp, min(k, lp.numel()))
-                    entry = dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-                if chosen[i] not in entry:
-                    entry[chosen[i]] = float(lp[chosen[i]])
+                if j in top_of:
+                    ids, vals = top_of[j]
+                    entry = {int(t): v for t, v in zip(ids, vals, strict=True)}
+                if tokens[i] not in entry:
+                    entry[tokens[i]] = chosen_lp[j]
                 logprobs[i] = entry
-        return chosen, logprobs
+        return tokens, logprobs
 
 
-def _draw(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> list[int]:
+def _upload(values: list[float] | list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as a float64 tensor on ``device``: on CUDA from pinned memory, non-blocking
+    (the caching host allocator keeps the block until the copy has read it)."""
+    if not values:
+        return torch.empty(0, dtype=torch.float64, device=device)
+    host = torch.tensor(values, dtype=torch.float64)
+    if device.type != "cuda":
+        return host if device.type == "cpu" else host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _draw(x: torch.Tensor, temps: torch.Tensor, ks: torch.Tensor, kmax: int,
+          top_p: torch.Tensor, p_idx: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
     """Sample one token per row of sanitised logits ``x`` [R, V] (finite or -inf) with the
-    rows' temperature, top-k and top-p, by inverse CDF at ``u`` [R] (float64) over the
-    filtered distribution in vocabulary order (so ties never depend on a sort)."""
-    V = x.shape[1]
-    dev = x.device
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+    rows' temperature ``temps`` [R] (float32), top-k ``ks`` [R] (0: off; ``kmax`` their max)
+    and top-p (``top_p`` [P] float64 for rows ``p_idx`` [P]; None: no row uses it), by inverse
+    CDF at ``u`` [R] (float64) over the filtered distribution in vocabulary order (so ties never
+    depend on a sort). Device tensors only, no host sync."""
     # Greedy choice of each row: the answer when its filtered distribution is empty.
     fallback = x.argmax(dim=-1)
     # Shift so the largest logit is 0 before dividing: (x - max) / t is <= 0 (or -inf), it
@@ -182,32 +236,36 @@ def _draw(x: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> lis
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     z = (x - m) / temps.unsqueeze(1)
 
-    ks = [p.top_k if 0 < p.top_k < V else 0 for p in params]
-    if any(ks):
+    if kmax > 0:
         # Keep values >= the k-th largest (ties at the boundary stay).
-        top = torch.topk(z, max(ks), dim=-1).values  # [R, kmax], descending
-        kth = top.gather(1, torch.tensor([[max(k, 1) - 1] for k in ks], device=dev))
-        on = torch.tensor([[k > 0] for k in ks], device=dev)
+        top = torch.topk(z, kmax, dim=-1).values  # [R, kmax], descending
+        kth = top.gather(1, (ks - 1).clamp(min=0).unsqueeze(1))
+        on = (ks > 0).unsqueeze(1)
         z = z.masked_fill(on & (z < kth), _NEG_INF)
     probs = torch.softmax(z, dim=-1)
 
-    p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
-    if p_rows:
-        idx = torch.tensor(p_rows, device=dev)
-        sub = probs[idx]
-        top_p = torch.tensor([params[i].top_p for i in p_rows], dtype=torch.float64,
-                             device=dev)
-        floor = _top_p_floor(sub, top_p)
-        probs[idx] = sub.masked_fill(sub < floor.unsqueeze(1), 0.0)
-    return _inverse_cdf(probs, u, fallback).tolist()
+    if p_idx is not None:
+        sub = probs.index_select(0, p_idx)
+        floor = _top_p_floor(sub, top_p, full_sort=sub.device.type != "cpu")
+        probs.index_copy_(0, p_idx, sub.masked_fill(sub < floor.unsqueeze(1), 0.0))
+    return _inverse_cdf(probs, u, fallback)
 
 
-def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _top_p_floor(probs: torch.Tensor, top_p: torch.Tensor, full_sort: bool = False
+                 ) -> torch.Tensor:
     """Per row, the smallest probability of the nucleus: the shortest run of the most likely
     tokens whose mass reaches ``top_p`` (always at least the top token). Tokens below it are
     dropped; tokens tied with it stay. Looks at the top 128 first and widens only for rows
-    whose nucleus is larger (a flat distribution), up to a full sort."""
+    whose nucleus is larger (a flat distribution), up to a full sort. ``full_sort``: one sort
+    of every row instead (the same floor: the run's prefix sums are those of the sorted row;
+    no data-dependent shapes, so no host sync on a GPU)."""
     R, V = probs.shape
+    if full_sort:
+        vals = torch.sort(probs, dim=-1, descending=True).values
+        v64 = vals.double()
+        before = torch.cumsum(v64, dim=-1) - v64
+        keep = (before < top_p.unsqueeze(1)).sum(dim=-1).clamp_(min=1)
+        return vals.gather(1, (keep - 1).unsqueeze(1)).squeeze(1)
     floor = torch.empty(R, dtype=probs.dtype, device=probs.device)
     rows = torch.arange(R, device=probs.device)
     k = min(V, 128)

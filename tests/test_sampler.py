@@ -146,3 +146,46 @@ def test_a_failing_row_fails_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     assert out.errors[0] is None and out.errors[2] is None
     assert out.errors[1] is not None and "injected" in out.errors[1]
     assert [out.token_ids[0], out.token_ids[2]] == want
+
+
+def test_top_p_floor_full_sort_matches_the_widening_search() -> None:
+    """The GPU path (one full sort, no data-dependent shapes) finds the same nucleus floor as
+    the CPU path (top 128, widened only for flat rows)."""
+    from disagg.sampler import _top_p_floor
+
+    g = torch.Generator().manual_seed(3)
+    V = 3000
+    logits = torch.randn(6, V, generator=g, dtype=torch.float64).float()
+    logits[1] *= 0.01  # nearly flat: the nucleus runs past the first 128 tokens
+    logits[2] = 0.0  # flat: every token tied
+    logits[3, 5:] = float("-inf")  # five candidates only
+    probs = torch.softmax(logits * torch.tensor([[3.0]] * 6), dim=-1)
+    top_p = torch.tensor([0.9, 0.95, 0.5, 0.999, 1e-300, 0.3], dtype=torch.float64)
+    loop = _top_p_floor(probs.clone(), top_p)
+    full = _top_p_floor(probs.clone(), top_p, full_sort=True)
+    assert torch.equal(loop, full)
+
+
+def test_one_device_to_host_read_per_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tokens, chosen logprobs and every row's top-n come back in a single ``tolist`` (seeded
+    rows: no generator draw), whatever mix of greedy / sampled / logprob rows."""
+    calls = []
+    real = torch.Tensor.tolist
+
+    def counting(self):  # type: ignore[no-untyped-def]
+        calls.append(tuple(self.shape))
+        return real(self)
+
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(4))
+    params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0.8, seed=1),
+              SamplingParams(temperature=1.0, top_p=0.5, top_k=7, seed=2, logprobs=0),
+              SamplingParams(temperature=0.5, seed=3, logprobs=5),
+              SamplingParams(temperature=0, logprobs=3)]
+    want = Sampler().sample(logits, params, [0, 1, 2, 3, 4], [(), (4,), (), (), (1, 2)])
+    monkeypatch.setattr(torch.Tensor, "tolist", counting)
+    got = Sampler().sample(logits, params, [0, 1, 2, 3, 4], [(), (4,), (), (), (1, 2)])
+    assert len(calls) == 1
+    assert got == want
+    assert got.logprobs[1] is None and list(got.logprobs[2]) == [got.token_ids[2]]
+    assert len(got.logprobs[0]) == 3 and got.token_ids[0] in got.logprobs[0]  # greedy: top 1
+    assert 5 <= len(got.logprobs[3]) <= 6 and got.token_ids[3] in got.logprobs[3]

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from disagg.config import ConfigError, ModelConfig
+from disagg.cuda_graph import StaticDecodeMeta
 from disagg.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
 from disagg.model.kernels import LinearKernel, small_linear_applies
 from disagg.parallel.layout import kv_head_replicas, tp_kv_head_range
@@ -146,7 +147,7 @@ class Attention(nn.Module):
         self._reduce = reduce
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_layer: torch.Tensor, meta: AttentionMetadata,
+                kv_layer: torch.Tensor, meta: AttentionMetadata | StaticDecodeMeta,
                 workspace: GatherWorkspace | None = None) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
@@ -154,7 +155,10 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        o = paged_attention(q, k, v, kv_layer, meta, self.scale, workspace)
+        if isinstance(meta, StaticDecodeMeta):  # a padded decode batch (CUDA graph bucket)
+            o = meta.attend(q, k, v, kv_layer, self.scale)
+        else:
+            o = paged_attention(q, k, v, kv_layer, meta, self.scale, workspace)
         # Row-parallel o_proj: sum the ranks' partial products, then add the (replicated)
         # bias once.
         out = self._reduce(self.o_proj(o.reshape(t, self.num_heads * self.head_dim),
@@ -190,7 +194,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, tp_size, reduce)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_layer: torch.Tensor, meta: AttentionMetadata,
+                kv_layer: torch.Tensor, meta: AttentionMetadata | StaticDecodeMeta,
                 workspace: GatherWorkspace | None = None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, meta, workspace)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -305,7 +309,7 @@ class LlamaForCausalLM(nn.Module):
         return dim, r * local_size, (r + 1) * local_size, self.tp_size * local_size
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor, meta: AttentionMetadata | StaticDecodeMeta,
                 hidden_states: torch.Tensor | None = None) -> torch.Tensor:
         """Run this stage's layers on ``T`` flattened tokens -> ``[T, hidden]``.
 

@@ -53,6 +53,13 @@ ENGINE_OPTIONS: dict[str, _Opt] = {
     "kv_cache_tokens": _Opt(int, "KV cache capacity in tokens", metavar="N"),
     "kv_cache_fraction": _Opt(float, "share of free device memory for the KV cache, in (0, 1]",
                               metavar="F"),
+    "gpu_memory_fraction": _Opt(float, "CUDA: share of the GPU's total memory this worker may "
+                                "use (weights + activations + KV cache), in (0, 1]; workers "
+                                "sharing a GPU split it (default 0.9)", metavar="F"),
+    "enforce_eager": _Opt(bool, "CUDA: run decode steps eagerly, without CUDA graphs "
+                          "(default off)"),
+    "cuda_graph_max_batch_size": _Opt(int, "CUDA: largest decode batch captured as a CUDA "
+                                      "graph (default 256)", metavar="N"),
     "enable_prefix_caching": _Opt(bool, "reuse cached KV blocks of shared prompt prefixes "
                                   "(default on)"),
     "max_batch_size": _Opt(int, "requests per iteration (default 2048)", metavar="N"),

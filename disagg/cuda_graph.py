@@ -1,0 +1,253 @@
+"""Pure-decode steps as CUDA graphs, one per batch-size bucket.
+
+A step whose every scheduled request decodes one token runs through static buffers: its ``n``
+rows are padded to the smallest captured bucket ``b >= n`` and the graph of that bucket is
+replayed (one launch instead of ~46 per layer). Padding rows are harmless by construction:
+
+    rows:        0 ......... n-1 | n ............ b-1
+                 real decodes      padding: token 0 at position 0, K/V written to the
+                                   scratch block (offset 0), seq_len 0 -> attention output 0
+
+The scratch block is block ``num_blocks`` of the cache (allocated ``num_blocks + 1``); the
+block pool only knows ``num_blocks`` blocks, so no request ever owns it.
+
+Static inputs of bucket ``b`` live in one int64 device buffer, so a step is one host-to-device
+copy of ``b * (5 + M)`` values from a pinned host buffer (``M`` = blocks of a sequence at
+``max_model_len``)::
+
+    [0, b)      input ids          [3b, 4b)    slot offsets
+    [b, 2b)     positions          [4b, 5b)    seq lens (position + 1; 0 on padding rows)
+    [2b, 3b)    slot blocks        [5b, 5b + b*M)   block tables, row-major [b, M], 0-padded
+
+Buckets alias the same buffer (only one runs at a time). Attention inside the graph is
+``paged_decode`` (``disagg.model.triton_attention``): grid and buffers depend on shapes only,
+lengths are read on the device. ``DecodeGraphs(capture=False)`` runs the same padded path
+eagerly (CPU tests, with ``paged_decode_reference``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from disagg.scheduler import ScheduledRequest
+
+logger = logging.getLogger("disagg.cuda_graph")
+
+# paged_decode(q [S, Hq, D], kv_layer [N, 2, Hkv, B, D], block_tables [S, M], seq_lens [S],
+#              scale, num_splits) -> [S, Hq, D]
+DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, "int | None"],
+                    torch.Tensor]
+
+# Buckets up to 64 as vLLM / TensorRT-LLM capture them, then every 32.
+_SMALL_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+_BUCKET_STEP = 32
+
+
+def graph_batch_sizes(limit: int) -> list[int]:
+    """Captured batch sizes up to ``limit`` (``limit`` itself included, so every decode batch
+    of at most ``limit`` rows has a bucket)."""
+    if limit < 1:
+        return []
+    sizes = [b for b in _SMALL_BUCKETS if b <= limit]
+    b = _SMALL_BUCKETS[-1] + _BUCKET_STEP
+    while b <= limit:
+        sizes.append(b)
+        b += _BUCKET_STEP
+    if sizes[-1] != limit:
+        sizes.append(limit)
+    return sizes
+
+
+def triton_paged_decode() -> DecodeFn | None:
+    """The Triton decode kernel, or None where it is missing (no triton, CPU-only installs)."""
+    try:
+        from disagg.model import triton_attention
+    except Exception:  # noqa: BLE001 - not there / triton broken: the graphs stay off
+        return None
+    if not getattr(triton_attention, "HAS_TRITON", True):
+        return None
+    return getattr(triton_attention, "paged_decode", None)
+
+
+def paged_decode_reference(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float,
+                           num_splits: int | None = None) -> torch.Tensor:
+    """``paged_decode``'s contract in PyTorch (shape-static, no host sync): sequence ``s``
+    attends keys ``[0, seq_lens[s])`` of its ``M`` table blocks; seq_len 0 gives zeros.
+    Reads all ``M * B`` keys of every row: for tests and tiny models only."""
+    del num_splits  # one pass: splitting only changes the order of the sums
+    s, hq, d = q.shape
+    _, _, hkv, bsz, _ = kv_layer.shape
+    m = block_tables.shape[1]
+    g = hq // hkv
+    ctx = kv_layer.index_select(0, block_tables.reshape(-1).long())  # [S*M, 2, Hkv, B, D]
+    # (s, block c, kv, head, offset j) -> key c*B + j of sequence s
+    ctx = ctx.view(s, m, 2, hkv, bsz, d).permute(2, 0, 3, 1, 4, 5).reshape(2, s, hkv, m * bsz, d)
+    k, v = ctx[0].float(), ctx[1].float()
+    qf = q.float().view(s, hkv, g, d)
+    scores = torch.einsum("shgd,shld->shgl", qf, k) * scale
+    keys = torch.arange(m * bsz, device=q.device)
+    valid = keys[None, :] < seq_lens.long()[:, None]  # [S, L]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    p = torch.softmax(scores, dim=-1).nan_to_num(nan=0.0)  # seq_len 0: all -inf -> 0
+    out = torch.einsum("shgl,shld->shgd", p, v)
+    return out.reshape(s, hq, d).to(q.dtype)
+
+
+@dataclass(frozen=True)
+class StaticDecodeMeta:
+    """Attention inputs of a padded decode batch, all device tensors of fixed shape (the model's
+    ``Attention`` calls ``attend`` instead of ``paged_attention`` when it gets one)."""
+
+    block_tables: torch.Tensor  # [b, M] int64
+    seq_lens: torch.Tensor  # [b] int64, 0 on padding rows
+    slot_block: torch.Tensor  # [b] int64 (scratch block on padding rows)
+    slot_offset: torch.Tensor  # [b] int64
+    decode: DecodeFn
+    num_splits: int | None = None  # None: paged_decode picks from shapes
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_layer: torch.Tensor, scale: float) -> torch.Tensor:
+        # Row t's K/V -> kv_layer[slot_block[t], {0: K, 1: V}, :, slot_offset[t]]
+        kv_layer[self.slot_block, 0, :, self.slot_offset] = k.to(kv_layer.dtype)
+        kv_layer[self.slot_block, 1, :, self.slot_offset] = v.to(kv_layer.dtype)
+        return self.decode(q, kv_layer, self.block_tables, self.seq_lens, scale,
+                           self.num_splits)
+
+
+def is_pure_decode(scheduled: Sequence[ScheduledRequest], num_decodes: int) -> bool:
+    """Every row decodes one token and samples it (what a decode graph computes)."""
+    return (bool(scheduled) and num_decodes == len(scheduled)
+            and all(len(r.token_ids) == 1 and r.sample for r in scheduled))
+
+
+class DecodeGraphs:
+    """Static buffers and (on CUDA) one captured graph per bucket; see the module docstring.
+
+    ``model(input_ids, positions, kv_cache, meta)`` and ``model.compute_logits(hidden)`` are
+    the runner's model; ``scratch_block`` a cache block no request owns.
+    """
+
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int,
+                 max_blocks_per_seq: int, scratch_block: int, sizes: Sequence[int],
+                 decode: DecodeFn, capture: bool) -> None:
+        if not sizes:
+            raise ValueError("DecodeGraphs needs at least one batch size")
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.max_blocks = max_blocks_per_seq
+        self.scratch_block = scratch_block
+        self.sizes = sorted(set(sizes))
+        self.decode = decode
+        self.device = kv_cache.device
+        cap = self.sizes[-1] * (5 + self.max_blocks)
+        self._dev = torch.zeros(cap, dtype=torch.long, device=self.device)
+        pin = self.device.type == "cuda"
+        self._host = torch.zeros(cap, dtype=torch.long, pin_memory=pin)
+        self._host_np = self._host.numpy()
+        # Set after each copy: the host buffer is not rewritten before the copy has read it.
+        self._copied: torch.cuda.Event | None = None
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self.replays = 0  # steps served by a captured graph
+        self.eager_runs = 0  # steps served by the padded eager path
+        if capture:
+            self._capture_all()
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.sizes[-1]
+
+    @property
+    def captured(self) -> list[int]:
+        return sorted(self._graphs)
+
+    def applies(self, scheduled: Sequence[ScheduledRequest], num_decodes: int) -> bool:
+        return (is_pure_decode(scheduled, num_decodes) and len(scheduled) <= self.sizes[-1]
+                and all(len(r.block_ids) <= self.max_blocks for r in scheduled))
+
+    def bucket_for(self, n: int) -> int:
+        return self.sizes[bisect.bisect_left(self.sizes, n)]
+
+    # -- inputs ------------------------------------------------------------------------------
+
+    def _views(self, b: int) -> tuple[torch.Tensor, ...]:
+        d, m = self._dev, self.max_blocks
+        return (d[0:b], d[b:2 * b], d[2 * b:3 * b], d[3 * b:4 * b], d[4 * b:5 * b],
+                d[5 * b:5 * b + b * m].view(b, m))
+
+    def load(self, scheduled: Sequence[ScheduledRequest], b: int) -> None:
+        """Write the rows of ``scheduled`` (padded to ``b``) into the static buffers: host
+        layout in the pinned buffer, then one non-blocking copy."""
+        m, bs = self.max_blocks, self.block_size
+        if self._copied is not None and not self._copied.query():
+            self._copied.synchronize()  # the previous step's copy has read the host buffer
+        h = self._host_np[: b * (5 + m)]
+        h[:] = 0
+        h[2 * b:3 * b] = self.scratch_block  # padding rows write K/V to the scratch block
+        for i, r in enumerate(scheduled):
+            p = r.start_pos
+            h[i] = r.token_ids[0]
+            h[b + i] = p
+            h[2 * b + i] = r.block_ids[p // bs]
+            h[3 * b + i] = p % bs
+            h[4 * b + i] = p + 1
+            row = 5 * b + i * m
+            h[row:row + len(r.block_ids)] = r.block_ids
+        k = b * (5 + m)
+        self._dev[:k].copy_(self._host[:k], non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    # -- forward -----------------------------------------------------------------------------
+
+    def _forward(self, b: int) -> torch.Tensor:
+        ids, pos, sblock, soff, seq_lens, tables = self._views(b)
+        meta = StaticDecodeMeta(tables, seq_lens, sblock, soff, self.decode)
+        hidden = self.model(ids, pos, self.kv_cache, meta)
+        return self.model.compute_logits(hidden)
+
+    def run(self, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor:
+        """Logits ``[n, V]`` (float32) of a pure-decode batch of ``n`` rows. With a graph the
+        tensor is a view of the bucket's static output: valid until the next ``run``."""
+        n = len(scheduled)
+        b = self.bucket_for(n)
+        self.load(scheduled, b)
+        graph = self._graphs.get(b)
+        if graph is not None:
+            graph.replay()
+            self.replays += 1
+            return self._outputs[b][:n]
+        self.eager_runs += 1
+        return self._forward(b)[:n]
+
+    def _capture_all(self) -> None:
+        """Capture every bucket, largest first (its memory is reused by the smaller ones)."""
+        pool = torch.cuda.graph_pool_handle()
+        for b in reversed(self.sizes):
+            self.load((), b)  # all rows padding: writes only the scratch block
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compile / autotune the kernels outside the capture
+                    self._forward(b)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self._forward(b)
+            self._graphs[b] = graph
+            self._outputs[b] = out
+        torch.cuda.synchronize()
+        logger.info("captured %d decode CUDA graphs (batch sizes %s)", len(self._graphs),
+                    self.sizes)
