@@ -12,6 +12,7 @@
 #   OUT=/tmp/out bash bench/gpu/run_all.sh
 #   STEPS=bench OUT=... bash bench/gpu/run_all.sh        # only some of: tests,checks,bench
 #   BENCH_ARGS="--sections llama8b" ...                  # extra bench.py arguments
+#   CHECKS=check_kv,check_graph ...                      # only these check scripts
 # Exit status: 0 when every step passed, else 1 (every step runs regardless).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
@@ -19,6 +20,7 @@ cd "$(dirname "$0")/../.." || exit 1
 TOTAL_S=${TOTAL_S:-530}
 STEPS=${STEPS:-tests,checks,bench}
 BENCH_ARGS=${BENCH_ARGS:-}
+CHECKS=${CHECKS:-}  # comma list of check names (check_attn,...) to run; empty: all
 START=$SECONDS
 mkdir -p "$OUT/checks"
 LOG="$OUT/run.log"
@@ -105,6 +107,7 @@ if want checks; then
   for script in bench/gpu/check_*.py; do
     [[ -e $script ]] || continue
     name=$(basename "$script" .py)
+    if [[ -n $CHECKS && ",$CHECKS," != *",$name,"* ]]; then continue; fi
     n=$((n + 1))
     if (( n <= 4 )); then out="$OUT/checks/$name.txt"; else out="/tmp/$name.txt"; fi
     run "$name" "$(( $(left) < 100 ? $(left) - 5 : 100 ))" python3 "$script" --out "$out"
