@@ -312,9 +312,10 @@ def check_oom() -> None:
     p_small = peak_of({"s0": (small, greedy)})
     p_big = peak_of({"b0": (big, greedy)})
     log(f"activation peaks: small {p_small / 2**20:.1f} MiB, big {p_big / 2**20:.1f} MiB")
-    # the allocator rounds small requests up to 20 MiB segments: leave room for a few
-    leave = 2 * p_small + (96 << 20)
-    assert p_big > leave + (128 << 20), "cannot separate the two by memory"
+    # the allocator rounds small requests up to 2-20 MiB segments: leave room for a few (the
+    # first device run measured small 0.7 MiB, big 199 MiB for this model)
+    leave = 2 * p_small + (48 << 20)
+    assert p_big > leave + (64 << 20), "cannot separate the two by memory"
     torch.cuda.empty_cache()
     free = torch.cuda.mem_get_info()[0]
     filler = torch.empty(max(0, free - leave), dtype=torch.uint8, device="cuda")
