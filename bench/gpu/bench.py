@@ -396,12 +396,17 @@ def machine(device: str) -> list[str]:
     else:
         versions.append(f"UCX unavailable: {why}")
     lines.append(", ".join(versions))
-    try:
-        rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, timeout=10).stdout.strip()
-        lines.append(f"disagg commit {rev or '?'}")
-    except (OSError, subprocess.SubprocessError):
-        pass
+    # The device gets a copy of the working tree whose git metadata may be stale: the caller
+    # passes the commit it sent in DISAGG_COMMIT; git is only asked without it.
+    rev = os.environ.get("DISAGG_COMMIT", "")
+    if not rev:
+        try:
+            rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                                 capture_output=True, text=True, timeout=10).stdout.strip()
+            rev = f"{rev} (from git on this machine)" if rev else ""
+        except (OSError, subprocess.SubprocessError):
+            pass
+    lines.append(f"disagg commit {rev or '?'}")
     return lines + features()
 
 
@@ -1066,6 +1071,44 @@ def _serve_sentence(d: dict[str, Any], a: dict[str, Any], kv_mib: float) -> str:
             + f" and costs {', '.join(costs)} (disaggregated vs aggregated)")
 
 
+# The heading each section's report starts with (to find it again in an earlier report).
+SECTION_TITLES = {
+    "refs": "References measured", "llama8b": "Llama-3-8B shape", "smol": "SmolLM2-135M shape",
+    "kv": "KV transfer between", "serve": "Disaggregated against aggregated",
+    "agreement": "bf16 agreement",
+}
+
+
+def section_of(title: str) -> str | None:
+    """The section key of a report heading: "<key>: skipped|failed" or its own title."""
+    key = title.split(":")[0].strip()
+    if key in SECTION_TITLES:
+        return key
+    return next((k for k, t in SECTION_TITLES.items() if title.startswith(t)), None)
+
+
+def carry_sections(rep: Report, earlier: Path) -> None:
+    """Append the sections of an ``earlier`` report of this script that this run has no
+    measurement of (skipped or not asked for), verbatim, each marked as carried and preceded
+    by the earlier run's header (device, versions, commit): their ratios are against
+    references measured in that run, not this one."""
+    head, _, body = earlier.read_text().partition("\n## ")
+    head_lines = [ln for ln in head.splitlines() if ln.startswith("- ")]
+    measured = {section_of(t) for t, _ in rep.sections
+                if not t.endswith((": skipped", ": failed"))}
+    for chunk in ("## " + body).split("\n## ") if body else []:
+        title, _, rest = chunk.removeprefix("## ").partition("\n")
+        key = section_of(title)
+        if key is None or key in measured or title.endswith((": skipped", ": failed")):
+            continue
+        rep.sections = [(t, ls) for t, ls in rep.sections if section_of(t) != key]
+        lines = rest.split("\nRun time:")[0].strip("\n").splitlines()
+        rep.sections.append((f"{title} (carried from an earlier run)", [
+            f"_Not measured in this run: carried verbatim from `{earlier.name}` of an earlier "
+            "run, whose ratios are against references measured in that run. That run:_", "",
+            *head_lines, "", *lines]))
+
+
 SECTIONS: dict[str, tuple[Callable[..., None], float]] = {
     # name -> (function, seconds it should need on an H100, to skip it when the budget is short)
     "refs": (sec_refs, 5),
@@ -1084,6 +1127,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="tiny shapes (code paths only)")
     ap.add_argument("--sections", default=",".join(SECTIONS),
                     help=f"comma-separated subset of {','.join(SECTIONS)}")
+    ap.add_argument("--carry-from", default=None, metavar="REPORT.md",
+                    help="an earlier report of this script: its sections that this run does not "
+                         "measure are appended, marked as carried with that run's header")
     ap.add_argument("--budget-s", type=float, default=330.0,
                     help="skip a section that would not finish within this many seconds")
     args = ap.parse_args()
@@ -1127,6 +1173,8 @@ def main() -> int:
             finally:
                 free_device(dev)
             print(f"=== {name}: {time.monotonic() - t0:.0f} s", flush=True)
+    if args.carry_from:
+        carry_sections(rep, Path(args.carry_from))
     rep.write()
     print(f"\nwrote {args.out}; failed sections: {failed or 'none'}", flush=True)
     return 1 if failed else 0

@@ -91,7 +91,7 @@ except Exception as e:
     print("ucx:", type(e).__name__, str(e)[:300])
 EOF
   ucx_info -v 2>/dev/null || true
-  git log --oneline -1 2>/dev/null || true
+  echo "disagg commit: ${DISAGG_COMMIT:-not given (set DISAGG_COMMIT, the git metadata of the device copy may be stale)}"
 } >> "$LOG" 2>&1
 tail -n +1 "$LOG"
 
