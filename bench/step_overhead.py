@@ -211,7 +211,8 @@ def main() -> None:
     head = "| path | batch | phase | " + " | ".join(f"{c} µs" for c in cols)
     if len(cols) == 2:
         head += " | after / before"
-    lines += [head + " |", "|" + "---|" * (head.count("|") - 1)]
+    head += " |"
+    lines += [head, "|" + "---|" * (head.count("|") - 1)]
     for key in res[cols[-1]]:
         path, b = key.split("/")
         for ph in PHASES:

@@ -32,7 +32,6 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from disagg.scheduler import ScheduledRequest
@@ -196,27 +195,15 @@ class DecodeGraphs:
         h = self._host_np[: b * (5 + m)]
         h[:] = 0
         h[2 * b:3 * b] = self.scratch_block  # padding rows write K/V to the scratch block
-        n = len(scheduled)
-        if n:
-            # Whole columns at once (no per-row numpy stores): ids, positions, slot blocks,
-            # then offsets and seq lens from the positions.
-            starts = [r.start_pos for r in scheduled]
-            h[:n] = [r.token_ids[0] for r in scheduled]
-            h[b:b + n] = starts
-            h[2 * b:2 * b + n] = [r.block_ids[p // bs]
-                                  for r, p in zip(scheduled, starts, strict=True)]
-            pos = h[b:b + n]
-            np.remainder(pos, bs, out=h[3 * b:3 * b + n])
-            np.add(pos, 1, out=h[4 * b:4 * b + n])
-            tables = h[5 * b:5 * b + n * m].reshape(n, m)
-            lens = [len(r.block_ids) for r in scheduled]
-            width = min(lens)
-            if width == max(lens):  # every table as long (the usual decode batch): one store
-                if width:
-                    tables[:, :width] = [r.block_ids for r in scheduled]
-            else:
-                for row, r, k in zip(tables, scheduled, lens, strict=True):
-                    row[:k] = r.block_ids
+        for i, r in enumerate(scheduled):
+            p = r.start_pos
+            h[i] = r.token_ids[0]
+            h[b + i] = p
+            h[2 * b + i] = r.block_ids[p // bs]
+            h[3 * b + i] = p % bs
+            h[4 * b + i] = p + 1
+            row = 5 * b + i * m
+            h[row:row + len(r.block_ids)] = r.block_ids
         k = b * (5 + m)
         self._dev[:k].copy_(self._host[:k], non_blocking=True)
         if self.device.type == "cuda":
