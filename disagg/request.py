@@ -82,17 +82,21 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.value.startswith("finished")
+        # _value_, not .value (a slower descriptor): checked per request per step
+        return self._value_.startswith("finished")
 
     @property
     def finish_reason(self) -> str | None:
         """OpenAI finish_reason string for a finished status."""
-        return {
-            RequestStatus.FINISHED_STOPPED: "stop",
-            RequestStatus.FINISHED_LENGTH: "length",
-            RequestStatus.FINISHED_ABORTED: "abort",
-            RequestStatus.FINISHED_ERROR: "error",
-        }.get(self)
+        return _FINISH_REASONS.get(self._value_)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED.value: "stop",
+    RequestStatus.FINISHED_LENGTH.value: "length",
+    RequestStatus.FINISHED_ABORTED.value: "abort",
+    RequestStatus.FINISHED_ERROR.value: "error",
+}
 
 
 @dataclass

@@ -126,6 +126,12 @@ class Sampler:
         if logits.shape[0] != n or len(positions) != n or len(banned) != n:
             raise ValueError(f"{logits.shape[0]} logit rows for {n} params, "
                              f"{len(positions)} positions, {len(banned)} banned lists")
+        if not any(banned) and all(p.temperature < SAMPLING_EPS and p.logprobs is None
+                                   for p in params):
+            # All greedy, no logprobs, nothing banned (the usual decode batch): what the general
+            # path below computes then, without its host-side bookkeeping.
+            x = torch.nan_to_num(logits, nan=_NEG_INF, posinf=torch.finfo(torch.float32).max)
+            return x.argmax(dim=-1).tolist(), [None] * n
         V = logits.shape[1]
         dev = logits.device
         # -- host: what each row asks for ------------------------------------------------

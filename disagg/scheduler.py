@@ -258,17 +258,32 @@ class Scheduler:
         max_batch = self.config.max_batch_size
 
         # 1. Generation first: 1 token per decoding request, oldest first.
+        running = RequestStatus.RUNNING
+        decodes = st.decodes
+        kv = self.kv
+        block_size = self.block_size
+        others = False  # a running request that is not decoding (left for step 2)
         for req in list(self.running):  # a copy: preemption removes from self.running
-            if req.status != RequestStatus.RUNNING or not self._is_decoding(req):
+            if req.status != running:
                 continue
-            if st.num_scheduled >= max_batch or st.token_budget < 1:
+            out = req.output_token_ids
+            computed = req.num_computed_tokens
+            # _is_decoding, inlined (the loop runs once per request per step)
+            if not out or len(req.prompt_token_ids) + len(out) - computed != 1:
+                others = True
+                continue
+            if len(decodes) + len(st.prefills) >= max_batch or st.token_budget < 1:
                 break
-            if self._allocate_running(req, 1, st):
-                st.decodes[req.request_id] = self._plan(req, 1)
+            # Fast path: the table already holds the new token's slot (no allocation, so
+            # nothing to preempt); else the general allocation, which may preempt.
+            if (computed < kv.num_held_blocks(req.request_id) * block_size
+                    or self._allocate_running(req, 1, st)):
+                decodes[req.request_id] = ScheduledRequest(
+                    req.request_id, [out[-1]], computed, kv.block_ids(req.request_id), True)
                 st.token_budget -= 1
 
         # 2. Continuing chunked prefills (and recomputation of preempted requests).
-        for req in list(self.running):
+        for req in list(self.running) if others else ():
             if (req.status != RequestStatus.RUNNING or self._is_decoding(req)
                     or st.is_scheduled(req.request_id)):
                 continue
@@ -298,6 +313,8 @@ class Scheduler:
         )
 
     def _admit_waiting(self, st: _Step) -> None:
+        if not self.waiting:
+            return
         max_batch = self.config.max_batch_size
         # Blocks promised to running requests: their lifetime blocks not allocated yet.
         promised = 0

@@ -185,6 +185,10 @@ class Tokenizer:
             ids = ids[1:]
         return ids
 
+    def decode_ints(self, ids: list[int]) -> str:
+        """``decode(ids, skip_special_tokens=False)`` for a list of Python ints (no copy)."""
+        return self._tok.decode(ids, skip_special_tokens=False)
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids`` (invalid or incomplete UTF-8 becomes U+FFFD). Unlike transformers,
         never applies ``clean_up_tokenization_spaces``."""
@@ -393,15 +397,14 @@ class IncrementalDetokenizer:
 
     def _read_new(self, final: bool) -> str:
         """New complete text from ids[read:] (all of it when ``final``)."""
-        decode = self.tokenizer.decode
-        full = decode(self._ids[self._prefix:], skip_special_tokens=False)
+        decode = self.tokenizer.decode_ints  # self._ids holds Python ints only
+        full = decode(self._ids[self._prefix:])
         tail = full[len(self._prefix_text):]  # text of ids[read:]
         if final or not tail.endswith(_REPLACEMENT):
             new = tail[self._partial:]
             # Everything is read: the read part becomes the context of the next window.
             self._prefix, self._read, self._partial = self._read, len(self._ids), 0
-            self._prefix_text = decode(self._ids[self._prefix:self._read],
-                                       skip_special_tokens=False)
+            self._prefix_text = decode(self._ids[self._prefix:self._read])
             return new
         # The window ends inside a character: the text before the trailing U+FFFD run is final
         # (UTF-8 decoding of earlier bytes does not depend on later ones); take what's new.

@@ -1,0 +1,232 @@
+"""Host-side cost of a pure-decode ``engine.step()``, by phase, on CPU.
+
+The GPU engine replays a CUDA graph for the forward of a decode step; what is left of the step's
+wall time is host work: scheduling, building the step's inputs, sampler bookkeeping, output
+processing. That work is the same Python on any device, so it is measured here on CPU with the
+model's forward replaced by a stub (embedding of the input ids: [T, hidden], no layers), so
+only host work remains:
+
+    schedule   Scheduler.schedule()
+    inputs     ModelRunner.prepare_inputs (eager path) or DecodeGraphs.load (padded / graph path)
+    forward    the stubbed forward + compute_logits (tiny vocabulary)
+    sample     Sampler.sample (greedy: mostly host work on a tiny vocabulary)
+    update     Scheduler.update_from_output
+    outputs    the rest of step(): detokenization, stop checks, RequestOutput objects
+    step       the whole engine.step()
+
+    python bench/step_overhead.py [--batches 1 64] [--ctx 1024] [--steps 60]
+                                  [--baseline /path/to/old/checkout] [--out FILE.md]
+
+``--baseline DIR`` runs the same measurement in a subprocess importing ``disagg`` from ``DIR``
+(e.g. a worktree of the commit before), interleaved with this tree's, and reports both and the
+ratio after / before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+PHASES = ("schedule", "inputs", "forward", "sample", "update", "outputs", "step")
+
+
+def _timed(obj, name: str, acc: dict[str, float], key: str) -> None:
+    fn = getattr(obj, name)
+
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            acc[key] += time.perf_counter() - t0
+
+    setattr(obj, name, wrapper)
+
+
+def measure(batch: int, ctx: int, steps: int, path: str, model_dir: str) -> dict[str, float]:
+    """Median µs per phase over ``steps`` pure-decode steps at ``batch`` requests."""
+    import torch
+
+    import disagg.engine as engine_mod
+    from disagg import SamplingParams
+    from disagg.config import build_engine_config
+    from disagg.engine import LLMEngine
+    from disagg.runner import ModelRunner
+
+    torch.set_num_threads(1)
+    orig_make = engine_mod.make_executor
+    if path == "padded":
+        from disagg.cuda_graph import paged_decode_reference
+
+        engine_mod.make_executor = lambda config, disagg=None: ModelRunner(
+            config, padded_decode=paged_decode_reference)
+    try:
+        eng = LLMEngine(build_engine_config(
+            model_dir, max_batch_size=max(batch, 1), max_num_tokens=max(2048, ctx + 64),
+            tokens_per_block=32, kv_cache_tokens=batch * (ctx + steps + batch + 96),
+            max_model_len=ctx + steps + batch + 64, enable_prefix_caching=False,
+            cuda_graph_max_batch_size=max(batch, 1)))
+    finally:
+        engine_mod.make_executor = orig_make
+    runner = eng.runner
+    model = runner.model
+    embed = model.model.embed_tokens
+
+    def stub_forward(input_ids, positions, kv_cache, meta, hidden_states=None):
+        return embed(input_ids)
+
+    acc: dict[str, float] = defaultdict(float)
+    _timed(eng.scheduler, "schedule", acc, "schedule")
+    _timed(eng.scheduler, "update_from_output", acc, "update")
+    _timed(eng.sampler, "sample", acc, "sample")
+    if runner.graphs is not None:
+        _timed(runner.graphs, "load", acc, "inputs")
+    _timed(runner, "prepare_inputs", acc, "inputs")
+    vocab = model.config.vocab_size if hasattr(model, "config") else 512
+    g = torch.Generator().manual_seed(batch)
+    params = SamplingParams(temperature=0, max_tokens=steps + batch + 8, ignore_eos=True)
+    for i in range(batch):
+        eng.add_request(f"r{i}", torch.randint(3, vocab, (ctx,), generator=g).tolist(), params)
+    # Prefill with the real model (fills the cache), then stub the forward for the decodes.
+    while eng.scheduler.waiting or any(r.num_output_tokens == 0 for r in
+                                       eng.scheduler.running):
+        eng.step()
+    model.forward = stub_forward
+    lm = model.compute_logits
+
+    def timed_logits(h):
+        t0 = time.perf_counter()
+        try:
+            return lm(h)
+        finally:
+            acc["forward"] += time.perf_counter() - t0
+
+    model.compute_logits = timed_logits
+    fwd = stub_forward
+
+    def timed_forward(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fwd(*a, **k)
+        finally:
+            acc["forward"] += time.perf_counter() - t0
+
+    model.forward = timed_forward
+    per: dict[str, list[float]] = defaultdict(list)
+    for s in range(steps):
+        acc.clear()
+        t0 = time.perf_counter()
+        eng.step()
+        total = time.perf_counter() - t0
+        sched = eng._last_sched
+        assert sched is not None and sched.num_decodes == len(sched.scheduled) == batch
+        if s < 3:
+            continue  # warm-up
+        known = sum(acc[k] for k in ("schedule", "inputs", "forward", "sample", "update"))
+        for k in PHASES[:-2]:
+            per[k].append(acc[k])
+        per["outputs"].append(total - known)
+        per["step"].append(total)
+    if path == "padded":
+        assert runner.graphs is not None and runner.graphs.eager_runs > 0
+    eng.shutdown()
+    return {k: statistics.median(v) * 1e6 for k, v in per.items()}
+
+
+def _child(args: argparse.Namespace) -> None:
+    out = {}
+    for path in args.paths:
+        for b in args.batches:
+            out[f"{path}/{b}"] = measure(b, args.ctx, args.steps, path, args.model_dir)
+    print("RESULT " + json.dumps(out))
+
+
+def _run_child(pythonpath: str, args: argparse.Namespace, model_dir: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model-dir", model_dir,
+           "--ctx", str(args.ctx), "--steps", str(args.steps),
+           "--batches", *map(str, args.batches), "--paths", *args.paths]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        raise RuntimeError(f"child failed ({pythonpath}):\n{res.stderr[-4000:]}")
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--paths", nargs="+", default=["eager", "padded"],
+                    choices=["eager", "padded"])
+    ap.add_argument("--baseline", help="checkout whose disagg is the 'before' column")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating runs (median)")
+    ap.add_argument("--out")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        _child(args)
+        return
+
+    from disagg.model.tiny import write_tiny_checkpoint
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_tiny_checkpoint(os.path.join(tmp, "tiny"), "llama",
+                                          max_position_embeddings=4096)
+        trees = {"after": here}
+        if args.baseline:
+            trees = {"before": os.path.abspath(args.baseline), "after": here}
+        runs: dict[str, list[dict]] = defaultdict(list)
+        for _ in range(args.rounds):
+            for name, tree in trees.items():
+                runs[name].append(_run_child(tree, args, model_dir))
+    res = {name: {key: {ph: statistics.median(r[key][ph] for r in rs) for ph in PHASES}
+                  for key in rs[0]} for name, rs in runs.items()}
+    lines = [
+        "# Host overhead of a pure-decode engine.step() (CPU, forward stubbed)",
+        "",
+        f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}, {platform.system()} {platform.release()}",
+        f"- tiny llama checkpoint, context ~{args.ctx} tokens, 32 tokens per block, greedy, "
+        f"median of {args.steps - 3} steps per run, median of {args.rounds} alternating runs; "
+        "one torch thread",
+        "- forward = embedding of the input ids + tiny LM head (the model's layers stubbed): "
+        "everything else is host work that a CUDA-graph replay does not remove",
+        "- eager = ModelRunner.prepare_inputs path; padded = the CUDA-graph input path "
+        "(DecodeGraphs.load, run eagerly on CPU)",
+        "",
+    ]
+    cols = list(trees)
+    head = "| path | batch | phase | " + " | ".join(f"{c} µs" for c in cols)
+    if len(cols) == 2:
+        head += " | after / before"
+    head += " |"
+    lines += [head, "|" + "---|" * (head.count("|") - 1)]
+    for key in res[cols[-1]]:
+        path, b = key.split("/")
+        for ph in PHASES:
+            vals = [res[c][key][ph] for c in cols]
+            row = f"| {path} | {b} | {ph} | " + " | ".join(f"{v:,.0f}" for v in vals)
+            if len(cols) == 2:
+                row += f" | {vals[1] / vals[0]:.2f}x" if vals[0] else " | -"
+            lines.append(row + " |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
