@@ -261,17 +261,17 @@ def features() -> list[str]:
 
 
 def runner_features(llm: LLM) -> str:
+    """How the runner runs decode steps: CUDA graph buckets captured, or eager."""
     runner = getattr(llm.engine, "runner", None)
-    parts = []
-    for name in sorted(dir(runner)):
-        if re.search(r"graph|eager", name, re.I) and not name.startswith("__"):
-            value = getattr(runner, name, None)
-            if callable(value):
-                continue
-            desc = (f"{len(value)} entries" if isinstance(value, (dict, list, tuple))
-                    else repr(value)[:60])
-            parts.append(f"{name}={desc}")
-    return ", ".join(parts) or "no graph attributes on the runner"
+    graphs = getattr(runner, "graphs", None)
+    if graphs is None:
+        return "no CUDA graphs (eager steps)"
+    buckets = getattr(graphs, "sizes", None)
+    captured = getattr(graphs, "_graphs", None)
+    desc = f"CUDA graphs for decode, buckets {list(buckets) if buckets else '?'}"
+    if isinstance(captured, (dict, list, tuple, set)):
+        desc += f", {len(captured)} captured"
+    return desc
 
 
 def param_bytes(model: torch.nn.Module, exclude_embedding: bool) -> int:
@@ -305,6 +305,8 @@ def engine_decode(llm: LLM, batch: int, ctx: int, steps: int, vocab: int,
         eng.add_request(f"dec-{seed}-{i}",
                         torch.randint(3, vocab, (ctx,), generator=g).tolist(), params)
     times, ctx_seen = [], []
+    graphs = getattr(getattr(eng, "runner", None), "graphs", None)
+    replays0 = getattr(graphs, "replays", 0)
     while eng.has_unfinished():
         t0 = time.perf_counter()
         eng.step()
@@ -314,11 +316,43 @@ def engine_decode(llm: LLM, batch: int, ctx: int, steps: int, vocab: int,
                 and sched.num_decodes == batch):
             times.append(dt)
             ctx_seen.append(statistics.mean(r.start_pos + 1 for r in sched.scheduled))
+            if len(times) == 6 and os.environ.get("BENCH_PROFILE") and dev_is_cuda():
+                profile_steps(eng, batch)
     if len(times) < 3:
         raise RuntimeError(f"only {len(times)} pure decode steps at batch {batch}")
     keep = times[2:]  # first decode steps after a prefill include lazy set-up
     return {"step_s": statistics.median(keep), "best_s": min(keep), "steps": len(keep),
-            "mean_ctx": statistics.mean(ctx_seen[2:])}
+            "mean_ctx": statistics.mean(ctx_seen[2:]),
+            "graph_replays": getattr(graphs, "replays", 0) - replays0}
+
+
+def dev_is_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def profile_steps(eng: Any, batch: int, steps: int = 3) -> None:
+    """Print (bench.log only) where the GPU time of a few decode steps goes: the kernels by
+    total time, and GPU busy time against the steps' wall time (the gap is host work)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                if eng.has_unfinished():
+                    eng.step()
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        evs = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+        busy = sum(e.self_device_time_total for e in evs) / 1e6
+        print(f"profile, batch {batch}, {steps} decode steps: wall {wall * 1e3:.2f} ms, GPU "
+              f"kernels {busy * 1e3:.2f} ms ({sum(e.count for e in evs)} launches)", flush=True)
+        for e in sorted(evs, key=lambda e: -e.self_device_time_total)[:15]:
+            print(f"  {e.self_device_time_total / 1e3 / steps:8.3f} ms/step  {e.count // steps:5d}x"
+                  f"  {e.key[:90]}", flush=True)
+    except Exception as e:  # noqa: BLE001 (a diagnostic only)
+        print(f"profile failed: {e!r}", flush=True)
 
 
 # ---------------------------------------------------------------------------------- report
@@ -484,7 +518,8 @@ def sec_llama8b(plan: Plan, dev: str, rep: Report, tmp: Path) -> None:
             tgt = targets.get(b, 0.60)
             rep.results[f"decode_b{b}"] = {**d, "bytes": nbytes, "roofline_s": roof}
             lines.append(f"| decode step, batch {b}, ~{d['mean_ctx']:.0f} context (median of "
-                         f"{d['steps']}) | {d['step_s'] * 1e3:.2f} ms | {gb(nbytes)} "
+                         f"{d['steps']}; {d['graph_replays']} graph replays) "
+                         f"| {d['step_s'] * 1e3:.2f} ms | {gb(nbytes)} "
                          f"(weights {gb(wbytes)} + KV {gb(nbytes - wbytes)}) "
                          f"| roofline {roof * 1e3:.2f} ms | {pct(share)} "
                          f"| >= {pct(tgt)}: {verdict(share >= tgt)} |")
