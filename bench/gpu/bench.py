@@ -375,7 +375,11 @@ class Report:
         if not self.path:
             return
         out = [*self.head, ""]
-        for title, lines in self.sections:
+        sections = self.sections
+        carry = getattr(self.args, "carry_from", None)
+        if carry:  # at every write: a run cut short still carries what it did not measure
+            sections = carried_sections(sections, Path(carry))
+        for title, lines in sections:
             out += [f"## {title}", "", *lines, ""]
         out.append(f"Run time: {time.monotonic() - self.t0:.0f} s.")
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
@@ -1122,26 +1126,30 @@ def section_of(title: str) -> str | None:
     return next((k for k, t in SECTION_TITLES.items() if title.startswith(t)), None)
 
 
-def carry_sections(rep: Report, earlier: Path) -> None:
-    """Append the sections of an ``earlier`` report of this script that this run has no
-    measurement of (skipped or not asked for), verbatim, each marked as carried and preceded
-    by the earlier run's header (device, versions, commit): their ratios are against
-    references measured in that run, not this one."""
+def carried_sections(sections: list[tuple[str, list[str]]], earlier: Path
+                     ) -> list[tuple[str, list[str]]]:
+    """``sections`` with the sections of an ``earlier`` report of this script that they hold
+    no measurement of (skipped, failed or not run yet) appended verbatim, each marked as
+    carried and preceded by the earlier run's header (device, versions, commit): their ratios
+    are against references measured in that run, not this one."""
     head, _, body = earlier.read_text().partition("\n## ")
     head_lines = [ln for ln in head.splitlines() if ln.startswith("- ")]
-    measured = {section_of(t) for t, _ in rep.sections
+    measured = {section_of(t) for t, _ in sections
                 if not t.endswith((": skipped", ": failed"))}
+    out = list(sections)
     for chunk in ("## " + body).split("\n## ") if body else []:
         title, _, rest = chunk.removeprefix("## ").partition("\n")
         key = section_of(title)
-        if key is None or key in measured or title.endswith((": skipped", ": failed")):
+        if (key is None or key in measured or title.endswith((": skipped", ": failed"))
+                or "(carried from an earlier run)" in title):
             continue
-        rep.sections = [(t, ls) for t, ls in rep.sections if section_of(t) != key]
+        out = [(t, ls) for t, ls in out if section_of(t) != key]
         lines = rest.split("\nRun time:")[0].strip("\n").splitlines()
-        rep.sections.append((f"{title} (carried from an earlier run)", [
+        out.append((f"{title} (carried from an earlier run)", [
             f"_Not measured in this run: carried verbatim from `{earlier.name}` of an earlier "
             "run, whose ratios are against references measured in that run. That run:_", "",
             *head_lines, "", *lines]))
+    return out
 
 
 SECTIONS: dict[str, tuple[Callable[..., None], float]] = {
@@ -1208,8 +1216,6 @@ def main() -> int:
             finally:
                 free_device(dev)
             print(f"=== {name}: {time.monotonic() - t0:.0f} s", flush=True)
-    if args.carry_from:
-        carry_sections(rep, Path(args.carry_from))
     rep.write()
     print(f"\nwrote {args.out}; failed sections: {failed or 'none'}", flush=True)
     return 1 if failed else 0

@@ -20,7 +20,7 @@ cd "$(dirname "$0")/../.." || exit 1
 TOTAL_S=${TOTAL_S:-530}
 STEPS=${STEPS:-tests,checks,bench}
 BENCH_ARGS=${BENCH_ARGS:-}
-PYTEST_ARGS=${PYTEST_ARGS:-}  # extra pytest arguments (e.g. -k NAME) for the GPU tests
+PYTEST_ARGS=${PYTEST_ARGS:-}  # the GPU tests to run (pytest arguments; empty: tests/test_gpu.py)
 CHECKS=${CHECKS:-}  # comma list of check names (check_attn,...) to run; empty: all
 START=$SECONDS
 mkdir -p "$OUT/checks"
@@ -100,7 +100,7 @@ tail -n +1 "$LOG"
 if want tests; then
   # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
   STEPLOG="$OUT/pytest.log" run "pytest -m gpu" "$(( $(left) < 150 ? $(left) - 5 : 150 ))" \
-    python3 -m pytest -m gpu tests/test_gpu.py -v -rA --tb=long -p no:cacheprovider ${PYTEST_ARGS:-}
+    python3 -m pytest -m gpu -v -rA --tb=long -p no:cacheprovider ${PYTEST_ARGS:-tests/test_gpu.py}
 fi
 
 # ---- device check scripts of the other parts (each: --out FILE, < 90 s)
