@@ -1156,10 +1156,10 @@ SECTIONS: dict[str, tuple[Callable[..., None], float]] = {
     # name -> (function, seconds it should need on an H100, to skip it when the budget is short)
     "refs": (sec_refs, 5),
     "llama8b": (sec_llama8b, 60),
-    "smol": (sec_smol, 90),
+    "smol": (sec_smol, 135),
     "kv": (sec_kv, 40),
     "serve": (sec_serve, 110),
-    "agreement": (sec_agreement, 40),
+    "agreement": (sec_agreement, 70),
 }
 
 
