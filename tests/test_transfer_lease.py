@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from disagg.transfer.backends import make_backend
 from disagg.transfer.base import (
     CacheTransceiverConfig,
     ProtocolError,
@@ -15,7 +16,6 @@ from disagg.transfer.base import (
     decode_header,
     encode_header,
     header_length,
-    make_backend,
     parse_address,
     resolve_cluster_token,
 )

@@ -5,7 +5,8 @@
 Transport side:
 
 - ``base``: wire messages (``ReadRequest``, ``ReadResult``, ``TransferError``), header
-  encoding, the ``TransportBackend`` abstraction and ``make_backend("UCX" | "TCP")``.
+  encoding and the ``TransportBackend`` abstraction (it imports no backend).
+- ``backends``: the backend registry, ``make_backend("UCX" | "TCP")``.
 - ``handshake``: the challenge-response that proves the cluster token on every connection
   without sending it (torch-free).
 - ``lease``: ``LeaseTable`` (torch-free): which blocks may be read, until when.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from disagg.transfer.backends import make_backend
 from disagg.transfer.base import (
     BAD_REQUEST,
     CLOSED,
@@ -36,7 +38,6 @@ from disagg.transfer.base import (
     ReadResult,
     TransferError,
     TransportBackend,
-    make_backend,
     resolve_cluster_token,
 )
 from disagg.transfer.lease import Lease, LeaseError, LeaseStats, LeaseTable

@@ -1,4 +1,6 @@
-"""KV transfer: wire messages, header encoding, the transport abstraction, the backend factory.
+"""KV transfer: wire messages, header encoding, the transport abstraction.
+
+The backends (``tcp``, ``ucx``) build on this module; ``backends.make_backend`` picks one.
 
 Wire protocol, version 1 (one request = one coalesced transfer per rank pair; REFERENCE section
 6). The cluster token never crosses the wire: a mutual challenge-response (``handshake.py``)
@@ -453,25 +455,3 @@ class CacheTransceiverConfig:
             raise ValueError(f"cache_transceiver_config: unknown keys {sorted(unknown)}")
         return cls(**d)
 
-
-def make_backend(
-    spec: str | CacheTransceiverConfig | Mapping[str, Any] | TransportBackend,
-) -> TransportBackend:
-    """A backend by name (``"UCX"`` / ``"TCP"``, case-insensitive), from a
-    ``cache_transceiver_config`` mapping or object, or an instance passed through.
-    Importing the UCX backend does not import ucxx (that happens on first use)."""
-    if isinstance(spec, TransportBackend):
-        return spec
-    if isinstance(spec, str):
-        cfg = CacheTransceiverConfig(backend=spec)
-    elif isinstance(spec, CacheTransceiverConfig):
-        cfg = spec
-    else:
-        cfg = CacheTransceiverConfig.from_dict(spec)
-    if cfg.backend == "TCP":
-        from disagg.transfer.tcp import TcpBackend
-
-        return TcpBackend()
-    from disagg.transfer.ucx import UcxBackend
-
-    return UcxBackend(profile=cfg.ucx_profile)

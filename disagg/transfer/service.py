@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from disagg.transfer.backends import make_backend
 from disagg.transfer.base import (
     BAD_REQUEST,
     CLOSED,
@@ -39,7 +40,6 @@ from disagg.transfer.base import (
     ReadResult,
     TransferError,
     TransportBackend,
-    make_backend,
     parse_address,
 )
 from disagg.transfer.handshake import ClientSession, HandshakeError, ServerSession
