@@ -41,6 +41,7 @@ from types import MappingProxyType
 from typing import Any
 
 from disagg.config import ConfigError, read_yaml
+from disagg.server.options import ENGINE_OPTIONS, SERVER_OPTIONS, coerce
 
 POLICY_TYPES = ("round_robin", "load_balancing", "kv_cache_aware")
 SECTIONS = ("context_servers", "generation_servers")
@@ -269,10 +270,8 @@ def _no_unknown(err: _Errors, where: str, data: Mapping[str, Any], known: tuple[
 
 
 def _worker_keys() -> dict[str, Any]:
-    """The worker YAML keys of ``disagg serve`` (name -> its ``_Opt``, or None for the two
-    keys with their own checks). Imported here so the two never drift apart."""
-    from disagg.server.cli import ENGINE_OPTIONS, SERVER_OPTIONS
-
+    """The worker YAML keys of ``disagg serve`` (name -> its ``Opt``, or None for the two
+    keys with their own checks), from the one schema in ``server/options.py``."""
     keys: dict[str, Any] = {**SERVER_OPTIONS, **ENGINE_OPTIONS}
     keys.pop("kv_lease_ttl", None)  # the YAML spells it kv_lease_ttl_s
     keys["kv_lease_ttl_s"] = SERVER_OPTIONS.get("kv_lease_ttl")
@@ -301,10 +300,8 @@ def _worker_value(err: _Errors, key: str, name: str, value: Any, worker_keys: di
         except (TypeError, ValueError) as e:
             raise err(name, str(e)) from None
         return dict(value)
-    from disagg.server.cli import _coerce
-
     try:
-        return _coerce(name, worker_keys[key], value, err.source)
+        return coerce(name, worker_keys[key], value, err.source)
     except ConfigError as e:
         raise RouterConfigError(str(e)) from None
 

@@ -48,9 +48,9 @@ from disagg.kv_cache.hashing import BLOCK_HASH_SCHEME
 from disagg.parallel.layout import ParallelLayout
 from disagg.request import SamplingParams
 from disagg.server import protocol as P
-from disagg.server.cli import check_role
 from disagg.server.http_guard import MAX_BODY_BYTES, HttpGuard
 from disagg.server.metrics import ServerMetrics
+from disagg.server.options import check_role
 from disagg.transfer.layout import check_compatible
 from disagg.transfer.params import ContextParams
 

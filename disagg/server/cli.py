@@ -18,149 +18,30 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
 from disagg.cluster_auth import cluster_token_or_none
-from disagg.config import CapacityPolicy, ConfigError, read_yaml
-
-# Idle keep-alive connections stay open this long (uvicorn's default is 5 s). A client whose pool
-# keeps idle connections longer than the server reuses one just as the server closes it and
-# gets "connection reset" on a request the server never saw; common pools keep them 5-60 s
-# (httpx 5, aiohttp 15, nginx 60), the router's and bench client's less (CLIENT_KEEP_ALIVE_S).
-SERVER_KEEP_ALIVE_S = 75
+from disagg.config import ConfigError, read_yaml
+from disagg.server.http_guard import SERVER_KEEP_ALIVE_S, uvicorn_options  # noqa: F401
+from disagg.server.options import (
+    DISAGG_ROLES,
+    ENGINE_OPTIONS,
+    ROLES,
+    SERVER_DEFAULTS,
+    SERVER_OPTIONS,
+    Opt,
+    StrList,
+    check_role,
+    coerce,
+)
 
 logger = logging.getLogger("disagg.server")
 
-
-class StrList(list):
-    """Option type marker: a list of strings (comma-separated on the command line)."""
-
-
-@dataclass(frozen=True)
-class _Opt:
-    # int, float, bool, str, list (of ints: "3,1" on the command line) or StrList
-    type: type
-    help: str
-    choices: tuple[str, ...] | None = None
-    metavar: str | None = None
-
-
-# Engine options: exactly config.ENGINE_OPTION_NAMES (a test keeps them in step).
-ENGINE_OPTIONS: dict[str, _Opt] = {
-    "tokens_per_block": _Opt(int, "tokens per KV cache block (default 32)", metavar="N"),
-    "kv_cache_tokens": _Opt(int, "KV cache capacity in tokens", metavar="N"),
-    "kv_cache_fraction": _Opt(float, "share of free device memory for the KV cache, in (0, 1]",
-                              metavar="F"),
-    "gpu_memory_fraction": _Opt(float, "CUDA: share of the GPU's total memory this worker may "
-                                "use (weights + activations + KV cache), in (0, 1]; workers "
-                                "sharing a GPU split it (default 0.9)", metavar="F"),
-    "enforce_eager": _Opt(bool, "CUDA: run decode steps eagerly, without CUDA graphs "
-                          "(default off)"),
-    "cuda_graph_max_batch_size": _Opt(int, "CUDA: largest decode batch captured as a CUDA "
-                                      "graph (default 256)", metavar="N"),
-    "enable_prefix_caching": _Opt(bool, "reuse cached KV blocks of shared prompt prefixes "
-                                  "(default on)"),
-    "max_batch_size": _Opt(int, "requests per iteration (default 2048)", metavar="N"),
-    "max_num_tokens": _Opt(int, "tokens per iteration (default 8192)", metavar="N"),
-    "enable_chunked_context": _Opt(bool, "split long prompts over iterations (default on)"),
-    "capacity_policy": _Opt(str, "KV admission policy (default guaranteed_no_evict)",
-                            choices=tuple(p.value for p in CapacityPolicy)),
-    "max_model_len": _Opt(int, "prompt + output token limit (default: the model's)",
-                          metavar="N"),
-    "max_queue": _Opt(int, "waiting requests beyond which new ones get 503 + Retry-After",
-                      metavar="N"),
-    "tensor_parallel_size": _Opt(int, "tensor parallel ranks (default 1)", metavar="N"),
-    "pipeline_parallel_size": _Opt(int, "pipeline parallel stages (default 1)", metavar="N"),
-    "pp_partition": _Opt(list, "layers per pipeline stage, e.g. 3,1 (default: even split)",
-                         metavar="N,N,..."),
-    "dtype": _Opt(str, "compute dtype (default: the checkpoint's)",
-                  choices=("float32", "bfloat16", "float16")),
-    "device": _Opt(str, "cpu or cuda[:N] (default: cuda when available)"),
-    "seed": _Opt(int, "engine seed for unseeded sampling (default 0)"),
-}
-
-ROLES = ("aggregated", "context", "generation")
 AVAILABLE_ROLES = ROLES
-DISAGG_ROLES = ("context", "generation")
-
-
-def check_role(role: str, world_size: int = 1) -> None:
-    """A role this worker can take (any role works with any tp * pp = ``world_size``)."""
-    if role not in ROLES:
-        raise ValueError(f"role: {role!r} is not one of {list(ROLES)}")
-    if world_size < 1:
-        raise ValueError(f"tensor_parallel_size * pipeline_parallel_size: must be >= 1, got "
-                         f"{world_size}")
-
-
-SERVER_OPTIONS: dict[str, _Opt] = {
-    "model": _Opt(str, "checkpoint folder (instead of the MODEL_DIR argument)"),
-    "host": _Opt(str, "address to bind (default 127.0.0.1)"),
-    "port": _Opt(int, "port to bind; 0 picks a free one (default 8000)"),
-    "role": _Opt(str, "worker role (default aggregated); context / generation serve "
-                 "disaggregated requests", choices=ROLES),
-    "kv_transfer_backend": _Opt(str, "KV transfer backend of a context/generation worker "
-                                "(default UCX; YAML: cache_transceiver_config.backend)",
-                                choices=("UCX", "TCP", "ucx", "tcp")),
-    "kv_transfer_host": _Opt(str, "address the context worker's KV transfer server binds and "
-                             "advertises (default: --host)", metavar="HOST"),
-    "cluster_token": _Opt(str, "shared secret of the cluster's members: the router signs its "
-                          "calls with it, KV transfer peers prove they hold it (default: "
-                          "$DISAGG_CLUSTER_TOKEN)", metavar="TOKEN"),
-    "kv_peer_allowlist": _Opt(StrList, "context workers a generation worker may pull KV from "
-                              "when a request is not signed by the cluster: IPs, CIDRs or host "
-                              "names (YAML: a list)", metavar="NET,..."),
-    "kv_lease_ttl": _Opt(float, "seconds a context worker keeps a request's KV for the "
-                         "generation worker (default 30; YAML: kv_lease_ttl_s)", metavar="S"),
-    "served_model_name": _Opt(str, "model name clients send (default: MODEL_DIR as given)",
-                              metavar="NAME"),
-    "api_key": _Opt(str, "require 'Authorization: Bearer KEY' on /v1/* (and, unless "
-                    "--public-metrics, on /metrics)", metavar="KEY"),
-    "public_metrics": _Opt(bool, "serve /metrics to anyone even when --api-key is set"),
-    "drain_timeout": _Opt(float, "seconds in-flight requests get to finish on SIGTERM "
-                          "(default 30)", metavar="S"),
-    "router_url": _Opt(str, "register with this router (a disagg YAML with disagg_cluster) and "
-                       "heartbeat; unregister on drain", metavar="URL"),
-    "log_level": _Opt(str, "log level (default info)",
-                      choices=("critical", "error", "warning", "info", "debug")),
-    "benchmark_gen_only": _Opt(bool, "benchmarking aid of a generation worker: accept "
-                               "generation_only requests without context params and decode as "
-                               "if their prompt KV were in place (output text is meaningless)"),
-}
-
-SERVER_DEFAULTS: dict[str, Any] = {
-    "host": "127.0.0.1", "port": 8000, "role": "aggregated", "drain_timeout": 30.0,
-    "log_level": "info",
-}
 
 # Keys of a disagg YAML server section that describe the cluster, not one worker.
 _SECTION_ONLY_KEYS = ("num_instances", "urls", "router")
-
-
-def _coerce(name: str, opt: _Opt, value: Any, where: str) -> Any:
-    """Check a YAML value's type (YAML already parsed it); name the key and file on error."""
-    if value is None:
-        return None
-    ok = {
-        bool: lambda v: isinstance(v, bool),
-        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-        float: lambda v: isinstance(v, int | float) and not isinstance(v, bool),
-        str: lambda v: isinstance(v, str),
-        list: lambda v: isinstance(v, list) and all(
-            isinstance(x, int) and not isinstance(x, bool) for x in v),
-        StrList: lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
-    }[opt.type](value)
-    if opt.type is list and not ok:
-        raise ConfigError(f"{where}: {name}: expected a list of integers, got {value!r}")
-    if opt.type is StrList and not ok:
-        raise ConfigError(f"{where}: {name}: expected a list of strings, got {value!r}")
-    if not ok:
-        raise ConfigError(f"{where}: {name}: expected {opt.type.__name__}, got {value!r}")
-    if opt.choices and value not in opt.choices:
-        raise ConfigError(f"{where}: {name}: {value!r} is not one of {list(opt.choices)}")
-    return float(value) if opt.type is float else value
 
 
 def load_worker_yaml(path: str) -> dict[str, Any]:
@@ -191,7 +72,7 @@ def load_worker_yaml(path: str) -> dict[str, Any]:
                     "options)" if key in _SECTION_ONLY_KEYS else "")
             raise ConfigError(f"{path}: unknown key {key!r}{hint}; known keys: "
                               f"{', '.join(sorted(known))}")
-        out[key] = _coerce(key, known[key], value, path)
+        out[key] = coerce(key, known[key], value, path)
     return out
 
 
@@ -214,7 +95,7 @@ def add_cli(subparsers: Any) -> None:
     p.set_defaults(func=_cmd_serve)
 
 
-def _add_option(p: Any, name: str, opt: _Opt) -> None:
+def _add_option(p: Any, name: str, opt: Opt) -> None:
     flag = "--" + name.replace("_", "-")
     if opt.type is bool:
         p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
@@ -355,8 +236,6 @@ def run_server(
         # /health turns 503 and new requests get 503 at once; late requests are aborted
         # (cleanly, through the engine) when the drain period ends.
         begin_drain(app, drain_timeout)
-
-    from disagg.server.http_guard import uvicorn_options
 
     uv_config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, lifespan="on",

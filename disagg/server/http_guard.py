@@ -37,6 +37,12 @@ MAX_HEADER_BYTES = 32 << 10  # their names and values together
 MAX_TARGET_BYTES = 16 << 10  # path + query
 H11_MAX_INCOMPLETE_EVENT_BYTES = 64 << 10  # h11's buffer for an unfinished request head
 MAX_BODY_BYTES = 64 << 20  # as the router's: long prompts as token id lists are large
+# Idle keep-alive connections stay open this long (uvicorn's default is 5 s). A client whose pool
+# keeps idle connections longer than the server reuses one just as the server closes it and
+# gets "connection reset" on a request the server never saw; common pools keep them 5-60 s
+# (httpx 5, aiohttp 15, nginx 60), the router's and bench client's less (CLIENT_KEEP_ALIVE_S).
+SERVER_KEEP_ALIVE_S = 75
+
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -168,8 +174,6 @@ def uvicorn_options(header_timeout_s: float = HEADER_TIMEOUT_S,
                     keep_alive_s: float | None = None) -> dict[str, Any]:
     """The worker's HTTP limits as ``uvicorn.Config`` keyword arguments (set explicitly, so a
     uvicorn upgrade or an installed httptools cannot change them)."""
-    from disagg.server.cli import SERVER_KEEP_ALIVE_S
-
     return {
         "http": guarded_h11_protocol(header_timeout_s),
         "h11_max_incomplete_event_size": H11_MAX_INCOMPLETE_EVENT_BYTES,

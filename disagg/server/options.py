@@ -1,0 +1,136 @@
+"""The worker's option schema, shared by ``disagg serve`` (``server/cli.py``) and the cluster
+YAML of the router (``router/config.py``): each option's type, help and choices, the roles, and
+``coerce``, which checks one YAML value against its option and names the key and the file on
+error. Torch-free and server-free: importing it imports only ``disagg.config``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from disagg.config import CapacityPolicy, ConfigError
+
+
+class StrList(list):
+    """Option type marker: a list of strings (comma-separated on the command line)."""
+
+
+@dataclass(frozen=True)
+class Opt:
+    # int, float, bool, str, list (of ints: "3,1" on the command line) or StrList
+    type: type
+    help: str
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+
+
+# Engine options: exactly config.ENGINE_OPTION_NAMES (a test keeps them in step).
+ENGINE_OPTIONS: dict[str, Opt] = {
+    "tokens_per_block": Opt(int, "tokens per KV cache block (default 32)", metavar="N"),
+    "kv_cache_tokens": Opt(int, "KV cache capacity in tokens", metavar="N"),
+    "kv_cache_fraction": Opt(float, "share of free device memory for the KV cache, in (0, 1]",
+                              metavar="F"),
+    "gpu_memory_fraction": Opt(float, "CUDA: share of the GPU's total memory this worker may "
+                                "use (weights + activations + KV cache), in (0, 1]; workers "
+                                "sharing a GPU split it (default 0.9)", metavar="F"),
+    "enforce_eager": Opt(bool, "CUDA: run decode steps eagerly, without CUDA graphs "
+                          "(default off)"),
+    "cuda_graph_max_batch_size": Opt(int, "CUDA: largest decode batch captured as a CUDA "
+                                      "graph (default 256)", metavar="N"),
+    "enable_prefix_caching": Opt(bool, "reuse cached KV blocks of shared prompt prefixes "
+                                  "(default on)"),
+    "max_batch_size": Opt(int, "requests per iteration (default 2048)", metavar="N"),
+    "max_num_tokens": Opt(int, "tokens per iteration (default 8192)", metavar="N"),
+    "enable_chunked_context": Opt(bool, "split long prompts over iterations (default on)"),
+    "capacity_policy": Opt(str, "KV admission policy (default guaranteed_no_evict)",
+                            choices=tuple(p.value for p in CapacityPolicy)),
+    "max_model_len": Opt(int, "prompt + output token limit (default: the model's)",
+                          metavar="N"),
+    "max_queue": Opt(int, "waiting requests beyond which new ones get 503 + Retry-After",
+                      metavar="N"),
+    "tensor_parallel_size": Opt(int, "tensor parallel ranks (default 1)", metavar="N"),
+    "pipeline_parallel_size": Opt(int, "pipeline parallel stages (default 1)", metavar="N"),
+    "pp_partition": Opt(list, "layers per pipeline stage, e.g. 3,1 (default: even split)",
+                         metavar="N,N,..."),
+    "dtype": Opt(str, "compute dtype (default: the checkpoint's)",
+                  choices=("float32", "bfloat16", "float16")),
+    "device": Opt(str, "cpu or cuda[:N] (default: cuda when available)"),
+    "seed": Opt(int, "engine seed for unseeded sampling (default 0)"),
+}
+
+ROLES = ("aggregated", "context", "generation")
+DISAGG_ROLES = ("context", "generation")
+
+
+def check_role(role: str, world_size: int = 1) -> None:
+    """A role this worker can take (any role works with any tp * pp = ``world_size``)."""
+    if role not in ROLES:
+        raise ValueError(f"role: {role!r} is not one of {list(ROLES)}")
+    if world_size < 1:
+        raise ValueError(f"tensor_parallel_size * pipeline_parallel_size: must be >= 1, got "
+                         f"{world_size}")
+
+
+SERVER_OPTIONS: dict[str, Opt] = {
+    "model": Opt(str, "checkpoint folder (instead of the MODEL_DIR argument)"),
+    "host": Opt(str, "address to bind (default 127.0.0.1)"),
+    "port": Opt(int, "port to bind; 0 picks a free one (default 8000)"),
+    "role": Opt(str, "worker role (default aggregated); context / generation serve "
+                 "disaggregated requests", choices=ROLES),
+    "kv_transfer_backend": Opt(str, "KV transfer backend of a context/generation worker "
+                                "(default UCX; YAML: cache_transceiver_config.backend)",
+                                choices=("UCX", "TCP", "ucx", "tcp")),
+    "kv_transfer_host": Opt(str, "address the context worker's KV transfer server binds and "
+                             "advertises (default: --host)", metavar="HOST"),
+    "cluster_token": Opt(str, "shared secret of the cluster's members: the router signs its "
+                          "calls with it, KV transfer peers prove they hold it (default: "
+                          "$DISAGG_CLUSTER_TOKEN)", metavar="TOKEN"),
+    "kv_peer_allowlist": Opt(StrList, "context workers a generation worker may pull KV from "
+                              "when a request is not signed by the cluster: IPs, CIDRs or host "
+                              "names (YAML: a list)", metavar="NET,..."),
+    "kv_lease_ttl": Opt(float, "seconds a context worker keeps a request's KV for the "
+                         "generation worker (default 30; YAML: kv_lease_ttl_s)", metavar="S"),
+    "served_model_name": Opt(str, "model name clients send (default: MODEL_DIR as given)",
+                              metavar="NAME"),
+    "api_key": Opt(str, "require 'Authorization: Bearer KEY' on /v1/* (and, unless "
+                    "--public-metrics, on /metrics)", metavar="KEY"),
+    "public_metrics": Opt(bool, "serve /metrics to anyone even when --api-key is set"),
+    "drain_timeout": Opt(float, "seconds in-flight requests get to finish on SIGTERM "
+                          "(default 30)", metavar="S"),
+    "router_url": Opt(str, "register with this router (a disagg YAML with disagg_cluster) and "
+                       "heartbeat; unregister on drain", metavar="URL"),
+    "log_level": Opt(str, "log level (default info)",
+                      choices=("critical", "error", "warning", "info", "debug")),
+    "benchmark_gen_only": Opt(bool, "benchmarking aid of a generation worker: accept "
+                               "generation_only requests without context params and decode as "
+                               "if their prompt KV were in place (output text is meaningless)"),
+}
+
+SERVER_DEFAULTS: dict[str, Any] = {
+    "host": "127.0.0.1", "port": 8000, "role": "aggregated", "drain_timeout": 30.0,
+    "log_level": "info",
+}
+
+def coerce(name: str, opt: Opt, value: Any, where: str) -> Any:
+    """Check a YAML value's type (YAML already parsed it); name the key and file on error."""
+    if value is None:
+        return None
+    ok = {
+        bool: lambda v: isinstance(v, bool),
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+        str: lambda v: isinstance(v, str),
+        list: lambda v: isinstance(v, list) and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in v),
+        StrList: lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    }[opt.type](value)
+    if opt.type is list and not ok:
+        raise ConfigError(f"{where}: {name}: expected a list of integers, got {value!r}")
+    if opt.type is StrList and not ok:
+        raise ConfigError(f"{where}: {name}: expected a list of strings, got {value!r}")
+    if not ok:
+        raise ConfigError(f"{where}: {name}: expected {opt.type.__name__}, got {value!r}")
+    if opt.choices and value not in opt.choices:
+        raise ConfigError(f"{where}: {name}: {value!r} is not one of {list(opt.choices)}")
+    return float(value) if opt.type is float else value
