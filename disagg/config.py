@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -241,6 +242,76 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+# How a model splits over tp * pp ranks: the rules. ``disagg.parallel.layout`` builds each rank's
+# layout from them; ``EngineConfig`` checks them up front (``check_parallel_split``).
+
+
+def layer_ranges(num_layers: int, pp_size: int,
+                 partition: Sequence[int] | None = None) -> list[tuple[int, int]]:
+    """Contiguous ``[start, end)`` layer ranges of the ``pp_size`` stages.
+
+    Without ``partition`` the split is even, the first ``num_layers % pp_size`` stages taking
+    one layer more: 7 layers over 3 stages -> [0, 3) [3, 5) [5, 7). With it, stage ``s`` holds
+    ``partition[s]`` layers: [3, 1] -> [0, 3) [3, 4).
+    """
+    if pp_size > num_layers:
+        raise ConfigError(f"pipeline_parallel_size: {pp_size} stages for {num_layers} layers "
+                          f"(each stage needs at least one layer)")
+    if partition is None:
+        base, extra = divmod(num_layers, pp_size)
+        sizes = [base + (1 if s < extra else 0) for s in range(pp_size)]
+    else:
+        sizes = [int(n) for n in partition]
+        if len(sizes) != pp_size:
+            raise ConfigError(f"pp_partition: {list(sizes)} has {len(sizes)} entries for "
+                              f"pipeline_parallel_size={pp_size}")
+        if any(n < 1 for n in sizes) or sum(sizes) != num_layers:
+            raise ConfigError(f"pp_partition: {list(sizes)} must be positive layer counts "
+                              f"summing to num_hidden_layers={num_layers}")
+    ranges, start = [], 0
+    for n in sizes:  # stage s: [start, start + sizes[s])
+        ranges.append((start, start + n))
+        start += n
+    return ranges
+
+
+def kv_head_replicas(num_kv_heads: int, tp_size: int) -> int:
+    """How many TP ranks hold each kv head: 1, or ``tp / num_kv_heads`` when TP exceeds them."""
+    if num_kv_heads >= tp_size:
+        if num_kv_heads % tp_size:
+            raise ConfigError(f"num_key_value_heads={num_kv_heads} is not divisible by "
+                              f"tensor_parallel_size={tp_size}")
+        return 1
+    if tp_size % num_kv_heads:
+        raise ConfigError(f"tensor_parallel_size={tp_size} is not a multiple of "
+                          f"num_key_value_heads={num_kv_heads} (needed to replicate kv heads)")
+    return tp_size // num_kv_heads
+
+
+def tp_heads_per_rank(num_heads: int, tp_size: int) -> int:
+    """Query heads per TP rank: an even split, never replicated."""
+    if num_heads % tp_size:
+        raise ConfigError(f"num_attention_heads={num_heads} is not divisible by "
+                          f"tensor_parallel_size={tp_size}")
+    return num_heads // tp_size
+
+
+def check_parallel_split(model: ModelConfig, parallel: ParallelConfig,
+                         partition: Sequence[int] | None = None) -> None:
+    """``ConfigError`` if ``model`` cannot be split over ``parallel``'s ranks (the first error
+    ``ParallelLayout.all_ranks`` would meet). ``partition`` defaults to ``parallel.pp_partition``.
+    """
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    if partition is None:
+        partition = parallel.pp_partition
+    if model.intermediate_size % tp:
+        raise ConfigError(f"intermediate_size={model.intermediate_size} is not divisible "
+                          f"by tensor_parallel_size={tp}")
+    layer_ranges(model.num_hidden_layers, pp, partition)
+    kv_head_replicas(model.num_key_value_heads, tp)
+    tp_heads_per_rank(model.num_attention_heads, tp)
+
+
 @dataclass(frozen=True)
 class CudaGraphConfig:
     """Pure-decode steps captured as CUDA graphs, one per batch-size bucket (CUDA only; a CPU
@@ -273,9 +344,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, "dtype", f"one of {sorted(DTYPES)}")
         # Fail on a model that cannot be split this way now, not in a spawned rank.
-        from disagg.parallel.layout import ParallelLayout
-
-        ParallelLayout.all_ranks(self.model, self.parallel)
+        check_parallel_split(self.model, self.parallel)
 
     @property
     def max_model_len(self) -> int:

@@ -10,61 +10,26 @@ A rank's KV cache block holds ``[its layers, K/V, its kv heads, tokens_per_block
 (DESIGN.md section 1); ``layer_range`` and ``kv_head_range`` say which global layers and kv
 heads those are, which is all the KV transfer needs to convert between two layouts.
 
-This module is torch-free (the router and the KV transfer planner import it).
+This module is torch-free (the router and the KV transfer planner import it). The rules of a
+valid split (``layer_ranges``, ``kv_head_replicas``, ``check_parallel_split``) live in
+``disagg.config``, which checks every ``EngineConfig`` with them; this module builds on them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from disagg.config import ConfigError
-
-if TYPE_CHECKING:
-    from disagg.config import ModelConfig, ParallelConfig
-
-
-def layer_ranges(num_layers: int, pp_size: int,
-                 partition: Sequence[int] | None = None) -> list[tuple[int, int]]:
-    """Contiguous ``[start, end)`` layer ranges of the ``pp_size`` stages.
-
-    Without ``partition`` the split is even, the first ``num_layers % pp_size`` stages taking
-    one layer more: 7 layers over 3 stages -> [0, 3) [3, 5) [5, 7). With it, stage ``s`` holds
-    ``partition[s]`` layers: [3, 1] -> [0, 3) [3, 4).
-    """
-    if pp_size > num_layers:
-        raise ConfigError(f"pipeline_parallel_size: {pp_size} stages for {num_layers} layers "
-                          f"(each stage needs at least one layer)")
-    if partition is None:
-        base, extra = divmod(num_layers, pp_size)
-        sizes = [base + (1 if s < extra else 0) for s in range(pp_size)]
-    else:
-        sizes = [int(n) for n in partition]
-        if len(sizes) != pp_size:
-            raise ConfigError(f"pp_partition: {list(sizes)} has {len(sizes)} entries for "
-                              f"pipeline_parallel_size={pp_size}")
-        if any(n < 1 for n in sizes) or sum(sizes) != num_layers:
-            raise ConfigError(f"pp_partition: {list(sizes)} must be positive layer counts "
-                              f"summing to num_hidden_layers={num_layers}")
-    ranges, start = [], 0
-    for n in sizes:  # stage s: [start, start + sizes[s])
-        ranges.append((start, start + n))
-        start += n
-    return ranges
-
-
-def kv_head_replicas(num_kv_heads: int, tp_size: int) -> int:
-    """How many TP ranks hold each kv head: 1, or ``tp / num_kv_heads`` when TP exceeds them."""
-    if num_kv_heads >= tp_size:
-        if num_kv_heads % tp_size:
-            raise ConfigError(f"num_key_value_heads={num_kv_heads} is not divisible by "
-                              f"tensor_parallel_size={tp_size}")
-        return 1
-    if tp_size % num_kv_heads:
-        raise ConfigError(f"tensor_parallel_size={tp_size} is not a multiple of "
-                          f"num_key_value_heads={num_kv_heads} (needed to replicate kv heads)")
-    return tp_size // num_kv_heads
+from disagg.config import (
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    check_parallel_split,
+    kv_head_replicas,
+    layer_ranges,
+    tp_heads_per_rank,
+)
 
 
 def tp_kv_head_range(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
@@ -86,10 +51,7 @@ def tp_kv_head_range(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int
 
 def tp_head_range(num_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
     """Global query heads ``[lo, hi)`` of TP rank ``tp_rank``: an even split, never replicated."""
-    if num_heads % tp_size:
-        raise ConfigError(f"num_attention_heads={num_heads} is not divisible by "
-                          f"tensor_parallel_size={tp_size}")
-    n = num_heads // tp_size
+    n = tp_heads_per_rank(num_heads, tp_size)
     return tp_rank * n, (tp_rank + 1) * n
 
 
@@ -185,7 +147,5 @@ class ParallelLayout:
         tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
         if partition is None:
             partition = parallel.pp_partition
-        if model.intermediate_size % tp:
-            raise ConfigError(f"intermediate_size={model.intermediate_size} is not divisible "
-                              f"by tensor_parallel_size={tp}")
+        check_parallel_split(model, parallel, partition)
         return tuple(cls.for_rank(model, tp, pp, r, partition) for r in range(tp * pp))
