@@ -46,6 +46,7 @@ from types import FrameType
 from typing import IO, Any, TypeVar
 
 from disagg.cluster_auth import sign_http
+from disagg.env import CUDA_VISIBLE_DEVICES
 
 _T = TypeVar("_T")
 TINY_MODEL = "tiny"  # the placeholder model name that means the built-in tiny model
@@ -213,9 +214,9 @@ def resolve_models(raw: dict[str, Any], source: str, model_override: str | None
 def visible_gpus() -> list[str]:
     """CUDA devices the workers may use: ``$CUDA_VISIBLE_DEVICES`` when set, else the GPUs
     ``nvidia-smi -L`` lists (none without a driver). No torch import: it costs seconds."""
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None:
-        return [x.strip() for x in env.split(",") if x.strip()]
+    listed_env = CUDA_VISIBLE_DEVICES.get()
+    if listed_env is not None:
+        return listed_env
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.SubprocessError):
