@@ -38,7 +38,8 @@ def _require(cond: bool, name: str, msg: str) -> None:
 
 
 class CapacityPolicy(str, enum.Enum):
-    """How the scheduler admits requests when KV blocks are scarce (REFERENCE section 2)."""
+    """How the scheduler admits requests when KV blocks are scarce (TensorRT-LLM's two
+    policies and names; guaranteed_no_evict is the default)."""
 
     # Admit only if blocks for the request's whole lifetime (prompt + max_tokens) can be
     # reserved; never pause a running request.

@@ -39,7 +39,8 @@ def _write(tmp_path: Path, data: dict) -> Path:
     return path
 
 
-REFERENCE_SHAPE = """
+# The shape of a trtllm-serve disaggregated YAML (plus our `model` and a policy option).
+TRTLLM_SHAPE = """
 hostname: localhost
 port: 8000
 max_retries: 1
@@ -59,9 +60,9 @@ conditional_disagg_config: {max_local_prefill_length: 256}
 """
 
 
-def test_reference_shape(tmp_path: Path) -> None:
+def test_trtllm_serve_shape(tmp_path: Path) -> None:
     path = tmp_path / "disagg.yaml"
-    path.write_text(REFERENCE_SHAPE)
+    path.write_text(TRTLLM_SHAPE)
     cfg = load_cluster_config(path)
     assert isinstance(cfg, ClusterConfig) and not cfg.aggregated
     assert (cfg.hostname, cfg.port, cfg.max_retries, cfg.source) == (

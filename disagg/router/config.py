@@ -1,4 +1,6 @@
-"""The disagg cluster YAML (REFERENCE section 3), validated on load (torch-free).
+"""The disagg cluster YAML, validated on load (torch-free). Its shape follows trtllm-serve's
+disaggregated YAML, so a file written for one serves the other (``disagg_cluster`` is the newer
+form for workers that register themselves and heartbeat instead of being listed in ``urls``).
 
 Shape::
 

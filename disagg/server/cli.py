@@ -27,7 +27,6 @@ from disagg.server.http_guard import SERVER_KEEP_ALIVE_S, uvicorn_options  # noq
 from disagg.server.options import (
     DISAGG_ROLES,
     ENGINE_OPTIONS,
-    ROLES,
     SERVER_DEFAULTS,
     SERVER_OPTIONS,
     Opt,
@@ -37,8 +36,6 @@ from disagg.server.options import (
 )
 
 logger = logging.getLogger("disagg.server")
-
-AVAILABLE_ROLES = ROLES
 
 # Keys of a disagg YAML server section that describe the cluster, not one worker.
 _SECTION_ONLY_KEYS = ("num_instances", "urls", "router")

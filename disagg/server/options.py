@@ -1,7 +1,7 @@
 """The worker's option schema, shared by ``disagg serve`` (``server/cli.py``) and the cluster
 YAML of the router (``router/config.py``): each option's type, help and choices, the roles, and
 ``coerce``, which checks one YAML value against its option and names the key and the file on
-error. Torch-free and server-free: importing it imports only ``disagg.config``.
+error. Torch-free and server-free: importing it imports only ``disagg.config`` and ``disagg.roles``.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from disagg.config import CapacityPolicy, ConfigError
+from disagg.roles import ROLES, Role
 
 
 class StrList(list):
@@ -59,8 +60,8 @@ ENGINE_OPTIONS: dict[str, Opt] = {
     "seed": Opt(int, "engine seed for unseeded sampling (default 0)"),
 }
 
-ROLES = ("aggregated", "context", "generation")
-DISAGG_ROLES = ("context", "generation")
+# The worker roles (roles.py's wire values); DISAGG_ROLES move KV and need a cluster token.
+DISAGG_ROLES = tuple(r.value for r in Role if r.disaggregated)
 
 
 def check_role(role: str, world_size: int = 1) -> None:

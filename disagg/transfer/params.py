@@ -29,8 +29,6 @@ from typing import Any
 
 from disagg.transfer.layout import WorkerLayout
 
-REQUEST_TYPES = ("context_only", "generation_only", "context_and_generation")
-
 
 class DisaggParamsError(ValueError):
     """Malformed disaggregated_params; the message names the field."""
