@@ -213,7 +213,7 @@ class ParallelConfig:
     """Ranks of one worker: ``tensor_parallel_size * pipeline_parallel_size`` processes.
 
     ``pp_partition`` (layers per stage, e.g. ``(3, 1)``) overrides the even layer split; the
-    layout of every rank is ``disagg.parallel.layout.ParallelLayout.all_ranks``.
+    layout of every rank is ``disagg.layout.ParallelLayout.all_ranks``.
     """
 
     tensor_parallel_size: int = 1
@@ -243,7 +243,7 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
-# How a model splits over tp * pp ranks: the rules. ``disagg.parallel.layout`` builds each rank's
+# How a model splits over tp * pp ranks: the rules. ``disagg.layout`` builds each rank's
 # layout from them; ``EngineConfig`` checks them up front (``check_parallel_split``).
 
 

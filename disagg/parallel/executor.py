@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from disagg.config import ConfigError, EngineConfig
 from disagg.env import STARTUP_TIMEOUT_S
-from disagg.parallel.layout import ParallelLayout
+from disagg.layout import ParallelLayout
 from disagg.parallel.worker import (
     CommStats,
     RankComm,

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from disagg.config import EngineConfig
 from disagg.env import DIST_TIMEOUT_S
-from disagg.parallel.layout import ParallelLayout
+from disagg.layout import ParallelLayout
 from disagg.runner import ModelRunner
 from disagg.scheduler import SchedulerOutput
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from disagg.transfer.layout import WorkerLayout
+from disagg.layout import WorkerLayout
 
 
 class DisaggParamsError(ValueError):
