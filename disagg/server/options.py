@@ -1,7 +1,10 @@
-"""The worker's option schema, shared by ``disagg serve`` (``server/cli.py``) and the cluster
-YAML of the router (``router/config.py``): each option's type, help and choices, the roles, and
-``coerce``, which checks one YAML value against its option and names the key and the file on
-error. Torch-free and server-free: importing it imports only ``disagg.config`` and ``disagg.roles``.
+"""The option schema, shared by ``disagg serve`` (``server/cli.py``) and the cluster YAML of
+the router (``router/config.py``): ``Opt`` (an option's type, help, choices, default and
+bounds), the worker's options (``ENGINE_OPTIONS``, ``SERVER_OPTIONS``: every ``disagg serve``
+flag and worker YAML key comes from them), the roles, and ``coerce``, which checks one YAML
+value against its ``Opt`` and names the key and the file on error. The cluster YAML's own keys
+are ``Opt`` tables in ``router/config.py``, checked by the same ``coerce``.
+Torch-free and server-free: importing it imports only ``disagg.config`` and ``disagg.roles``.
 """
 
 from __future__ import annotations
@@ -19,11 +22,18 @@ class StrList(list):
 
 @dataclass(frozen=True)
 class Opt:
+    """One option. ``default`` is what an absent or null key means where the schema decides it
+    (the cluster YAML; a worker's defaults live in ``SERVER_DEFAULTS`` and the engine config).
+    ``gt`` / ``ge``: bounds ``coerce`` checks for a number."""
+
     # int, float, bool, str, list (of ints: "3,1" on the command line) or StrList
     type: type
     help: str
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
+    default: Any = None
+    gt: float | None = None
+    ge: float | None = None
 
 
 # Engine options: exactly config.ENGINE_OPTION_NAMES (a test keeps them in step).
@@ -113,8 +123,10 @@ SERVER_DEFAULTS: dict[str, Any] = {
     "log_level": "info",
 }
 
-def coerce(name: str, opt: Opt, value: Any, where: str) -> Any:
-    """Check a YAML value's type (YAML already parsed it); name the key and file on error."""
+def coerce(name: str, opt: Opt, value: Any, where: str,
+           error: type[ConfigError] = ConfigError) -> Any:
+    """Check a YAML value's type, choices and bounds (YAML already parsed it); ``error``
+    (a ``ConfigError``) names the file and the key. None stays None."""
     if value is None:
         return None
     ok = {
@@ -127,11 +139,17 @@ def coerce(name: str, opt: Opt, value: Any, where: str) -> Any:
         StrList: lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
     }[opt.type](value)
     if opt.type is list and not ok:
-        raise ConfigError(f"{where}: {name}: expected a list of integers, got {value!r}")
+        raise error(f"{where}: {name}: expected a list of integers, got {value!r}")
     if opt.type is StrList and not ok:
-        raise ConfigError(f"{where}: {name}: expected a list of strings, got {value!r}")
+        raise error(f"{where}: {name}: expected a list of strings, got {value!r}")
     if not ok:
-        raise ConfigError(f"{where}: {name}: expected {opt.type.__name__}, got {value!r}")
+        raise error(f"{where}: {name}: expected {opt.type.__name__}, got {value!r}")
     if opt.choices and value not in opt.choices:
-        raise ConfigError(f"{where}: {name}: {value!r} is not one of {list(opt.choices)}")
-    return float(value) if opt.type is float else value
+        raise error(f"{where}: {name}: {value!r} is not one of {list(opt.choices)}")
+    if opt.type is float:
+        value = float(value)
+    if opt.gt is not None and not value > opt.gt:
+        raise error(f"{where}: {name}: must be > {opt.gt:g}, got {value}")
+    if opt.ge is not None and not value >= opt.ge:
+        raise error(f"{where}: {name}: must be >= {opt.ge:g}, got {value}")
+    return value
