@@ -180,6 +180,22 @@ INVALID = [
     ("max_retries", {"generation_servers": GEN, "max_retries": -1},
      "max_retries: must be >= 0, got -1"),
     ("port", {"generation_servers": GEN, "port": "80"}, "port: expected int, got '80'"),
+    ("port range", {"generation_servers": GEN, "port": 70000},
+     "port: 70000 is not a port number"),
+    ("health interval", {"generation_servers": GEN, "health_check_interval_sec": 0},
+     "health_check_interval_sec: must be > 0, got 0.0"),
+    ("negative weight", {"generation_servers": {**GEN, "router": {
+        "type": "kv_cache_aware", "load_weight": -1}}},
+     "generation_servers.router.load_weight: must be >= 0, got -1.0"),
+    ("poll interval", {"generation_servers": {**GEN, "router": {
+        "kv_events_poll_interval_sec": 0}}},
+     "generation_servers.router.kv_events_poll_interval_sec: must be > 0, got 0.0"),
+    ("negative instances", {"generation_servers": {**GEN, "num_instances": -1}},
+     "generation_servers.num_instances: must be >= 0, got -1"),
+    ("conditional missing", {"generation_servers": GEN, "conditional_disagg_config": {}},
+     "conditional_disagg_config.max_local_prefill_length: missing"),
+    ("minimal negative", {"disagg_cluster": {"minimal_instances": {"context_servers": -2}}},
+     "disagg_cluster.minimal_instances.context_servers: must be >= 0, got -2"),
     ("conditional", {"generation_servers": GEN, "conditional_disagg_config": {
         "max_local_prefill_len": 3}},
      "conditional_disagg_config.max_local_prefill_len: unknown key"),
