@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from disagg.env import CPU_KERNEL_NAMES, CPU_KERNELS, kernel_cache_root
+from disagg.env import CPU_KERNELS, kernel_cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,6 @@ DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
 # (x [M, K], w [N, K], bias [N] | None) -> x @ w.T (+ bias), float32, [M, N]
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
-KERNEL_NAMES = CPU_KERNEL_NAMES
 # Up to this many rows the small-M kernel beats torch's GEMM (one Zen 3 core: 1.1-2.4x for
 # 1..32 rows with K = 512..4096; at 48 rows from +4% to -4% by shape, even at 64; see
 # docs/DESIGN.md section 5); more rows (prefill) go to F.linear.
