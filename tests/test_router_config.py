@@ -177,6 +177,9 @@ INVALID = [
     ("transceiver", {"generation_servers": {**GEN, "cache_transceiver_config": {
         "backend": "NIXL"}}},
      "generation_servers.cache_transceiver_config: cache_transceiver_config.backend must be"),
+    ("transceiver not a mapping", {"generation_servers": {**GEN,
+                                                          "cache_transceiver_config": "TCP"}},
+     "generation_servers.cache_transceiver_config: expected a mapping"),
     ("max_retries", {"generation_servers": GEN, "max_retries": -1},
      "max_retries: must be >= 0, got -1"),
     ("port", {"generation_servers": GEN, "port": "80"}, "port: expected int, got '80'"),

@@ -43,7 +43,13 @@ from types import MappingProxyType
 from typing import Any
 
 from disagg.config import ConfigError, read_yaml
-from disagg.server.options import ENGINE_OPTIONS, SERVER_OPTIONS, Opt, coerce
+from disagg.server.options import (
+    TRANSCEIVER_KEY,
+    Opt,
+    check_transceiver,
+    coerce,
+    worker_yaml_keys,
+)
 
 POLICY_TYPES = ("round_robin", "load_balancing", "kv_cache_aware")
 SECTIONS = ("context_servers", "generation_servers")
@@ -197,7 +203,7 @@ def parse_cluster_config(data: Mapping[str, Any] | Any, source: str = "<config>"
     err = _Errors(source)
     if not isinstance(data, Mapping):
         raise err("", f"expected a mapping of cluster keys, got {type(data).__name__}")
-    worker_keys = _worker_keys()
+    worker_keys = worker_yaml_keys()
     inherited: dict[str, Any] = {}
     for key, value in data.items():
         if not isinstance(key, str):
@@ -280,16 +286,6 @@ def _no_unknown(err: _Errors, where: str, data: Mapping[str, Any], known: tuple[
             raise err(f"{where}.{key}", f"unknown key; known keys: {', '.join(known)}")
 
 
-def _worker_keys() -> dict[str, Any]:
-    """The worker YAML keys of ``disagg serve`` (name -> its ``Opt``, or None for the two
-    keys with their own checks), from the one schema in ``server/options.py``."""
-    keys: dict[str, Any] = {**SERVER_OPTIONS, **ENGINE_OPTIONS}
-    keys.pop("kv_lease_ttl", None)  # the YAML spells it kv_lease_ttl_s
-    keys["kv_lease_ttl_s"] = SERVER_OPTIONS.get("kv_lease_ttl")
-    keys["cache_transceiver_config"] = None
-    return keys
-
-
 def _worker_value(err: _Errors, key: str, name: str, value: Any, worker_keys: dict[str, Any],
                   top: bool) -> Any:
     """Check one worker option (``name`` is its dotted path in messages)."""
@@ -301,15 +297,8 @@ def _worker_value(err: _Errors, key: str, name: str, value: Any, worker_keys: di
                         f"{', '.join(sorted(k for k in worker_keys if k not in _CLUSTER_SET))})")
     if value is None:
         return None
-    if key == "cache_transceiver_config":
-        from disagg.transfer.base import CacheTransceiverConfig
-
-        if not isinstance(value, Mapping):
-            raise err(name, "expected a mapping {backend: UCX | TCP, ucx_profile: ...}")
-        try:
-            CacheTransceiverConfig.from_dict(value)
-        except (TypeError, ValueError) as e:
-            raise err(name, str(e)) from None
+    if key == TRANSCEIVER_KEY:
+        check_transceiver(name, value, err.source, RouterConfigError)
         return dict(value)
     return coerce(name, worker_keys[key], value, err.source, RouterConfigError)
 

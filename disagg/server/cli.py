@@ -30,9 +30,12 @@ from disagg.server.options import (
     ENGINE_OPTIONS,
     SERVER_DEFAULTS,
     SERVER_OPTIONS,
+    TRANSCEIVER_KEY,
+    YAML_RENAMES,
     Opt,
     StrList,
     check_role,
+    check_transceiver,
     coerce,
 )
 
@@ -49,21 +52,18 @@ def load_worker_yaml(path: str) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of options, got {type(data).__name__}")
+    # A worker file also takes each option under its own name (kv_lease_ttl as well as the
+    # cluster YAML's kv_lease_ttl_s).
     known = {**SERVER_OPTIONS, **ENGINE_OPTIONS}
     out: dict[str, Any] = {}
     data = dict(data)
-    if "cache_transceiver_config" in data:  # trtllm-serve's shape: {backend: UCX | TCP}
-        from disagg.transfer.base import CacheTransceiverConfig
-
-        raw = data.pop("cache_transceiver_config")
-        try:
-            ctc = CacheTransceiverConfig.from_dict(raw if raw is not None else {})
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"{path}: cache_transceiver_config: {e}") from None
+    if TRANSCEIVER_KEY in data:
+        ctc = check_transceiver(TRANSCEIVER_KEY, data.pop(TRANSCEIVER_KEY), path)
         out["kv_transfer_backend"] = ctc.backend
         out["ucx_profile"] = ctc.ucx_profile
-    if "kv_lease_ttl_s" in data:
-        data["kv_lease_ttl"] = data.pop("kv_lease_ttl_s")
+    for yaml_key, name in YAML_RENAMES.items():
+        if yaml_key in data:
+            data[name] = data.pop(yaml_key)
     for key, value in data.items():
         if key not in known:
             hint = (" (a cluster key of the disagg YAML; a worker file holds only worker "

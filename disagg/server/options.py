@@ -9,6 +9,7 @@ Torch-free and server-free: importing it imports only ``disagg.config`` and ``di
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,6 +118,38 @@ SERVER_OPTIONS: dict[str, Opt] = {
                                "generation_only requests without context params and decode as "
                                "if their prompt KV were in place (output text is meaningless)"),
 }
+
+# Worker YAML keys spelled otherwise than their option: YAML key -> option name.
+YAML_RENAMES = {"kv_lease_ttl_s": "kv_lease_ttl"}
+# trtllm-serve's mapping {backend: UCX | TCP, ucx_profile: same_host | cross_host} in a worker
+# YAML: it sets kv_transfer_backend and the UCX profile (which has no flag).
+TRANSCEIVER_KEY = "cache_transceiver_config"
+
+
+def worker_yaml_keys() -> dict[str, Opt | None]:
+    """The keys of a worker's YAML as the cluster YAML takes them -> their ``Opt`` (None for
+    ``cache_transceiver_config``, a mapping: ``check_transceiver``)."""
+    keys: dict[str, Opt | None] = {**SERVER_OPTIONS, **ENGINE_OPTIONS}
+    for yaml_key, name in YAML_RENAMES.items():
+        keys[yaml_key] = keys.pop(name)
+    keys[TRANSCEIVER_KEY] = None
+    return keys
+
+
+def check_transceiver(name: str, value: Any, where: str,
+                      error: type[ConfigError] = ConfigError) -> Any:
+    """``value`` as a ``CacheTransceiverConfig`` (None: the defaults); ``error`` names the file
+    and the key."""
+    from disagg.transfer.base import CacheTransceiverConfig  # numpy: only when a YAML has it
+
+    if value is not None and not isinstance(value, Mapping):
+        raise error(f"{where}: {name}: expected a mapping {{backend: UCX | TCP, ucx_profile: "
+                    f"...}}")
+    try:
+        return CacheTransceiverConfig.from_dict(value)
+    except (TypeError, ValueError) as e:
+        raise error(f"{where}: {name}: {e}") from None
+
 
 SERVER_DEFAULTS: dict[str, Any] = {
     "host": "127.0.0.1", "port": 8000, "role": "aggregated", "drain_timeout": 30.0,
