@@ -26,10 +26,10 @@ lookup on the request path: an entry ``10.0.0.0/24`` allows ``10.0.0.7:9000`` bu
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import ipaddress
-import os
 import secrets
 import threading
 import time
@@ -37,7 +37,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-CLUSTER_TOKEN_ENV = "DISAGG_CLUSTER_TOKEN"
+from disagg.env import CLUSTER_TOKEN
+
+CLUSTER_TOKEN_ENV = CLUSTER_TOKEN.name
 AUTH_HEADER = "X-Disagg-Auth"
 HTTP_SCHEME = "v1"
 DEFAULT_WINDOW_S = 120.0
@@ -49,9 +51,14 @@ class AuthError(Exception):
     it never contains secrets)."""
 
 
+def _token_from_env(env: str) -> str | None:
+    # disagg/env.py declares the variable (empty counts as unset); ``env`` may rename it.
+    return dataclasses.replace(CLUSTER_TOKEN, name=env).get()
+
+
 def resolve_cluster_token(value: str | None = None, env: str = CLUSTER_TOKEN_ENV) -> str:
     """The shared cluster secret: the configured value, else ``$DISAGG_CLUSTER_TOKEN``."""
-    token = value if value else os.environ.get(env, "")
+    token = value or _token_from_env(env)
     if not token:
         raise ValueError(f"no cluster token: set it in the config or in ${env}")
     return token
@@ -59,7 +66,7 @@ def resolve_cluster_token(value: str | None = None, env: str = CLUSTER_TOKEN_ENV
 
 def cluster_token_or_none(value: str | None = None, env: str = CLUSTER_TOKEN_ENV) -> str | None:
     """Like ``resolve_cluster_token`` but None when none is configured."""
-    return value or os.environ.get(env) or None
+    return value or _token_from_env(env)
 
 
 def new_nonce() -> str:

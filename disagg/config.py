@@ -38,7 +38,8 @@ def _require(cond: bool, name: str, msg: str) -> None:
 
 
 class CapacityPolicy(str, enum.Enum):
-    """How the scheduler admits requests when KV blocks are scarce (REFERENCE section 2)."""
+    """How the scheduler admits requests when KV blocks are scarce (TensorRT-LLM's two
+    policies and names; guaranteed_no_evict is the default)."""
 
     # Admit only if blocks for the request's whole lifetime (prompt + max_tokens) can be
     # reserved; never pause a running request.
@@ -212,7 +213,7 @@ class ParallelConfig:
     """Ranks of one worker: ``tensor_parallel_size * pipeline_parallel_size`` processes.
 
     ``pp_partition`` (layers per stage, e.g. ``(3, 1)``) overrides the even layer split; the
-    layout of every rank is ``disagg.parallel.layout.ParallelLayout.all_ranks``.
+    layout of every rank is ``disagg.layout.ParallelLayout.all_ranks``.
     """
 
     tensor_parallel_size: int = 1
@@ -242,7 +243,7 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
-# How a model splits over tp * pp ranks: the rules. ``disagg.parallel.layout`` builds each rank's
+# How a model splits over tp * pp ranks: the rules. ``disagg.layout`` builds each rank's
 # layout from them; ``EngineConfig`` checks them up front (``check_parallel_split``).
 
 

@@ -55,11 +55,10 @@ import torch
 
 from disagg.cluster_auth import PeerAllowlist
 from disagg.config import EngineConfig
-from disagg.parallel.layout import ParallelLayout
+from disagg.layout import ParallelLayout, RankLayout, TransferPiece, WorkerLayout, plan_pulls
 from disagg.transfer.backends import make_backend
 from disagg.transfer.base import ReadRequest, TransferError
 from disagg.transfer.kvcopy import scatter_tokens
-from disagg.transfer.layout import RankLayout, TransferPiece, WorkerLayout, plan_pulls
 from disagg.transfer.lease import Lease, LeaseTable
 from disagg.transfer.params import ContextParams
 from disagg.transfer.stats import TransferStats, TransferStatsSnapshot, merge_snapshots

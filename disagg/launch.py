@@ -46,6 +46,7 @@ from types import FrameType
 from typing import IO, Any, TypeVar
 
 from disagg.cluster_auth import sign_http
+from disagg.env import CUDA_VISIBLE_DEVICES
 
 _T = TypeVar("_T")
 TINY_MODEL = "tiny"  # the placeholder model name that means the built-in tiny model
@@ -213,9 +214,9 @@ def resolve_models(raw: dict[str, Any], source: str, model_override: str | None
 def visible_gpus() -> list[str]:
     """CUDA devices the workers may use: ``$CUDA_VISIBLE_DEVICES`` when set, else the GPUs
     ``nvidia-smi -L`` lists (none without a driver). No torch import: it costs seconds."""
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None:
-        return [x.strip() for x in env.split(",") if x.strip()]
+    listed_env = CUDA_VISIBLE_DEVICES.get()
+    if listed_env is not None:
+        return listed_env
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.SubprocessError):
@@ -265,15 +266,45 @@ def build_plan(config_path: str | None, log_dir: Path, *, model_override: str | 
     Writes ``cluster.yaml`` (models resolved) and one ``<name>.yaml`` per worker into
     ``log_dir``. Raises LaunchError (or the router's RouterConfigError) naming the problem.
     """
+    source = config_path or "built-in demo"
+    cfg, cluster_yaml = _resolved_cluster(config_path, raw, source, model_override, log_dir)
+    if cfg.disagg_cluster is not None and not any(
+            g is not None and g.urls for g in (cfg.context_servers, cfg.generation_servers)):
+        raise LaunchError(f"{source}: disagg_cluster: workers that register themselves are "
+                          f"not started by disagg launch; give fixed urls instead")
+    addresses = _LocalAddresses(source)
+    model_name, pending = _plan_workers(cfg, log_dir, addresses)
+    if not pending:
+        raise LaunchError(f"{source}: no worker urls: give context_servers and/or "
+                          f"generation_servers with urls")
+    # Several workers on one GPU node: each gets its own GPUs, as a person would set
+    # CUDA_VISIBLE_DEVICES by hand (the ranks of one worker use cuda:0..world-1 of its set).
+    pinned, note = assign_gpus([p.gpu_need for p in pending], visible_gpus())
+    workers = [ChildSpec(p.name, p.role, p.url, p.cmd, log_dir / f"{p.name}.log",
+                         {"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else {})
+               for p, gpus in zip(pending, pinned, strict=True)]
+    router_addr = f"{cfg.hostname}:{cfg.port}"
+    addresses.check(router_addr, "hostname/port (the router)", allow_port0=True)
+    router = ChildSpec("router", "router", router_addr,
+                       _python_cli("router", "-c", str(cluster_yaml)),
+                       log_dir / "router.log")
+    return Plan(source, cluster_yaml, tuple(workers), router, model_name, cfg.api_key,
+                log_dir, (note,) if note else ())
+
+
+def _resolved_cluster(config_path: str | None, raw: dict[str, Any] | None, source: str,
+                      model_override: str | None, log_dir: Path) -> tuple[Any, Path]:
+    """The cluster config with every model resolved, and the ``cluster.yaml`` copy written
+    into ``log_dir`` for the router. The user's file is validated first, so that errors name
+    it rather than the copy."""
     import yaml
 
     from disagg.router.config import RouterConfigError, load_cluster_config
 
-    source = config_path or "built-in demo"
     if raw is None:
         assert config_path is not None
         try:
-            load_cluster_config(config_path)  # errors name the user's file, not our copy
+            load_cluster_config(config_path)
         except RouterConfigError as e:
             raise LaunchError(str(e)) from None
         raw = _read_yaml(config_path)
@@ -283,18 +314,20 @@ def build_plan(config_path: str | None, log_dir: Path, *, model_override: str | 
     cluster_yaml.write_text(f"# resolved by disagg launch from {source}\n"
                             + yaml.safe_dump(resolved, sort_keys=False))
     try:
-        cfg = load_cluster_config(str(cluster_yaml))
+        return load_cluster_config(str(cluster_yaml)), cluster_yaml
     except RouterConfigError as e:
         raise LaunchError(f"{source}: {e}") from None
 
-    if cfg.disagg_cluster is not None and not any(
-            g is not None and g.urls for g in (cfg.context_servers, cfg.generation_servers)):
-        raise LaunchError(f"{source}: disagg_cluster: workers that register themselves are "
-                          f"not started by disagg launch; give fixed urls instead")
 
-    seen: dict[int, str] = {}
+class _LocalAddresses:
+    """The addresses of one launch: each must be this machine's, and no port used twice."""
 
-    def check_address(url: str, where: str, allow_port0: bool = False) -> tuple[str, int]:
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.seen: dict[int, str] = {}  # port -> who uses it
+
+    def check(self, url: str, where: str, allow_port0: bool = False) -> tuple[str, int]:
+        source = self.source
         host, port = split_url(url)
         if not is_local_host(host):
             raise LaunchError(f"{source}: {where}: {url!r}: host {host!r} is not this machine; "
@@ -304,18 +337,34 @@ def build_plan(config_path: str | None, log_dir: Path, *, model_override: str | 
         if port == 0 and not allow_port0:
             raise LaunchError(f"{source}: {where}: {url!r}: port 0 is not allowed here: the "
                               f"router needs each worker's address; pick a port")
-        if port and port in seen:
+        if port and port in self.seen:
             raise LaunchError(f"{source}: {where}: {url!r}: port {port} is also used by "
-                              f"{seen[port]}")
+                              f"{self.seen[port]}")
         if port:
-            seen[port] = f"{where} {url!r}"
+            self.seen[port] = f"{where} {url!r}"
         return host, port
+
+
+@dataclass(frozen=True)
+class _PlannedWorker:
+    name: str  # ctx0, gen1, ...
+    role: str
+    url: str
+    cmd: tuple[str, ...]
+    gpu_need: int | None  # GPUs it uses (tp * pp), None: it chose its device itself
+
+
+def _plan_workers(cfg: Any, log_dir: Path, addresses: _LocalAddresses
+                  ) -> tuple[str, list[_PlannedWorker]]:
+    """The model name clients send, and one ``disagg serve`` per url of each section (its
+    worker YAML written into ``log_dir``)."""
+    import yaml
 
     model_name = TINY_MODEL
     groups = [("context_servers", cfg.context_servers, "ctx", "context"),
               ("generation_servers", cfg.generation_servers, "gen",
                "aggregated" if cfg.context_servers is None else "generation")]
-    pending: list[tuple[str, str, str, tuple[str, ...], int | None]] = []
+    pending: list[_PlannedWorker] = []
     for section, group, prefix, role in groups:
         if group is None:
             continue
@@ -326,29 +375,14 @@ def build_plan(config_path: str | None, log_dir: Path, *, model_override: str | 
             opts.get("pipeline_parallel_size") or 1)
         gpu_need = world if device in (None, "cuda") else None  # an explicit device: kept
         for i, url in enumerate(group.urls):
-            host, port = check_address(url, f"{section}.urls[{i}]")
+            host, port = addresses.check(url, f"{section}.urls[{i}]")
             name = f"{prefix}{i}"
             worker_yaml = log_dir / f"{name}.yaml"
             worker_yaml.write_text(yaml.safe_dump(opts, sort_keys=False))
             cmd = _python_cli("serve", "--config", str(worker_yaml), "--role", role,
                               "--host", host, "--port", str(port))
-            pending.append((name, role, url, cmd, gpu_need))
-    if not pending:
-        raise LaunchError(f"{source}: no worker urls: give context_servers and/or "
-                          f"generation_servers with urls")
-    # Several workers on one GPU node: each gets its own GPUs, as a person would set
-    # CUDA_VISIBLE_DEVICES by hand (the ranks of one worker use cuda:0..world-1 of its set).
-    pinned, note = assign_gpus([p[4] for p in pending], visible_gpus())
-    workers = [ChildSpec(name, role, url, cmd, log_dir / f"{name}.log",
-                         {"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else {})
-               for (name, role, url, cmd, _), gpus in zip(pending, pinned, strict=True)]
-    router_addr = f"{cfg.hostname}:{cfg.port}"
-    check_address(router_addr, "hostname/port (the router)", allow_port0=True)
-    router = ChildSpec("router", "router", router_addr,
-                       _python_cli("router", "-c", str(cluster_yaml)),
-                       log_dir / "router.log")
-    return Plan(source, cluster_yaml, tuple(workers), router, model_name, cfg.api_key,
-                log_dir, (note,) if note else ())
+            pending.append(_PlannedWorker(name, role, url, cmd, gpu_need))
+    return model_name, pending
 
 
 # -- running: children, health, signals --------------------------------------------------------

@@ -16,10 +16,10 @@ import torch
 
 from disagg.config import EngineConfig
 from disagg.cuda_graph import DecodeFn, DecodeGraphs, graph_batch_sizes, triton_paged_decode
+from disagg.layout import ParallelLayout
 from disagg.model.attention import AttentionMetadata
 from disagg.model.kernels import paged_decode_kernel, small_linear_kernel
 from disagg.model.loader import allocate_kv_cache, kv_cache_bytes_per_block, load_model
-from disagg.parallel.layout import ParallelLayout
 from disagg.scheduler import ScheduledRequest, SchedulerOutput
 
 # With no sizing option set: a CUDA worker may use this share of the GPU's total memory

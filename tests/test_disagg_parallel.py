@@ -36,7 +36,7 @@ from test_disagg_e2e import (
     ref_text,
 )
 
-from disagg.transfer.layout import WorkerLayout, plan_pulls
+from disagg.layout import WorkerLayout, plan_pulls
 from disagg.transfer.params import ContextParams
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]

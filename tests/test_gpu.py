@@ -20,8 +20,8 @@ from test_transfer_service import same_bytes as _bytes_equal
 
 from disagg import LLM, SamplingParams
 from disagg.disaggregation import _alloc_out, _install, _Read
+from disagg.layout import TransferPiece
 from disagg.transfer import KVTransferClient, KVTransferServer, LeaseTable, ReadRequest
-from disagg.transfer.layout import TransferPiece
 from disagg.transfer.payload import payload_shape
 from disagg.transfer.ucx import ucx_available
 

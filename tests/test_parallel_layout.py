@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from disagg.config import ConfigError, ModelConfig, ParallelConfig, build_engine_config
+from disagg.layout import ParallelLayout, layer_ranges, tp_kv_head_range
 from disagg.model.attention import AttentionMetadata
 from disagg.model.loader import allocate_kv_cache, load_model
-from disagg.parallel.layout import ParallelLayout, layer_ranges, tp_kv_head_range
 
 MODEL = ModelConfig(architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=128,
                     num_hidden_layers=5, num_attention_heads=8, num_key_value_heads=2,

@@ -39,7 +39,8 @@ def _write(tmp_path: Path, data: dict) -> Path:
     return path
 
 
-REFERENCE_SHAPE = """
+# The shape of a trtllm-serve disaggregated YAML (plus our `model` and a policy option).
+TRTLLM_SHAPE = """
 hostname: localhost
 port: 8000
 max_retries: 1
@@ -59,9 +60,9 @@ conditional_disagg_config: {max_local_prefill_length: 256}
 """
 
 
-def test_reference_shape(tmp_path: Path) -> None:
+def test_trtllm_serve_shape(tmp_path: Path) -> None:
     path = tmp_path / "disagg.yaml"
-    path.write_text(REFERENCE_SHAPE)
+    path.write_text(TRTLLM_SHAPE)
     cfg = load_cluster_config(path)
     assert isinstance(cfg, ClusterConfig) and not cfg.aggregated
     assert (cfg.hostname, cfg.port, cfg.max_retries, cfg.source) == (
@@ -176,9 +177,28 @@ INVALID = [
     ("transceiver", {"generation_servers": {**GEN, "cache_transceiver_config": {
         "backend": "NIXL"}}},
      "generation_servers.cache_transceiver_config: cache_transceiver_config.backend must be"),
+    ("transceiver not a mapping", {"generation_servers": {**GEN,
+                                                          "cache_transceiver_config": "TCP"}},
+     "generation_servers.cache_transceiver_config: expected a mapping"),
     ("max_retries", {"generation_servers": GEN, "max_retries": -1},
      "max_retries: must be >= 0, got -1"),
     ("port", {"generation_servers": GEN, "port": "80"}, "port: expected int, got '80'"),
+    ("port range", {"generation_servers": GEN, "port": 70000},
+     "port: 70000 is not a port number"),
+    ("health interval", {"generation_servers": GEN, "health_check_interval_sec": 0},
+     "health_check_interval_sec: must be > 0, got 0.0"),
+    ("negative weight", {"generation_servers": {**GEN, "router": {
+        "type": "kv_cache_aware", "load_weight": -1}}},
+     "generation_servers.router.load_weight: must be >= 0, got -1.0"),
+    ("poll interval", {"generation_servers": {**GEN, "router": {
+        "kv_events_poll_interval_sec": 0}}},
+     "generation_servers.router.kv_events_poll_interval_sec: must be > 0, got 0.0"),
+    ("negative instances", {"generation_servers": {**GEN, "num_instances": -1}},
+     "generation_servers.num_instances: must be >= 0, got -1"),
+    ("conditional missing", {"generation_servers": GEN, "conditional_disagg_config": {}},
+     "conditional_disagg_config.max_local_prefill_length: missing"),
+    ("minimal negative", {"disagg_cluster": {"minimal_instances": {"context_servers": -2}}},
+     "disagg_cluster.minimal_instances.context_servers: must be >= 0, got -2"),
     ("conditional", {"generation_servers": GEN, "conditional_disagg_config": {
         "max_local_prefill_len": 3}},
      "conditional_disagg_config.max_local_prefill_len: unknown key"),

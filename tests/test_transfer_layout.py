@@ -8,14 +8,14 @@ import random
 import pytest
 import torch
 
-from disagg.transfer.base import ReadRequest
-from disagg.transfer.kvcopy import gather_tokens, scatter_tokens
-from disagg.transfer.layout import (
+from disagg.layout import (
     RankLayout,
     WorkerLayout,
     plan_pulls,
     readers_per_context_rank,
 )
+from disagg.transfer.base import ReadRequest
+from disagg.transfer.kvcopy import gather_tokens, scatter_tokens
 from disagg.transfer.payload import gather_into, payload_shape
 
 L, H, D = 4, 2, 8  # layers, kv heads, head dim

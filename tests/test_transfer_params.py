@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from disagg.transfer.layout import RankLayout, WorkerLayout
+from disagg.layout import RankLayout, WorkerLayout
 from disagg.transfer.params import ContextParams, DisaggParamsError
 
 

@@ -35,6 +35,7 @@ from disagg.bench.datasets import (
 )
 from disagg.bench.metrics import format_summary, parse_goodput, parse_percentiles
 from disagg.bench.runner import BenchmarkConfig, BenchmarkError, resolve_model, run_benchmark
+from disagg.env import OPENAI_API_KEY
 
 # ----------------------------------------------------------------------- argument types
 # argparse reports a type error as "argument --flag: <message>", naming the flag.
@@ -137,7 +138,7 @@ def add_cli(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
                    help="/v1/completions or /v1/chat/completions")
     g.add_argument("--model", default="", help="model name (default: the first of /v1/models)")
-    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+    g.add_argument("--api-key", default=OPENAI_API_KEY.get(),
                    help="bearer token (default: $OPENAI_API_KEY)")
     g.add_argument("--extra-body", type=_json_object, default={},
                    help="JSON object merged into every request body")
@@ -381,7 +382,7 @@ def add_rate_match_cli(sub: argparse._SubParsersAction) -> None:
                    help="served model name (default: the first of the context worker's models)")
     g.add_argument("--tokenizer",
                    help="tokenizer folder or tokenizer.json (default: --model if a folder)")
-    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+    g.add_argument("--api-key", default=OPENAI_API_KEY.get(),
                    help="bearer token (default: $OPENAI_API_KEY)")
     g.add_argument("--http-client", choices=("auto", "aiohttp", "httpx"), default="auto")
     g.add_argument("--request-timeout", type=_positive_float, default=3600.0,

@@ -24,13 +24,13 @@ place; CPU keeps the PyTorch / compiled-kernel path below.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 
+from disagg.env import CUDA_ATTENTION
 from disagg.model.kernels import DecodeKernel
 
 
@@ -152,7 +152,7 @@ def _attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def triton_available() -> bool:
     """Triton kernels usable for CUDA attention: triton imports and ``DISAGG_CUDA_ATTENTION``
     is not ``torch`` (which keeps the PyTorch path on CUDA, e.g. to compare)."""
-    if os.environ.get("DISAGG_CUDA_ATTENTION", "triton").strip().lower() == "torch":
+    if CUDA_ATTENTION.get() == "torch":
         return False
     from disagg.model.triton_attention import HAS_TRITON
     return HAS_TRITON

@@ -27,12 +27,13 @@ import contextlib
 import functools
 import hashlib
 import logging
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from disagg.env import CPU_KERNELS, kernel_cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,6 @@ DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
 # (x [M, K], w [N, K], bias [N] | None) -> x @ w.T (+ bias), float32, [M, N]
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
-KERNEL_NAMES = ("attention", "linear")
 # Up to this many rows the small-M kernel beats torch's GEMM (one Zen 3 core: 1.1-2.4x for
 # 1..32 rows with K = 512..4096; at 48 rows from +4% to -4% by shape, even at 64; see
 # docs/DESIGN.md section 5); more rows (prefill) go to F.linear.
@@ -53,13 +53,8 @@ SMALL_LINEAR_MAX_ROWS = 32
 
 def kernels_enabled(name: str | None = None) -> bool:
     """Whether ``DISAGG_CPU_KERNELS`` allows kernel ``name`` (None: any kernel at all)."""
-    value = os.environ.get("DISAGG_CPU_KERNELS", "1").strip().lower()
-    if value in ("0", "false", "no", "off", ""):
-        return False
-    if value in ("1", "true", "yes", "on", "all"):
-        return True
-    names = {v.strip() for v in value.split(",")}
-    return bool(names & set(KERNEL_NAMES)) if name is None else name in names
+    names = CPU_KERNELS.get()
+    return bool(names) if name is None else name in names
 
 
 def _cpu_signature() -> str:
@@ -74,7 +69,7 @@ def _cpu_signature() -> str:
 def _build_dir(source: Path) -> Path:
     key = hashlib.sha256(b"\0".join([
         source.read_bytes(), torch.__version__.encode(), _cpu_signature().encode()])).hexdigest()
-    root = Path(os.environ.get("DISAGG_CACHE_DIR", Path.home() / ".cache" / "disagg"))
+    root = Path(kernel_cache_root())
     path = root / "kernels" / f"{source.stem}-{key[:16]}"
     path.mkdir(parents=True, exist_ok=True)
     return path

@@ -29,9 +29,9 @@ from torch import nn
 
 from disagg.config import ConfigError, ModelConfig
 from disagg.cuda_graph import StaticDecodeMeta
+from disagg.layout import kv_head_replicas, tp_kv_head_range
 from disagg.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
 from disagg.model.kernels import LinearKernel, small_linear_applies
-from disagg.parallel.layout import kv_head_replicas, tp_kv_head_range
 
 
 class RMSNorm(nn.Module):
@@ -237,7 +237,7 @@ class LlamaForCausalLM(nn.Module):
         # The TP issue sets this (e.g. to a torch.distributed all-reduce).
         self.tp_all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.num_local_layers = end - start
-        # Global kv heads [lo, hi) of this rank (see parallel/layout.py for the drawing).
+        # Global kv heads [lo, hi) of this rank (see disagg/layout.py for the drawing).
         self.kv_head_range = tp_kv_head_range(config.num_key_value_heads, tp_size, tp_rank)
         self.num_local_kv_heads = self.kv_head_range[1] - self.kv_head_range[0]
         self.rotary = RotaryEmbedding(config)

@@ -19,6 +19,8 @@ import shutil
 import tempfile
 from typing import Any
 
+from disagg.env import cache_root
+
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -393,10 +395,7 @@ _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokeni
 
 def default_tiny_model_dir() -> str:
     """Where the demo model lives: ``$DISAGG_CACHE/tiny-llama-vN`` (default ``~/.cache/disagg``)."""
-    root = os.environ.get("DISAGG_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-        "disagg")
-    return os.path.join(root, f"tiny-llama-v{TINY_FORMAT_VERSION}")
+    return os.path.join(cache_root(), f"tiny-llama-v{TINY_FORMAT_VERSION}")
 
 
 def _is_complete(path: str) -> bool:

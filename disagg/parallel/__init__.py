@@ -1,10 +1,9 @@
 """Tensor- and pipeline-parallel workers: one engine driving ``tp * pp`` rank processes.
 
-- ``layout``: ``ParallelLayout``, which layers and kv heads each rank holds (torch-free).
 - ``worker``: what every rank runs each step (``StageWorker``), the data-plane
   communicator (``RankComm``) and the spawned ranks' main (``rank_main``).
 - ``executor``: ``DistributedExecutor``, rank 0's side: spawns and watches the other ranks,
   sends them each step's schedule and returns the logits (the ``ModelRunner`` interface).
 
-Kept import-light: ``disagg.model`` imports ``layout`` from here.
+Which layers and kv heads each rank holds: ``disagg.layout.ParallelLayout`` (torch-free).
 """

@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from disagg.config import ConfigError, EngineConfig
-from disagg.parallel.layout import ParallelLayout
+from disagg.env import STARTUP_TIMEOUT_S
+from disagg.layout import ParallelLayout
 from disagg.parallel.worker import (
     CommStats,
     RankComm,
@@ -53,7 +54,7 @@ logger = logging.getLogger("disagg.parallel")
 
 def startup_timeout_s() -> float:
     """Seconds the other ranks get to load their shards and join (a crash is seen at once)."""
-    return float(os.environ.get("DISAGG_STARTUP_TIMEOUT_S", "600"))
+    return STARTUP_TIMEOUT_S.get()
 
 
 # Seconds ranks get to exit after "stop" before they are killed.

@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 
 from disagg.config import EngineConfig
-from disagg.parallel.layout import ParallelLayout
+from disagg.env import DIST_TIMEOUT_S
+from disagg.layout import ParallelLayout
 from disagg.runner import ModelRunner
 from disagg.scheduler import SchedulerOutput
 
@@ -55,7 +56,7 @@ def dist_timeout_s() -> float:
     Large enough for a long prefill of the previous pipeline stage; a dead peer is noticed
     sooner (its sockets close, and rank 0 kills the other ranks when one dies).
     """
-    return float(os.environ.get("DISAGG_DIST_TIMEOUT_S", "300"))
+    return DIST_TIMEOUT_S.get()
 
 
 # Control messages for a rank's KV transfer part (disaggregation.RankTransfer.handle).

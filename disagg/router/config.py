@@ -1,4 +1,6 @@
-"""The disagg cluster YAML (REFERENCE section 3), validated on load (torch-free).
+"""The disagg cluster YAML, validated on load (torch-free). Its shape follows trtllm-serve's
+disaggregated YAML, so a file written for one serves the other (``disagg_cluster`` is the newer
+form for workers that register themselves and heartbeat instead of being listed in ``urls``).
 
 Shape::
 
@@ -41,35 +43,77 @@ from types import MappingProxyType
 from typing import Any
 
 from disagg.config import ConfigError, read_yaml
-from disagg.server.options import ENGINE_OPTIONS, SERVER_OPTIONS, coerce
+from disagg.server.options import (
+    TRANSCEIVER_KEY,
+    Opt,
+    check_transceiver,
+    coerce,
+    worker_yaml_keys,
+)
 
 POLICY_TYPES = ("round_robin", "load_balancing", "kv_cache_aware")
 SECTIONS = ("context_servers", "generation_servers")
 ROLE_OF_SECTION = {"context_servers": "context", "generation_servers": "generation"}
 
-# Options each policy takes (besides ``type``), with their types and defaults.
-_COMMON_POLICY_OPTIONS: dict[str, tuple[type, Any]] = {
-    # How often the router polls each worker's GET /kv_events (when it keeps a KV index).
-    "kv_events_poll_interval_sec": (float, 0.1),
-    # Checkpoint folder whose tokenizer the router uses (default: the section's `model`).
-    "tokenizer": (str, None),
+# The cluster's own keys, in the option schema of server/options.py (the worker keys of the
+# sections are its ENGINE_OPTIONS and SERVER_OPTIONS). The sections and the two nested
+# mappings are checked by hand below: their shape is not one value.
+CLUSTER_OPTIONS: dict[str, Opt] = {
+    "hostname": Opt(str, "where the router listens", default="localhost"),
+    "port": Opt(int, "the router's port; 0 picks a free one", default=8000),
+    "max_retries": Opt(int, "per side: another context / generation server after a failure",
+                       default=1, ge=0),
+    "api_key": Opt(str, "clients of the router send 'Authorization: Bearer KEY'"),
+    "public_metrics": Opt(bool, "the router's /metrics is open even with api_key",
+                          default=False),
+    "health_check_interval_sec": Opt(float, "the router's /health polling of every worker",
+                                     default=2.0, gt=0),
+    "upstream_timeout_sec": Opt(float, "longest wait for the next byte from a worker",
+                                default=300.0, gt=0),
 }
-POLICY_OPTIONS: dict[str, dict[str, tuple[type, Any]]] = {
+SECTION_OPTIONS: dict[str, Opt] = {
+    "num_instances": Opt(int, "workers in the section; must equal len(urls)", ge=0),
+}
+CONDITIONAL_OPTIONS: dict[str, Opt] = {
+    "max_local_prefill_length": Opt(
+        int, "prefill on the generation worker (no context server) when it holds the "
+        "prompt's prefix and at most this many prompt tokens are not cached there", ge=0),
+}
+DISAGG_CLUSTER_OPTIONS: dict[str, Opt] = {
+    "cluster_uri": Opt(str, "the router's http:// address workers register with"),
+    "heartbeat_interval_sec": Opt(float, "seconds between a worker's heartbeats", default=5.0,
+                                  gt=0),
+    "inactive_timeout_sec": Opt(float, "seconds without a heartbeat before a worker is "
+                                       "dropped", default=10.0, gt=0),
+}
+# disagg_cluster.minimal_instances: {context_servers: N, generation_servers: N}
+MINIMAL_INSTANCES = Opt(int, "workers of the section the router waits for", default=0, ge=0)
+
+# Options each policy takes (besides ``type``).
+_COMMON_POLICY_OPTIONS: dict[str, Opt] = {
+    "kv_events_poll_interval_sec": Opt(
+        float, "how often the router polls each worker's GET /kv_events (when it keeps a KV "
+        "index)", default=0.1, gt=0),
+    "tokenizer": Opt(str, "checkpoint folder whose tokenizer the router uses (default: the "
+                          "section's model)"),
+}
+_USE_TOKENS = Opt(bool, "count load in active prompt tokens instead of requests",
+                  default=False)
+POLICY_OPTIONS: dict[str, dict[str, Opt]] = {
     "round_robin": dict(_COMMON_POLICY_OPTIONS),
-    "load_balancing": {"use_tokens": (bool, False), **_COMMON_POLICY_OPTIONS},
+    "load_balancing": {"use_tokens": _USE_TOKENS, **_COMMON_POLICY_OPTIONS},
     "kv_cache_aware": {
-        "use_tokens": (bool, False),
-        "match_weight": (float, 1.0),  # score per matched block
-        "load_weight": (float, 0.25),  # score per active request (or per block of active tokens)
+        "use_tokens": _USE_TOKENS,
+        "match_weight": Opt(float, "score per matched block", default=1.0, ge=0),
+        "load_weight": Opt(float, "score per active request (or per block of active tokens)",
+                           default=0.25, ge=0),
         **_COMMON_POLICY_OPTIONS,
     },
 }
 
 # Keys of the cluster file that are not worker options.
-_TOP_KEYS = ("hostname", "port", "max_retries", "api_key", "public_metrics",
-             "health_check_interval_sec", "upstream_timeout_sec", *SECTIONS,
-             "conditional_disagg_config", "disagg_cluster")
-_SECTION_KEYS = ("num_instances", "urls", "router")
+_TOP_KEYS = (*CLUSTER_OPTIONS, *SECTIONS, "conditional_disagg_config", "disagg_cluster")
+_SECTION_KEYS = (*SECTION_OPTIONS, "urls", "router")
 # Worker options the cluster sets itself: a worker's address comes from urls, its role from
 # the section it is in.
 _CLUSTER_SET = {"host": "urls", "port": "urls", "role": "the section"}
@@ -89,7 +133,8 @@ class PolicyConfig:
     def option(self, name: str) -> Any:
         if name in self.options:
             return self.options[name]
-        return POLICY_OPTIONS.get(self.type, {}).get(name, (None, None))[1]
+        opt = POLICY_OPTIONS.get(self.type, {}).get(name)
+        return None if opt is None else opt.default
 
 
 @dataclass(frozen=True)
@@ -158,7 +203,7 @@ def parse_cluster_config(data: Mapping[str, Any] | Any, source: str = "<config>"
     err = _Errors(source)
     if not isinstance(data, Mapping):
         raise err("", f"expected a mapping of cluster keys, got {type(data).__name__}")
-    worker_keys = _worker_keys()
+    worker_keys = worker_yaml_keys()
     inherited: dict[str, Any] = {}
     for key, value in data.items():
         if not isinstance(key, str):
@@ -167,17 +212,9 @@ def parse_cluster_config(data: Mapping[str, Any] | Any, source: str = "<config>"
             continue
         inherited[key] = _worker_value(err, key, key, value, worker_keys, top=True)
 
-    hostname = _get(err, data, "hostname", str, "localhost")
-    port = _get(err, data, "port", int, 8000)
-    if not 0 <= port <= 65535:
-        raise err("port", f"{port} is not a port number (0..65535; 0 picks a free one)")
-    max_retries = _get(err, data, "max_retries", int, 1)
-    if max_retries < 0:
-        raise err("max_retries", f"must be >= 0, got {max_retries}")
-    api_key = _get(err, data, "api_key", str, None)
-    public_metrics = _get(err, data, "public_metrics", bool, False)
-    health_s = _positive(err, data, "health_check_interval_sec", 2.0)
-    upstream_s = _positive(err, data, "upstream_timeout_sec", 300.0)
+    top = {key: _get(err, data, key, opt) for key, opt in CLUSTER_OPTIONS.items()}
+    if not 0 <= top["port"] <= 65535:
+        raise err("port", f"{top['port']} is not a port number (0..65535; 0 picks a free one)")
 
     cluster = None
     if data.get("disagg_cluster") is not None:
@@ -202,27 +239,28 @@ def parse_cluster_config(data: Mapping[str, Any] | Any, source: str = "<config>"
             seen[url] = section
 
     conditional = None
-    raw_cond = data.get("conditional_disagg_config")
-    if raw_cond is not None:
-        if not isinstance(raw_cond, Mapping):
-            raise err("conditional_disagg_config", "expected a mapping")
-        _no_unknown(err, "conditional_disagg_config", raw_cond, ("max_local_prefill_length",))
-        if "max_local_prefill_length" not in raw_cond:
-            raise err("conditional_disagg_config.max_local_prefill_length", "missing")
-        n = _typed(err, "conditional_disagg_config.max_local_prefill_length",
-                   raw_cond["max_local_prefill_length"], int)
-        if n < 0:
-            raise err("conditional_disagg_config.max_local_prefill_length",
-                      f"must be >= 0, got {n}")
-        conditional = ConditionalDisaggConfig(n)
+    if data.get("conditional_disagg_config") is not None:
+        conditional = _parse_conditional(err, data["conditional_disagg_config"])
 
     return ClusterConfig(
-        hostname=hostname, port=port, max_retries=max_retries,
+        hostname=top["hostname"], port=top["port"], max_retries=top["max_retries"],
         context_servers=groups["context_servers"],
         generation_servers=groups["generation_servers"],
-        conditional_disagg=conditional, disagg_cluster=cluster, api_key=api_key,
-        source=source, health_check_interval_sec=health_s, upstream_timeout_sec=upstream_s,
-        public_metrics=public_metrics)
+        conditional_disagg=conditional, disagg_cluster=cluster, api_key=top["api_key"],
+        source=source, health_check_interval_sec=top["health_check_interval_sec"],
+        upstream_timeout_sec=top["upstream_timeout_sec"], public_metrics=top["public_metrics"])
+
+
+def _parse_conditional(err: _Errors, raw: Any) -> ConditionalDisaggConfig:
+    key = "conditional_disagg_config"
+    if not isinstance(raw, Mapping):
+        raise err(key, "expected a mapping")
+    _no_unknown(err, key, raw, tuple(CONDITIONAL_OPTIONS))
+    if raw.get("max_local_prefill_length") is None:
+        raise err(f"{key}.max_local_prefill_length", "missing")
+    return ConditionalDisaggConfig(_get(err, raw, "max_local_prefill_length",
+                                        CONDITIONAL_OPTIONS["max_local_prefill_length"],
+                                        f"{key}."))
 
 
 class _Errors:
@@ -234,32 +272,11 @@ class _Errors:
                                  else f"{self.source}: {message}")
 
 
-def _typed(err: _Errors, key: str, value: Any, kind: type) -> Any:
-    ok = {
-        bool: lambda v: isinstance(v, bool),
-        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-        float: lambda v: isinstance(v, int | float) and not isinstance(v, bool),
-        str: lambda v: isinstance(v, str),
-    }[kind](value)
-    if not ok:
-        raise err(key, f"expected {kind.__name__}, got {value!r}")
-    return float(value) if kind is float else value
-
-
-def _get(err: _Errors, data: Mapping[str, Any], key: str, kind: type, default: Any,
-         prefix: str = "") -> Any:
-    value = data.get(key)
-    if value is None:
-        return default
-    return _typed(err, prefix + key, value, kind)
-
-
-def _positive(err: _Errors, data: Mapping[str, Any], key: str, default: float,
-              prefix: str = "") -> float:
-    value = _get(err, data, key, float, default, prefix)
-    if value <= 0:
-        raise err(prefix + key, f"must be > 0, got {value}")
-    return float(value)
+def _get(err: _Errors, data: Mapping[str, Any], key: str, opt: Opt, prefix: str = "") -> Any:
+    """``data[key]`` checked against ``opt`` (``prefix + key`` names it); its default when
+    absent or null."""
+    value = coerce(prefix + key, opt, data.get(key), err.source, RouterConfigError)
+    return opt.default if value is None else value
 
 
 def _no_unknown(err: _Errors, where: str, data: Mapping[str, Any], known: tuple[str, ...]
@@ -267,16 +284,6 @@ def _no_unknown(err: _Errors, where: str, data: Mapping[str, Any], known: tuple[
     for key in data:
         if key not in known:
             raise err(f"{where}.{key}", f"unknown key; known keys: {', '.join(known)}")
-
-
-def _worker_keys() -> dict[str, Any]:
-    """The worker YAML keys of ``disagg serve`` (name -> its ``Opt``, or None for the two
-    keys with their own checks), from the one schema in ``server/options.py``."""
-    keys: dict[str, Any] = {**SERVER_OPTIONS, **ENGINE_OPTIONS}
-    keys.pop("kv_lease_ttl", None)  # the YAML spells it kv_lease_ttl_s
-    keys["kv_lease_ttl_s"] = SERVER_OPTIONS.get("kv_lease_ttl")
-    keys["cache_transceiver_config"] = None
-    return keys
 
 
 def _worker_value(err: _Errors, key: str, name: str, value: Any, worker_keys: dict[str, Any],
@@ -290,20 +297,10 @@ def _worker_value(err: _Errors, key: str, name: str, value: Any, worker_keys: di
                         f"{', '.join(sorted(k for k in worker_keys if k not in _CLUSTER_SET))})")
     if value is None:
         return None
-    if key == "cache_transceiver_config":
-        from disagg.transfer.base import CacheTransceiverConfig
-
-        if not isinstance(value, Mapping):
-            raise err(name, "expected a mapping {backend: UCX | TCP, ucx_profile: ...}")
-        try:
-            CacheTransceiverConfig.from_dict(value)
-        except (TypeError, ValueError) as e:
-            raise err(name, str(e)) from None
+    if key == TRANSCEIVER_KEY:
+        check_transceiver(name, value, err.source, RouterConfigError)
         return dict(value)
-    try:
-        return coerce(name, worker_keys[key], value, err.source)
-    except ConfigError as e:
-        raise RouterConfigError(str(e)) from None
+    return coerce(name, worker_keys[key], value, err.source, RouterConfigError)
 
 
 def _normalize_url(err: _Errors, key: str, url: Any) -> str:
@@ -364,15 +361,9 @@ def _parse_policy(err: _Errors, key: str, raw: Any) -> PolicyConfig:
         if name not in known:
             raise err(f"{key}.{name}", f"unknown option of the {kind} router; known: "
                       f"{', '.join(['type', *known])}")
-        kind_of, _ = known[name]
-        if value is None:
-            continue
-        options[name] = _typed(err, f"{key}.{name}", value, kind_of)
-        if kind_of is float and options[name] < 0:
-            raise err(f"{key}.{name}", f"must be >= 0, got {value}")
-    poll = options.get("kv_events_poll_interval_sec")
-    if poll is not None and poll <= 0:
-        raise err(f"{key}.kv_events_poll_interval_sec", f"must be > 0, got {poll}")
+        if value is not None:
+            options[name] = coerce(f"{key}.{name}", known[name], value, err.source,
+                                   RouterConfigError)
     use_tokens = bool(options.pop("use_tokens", False))
     return PolicyConfig(kind, use_tokens, MappingProxyType(options))
 
@@ -403,12 +394,9 @@ def _parse_group(err: _Errors, section: str, raw: Any, inherited: Mapping[str, A
     for i, u in enumerate(urls):
         if u in urls[:i]:
             raise err(f"{section}.urls[{i}]", f"{u} is listed twice")
-    num = raw.get("num_instances")
+    num = _get(err, raw, "num_instances", SECTION_OPTIONS["num_instances"], f"{section}.")
     if num is None:
         num = len(urls)
-    num = _typed(err, f"{section}.num_instances", num, int)
-    if num < 0:
-        raise err(f"{section}.num_instances", f"must be >= 0, got {num}")
     if urls or not dynamic:
         if num != len(urls):
             raise err(f"{section}.num_instances", f"{num} but {len(urls)} url(s)")
@@ -424,9 +412,8 @@ def _parse_cluster(err: _Errors, raw: Any) -> DisaggClusterConfig:
     key = "disagg_cluster"
     if not isinstance(raw, Mapping):
         raise err(key, "expected a mapping")
-    _no_unknown(err, key, raw, ("cluster_uri", "minimal_instances", "heartbeat_interval_sec",
-                                "inactive_timeout_sec"))
-    uri = _get(err, raw, "cluster_uri", str, None, f"{key}.")
+    _no_unknown(err, key, raw, (*DISAGG_CLUSTER_OPTIONS, "minimal_instances"))
+    uri = _get(err, raw, "cluster_uri", DISAGG_CLUSTER_OPTIONS["cluster_uri"], f"{key}.")
     if uri is not None and not uri.startswith("http://"):
         raise err(f"{key}.cluster_uri", f"{uri!r}: workers register over http:// with the "
                   "router (etcd and other stores are not supported)")
@@ -435,14 +422,12 @@ def _parse_cluster(err: _Errors, raw: Any) -> DisaggClusterConfig:
         raise err(f"{key}.minimal_instances", "expected {context_servers: N, "
                   "generation_servers: N}")
     _no_unknown(err, f"{key}.minimal_instances", minimal_raw, SECTIONS)
-    minimal: dict[str, int] = {}
-    for section in SECTIONS:
-        n = _get(err, minimal_raw, section, int, 0, f"{key}.minimal_instances.")
-        if n < 0:
-            raise err(f"{key}.minimal_instances.{section}", f"must be >= 0, got {n}")
-        minimal[section] = n
-    beat = _positive(err, raw, "heartbeat_interval_sec", 5.0, f"{key}.")
-    inactive = _positive(err, raw, "inactive_timeout_sec", 10.0, f"{key}.")
+    minimal = {section: _get(err, minimal_raw, section, MINIMAL_INSTANCES,
+                             f"{key}.minimal_instances.") for section in SECTIONS}
+    beat = _get(err, raw, "heartbeat_interval_sec",
+                DISAGG_CLUSTER_OPTIONS["heartbeat_interval_sec"], f"{key}.")
+    inactive = _get(err, raw, "inactive_timeout_sec",
+                    DISAGG_CLUSTER_OPTIONS["inactive_timeout_sec"], f"{key}.")
     if inactive <= beat:
         raise err(f"{key}.inactive_timeout_sec", f"{inactive} must exceed "
                   f"heartbeat_interval_sec ({beat}), or every worker would time out")

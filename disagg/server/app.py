@@ -45,13 +45,12 @@ from disagg.cluster_auth import AUTH_HEADER, AuthError, HttpVerifier, PeerAllowl
 from disagg.disaggregation import KV_TRANSFER_ERROR
 from disagg.engine import EngineDeadError, QueueFullError
 from disagg.kv_cache.hashing import BLOCK_HASH_SCHEME
-from disagg.parallel.layout import ParallelLayout
+from disagg.layout import ParallelLayout, check_compatible
 from disagg.request import SamplingParams
 from disagg.server import protocol as P
 from disagg.server.http_guard import MAX_BODY_BYTES, HttpGuard
 from disagg.server.metrics import ServerMetrics
 from disagg.server.options import check_role
-from disagg.transfer.layout import check_compatible
 from disagg.transfer.params import ContextParams
 
 logger = logging.getLogger(__name__)

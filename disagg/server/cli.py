@@ -23,22 +23,23 @@ from typing import Any
 
 from disagg.cluster_auth import cluster_token_or_none
 from disagg.config import ConfigError, read_yaml
+from disagg.roles import Role
 from disagg.server.http_guard import SERVER_KEEP_ALIVE_S, uvicorn_options  # noqa: F401
 from disagg.server.options import (
     DISAGG_ROLES,
     ENGINE_OPTIONS,
-    ROLES,
     SERVER_DEFAULTS,
     SERVER_OPTIONS,
+    TRANSCEIVER_KEY,
+    YAML_RENAMES,
     Opt,
     StrList,
     check_role,
+    check_transceiver,
     coerce,
 )
 
 logger = logging.getLogger("disagg.server")
-
-AVAILABLE_ROLES = ROLES
 
 # Keys of a disagg YAML server section that describe the cluster, not one worker.
 _SECTION_ONLY_KEYS = ("num_instances", "urls", "router")
@@ -51,21 +52,18 @@ def load_worker_yaml(path: str) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of options, got {type(data).__name__}")
+    # A worker file also takes each option under its own name (kv_lease_ttl as well as the
+    # cluster YAML's kv_lease_ttl_s).
     known = {**SERVER_OPTIONS, **ENGINE_OPTIONS}
     out: dict[str, Any] = {}
     data = dict(data)
-    if "cache_transceiver_config" in data:  # trtllm-serve's shape: {backend: UCX | TCP}
-        from disagg.transfer.base import CacheTransceiverConfig
-
-        raw = data.pop("cache_transceiver_config")
-        try:
-            ctc = CacheTransceiverConfig.from_dict(raw if raw is not None else {})
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"{path}: cache_transceiver_config: {e}") from None
+    if TRANSCEIVER_KEY in data:
+        ctc = check_transceiver(TRANSCEIVER_KEY, data.pop(TRANSCEIVER_KEY), path)
         out["kv_transfer_backend"] = ctc.backend
         out["ucx_profile"] = ctc.ucx_profile
-    if "kv_lease_ttl_s" in data:
-        data["kv_lease_ttl"] = data.pop("kv_lease_ttl_s")
+    for yaml_key, name in YAML_RENAMES.items():
+        if yaml_key in data:
+            data[name] = data.pop(yaml_key)
     for key, value in data.items():
         if key not in known:
             hint = (" (a cluster key of the disagg YAML; a worker file holds only worker "
@@ -178,88 +176,51 @@ def run_server(
     """Load the model, serve until SIGTERM/SIGINT, drain, return the exit code."""
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    eo = engine_options or {}
-    world = int(eo.get("tensor_parallel_size") or 1) * int(eo.get("pipeline_parallel_size") or 1)
-    disagg_settings = None
+    engine_options = engine_options or {}
     # Any role: requests signed with it are the cluster's (the disaggregated roles need it).
     cluster_token = cluster_token_or_none(cluster_token)
     try:
-        check_role(role, world)  # before loading anything: fail fast on a role we cannot serve
-        if benchmark_gen_only and role != "generation":
-            raise ValueError(f"benchmark_gen_only: needs role 'generation', not {role!r}")
-        if role in DISAGG_ROLES:
-            from disagg.cluster_auth import PeerAllowlist, resolve_cluster_token
-            from disagg.disaggregation import DisaggSettings
-
-            if kv_lease_ttl is None or kv_lease_ttl <= 0:
-                raise ValueError("kv_lease_ttl: must be > 0")
-            disagg_settings = DisaggSettings(
-                role=role, cluster_token=resolve_cluster_token(cluster_token),
-                backend=(kv_transfer_backend or "UCX").upper(),
-                host=kv_transfer_host or host, lease_ttl_s=float(kv_lease_ttl),
-                ucx_profile=ucx_profile or "same_host",
-                kv_peer_allowlist=PeerAllowlist.parse(kv_peer_allowlist))
-    except ValueError as e:  # bad role, no cluster token, bad ttl
+        # Before loading anything: fail fast on a role or options we cannot serve.
+        disagg_settings = _disagg_settings(
+            role, engine_options, benchmark_gen_only=benchmark_gen_only,
+            cluster_token=cluster_token, kv_transfer_backend=kv_transfer_backend,
+            kv_transfer_host=kv_transfer_host or host, kv_lease_ttl=kv_lease_ttl,
+            ucx_profile=ucx_profile, kv_peer_allowlist=kv_peer_allowlist)
+        config, engine = _start_engine(model_dir, engine_options, disagg_settings)
+    except _StartError as e:
         print(f"disagg serve: error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
 
-    import uvicorn
+    from disagg.server.app import ServerSettings, build_app
 
-    from disagg.config import build_engine_config
-    from disagg.engine import AsyncLLM
-    from disagg.parallel.executor import WorkerStartupError
-    from disagg.server.app import ServerSettings, begin_drain, build_app
-
-    try:
-        config = build_engine_config(model_dir, **(engine_options or {}))
-    except ConfigError as e:
-        print(f"disagg serve: error: {e}", file=sys.stderr)
-        return 2
-    try:
-        engine = AsyncLLM(config, disagg=disagg_settings)
-    except (ValueError, OSError) as e:  # unreadable checkpoint, bad tensor, KV does not fit
-        print(f"disagg serve: error: cannot load {model_dir}: {e}", file=sys.stderr)
-        return 1
-    except RuntimeError as e:  # the KV transfer backend cannot start (e.g. no ucxx)
-        print(f"disagg serve: error: KV transfer: {e}", file=sys.stderr)
-        return 1
-    except WorkerStartupError as e:  # a rank of a parallel worker failed to start
-        print(f"disagg serve: error: {e}", file=sys.stderr)
-        return 1
     settings = ServerSettings(model_dir=model_dir, served_model_name=served_model_name,
                               role=role, api_key=api_key, cluster_token=cluster_token,
                               public_metrics=bool(public_metrics),
                               benchmark_gen_only=bool(benchmark_gen_only))
-    app = build_app(engine, settings)
-
-    def on_exit() -> None:
-        # /health turns 503 and new requests get 503 at once; late requests are aborted
-        # (cleanly, through the engine) when the drain period ends.
-        begin_drain(app, drain_timeout)
-
-    uv_config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, lifespan="on",
-        # h11 with explicit limits and a header timeout; keep-alive SERVER_KEEP_ALIVE_S
-        **uvicorn_options(),
-        # A backstop only: by then our own drain has aborted every request.
-        timeout_graceful_shutdown=int(drain_timeout) + 5,
-    )
-    def fatal() -> str | None:
-        return engine.fatal_error
-
-    server = make_draining_server(uv_config, on_exit, fatal)
+    server = _uvicorn_server(build_app(engine, settings), engine, host=host, port=port,
+                             log_level=log_level, drain_timeout=drain_timeout)
     logger.info("serving %s as %r (role %s) on %s:%d", model_dir, settings.model_name, role,
                 host, port)
     if engine.transfer is not None:
         logger.info("kv transfer: %s", engine.transfer.info())
     if config.parallel.world_size > 1:
         logger.info("rank pids: %s", engine.rank_pids)
-    try:
-        if router_url:  # dynamic membership: register once listening, heartbeat
-            from disagg.server.registration import RouterRegistration, serve_registered
+    registration = None
+    if router_url:  # dynamic membership: register once listening, heartbeat
+        from disagg.server.registration import RouterRegistration
 
-            reg = RouterRegistration(router_url, engine, settings, host, cluster_token)
-            asyncio.run(serve_registered(server, reg))
+        registration = RouterRegistration(router_url, engine, settings, host, cluster_token)
+    return _serve(server, engine, registration)
+
+
+def _serve(server: Any, engine: Any, registration: Any) -> int:
+    """Serve until stopped (registered with the router when ``registration`` is given), stop
+    the engine; the exit code: 1 when the engine failed or the server never started."""
+    try:
+        if registration is not None:
+            from disagg.server.registration import serve_registered
+
+            asyncio.run(serve_registered(server, registration))
         else:
             asyncio.run(server.serve())
     finally:
@@ -268,6 +229,91 @@ def run_server(
         logger.error("exiting: %s", engine.fatal_error)
         return 1
     return 0 if server.started else 1
+
+
+class _StartError(Exception):
+    """The worker cannot start: ``disagg serve: error: <message>``, exit ``exit_code`` (2: a
+    usage or configuration error, 1: loading failed)."""
+
+    def __init__(self, exit_code: int, message: str) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _disagg_settings(role: str, engine_options: dict[str, Any], *, benchmark_gen_only: bool,
+                     cluster_token: str | None, kv_transfer_backend: str | None,
+                     kv_transfer_host: str, kv_lease_ttl: float | None,
+                     ucx_profile: str | None, kv_peer_allowlist: list[str] | None) -> Any:
+    """Check the role and the KV transfer options; the ``DisaggSettings`` of a context or
+    generation worker (None for an aggregated one). ``_StartError`` (exit 2) on a bad role, a
+    missing cluster token or a bad lease ttl."""
+    world = (int(engine_options.get("tensor_parallel_size") or 1)
+             * int(engine_options.get("pipeline_parallel_size") or 1))
+    try:
+        check_role(role, world)
+        if benchmark_gen_only and role != Role.GENERATION:
+            raise ValueError(f"benchmark_gen_only: needs role 'generation', not {role!r}")
+        if role not in DISAGG_ROLES:
+            return None
+        from disagg.cluster_auth import PeerAllowlist, resolve_cluster_token
+        from disagg.disaggregation import DisaggSettings
+
+        if kv_lease_ttl is None or kv_lease_ttl <= 0:
+            raise ValueError("kv_lease_ttl: must be > 0")
+        return DisaggSettings(
+            role=role, cluster_token=resolve_cluster_token(cluster_token),
+            backend=(kv_transfer_backend or "UCX").upper(), host=kv_transfer_host,
+            lease_ttl_s=float(kv_lease_ttl), ucx_profile=ucx_profile or "same_host",
+            kv_peer_allowlist=PeerAllowlist.parse(kv_peer_allowlist))
+    except ValueError as e:
+        raise _StartError(2, str(e)) from None
+
+
+def _start_engine(model_dir: str, engine_options: dict[str, Any], disagg_settings: Any
+                  ) -> tuple[Any, Any]:
+    """``(EngineConfig, AsyncLLM)`` with the model loaded; ``_StartError`` saying why not."""
+    from disagg.config import build_engine_config
+    from disagg.engine import AsyncLLM
+    from disagg.parallel.executor import WorkerStartupError
+
+    try:
+        config = build_engine_config(model_dir, **engine_options)
+    except ConfigError as e:
+        raise _StartError(2, str(e)) from None
+    try:
+        return config, AsyncLLM(config, disagg=disagg_settings)
+    except (ValueError, OSError) as e:  # unreadable checkpoint, bad tensor, KV does not fit
+        raise _StartError(1, f"cannot load {model_dir}: {e}") from None
+    except RuntimeError as e:  # the KV transfer backend cannot start (e.g. no ucxx)
+        raise _StartError(1, f"KV transfer: {e}") from None
+    except WorkerStartupError as e:  # a rank of a parallel worker failed to start
+        raise _StartError(1, str(e)) from None
+
+
+def _uvicorn_server(app: Any, engine: Any, *, host: str, port: int, log_level: str,
+                    drain_timeout: float) -> Any:
+    """The draining uvicorn server of ``app``: SIGTERM/SIGINT drain the engine's requests;
+    the engine's fatal error (a dead rank) stops it."""
+    import uvicorn
+
+    from disagg.server.app import begin_drain
+
+    def on_exit() -> None:
+        # /health turns 503 and new requests get 503 at once; late requests are aborted
+        # (cleanly, through the engine) when the drain period ends.
+        begin_drain(app, drain_timeout)
+
+    def fatal() -> str | None:
+        return engine.fatal_error
+
+    uv_config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, lifespan="on",
+        # h11 with explicit limits and a header timeout; keep-alive SERVER_KEEP_ALIVE_S
+        **uvicorn_options(),
+        # A backstop only: by then our own drain has aborted every request.
+        timeout_graceful_shutdown=int(drain_timeout) + 5,
+    )
+    return make_draining_server(uv_config, on_exit, fatal)
 
 
 def make_draining_server(config: Any, on_exit: Callable[[], None],

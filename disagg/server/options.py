@@ -1,15 +1,20 @@
-"""The worker's option schema, shared by ``disagg serve`` (``server/cli.py``) and the cluster
-YAML of the router (``router/config.py``): each option's type, help and choices, the roles, and
-``coerce``, which checks one YAML value against its option and names the key and the file on
-error. Torch-free and server-free: importing it imports only ``disagg.config``.
+"""The option schema, shared by ``disagg serve`` (``server/cli.py``) and the cluster YAML of
+the router (``router/config.py``): ``Opt`` (an option's type, help, choices, default and
+bounds), the worker's options (``ENGINE_OPTIONS``, ``SERVER_OPTIONS``: every ``disagg serve``
+flag and worker YAML key comes from them), the roles, and ``coerce``, which checks one YAML
+value against its ``Opt`` and names the key and the file on error. The cluster YAML's own keys
+are ``Opt`` tables in ``router/config.py``, checked by the same ``coerce``.
+Torch-free and server-free: importing it imports only ``disagg.config`` and ``disagg.roles``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from disagg.config import CapacityPolicy, ConfigError
+from disagg.roles import ROLES, Role
 
 
 class StrList(list):
@@ -18,11 +23,18 @@ class StrList(list):
 
 @dataclass(frozen=True)
 class Opt:
+    """One option. ``default`` is what an absent or null key means where the schema decides it
+    (the cluster YAML; a worker's defaults live in ``SERVER_DEFAULTS`` and the engine config).
+    ``gt`` / ``ge``: bounds ``coerce`` checks for a number."""
+
     # int, float, bool, str, list (of ints: "3,1" on the command line) or StrList
     type: type
     help: str
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
+    default: Any = None
+    gt: float | None = None
+    ge: float | None = None
 
 
 # Engine options: exactly config.ENGINE_OPTION_NAMES (a test keeps them in step).
@@ -59,8 +71,8 @@ ENGINE_OPTIONS: dict[str, Opt] = {
     "seed": Opt(int, "engine seed for unseeded sampling (default 0)"),
 }
 
-ROLES = ("aggregated", "context", "generation")
-DISAGG_ROLES = ("context", "generation")
+# The worker roles (roles.py's wire values); DISAGG_ROLES move KV and need a cluster token.
+DISAGG_ROLES = tuple(r.value for r in Role if r.disaggregated)
 
 
 def check_role(role: str, world_size: int = 1) -> None:
@@ -107,13 +119,47 @@ SERVER_OPTIONS: dict[str, Opt] = {
                                "if their prompt KV were in place (output text is meaningless)"),
 }
 
+# Worker YAML keys spelled otherwise than their option: YAML key -> option name.
+YAML_RENAMES = {"kv_lease_ttl_s": "kv_lease_ttl"}
+# trtllm-serve's mapping {backend: UCX | TCP, ucx_profile: same_host | cross_host} in a worker
+# YAML: it sets kv_transfer_backend and the UCX profile (which has no flag).
+TRANSCEIVER_KEY = "cache_transceiver_config"
+
+
+def worker_yaml_keys() -> dict[str, Opt | None]:
+    """The keys of a worker's YAML as the cluster YAML takes them -> their ``Opt`` (None for
+    ``cache_transceiver_config``, a mapping: ``check_transceiver``)."""
+    keys: dict[str, Opt | None] = {**SERVER_OPTIONS, **ENGINE_OPTIONS}
+    for yaml_key, name in YAML_RENAMES.items():
+        keys[yaml_key] = keys.pop(name)
+    keys[TRANSCEIVER_KEY] = None
+    return keys
+
+
+def check_transceiver(name: str, value: Any, where: str,
+                      error: type[ConfigError] = ConfigError) -> Any:
+    """``value`` as a ``CacheTransceiverConfig`` (None: the defaults); ``error`` names the file
+    and the key."""
+    from disagg.transfer.base import CacheTransceiverConfig  # numpy: only when a YAML has it
+
+    if value is not None and not isinstance(value, Mapping):
+        raise error(f"{where}: {name}: expected a mapping {{backend: UCX | TCP, ucx_profile: "
+                    f"...}}")
+    try:
+        return CacheTransceiverConfig.from_dict(value)
+    except (TypeError, ValueError) as e:
+        raise error(f"{where}: {name}: {e}") from None
+
+
 SERVER_DEFAULTS: dict[str, Any] = {
     "host": "127.0.0.1", "port": 8000, "role": "aggregated", "drain_timeout": 30.0,
     "log_level": "info",
 }
 
-def coerce(name: str, opt: Opt, value: Any, where: str) -> Any:
-    """Check a YAML value's type (YAML already parsed it); name the key and file on error."""
+def coerce(name: str, opt: Opt, value: Any, where: str,
+           error: type[ConfigError] = ConfigError) -> Any:
+    """Check a YAML value's type, choices and bounds (YAML already parsed it); ``error``
+    (a ``ConfigError``) names the file and the key. None stays None."""
     if value is None:
         return None
     ok = {
@@ -126,11 +172,17 @@ def coerce(name: str, opt: Opt, value: Any, where: str) -> Any:
         StrList: lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
     }[opt.type](value)
     if opt.type is list and not ok:
-        raise ConfigError(f"{where}: {name}: expected a list of integers, got {value!r}")
+        raise error(f"{where}: {name}: expected a list of integers, got {value!r}")
     if opt.type is StrList and not ok:
-        raise ConfigError(f"{where}: {name}: expected a list of strings, got {value!r}")
+        raise error(f"{where}: {name}: expected a list of strings, got {value!r}")
     if not ok:
-        raise ConfigError(f"{where}: {name}: expected {opt.type.__name__}, got {value!r}")
+        raise error(f"{where}: {name}: expected {opt.type.__name__}, got {value!r}")
     if opt.choices and value not in opt.choices:
-        raise ConfigError(f"{where}: {name}: {value!r} is not one of {list(opt.choices)}")
-    return float(value) if opt.type is float else value
+        raise error(f"{where}: {name}: {value!r} is not one of {list(opt.choices)}")
+    if opt.type is float:
+        value = float(value)
+    if opt.gt is not None and not value > opt.gt:
+        raise error(f"{where}: {name}: must be > {opt.gt:g}, got {value}")
+    if opt.ge is not None and not value >= opt.ge:
+        raise error(f"{where}: {name}: must be >= {opt.ge:g}, got {value}")
+    return value

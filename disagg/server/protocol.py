@@ -18,8 +18,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from disagg.request import SamplingParams, SamplingParamsError
+from disagg.roles import REQUEST_TYPES
 
-REQUEST_TYPES = ("context_only", "generation_only", "context_and_generation")
 MAX_N = 128  # choices per request: each is an engine request, so bound the fan-out
 # Choices of one request in all (prompts x n): each is an engine request with its own state
 # (~5 KiB) and its share of the scheduler's per-step work, so a 64 MiB body of one-character

@@ -45,7 +45,7 @@ def advertised_host(host: str) -> str:
 def worker_payload(engine: Any, settings: Any, url: str) -> dict[str, Any]:
     """The registration body of the worker serving ``engine`` with ``settings``."""
     from disagg.kv_cache.hashing import BLOCK_HASH_SCHEME
-    from disagg.parallel.layout import ParallelLayout
+    from disagg.layout import ParallelLayout
 
     cfg = engine.config
     transfer = getattr(engine, "transfer", None)

@@ -1,6 +1,9 @@
 """KV transfer between context and generation workers: layout conversion, transports, leases.
 
-(REFERENCE section 6.) Layout side: ``layout`` (pull plans between TP/PP layouts), ``params``
+A context worker keeps a request's KV blocks under a lease after prefill; each generation rank
+pulls the layers and kv heads it needs straight from the context ranks that hold them (one
+coalesced read per rank pair), then confirms, and the context side frees the blocks.
+Layout side: ``disagg.layout`` (rank layouts and pull plans between TP/PP layouts), ``params``
 (the context answer's ``disaggregated_params``), ``kvcopy`` (token-major gather / scatter).
 Transport side:
 

@@ -2,9 +2,12 @@
 
 The backends (``tcp``, ``ucx``) build on this module; ``backends.make_backend`` picks one.
 
-Wire protocol, version 1 (one request = one coalesced transfer per rank pair; REFERENCE section
-6). The cluster token never crosses the wire: a mutual challenge-response (``handshake.py``)
-opens every connection and every request carries a proof bound to it::
+Wire protocol, version 1. One READ moves everything one generation rank needs from one context
+rank for one request (a layer range times a kv-head range of all its blocks) as a single
+payload: coalescing per rank pair, not per token or head, keeps the message count at
+(context ranks x generation ranks) however many heads or layers move. The cluster token never
+crosses the wire: a mutual challenge-response (``handshake.py``) opens every connection and
+every request carries a proof bound to it::
 
     client (generation rank)                          server (context rank)
       HELLO {op, version, client_nonce}        ──────►  fresh server_nonce
@@ -75,6 +78,7 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 
 from disagg.cluster_auth import CLUSTER_TOKEN_ENV, resolve_cluster_token  # noqa: F401 (re-exported)
+from disagg.transfer.lease import EXPIRED_LEASE, UNKNOWN_LEASE
 
 logger = logging.getLogger("disagg.transfer")
 
@@ -86,9 +90,8 @@ HEADER_MAX_BYTES = 1 << 20  # a 1 MiB header holds ~150k block ids: far beyond a
 PREAUTH_HEADER_MAX_BYTES = 8 << 10
 _LEN = struct.Struct("!I")
 
-# Error codes a server answers with (the request gets no payload).
-UNKNOWN_LEASE = "unknown_lease"
-EXPIRED_LEASE = "expired_lease"
+# Error codes a server answers with (the request gets no payload); the two lease codes are the
+# lease table's own (lease.py).
 UNAUTHORIZED = "unauthorized"
 BAD_REQUEST = "bad_request"
 SERVER_CODES = frozenset({UNKNOWN_LEASE, EXPIRED_LEASE, UNAUTHORIZED, BAD_REQUEST})

@@ -1,7 +1,11 @@
 """Leases on a context worker's KV blocks (torch-free).
 
 After prefill the context side keeps a request's blocks under a lease until every generation
-rank that must read them has confirmed, or the lease expires (REFERENCE section 6). The table is
+rank that must read them has confirmed, or the lease expires. A read after expiry fails with
+``expired_lease`` (the generation worker then fails the request): the blocks may already hold
+another request's KV, and decoding from them would return wrong text with a success status.
+Every abort on the generation side releases the lease, so blocks never wait for expiry when
+nobody will read them. The table is
 shared by the transfer server's thread (check / pin / confirm) and the engine thread (create /
 release / expire), hence the lock.
 
@@ -33,8 +37,10 @@ logger = logging.getLogger("disagg.transfer")
 ReleaseReason = Literal["confirmed", "expired", "released"]
 ReleaseCallback = Callable[["Lease", ReleaseReason], None]
 
-UNKNOWN_LEASE = "unknown_lease"
-EXPIRED_LEASE = "expired_lease"
+# The error codes of a read or confirm of a lease that is not live; the transfer server answers
+# them as they are (transfer/base.py's SERVER_CODES).
+UNKNOWN_LEASE = "unknown_lease"  # never existed, or left the table long ago
+EXPIRED_LEASE = "expired_lease"  # expired recently (remembered as a tombstone)
 
 
 class LeaseError(Exception):

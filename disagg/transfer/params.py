@@ -27,9 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from disagg.transfer.layout import WorkerLayout
-
-REQUEST_TYPES = ("context_only", "generation_only", "context_and_generation")
+from disagg.layout import WorkerLayout
 
 
 class DisaggParamsError(ValueError):
@@ -68,66 +66,78 @@ class ContextParams:
 
     @classmethod
     def from_dict(cls, d: Any, prompt_token_ids: list[int] | None = None) -> ContextParams:
-        """Validate what a client sent; ``prompt_token_ids`` may come from the request body."""
+        """Validate what a client sent; ``prompt_token_ids`` may come from the request body.
+        ``DisaggParamsError`` names the field (``disaggregated_params.<field>: ...``)."""
         if not isinstance(d, dict):
             raise DisaggParamsError("disaggregated_params: must be an object")
-
-        def get(name: str, kind: type | tuple[type, ...]) -> Any:
-            if name not in d:
-                raise DisaggParamsError(f"disaggregated_params.{name}: missing")
-            v = d[name]
-            if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool:
-                raise DisaggParamsError(f"disaggregated_params.{name}: wrong type")
-            return v
-
-        def int_list(name: str, v: Any) -> list[int]:
-            if not isinstance(v, list) or not all(
-                    isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
-                raise DisaggParamsError(
-                    f"disaggregated_params.{name}: must be a list of integers >= 0")
-            return list(v)
-
-        prompt = prompt_token_ids if prompt_token_ids is not None else d.get("prompt_token_ids")
-        first = int_list("first_gen_tokens", get("first_gen_tokens", list))
+        f = {name: _field(d, name, kind) for name, kind in FIELD_TYPES.items()}
+        first = _int_list("first_gen_tokens", f["first_gen_tokens"])
         if not first:
             raise DisaggParamsError("disaggregated_params.first_gen_tokens: must not be empty")
-        backend = str(get("backend", str)).upper()
+        backend = f["backend"].upper()
         if backend not in ("UCX", "TCP"):
             raise DisaggParamsError("disaggregated_params.backend: must be UCX or TCP")
         try:
-            layout = WorkerLayout.from_dict(get("layout", dict))
+            layout = WorkerLayout.from_dict(f["layout"])
         except ValueError as e:
             raise DisaggParamsError(f"disaggregated_params.layout: {e}") from None
-        addresses = get("addresses", list)
+        addresses = f["addresses"]
         if len(addresses) != len(layout.ranks) or not all(isinstance(a, str) for a in addresses):
             raise DisaggParamsError("disaggregated_params.addresses: one host:port per rank")
-        num_tokens = get("num_tokens", int)
-        prompt_ids = int_list("prompt_token_ids", prompt)
+        prompt = prompt_token_ids if prompt_token_ids is not None else d.get("prompt_token_ids")
+        prompt_ids = _int_list("prompt_token_ids", prompt)
+        num_tokens = f["num_tokens"]
         if num_tokens != len(prompt_ids) or num_tokens < 1:
             raise DisaggParamsError("disaggregated_params.num_tokens: must equal the number of "
                                     "prompt tokens")
-        block_ids = int_list("block_ids", get("block_ids", list))
+        block_ids = _int_list("block_ids", f["block_ids"])
         if len(block_ids) * layout.tokens_per_block < num_tokens:
             raise DisaggParamsError("disaggregated_params.block_ids: too few blocks for "
                                     "num_tokens")
-        raw_lp = d.get("first_gen_logprobs")
-        logprobs = None
-        if raw_lp is not None:
-            try:
-                logprobs = [{int(k): float(v) for k, v in lp.items()} for lp in raw_lp]
-            except (AttributeError, TypeError, ValueError):
-                raise DisaggParamsError(
-                    "disaggregated_params.first_gen_logprobs: malformed") from None
         return cls(
-            ctx_request_id=str(get("ctx_request_id", str)),
-            first_gen_tokens=first,
-            prompt_token_ids=prompt_ids,
-            worker_id=str(get("worker_id", str)),
-            backend=backend,
-            addresses=list(addresses),
-            block_ids=block_ids,
-            num_tokens=num_tokens,
-            layout=layout,
-            lease_expiry=float(get("lease_expiry", (int, float))),
-            first_gen_logprobs=logprobs,
+            ctx_request_id=f["ctx_request_id"], first_gen_tokens=first,
+            prompt_token_ids=prompt_ids, worker_id=f["worker_id"], backend=backend,
+            addresses=list(addresses), block_ids=block_ids, num_tokens=num_tokens,
+            layout=layout, lease_expiry=float(f["lease_expiry"]),
+            first_gen_logprobs=_logprobs(d.get("first_gen_logprobs")),
         )
+
+
+# The required fields of the context answer and their JSON types; from_dict checks the type
+# of each first, then the values and how they agree with each other.
+FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "ctx_request_id": str,
+    "first_gen_tokens": list,
+    "worker_id": str,
+    "backend": str,
+    "addresses": list,
+    "num_tokens": int,
+    "block_ids": list,
+    "layout": dict,
+    "lease_expiry": (int, float),
+}
+
+
+def _field(d: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    if name not in d:
+        raise DisaggParamsError(f"disaggregated_params.{name}: missing")
+    v = d[name]
+    if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool:
+        raise DisaggParamsError(f"disaggregated_params.{name}: wrong type")
+    return v
+
+
+def _int_list(name: str, v: Any) -> list[int]:
+    if not isinstance(v, list) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
+        raise DisaggParamsError(f"disaggregated_params.{name}: must be a list of integers >= 0")
+    return list(v)
+
+
+def _logprobs(raw: Any) -> list[dict[int, float]] | None:
+    if raw is None:
+        return None
+    try:
+        return [{int(k): float(v) for k, v in lp.items()} for lp in raw]
+    except (AttributeError, TypeError, ValueError):
+        raise DisaggParamsError("disaggregated_params.first_gen_logprobs: malformed") from None

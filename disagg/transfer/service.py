@@ -533,10 +533,6 @@ class KVTransferClient:
         parse_address(address)
         return self._submit(self._request(address, {"op": "PING"}))
 
-    def invalidate(self, address: str) -> cf.Future[None]:
-        """Drop the cached connection to ``address`` (e.g. the peer is known to be gone)."""
-        return self._submit(self._invalidate(address))
-
     def close(self, timeout_s: float = 10.0) -> None:
         """Close every connection and stop the loop; pending requests fail. Idempotent."""
         if self._closed:
@@ -603,12 +599,6 @@ class KVTransferClient:
     async def _release(self, address: str, msg: dict[str, Any]) -> bool:
         resp = await self._request(address, msg)
         return bool(resp.get("released", False))
-
-    async def _invalidate(self, address: str) -> None:
-        peer = self._peers.get(address)
-        if peer is not None:
-            async with peer.lock:
-                await self._drop(peer)
 
     async def _close_all(self) -> None:
         for peer in list(self._peers.values()):

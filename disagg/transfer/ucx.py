@@ -81,6 +81,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from disagg.env import KV_DEVICE_DIRECT, UCX_TLS
 from disagg.transfer.base import (
     HEADER_MAX_BYTES,
     Connection,
@@ -105,7 +106,7 @@ UCX_ALWAYS_ENV = {
 # The CUDA transports added to a profile's UCX_TLS in a process with a CUDA device.
 UCX_CUDA_TLS: dict[str, str] = {"same_host": "cuda_copy,cuda_ipc", "cross_host": "cuda_copy"}
 # "0" (or no/false/off): never hand GPU memory to UCX; a GPU cache stages in pinned host memory.
-DEVICE_DIRECT_ENV = "DISAGG_KV_DEVICE_DIRECT"
+DEVICE_DIRECT_ENV = KV_DEVICE_DIRECT.name
 # Progress: ucxx's C++ progress thread (epoll, wakes every ms) + Python futures completed by
 # its notifier thread. Not 'blocking' / 'polling': there every pending request is awaited by
 # polling the event loop (`await asyncio.sleep(0)` until done), and a server always has a
@@ -127,17 +128,16 @@ def configure_ucx_env(profile: str = "same_host", cuda: bool = False) -> dict[st
         env["UCX_TLS"] = f"{env['UCX_TLS']},{UCX_CUDA_TLS[profile]}"
     applied = {}
     for k, v in env.items():
-        os.environ.setdefault(k, v)
-        applied[k] = os.environ[k]
+        # UCX's own variables, read by libucx (not by us): a user's setting wins.
+        applied[k] = os.environ.setdefault(k, v)
     return applied
 
 
 def device_direct_wanted() -> tuple[bool, str]:
     """Whether this process should offer UCX its GPU memory: ``(True, "")``, or ``(False,
     why)``. Asked before the UCX context starts (it decides ``UCX_TLS``)."""
-    if os.environ.get(DEVICE_DIRECT_ENV, "1").strip().lower() in ("0", "n", "no", "false",
-                                                                  "off"):
-        return False, f"{DEVICE_DIRECT_ENV}={os.environ[DEVICE_DIRECT_ENV]} forces host staging"
+    if not KV_DEVICE_DIRECT.get():
+        return False, f"{DEVICE_DIRECT_ENV}={KV_DEVICE_DIRECT.raw()} forces host staging"
     try:
         import torch
     except ImportError:
@@ -157,7 +157,7 @@ def _probe_device_support(ucxx: Any, wanted: bool, why: str) -> tuple[bool, str]
     """After ``ucxx.init``: may payloads be CUDA memory? ``(ok, how or why not)``."""
     if not wanted:
         return False, why
-    tls = os.environ.get("UCX_TLS", "")
+    tls = UCX_TLS.get()
     try:
         ctx = ucxx.core._get_ctx().context
         flag, info = bool(ctx.cuda_support), str(ctx.info)
@@ -190,7 +190,7 @@ def _bind_progress_thread_to_torch_device() -> None:
 
 def ucx_available() -> tuple[bool, str]:
     """(True, version) if ucxx imports, else (False, why) — for skips and clear errors."""
-    for k, v in UCX_ALWAYS_ENV.items():  # read when libucs loads, i.e. at import
+    for k, v in UCX_ALWAYS_ENV.items():  # libucs reads them when it loads, i.e. at import
         os.environ.setdefault(k, v)
     try:
         import ucxx  # noqa: F401
@@ -250,7 +250,7 @@ class _UcxRuntime:
             cls._loop, cls._profile, cls._users = loop, profile, 1
             cls.device_support = support
             if wanted or support[0]:
-                logger.info("UCX KV transfer (UCX_TLS=%s): %s", os.environ.get("UCX_TLS"),
+                logger.info("UCX KV transfer (UCX_TLS=%s): %s", UCX_TLS.get(),
                             f"GPU memory moves directly ({support[1]})" if support[0]
                             else f"GPU payloads are staged in pinned host memory: {support[1]}")
             return loop
