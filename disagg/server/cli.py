@@ -189,7 +189,7 @@ def run_server(
             raise ValueError(f"benchmark_gen_only: needs role 'generation', not {role!r}")
         if role in DISAGG_ROLES:
             from disagg.cluster_auth import PeerAllowlist, resolve_cluster_token
-            from disagg.disaggregation import DisaggSettings
+            from disagg.kv_connector.settings import DisaggSettings
 
             if kv_lease_ttl is None or kv_lease_ttl <= 0:
                 raise ValueError("kv_lease_ttl: must be > 0")
