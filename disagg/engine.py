@@ -125,6 +125,41 @@ class _State:
     # The connector heard of the end (request_finished): once per request.
     ended: bool = False
 
+    @classmethod
+    def new(cls, req: Request, tokenizer: Tokenizer, prompt: str | None,
+            ctx_params: SamplingParams | None, remote: ContextParams | None,
+            dummy_kv: bool) -> _State:
+        """The engine's state of a new request. A request whose prompt KV arrives from
+        elsewhere (``remote``, ``dummy_kv``) starts with its first token already generated and
+        waits for that KV instead of computing it."""
+        params = req.sampling_params
+        logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        if dummy_kv:
+            # The first "generated" token stands in for the context worker's: the last prompt
+            # token (any valid id would do).
+            req.output_token_ids = [req.prompt_token_ids[-1]]
+            req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+            if logprobs is not None:
+                logprobs = [{}]
+        if remote is not None:
+            # The context worker's first token is already an output; only its KV is missing.
+            req.output_token_ids = list(remote.first_gen_tokens)
+            req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+            if logprobs is not None:
+                logprobs = list(remote.first_gen_logprobs or [{} for _ in req.output_token_ids])
+        # Before min_tokens, EOS and stop tokens are masked out so the model cannot pick them.
+        banned = tuple(sorted(set(req.eos_token_ids) | set(params.stop_token_ids)))
+        return cls(
+            request=req,
+            detok=IncrementalDetokenizer(tokenizer, req.prompt_token_ids, params),
+            metrics=RequestMetrics(arrival_time=req.arrival_time),
+            logprobs=logprobs,
+            prompt=prompt,
+            banned_until_min=banned if params.min_tokens > 0 else (),
+            ctx_params=ctx_params,
+            dummy_kv=dummy_kv,
+        )
+
     def output(self, delta_text: str, finished: bool) -> RequestOutput:
         """The request's next output: what is new since the last one (``delta_text``: the
         detokenizer's new text)."""
@@ -363,7 +398,7 @@ class LLMEngine:
         )
         if arrival_time is not None:
             req.arrival_time = arrival_time
-        st = self._new_state(req, prompt, ctx_params, remote, dummy_kv)
+        st = _State.new(req, self.tokenizer, prompt, ctx_params, remote, dummy_kv)
         st.cache_remote_kv = cache_remote_kv
         self._states[request_id] = st
         self.scheduler.add_request(req)
@@ -374,39 +409,6 @@ class LLMEngine:
                        remote=remote)
         if self.connector.add_request(request_id, kv) and not req.is_finished():
             self.scheduler.hold_blocks_on_finish(request_id)
-
-    def _new_state(self, req: Request, prompt: str | None, ctx_params: SamplingParams | None,
-                   remote: ContextParams | None, dummy_kv: bool) -> _State:
-        """The engine's state of a new request. A request whose prompt KV arrives from
-        elsewhere (``remote``, ``dummy_kv``) starts with its first token already generated and
-        waits for that KV instead of computing it."""
-        params = req.sampling_params
-        logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
-        if dummy_kv:
-            # The first "generated" token stands in for the context worker's: the last prompt
-            # token (any valid id would do).
-            req.output_token_ids = [req.prompt_token_ids[-1]]
-            req.status = RequestStatus.WAITING_FOR_REMOTE_KV
-            if logprobs is not None:
-                logprobs = [{}]
-        if remote is not None:
-            # The context worker's first token is already an output; only its KV is missing.
-            req.output_token_ids = list(remote.first_gen_tokens)
-            req.status = RequestStatus.WAITING_FOR_REMOTE_KV
-            if logprobs is not None:
-                logprobs = list(remote.first_gen_logprobs or [{} for _ in req.output_token_ids])
-        # Before min_tokens, EOS and stop tokens are masked out so the model cannot pick them.
-        banned = tuple(sorted(set(req.eos_token_ids) | set(params.stop_token_ids)))
-        return _State(
-            request=req,
-            detok=IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params),
-            metrics=RequestMetrics(arrival_time=req.arrival_time),
-            logprobs=logprobs,
-            prompt=prompt,
-            banned_until_min=banned if params.min_tokens > 0 else (),
-            ctx_params=ctx_params,
-            dummy_kv=dummy_kv,
-        )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort and free the request's blocks now; returns its final output, if it existed."""
