@@ -3,6 +3,12 @@
 ``LLMEngine`` is synchronous: ``add_request`` / ``abort_request`` / ``step``. ``AsyncLLM`` runs
 ``step`` on its own thread (never on the HTTP event loop) and hands each request's incremental
 outputs to the asyncio task that iterates ``generate``.
+
+A context or generation worker's engine also holds one KV connector (``disagg.kv_connector``;
+None on an aggregated worker) and calls its hooks at fixed points: when a request is added,
+before each step runs, for each pull the plan starts, once per loop turn
+(``service_transfers``), and when a request ends. Everything about leases, transports and
+ranks stays behind it.
 """
 
 from __future__ import annotations

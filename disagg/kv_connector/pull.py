@@ -104,6 +104,8 @@ def submit_reads(client: Any, params: ContextParams, dst: WorkerLayout, dst_rank
     # Same block size: whole blocks (server may send straight from its cache); else the
     # token-major format, scattered into our differently sized blocks.
     fmt = "blocks" if src.tokens_per_block == dst.tokens_per_block else "tokens"
+    # Prompt positions [0, num_tokens) live in the context table's first
+    # ceil(num_tokens / B_src) blocks; a piece is layers [l0, l1) x kv heads [h0, h1) of them.
     n_src_blocks = math.ceil(params.num_tokens / src.tokens_per_block)
     src_blocks = tuple(params.block_ids[:n_src_blocks])
     reads: list[Read] = []
@@ -124,7 +126,7 @@ def submit_reads(client: Any, params: ContextParams, dst: WorkerLayout, dst_rank
 
 
 def install(kv: torch.Tensor, block_ids: list[int], reads: list[Read], num_tokens: int
-             ) -> None:
+            ) -> None:
     """Copy finished reads into this rank's blocks of the request. On a GPU the copies are
     queued on the device's current stream, ahead of any step that reads these blocks; a
     payload already in GPU memory (device-direct transfer) is read there, no host copy."""
