@@ -3,6 +3,12 @@
 ``LLMEngine`` is synchronous: ``add_request`` / ``abort_request`` / ``step``. ``AsyncLLM`` runs
 ``step`` on its own thread (never on the HTTP event loop) and hands each request's incremental
 outputs to the asyncio task that iterates ``generate``.
+
+A context or generation worker's engine also holds one KV connector (``disagg.kv_connector``;
+None on an aggregated worker) and calls its hooks at fixed points: when a request is added,
+before each step runs, for each pull the plan starts, once per loop turn
+(``service_transfers``), and when a request ends. Everything about leases, transports and
+ranks stays behind it.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -22,6 +28,8 @@ import torch
 from disagg.config import EngineConfig, build_engine_config
 from disagg.kv_cache.events import KVEventLog
 from disagg.kv_cache.manager import KVCacheManager
+from disagg.kv_connector.base import KVConnector, RequestKV
+from disagg.kv_connector.errors import KVTransferError
 from disagg.parallel.executor import DistributedExecutor, WorkerDiedError
 from disagg.request import Request, RequestStatus, SamplingParams
 from disagg.runner import ModelRunner
@@ -30,7 +38,7 @@ from disagg.scheduler import Scheduler, SchedulerOutput
 from disagg.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
-    from disagg.disaggregation import DisaggRuntime, DisaggSettings
+    from disagg.kv_connector.settings import DisaggSettings
     from disagg.transfer.params import ContextParams
 
 logger = logging.getLogger(__name__)
@@ -78,6 +86,9 @@ class RequestOutput:
     prompt: str | None = None
     # Context-only answers that are not final: ContextParams.to_dict() for the router.
     disaggregated_params: dict | None = None
+    # Set (with ``error``, its message) when the request failed because its prompt KV could
+    # not be pulled from the context worker: the server answers 502 kv_transfer_failed.
+    kv_transfer_error: KVTransferError | None = None
 
 
 @dataclass(frozen=True)
@@ -111,14 +122,86 @@ class _State:
     # decide whether the first token is final).
     ctx_params: SamplingParams | None = None
     disagg_out: dict | None = None
-    # generation_only: where the prompt KV comes from, and whether the lease was released.
-    remote: ContextParams | None = None
-    remote_released: bool = False
-    # Whether the pulled KV may serve other requests' prefix hits (its provenance is trusted:
-    # the request came signed by the cluster). Otherwise its blocks are never cached.
+    # Whether pulled KV may serve other requests' prefix hits (its provenance is trusted: the
+    # request came signed by the cluster). Otherwise its blocks are never cached.
     cache_remote_kv: bool = False
     # benchmark gen-only: no context worker; the prompt's blocks count as computed as they are.
     dummy_kv: bool = False
+    kv_error: KVTransferError | None = None
+    # The connector heard of the end (request_finished): once per request.
+    ended: bool = False
+
+    @classmethod
+    def new(cls, req: Request, tokenizer: Tokenizer, prompt: str | None,
+            ctx_params: SamplingParams | None, remote: ContextParams | None,
+            dummy_kv: bool) -> _State:
+        """The engine's state of a new request. A request whose prompt KV arrives from
+        elsewhere (``remote``, ``dummy_kv``) starts with its first token already generated and
+        waits for that KV instead of computing it."""
+        params = req.sampling_params
+        logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        if dummy_kv:
+            # The first "generated" token stands in for the context worker's: the last prompt
+            # token (any valid id would do).
+            req.output_token_ids = [req.prompt_token_ids[-1]]
+            req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+            if logprobs is not None:
+                logprobs = [{}]
+        if remote is not None:
+            # The context worker's first token is already an output; only its KV is missing.
+            req.output_token_ids = list(remote.first_gen_tokens)
+            req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+            if logprobs is not None:
+                logprobs = list(remote.first_gen_logprobs or [{} for _ in req.output_token_ids])
+        # Before min_tokens, EOS and stop tokens are masked out so the model cannot pick them.
+        banned = tuple(sorted(set(req.eos_token_ids) | set(params.stop_token_ids)))
+        return cls(
+            request=req,
+            detok=IncrementalDetokenizer(tokenizer, req.prompt_token_ids, params),
+            metrics=RequestMetrics(arrival_time=req.arrival_time),
+            logprobs=logprobs,
+            prompt=prompt,
+            banned_until_min=banned if params.min_tokens > 0 else (),
+            ctx_params=ctx_params,
+            dummy_kv=dummy_kv,
+        )
+
+    def output(self, delta_text: str, finished: bool) -> RequestOutput:
+        """The request's next output: what is new since the last one (``delta_text``: the
+        detokenizer's new text)."""
+        req = self.request
+        if finished:
+            self.metrics.finished_time = time.monotonic()
+        tokens = list(req.output_token_ids)
+        delta_tokens = tokens[self.sent_tokens :]
+        self.sent_tokens = len(tokens)
+        delta_lp = None
+        if self.logprobs is not None:
+            delta_lp = self.logprobs[self.sent_logprobs :]
+            self.sent_logprobs = len(self.logprobs)
+        comp = CompletionOutput(
+            index=0,
+            text=self.detok.text,
+            token_ids=tokens,
+            delta_text=delta_text,
+            delta_token_ids=delta_tokens,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            delta_logprobs=delta_lp,
+            finish_reason=req.status.finish_reason if finished else None,
+            stop_reason=req.stop_reason if finished else None,
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[comp],
+            finished=finished,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            metrics=self.metrics,
+            error=req.error if finished else None,
+            prompt=self.prompt,
+            disaggregated_params=self.disagg_out if finished else None,
+            kv_transfer_error=self.kv_error if finished else None,
+        )
 
 
 def _release_device_cache() -> None:
@@ -132,22 +215,119 @@ def context_only_params(params: SamplingParams) -> SamplingParams:
     return replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
 
 
+def _validate(config: EngineConfig, num_blocks: int, prompt_token_ids: list[int],
+              params: SamplingParams) -> None:
+    """``LLMEngine.validate``: raise ValueError for a request that can never be served."""
+    if not prompt_token_ids:
+        raise ValueError("prompt: must not be empty")
+    vocab = config.model.vocab_size
+    bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"prompt: token id {bad} is out of range [0, {vocab})")
+    # Ids the model can never produce are a client's mistake too (another tokenizer's).
+    bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"stop_token_ids: token id {bad} is out of range [0, {vocab})")
+    # What Scheduler._never_fits would finish with an error instead: a bad request.
+    sched = config.scheduler
+    if not sched.enable_chunked_context and len(prompt_token_ids) > sched.max_num_tokens:
+        raise ValueError(
+            f"prompt: has {len(prompt_token_ids)} tokens, more than max_num_tokens="
+            f"{sched.max_num_tokens}, and this worker prefills whole prompts only "
+            f"(enable_chunked_context is off)")
+    total = len(prompt_token_ids) + params.max_tokens
+    max_len = config.max_model_len
+    if total > max_len:
+        raise ValueError(
+            f"max_tokens: this model's maximum context length is {max_len} tokens; the "
+            f"prompt has {len(prompt_token_ids)} tokens and max_tokens is "
+            f"{params.max_tokens} ({total} in all)"
+        )
+    capacity = num_blocks * config.cache.tokens_per_block
+    if total > capacity:
+        raise ValueError(
+            f"max_tokens: prompt + max_tokens = {total} tokens exceeds the KV cache "
+            f"capacity of {capacity} tokens"
+        )
+
+
 def make_executor(config: EngineConfig, disagg: DisaggSettings | None = None
                   ) -> ModelRunner | DistributedExecutor:
     """The model executor: this process alone, or rank 0 of ``tp * pp`` rank processes.
 
-    Both offer ``num_blocks``, ``execute(sched) -> (sample request ids, logits [S, V])``,
-    ``error`` (set once a rank died), ``rank_pids`` and ``shutdown()``.
+    Both offer ``num_blocks``, ``kv_cache`` (this rank's), ``execute(sched) -> (sample request
+    ids, logits [S, V])``, ``error`` (set once a rank died), ``rank_pids`` and ``shutdown()``.
     """
     if config.parallel.world_size == 1:
         return ModelRunner(config)
     return DistributedExecutor(config, disagg=disagg)
 
 
+def _make_connector(disagg: DisaggSettings, config: EngineConfig,
+                    runner: ModelRunner | DistributedExecutor, wake: Callable[[], None]
+                    ) -> KVConnector:
+    """Rank 0's connector over rank 0's KV cache; the executor is its line to the other ranks
+    (they built their part, ``RankTransfer``, when they started)."""
+    from disagg.kv_connector.disagg_connector import make_connector
+
+    peers = runner if isinstance(runner, DistributedExecutor) else None
+    return make_connector(disagg, config, runner.kv_cache, wake, peers=peers)
+
+
+_StepResult = tuple[list[str], SamplerOutput | None]  # (sampling request ids, their draws)
+
+
+def _run_isolating_oom(run_step: Callable[[SchedulerOutput], _StepResult],
+                       sched: SchedulerOutput
+                       ) -> tuple[list[_StepResult], list[tuple[str, str]]]:
+    """The step ran out of device memory: run its requests again in halves, recursively,
+    until each group fits; a single request that still does not fit fails alone.
+
+        [r0 r1 r2 r3 r4 r5]  OOM
+        [r0 r1 r2] ok   [r3 r4 r5] OOM
+                        [r3] ok  [r4 r5] OOM
+                                 [r4] OOM -> r4 fails   [r5] ok
+
+    Re-running is safe: a group writes the same K/V into the same slots again. Groups keep
+    the plan's order (decodes first), so each is a valid step on its own."""
+    logger.warning("step of %d requests (%d tokens) ran out of device memory: retrying "
+                   "in smaller groups", len(sched.scheduled), sched.num_scheduled_tokens)
+    results: list[_StepResult] = []
+    failed: list[tuple[str, str]] = []
+
+    def attempt(lo: int, hi: int) -> None:  # sched.scheduled[lo:hi]
+        group = sched.scheduled[lo:hi]
+        sub = replace(sched, scheduled=group,
+                      num_decodes=max(0, min(hi, sched.num_decodes) - lo),
+                      num_scheduled_tokens=sum(len(r.token_ids) for r in group),
+                      kv_fetches=[])
+        _release_device_cache()
+        try:
+            results.append(run_step(sub))
+            return
+        except torch.cuda.OutOfMemoryError as e:
+            if hi - lo == 1:
+                r = group[0]
+                failed.append((r.request_id, (
+                    f"out of device memory: this request ({len(r.token_ids)} new tokens, "
+                    f"{r.start_pos + len(r.token_ids)} in context) does not fit in the "
+                    f"memory left on its own: {e}")))
+                return
+        mid = (lo + hi) // 2
+        attempt(lo, mid)
+        attempt(mid, hi)
+
+    attempt(0, len(sched.scheduled))
+    _release_device_cache()
+    return results, failed
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig, disagg: DisaggSettings | None = None) -> None:
-        """``disagg``: a context / generation worker; its ranks start their KV transfer part
-        (rank 0's, ``DisaggRuntime``, is attached by ``AsyncLLM``)."""
+    def __init__(self, config: EngineConfig, disagg: DisaggSettings | None = None,
+                 wake: Callable[[], None] | None = None) -> None:
+        """``disagg``: a context / generation worker: the engine drives its KV connector (every
+        rank starts its part). ``wake``: called from transfer threads when the connector has
+        news for ``service_transfers`` (AsyncLLM's loop sleeps until then)."""
         self.config = config
         torch.manual_seed(config.seed)
         self.tokenizer: Tokenizer = load_tokenizer(config.model_dir)
@@ -162,7 +342,14 @@ class LLMEngine:
         self._states: dict[str, _State] = {}
         self._last_sched: SchedulerOutput | None = None
         self._steps = 0
-        self.transfer: DisaggRuntime | None = None  # set for context / generation workers
+        self.connector: KVConnector | None = None  # None: an aggregated worker
+        if disagg is not None:
+            try:
+                self.connector = _make_connector(disagg, config, self.runner,
+                                                 wake or (lambda: None))
+            except BaseException:
+                self.runner.shutdown()
+                raise
 
     @classmethod
     def from_options(cls, model_dir: str, **options: object) -> LLMEngine:
@@ -172,37 +359,7 @@ class LLMEngine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError for a request that can never be served (the server's 400)."""
-        if not prompt_token_ids:
-            raise ValueError("prompt: must not be empty")
-        vocab = self.config.model.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt: token id {bad} is out of range [0, {vocab})")
-        # Ids the model can never produce are a client's mistake too (another tokenizer's).
-        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"stop_token_ids: token id {bad} is out of range [0, {vocab})")
-        # What Scheduler._never_fits would finish with an error instead: a bad request.
-        sched = self.config.scheduler
-        if not sched.enable_chunked_context and len(prompt_token_ids) > sched.max_num_tokens:
-            raise ValueError(
-                f"prompt: has {len(prompt_token_ids)} tokens, more than max_num_tokens="
-                f"{sched.max_num_tokens}, and this worker prefills whole prompts only "
-                f"(enable_chunked_context is off)")
-        total = len(prompt_token_ids) + params.max_tokens
-        max_len = self.config.max_model_len
-        if total > max_len:
-            raise ValueError(
-                f"max_tokens: this model's maximum context length is {max_len} tokens; the "
-                f"prompt has {len(prompt_token_ids)} tokens and max_tokens is "
-                f"{params.max_tokens} ({total} in all)"
-            )
-        capacity = self.runner.num_blocks * self.config.cache.tokens_per_block
-        if total > capacity:
-            raise ValueError(
-                f"max_tokens: prompt + max_tokens = {total} tokens exceeds the KV cache "
-                f"capacity of {capacity} tokens"
-            )
+        _validate(self.config, self.runner.num_blocks, prompt_token_ids, params)
 
     def add_request(
         self,
@@ -228,58 +385,35 @@ class LLMEngine:
         """
         if request_id in self._states:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        ctx_params = None
+        ctx_params = params if context_only else None
         if context_only:
-            ctx_params = params
             params = context_only_params(params)
         self.validate(prompt_token_ids, params)
         max_queue = self.config.scheduler.max_queue
         if max_queue is not None and self.scheduler.num_waiting >= max_queue:
             raise QueueFullError(f"waiting queue is full ({max_queue} requests)")
+        if dummy_kv and (remote is not None or context_only):
+            raise ValueError("dummy_kv: only for a plain generation-only request")
+        if remote is not None and self.connector is None:
+            raise ValueError("disaggregated_params: this worker cannot pull KV")
         req = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=params,
             eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
         )
-        logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
-        if dummy_kv:
-            if remote is not None or context_only:
-                raise ValueError("dummy_kv: only for a plain generation-only request")
-            # The first "generated" token stands in for the context worker's: the last prompt
-            # token (any valid id would do).
-            req.output_token_ids = [req.prompt_token_ids[-1]]
-            req.status = RequestStatus.WAITING_FOR_REMOTE_KV
-            if logprobs is not None:
-                logprobs = [{}]
-        if remote is not None:
-            if self.transfer is None:
-                raise ValueError("disaggregated_params: this worker cannot pull KV")
-            # The context worker's first token is already an output; only its KV is missing.
-            req.output_token_ids = list(remote.first_gen_tokens)
-            req.status = RequestStatus.WAITING_FOR_REMOTE_KV
-            if logprobs is not None:
-                logprobs = list(remote.first_gen_logprobs or [{} for _ in req.output_token_ids])
         if arrival_time is not None:
             req.arrival_time = arrival_time
-        # Before min_tokens, EOS and stop tokens are masked out so the model cannot pick them.
-        banned = tuple(sorted(set(req.eos_token_ids) | set(params.stop_token_ids)))
-        self._states[request_id] = _State(
-            request=req,
-            detok=IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params),
-            metrics=RequestMetrics(arrival_time=req.arrival_time),
-            logprobs=logprobs,
-            prompt=prompt,
-            banned_until_min=banned if params.min_tokens > 0 else (),
-            ctx_params=ctx_params,
-            remote=remote,
-            dummy_kv=dummy_kv,
-            cache_remote_kv=cache_remote_kv,
-        )
+        st = _State.new(req, self.tokenizer, prompt, ctx_params, remote, dummy_kv)
+        st.cache_remote_kv = cache_remote_kv
+        self._states[request_id] = st
         self.scheduler.add_request(req)
+        if self.connector is None:
+            return
         # Only a request that may go on keeps its blocks: real max_tokens 1 is final anyway.
-        if (ctx_params is not None and ctx_params.max_tokens > 1 and self.transfer is not None
-                and not req.is_finished()):
+        kv = RequestKV(lease=ctx_params is not None and ctx_params.max_tokens > 1,
+                       remote=remote)
+        if self.connector.add_request(request_id, kv) and not req.is_finished():
             self.scheduler.hold_blocks_on_finish(request_id)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -290,17 +424,7 @@ class LLMEngine:
         self.scheduler.abort_request(request_id)
         st.request.status = RequestStatus.FINISHED_ABORTED
         del self._states[request_id]
-        self._release_remote(st)
         return self._make_output(st, "", finished=True)
-
-    def _release_remote(self, st: _State) -> None:
-        """A generation-only request is done with its context lease (pulled, failed, aborted):
-        the context worker may free the blocks now. Idempotent."""
-        if st.remote is None or st.remote_released or self.transfer is None:
-            return
-        st.remote_released = True
-        self.transfer.cancel_fetch(st.request.request_id)
-        self.transfer.release_remote(st.remote)
 
     def has_schedulable(self) -> bool:
         """True when a step could make progress (requests that only wait for their KV
@@ -308,34 +432,39 @@ class LLMEngine:
         sch = self.scheduler
         return len(sch.requests) > sch.num_fetching or sch.num_finished_unreported > 0
 
+    def idle_wait_s(self) -> float:
+        """How long an idle loop may sleep without a wake-up: short while the connector has
+        reads in flight or leases to expire."""
+        return 0.1 if self.connector is not None and self.connector.busy() else 0.5
+
+    def release_lease(self, lease_id: str) -> bool:
+        """Engine thread: end a context lease now (the router gave up on the answer)."""
+        return self.connector is not None and self.connector.release_lease(lease_id)
+
     def service_transfers(self) -> list[RequestOutput]:
-        """Engine thread, never blocks: free blocks of ended leases, expire leases, install
-        pulled KV (the request decodes from the next step) or fail requests whose pull
-        failed."""
-        rt = self.transfer
-        if rt is None:
+        """Engine thread, never blocks: free blocks of ended leases, expire leases, start
+        decoding requests whose pulled KV is in place, fail requests whose pull failed."""
+        if self.connector is None:
             return []
-        for rid in rt.drain_released():
+        done = self.connector.get_finished()
+        for rid in done.leases_ended:
             self.scheduler.release_held(rid)
-        ready, failed = rt.poll_fetches()
         outputs: list[RequestOutput] = []
-        for rid in ready:
+        for rid in done.loaded:
             st = self._states.get(rid)
-            if st is None:
-                continue
-            outputs.append(self._kv_in_place(st))
-            self._release_remote(st)  # the data is here: the context side frees its blocks
-        for rid, error in failed:
+            if st is not None:
+                outputs.append(self._kv_in_place(st))
+        for rid, error in done.failed:
             logger.warning("request %s: %s", rid, error)
             outputs.extend(self._fail_requests([rid], error))
         return self._collect_finished_without_step(outputs) if outputs else outputs
 
     def _kv_in_place(self, st: _State) -> RequestOutput:
-        """A generation-only request's prompt KV is in its blocks: it decodes from the next
+        """A request's prompt KV is in its blocks (pulled, or dummy): it decodes from the next
         step; its first output carries the context worker's token(s)."""
         rid = st.request.request_id
         now = time.monotonic()
-        self.scheduler.remote_kv_ready(rid, cache=st.remote is not None and st.cache_remote_kv)
+        self.scheduler.remote_kv_ready(rid, cache=not st.dummy_kv and st.cache_remote_kv)
         st.metrics.first_scheduled_time = st.metrics.first_scheduled_time or now
         st.metrics.first_token_time = now
         st.metrics.last_token_time = now
@@ -347,52 +476,53 @@ class LLMEngine:
             finished = True
         return self._make_output(st, delta, finished=finished)
 
-    def _start_fetches(self, sched: SchedulerOutput) -> list[RequestOutput]:
-        failed: list[str] = []
+    def _start_loads(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        """The plan allocated blocks for requests whose KV arrives from elsewhere: start their
+        pulls (a dummy-KV request's blocks count as filled at once)."""
+        failed: list[tuple[str, KVTransferError]] = []
         dummy: list[RequestOutput] = []
         for f in sched.kv_fetches:
             st = self._states[f.request_id]
             if st.dummy_kv:
                 dummy.append(self._kv_in_place(st))
                 continue
-            assert st.remote is not None and self.transfer is not None
+            assert self.connector is not None
             try:
-                self.transfer.start_fetch(f.request_id, st.remote, f.block_ids)
+                self.connector.start_load(f)
             except Exception as e:  # e.g. a backend that cannot start: fail this request only
                 logger.exception("starting the KV pull of %s failed", f.request_id)
-                failed.append(f.request_id)
-                st.request.error = f"kv transfer failed: {e!r}"
+                failed.append((f.request_id, KVTransferError.because(f": {e!r}")))
         outs: list[RequestOutput] = []
-        for rid in failed:
-            outs.extend(self._fail_requests([rid], self._states[rid].request.error or ""))
+        for rid, error in failed:
+            outs.extend(self._fail_requests([rid], error))
         return self._collect_finished_without_step(dummy) + outs if dummy else outs
 
-    def _finish_context_only(self, st: _State) -> None:
-        """A context-only request sampled its token: lease its blocks, or (a final answer:
-        EOS, stop token or string, real max_tokens 1) free them now."""
+    def _end(self, st: _State) -> None:
+        """The request ended: tell the connector once (a context-only answer that may go on
+        gets its lease there), and free blocks the scheduler held for it unless leased."""
+        if st.ended:
+            return
+        st.ended = True
         req = st.request
-        rid = req.request_id
-        assert st.ctx_params is not None
-        if st.detok.stopped and req.status == RequestStatus.FINISHED_LENGTH:
+        if st.ctx_params is not None and st.detok.stopped and (
+                req.status == RequestStatus.FINISHED_LENGTH):
             req.status = RequestStatus.FINISHED_STOPPED  # a stop string: final
             req.stop_reason = st.detok.stop_reason
-        blocks = self.scheduler.held.get(rid)
-        if blocks is None:
-            return  # final (or held nothing): the scheduler freed the blocks
-        if req.status != RequestStatus.FINISHED_LENGTH or self.transfer is None:
-            self.scheduler.release_held(rid)
-            return
-        try:
-            params = self.transfer.create_lease(
-                rid, blocks, req.prompt_token_ids, req.output_token_ids,
-                list(st.logprobs) if st.logprobs is not None else None)
-        except Exception as e:
-            logger.exception("leasing the blocks of %s failed", rid)
-            self.scheduler.release_held(rid)
-            req.status = RequestStatus.FINISHED_ERROR
-            req.error = f"kv lease failed: {e!r}"
-            return
-        st.disagg_out = params.to_dict()
+        held = self.scheduler.held.get(req.request_id)
+        if self.connector is not None:
+            try:
+                params = self.connector.request_finished(
+                    req, held, list(st.logprobs) if st.logprobs is not None else None)
+            except Exception as e:
+                logger.exception("leasing the blocks of %s failed", req.request_id)
+                req.status = RequestStatus.FINISHED_ERROR
+                req.error = f"kv lease failed: {e!r}"
+                params = None
+            if params is not None:
+                st.disagg_out = params.to_dict()
+                return  # held until the lease ends (service_transfers)
+        if held is not None:
+            self.scheduler.release_held(req.request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self._states)
@@ -404,8 +534,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Release the executor (stops and reaps the other ranks of a parallel worker)."""
-        if self.transfer is not None:
-            self.transfer.shutdown()
+        if self.connector is not None:
+            self.connector.shutdown()
         self.runner.shutdown()
 
     # ---- the step -------------------------------------------------------------------------
@@ -414,7 +544,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self._last_sched = sched
         self._steps += 1
-        outputs: list[RequestOutput] = self._start_fetches(sched) if sched.kv_fetches else []
+        outputs: list[RequestOutput] = self._start_loads(sched) if sched.kv_fetches else []
         if not sched.scheduled:
             # Still reported: requests the scheduler refused when they were added.
             self.scheduler.update_from_output(sched, {})
@@ -425,34 +555,9 @@ class LLMEngine:
             if st.metrics.first_scheduled_time is None:
                 st.metrics.first_scheduled_time = now
         try:
-            if self.transfer is not None and self.transfer.peers is not None:
-                # Context-only prefills completing now: lease them on every rank first.
-                self.transfer.announce_leases([
-                    (r.request_id, list(r.block_ids)) for r in sched.scheduled
-                    if r.sample and self.scheduler.holds(r.request_id)])
-            oom_failed: list[tuple[str, str]] = []
-            try:
-                results = [self._run_step(sched)]
-            except torch.cuda.OutOfMemoryError:
-                results = []  # retried below, once the error (and the frames holding the
-                # failed forward's activations) is released
-            if not results:
-                # A request too large for the memory left fails alone: re-run in smaller groups.
-                results, oom_failed = self._run_isolating_oom(sched)
-            sampled: dict[str, int] = {}
-            sampling_failed: list[tuple[str, str]] = list(oom_failed)
-            for rids, out in results:
-                if out is None:
-                    continue
-                for rid, tok, lp, err in zip(rids, out.token_ids, out.logprobs, out.errors,
-                                             strict=True):
-                    if err is not None:
-                        sampling_failed.append((rid, err))
-                        continue
-                    sampled[rid] = tok
-                    st = self._states[rid]
-                    if st.logprobs is not None and lp is not None:
-                        st.logprobs.append(lp)
+            if self.connector is not None:
+                self.connector.start_step(sched)
+            sampled, sampling_failed = self._execute(sched)
         except WorkerDiedError:
             raise  # not this step's fault: the engine cannot go on (AsyncLLM stops)
         except Exception as e:  # the step failed: fail its requests, keep the loop alive
@@ -467,6 +572,42 @@ class LLMEngine:
             logger.warning("request %s: %s", rid, err)
             outputs += self._fail_requests([rid], err)
         finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
+        outputs += self._outputs_of_step(sampled, finished)
+        return self._collect_finished_without_step(outputs)
+
+    def _execute(self, sched: SchedulerOutput) -> tuple[dict[str, int], list[tuple[str, str]]]:
+        """Run the plan and sample: (token by request id, requests whose own sampling or
+        memory failed with why)."""
+        oom_failed: list[tuple[str, str]] = []
+        try:
+            results = [self._run_step(sched)]
+        except torch.cuda.OutOfMemoryError:
+            results = []  # retried below, once the error (and the frames holding the failed
+            # forward's activations) is released
+        if not results:
+            # A request too large for the memory left fails alone: re-run in smaller groups.
+            results, oom_failed = _run_isolating_oom(self._run_step, sched)
+        sampled: dict[str, int] = {}
+        sampling_failed: list[tuple[str, str]] = list(oom_failed)
+        for rids, out in results:
+            if out is None:
+                continue
+            for rid, tok, lp, err in zip(rids, out.token_ids, out.logprobs, out.errors,
+                                         strict=True):
+                if err is not None:
+                    sampling_failed.append((rid, err))
+                    continue
+                sampled[rid] = tok
+                st = self._states[rid]
+                if st.logprobs is not None and lp is not None:
+                    st.logprobs.append(lp)
+        return sampled, sampling_failed
+
+    def _outputs_of_step(self, sampled: dict[str, int], finished: set[str]
+                         ) -> list[RequestOutput]:
+        """Detokenize the sampled tokens (a stop string ends a request here) and build the
+        outputs; ``finished``: the requests the scheduler ended this step (updated)."""
+        outputs: list[RequestOutput] = []
         now = time.monotonic()
         for rid, tok in sampled.items():
             st = self._states[rid]
@@ -480,8 +621,6 @@ class LLMEngine:
                 finished.add(rid)
             if rid in finished and not st.detok.stopped:
                 delta += st.detok.flush()
-            if rid in finished and st.ctx_params is not None:
-                self._finish_context_only(st)
             outputs.append(self._make_output(st, delta, finished=rid in finished))
         # Requests the scheduler ended without sampling (errors) still owe a final output.
         for rid in finished - set(sampled):
@@ -489,7 +628,7 @@ class LLMEngine:
             if st is None:  # aborted after the scheduler refused it: reported by the abort
                 continue
             outputs.append(self._make_output(st, st.detok.flush(), finished=True))
-        return self._collect_finished_without_step(outputs)
+        return outputs
 
     def _run_step(self, sched: SchedulerOutput) -> tuple[list[str], SamplerOutput | None]:
         """Execute ``sched`` and sample its rows: (sampling request ids, their draws)."""
@@ -513,50 +652,6 @@ class LLMEngine:
         )
         return rids, out
 
-    def _run_isolating_oom(self, sched: SchedulerOutput
-                           ) -> tuple[list[tuple[list[str], SamplerOutput | None]],
-                                      list[tuple[str, str]]]:
-        """The step ran out of device memory: run its requests again in halves, recursively,
-        until each group fits; a single request that still does not fit fails alone.
-
-            [r0 r1 r2 r3 r4 r5]  OOM
-            [r0 r1 r2] ok   [r3 r4 r5] OOM
-                            [r3] ok  [r4 r5] OOM
-                                     [r4] OOM -> r4 fails   [r5] ok
-
-        Re-running is safe: a group writes the same K/V into the same slots again. Groups keep
-        the plan's order (decodes first), so each is a valid step on its own."""
-        logger.warning("step of %d requests (%d tokens) ran out of device memory: retrying "
-                       "in smaller groups", len(sched.scheduled), sched.num_scheduled_tokens)
-        results: list[tuple[list[str], SamplerOutput | None]] = []
-        failed: list[tuple[str, str]] = []
-
-        def attempt(lo: int, hi: int) -> None:  # sched.scheduled[lo:hi]
-            group = sched.scheduled[lo:hi]
-            sub = replace(sched, scheduled=group,
-                          num_decodes=max(0, min(hi, sched.num_decodes) - lo),
-                          num_scheduled_tokens=sum(len(r.token_ids) for r in group),
-                          kv_fetches=[])
-            _release_device_cache()
-            try:
-                results.append(self._run_step(sub))
-                return
-            except torch.cuda.OutOfMemoryError as e:
-                if hi - lo == 1:
-                    r = group[0]
-                    failed.append((r.request_id, (
-                        f"out of device memory: this request ({len(r.token_ids)} new tokens, "
-                        f"{r.start_pos + len(r.token_ids)} in context) does not fit in the "
-                        f"memory left on its own: {e}")))
-                    return
-            mid = (lo + hi) // 2
-            attempt(lo, mid)
-            attempt(mid, hi)
-
-        attempt(0, len(sched.scheduled))
-        _release_device_cache()
-        return results, failed
-
     def _collect_finished_without_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         # The scheduler may end a request during schedule() (e.g. one that can never fit).
         reported = {o.request_id for o in outputs}
@@ -565,14 +660,11 @@ class LLMEngine:
                 outputs.append(self._make_output(st, st.detok.flush(), finished=True))
         for o in outputs:
             if o.finished:
-                st = self._states.pop(o.request_id, None)
-                if st is not None:
-                    self._release_remote(st)
-                    if st.ctx_params is not None and st.disagg_out is None and self.transfer:
-                        self.transfer.not_leased(o.request_id)
+                self._states.pop(o.request_id, None)
         return outputs
 
-    def _fail_requests(self, request_ids: list[str], error: str) -> list[RequestOutput]:
+    def _fail_requests(self, request_ids: list[str], error: str | KVTransferError
+                       ) -> list[RequestOutput]:
         outputs = []
         for rid in request_ids:
             st = self._states.get(rid)
@@ -580,43 +672,16 @@ class LLMEngine:
                 continue
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
             st.request.status = RequestStatus.FINISHED_ERROR
-            st.request.error = error
+            st.request.error = str(error)
+            if isinstance(error, KVTransferError):
+                st.kv_error = error
             outputs.append(self._make_output(st, "", finished=True))
         return self._collect_finished_without_step(outputs)
 
     def _make_output(self, st: _State, delta_text: str, finished: bool) -> RequestOutput:
-        req = st.request
         if finished:
-            st.metrics.finished_time = time.monotonic()
-        tokens = list(req.output_token_ids)
-        delta_tokens = tokens[st.sent_tokens :]
-        st.sent_tokens = len(tokens)
-        delta_lp = None
-        if st.logprobs is not None:
-            delta_lp = st.logprobs[st.sent_logprobs :]
-            st.sent_logprobs = len(st.logprobs)
-        comp = CompletionOutput(
-            index=0,
-            text=st.detok.text,
-            token_ids=tokens,
-            delta_text=delta_text,
-            delta_token_ids=delta_tokens,
-            logprobs=list(st.logprobs) if st.logprobs is not None else None,
-            delta_logprobs=delta_lp,
-            finish_reason=req.status.finish_reason if finished else None,
-            stop_reason=req.stop_reason if finished else None,
-        )
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=[comp],
-            finished=finished,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-            metrics=st.metrics,
-            error=req.error if finished else None,
-            prompt=st.prompt,
-            disaggregated_params=st.disagg_out if finished else None,
-        )
+            self._end(st)
+        return st.output(delta_text, finished)
 
     # ---- introspection --------------------------------------------------------------------
 
@@ -638,30 +703,51 @@ class LLMEngine:
         )
 
 
+@dataclass(frozen=True)
+class _Add:
+    """AsyncLLM command: ``LLMEngine.add_request`` with these arguments."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+    arrival_time: float
+    context_only: bool
+    remote: ContextParams | None
+    dummy_kv: bool
+    cache_remote_kv: bool
+
+
+@dataclass(frozen=True)
+class _Abort:
+    """AsyncLLM command: abort a request (its consumer went away)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _ReleaseLease:
+    """AsyncLLM command: end a context lease now."""
+
+    lease_id: str
+
+
+# What the asyncio side asks of the engine thread, in order.
+_Command = _Add | _Abort | _ReleaseLease
+
+
 class AsyncLLM:
     """Runs an LLMEngine on a background thread for asyncio callers (the HTTP server)."""
 
     def __init__(self, config: EngineConfig, disagg: DisaggSettings | None = None) -> None:
         self.config = config
-        self.engine = LLMEngine(config, disagg)
-        self.tokenizer = self.engine.tokenizer
-        self._cmds: queue.SimpleQueue[tuple[str, tuple]] = queue.SimpleQueue()
+        self._cmds: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wake = threading.Event()
-        if disagg is not None:
-            from disagg.disaggregation import DisaggRuntime
-
-            runner = self.engine.runner
-            peers = runner if isinstance(runner, DistributedExecutor) else None
-            kv_cache = runner.runner.kv_cache if peers is not None else runner.kv_cache
-            try:
-                self.engine.transfer = DisaggRuntime(disagg, config, kv_cache, self._wake.set,
-                                                     peers=peers)
-            except BaseException:
-                self.engine.shutdown()
-                raise
+        self.engine = LLMEngine(config, disagg, wake=self._wake.set)
+        self.tokenizer = self.engine.tokenizer
         # New on every start: a router seeing another id knows its view of our cache is stale.
-        self.worker_id = (self.engine.transfer.worker_id if self.engine.transfer is not None
-                          else uuid.uuid4().hex)
+        connector = self.engine.connector
+        self.worker_id = connector.worker_id if connector is not None else uuid.uuid4().hex
         self.kv_events = KVEventLog()
         self._stop = threading.Event()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -709,15 +795,15 @@ class AsyncLLM:
         return self.engine.stats()
 
     @property
-    def transfer(self) -> DisaggRuntime | None:
-        """The KV transfer side of a context / generation worker (None when aggregated)."""
-        return self.engine.transfer
+    def transfer(self) -> KVConnector | None:
+        """The KV connector of a context / generation worker (None when aggregated)."""
+        return self.engine.connector
 
     def release_remote(self, params: ContextParams) -> None:
         """Release a context lease for a generation-only request refused before it reached
         the engine (thread-safe: the client only submits to its own loop)."""
-        if self.engine.transfer is not None:
-            self.engine.transfer.release_remote(params)
+        if self.engine.connector is not None:
+            self.engine.connector.release_remote(params)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -752,9 +838,8 @@ class AsyncLLM:
                 raise ValueError(f"request_id: {request_id!r} is already in use")
             self._sinks[request_id] = (loop, sink)
             self._pending_adds += 1
-        self._cmds.put(("add", (request_id, list(prompt_token_ids), params, prompt,
-                                time.monotonic(), context_only, remote, dummy_kv,
-                                cache_remote_kv)))
+        self._cmds.put(_Add(request_id, list(prompt_token_ids), params, prompt,
+                            time.monotonic(), context_only, remote, dummy_kv, cache_remote_kv))
         self._wake.set()
         finished = False
         try:
@@ -772,21 +857,21 @@ class AsyncLLM:
             with self._sinks_lock:
                 self._sinks.pop(request_id, None)
             if not finished:  # consumer went away (client disconnect, cancel): free its blocks
-                self._cmds.put(("abort", (request_id,)))
+                self._cmds.put(_Abort(request_id))
                 self._wake.set()
 
     def release_lease(self, lease_id: str) -> bool:
         """Ask the engine thread to end a context lease now (thread-safe). True if the lease
         was live when asked."""
-        rt = self.engine.transfer
-        if rt is None or rt.leases is None or lease_id not in rt.leases:
+        connector = self.engine.connector
+        if connector is None or not connector.lease_is_live(lease_id):
             return False
-        self._cmds.put(("release_lease", (lease_id,)))
+        self._cmds.put(_ReleaseLease(lease_id))
         self._wake.set()
         return True
 
     async def abort(self, request_id: str) -> None:
-        self._cmds.put(("abort", (request_id,)))
+        self._cmds.put(_Abort(request_id))
         self._wake.set()
 
     # ---- the loop thread ------------------------------------------------------------------
@@ -805,29 +890,27 @@ class AsyncLLM:
     def _drain_commands(self) -> None:
         while True:
             try:
-                kind, args = self._cmds.get_nowait()
+                cmd = self._cmds.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                (rid, tokens, params, prompt, arrival, context_only, remote, dummy_kv,
-                 cache_remote_kv) = args
+            if isinstance(cmd, _Add):
                 with self._sinks_lock:
                     self._pending_adds -= 1
                 try:
-                    self.engine.add_request(rid, tokens, params, prompt, arrival,
-                                            context_only=context_only, remote=remote,
-                                            dummy_kv=dummy_kv,
-                                            cache_remote_kv=cache_remote_kv)
+                    self.engine.add_request(
+                        cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.prompt,
+                        cmd.arrival_time, context_only=cmd.context_only, remote=cmd.remote,
+                        dummy_kv=cmd.dummy_kv, cache_remote_kv=cmd.cache_remote_kv)
                 except Exception as e:  # validation raced with a config change, queue full, ...
-                    if remote is not None:
-                        self.release_remote(remote)
-                    self._deliver(rid, e)
-            elif kind == "abort":
-                out = self.engine.abort_request(args[0])
+                    if cmd.remote is not None:
+                        self.release_remote(cmd.remote)
+                    self._deliver(cmd.request_id, e)
+            elif isinstance(cmd, _Abort):
+                out = self.engine.abort_request(cmd.request_id)
                 if out is not None:
-                    self._deliver(args[0], out)
-            elif kind == "release_lease" and self.engine.transfer is not None:
-                self.engine.transfer.release_lease(args[0])
+                    self._deliver(cmd.request_id, out)
+            else:
+                self.engine.release_lease(cmd.lease_id)
 
     def _loop(self) -> None:
         try:
@@ -847,8 +930,7 @@ class AsyncLLM:
                     self.kv_events.append(self.engine.kv.take_events())  # aborts, releases
                     # Idle, or only waiting for KV pulls (their futures wake us) and lease
                     # expiries (swept every few hundred ms).
-                    rt = self.engine.transfer
-                    self._wake.wait(timeout=0.1 if rt is not None and rt.busy() else 0.5)
+                    self._wake.wait(timeout=self.engine.idle_wait_s())
         except BaseException as e:  # a bug in the engine itself: report and stop serving
             logger.exception("engine loop died")
             self._error = e

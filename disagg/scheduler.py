@@ -1,15 +1,27 @@
-"""In-flight batching scheduler (TensorRT-LLM semantics, REFERENCE section 2; torch-free).
+"""In-flight batching scheduler, the way TensorRT-LLM batches (torch-free).
 
-One call to ``schedule`` plans one model step:
+One call to ``schedule`` plans one model step (an iteration):
 
 1. generation first: every RUNNING request that is decoding gets its 1 token;
 2. then RUNNING requests in the middle of a chunked prefill get their next chunk;
 3. then WAITING requests, first come first served, with prefix-cache hits applied;
    a request whose KV comes from another worker (WAITING_FOR_REMOTE_KV) takes its place in the
-   same queue: it gets blocks for its prompt and is listed in ``kv_fetches``; the engine pulls
-   the KV and calls ``remote_kv_ready``, after which the request decodes like any other;
+   same queue: it gets blocks for its prompt and is listed in ``kv_fetches``; the engine's KV
+   connector pulls the KV and the engine calls ``remote_kv_ready``, after which the request
+   decodes like any other;
 
-within ``max_batch_size`` requests and ``max_num_tokens`` tokens per step. The engine runs the
+within ``max_batch_size`` requests and ``max_num_tokens`` tokens per step (a decode counts one
+token, a prefill chunk its length). A prompt that does not fit the tokens left waits for the
+next step, unless chunked context is on: then it takes what is left, rounded down to whole KV
+blocks, and goes on in the next step (which is also what lets a prompt exceed
+``max_num_tokens``). Under GUARANTEED_NO_EVICT a request is admitted only when blocks for its
+whole life (prompt + max_tokens) can be reserved, and nothing is ever preempted; under
+MAX_UTILIZATION it is admitted on the blocks it needs now, and when blocks run out the request
+started last is preempted and later recomputed.
+
+This module is status bookkeeping only: which requests wait, run, wait for remote KV, or keep
+their blocks after finishing (``held``); moving KV between workers is the connector's
+(``disagg.kv_connector``). The engine runs the
 model on the plan and calls ``update_from_output`` with the sampled tokens; that is where
 ``num_computed_tokens`` advances, full blocks enter the prefix cache and stops are checked.
 
@@ -54,10 +66,6 @@ class SchedulerOutput:
     num_running: int  # after scheduling (for metrics)
     num_waiting: int
     kv_fetches: list[KVFetch] = field(default_factory=list)  # transfers to start now
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 @dataclass
@@ -237,10 +245,6 @@ class Scheduler:
         KV a generation worker will pull); they wait in ``held`` until ``release_held``. A stop
         (EOS, stop token) or an abort frees them as usual: that answer is final."""
         self._hold.add(request_id)
-
-    def holds(self, request_id: str) -> bool:
-        """True if the request's blocks will be held when it finishes by length."""
-        return request_id in self._hold
 
     def release_held(self, request_id: str) -> bool:
         """Free the blocks held for a finished request (lease confirmed, expired or released).

@@ -48,8 +48,8 @@ from test_router_live import LoopThread
 
 from disagg.cluster_auth import sign_http
 from disagg.config import build_engine_config
-from disagg.disaggregation import DisaggSettings
 from disagg.engine import AsyncLLM
+from disagg.kv_connector.settings import DisaggSettings
 from disagg.router.app import ROUTER_KEY, build_router_app, start_router
 from disagg.router.config import parse_cluster_config
 from disagg.server import protocol as P

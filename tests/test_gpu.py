@@ -19,7 +19,7 @@ from test_transfer_service import expected as _expected
 from test_transfer_service import same_bytes as _bytes_equal
 
 from disagg import LLM, SamplingParams
-from disagg.disaggregation import _alloc_out, _install, _Read
+from disagg.kv_connector.pull import Read, alloc_out, install
 from disagg.layout import TransferPiece
 from disagg.transfer import KVTransferClient, KVTransferServer, LeaseTable, ReadRequest
 from disagg.transfer.payload import payload_shape
@@ -196,11 +196,11 @@ def test_install_into_gpu_cache_equals_cpu_install(fmt: str, payload_on: str) ->
             out = payload.clone()
         elif payload_on == "pinned":
             out = payload.clone().pin_memory()
-        else:  # as _submit_reads allocates it: under the receive stream
-            out = _alloc_out(tuple(payload.shape), kv, device_direct=True)
+        else:  # as submit_reads allocates it: under the receive stream
+            out = alloc_out(tuple(payload.shape), kv, device_direct=True)
             out.copy_(payload)
             torch.cuda.synchronize()
-        _install(kv, dst_ids, [_Read(piece, req, out, None)], n_tokens)  # type: ignore[arg-type]
+        install(kv, dst_ids, [Read(piece, req, out, None)], n_tokens)  # type: ignore[arg-type]
         caches[device] = kv
     torch.cuda.synchronize()
     assert torch.equal(caches["cuda"].cpu(), caches["cpu"])

@@ -10,11 +10,11 @@ import pytest
 from server_fixtures import serve_in_thread, wait_for
 
 from disagg.config import build_engine_config
-from disagg.disaggregation import DisaggSettings
 from disagg.engine import AsyncLLM
 from disagg.kv_cache.block_pool import KVCacheEvent
 from disagg.kv_cache.events import KVEventLog
 from disagg.kv_cache.hashing import BLOCK_HASH_SCHEME, hash_token_blocks
+from disagg.kv_connector.settings import DisaggSettings
 from disagg.server.app import ServerSettings, build_app
 
 B = 16

@@ -1,5 +1,6 @@
-"""Scheduler: in-flight batching (REFERENCE section 2), chunked context, prefix hits, capacity
-policies, preemption, stops, aborts. Every plan is checked exactly: ids, positions, tokens,
+"""Scheduler: in-flight batching (decodes first, then prefills, within max_batch_size requests
+and max_num_tokens tokens per step), chunked context, prefix hits, capacity policies,
+preemption, stops, aborts. Every plan is checked exactly: ids, positions, tokens,
 blocks."""
 
 from __future__ import annotations
@@ -67,11 +68,14 @@ class Driver:
             self.step()
 
 
-# -- REFERENCE worked example ------------------------------------------------------------
+# -- a worked example of in-flight batching --------------------------------------------------
 
 
-def test_reference_worked_example() -> None:
-    """max_batch_size=4, max_num_tokens=12, five 5-token prompts, no chunking."""
+def test_worked_example_of_in_flight_batching() -> None:
+    """max_batch_size=4, max_num_tokens=12, five 5-token prompts, no chunking: step 1 takes
+    two prompts (10 tokens; the third does not fit the 2 left), step 2 the two decodes plus two
+    more prompts (2 + 10 = 12 tokens, 4 requests: full), and a request that stops frees its
+    batch slot for the fifth prompt in the next step."""
     sched = make_sched(max_batch_size=4, max_num_tokens=12, enable_chunked_context=False)
     prompts = {f"r{i}": [10 * i + j for j in range(5)] for i in range(1, 6)}
     for rid, prompt in prompts.items():

@@ -9,8 +9,8 @@ import asyncio
 import pytest
 
 from disagg.config import build_engine_config
-from disagg.disaggregation import DisaggSettings
 from disagg.engine import AsyncLLM, RequestOutput
+from disagg.kv_connector.settings import DisaggSettings
 from disagg.request import SamplingParams
 from disagg.transfer.params import ContextParams
 

@@ -28,8 +28,8 @@ from server_fixtures import serve_in_thread, signed, wait_for
 
 from disagg.cluster_auth import PeerAllowlist
 from disagg.config import build_engine_config
-from disagg.disaggregation import DisaggSettings
 from disagg.engine import AsyncLLM
+from disagg.kv_connector.settings import DisaggSettings
 from disagg.server.app import ServerSettings, build_app
 
 TOKEN = "worker-auth-test-secret"

@@ -155,7 +155,7 @@ def _client_main(backend: str, env: dict[str, str], address_q: Any, events: Any)
                 try:
                     req = ReadRequest(lease_id, ids, (0, LAYERS), (0, KV_HEADS))
                     shape = payload_shape(tuple(kv.shape), req)
-                    if on_gpu:  # as disaggregation._alloc_out: under a stream nothing runs on
+                    if on_gpu:  # as kv_connector.pull.alloc_out: under a stream nothing runs on
                         with torch.cuda.stream(side):
                             out = torch.empty(shape, dtype=kv.dtype, device="cuda")
                     else:

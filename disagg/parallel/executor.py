@@ -32,13 +32,26 @@ import torch.distributed as dist
 
 from disagg.config import ConfigError, EngineConfig
 from disagg.env import STARTUP_TIMEOUT_S
+from disagg.kv_connector.messages import TransferEvent, TransferMessage
 from disagg.layout import ParallelLayout
+from disagg.parallel.messages import (
+    GetStats,
+    Loaded,
+    Probe,
+    ProbeReply,
+    RankFailed,
+    Ready,
+    ResetStats,
+    StatsReply,
+    Step,
+    Stop,
+    encode,
+)
 from disagg.parallel.worker import (
     CommStats,
     RankComm,
     StageWorker,
     dist_timeout_s,
-    encode,
     rank_device,
     rank_main,
     threads_per_rank,
@@ -47,7 +60,7 @@ from disagg.runner import ModelRunner
 from disagg.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
-    from disagg.disaggregation import DisaggSettings
+    from disagg.kv_connector.settings import DisaggSettings
 
 logger = logging.getLogger("disagg.parallel")
 
@@ -73,7 +86,7 @@ def _stop_children(procs: list[BaseProcess], conns: list[Connection], grace_s: f
     """Ask every child to stop, wait up to ``grace_s`` in all, kill and reap the rest."""
     for c in conns:
         try:
-            c.send_bytes(encode("stop"))
+            c.send_bytes(encode(Stop()))
         except (OSError, ValueError):  # already dead / closed
             pass
     deadline = time.monotonic() + grace_s
@@ -97,7 +110,7 @@ class _Resources:
     procs: list[BaseProcess] = field(default_factory=list)
     conns: list[Connection] = field(default_factory=list)  # index r - 1 talks to rank r
     event_conns: list[Connection] = field(default_factory=list)  # rank r's events (r - 1)
-    events: deque[tuple[Any, ...]] = field(default_factory=deque)
+    events: deque[TransferEvent] = field(default_factory=deque)
     event_callback: Callable[[], None] | None = None
     stopping: threading.Event = field(default_factory=threading.Event)
     store: Any = None  # the TCPStore rank 0 serves the rendezvous from
@@ -171,7 +184,7 @@ class DistributedExecutor:
         self._procs = self._res.procs
         self._conns = self._res.conns
         # KV transfer (context / generation workers): the transfer server addresses from the
-        # ranks' "ready" (their events arrive on _res.event_conns).
+        # ranks' Ready (their events arrive on _res.event_conns).
         self.transfer_addresses: list[str | None] = []
         self._finalizer = weakref.finalize(self, _release, self._res, STOP_GRACE_S)
         device = rank_device(config.device, 0)
@@ -216,8 +229,8 @@ class DistributedExecutor:
                 torch.set_num_threads(threads_per_rank(world))
             self.runner = ModelRunner(config, self.layout, agree_num_blocks=self._agree,
                                       device=device)
-            ready = self._wait_all("ready", time.monotonic() + startup_timeout_s())
-            self.transfer_addresses = [ready[r][1] for r in range(1, world)]
+            ready = self._wait_all(Ready, time.monotonic() + startup_timeout_s())
+            self.transfer_addresses = [ready[r].transfer_address for r in range(1, world)]
         except BaseException:
             # The other ranks may be blocked in the rendezvous: no point asking them to stop.
             self._res.stopping.set()
@@ -242,12 +255,12 @@ class DistributedExecutor:
     def _agree(self, num_blocks: int) -> int:
         # Every other rank has loaded its shard before anyone blocks in the rendezvous, so a
         # rank that fails to load is reported (with its traceback) instead of timing out.
-        self._wait_all("loaded", time.monotonic() + startup_timeout_s())
+        self._wait_all(Loaded, time.monotonic() + startup_timeout_s())
         self.comm.init(self._res.store, self._timeout_s)
         return self.comm.min_over_ranks(num_blocks)
 
-    def _wait_all(self, kind: str, deadline: float) -> dict[int, Any]:
-        """Wait for message ``kind`` from every child; raise on an error or a dead child."""
+    def _wait_all(self, kind: type, deadline: float) -> dict[int, Any]:
+        """Wait for a ``kind`` message from every child; raise on an error or a dead child."""
         got: dict[int, Any] = {}
         while len(got) < len(self._procs):
             pending = [r for r in range(1, len(self._procs) + 1) if r not in got]
@@ -255,48 +268,54 @@ class DistributedExecutor:
             objs += [self._procs[r - 1].sentinel for r in pending]
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not wait(objs, remaining):
-                raise WorkerStartupError(f"ranks {pending} did not report {kind!r} within "
+                raise WorkerStartupError(f"ranks {pending} did not report "
+                                         f"{kind.__name__!r} within "
                                          f"{startup_timeout_s():.0f}s")
             for r in pending:
                 conn, proc = self._conns[r - 1], self._procs[r - 1]
                 if conn.poll():
                     try:
-                        msg_kind, payload = conn.recv()
+                        msg = conn.recv()
                     except EOFError:
-                        msg_kind, payload = "error", None
-                    if msg_kind == "error":
+                        msg = RankFailed("")
+                    if isinstance(msg, RankFailed):
                         proc.join(5.0)
                         raise WorkerStartupError(
                             f"rank {r} (pid {proc.pid}) failed to start"
-                            + (f":\n{payload}" if payload else
+                            + (f":\n{msg.traceback}" if msg.traceback else
                                f" (exit code {proc.exitcode})"))
-                    if msg_kind == kind:
-                        got[r] = payload
+                    if isinstance(msg, kind):
+                        got[r] = msg
                 elif not proc.is_alive():
                     raise WorkerStartupError(f"rank {r} (pid {proc.pid}) exited with code "
                                              f"{proc.exitcode} while starting")
         return got
 
-    # ---- KV transfer: control out, events in (disaggregation.RankPeers) ---------------------
+    # ---- KV transfer: control out, events in (kv_connector.disagg_connector.RankPeers) ------
 
     @property
     def world_size(self) -> int:
         return self.layout.world_size
 
-    def send_all(self, kind: str, payload: Any) -> None:
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """Rank 0's own slice of the KV cache (its layers, its kv heads)."""
+        return self.runner.kv_cache
+
+    def send_all(self, msg: TransferMessage) -> None:
         """A transfer control message to every other rank (engine thread, like ``execute``):
         in order with the steps, so rank r handles it before the next step."""
         if self.error is not None:
             raise WorkerDiedError(self.error)
-        msg = encode(kind, payload)
+        data = encode(msg)
         try:
             for c in self._conns:
-                c.send_bytes(msg)
+                c.send_bytes(data)
         except OSError as e:
             self._fail(f"a rank stopped reading its control pipe: {e!r}")
             raise WorkerDiedError(self.error or repr(e)) from e
 
-    def take_events(self) -> list[tuple[Any, ...]]:
+    def take_events(self) -> list[TransferEvent]:
         out = []
         while True:
             try:
@@ -332,7 +351,7 @@ class DistributedExecutor:
             raise WorkerDiedError(self.error)
         try:
             t0 = time.perf_counter()
-            msg = encode("step", sched)
+            msg = encode(Step(sched))
             for c in self._conns:
                 c.send_bytes(msg)
             dt = time.perf_counter() - t0
@@ -351,37 +370,38 @@ class DistributedExecutor:
             self._fail(reason)
             raise WorkerDiedError(self.error or reason) from e
 
-    def _answers(self, kind: str, timeout_s: float) -> list[Any]:
-        """Each other rank's answer to the ``kind`` request just sent, rank order."""
+    def _answers(self, kind: type, timeout_s: float) -> list[Any]:
+        """Each other rank's ``kind`` answer to the request just sent, rank order."""
         out = []
         for r, c in enumerate(self._conns, start=1):
             if not c.poll(timeout_s):
-                raise WorkerDiedError(f"rank {r} did not answer a {kind} request")
-            got, payload = c.recv()
-            if got != kind:
-                raise WorkerDiedError(f"rank {r} answered {got!r} to a {kind} request")
-            out.append(payload)
+                raise WorkerDiedError(f"rank {r} did not answer with {kind.__name__}")
+            got = c.recv()
+            if not isinstance(got, kind):
+                raise WorkerDiedError(f"rank {r} answered {got!r}, not {kind.__name__}")
+            out.append(got)
         return out
 
     def comm_stats(self) -> list[dict[str, Any]]:
         """Every rank's ``CommStats`` (as dicts, rank order). Call from the engine's thread."""
         for c in self._conns:
-            c.send_bytes(encode("stats"))
-        return [asdict(self.comm.stats), *self._answers("stats", 30.0)]
+            c.send_bytes(encode(GetStats()))
+        return [asdict(self.comm.stats), *(a.stats for a in self._answers(StatsReply, 30.0))]
 
     def probe_comm(self, num_tokens: int, iters: int = 50) -> list[dict[str, float]]:
         """Every rank's pure transfer time (ms) of one ``[num_tokens, hidden]`` all-reduce / stage
         hop (``RankComm.probe``), rank order. Call from the engine's thread, between steps."""
-        args = ((num_tokens, self.config.model.hidden_size), self.runner.dtype, iters)
+        msg = Probe((num_tokens, self.config.model.hidden_size), self.runner.dtype, iters)
         for c in self._conns:
-            c.send_bytes(encode("probe", args))
-        mine = self.comm.probe(*args)  # collective: runs alongside the other ranks' probes
-        return [mine, *self._answers("probe", 60.0)]
+            c.send_bytes(encode(msg))
+        # collective: runs alongside the other ranks' probes
+        mine = self.comm.probe(msg.shape, msg.dtype, msg.iters)
+        return [mine, *(a.result for a in self._answers(ProbeReply, 60.0))]
 
     def reset_comm_stats(self) -> None:
         self.comm.stats = CommStats(rank=0)
         for c in self._conns:
-            c.send_bytes(encode("reset_stats"))
+            c.send_bytes(encode(ResetStats()))
 
     def shutdown(self) -> None:
         """Stop and reap every rank, leave the process group, close the store. Idempotent;

@@ -2,11 +2,11 @@
 the spawned ranks (1 .. world_size-1; rank 0 is the engine's own process).
 
 Two planes:
-- control (rank 0 -> rank r, pickled): a ``multiprocessing`` pipe per rank carries each step's
-  ``SchedulerOutput`` (and stop / stats requests). A rank blocks on its pipe while the engine
-  is idle, however long, and sees EOF at once if rank 0 dies. Pipes rather than a collective so
-  that no collective ever waits on an idle server (a timeout would fire) and no extra gloo
-  group is needed next to NCCL.
+- control (rank 0 -> rank r, pickled ``messages``): a ``multiprocessing`` pipe per rank carries
+  each step's ``SchedulerOutput`` (and stop / stats requests, KV transfer control). A rank
+  blocks on its pipe while the engine is idle, however long, and sees EOF at once if rank 0
+  dies. Pipes rather than a collective so that no collective ever waits on an idle server (a
+  timeout would fire) and no extra gloo group is needed next to NCCL.
 - data (torch.distributed, gloo on CPU / NCCL on CUDA): the TP all-reduce of the row-parallel
   partial sums, hidden states from stage s to stage s+1 (each TP rank to the same TP rank of
   the next stage: after the all-reduce they hold identical activations), and the sampling
@@ -41,12 +41,26 @@ import torch.distributed as dist
 
 from disagg.config import EngineConfig
 from disagg.env import DIST_TIMEOUT_S
+from disagg.kv_connector.messages import TransferEvent, TransferMessage
 from disagg.layout import ParallelLayout
+from disagg.parallel.messages import (
+    GetStats,
+    Loaded,
+    Probe,
+    ProbeReply,
+    RankFailed,
+    Ready,
+    ResetStats,
+    StatsReply,
+    Step,
+    Stop,
+)
 from disagg.runner import ModelRunner
 from disagg.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
-    from disagg.disaggregation import DisaggSettings
+    from disagg.kv_connector.rank import RankTransfer
+    from disagg.kv_connector.settings import DisaggSettings
 
 logger = logging.getLogger("disagg.parallel")
 
@@ -58,9 +72,6 @@ def dist_timeout_s() -> float:
     """
     return DIST_TIMEOUT_S.get()
 
-
-# Control messages for a rank's KV transfer part (disaggregation.RankTransfer.handle).
-TRANSFER_MESSAGES = frozenset({"leases", "lease_release", "fetch", "cancel_fetch"})
 
 # How often a rank checks that rank 0 (its parent) is still alive.
 PARENT_POLL_S = 0.5
@@ -257,24 +268,19 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(3)
 
 
-def encode(kind: str, payload: Any = None) -> bytes:
-    """A control message (rank 0 -> rank r)."""
-    return pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL)
-
-
 def rank_main(config: EngineConfig, layout: ParallelLayout, store_host: str, store_port: int,
               parent_pid: int, conn: Connection, log_level: int,
               timeout_s: float, disagg: DisaggSettings | None = None,
               events: Connection | None = None) -> None:
     """Entry point of rank ``layout.rank`` >= 1 (a ``spawn`` child of rank 0).
 
-    Startup: load this rank's shard, tell rank 0 ("loaded"), join the process group, agree
+    Startup: load this rank's shard, tell rank 0 (``Loaded``), join the process group, agree
     on the block count, allocate the KV cache, start this rank's KV transfer part (context /
-    generation workers), tell rank 0 ("ready", (pid, transfer address or None)). Then execute
-    the steps rank 0 sends until "stop" (exit 0) or until rank 0 is gone / a step fails (exit
-    1, the traceback sent to rank 0 first). Transfer control messages go to ``RankTransfer``;
-    its events go back on ``events``. Ignores SIGINT / SIGTERM: a Ctrl-C or a group-wide
-    SIGTERM is rank 0's to handle, and rank 0 stops its ranks after draining.
+    generation workers), tell rank 0 (``Ready``). Then execute the messages rank 0 sends until
+    ``Stop`` (exit 0) or until rank 0 is gone / a step fails (exit 1, the traceback sent to
+    rank 0 first). Transfer control messages go to ``RankTransfer``; its events go back on
+    ``events``. Ignores SIGINT / SIGTERM: a Ctrl-C or a group-wide SIGTERM is rank 0's to
+    handle, and rank 0 stops its ranks after draining.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -284,77 +290,93 @@ def rank_main(config: EngineConfig, layout: ParallelLayout, store_host: str, sto
                         format=f"%(asctime)s %(levelname)s rank{layout.rank} %(name)s: "
                                f"%(message)s")
     try:
-        device = rank_device(config.device, layout.rank)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        else:
-            torch.set_num_threads(threads_per_rank(layout.world_size))
-        comm = RankComm(layout, device)
-
-        def agree(num_blocks: int) -> int:
-            conn.send(("loaded", num_blocks))
-            store = dist.TCPStore(store_host, store_port, is_master=False,
-                                  timeout=datetime.timedelta(seconds=timeout_s))
-            comm.init(store, timeout_s)
-            return comm.min_over_ranks(num_blocks)
-
-        runner = ModelRunner(config, layout, agree_num_blocks=agree, device=device)
-        worker = StageWorker(runner, comm)
-        transfer = None
-        if disagg is not None:
-            from disagg.disaggregation import RankTransfer
-
-            assert events is not None
-            send_lock = threading.Lock()
-
-            def emit(event: tuple[Any, ...]) -> None:
-                with send_lock:  # server, sweep and installer threads all report
-                    try:
-                        events.send(event)
-                    except OSError:  # rank 0 is gone; the main loop will notice
-                        pass
-
-            transfer = RankTransfer(disagg, config, layout.rank, runner.kv_cache, emit)
-        conn.send(("ready", (os.getpid(), transfer.address if transfer is not None else None)))
-        logger.debug("rank %d ready: layers %s, kv heads %s, %d blocks", layout.rank,
-                     layout.layer_range, layout.kv_head_range, runner.num_blocks)
+        worker, transfer = _start_rank(config, layout, store_host, store_port, conn,
+                                       timeout_s, disagg, events)
     except BaseException:
         _report_and_exit(conn, "startup")
         return
     try:
-        while True:
-            try:
-                kind, payload = pickle.loads(conn.recv_bytes())
-            except (EOFError, OSError):
-                os._exit(1)  # rank 0 is gone without saying stop
-            if kind == "step":
-                worker.step(payload)
-            elif kind in TRANSFER_MESSAGES:
-                if transfer is None:
-                    raise RuntimeError(f"{kind!r} sent to a rank without KV transfer")
-                transfer.handle(kind, payload)
-            elif kind == "stats":
-                conn.send(("stats", asdict(comm.stats)))
-            elif kind == "reset_stats":
-                comm.stats = CommStats(rank=layout.rank)
-            elif kind == "probe":
-                conn.send(("probe", comm.probe(*payload)))
-            elif kind == "stop":
-                break
-            else:
-                raise RuntimeError(f"unknown control message {kind!r}")
+        _serve(conn, worker, transfer)
     except BaseException:
         _report_and_exit(conn, "step")
     if transfer is not None:
         transfer.shutdown()
-    comm.close()
+    worker.comm.close()
+
+
+def _start_rank(config: EngineConfig, layout: ParallelLayout, store_host: str, store_port: int,
+                conn: Connection, timeout_s: float, disagg: DisaggSettings | None,
+                events: Connection | None) -> tuple[StageWorker, RankTransfer | None]:
+    """Load the shard, join the group, allocate the cache, start the transfer part; report
+    ``Ready``."""
+    device = rank_device(config.device, layout.rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(threads_per_rank(layout.world_size))
+    comm = RankComm(layout, device)
+
+    def agree(num_blocks: int) -> int:
+        conn.send(Loaded(num_blocks))
+        store = dist.TCPStore(store_host, store_port, is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        comm.init(store, timeout_s)
+        return comm.min_over_ranks(num_blocks)
+
+    runner = ModelRunner(config, layout, agree_num_blocks=agree, device=device)
+    worker = StageWorker(runner, comm)
+    transfer = None
+    if disagg is not None:
+        from disagg.kv_connector.rank import RankTransfer
+
+        assert events is not None
+        send_lock = threading.Lock()
+
+        def emit(event: TransferEvent) -> None:
+            with send_lock:  # server, sweep and installer threads all report
+                try:
+                    events.send(event)
+                except OSError:  # rank 0 is gone; the main loop will notice
+                    pass
+
+        transfer = RankTransfer(disagg, config, layout.rank, runner.kv_cache, emit)
+    conn.send(Ready(os.getpid(), transfer.address if transfer is not None else None))
+    logger.debug("rank %d ready: layers %s, kv heads %s, %d blocks", layout.rank,
+                 layout.layer_range, layout.kv_head_range, runner.num_blocks)
+    return worker, transfer
+
+
+def _serve(conn: Connection, worker: StageWorker, transfer: RankTransfer | None) -> None:
+    """Handle rank 0's messages until ``Stop``; exits the process if rank 0 is gone."""
+    comm = worker.comm
+    while True:
+        try:
+            msg = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            os._exit(1)  # rank 0 is gone without saying stop
+        if isinstance(msg, Step):
+            worker.step(msg.sched)
+        elif isinstance(msg, TransferMessage):
+            if transfer is None:
+                raise RuntimeError(f"{msg!r} sent to a rank without KV transfer")
+            transfer.handle(msg)
+        elif isinstance(msg, GetStats):
+            conn.send(StatsReply(asdict(comm.stats)))
+        elif isinstance(msg, ResetStats):
+            comm.stats = CommStats(rank=comm.layout.rank)
+        elif isinstance(msg, Probe):
+            conn.send(ProbeReply(comm.probe(msg.shape, msg.dtype, msg.iters)))
+        elif isinstance(msg, Stop):
+            return
+        else:
+            raise RuntimeError(f"unknown control message {msg!r}")
 
 
 def _report_and_exit(conn: Connection, phase: str) -> None:
     tb = traceback.format_exc()
     logger.error("rank failed during %s:\n%s", phase, tb)
     try:
-        conn.send(("error", tb))
+        conn.send(RankFailed(tb))
     except OSError:
         pass
     # os._exit: no interpreter teardown that could block on a half-done collective.

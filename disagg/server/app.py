@@ -42,7 +42,6 @@ from starlette.requests import ClientDisconnect
 
 from disagg import __version__
 from disagg.cluster_auth import AUTH_HEADER, AuthError, HttpVerifier, PeerAllowlist
-from disagg.disaggregation import KV_TRANSFER_ERROR
 from disagg.engine import EngineDeadError, QueueFullError
 from disagg.kv_cache.hashing import BLOCK_HASH_SCHEME
 from disagg.layout import ParallelLayout, check_compatible
@@ -253,8 +252,8 @@ class _FanOut:
 
 
 def _transfer_failed(out: Any) -> bool:
-    error = getattr(out, "error", None)
-    return isinstance(error, str) and error.startswith(KV_TRANSFER_ERROR)
+    # The engine types the failure (RequestOutput.kv_transfer_error); ``error`` is its text.
+    return getattr(out, "kv_transfer_error", None) is not None
 
 
 def _transfer_error(error: str) -> P.APIError:

@@ -256,7 +256,7 @@ def _disagg_settings(role: str, engine_options: dict[str, Any], *, benchmark_gen
         if role not in DISAGG_ROLES:
             return None
         from disagg.cluster_auth import PeerAllowlist, resolve_cluster_token
-        from disagg.disaggregation import DisaggSettings
+        from disagg.kv_connector.settings import DisaggSettings
 
         if kv_lease_ttl is None or kv_lease_ttl <= 0:
             raise ValueError("kv_lease_ttl: must be > 0")

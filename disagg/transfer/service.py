@@ -504,7 +504,7 @@ class KVTransferClient:
 
         GPU ``out``: the transport writes it outside any CUDA stream, so it must not be in use
         by queued GPU work (allocate it under a stream nothing else runs on, e.g.
-        ``disaggregation._submit_reads``); its bytes are in place when the future is done."""
+        ``kv_connector.pull.submit_reads``); its bytes are in place when the future is done."""
         if not out.is_contiguous() or out.device.type not in ("cpu", "cuda"):
             raise ValueError("out must be a contiguous CPU or CUDA tensor")
         staged: str | None = None

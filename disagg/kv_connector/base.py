@@ -1,0 +1,156 @@
+"""The engine's one boundary to KV that crosses workers: ``KVConnector``.
+
+An aggregated worker has no connector (``LLMEngine.connector is None``). A context or generation
+worker has one, built by ``make_connector``; the engine calls the hooks below and knows nothing
+of leases, transports, ranks or layouts. The shape follows vLLM's ``KVConnectorBase_V1`` (a
+scheduler side and a worker side), cut down to the hooks this engine calls.
+
+Who calls what (every hook runs on the engine thread unless it says otherwise)::
+
+    add_request        LLMEngine.add_request, after the scheduler queued the request
+    start_step         LLMEngine.step, after scheduling, before the model runs the plan
+    start_load         LLMEngine.step, for each KVFetch of the plan (blocks just allocated)
+    get_finished       LLMEngine.service_transfers, once per loop turn, before step
+    request_finished   once per request, when the engine builds its final output (any status)
+    release_lease      AsyncLLM's engine thread (the router gave up on a context answer)
+    release_remote     any thread (a generation-only request refused before it was queued)
+    busy               the idle engine loop: how soon to come back without a wake-up
+
+Rules every implementation keeps:
+
+- Never block the engine loop: transports run on their own threads and report through
+  ``get_finished``; a callback from such a thread may only enqueue and call ``wake``.
+- Blocks are always freed. The scheduler owns them: a request's blocks are freed when it ends,
+  except when ``add_request`` asked to hold them and it ended by length; then the engine hands
+  them to ``request_finished``. If that returns None (or raises) the engine frees them at once;
+  if it returns params they stay held until ``get_finished`` names the request in
+  ``leases_ended`` (confirmed, released or expired), and then the engine frees them.
+- A load that started is either reported by ``get_finished`` (loaded or failed) or cancelled by
+  ``request_finished`` (abort, error): a late write must never land in blocks reused since.
+- A remote lease this worker was handed is given back exactly once: when its KV is in place,
+  or on every path that ends the request without it.
+
+Where later work plugs in without touching the engine loop:
+
+- Layer-wise streaming (the context side sends each layer's KV as the prefill produces it, the
+  generation side starts pulling before the prefill ends): ``start_step`` already sees, before
+  the model runs, which context-only requests complete their prefill in this step and their
+  blocks; a streaming implementation registers them there with a per-layer save hook installed
+  on the runner, and its ``get_finished`` reports the lease as usual. On the generation side,
+  ``start_load`` may begin pulling layers as the context side announces them; the request
+  decodes when ``get_finished`` lists it as loaded, as today.
+- A GPU-direct transport is a ``TransportBackend`` (``disagg.transfer.backends``) whose
+  connections move device memory; the pull code here already lands payloads in GPU memory when
+  the client says it can (``device_payloads``). Nothing above the transport changes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from disagg.kv_connector.errors import KVTransferError
+from disagg.request import Request
+from disagg.scheduler import KVFetch, SchedulerOutput
+from disagg.transfer.params import ContextParams
+from disagg.transfer.stats import TransferStatsSnapshot
+
+
+@dataclass(frozen=True)
+class RequestKV:
+    """What a new request asks of the connector (from ``LLMEngine.add_request``)."""
+
+    # A context-only request that may go on after its first token: lease its blocks to a
+    # generation worker when it finishes by length.
+    lease: bool = False
+    # A generation-only request: its prompt KV is pulled from the context worker named here.
+    remote: ContextParams | None = None
+
+
+@dataclass(frozen=True)
+class FinishedTransfers:
+    """What ``get_finished`` reports since its last call."""
+
+    # Requests whose held blocks may be freed now (their lease ended on every rank).
+    leases_ended: list[str] = field(default_factory=list)
+    # Requests whose prompt KV is in their blocks (every rank): they decode from the next step.
+    loaded: list[str] = field(default_factory=list)
+    # Requests whose pull failed: the engine fails them (their blocks are freed then).
+    failed: list[tuple[str, KVTransferError]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.leases_ended or self.loaded or self.failed)
+
+
+class KVConnector(ABC):
+    """A worker's KV transfer side, driven by the engine (see the module docstring)."""
+
+    role: str  # the worker's role (a ``Role`` value)
+    worker_id: str  # new on every start: peers seeing another id know the worker restarted
+
+    # ---- scheduler side -----------------------------------------------------------------------
+
+    @abstractmethod
+    def add_request(self, request_id: str, kv: RequestKV) -> bool:
+        """A request was queued (also one the scheduler refused at once: it still ends through
+        ``request_finished``). Returns True if the scheduler must hold its blocks when it
+        finishes by length (see the block rule in the module docstring)."""
+
+    @abstractmethod
+    def request_finished(self, request: Request, held_blocks: list[int] | None,
+                         logprobs: list[dict[int, float]] | None) -> ContextParams | None:
+        """The request ended (``request.status`` is final); called once, before its final
+        output is built. ``held_blocks``: the blocks the scheduler held for it, or None.
+        Returns the params that put them under a lease (they go out with the answer), or None:
+        nothing is leased and the engine frees ``held_blocks``. May raise if the lease could
+        not be made: the engine then frees the blocks and fails the request. Also where a
+        load in flight is cancelled and a remote lease is given back."""
+
+    # ---- worker side --------------------------------------------------------------------------
+
+    @abstractmethod
+    def start_step(self, sched: SchedulerOutput) -> None:
+        """The plan about to run (before the model): prepare what must exist before any of
+        its outputs can leave this worker (e.g. leases on every rank)."""
+
+    @abstractmethod
+    def start_load(self, fetch: KVFetch) -> None:
+        """Start pulling a request's prompt KV into ``fetch.block_ids``; returns at once. Raises
+        if the pull cannot even start (the engine then fails this request only)."""
+
+    @abstractmethod
+    def get_finished(self) -> FinishedTransfers:
+        """Never blocks: leases that ended, loads that finished or failed since the last
+        call. Finished loads are installed in the cache before they are reported."""
+
+    # ---- outside the step ---------------------------------------------------------------------
+
+    @abstractmethod
+    def release_lease(self, lease_id: str) -> bool:
+        """End a lease nobody will read now, instead of at its expiry; its blocks are freed
+        through ``get_finished``. False if it was not live."""
+
+    @abstractmethod
+    def lease_is_live(self, lease_id: str) -> bool:
+        """Whether this worker holds the lease (any thread)."""
+
+    @abstractmethod
+    def release_remote(self, params: ContextParams) -> None:
+        """Give back a context lease this worker was handed but will not read (any thread)."""
+
+    @abstractmethod
+    def busy(self) -> bool:
+        """Whether something needs the engine loop back soon without a wake-up (lease expiry
+        sweeps, reads in flight)."""
+
+    @abstractmethod
+    def info(self) -> dict[str, object]:
+        """What the worker advertises about its KV transfer (``/v1/cluster_info``)."""
+
+    @abstractmethod
+    def stats_snapshot(self) -> TransferStatsSnapshot:
+        """Transfer counters of the whole worker (every rank), for metrics (any thread)."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop serving and close connections (the engine's shutdown)."""

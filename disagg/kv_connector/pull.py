@@ -1,0 +1,192 @@
+"""One rank's share of pulling a request's prompt KV: shared by rank 0 (``DisaggConnector``)
+and ranks 1..N-1 (``RankTransfer``) of a generation worker.
+
+For each context rank whose layers / kv heads overlap this rank's (``plan_pulls``), one coalesced
+read lands in a private receive buffer (never freed under a transfer in flight); once every read
+of the request is done, ``install`` copies the payloads into the request's own blocks of this
+rank's cache. Installing only then, on the thread that owns the cache, is what keeps an abort
+mid-transfer from letting a late write land in blocks that were reused since.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from disagg.config import EngineConfig
+from disagg.kv_connector.errors import KVTransferError
+from disagg.kv_connector.settings import DisaggSettings
+from disagg.layout import ParallelLayout, RankLayout, TransferPiece, WorkerLayout, plan_pulls
+from disagg.transfer.backends import make_backend
+from disagg.transfer.base import ReadRequest, TransferError
+from disagg.transfer.kvcopy import scatter_tokens
+from disagg.transfer.params import ContextParams
+from disagg.transfer.stats import TransferStats
+
+logger = logging.getLogger("disagg.kv_connector")
+
+
+def worker_layout(config: EngineConfig) -> WorkerLayout:
+    """The ``WorkerLayout`` of a worker's ranks (``ParallelLayout`` -> transfer layout)."""
+    ranks = ParallelLayout.all_ranks(config.model, config.parallel)
+    first = ranks[0]
+    return WorkerLayout(
+        tp_size=first.tp_size, pp_size=first.pp_size, num_layers=first.num_layers_total,
+        num_kv_heads=first.num_kv_heads_total, head_dim=first.head_dim,
+        tokens_per_block=config.cache.tokens_per_block, dtype=config.dtype,
+        ranks=tuple(RankLayout(r.rank, r.tp_rank, r.pp_rank, r.layer_range, r.kv_head_range)
+                    for r in ranks),
+    )
+
+
+@dataclass
+class Read:
+    """One read in flight: a piece of the plan, its request, its private receive buffer."""
+
+    piece: TransferPiece
+    request: ReadRequest
+    out: torch.Tensor
+    future: cf.Future
+
+
+_RECEIVE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_RECEIVE_STREAMS_LOCK = threading.Lock()
+
+
+def _receive_stream(device: torch.device) -> torch.cuda.Stream:
+    """A stream no kernel ever runs on, under which GPU receive buffers are allocated: the
+    caching allocator hands such a buffer out again only once every stream it was used on
+    (``record_stream`` in ``install``) has finished with it, so the transport, which writes
+    outside any stream, never lands in memory that queued work still reads."""
+    with _RECEIVE_STREAMS_LOCK:
+        stream = _RECEIVE_STREAMS.get(device)
+        if stream is None:
+            stream = _RECEIVE_STREAMS[device] = torch.cuda.Stream(device)
+        return stream
+
+
+def alloc_out(shape: tuple[int, ...], kv: torch.Tensor, device_direct: bool) -> torch.Tensor:
+    """A private receive buffer: GPU memory when the transport moves it, pinned host memory
+    for a GPU cache otherwise, plain host memory for a CPU cache."""
+    if kv.device.type == "cuda" and device_direct:
+        with torch.cuda.stream(_receive_stream(kv.device)):
+            return torch.empty(shape, dtype=kv.dtype, device=kv.device)
+    return torch.empty(shape, dtype=kv.dtype, pin_memory=kv.device.type == "cuda")
+
+
+def log_kv_path(client: Any, kv: torch.Tensor, where: str) -> None:
+    """Say once per client how pulled KV reaches a GPU cache (and why not directly)."""
+    if kv.device.type != "cuda":
+        return
+    ok, how = client.device_support
+    if ok:
+        logger.info("%s: pulled KV goes GPU to GPU (%s)", where, how)
+    else:
+        logger.warning("%s: pulled KV is staged in pinned host memory: %s", where, how)
+
+
+def submit_reads(client: Any, params: ContextParams, dst: WorkerLayout, dst_rank: int,
+                  kv: torch.Tensor, on_done: Callable[[cf.Future], None]) -> list[Read]:
+    """Start rank ``dst_rank``'s reads of a request: one per context rank it needs. Payloads
+    land in GPU memory when ``kv``, this rank's cache, is on a GPU and the client's transport
+    moves GPU memory; else in host memory (pinned for a GPU cache)."""
+    device_direct = kv.device.type == "cuda" and bool(getattr(client, "device_payloads",
+                                                              False))
+    src = params.layout
+    # Same block size: whole blocks (server may send straight from its cache); else the
+    # token-major format, scattered into our differently sized blocks.
+    fmt = "blocks" if src.tokens_per_block == dst.tokens_per_block else "tokens"
+    # Prompt positions [0, num_tokens) live in the context table's first
+    # ceil(num_tokens / B_src) blocks; a piece is layers [l0, l1) x kv heads [h0, h1) of them.
+    n_src_blocks = math.ceil(params.num_tokens / src.tokens_per_block)
+    src_blocks = tuple(params.block_ids[:n_src_blocks])
+    reads: list[Read] = []
+    for piece in plan_pulls(src, dst, dst_rank):
+        req = ReadRequest(lease_id=params.ctx_request_id, block_ids=src_blocks,
+                          layer_slice=piece.src_layer_slice,
+                          head_slice=piece.src_head_slice, num_tokens=params.num_tokens,
+                          format=fmt)
+        nl = piece.layers[1] - piece.layers[0]
+        nh = piece.heads[1] - piece.heads[0]
+        shape = ((len(src_blocks), nl, 2, nh, src.tokens_per_block, src.head_dim)
+                 if fmt == "blocks" else (nl, 2, nh, params.num_tokens, src.head_dim))
+        out = alloc_out(shape, kv, device_direct)  # private: never freed under a transfer
+        fut = client.read(params.addresses[piece.src_rank], req, out)
+        fut.add_done_callback(on_done)
+        reads.append(Read(piece, req, out, fut))
+    return reads
+
+
+def install(kv: torch.Tensor, block_ids: list[int], reads: list[Read], num_tokens: int
+            ) -> None:
+    """Copy finished reads into this rank's blocks of the request. On a GPU the copies are
+    queued on the device's current stream, ahead of any step that reads these blocks; a
+    payload already in GPU memory (device-direct transfer) is read there, no host copy."""
+    B = kv.shape[4]
+    for r in reads:
+        p = r.piece
+        if r.out.device == kv.device:
+            payload = r.out
+            if kv.device.type == "cuda":
+                # r.out was allocated under the receive stream: keep the allocator from
+                # handing it out again before this stream's copies below have read it.
+                payload.record_stream(torch.cuda.current_stream(kv.device))
+        else:
+            # Pinned host -> GPU without waiting; the caching host allocator keeps r.out
+            # alive until the copy has run.
+            payload = r.out.to(kv.device, non_blocking=True)
+        if r.request.format == "tokens":
+            scatter_tokens(kv, block_ids, payload, p.dst_layer_slice, p.dst_head_slice)
+            continue
+        # Same block size: block i of the context table is block i of ours.
+        blocks = torch.tensor(block_ids[:math.ceil(num_tokens / B)], dtype=torch.long,
+                              device=kv.device)
+        (l0, l1), (h0, h1) = p.dst_layer_slice, p.dst_head_slice
+        if (l0, l1) == (0, kv.shape[1]) and (h0, h1) == (0, kv.shape[3]):
+            kv.index_copy_(0, blocks, payload)
+        else:
+            view = kv[:, l0:l1, :, h0:h1]
+            view[blocks] = payload
+
+
+def first_error(reads: list[Read]) -> BaseException | None:
+    return next((r.future.exception() for r in reads if r.future.exception() is not None),
+                None)
+
+
+def describe_failure(err: BaseException, params: ContextParams, reads: list[Read]
+                     ) -> KVTransferError:
+    where = ", ".join(sorted({params.addresses[r.piece.src_rank] for r in reads}))
+    if isinstance(err, TransferError):
+        return KVTransferError.because(
+            f" ({err.code}) pulling lease {params.ctx_request_id!r} from {where}: "
+            f"{err.message or err.code}", code=err.code)
+    return KVTransferError.because(f" pulling from {where}: {err!r}")
+
+
+def make_client(own: Any, backend: str, settings: DisaggSettings, stats: TransferStats,
+                kv: torch.Tensor, where: str) -> Any:
+    """A transfer client over ``backend`` (this worker's own backend object when it is the
+    same one), logging once how its payloads reach ``kv``."""
+    from disagg.transfer.service import KVTransferClient
+
+    b = own if backend == own.name.upper() else make_backend(backend)
+    client = KVTransferClient(b, settings.cluster_token, timeout_s=settings.read_timeout_s,
+                              stats=stats)
+    log_kv_path(client, kv, f"{where} over {b.name}")
+    return client
+
+
+def log_release_failure(fut: cf.Future) -> None:
+    if fut.cancelled():
+        return
+    e = fut.exception()
+    if e is not None:  # expired / unknown lease or a dead context worker: nothing to free
+        logger.info("lease release not confirmed: %s", e)

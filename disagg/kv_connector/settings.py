@@ -1,0 +1,28 @@
+"""Settings of a worker's KV connector (context / generation role). Torch-free: the server's
+command line builds them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from disagg.cluster_auth import PeerAllowlist
+from disagg.roles import Role
+
+
+@dataclass(frozen=True)
+class DisaggSettings:
+    """Transfer settings of a context / generation worker."""
+
+    role: Role | str  # Role.CONTEXT or Role.GENERATION (a str enum: "context" compares equal)
+    cluster_token: str
+    backend: str = "TCP"  # this worker's backend (the context side serves with it)
+    host: str = "127.0.0.1"  # where the transfer server listens (context role)
+    lease_ttl_s: float = 30.0
+    ucx_profile: str = "same_host"
+    read_timeout_s: float = 30.0
+    # Generation role: context workers that requests not signed by the cluster may name.
+    kv_peer_allowlist: PeerAllowlist = field(default_factory=PeerAllowlist)
+
+# How often expired leases are ended: by the engine loop on rank 0, by the transfer server's own
+# sweeper on ranks 1..N-1.
+SWEEP_INTERVAL_S = 0.25
