@@ -29,6 +29,8 @@ import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from disagg.server.protocol import error_body
+
 logger = logging.getLogger("disagg.server")
 
 HEADER_TIMEOUT_S = 30.0  # a request's head (request line + headers) must arrive within this
@@ -51,8 +53,7 @@ Send = Callable[[Message], Awaitable[None]]
 
 
 def _error_json(status: int, message: str, type: str, code: str | None) -> bytes:
-    return json.dumps({"error": {"message": message, "type": type, "param": None,
-                                 "code": code}}, separators=(",", ":")).encode()
+    return json.dumps(error_body(message, type, code=code), separators=(",", ":")).encode()
 
 
 async def _send_error(send: Send, status: int, message: str, type: str = "invalid_request_error",
