@@ -29,6 +29,7 @@ from disagg.cluster_auth import AUTH_HEADER
 from disagg.roles import RequestType, Role
 from disagg.server import protocol as P
 from disagg.server.fanout import Choice
+from disagg.server.formats import ChatFormat, Format
 from disagg.server.state import ServerState
 from disagg.transfer.layout import check_compatible
 from disagg.transfer.params import ContextParams
@@ -84,11 +85,12 @@ def remote_params(srv: ServerState, req: Any, prompt_ids: list[int] | None, sign
     return params
 
 
-def disagg_choice(srv: ServerState, request: Request, req: Any, prompt: str | list[int] | None,
-                  text: str | None, kind: RequestType, rid: str, chat: bool) -> Choice:
+def disagg_choice(srv: ServerState, request: Request, fmt: Format,
+                  prompt: str | list[int] | None, text: str | None, kind: RequestType) -> Choice:
     """The one choice of a context_only or generation_only request. ``prompt``: text or ids to
     encode (a chat prompt arrives encoded), or None when the ids come from
     ``disaggregated_params.prompt_token_ids``."""
+    req, chat = fmt.req, isinstance(fmt, ChatFormat)
     dp = req.disaggregated_params
     generation = kind is RequestType.GENERATION_ONLY
     ids: list[int] | None = None
@@ -120,7 +122,7 @@ def disagg_choice(srv: ServerState, request: Request, req: Any, prompt: str | li
     request.state.lease_taken = True  # from here the engine releases it on every path
     # Only KV the cluster vouches for may be reused by other requests: anyone else could send
     # KV that does not belong to prompt_token_ids.
-    return Choice(0, rid, 0, ids, text, params, context_only=not generation,
+    return Choice(0, fmt.rid, 0, ids, text, params, context_only=not generation,
                   remote=remote, dummy_kv=dummy, cache_remote_kv=signed)
 
 

@@ -25,6 +25,9 @@ class Format(abc.ABC):
     text is held back keeps its logprobs for the next one (``take_logprobs``).
     """
 
+    request_model: type[P.CompletionRequest] | type[P.ChatCompletionRequest]
+    id_prefix: str  # of the response's id
+
     def __init__(self, srv: ServerState, req: Any, rid: str) -> None:
         self.srv = srv
         self.req = req
@@ -103,6 +106,9 @@ def finish_of(out: Any) -> tuple[str | None, int | str | None]:
 
 
 class CompletionFormat(Format):
+    request_model = P.CompletionRequest
+    id_prefix = "cmpl"
+
     def response(self, choices: list[Choice]) -> dict[str, Any]:
         items = []
         for c in choices:
@@ -131,6 +137,9 @@ class CompletionFormat(Format):
 
 
 class ChatFormat(Format):
+    request_model = P.ChatCompletionRequest
+    id_prefix = "chatcmpl"
+
     @property
     def top_n(self) -> int:
         return self.req.top_logprobs or 0

@@ -20,7 +20,7 @@ from disagg.roles import RequestType
 from disagg.server import protocol as P
 from disagg.server.disagg_requests import disagg_choice, releasing_refused, request_type
 from disagg.server.fanout import Choice
-from disagg.server.formats import ChatFormat, CompletionFormat
+from disagg.server.formats import ChatFormat, CompletionFormat, Format
 from disagg.server.respond import respond
 from disagg.server.state import ServerState
 
@@ -41,29 +41,27 @@ class OpenAIRoutes:
                           releasing_refused(srv, self.chat_completions), methods=["POST"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
 
-    async def _admit(self, request: Request, model: type[Any]) -> Any:
-        """The checks every OpenAI request passes first: API key, body, schema, model name,
-        and whether this worker takes requests now."""
+    async def _admit(self, request: Request, fmt: type[Format]) -> Format:
+        """The checks every OpenAI request passes first (API key, body, schema, model name,
+        whether this worker takes requests now); the request's response format."""
         srv = self.srv
         srv.access.check_api_key(request)
-        req = P.parse_request(model, await srv.read_body(request))
+        req = P.parse_request(fmt.request_model, await srv.read_body(request))
         if req.model_extra:
             logger.info("ignoring unknown request fields: %s", sorted(req.model_extra))
         srv.check_model(req.model)
         srv.check_accepting()
-        return req
+        return fmt(srv, req, P.new_id(fmt.id_prefix))
 
     async def completions(self, request: Request) -> Response:
         t_arrival = time.monotonic()
-        srv = self.srv
-        req: P.CompletionRequest = await self._admit(request, P.CompletionRequest)
-        rid = P.new_id("cmpl")
-        fmt = CompletionFormat(srv, req, rid)
+        fmt = await self._admit(request, CompletionFormat)
+        srv, req, rid = self.srv, fmt.req, fmt.rid
         prompts = req.prompts()
         kind = request_type(srv, req, len(prompts))
         if kind is not None:
-            choice = disagg_choice(srv, request, req, prompts[0], None, kind, rid, chat=False)
-            return await respond(srv, request, req, [choice], fmt, t_arrival)
+            choice = disagg_choice(srv, request, fmt, prompts[0], None, kind)
+            return await respond(srv, request, [choice], fmt, t_arrival)
         choices: list[Choice] = []
         n = req.n
         for pi, prompt in enumerate(prompts):
@@ -75,20 +73,18 @@ class OpenAIRoutes:
                 index = pi * n + i  # OpenAI's order: choices of prompt 0, then prompt 1, ...
                 sub_id = rid if len(prompts) * n == 1 else f"{rid}-{index}"
                 choices.append(Choice(index, sub_id, pi, ids, text, P.choice_params(params, i)))
-        return await respond(srv, request, req, choices, fmt, t_arrival)
+        return await respond(srv, request, choices, fmt, t_arrival)
 
     async def chat_completions(self, request: Request) -> Response:
         t_arrival = time.monotonic()
-        srv = self.srv
-        req: P.ChatCompletionRequest = await self._admit(request, P.ChatCompletionRequest)
-        rid = P.new_id("chatcmpl")
-        fmt = ChatFormat(srv, req, rid)
+        fmt = await self._admit(request, ChatFormat)
+        srv, req, rid = self.srv, fmt.req, fmt.rid
         messages = req.chat_messages()
         kind = request_type(srv, req, 1)
         if kind is RequestType.GENERATION_ONLY and "prompt_token_ids" in req.disaggregated_params:
             # The context worker's token ids are the prompt (no second tokenization).
-            choice = disagg_choice(srv, request, req, None, None, kind, rid, chat=True)
-            return await respond(srv, request, req, [choice], fmt, t_arrival)
+            choice = disagg_choice(srv, request, fmt, None, None, kind)
+            return await respond(srv, request, [choice], fmt, t_arrival)
         try:
             text = srv.engine.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=req.add_generation_prompt)
@@ -98,15 +94,15 @@ class OpenAIRoutes:
         # The template writes the special tokens (bos) itself.
         ids = srv.encode_prompt(text, add_special_tokens=False, field="messages")
         if kind is not None:
-            choice = disagg_choice(srv, request, req, ids, text, kind, rid, chat=True)
-            return await respond(srv, request, req, [choice], fmt, t_arrival)
+            choice = disagg_choice(srv, request, fmt, ids, text, kind)
+            return await respond(srv, request, [choice], fmt, t_arrival)
         params = req.to_sampling_params(len(ids), srv.max_model_len, srv.kv_capacity_tokens())
         choices = [
             Choice(i, rid if req.n == 1 else f"{rid}-{i}", 0, ids, text,
                    P.choice_params(params, i))
             for i in range(req.n)
         ]
-        return await respond(srv, request, req, choices, fmt, t_arrival)
+        return await respond(srv, request, choices, fmt, t_arrival)
 
     async def models(self, request: Request) -> dict[str, Any]:
         srv = self.srv

@@ -11,7 +11,6 @@ while waiting) has its engine requests aborted at once, which frees their KV blo
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -25,11 +24,11 @@ from disagg.server.state import ClientGone, ServerState
 CLIENT_CLOSED = 499
 
 
-async def respond(srv: ServerState, request: Request, req: Any, choices: list[Choice],
-                  fmt: Format, t_arrival: float) -> Response:
-    """Run ``choices`` and answer ``request`` (streamed when ``req.stream``)."""
+async def respond(srv: ServerState, request: Request, choices: list[Choice], fmt: Format,
+                  t_arrival: float) -> Response:
+    """Run ``choices`` and answer ``request`` (streamed when the client asked for a stream)."""
     fan = FanOut(srv, choices, t_arrival)
-    if req.stream:
+    if fmt.req.stream:
         try:
             await srv.until_disconnect(request, fan.start())
         except ClientGone:
