@@ -34,8 +34,8 @@ from disagg.router.router import Router
 from disagg.router.upstream import Failed
 from disagg.server import protocol as P
 from disagg.server.access import bearer_ok
+from disagg.server.http_guard import MAX_BODY_BYTES  # the workers' limit, the router's too
 
-MAX_BODY_BYTES = 64 << 20  # long prompts as token id lists are large
 LARGE_BODY_BYTES = 32 << 10  # requests above this are tokenized on a thread, not the loop
 
 
