@@ -122,3 +122,22 @@ def test_failed_reasons() -> None:
     assert Failed("x").reason == "connection_failed"
     assert Failed("x", Reply.error(503, "y")).reason == "status_503"
     assert Failed("x", Reply.error(502, "y"), kv_transfer=True).reason == "kv_transfer_failed"
+
+
+def test_models_needs_the_api_key_before_any_worker_is_asked() -> None:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from disagg.router.app import build_router_app
+
+    async def main() -> tuple[int, int, dict[str, Any]]:
+        app = build_router_app(parse_cluster_config(
+            {"api_key": "k", "max_retries": 0, "health_check_interval_sec": 10,
+             "generation_servers": {"urls": URLS[:1]}}, "test"))
+        async with TestClient(TestServer(app)) as client:
+            bare = await client.get("/v1/models")
+            keyed = await client.get("/v1/models", headers={"Authorization": "Bearer k"})
+            return bare.status, keyed.status, await keyed.json()
+
+    bare, keyed, body = asyncio.run(main())
+    assert bare == 401
+    assert keyed == 503 and body["error"]["code"] == "no_healthy_worker"  # nothing listens

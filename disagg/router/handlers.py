@@ -82,9 +82,9 @@ class Handlers:
                      ) -> web.StreamResponse:
         """Send the request whole, or through the two calls (see ``flow``)."""
         router, flow = self.router, self.router.flow
-        disaggregated = router.membership.disaggregated
+        m = router.membership
         body = None
-        if disaggregated or router.need_tokens:
+        if m.disaggregated or router.need_tokens:
             body = _checked_body(path, raw)
         route = RouteRequest()
         if router.need_tokens and body is not None:
@@ -93,7 +93,7 @@ class Handlers:
                     router.tokens.prepared_route, path, body, router.block_sizes())
             else:
                 route = router.route_request(path, body)
-        if body is None or not disaggregated or not _splittable(path, body):
+        if body is None or not m.disaggregated or not _splittable(path, body):
             return await flow.whole(request, st, path, raw, route)
         first_gen = None
         cond = self.config.conditional_disagg
@@ -133,6 +133,9 @@ class Handlers:
         """A generation worker's ``/v1/models`` (the next one when one fails)."""
         try:
             self.check_api_key(request)
+        except Reply as r:
+            return r.response()
+        try:
             tries = Tries(Role.GENERATION, self.config.max_retries, counted=False)
             status, body, content_type = await self.router.flow.retrying(
                 tries, RouteRequest(), self._models_of)
