@@ -135,7 +135,7 @@ class RequestFlow:
     async def retrying(self, tries: Tries, route: RouteRequest,
                        call: Callable[[Worker], Awaitable[T]],
                        on_failure: Callable[[Worker, Failed], bool] | None = None) -> T:
-        """THE retry loop: ``call`` on the side's workers until one does not raise ``Failed``.
+        """The one retry loop: ``call`` on the side's workers until one does not raise ``Failed``.
         ``on_failure`` records a failure on ``tries`` itself and returns whether the caller
         must take over (the failure is raised on); by default the worker is excluded and the
         next one tried. ``Reply`` when the budget is spent or no worker is left."""
