@@ -42,19 +42,25 @@ Handler = Callable[[Request], Awaitable[Response]]
 def request_type(srv: ServerState, req: Any, num_prompts: int) -> RequestType | None:
     """The request's disaggregated type if it needs this role's KV plumbing, else None
     (an ordinary request). 400 when this worker's role cannot serve it."""
-    kind = req.request_type
-    if kind in (None, RequestType.CONTEXT_AND_GENERATION):
+    raw = req.request_type
+    if raw in (None, RequestType.CONTEXT_AND_GENERATION):
         return None
-    kind = RequestType(kind)  # protocol checked it is one
-    need = kind.needs_role
+    try:
+        kind: RequestType | None = RequestType(raw)
+    except (ValueError, TypeError):  # not checked yet (check_fields comes later)
+        kind = None
+    need = kind.needs_role if kind is not None else Role.GENERATION
     assert need is not None
     if srv.role is not need or srv.transfer is None:
         raise P.bad_request(
-            f"disaggregated_params.request_type: {kind.value!r} requests need a {need} "
-            f"worker; this worker's role is {srv.role.value!r}", param="disaggregated_params")
+            f"disaggregated_params.request_type: {raw!r} requests need a {need} worker; "
+            f"this worker's role is {srv.role.value!r}", param="disaggregated_params")
     if req.n != 1 or num_prompts != 1:
-        raise P.bad_request(f"n: a {kind} request has exactly one prompt and n = 1",
+        raise P.bad_request(f"n: a {raw} request has exactly one prompt and n = 1",
                             param="n")
+    if kind is None:
+        req.common_checks()  # names the unknown request_type (400)
+    assert kind is not None
     if kind is RequestType.CONTEXT_ONLY and req.stream:
         raise P.bad_request("stream: context_only answers are not streamed", param="stream")
     return kind
