@@ -454,7 +454,7 @@ def test_router_bookkeeping_stays_bounded_under_load_and_churn(
                 loop.run(unregister(w.addr))
             series.append(_worker_series(rt.url))
         assert series == [0] * len(series), series  # only current workers have series
-        assert not m.by_url and not m._spawned and not rt.router._background
+        assert not m.by_url and not m._spawned and not rt.router.upstream.background
 
 
 # ---- a real context + generation pair --------------------------------------------------------

@@ -3,5 +3,9 @@
 Modules: ``config`` (the cluster YAML, torch-free), ``policies`` (round robin, load balancing,
 KV-cache aware), ``kv_index`` (per-worker index of cached block hashes fed by worker KV events),
 ``membership`` (workers: static and registered, health, load), ``metrics`` (Prometheus),
-``app`` (the aiohttp server: request flow, retries; ``build_router_app``), ``cli``.
+``prompt_tokens`` (the prompt's token ids for the policies), ``upstream`` (the client of the
+workers), ``relay`` (their answers passed to the client), ``flow`` (one call or two, with one
+retry helper), ``handlers`` (the HTTP endpoints), ``replies`` (the router's own answers),
+``router`` (the parts assembled, started, stopped), ``app`` (``build_router_app``,
+``start_router``), ``cli``.
 """

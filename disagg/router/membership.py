@@ -37,12 +37,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disagg.cluster_auth import HttpSigner
+from disagg.roles import Role
 from disagg.router.config import ClusterConfig, PolicyConfig, normalize_worker_url
 from disagg.router.kv_index import KVEventsError, KVIndex
 
 logger = logging.getLogger("disagg.router")
 
-ROLES = ("context", "generation")
+ROLES = (Role.CONTEXT, Role.GENERATION)  # the pools (aggregated workers join generation)
 HEALTH_TIMEOUT_S = 5.0
 UNHEALTHY_RECHECK_S = 0.5  # how often a worker out of rotation is probed again
 # Consecutive failed requests (reset, timeout, cut mid-answer) that take a worker out of
@@ -73,7 +74,7 @@ class UpstreamAuth:
 @dataclass(eq=False)
 class Worker:
     url: str  # host:port
-    pool: str  # context | generation
+    pool: Role  # context | generation
     static: bool  # from the YAML (never dropped) or registered
     healthy: bool = False
     reason: str = "not checked yet"
@@ -124,7 +125,7 @@ class Membership:
         self.policies = policies  # role -> the side's policy config (for KV needs, poll rate)
         self.kv_roles = {role for role, p in policies.items() if p.type == "kv_cache_aware"}
         if config.conditional_disagg is not None:
-            self.kv_roles.add("generation")
+            self.kv_roles.add(Role.GENERATION)
         self.on_model_dir = on_model_dir  # a worker's checkpoint folder (tokenizer discovery)
         # called with a worker dropped from its pool (the router forgets its metric series)
         self.on_remove: Callable[[Worker], None] | None = None
@@ -144,7 +145,7 @@ class Membership:
     @property
     def disaggregated(self) -> bool:
         """Requests take the context -> generation path (else whole to generation workers)."""
-        return self.config.context_servers is not None or bool(self.pools["context"])
+        return self.config.context_servers is not None or bool(self.pools[Role.CONTEXT])
 
     def candidates(self, pool: str, exclude: set[str] | frozenset[str] = frozenset()
                    ) -> list[Worker]:
@@ -195,13 +196,13 @@ class Membership:
         """Ready when enough workers of each pool are healthy: ``minimal_instances`` with
         disagg_cluster, else at least one generation worker (and one context worker in a
         disaggregated cluster)."""
-        need: dict[str, int] = {"generation": 1, "context": 1 if self.disaggregated else 0}
+        need: dict[str, int] = {Role.GENERATION: 1, Role.CONTEXT: 1 if self.disaggregated else 0}
         if self.config.disagg_cluster is not None:
             mins = self.config.disagg_cluster.minimal_instances
-            need = {"context": mins.get("context_servers", 0),
-                    "generation": mins.get("generation_servers", 0)}
+            need = {Role.CONTEXT: mins.get("context_servers", 0),
+                    Role.GENERATION: mins.get("generation_servers", 0)}
             if not any(need.values()):
-                need["generation"] = 1  # at least something to send requests to
+                need[Role.GENERATION] = 1  # at least something to send requests to
         missing = []
         for role in ROLES:
             have = len(self.candidates(role))
@@ -214,13 +215,13 @@ class Membership:
     def register(self, payload: Mapping[str, Any]) -> Worker:
         """Add or refresh a registered worker (ValueError naming the field when malformed)."""
         role = payload.get("role")
-        if role not in ("context", "generation", "aggregated"):
+        if role not in tuple(Role):
             raise ValueError(f"role: must be context, generation or aggregated, got {role!r}")
         try:
             url = normalize_worker_url(payload.get("url"))
         except ValueError as e:
             raise ValueError(f"url: {e}") from None
-        pool = "context" if role == "context" else "generation"
+        pool = Role.CONTEXT if role == Role.CONTEXT else Role.GENERATION
         w = self.by_url.get(url)
         if w is not None and w.pool != pool:
             if w.static:
@@ -310,12 +311,13 @@ class Membership:
                 self._remove(w, f"failing health checks for {now - w.failing_since:.1f} s: "
                              f"{w.reason}")
 
-    def _expected_roles(self, w: Worker) -> tuple[str, ...]:
-        if w.pool == "context":
-            return ("context",)
+    def _expected_roles(self, w: Worker) -> tuple[Role, ...]:
+        if w.pool == Role.CONTEXT:
+            return (Role.CONTEXT,)
         if self.disaggregated:
-            return ("generation",)
-        return ("aggregated", "generation", "context")  # any role serves ordinary requests
+            return (Role.GENERATION,)
+        # any role serves ordinary requests
+        return (Role.AGGREGATED, Role.GENERATION, Role.CONTEXT)
 
     async def check(self, w: Worker) -> bool:
         """One health check: /health then /server_info; updates ``w`` and returns healthy."""

@@ -103,7 +103,9 @@ class LoadBalancingPolicy(RoutingPolicy):
 
 
 class KVCacheAwarePolicy(RoutingPolicy):
-    """Most cached prefix against load (REFERENCE section 5, TRT-LLM's rule):
+    """Most cached prefix against load, scored as TensorRT-LLM's KV-cache-aware router scores
+    it: a worker that already holds more of the prompt's leading blocks wins, unless it is busier
+    by more than those blocks are worth.
 
     ``score = match_weight * matched_blocks - load_weight * load``, highest wins, ties round
     robin. ``matched_blocks`` = leading prompt blocks found in the worker's KV index, counted in

@@ -29,6 +29,8 @@ import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from disagg.server.protocol import error_body
+
 logger = logging.getLogger("disagg.server")
 
 HEADER_TIMEOUT_S = 30.0  # a request's head (request line + headers) must arrive within this
@@ -36,7 +38,7 @@ MAX_HEADERS = 128  # header fields per request (aiohttp's default, which the rou
 MAX_HEADER_BYTES = 32 << 10  # their names and values together
 MAX_TARGET_BYTES = 16 << 10  # path + query
 H11_MAX_INCOMPLETE_EVENT_BYTES = 64 << 10  # h11's buffer for an unfinished request head
-MAX_BODY_BYTES = 64 << 20  # as the router's: long prompts as token id lists are large
+MAX_BODY_BYTES = 64 << 20  # (the router's too) long prompts as token id lists are large
 # Idle keep-alive connections stay open this long (uvicorn's default is 5 s). A client whose pool
 # keeps idle connections longer than the server reuses one just as the server closes it and
 # gets "connection reset" on a request the server never saw; common pools keep them 5-60 s
@@ -51,8 +53,7 @@ Send = Callable[[Message], Awaitable[None]]
 
 
 def _error_json(status: int, message: str, type: str, code: str | None) -> bytes:
-    return json.dumps({"error": {"message": message, "type": type, "param": None,
-                                 "code": code}}, separators=(",", ":")).encode()
+    return json.dumps(error_body(message, type, code=code), separators=(",", ":")).encode()
 
 
 async def _send_error(send: Send, status: int, message: str, type: str = "invalid_request_error",

@@ -1,0 +1,264 @@
+"""The router's request flow: which workers serve a request, in one call or two, with retries.
+
+A disaggregated request takes two calls. The context call sends the request, non-streamed, to
+a context worker with ``disaggregated_params: {request_type: context_only}``; the worker
+prefills, samples the first token, keeps the prompt's KV under a lease and answers with the
+params that locate it (or with ``disaggregated_params: null`` when the first token already
+ended the request: that answer is the client's). The generation call sends the original request
+(streamed as asked) to a generation worker with those params and ``request_type:
+generation_only``; a completions prompt is replaced by the context worker's ``prompt_token_ids``
+so that the generation worker does not tokenize again. It pulls the KV, decodes and its answer
+is relayed to the client.
+
+Retries (``max_retries`` failures per side, one helper: ``retrying``): a connection failure or
+a 5xx before the first byte reached the client tries another worker of that side. After a
+generation worker failed, the lease decides what is retried: a worker that never saw the request
+leaves the lease intact (same context answer, next generation worker); one that answered an
+error released it (prefill again); a failed KV pull (error code ``kv_transfer_failed``) is the
+context side's fault (prefill again, on another context worker if there is one; the generation
+worker stays in the running). A 4xx is the client's answer at once. When no generation worker
+took the request, the context worker is asked to free the lease now (``/kv_leases/release``).
+
+A request sent whole (aggregated cluster, several prompts, ``n > 1``, or conditional
+disaggregation's local prefill) takes the generation side's retries alone.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from disagg.roles import RequestType, Role
+from disagg.router.membership import Membership, Worker
+from disagg.router.metrics import RouterMetrics
+from disagg.router.policies import Decision, RouteRequest, RoutingPolicy
+from disagg.router.prompt_tokens import COMPLETIONS
+from disagg.router.relay import Relay, RequestState, counted, final_answer
+from disagg.router.replies import Reply, dumps
+from disagg.router.upstream import Failed, UpstreamClient
+
+T = TypeVar("T")
+
+
+@dataclass
+class Tries:
+    """One side's tries for one client request: which workers failed, how many failures are
+    left, and the retry the next try is (its metric label, counted when that try starts)."""
+
+    role: Role
+    budget: int  # failures allowed before giving up (max_retries)
+    first: Worker | None = None  # the worker to try first (conditional disaggregation's pick)
+    tried: set[str] = field(default_factory=set)  # not picked again
+    avoid: set[str] = field(default_factory=set)  # picked only when no other is left
+    failures: int = 0
+    last: Failed | None = None
+    retry_reason: tuple[str, str] | None = None  # (role, reason) of the next try's retry
+    counted: bool = True  # its retries count in disagg_router_retries_total (not /v1/models')
+
+    def failed(self, w: Worker, f: Failed, exclude: bool = True) -> None:
+        """Record ``f`` on ``w`` (``exclude``: never pick ``w`` again for this request)."""
+        self.last = f
+        self.failures += 1
+        if exclude:
+            self.tried.add(w.url)
+        self.retry_reason = (self.role.value, f.reason)
+
+    @property
+    def exhausted(self) -> bool:
+        return self.failures > self.budget
+
+
+class RequestFlow:
+    """Picks workers with the sides' policies and runs a request's calls with retries."""
+
+    def __init__(self, policies: Mapping[str, RoutingPolicy], membership: Membership,
+                 metrics: RouterMetrics, upstream: UpstreamClient, relay: Relay,
+                 max_retries: int) -> None:
+        self.policies = policies
+        self.membership = membership
+        self.metrics = metrics
+        self.upstream = upstream
+        self.relay = relay
+        self.max_retries = max_retries
+
+    # -- picking -------------------------------------------------------------------------------
+
+    def pick(self, role: Role, route: RouteRequest, exclude: set[str],
+             avoid: set[str] | None = None) -> Decision | None:
+        """The side's policy over its healthy workers minus ``exclude`` (and, when others
+        remain, minus ``avoid``); None when no worker is left."""
+        candidates = self.membership.candidates(role, exclude)
+        if avoid:
+            candidates = [w for w in candidates if w.url not in avoid] or candidates
+        if not candidates:
+            return None
+        policy = self.policies[role]
+        decision = policy.select(candidates, route)
+        w = decision.worker
+        self.metrics.decisions.labels(role, policy.name, w.url).inc()
+        if policy.needs_kv_index and route.num_tokens:
+            self.metrics.kv_prompt.labels(role).inc(route.num_tokens)
+            if decision.matched_tokens:
+                self.metrics.kv_matched.labels(role, w.url).inc(decision.matched_tokens)
+        return decision
+
+    @staticmethod
+    def no_worker(role: Role, last: Failed | None) -> Reply:
+        """The client's answer when no worker of ``role`` served the request."""
+        if last is not None and last.reply is not None:
+            return last.reply  # the worker's own error, passed through with its status
+        if last is not None:
+            return Reply.error(502, f"no {role} worker could serve the request (last: "
+                               f"{last.why})", "upstream_error", code="upstream_failed")
+        return Reply.error(503, f"no healthy {role} worker", "service_unavailable",
+                           code="no_healthy_worker", outcome="no_worker")
+
+    def _next_worker(self, tries: Tries, route: RouteRequest) -> Worker:
+        """The worker of the side's next try (``Reply`` when none is left)."""
+        w = tries.first
+        if w is None or not w.healthy or tries.tried:
+            d = self.pick(tries.role, route, tries.tried, tries.avoid)
+            if d is None:
+                raise self.no_worker(tries.role, tries.last)
+            w = d.worker  # type: ignore[assignment]
+        if tries.retry_reason is not None:
+            if tries.counted:
+                self.metrics.retries.labels(*tries.retry_reason).inc()
+            tries.retry_reason = None
+        return w
+
+    async def retrying(self, tries: Tries, route: RouteRequest,
+                       call: Callable[[Worker], Awaitable[T]],
+                       on_failure: Callable[[Worker, Failed], bool] | None = None) -> T:
+        """The one retry loop: ``call`` on the side's workers until one does not raise ``Failed``.
+        ``on_failure`` records a failure on ``tries`` itself and returns whether the caller
+        must take over (the failure is raised on); by default the worker is excluded and the
+        next one tried. ``Reply`` when the budget is spent or no worker is left."""
+        while True:
+            w = self._next_worker(tries, route)
+            try:
+                return await call(w)
+            except Failed as f:
+                if on_failure is None:
+                    tries.failed(w, f)
+                    stop = False
+                else:
+                    stop = on_failure(w, f)
+                if tries.exhausted:
+                    raise self.no_worker(tries.role, tries.last) from None
+                if stop:
+                    raise
+
+    # -- one call: the request whole ----------------------------------------------------------
+
+    async def whole(self, request: web.Request, st: RequestState, path: str, data: bytes,
+                    route: RouteRequest, first: Worker | None = None) -> web.StreamResponse:
+        """Send the request whole to generation workers (aggregated serving), with retries."""
+        tries = Tries(Role.GENERATION, self.max_retries, first)
+        return await self.retrying(tries, route, lambda w: self.relay.call_and_relay(
+            request, st, w, path, data, route))
+
+    # -- two calls: the disaggregated flow ----------------------------------------------------
+
+    async def disaggregated(self, request: web.Request, st: RequestState, path: str,
+                            body: dict[str, Any], route: RouteRequest,
+                            first_gen: Worker | None) -> web.StreamResponse:
+        ctx_body = dict(body)
+        ctx_body["stream"] = False
+        ctx_body.pop("stream_options", None)  # only valid with stream: true
+        ctx_body["disaggregated_params"] = {"request_type": RequestType.CONTEXT_ONLY.value}
+        ctx_data = dumps(ctx_body)
+        ctx = Tries(Role.CONTEXT, self.max_retries)
+        gen = Tries(Role.GENERATION, self.max_retries, first_gen)
+        while True:
+            ctx_worker, answer = await self.retrying(
+                ctx, route, lambda w: self._context_call(w, path, ctx_data, route))
+            dp = answer.pop("disaggregated_params", None)
+            prompt_ids = answer.pop("prompt_token_ids", None)
+            if dp is None:  # final after the first token: the context answer is the answer
+                return await final_answer(request, path, body, answer)
+            gen_body = dict(body)
+            gen_body["disaggregated_params"] = {
+                **dp, "request_type": RequestType.GENERATION_ONLY.value}
+            if path == COMPLETIONS and prompt_ids is not None:
+                gen_body["prompt"] = prompt_ids  # no second tokenization on the worker
+            lease = _Lease(ctx_worker, dp, dumps(gen_body), answer.get("usage") or {})
+            try:
+                return await self._generation(request, st, path, route, gen, ctx, lease)
+            except Failed:
+                continue  # the lease is gone: prefill again
+            finally:
+                if not lease.taken:
+                    self.upstream.release_lease(ctx_worker, dp.get("ctx_request_id"))
+
+    async def _context_call(self, w: Worker, path: str, data: bytes, route: RouteRequest
+                            ) -> tuple[Worker, dict[str, Any]]:
+        """One context_only try on ``w``: its answer (a 4xx is the client's answer)."""
+        t0 = time.monotonic()
+        resp = None
+        with counted(w, route):
+            try:
+                resp = await self.upstream.post(w, path, data)
+                if resp.status >= 500:
+                    raise await self.upstream.error_answer(w, resp)
+                body = await self.upstream.read(w, resp)
+                self.metrics.ctx_latency.observe(time.monotonic() - t0)
+                if resp.status != 200:
+                    raise Reply(resp.status, body, resp.content_type or "application/json")
+                try:
+                    answer = json.loads(body)
+                    if not isinstance(answer, dict) or "disaggregated_params" not in answer:
+                        # (null means final; absent means this is no context worker's answer)
+                        raise ValueError("no disaggregated_params")
+                except ValueError as e:
+                    raise Failed(f"{w.url}: malformed context answer: {e}") from None
+                return w, answer
+            finally:
+                if resp is not None:
+                    resp.close()
+
+    async def _generation(self, request: web.Request, st: RequestState, path: str,
+                          route: RouteRequest, gen: Tries, ctx: Tries, lease: _Lease
+                          ) -> web.StreamResponse:
+        """The generation tries over one context answer. ``Failed`` when the lease is gone
+        and the caller must prefill again."""
+
+        def on_failure(w: Worker, f: Failed) -> bool:
+            lease.taken = f.reply is not None or f.kv_transfer  # it answered
+            if f.kv_transfer:
+                # The context side's fault (lease expired, worker gone): prefill again,
+                # elsewhere if possible; this generation worker is fine.
+                gen.failed(w, f, exclude=False)
+                gen.retry_reason = None
+                ctx.avoid.add(lease.ctx_worker.url)
+                ctx.retry_reason = (Role.CONTEXT.value, f.reason)
+                return True
+            gen.failed(w, f)
+            return f.reply is not None  # it answered, so it released the lease
+            # (else never reached, or died before answering: the lease may still be good)
+
+        async def call(w: Worker) -> web.StreamResponse:
+            out = await self.relay.call_and_relay(request, st, w, path, lease.data, route,
+                                                  lease.ctx_usage, signed=True)
+            # A refusal (4xx) reads no KV: free the lease now, not at its expiry
+            # (idempotent should the worker have released it too).
+            lease.taken = out.status < 400
+            return out
+
+        return await self.retrying(gen, route, call, on_failure)
+
+
+@dataclass
+class _Lease:
+    """A context answer waiting for a generation worker to read its KV."""
+
+    ctx_worker: Worker
+    params: Mapping[str, Any]  # the context answer's disaggregated_params
+    data: bytes  # the generation_only request
+    ctx_usage: Mapping[str, Any]
+    taken: bool = False  # a generation worker took it (and releases it on every path)

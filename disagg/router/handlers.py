@@ -1,0 +1,298 @@
+"""The router's HTTP handlers: the OpenAI endpoints (through ``flow``), ``/v1/models``,
+``/health``, ``/metrics``, ``/cluster_info`` and the membership calls ``/cluster/register`` and
+``/cluster/unregister``.
+
+An OpenAI request's body is parsed and checked with the workers' own schema
+(``protocol.validate_request``) whenever the router reads it (disaggregated, or a policy needs
+the prompt): a request the generation worker would refuse never reaches a context worker, which
+would hold KV for a request nobody reads. Conditional disaggregation sends a request whole to
+the chosen generation worker when it would prefill at most ``max_local_prefill_length``
+uncached prompt tokens.
+
+A client that disconnects cancels its handler (the server runs with handler cancellation):
+the upstream connection is closed, so the worker aborts the request and frees its KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from aiohttp import web
+
+from disagg.cluster_auth import AUTH_HEADER, AuthError
+from disagg.roles import Role
+from disagg.router.flow import Tries
+from disagg.router.membership import Worker
+from disagg.router.policies import RouteRequest
+from disagg.router.prompt_tokens import COMPLETIONS
+from disagg.router.relay import RequestState
+from disagg.router.replies import Reply
+from disagg.router.router import Router
+from disagg.router.upstream import Failed
+from disagg.server import protocol as P
+from disagg.server.access import bearer_ok
+from disagg.server.http_guard import MAX_BODY_BYTES  # the workers' limit, the router's too
+
+LARGE_BODY_BYTES = 32 << 10  # requests above this are tokenized on a thread, not the loop
+
+
+class Handlers:
+    """The router's endpoints over one ``Router``."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.config = router.config
+
+    def register(self, app: web.Application) -> None:
+        r = app.router
+        r.add_post(COMPLETIONS, self.openai)
+        r.add_post("/v1/chat/completions", self.openai)
+        r.add_get("/v1/models", self.models)
+        r.add_get("/health", self.health)
+        r.add_get("/metrics", self.metrics)
+        r.add_get("/cluster_info", self.cluster_info)
+        r.add_post("/cluster/register", self.register_worker)
+        r.add_post("/cluster/unregister", self.unregister_worker)
+        r.add_route("*", "/{tail:.*}", self.not_found)
+
+    # -- the OpenAI endpoints -----------------------------------------------------------------
+
+    async def openai(self, request: web.Request) -> web.StreamResponse:
+        path = request.path
+        st = RequestState(path)
+        t0 = time.monotonic()
+        metrics = self.router.metrics
+        try:
+            self.check_api_key(request)
+            return await self._route(request, st, path, await self.read_body(request))
+        except Reply as r:
+            st.outcome = r.outcome
+            return r.response()
+        except (asyncio.CancelledError, ConnectionError):  # the client went away
+            st.outcome = "disconnected"
+            raise
+        finally:
+            metrics.requests.labels(path, st.outcome).inc()
+            metrics.request_latency.observe(time.monotonic() - t0)
+
+    async def _route(self, request: web.Request, st: RequestState, path: str, raw: bytes
+                     ) -> web.StreamResponse:
+        """Send the request whole, or through the two calls (see ``flow``)."""
+        router, flow = self.router, self.router.flow
+        m = router.membership
+        body = None
+        if m.disaggregated or router.need_tokens:
+            body = _checked_body(path, raw)
+        route = RouteRequest()
+        if router.need_tokens and body is not None:
+            if len(raw) > LARGE_BODY_BYTES:  # tokenizing and hashing take milliseconds:
+                route = await asyncio.to_thread(  # off the loop
+                    router.tokens.prepared_route, path, body, router.block_sizes())
+            else:
+                route = router.route_request(path, body)
+        if body is None or not m.disaggregated or not _splittable(path, body):
+            return await flow.whole(request, st, path, raw, route)
+        first_gen = None
+        cond = self.config.conditional_disagg
+        if cond is not None and route.prompt is not None:
+            d = flow.pick(Role.GENERATION, route, set())
+            if d is None:
+                raise flow.no_worker(Role.GENERATION, None)
+            first_gen = d.worker  # type: ignore[assignment]
+            kv = first_gen.kv
+            matched = kv.match(route.prompt) if kv is not None else 0
+            if route.num_tokens - matched <= cond.max_local_prefill_length:
+                router.metrics.local_prefill.inc()
+                return await flow.whole(request, st, path, raw, route, first_gen)
+        return await flow.disaggregated(request, st, path, body, route, first_gen)
+
+    async def read_body(self, request: web.Request) -> bytes:
+        """The body, plain JSON (415 for a Content-Encoding), within ``body_timeout_s`` (408;
+        a client that announced more than it sends would otherwise hold its handler), at
+        most ``MAX_BODY_BYTES`` (413)."""
+        try:
+            P.check_content_encoding(request.headers.get("Content-Encoding"))
+        except P.APIError as e:
+            raise Reply.from_api_error(e, close=True) from None
+        timeout = self.router.body_timeout_s
+        try:
+            if request.content.is_eof():  # the usual case: it came with the headers
+                return await request.read()
+            return await asyncio.wait_for(request.read(), timeout)
+        except asyncio.TimeoutError:
+            raise Reply.error(408, f"the request body did not arrive within {timeout:g} s",
+                              code="request_timeout", close=True) from None
+        except web.HTTPRequestEntityTooLarge:
+            raise Reply.error(413, f"request body too large (at most {MAX_BODY_BYTES} bytes)",
+                              code="body_too_large", close=True) from None
+
+    async def models(self, request: web.Request) -> web.Response:
+        """A generation worker's ``/v1/models`` (the next one when one fails)."""
+        try:
+            self.check_api_key(request)
+        except Reply as r:
+            return r.response()
+        try:
+            tries = Tries(Role.GENERATION, self.config.max_retries, counted=False)
+            status, body, content_type = await self.router.flow.retrying(
+                tries, RouteRequest(), self._models_of)
+        except Reply:
+            return Reply.error(503, "no healthy generation worker", "service_unavailable",
+                               code="no_healthy_worker").response()
+        return web.Response(status=status, body=body, content_type=content_type)
+
+    async def _models_of(self, w: Worker) -> tuple[int, bytes, str]:
+        status, body, content_type = await self.router.upstream.get(w, "/v1/models")
+        if status >= 500:
+            raise Failed(f"{w.url} answered {status}")
+        return status, body, content_type
+
+    # -- the router's own endpoints -----------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        ready, why = self.router.membership.ready()
+        return web.json_response({"status": "ok" if ready else "unavailable", "reason": why},
+                                 status=200 if ready else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        if (self.config.api_key and not self.config.public_metrics
+                and not self._api_key_ok(request)):
+            why = self._signature_error(request, b"")
+            if why is not None:
+                return Reply.error(401, f"/metrics: needs the API key ('Authorization: Bearer "
+                                   f"<key>') or a cluster signature ({AUTH_HEADER}): {why}",
+                                   "authentication_error", code="unauthorized").response()
+        body, content_type = self.router.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def cluster_info(self, request: web.Request) -> web.Response:
+        try:
+            self.check_api_key(request)
+        except Reply as r:
+            return r.response()
+        router = self.router
+        info = router.membership.cluster_info()
+        info["policies"] = {role: {"type": p.type, "use_tokens": p.use_tokens,
+                                   "options": dict(p.options)}
+                            for role, p in router.policy_configs.items()}
+        info["conditional_disagg"] = (None if self.config.conditional_disagg is None else
+                                      {"max_local_prefill_length":
+                                       self.config.conditional_disagg.max_local_prefill_length})
+        info["tokenizer"] = router.tokens.source
+        return web.json_response(info)
+
+    async def register_worker(self, request: web.Request) -> web.Response:
+        try:
+            payload = await self._membership_body(request)
+            try:
+                w = self.router.membership.register(payload)
+            except ValueError as e:
+                raise Reply.error(400, str(e), param=str(e).partition(":")[0]) from None
+        except Reply as r:
+            return r.response()
+        dc = self.config.disagg_cluster
+        assert dc is not None
+        return web.json_response({"status": "registered", "url": w.url, "pool": w.pool,
+                                  "heartbeat_interval_sec": dc.heartbeat_interval_sec,
+                                  "inactive_timeout_sec": dc.inactive_timeout_sec})
+
+    async def unregister_worker(self, request: web.Request) -> web.Response:
+        try:
+            payload = await self._membership_body(request)
+            url = payload.get("url")
+            if not isinstance(url, str):
+                raise Reply.error(400, "url: expected 'host:port'", param="url")
+        except Reply as r:
+            return r.response()
+        removed = self.router.membership.unregister(url)
+        return web.json_response({"status": "unregistered" if removed else "unknown"})
+
+    async def not_found(self, request: web.Request) -> web.Response:
+        return Reply.error(404, f"no route {request.method} {request.path}",
+                           "not_found_error", code="not_found").response()
+
+    # -- access ---------------------------------------------------------------------------------
+
+    def check_api_key(self, request: web.Request) -> None:
+        """401 unless the client sent the router's API key (when it has one)."""
+        if self.config.api_key and not self._api_key_ok(request):
+            raise Reply.error(401, "invalid or missing API key (send 'Authorization: Bearer "
+                              "<key>')", code="invalid_api_key")
+
+    def _api_key_ok(self, request: web.Request) -> bool:
+        return bearer_ok(request.headers.get("Authorization", ""), self.config.api_key)
+
+    def _signature_error(self, request: web.Request, body: bytes) -> str | None:
+        """Why ``request`` is not signed by the cluster (None: it is)."""
+        verifier = self.router.verifier
+        if verifier is None:
+            return "this router has no cluster token"
+        try:
+            verifier.check(request.headers.get(AUTH_HEADER), request.method,
+                           request.raw_path, body)
+        except AuthError as e:
+            return str(e)
+        return None
+
+    async def _membership_body(self, request: web.Request) -> dict[str, Any]:
+        """The body of a signed /cluster/* call (open only with --insecure-membership)."""
+        if self.config.disagg_cluster is None:
+            raise Reply.error(404, "dynamic membership is off (no disagg_cluster in the "
+                              f"router's config {self.config.source})", code="not_enabled")
+        raw = await request.read()
+        if self.router.verifier is not None:  # else: --insecure-membership (warned at start)
+            why = self._signature_error(request, raw)
+            if why is not None:
+                raise Reply.error(401, f"{request.path}: needs a cluster signature "
+                                  f"({AUTH_HEADER}): {why}", "authentication_error",
+                                  code="invalid_cluster_signature")
+        return parse_body(raw)
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """A client's JSON object (400 when it is not one, or sets what only the router sets)."""
+    try:  # the workers' parser: also refuses NaN, deep nesting, lone surrogates
+        body = P.parse_json_object(raw)
+    except P.APIError as e:
+        raise Reply.from_api_error(e) from None
+    if body.get("disaggregated_params") is not None:
+        raise Reply.error(400, "disaggregated_params: set by the router, not by clients",
+                          param="disaggregated_params")
+    return body
+
+
+def _checked_body(path: str, raw: bytes) -> dict[str, Any]:
+    """The body, checked with the workers' own schema, ``stream`` and ``include_usage``
+    normalized. Once, before the context call: the context worker gets the request with
+    ``stream`` rewritten, so it alone cannot refuse what the generation worker would."""
+    body = parse_body(raw)
+    try:
+        _normalize(body, P.validate_request(path, body))
+    except P.APIError as e:
+        raise Reply.from_api_error(e) from None
+    return body
+
+
+def _normalize(body: dict[str, Any], req: Any) -> None:
+    """``stream`` and ``include_usage`` as the workers read them (pydantic also takes "true",
+    1, "false", ...), so that the router's own final answer agrees with theirs."""
+    if "stream" in body and body["stream"] is not req.stream:
+        body["stream"] = req.stream
+    opts = body.get("stream_options")
+    if isinstance(opts, dict) and "include_usage" in opts and (
+            opts["include_usage"] is not req.stream_options.include_usage):
+        body["stream_options"] = {**opts, "include_usage": req.stream_options.include_usage}
+
+
+def _splittable(path: str, body: Mapping[str, Any]) -> bool:
+    """Can the two calls carry it? One prompt and one choice (else it is served whole)."""
+    if body.get("n", 1) not in (1, None):
+        return False
+    if path == COMPLETIONS:
+        p = body.get("prompt")
+        return isinstance(p, str) or (isinstance(p, list) and all(
+            isinstance(t, int) for t in p))
+    return True

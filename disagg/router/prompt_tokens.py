@@ -1,0 +1,136 @@
+"""The prompt's token ids as the workers will see them, for the routing policies that need them
+(kv_cache_aware, conditional disaggregation).
+
+The router tokenizes with the workers' tokenizer, named by ``router.tokenizer`` or ``model`` in
+the cluster YAML, or else taken from the first worker whose ``model_dir`` is readable here. A
+completions prompt of token ids is used as it is; a chat request goes through the chat template
+as the worker applies it (the template writes the special tokens itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable, Coroutine, Iterable, Mapping
+from typing import Any
+
+from disagg.roles import Role
+from disagg.router.config import ClusterConfig, PolicyConfig, RouterConfigError
+from disagg.router.policies import RouteRequest
+
+logger = logging.getLogger("disagg.router")
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+class PromptTokens:
+    """The router's tokenizer (None until known) and the ``RouteRequest`` of a request body."""
+
+    def __init__(self, config: ClusterConfig, policy_configs: Mapping[str, PolicyConfig],
+                 need_tokens: bool, tokenizer: Any = None) -> None:
+        self.config = config
+        self.policy_configs = policy_configs
+        self.need_tokens = need_tokens
+        self.tokenizer = tokenizer
+        self.source: str | None = None  # where the tokenizer was loaded from
+        self._loading = False
+        if need_tokens and tokenizer is None:
+            self._load_configured()
+
+    def _load_configured(self) -> None:
+        """The tokenizer named by ``router.tokenizer`` or ``model`` (checkpoint folders)."""
+        for role in (Role.GENERATION, Role.CONTEXT):
+            group = self.config.group(role)
+            if group is None:
+                continue
+            for key, path in ((f"{role}_servers.router.tokenizer",
+                               group.router.option("tokenizer")),
+                              (f"{role}_servers.model", group.worker_options.get("model"))):
+                if not path:
+                    continue
+                try:
+                    self._set(str(path))
+                except (OSError, ValueError) as e:
+                    raise RouterConfigError(
+                        f"{self.config.source}: {key}: cannot load the tokenizer the "
+                        f"{self.policy_configs[role].type} router needs from {path!r}: {e}"
+                    ) from None
+                return
+        # Not configured: taken from the first worker whose model_dir is readable here.
+        logger.warning("no tokenizer configured (router.tokenizer or model): prompt-aware "
+                       "routing waits for a worker's model_dir to be readable here")
+
+    def _set(self, path: str) -> None:
+        from disagg.tokenizer import load_tokenizer
+
+        self.tokenizer = load_tokenizer(path)
+        self.source = path
+        logger.info("router tokenizer: %s", path)
+
+    def discover(self, model_dir: str,
+                 spawn: Callable[[Coroutine[Any, Any, None]], None]) -> None:
+        """A worker's checkpoint folder: load its tokenizer (on a thread, via ``spawn``) when
+        one is needed and none is known yet."""
+        if not self.need_tokens or self.tokenizer is not None or self._loading:
+            return
+        if not os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+            return
+        self._loading = True
+
+        async def load() -> None:
+            try:
+                await asyncio.to_thread(self._set, model_dir)
+            except (OSError, ValueError) as e:
+                logger.warning("cannot load the tokenizer of %s: %s", model_dir, e)
+            finally:
+                self._loading = False
+
+        spawn(load())
+
+    def route_request(self, endpoint: str, body: Mapping[str, Any]) -> RouteRequest:
+        """The prompt's tokens as the workers will see them (for the policies); an empty
+        request when they cannot be known here (the worker then reports any error)."""
+        tok = self.tokenizer
+        try:
+            if endpoint == COMPLETIONS:
+                prompt = body.get("prompt")
+                if isinstance(prompt, list) and prompt and all(
+                        isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                    return RouteRequest.from_token_ids(prompt)
+                if isinstance(prompt, str) and tok is not None:
+                    return RouteRequest.from_token_ids(tok.encode(prompt))
+                return RouteRequest()
+            messages = body.get("messages")
+            if tok is None or not isinstance(messages, list):
+                return RouteRequest()
+            text = tok.apply_chat_template(
+                [chat_message(m) for m in messages],
+                add_generation_prompt=body.get("add_generation_prompt", True) is not False)
+            # As the worker does: the template writes the special tokens itself.
+            return RouteRequest.from_token_ids(tok.encode(text, add_special_tokens=False))
+        except Exception as e:  # malformed messages etc.: the worker answers the 400
+            logger.debug("cannot tokenize the request for routing: %s", e)
+            return RouteRequest()
+
+    def prepared_route(self, path: str, body: Mapping[str, Any],
+                       block_sizes: Iterable[int]) -> RouteRequest:
+        """``route_request`` with the prompt already hashed for every block size in use."""
+        route = self.route_request(path, body)
+        if route.prompt is not None:
+            for size in block_sizes:
+                route.prompt.for_block_size(size)
+        return route
+
+
+def chat_message(m: Any) -> Any:
+    """A chat message as the worker hands it to the template (protocol.chat_messages)."""
+    if not isinstance(m, dict):
+        raise ValueError("message is not an object")
+    msg = {k: v for k, v in m.items() if v is not None}
+    content = m.get("content")
+    if isinstance(content, list):
+        msg["content"] = "".join(part["text"] for part in content)
+    if msg.get("role") == "developer":
+        msg["role"] = "system"
+    return msg

@@ -1,0 +1,225 @@
+"""Relaying a worker's answer to the router's client: one try on one worker, its answer passed
+on as it comes (whole SSE events at a time), with the usage a disaggregated request reports.
+
+In a disaggregated request the prompt was prefilled by the context worker, so the answer's
+``prompt_tokens`` and ``cached_tokens`` are the context side's (the generation worker reports
+the prompt it pulled, not what it computed). A context worker's final answer (the first token
+ended the request) is the client's answer: ``final_answer`` sends it, as a stream when the
+client asked for one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from disagg.router.membership import Membership, Worker
+from disagg.router.metrics import RouterMetrics
+from disagg.router.policies import RouteRequest
+from disagg.router.prompt_tokens import CHAT
+from disagg.router.replies import dumps
+from disagg.router.upstream import Failed, UpstreamClient
+from disagg.server import protocol as P
+
+logger = logging.getLogger("disagg.router")
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class RequestState:
+    """One client request as the router's metrics see it."""
+
+    endpoint: str
+    outcome: str = "success"
+
+
+@contextlib.contextmanager
+def counted(w: Worker, route: RouteRequest) -> Any:
+    """``w`` carries one more of the router's requests (its load, for the policies) while in
+    this block."""
+    w.active_requests += 1
+    w.active_tokens += route.num_tokens
+    w.requests_total += 1
+    try:
+        yield
+    finally:
+        w.active_requests -= 1
+        w.active_tokens -= route.num_tokens
+
+
+class Relay:
+    """Sends one try to a worker and relays its answer to the client."""
+
+    def __init__(self, upstream: UpstreamClient, membership: Membership,
+                 metrics: RouterMetrics) -> None:
+        self.upstream = upstream
+        self.membership = membership
+        self.metrics = metrics
+
+    async def call_and_relay(self, request: web.Request, st: RequestState, w: Worker,
+                             path: str, data: bytes, route: RouteRequest,
+                             ctx_usage: Mapping[str, Any] | None = None,
+                             signed: bool = False) -> web.StreamResponse:
+        """One try on ``w``: relay its answer to the client. ``Failed`` if it fails before
+        the first byte reaches the client."""
+        t0 = time.monotonic()
+        resp: aiohttp.ClientResponse | None = None
+        with counted(w, route):
+            try:
+                resp = await self.upstream.post(w, path, data, signed)
+                if resp.status >= 500:
+                    raise await self.upstream.error_answer(w, resp)
+                if resp.content_type == "text/event-stream" and resp.status == 200:
+                    return await self._relay_stream(request, st, w, resp, t0, ctx_usage)
+                return await self._relay_whole(st, w, resp, t0, ctx_usage)
+            finally:
+                if resp is not None:
+                    resp.close()  # a no-op when fully read; else drops the connection (aborts)
+
+    async def _relay_whole(self, st: RequestState, w: Worker, resp: aiohttp.ClientResponse,
+                           t0: float, ctx_usage: Mapping[str, Any] | None) -> web.Response:
+        body = await self.upstream.read(w, resp)
+        now = time.monotonic()
+        self.metrics.gen_first_byte.observe(now - t0)
+        self.metrics.gen_latency.observe(now - t0)
+        if resp.status != 200:
+            st.outcome = "client_error"
+            return web.Response(status=resp.status, body=body,
+                                content_type=resp.content_type or "application/json")
+        if ctx_usage is not None:
+            answer = json.loads(body)
+            fix_usage(answer, ctx_usage)
+            body = dumps(answer)
+        return web.Response(body=body, content_type="application/json")
+
+    async def _relay_stream(self, request: web.Request, st: RequestState, w: Worker,
+                            resp: aiohttp.ClientResponse, t0: float,
+                            ctx_usage: Mapping[str, Any] | None) -> web.StreamResponse:
+        out: web.StreamResponse | None = None
+        pending = b""
+        done = False
+        try:
+            async for chunk in resp.content.iter_any():
+                data = pending + chunk if pending else chunk
+                cut = data.rfind(b"\n\n")
+                if cut < 0:  # no whole event yet
+                    pending = data
+                    continue
+                events, pending = data[:cut + 2], data[cut + 2:]
+                if ctx_usage is not None and b'"usage":{' in events:
+                    events = fix_stream_usage(events, ctx_usage)
+                try:
+                    if out is None:
+                        self.metrics.gen_first_byte.observe(time.monotonic() - t0)
+                        out = web.StreamResponse(status=200, headers=SSE_HEADERS)
+                        await out.prepare(request)
+                    await out.write(events)
+                except ConnectionError:  # the client went away: the caller closes upstream
+                    st.outcome = "disconnected"
+                    return out or web.Response(status=499)
+                done = events.endswith(DONE)
+            if not done:
+                raise aiohttp.ClientPayloadError("the stream ended without [DONE]")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            why = f"generation worker {w.url} failed mid-stream: {type(e).__name__}: {e}"
+            self.membership.request_failed(w, why)
+            if out is None:  # nothing sent yet: another worker may still serve it
+                raise Failed(why) from None
+            logger.warning("%s", why)
+            st.outcome = "stream_error"
+            err = P.error_body(why, "upstream_error", code="upstream_failed")
+            with contextlib.suppress(ConnectionError):
+                await out.write(b"data: " + dumps(err) + b"\n\n" + DONE)
+        self.metrics.gen_latency.observe(time.monotonic() - t0)
+        if out is None:  # an empty but complete stream
+            out = web.StreamResponse(status=200, headers=SSE_HEADERS)
+            await out.prepare(request)
+        with contextlib.suppress(ConnectionError):
+            await out.write_eof()
+        return out
+
+
+def fix_usage(obj: dict[str, Any], ctx_usage: Mapping[str, Any]) -> None:
+    """Prompt tokens and cached tokens are the context side's (it did the prefill)."""
+    usage = obj.get("usage")
+    if not isinstance(usage, dict) or not ctx_usage:
+        return
+    prompt = ctx_usage.get("prompt_tokens", usage.get("prompt_tokens", 0))
+    usage["prompt_tokens"] = prompt
+    usage["total_tokens"] = prompt + int(usage.get("completion_tokens") or 0)
+    cached = (ctx_usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if cached is not None:
+        usage["prompt_tokens_details"] = {**(usage.get("prompt_tokens_details") or {}),
+                                          "cached_tokens": cached}
+
+
+def fix_stream_usage(events: bytes, ctx_usage: Mapping[str, Any]) -> bytes:
+    """``fix_usage`` in the usage chunk among whole SSE ``events``."""
+    out = []
+    for event in events.split(b"\n\n"):
+        if event.startswith(b"data: {") and b'"usage":{' in event:
+            try:
+                obj = json.loads(event[6:])
+                fix_usage(obj, ctx_usage)
+                event = b"data: " + dumps(obj)
+            except ValueError:
+                pass
+        out.append(event)
+    return b"\n\n".join(out)
+
+
+async def final_answer(request: web.Request, path: str, body: Mapping[str, Any],
+                       answer: dict[str, Any]) -> web.StreamResponse:
+    """The context worker's final answer, as a stream if the client asked for one."""
+    if not body.get("stream"):
+        return web.Response(body=dumps(answer), content_type="application/json")
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    chunks = _as_chunks(answer, path == CHAT, include_usage)
+    out = web.StreamResponse(status=200, headers=SSE_HEADERS)
+    await out.prepare(request)
+    await out.write(b"".join(b"data: " + dumps(c) + b"\n\n" for c in chunks) + DONE)
+    await out.write_eof()
+    return out
+
+
+def _as_chunks(answer: dict[str, Any], chat: bool, include_usage: bool
+               ) -> list[dict[str, Any]]:
+    """A whole answer as the stream chunks a worker would have sent for it."""
+    head = {"id": answer.get("id"), "object": "chat.completion.chunk" if chat
+            else "text_completion", "created": answer.get("created"),
+            "model": answer.get("model")}
+    chunks: list[dict[str, Any]] = []
+
+    def chunk(choices: list[dict[str, Any]], usage: Any = None) -> dict[str, Any]:
+        c = {**head, "choices": choices}
+        if include_usage:
+            c["usage"] = usage
+        return c
+
+    for ch in answer.get("choices", []):
+        if chat:
+            chunks.append(chunk([{"index": ch.get("index", 0), "delta": {
+                "role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}]))
+            text = (ch.get("message") or {}).get("content") or ""
+            chunks.append(chunk([{"index": ch.get("index", 0),
+                                  "delta": {"content": text} if text else {},
+                                  "logprobs": ch.get("logprobs"),
+                                  "finish_reason": ch.get("finish_reason"),
+                                  "stop_reason": ch.get("stop_reason")}]))
+        else:
+            chunks.append(chunk([ch]))
+    if include_usage:
+        chunks.append(chunk([], answer.get("usage")))
+    return chunks

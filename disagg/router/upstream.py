@@ -1,0 +1,246 @@
+"""The router's client of its workers: keep-alive sessions, per-pool headers (the workers' API
+key, cluster signatures), one send with the stale-connection rule, a worker's error answer as a
+typed failure, and fire-and-forget lease releases.
+
+Failures feed the membership's health rules: a worker that refuses the connection is taken out
+of rotation at once; other failures count towards ``REQUEST_FAILURE_THRESHOLD``; a 503 saying
+the worker drains or its engine is down takes it out too (its /health says the same).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import logging
+import weakref
+from typing import Any
+
+import aiohttp
+
+from disagg.roles import Role
+from disagg.router.config import ClusterConfig
+from disagg.router.membership import Membership, UpstreamAuth, Worker
+from disagg.router.metrics import RouterMetrics
+from disagg.router.replies import Reply, dumps
+from disagg.server import protocol as P
+
+logger = logging.getLogger("disagg.router")
+
+CONNECT_TIMEOUT_S = 5.0
+# Idle upstream connections are dropped before a worker closes them (bench.client explains).
+UPSTREAM_KEEP_ALIVE_S = 4.0
+KV_TRANSFER_FAILED = "kv_transfer_failed"  # the error code of a generation worker's failed pull
+RELEASE_PATH = "/kv_leases/release"
+
+
+class Failed(Exception):
+    """One try on one worker failed before anything reached the client."""
+
+    def __init__(self, why: str, reply: Reply | None = None, reached: bool = True,
+                 kv_transfer: bool = False) -> None:
+        super().__init__(why)
+        self.why = why
+        self.reply = reply  # the worker's own error answer, passed on if nothing else works
+        self.reached = reached  # False: never connected, so it saw nothing of the request
+        self.kv_transfer = kv_transfer  # the generation worker could not read the context KV
+
+    @property
+    def reason(self) -> str:
+        """Its label in ``disagg_router_retries_total``."""
+        if self.kv_transfer:
+            return KV_TRANSFER_FAILED
+        if self.reply is not None:
+            return f"status_{self.reply.status}"
+        return "unreachable" if not self.reached else "connection_failed"
+
+
+def error_code(body: bytes) -> str | None:
+    """``error.code`` of a worker's OpenAI error JSON (None: no such field, or not JSON)."""
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    error = data.get("error") if isinstance(data, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) else None
+
+
+# What a stale pooled connection raises when the request is sent on it (the worker closed it
+# or reset it before sending any response byte).
+_STALE_CONNECTION = tuple(e for e in (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
+                                      getattr(aiohttp, "ClientConnectionResetError", None))
+                          if e is not None)
+
+# Whether this task's latest upstream send got a pooled connection that had carried a request
+# before (set by _Connector.connect, read by UpstreamClient.post after a failure: the send runs
+# in the caller's task, so in its context). aiohttp's trace hooks tell the same at ~25 us a
+# request; this costs ~1 us.
+_SENT_ON_USED: contextvars.ContextVar[bool] = contextvars.ContextVar("sent_on_used",
+                                                                    default=False)
+
+
+class _Connector(aiohttp.TCPConnector):
+    """A TCPConnector that notes, per sending task, whether a connection was used before."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._used: weakref.WeakSet[Any] = weakref.WeakSet()  # protocols that sent a request
+
+    async def connect(self, req: Any, traces: Any, timeout: Any) -> Any:
+        conn = await super().connect(req, traces, timeout)
+        proto = conn.protocol
+        try:
+            _SENT_ON_USED.set(proto in self._used)
+            self._used.add(proto)
+        except TypeError:  # not weak-referenceable (another aiohttp): never retried
+            _SENT_ON_USED.set(False)
+        return conn
+
+
+class UpstreamClient:
+    """Sends the router's requests to its workers (sessions opened by ``start``)."""
+
+    def __init__(self, config: ClusterConfig, auth: UpstreamAuth, membership: Membership,
+                 metrics: RouterMetrics) -> None:
+        self.config = config
+        self.auth = auth
+        self.membership = membership
+        self.metrics = metrics
+        self.headers: dict[str, dict[str, str]] = {}  # pool -> headers of a POST to it
+        for role in (Role.CONTEXT, Role.GENERATION):
+            group = config.group(role)
+            key = group.worker_options.get("api_key") if group else None
+            headers = {"Content-Type": "application/json"}
+            if key:  # the workers' own key; the client's (the router's) is not forwarded
+                headers["Authorization"] = f"Bearer {key}"
+            self.headers[role] = headers
+        self.session: aiohttp.ClientSession | None = None
+        # New connections only: the retry of a send whose pooled connection turned out stale.
+        self.fresh_session: aiohttp.ClientSession | None = None
+        self.background: set[asyncio.Task[None]] = set()  # lease releases in flight
+
+    async def start(self) -> aiohttp.ClientSession:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S,
+                                        sock_read=self.config.upstream_timeout_sec)
+        # One session, keep-alive connections, no pool limit (long streams must not starve
+        # the others of connections).
+        self.session = aiohttp.ClientSession(
+            connector=_Connector(limit=0, limit_per_host=0, ttl_dns_cache=300,
+                                 keepalive_timeout=UPSTREAM_KEEP_ALIVE_S),
+            timeout=timeout, auto_decompress=False)
+        self.fresh_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=True),
+            timeout=timeout, auto_decompress=False)
+        return self.session
+
+    async def close(self) -> None:
+        for session in (self.session, self.fresh_session):
+            if session is not None:
+                await session.close()
+
+    async def post(self, w: Worker, path: str, data: bytes, signed: bool = False
+                   ) -> aiohttp.ClientResponse:
+        """Send (``signed``: with the cluster signature over ``data``); a failure to get
+        response headers is ``Failed``. A pooled keep-alive connection that the worker had
+        already closed (reset or closed before any response byte: the worker never saw the
+        request) is no failure: the send is repeated at once on a new connection (with a new
+        signature: a nonce is accepted once)."""
+        try:
+            resp = await self._send(w, path, data, signed)
+        except aiohttp.ClientConnectorError as e:  # never connected: it saw nothing
+            self.membership.mark_failed(w, f"unreachable: {e}")
+            raise Failed(f"{w.url}: {e}", reached=False) from None
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            self.membership.request_failed(w, f"failed: {type(e).__name__}: {e}")
+            raise Failed(f"{w.url}: {type(e).__name__}: {e}") from None
+        w.request_failures = 0  # it answered
+        return resp
+
+    async def _send(self, w: Worker, path: str, data: bytes, signed: bool
+                    ) -> aiohttp.ClientResponse:
+        assert self.session is not None and self.fresh_session is not None
+        url, base = w.base + path, self.headers[w.pool]
+        headers = {**base, **self.auth.signature("POST", path, data)} if signed else base
+        _SENT_ON_USED.set(False)
+        try:
+            return await self.session.post(url, data=data, headers=headers)
+        except aiohttp.ClientConnectorError:
+            raise
+        except _STALE_CONNECTION:
+            if not _SENT_ON_USED.get():
+                raise
+        logger.debug("%s: pooled connection was stale; sending again", w.url)
+        if signed:
+            headers = {**base, **self.auth.signature("POST", path, data)}
+        return await self.fresh_session.post(url, data=data, headers=headers)
+
+    async def read(self, w: Worker, resp: aiohttp.ClientResponse) -> bytes:
+        """The whole answer; a connection that fails mid-answer is ``Failed``."""
+        try:
+            return await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            self.membership.request_failed(w, f"failed mid-answer: {type(e).__name__}")
+            raise Failed(f"{w.url}: {type(e).__name__}: {e}") from None
+
+    async def error_answer(self, w: Worker, resp: aiohttp.ClientResponse) -> Failed:
+        """A worker's 5xx answer, as a retryable failure carrying it (for pass-through). A
+        generation worker's failed KV pull is told by its error code (``kv_transfer_failed``),
+        so the caller prefills again instead of blaming that worker."""
+        try:
+            body = await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            body = dumps(P.error_body(f"{w.url} answered {resp.status}", "upstream_error"))
+        finally:
+            resp.release()
+        code = error_code(body)
+        if resp.status == 503 and code in ("draining", "engine_unavailable"):
+            # what its /health says too: out until a check passes (a full queue is no reason)
+            self.membership.mark_failed(w, "answered 503")
+        kv = resp.status == 502 and code == KV_TRANSFER_FAILED
+        return Failed(f"{w.url} answered {resp.status}",
+                      Reply(resp.status, body, resp.content_type or "application/json",
+                            outcome="upstream_error"), kv_transfer=kv)
+
+    async def get(self, w: Worker, path: str) -> tuple[int, bytes, str]:
+        """A signed GET on the pooled session: (status, body, content type), or ``Failed``
+        when the worker could not be reached or the connection failed."""
+        assert self.session is not None
+        try:
+            async with self.session.get(w.base + path,
+                                        headers=self.auth.headers(w.pool, "GET", path)) as r:
+                return r.status, await r.read(), r.content_type
+        except aiohttp.ClientConnectorError as e:
+            self.membership.mark_failed(w, f"unreachable: {e}")
+            raise Failed(f"{w.url}: {e}", reached=False) from None
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            self.membership.request_failed(w, f"failed: {type(e).__name__}: {e}")
+            raise Failed(f"{w.url}: {type(e).__name__}: {e}") from None
+
+    # -- lease releases -------------------------------------------------------------------------
+
+    def release_lease(self, w: Worker, lease_id: Any) -> None:
+        """Fire and forget: the context worker frees a lease no generation worker will read
+        (idempotent there: a lease already confirmed or expired is left alone)."""
+        if not isinstance(lease_id, str) or self.session is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._post_release(w, lease_id))
+        self.background.add(task)  # the loop only keeps weak references to tasks
+        task.add_done_callback(self.background.discard)
+
+    async def _post_release(self, w: Worker, lease_id: str) -> None:
+        assert self.session is not None
+        data = dumps({"ctx_request_id": lease_id})
+        headers = {"Content-Type": "application/json",
+                   **self.auth.headers(w.pool, "POST", RELEASE_PATH, data)}
+        try:
+            async with self.session.post(w.base + RELEASE_PATH, headers=headers,
+                                         data=data) as r:
+                body = await r.read()
+            if r.status == 200:
+                self.metrics.lease_releases.inc()
+            else:
+                logger.info("lease %s on %s not released: %d %s", lease_id, w.url, r.status,
+                            body[:200])
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            logger.info("lease %s on %s not released: %r", lease_id, w.url, e)

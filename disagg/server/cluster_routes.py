@@ -1,0 +1,136 @@
+"""The cluster's endpoints of a worker (what routers, launchers and Prometheus call):
+``/health``, ``/version``, ``/server_info``, ``/kv_events``, ``/kv_leases/release``,
+``/metrics``. Who may call them: ``access``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from disagg import __version__
+from disagg.kv_cache.hashing import BLOCK_HASH_SCHEME
+from disagg.layout import ParallelLayout
+from disagg.roles import Role
+from disagg.server import protocol as P
+from disagg.server.state import ServerState
+
+
+class ClusterRoutes:
+    """The cluster's endpoints over one ``ServerState``."""
+
+    def __init__(self, srv: ServerState) -> None:
+        self.srv = srv
+
+    def register(self, app: FastAPI) -> None:
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/version", self.version, methods=["GET"])
+        app.add_api_route("/server_info", self.server_info, methods=["GET"])
+        app.add_api_route("/kv_leases/release", self.release_lease, methods=["POST"])
+        app.add_api_route("/kv_events", self.kv_events, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics, methods=["GET"])
+
+    async def health(self) -> JSONResponse:
+        if self.srv.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not self.srv.engine.is_healthy():
+            return JSONResponse({"status": "unhealthy"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def version(self) -> dict[str, str]:
+        return {"version": __version__}
+
+    async def server_info(self, request: Request) -> dict[str, Any]:
+        srv = self.srv
+        srv.access.check_internal_access(request)
+        cfg, engine, settings = srv.config, srv.engine, srv.settings
+        try:
+            kv_blocks = engine.stats().kv_blocks_total
+        except Exception:
+            kv_blocks = None
+        B = cfg.cache.tokens_per_block
+        return {
+            "role": settings.role,
+            "worker_id": getattr(engine, "worker_id", None),
+            "benchmark_gen_only": settings.benchmark_gen_only,
+            "model": srv.model_name,
+            "model_dir": settings.model_dir,
+            "architecture": cfg.model.architecture,
+            "version": __version__,
+            "tokens_per_block": B,
+            "block_hash_scheme": BLOCK_HASH_SCHEME,
+            "enable_prefix_caching": cfg.cache.enable_prefix_caching,
+            "kv_cache_blocks": kv_blocks,
+            "kv_cache_tokens": None if kv_blocks is None else kv_blocks * B,
+            "max_batch_size": cfg.scheduler.max_batch_size,
+            "max_num_tokens": cfg.scheduler.max_num_tokens,
+            "max_model_len": srv.max_model_len,
+            "max_queue": cfg.scheduler.max_queue,
+            "enable_chunked_context": cfg.scheduler.enable_chunked_context,
+            "capacity_policy": cfg.scheduler.capacity_policy.value,
+            "parallel": {
+                "tensor_parallel_size": cfg.parallel.tensor_parallel_size,
+                "pipeline_parallel_size": cfg.parallel.pipeline_parallel_size,
+                "world_size": cfg.parallel.world_size,
+                # Which layers / kv heads each rank's KV cache holds (for KV transfer).
+                "layouts": [lay.to_dict()
+                            for lay in ParallelLayout.all_ranks(cfg.model, cfg.parallel)],
+                "rank_pids": getattr(engine, "rank_pids", None),
+            },
+            "dtype": cfg.dtype,
+            "device": cfg.device,
+            # Context / generation workers: worker_id, backend, transfer address(es).
+            "kv_transfer": srv.transfer.info() if srv.transfer is not None else None,
+            "kv_blocks_used": _blocks_used(engine),
+        }
+
+    async def release_lease(self, request: Request) -> JSONResponse:
+        """Cluster-internal (a router that could not hand a context answer to any generation
+        worker): free that answer's KV now instead of at lease expiry. Needs a cluster
+        signature."""
+        srv = self.srv
+        rt = srv.transfer
+        if rt is None or rt.role != Role.CONTEXT:
+            raise P.APIError(404, f"no KV leases on a {srv.role.value!r} worker",
+                             type="not_found_error")
+        raw = await srv.read_body(request)
+        srv.access.check_signed(request, raw, "/kv_leases/release")
+        try:
+            lease_id = P.parse_json_object(raw)["ctx_request_id"]
+            if not isinstance(lease_id, str):
+                raise TypeError
+        except (P.APIError, KeyError, TypeError):
+            raise P.bad_request("ctx_request_id: expected {\"ctx_request_id\": str}",
+                                param="ctx_request_id") from None
+        return JSONResponse({"ctx_request_id": lease_id,
+                             "released": srv.engine.release_lease(lease_id)})
+
+    async def kv_events(self, request: Request, since: int = 0) -> dict[str, Any]:
+        """The KV cache's stored / removed block hashes since event ``since`` (routers poll
+        this for KV-aware routing; see disagg/kv_cache/events.py for the resync rule)."""
+        srv = self.srv
+        srv.access.check_internal_access(request)  # it tells whether a guessed prompt is cached
+        batch = srv.engine.kv_events.since(since)
+        return {
+            "worker_id": srv.engine.worker_id,
+            "tokens_per_block": srv.config.cache.tokens_per_block,
+            "block_hash_scheme": BLOCK_HASH_SCHEME,
+            "next_seq": batch.next_seq,
+            "events": [{"seq": seq, "type": kind, "block_hashes": hashes}
+                       for seq, kind, hashes in batch.events],
+            "snapshot": batch.snapshot,
+        }
+
+    async def metrics(self, request: Request) -> Response:
+        srv = self.srv
+        srv.access.check_metrics_access(request)
+        body, content_type = srv.metrics.render()
+        return Response(body, media_type=content_type)
+
+
+def _blocks_used(engine: Any) -> int | None:
+    try:
+        return int(engine.stats().kv_blocks_used)
+    except Exception:
+        return None

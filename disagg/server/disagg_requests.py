@@ -1,0 +1,209 @@
+"""The worker's side of disaggregated serving: ``context_only`` and ``generation_only`` requests.
+
+A context worker prefills a ``context_only`` request, samples its first token and keeps the
+prompt's KV under a lease; its answer carries the params a generation worker needs to pull that
+KV (``disaggregated_params``) and the prompt's token ids. A generation worker takes the original
+request with those params as a ``generation_only`` request, pulls the KV and decodes. Both carry
+exactly one prompt and one choice.
+
+Lease rule: once a generation_only request's body was read, the lease it names is released on
+every path. The engine does it for a request it took; a request refused before that (bad field,
+wrong model, queue full...) releases it here at once instead of at lease expiry, but only toward
+addresses this worker may trust (releasing means connecting).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from disagg.cluster_auth import AUTH_HEADER
+from disagg.layout import check_compatible
+from disagg.roles import RequestType, Role
+from disagg.server import protocol as P
+from disagg.server.fanout import Choice
+from disagg.server.formats import ChatFormat, Format
+from disagg.server.state import ServerState
+from disagg.transfer.params import ContextParams
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def request_type(srv: ServerState, req: Any, num_prompts: int) -> RequestType | None:
+    """The request's disaggregated type if it needs this role's KV plumbing, else None
+    (an ordinary request). 400 when this worker's role cannot serve it."""
+    raw = req.request_type
+    if raw in (None, RequestType.CONTEXT_AND_GENERATION):
+        return None
+    try:
+        kind: RequestType | None = RequestType(raw)
+    except (ValueError, TypeError):  # not checked yet (check_fields comes later)
+        kind = None
+    need = kind.needs_role if kind is not None else Role.GENERATION
+    assert need is not None
+    if srv.role is not need or srv.transfer is None:
+        raise P.bad_request(
+            f"disaggregated_params.request_type: {raw!r} requests need a {need} worker; "
+            f"this worker's role is {srv.role.value!r}", param="disaggregated_params")
+    if req.n != 1 or num_prompts != 1:
+        raise P.bad_request(f"n: a {raw} request has exactly one prompt and n = 1",
+                            param="n")
+    if kind is None:
+        req.common_checks()  # names the unknown request_type (400)
+    assert kind is not None
+    if kind is RequestType.CONTEXT_ONLY and req.stream:
+        raise P.bad_request("stream: context_only answers are not streamed", param="stream")
+    return kind
+
+
+def remote_params(srv: ServerState, req: Any, prompt_ids: list[int] | None, signed: bool
+                  ) -> ContextParams:
+    """Validate a generation_only request's ContextParams (400 naming the field). A
+    refusal releases the lease through ``release_refused``."""
+    d = dict(req.disaggregated_params)
+    try:
+        params = ContextParams.from_dict(
+            d, prompt_token_ids=None if "prompt_token_ids" in d else prompt_ids)
+    except ValueError as e:
+        raise P.bad_request(str(e), param="disaggregated_params") from None
+    denied = None if signed else srv.access.peer_allowlist.first_denied(params.addresses)
+    if denied is not None:
+        # Never connect where an unauthenticated client points (not even to release).
+        raise P.bad_request(
+            f"disaggregated_params.addresses: {denied!r} is not a trusted context worker: "
+            f"the request is not signed by the cluster ({AUTH_HEADER}) and its host is not "
+            f"in this worker's kv_peer_allowlist", param="disaggregated_params.addresses")
+    try:
+        check_compatible(params.layout, srv.transfer.layout)
+    except ValueError as e:
+        raise P.bad_request(f"disaggregated_params.{e}", param="disaggregated_params"
+                            ) from None
+    return params
+
+
+def disagg_choice(srv: ServerState, request: Request, fmt: Format,
+                  prompt: str | list[int] | None, text: str | None, kind: RequestType) -> Choice:
+    """The one choice of a context_only or generation_only request. ``prompt``: text or ids to
+    encode (a chat prompt arrives encoded), or None when the ids come from
+    ``disaggregated_params.prompt_token_ids``."""
+    req, chat = fmt.req, isinstance(fmt, ChatFormat)
+    dp = req.disaggregated_params
+    generation = kind is RequestType.GENERATION_ONLY
+    ids: list[int] | None = None
+    if prompt is not None:
+        if chat:
+            ids = list(prompt)  # type: ignore[arg-type]
+        elif not generation or "prompt_token_ids" not in dp:
+            ids = srv.encode_prompt(prompt)
+        if isinstance(prompt, str):
+            text = prompt
+    dummy = generation and srv.settings.benchmark_gen_only and "ctx_request_id" not in dp
+    signed = False
+    remote = None
+    if generation and not dummy:
+        signed = srv.access.is_signed(request, srv.body_of(request) or b"")
+        remote = remote_params(srv, req, ids, signed)
+        ids = list(remote.prompt_token_ids)
+    if dummy and "prompt_token_ids" in dp:
+        ids = srv.encode_prompt(_token_ids(dp["prompt_token_ids"]),
+                                field="disaggregated_params.prompt_token_ids")
+    assert ids is not None
+    if chat:
+        params = req.to_sampling_params(len(ids), srv.max_model_len, srv.kv_capacity_tokens())
+    else:
+        params = req.to_sampling_params(len(ids), srv.max_model_len)
+    if remote is not None and params.max_tokens <= len(remote.first_gen_tokens):
+        raise P.bad_request("max_tokens: the context worker's answer already holds "
+                            "every token asked for (it was final)", param="max_tokens")
+    request.state.lease_taken = True  # from here the engine releases it on every path
+    # Only KV the cluster vouches for may be reused by other requests: anyone else could send
+    # KV that does not belong to prompt_token_ids.
+    return Choice(0, fmt.rid, 0, ids, text, params, context_only=not generation,
+                  remote=remote, dummy_kv=dummy, cache_remote_kv=signed)
+
+
+def _token_ids(raw: Any) -> list[int]:
+    if not (isinstance(raw, list) and raw and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in raw)):
+        raise P.bad_request("disaggregated_params.prompt_token_ids: expected a non-empty "
+                            "list of token ids", param="disaggregated_params")
+    return raw
+
+
+# ---- releasing the lease of a refused generation_only request --------------------------------
+
+
+def releasing_refused(srv: ServerState, handler: Handler) -> Handler:
+    """``handler``, releasing the context lease of a generation_only request that fails
+    before the engine takes it (any refusal after its body was read): nobody else will read
+    that KV."""
+
+    @functools.wraps(handler)
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except Exception:
+            body = srv.body_of(request)
+            if body is not None:  # (a refusal before the body was read names no lease)
+                try:
+                    release_refused(srv, request, body)
+                except Exception:  # never hide the refusal itself
+                    logger.exception("cannot release the context lease")
+            raise
+
+    return wrapped
+
+
+def release_refused(srv: ServerState, request: Request, body: bytes) -> None:
+    """Release the lease a refused generation_only request names (see the module docstring)."""
+    if srv.role is not Role.GENERATION or getattr(request.state, "lease_taken", False):
+        return
+    if srv.transfer is None:
+        return
+    ref = lease_of(body)
+    if ref is None or not srv.access.trusts_addresses(request, body, list(ref.addresses)):
+        return
+    logger.info("request refused: releasing context lease %s", ref.ctx_request_id)
+    srv.engine.release_remote(ref)
+
+
+@dataclass(frozen=True)
+class LeaseRef:
+    """What releasing a context lease needs, when the rest of the params did not parse."""
+
+    ctx_request_id: str
+    backend: str
+    addresses: tuple[str, ...]
+
+
+def lease_of(body: bytes) -> ContextParams | LeaseRef | None:
+    """The context lease a generation_only request body names, if it names one (the full
+    params when they parse, else just the lease id, backend and addresses)."""
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    dp = data.get("disaggregated_params") if isinstance(data, dict) else None
+    if not isinstance(dp, dict) or dp.get("request_type") != RequestType.GENERATION_ONLY:
+        return None
+    with contextlib.suppress(ValueError):
+        prompt = None if "prompt_token_ids" in dp else data.get("prompt")
+        return ContextParams.from_dict(dp, prompt_token_ids=prompt if isinstance(
+            prompt, list) else None)
+    lease, backend, addresses = (dp.get("ctx_request_id"), dp.get("backend"),
+                                 dp.get("addresses"))
+    if not (isinstance(lease, str) and isinstance(backend, str)
+            and backend.upper() in ("UCX", "TCP") and isinstance(addresses, list)
+            and addresses and all(isinstance(a, str) for a in addresses)):
+        return None
+    return LeaseRef(lease, backend.upper(), tuple(addresses))

@@ -1,0 +1,177 @@
+"""The response formats: a completions or chat completions answer, whole or as stream chunks,
+built from the engine outputs of a request's choices (protocol.py has the JSON shapes)."""
+
+from __future__ import annotations
+
+import abc
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+from disagg.server import protocol as P
+from disagg.server.fanout import Choice
+
+if TYPE_CHECKING:
+    from disagg.server.state import ServerState
+
+
+class Format(abc.ABC):
+    """Builds one endpoint's responses and stream chunks from engine outputs.
+
+    One instance per HTTP request (``rid`` is its id, ``created`` its time). A non-streamed
+    request calls ``response`` once, after every choice finished. A streamed one sends
+    ``start_chunks``, then ``delta_chunk`` for each engine output in arrival order (None: the
+    output adds nothing to send yet, its text being held back), then ``usage_chunk`` when the
+    client asked for usage. Logprobs are sent with the text of their tokens, so a delta whose
+    text is held back keeps its logprobs for the next one (``take_logprobs``).
+    """
+
+    request_model: type[P.CompletionRequest] | type[P.ChatCompletionRequest]
+    id_prefix: str  # of the response's id
+
+    def __init__(self, srv: ServerState, req: Any, rid: str) -> None:
+        self.srv = srv
+        self.req = req
+        self.rid = rid
+        self.created = P.now()
+        self.model = srv.model_name
+        self.include_usage = req.include_usage_in_stream
+
+    def usage(self, choices: list[Choice]) -> dict[str, Any]:
+        prompts: dict[int, list[Choice]] = {}
+        for c in choices:
+            prompts.setdefault(c.prompt_index, []).append(c)
+        prompt_tokens = sum(len(cs[0].prompt_ids) for cs in prompts.values())
+        completion_tokens = sum(c.num_tokens for c in choices)
+        # n choices are n engine requests over one prompt: report what all of them reused.
+        cached = sum(min(cached_tokens(c) for c in cs) for cs in prompts.values())
+        return P.usage(prompt_tokens, completion_tokens, cached)
+
+    def start_chunks(self, choices: list[Choice]) -> list[dict[str, Any]]:
+        return []
+
+    @abc.abstractmethod
+    def response(self, choices: list[Choice]) -> dict[str, Any]:
+        """The whole answer of a non-streamed request."""
+
+    def delta_chunk(self, c: Choice, out: Any) -> dict[str, Any] | None:
+        """The stream chunk of one engine output of choice ``c`` (None: nothing to send)."""
+        comp = out.outputs[0]
+        finish, stop_reason = finish_of(out)
+        ids, lps = self.take_logprobs(c, comp, flush=finish is not None)
+        if not comp.delta_text and finish is None:
+            return None
+        return self.delta(c, comp.delta_text, ids, lps, finish, stop_reason)
+
+    @abc.abstractmethod
+    def delta(self, c: Choice, text: str, ids: list[int], lps: list[dict[int, float]],
+              finish: str | None, stop_reason: int | str | None) -> dict[str, Any]:
+        """A stream chunk with ``text`` (and the logprobs of ``ids``) for choice ``c``."""
+
+    @abc.abstractmethod
+    def usage_chunk(self, choices: list[Choice]) -> dict[str, Any]:
+        """The last chunk of a stream whose client asked for usage."""
+
+    def take_logprobs(self, c: Choice, comp: Any, flush: bool) -> tuple[list[int],
+                                                                         list[dict[int, float]]]:
+        """The delta's tokens and logprobs, held back while the delta has no text yet."""
+        if c.params.logprobs is None or comp.delta_logprobs is None:
+            return [], []
+        c.pending_ids.extend(comp.delta_token_ids)
+        c.pending_lps.extend(comp.delta_logprobs)
+        if not (comp.delta_text or flush):
+            return [], []
+        ids, lps = c.pending_ids, c.pending_lps
+        c.pending_ids, c.pending_lps = [], []
+        return ids, lps
+
+
+def cached_tokens(c: Choice) -> int:
+    return int(getattr(c.final, "num_cached_tokens", 0) or 0) if c.final is not None else 0
+
+
+def final_output(c: Choice) -> Any:
+    """The choice's last CompletionOutput; an empty aborted one if the engine never sent it."""
+    if c.final is not None:
+        return c.final.outputs[0]
+    return SimpleNamespace(text="", token_ids=[], logprobs=None, finish_reason="abort",
+                           stop_reason=None)
+
+
+def finish_of(out: Any) -> tuple[str | None, int | str | None]:
+    """(finish_reason, stop_reason) of a finished output; (None, None) before."""
+    if not out.finished:
+        return None, None
+    comp = out.outputs[0]
+    return comp.finish_reason, comp.stop_reason
+
+
+class CompletionFormat(Format):
+    request_model = P.CompletionRequest
+    id_prefix = "cmpl"
+
+    def response(self, choices: list[Choice]) -> dict[str, Any]:
+        items = []
+        for c in choices:
+            comp = final_output(c)
+            lp = None
+            if c.params.logprobs is not None and comp.logprobs is not None:
+                lp = P.completion_logprobs(comp.token_ids, comp.logprobs, self.srv.token_text)
+            items.append(P.completion_choice(c.index, comp.text, comp.finish_reason, lp,
+                                             comp.stop_reason))
+        return P.completion_response(self.rid, self.created, self.model, items,
+                                     self.usage(choices))
+
+    def delta(self, c: Choice, text: str, ids: list[int], lps: list[dict[int, float]],
+              finish: str | None, stop_reason: int | str | None) -> dict[str, Any]:
+        lp = None
+        if c.params.logprobs is not None:
+            lp = P.completion_logprobs(ids, lps, self.srv.token_text, c.text_offset)
+            c.text_offset += sum(len(t) for t in lp["tokens"])
+        choice = P.completion_choice(c.index, text, finish, lp, stop_reason)
+        return P.completion_chunk(self.rid, self.created, self.model, [choice],
+                                  with_usage_field=self.include_usage)
+
+    def usage_chunk(self, choices: list[Choice]) -> dict[str, Any]:
+        return P.completion_chunk(self.rid, self.created, self.model, [], self.usage(choices),
+                                  with_usage_field=True)
+
+
+class ChatFormat(Format):
+    request_model = P.ChatCompletionRequest
+    id_prefix = "chatcmpl"
+
+    @property
+    def top_n(self) -> int:
+        return self.req.top_logprobs or 0
+
+    def response(self, choices: list[Choice]) -> dict[str, Any]:
+        items = []
+        for c in choices:
+            comp = final_output(c)
+            lp = None
+            if self.req.logprobs and comp.logprobs is not None:
+                lp = P.chat_logprobs(comp.token_ids, comp.logprobs, self.srv.token_text,
+                                     self.top_n)
+            items.append(P.chat_choice(c.index, comp.text, comp.finish_reason, lp,
+                                       comp.stop_reason))
+        return P.chat_response(self.rid, self.created, self.model, items, self.usage(choices))
+
+    def start_chunks(self, choices: list[Choice]) -> list[dict[str, Any]]:
+        # OpenAI opens each choice with a role-only delta.
+        return [P.chat_chunk(self.rid, self.created, self.model,
+                             [P.chat_chunk_choice(c.index, {"role": "assistant", "content": ""})],
+                             with_usage_field=self.include_usage) for c in choices]
+
+    def delta(self, c: Choice, text: str, ids: list[int], lps: list[dict[int, float]],
+              finish: str | None, stop_reason: int | str | None) -> dict[str, Any]:
+        lp = None
+        if self.req.logprobs:
+            lp = P.chat_logprobs(ids, lps, self.srv.token_text, self.top_n)
+        delta = {"content": text} if text else {}
+        choice = P.chat_chunk_choice(c.index, delta, finish, lp, stop_reason)
+        return P.chat_chunk(self.rid, self.created, self.model, [choice],
+                            with_usage_field=self.include_usage)
+
+    def usage_chunk(self, choices: list[Choice]) -> dict[str, Any]:
+        return P.chat_chunk(self.rid, self.created, self.model, [], self.usage(choices),
+                            with_usage_field=True)

@@ -1,0 +1,114 @@
+"""The OpenAI endpoints of a worker: ``/v1/completions``, ``/v1/chat/completions``,
+``/v1/models``.
+
+A completions request fans out into ``n`` choices per prompt, in OpenAI's order (the choices of
+prompt 0, then of prompt 1, ...); a chat request into ``n`` choices of its one templated prompt.
+A context_only or generation_only request (``disaggregated_params``) is one choice built by
+``disagg_requests``; both endpoints release a refused generation_only request's lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from disagg.roles import RequestType
+from disagg.server import protocol as P
+from disagg.server.disagg_requests import disagg_choice, releasing_refused, request_type
+from disagg.server.fanout import Choice
+from disagg.server.formats import ChatFormat, CompletionFormat, Format
+from disagg.server.respond import respond
+from disagg.server.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+
+class OpenAIRoutes:
+    """The OpenAI endpoints over one ``ServerState``."""
+
+    def __init__(self, srv: ServerState) -> None:
+        self.srv = srv
+
+    def register(self, app: FastAPI) -> None:
+        srv = self.srv
+        app.add_api_route("/v1/completions", releasing_refused(srv, self.completions),
+                          methods=["POST"])
+        app.add_api_route("/v1/chat/completions",
+                          releasing_refused(srv, self.chat_completions), methods=["POST"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+
+    async def _admit(self, request: Request, fmt: type[Format]) -> Format:
+        """The checks every OpenAI request passes first (API key, body, schema, model name,
+        whether this worker takes requests now); the request's response format."""
+        srv = self.srv
+        srv.access.check_api_key(request)
+        req = P.parse_request(fmt.request_model, await srv.read_body(request))
+        if req.model_extra:
+            logger.info("ignoring unknown request fields: %s", sorted(req.model_extra))
+        srv.check_model(req.model)
+        srv.check_accepting()
+        return fmt(srv, req, P.new_id(fmt.id_prefix))
+
+    async def completions(self, request: Request) -> Response:
+        t_arrival = time.monotonic()
+        fmt = await self._admit(request, CompletionFormat)
+        srv, req, rid = self.srv, fmt.req, fmt.rid
+        prompts = req.prompts()
+        kind = request_type(srv, req, len(prompts))
+        if kind is not None:
+            choice = disagg_choice(srv, request, fmt, prompts[0], None, kind)
+            return await respond(srv, request, [choice], fmt, t_arrival)
+        choices: list[Choice] = []
+        n = req.n
+        for pi, prompt in enumerate(prompts):
+            where = "prompt" if len(prompts) == 1 else f"prompt.{pi}"
+            ids = srv.encode_prompt(prompt, field=where)
+            params = req.to_sampling_params(len(ids), srv.max_model_len)
+            text = prompt if isinstance(prompt, str) else None
+            for i in range(n):
+                index = pi * n + i  # OpenAI's order: choices of prompt 0, then prompt 1, ...
+                sub_id = rid if len(prompts) * n == 1 else f"{rid}-{index}"
+                choices.append(Choice(index, sub_id, pi, ids, text, P.choice_params(params, i)))
+        return await respond(srv, request, choices, fmt, t_arrival)
+
+    async def chat_completions(self, request: Request) -> Response:
+        t_arrival = time.monotonic()
+        fmt = await self._admit(request, ChatFormat)
+        srv, req, rid = self.srv, fmt.req, fmt.rid
+        messages = req.chat_messages()
+        kind = request_type(srv, req, 1)
+        if kind is RequestType.GENERATION_ONLY and "prompt_token_ids" in req.disaggregated_params:
+            # The context worker's token ids are the prompt (no second tokenization).
+            choice = disagg_choice(srv, request, fmt, None, None, kind)
+            return await respond(srv, request, [choice], fmt, t_arrival)
+        try:
+            text = srv.engine.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt)
+        except ValueError as e:  # ChatTemplateError: raise_exception(...) in the template
+            raise P.bad_request(f"messages: the chat template rejected them: {e}",
+                                param="messages") from None
+        # The template writes the special tokens (bos) itself.
+        ids = srv.encode_prompt(text, add_special_tokens=False, field="messages")
+        if kind is not None:
+            choice = disagg_choice(srv, request, fmt, ids, text, kind)
+            return await respond(srv, request, [choice], fmt, t_arrival)
+        params = req.to_sampling_params(len(ids), srv.max_model_len, srv.kv_capacity_tokens())
+        choices = [
+            Choice(i, rid if req.n == 1 else f"{rid}-{i}", 0, ids, text,
+                   P.choice_params(params, i))
+            for i in range(req.n)
+        ]
+        return await respond(srv, request, choices, fmt, t_arrival)
+
+    async def models(self, request: Request) -> dict[str, Any]:
+        srv = self.srv
+        srv.access.check_api_key(request)
+        return {"object": "list", "data": [{
+            "id": srv.model_name, "object": "model", "created": srv.created,
+            "owned_by": "disagg", "root": srv.settings.model_dir,
+            "max_model_len": srv.max_model_len,
+        }]}

@@ -1,0 +1,143 @@
+"""The router's one retry helper (``flow.retrying``) and the typed failures it retries on,
+without workers: fake calls over a router that is not started."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from disagg.roles import Role
+from disagg.router.app import Router
+from disagg.router.config import parse_cluster_config
+from disagg.router.flow import Tries
+from disagg.router.membership import Worker
+from disagg.router.policies import RouteRequest
+from disagg.router.replies import Reply
+from disagg.router.upstream import Failed, error_code
+from disagg.server import protocol as P
+
+URLS = ["127.0.0.1:9001", "127.0.0.1:9002", "127.0.0.1:9003"]
+
+
+def _router(max_retries: int) -> Router:
+    r = Router(parse_cluster_config({"max_retries": max_retries,
+                                     "generation_servers": {"urls": URLS}}, "test"))
+    for w in r.membership.by_url.values():
+        w.healthy = True
+    return r
+
+
+def _retries(r: Router, reason: str) -> float:
+    return r.metrics.retries.labels(Role.GENERATION, reason)._value.get()
+
+
+def _run(r: Router, tries: Tries, call: Any) -> Any:
+    return asyncio.run(r.flow.retrying(tries, RouteRequest(), call))
+
+
+def test_error_code_reads_the_error_json_and_nothing_else() -> None:
+    body = P.APIError(502, "kv transfer failed: expired_lease", type="kv_transfer_error",
+                      code="kv_transfer_failed").body()
+    assert error_code(json.dumps(body).encode()) == "kv_transfer_failed"
+    # the words elsewhere in the body, bad JSON, other shapes: no code
+    for raw in (b'{"error": {"message": "kv_transfer_failed", "code": null}}',
+                b'{"error": "kv_transfer_failed"}', b'["kv_transfer_failed"]',
+                b'{"error": {"code": 502}}', b"kv_transfer_failed", b"", b"\xff{",
+                b"[" * 100_000):
+        assert error_code(raw) is None, raw
+
+
+def test_a_failed_try_goes_to_the_next_worker_and_counts_one_retry() -> None:
+    r = _router(max_retries=2)
+    seen: list[str] = []
+
+    async def call(w: Worker) -> str:
+        seen.append(w.url)
+        if len(seen) == 1:
+            raise Failed(f"{w.url}: refused", reached=False)
+        return w.url
+
+    tries = Tries(Role.GENERATION, 2)
+    assert _run(r, tries, call) == seen[1] != seen[0]
+    assert tries.tried == {seen[0]} and tries.failures == 1
+    assert _retries(r, "unreachable") == 1
+
+
+def test_the_budget_is_failures_per_side_then_the_last_answer_passes_through() -> None:
+    r = _router(max_retries=1)
+    calls: list[str] = []
+
+    async def call(w: Worker) -> None:
+        calls.append(w.url)
+        raise Failed(f"{w.url} answered 500", Reply.error(500, "boom", "x"))
+
+    with pytest.raises(Reply) as e:
+        _run(r, Tries(Role.GENERATION, 1), call)
+    assert len(calls) == 2 and len(set(calls)) == 2  # one try and one retry, two workers
+    assert e.value.status == 500 and b"boom" in e.value.body
+    assert _retries(r, "status_500") == 1
+
+
+def test_no_worker_left_is_503_before_any_try_and_502_after_failures() -> None:
+    r = _router(max_retries=5)
+
+    async def call(w: Worker) -> None:
+        raise Failed(f"{w.url}: reset")
+
+    with pytest.raises(Reply) as e:
+        _run(r, Tries(Role.GENERATION, 5), call)
+    assert e.value.status == 502 and b"upstream_failed" in e.value.body  # 3 workers, all tried
+    for w in r.membership.by_url.values():
+        w.healthy = False
+    with pytest.raises(Reply) as e:
+        _run(r, Tries(Role.GENERATION, 5), call)
+    assert e.value.status == 503 and e.value.outcome == "no_worker"
+
+
+def test_on_failure_may_keep_a_worker_and_hand_the_failure_to_the_caller() -> None:
+    """What the generation side does on a failed KV pull: the worker stays eligible and the
+    caller prefills again."""
+    r = _router(max_retries=3)
+    first = r.membership.by_url[URLS[0]]
+    tries = Tries(Role.GENERATION, 3, first=first)
+
+    def on_failure(w: Worker, f: Failed) -> bool:
+        tries.failed(w, f, exclude=False)
+        return True
+
+    async def call(w: Worker) -> None:
+        raise Failed("kv", Reply.error(502, "x", code="kv_transfer_failed"), kv_transfer=True)
+
+    with pytest.raises(Failed) as e:
+        asyncio.run(r.flow.retrying(tries, RouteRequest(), call, on_failure))
+    assert e.value.reason == "kv_transfer_failed" and not tries.tried
+    assert tries.failures == 1
+
+
+def test_failed_reasons() -> None:
+    assert Failed("x", reached=False).reason == "unreachable"
+    assert Failed("x").reason == "connection_failed"
+    assert Failed("x", Reply.error(503, "y")).reason == "status_503"
+    assert Failed("x", Reply.error(502, "y"), kv_transfer=True).reason == "kv_transfer_failed"
+
+
+def test_models_needs_the_api_key_before_any_worker_is_asked() -> None:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from disagg.router.app import build_router_app
+
+    async def main() -> tuple[int, int, dict[str, Any]]:
+        app = build_router_app(parse_cluster_config(
+            {"api_key": "k", "max_retries": 0, "health_check_interval_sec": 10,
+             "generation_servers": {"urls": URLS[:1]}}, "test"))
+        async with TestClient(TestServer(app)) as client:
+            bare = await client.get("/v1/models")
+            keyed = await client.get("/v1/models", headers={"Authorization": "Bearer k"})
+            return bare.status, keyed.status, await keyed.json()
+
+    bare, keyed, body = asyncio.run(main())
+    assert bare == 401
+    assert keyed == 503 and body["error"]["code"] == "no_healthy_worker"  # nothing listens
