@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +19,10 @@ from typing import Any
 
 import httpx
 
+from disagg import procs
+from disagg.procs import free_port as free_port
+from disagg.procs import health_ok as health_ok
+
 
 def device_for_ranks(world_size: int) -> str:
     """The device for test workers of up to ``world_size`` ranks: CUDA when there is a GPU
@@ -29,12 +32,6 @@ def device_for_ranks(world_size: int) -> str:
     import torch
 
     return "cuda" if torch.cuda.device_count() >= world_size else "cpu"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(cond: Callable[[], Any], timeout: float = 20.0, interval: float = 0.02,
@@ -96,13 +93,6 @@ def signed_post(url: str, path: str, body: Any, token: str, timeout: float = 60.
     return httpx.post(url + path, timeout=timeout, **signed(token, "POST", path, body))
 
 
-def health_ok(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 # ---- worker subprocesses (`disagg serve ...`) -------------------------------------------------
 
 
@@ -142,11 +132,10 @@ def start_worker_proc(tmp: Path, model_dir: str, name: str, args: list[str],
     thread, its output in ``tmp/NAME-xxxxxx.log``."""
     port = port or free_port()
     log = tmp / f"{name}-{uuid.uuid4().hex[:6]}.log"
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "disagg.cli", "serve", model_dir, "--port", str(port), *args],
-            stdout=f, stderr=subprocess.STDOUT, env=full_env)
+    # In the test's process group (as a plain Popen): a Ctrl-C of pytest reaches it too.
+    proc = procs.spawn([sys.executable, "-m", "disagg.cli", "serve", model_dir, "--port",
+                        str(port), *args], log, env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+                       new_session=False)
     return WorkerProc(name, f"http://127.0.0.1:{port}", proc, log, port,
                       env.get("DISAGG_CLUSTER_TOKEN"))
 
@@ -154,22 +143,13 @@ def start_worker_proc(tmp: Path, model_dir: str, name: str, args: list[str],
 def wait_all_healthy(workers: list[WorkerProc], timeout: float) -> None:
     """Each worker healthy within ``timeout``; else stop them all and raise with its log."""
     for w in workers:
-        with contextlib.suppress(TimeoutError):
-            wait_for(lambda w=w: health_ok(w.url) or w.proc.poll() is not None, timeout, 0.1,
-                     what=f"{w.name} health")
-        if not health_ok(w.url):
+        try:
+            procs.wait_healthy(w.url, timeout, proc=w.proc, what=w.name)
+        except procs.NotHealthy as e:
             stop_all(workers)
-            raise RuntimeError(f"{w.name} did not start:\n{w.log.read_text()[-3000:]}")
+            raise RuntimeError(f"{e}:\n{procs.log_tail(w.log, 40)}") from None
 
 
 def stop_all(workers: list[WorkerProc]) -> None:
     """SIGTERM every worker (they drain), then reap; SIGKILL what does not exit."""
-    for w in workers:
-        if w.proc.poll() is None:
-            w.proc.send_signal(signal.SIGTERM)
-    for w in workers:
-        try:
-            w.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            w.proc.kill()
-            w.proc.wait(10)
+    procs.stop_all([w.proc for w in workers], grace_s=30.0, kill_wait_s=10.0)
