@@ -58,13 +58,6 @@ _stop = stop_all
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from disagg.model.tiny import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("disagg") / "tiny"), seed=1)
-
-
-@pytest.fixture(scope="module")
 def tcp(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Worker]]:
     """TCP context / generation workers (plus a B=8 generation worker, a short-ttl context
     worker and one the tests kill), all started at once."""

@@ -351,10 +351,8 @@ class Listener:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
-    from disagg.model.tiny import write_tiny_checkpoint
-
-    model_dir = write_tiny_checkpoint(str(tmp_path_factory.mktemp("fuzz") / "tiny"), seed=1)
+def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: str
+            ) -> Iterator[SimpleNamespace]:
     ctx_config = build_engine_config(model_dir, **CTX_OPTIONS)
     gen_config = build_engine_config(model_dir, **OPTIONS)
     assert gen_config.model.vocab_size == VOCAB

@@ -466,10 +466,8 @@ PROMPT_IDS = [(7 * i) % 500 + 1 for i in range(300)]
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
-    from disagg.model.tiny import write_tiny_checkpoint
-
-    model_dir = write_tiny_checkpoint(str(tmp_path_factory.mktemp("faults") / "tiny"), seed=1)
+def pair(tmp_path_factory: pytest.TempPathFactory, model_dir: str
+         ) -> Iterator[SimpleNamespace]:
     tmp = tmp_path_factory.mktemp("faults-logs")
     common = ["--served-model-name", NAME, "--log-level", "warning", "--kv-cache-tokens",
               str(KV_TOKENS), "--max-model-len", "512", "--max-num-tokens", "256",

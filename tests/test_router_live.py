@@ -151,13 +151,6 @@ def sse_text(path: str, r: httpx.Response) -> tuple[str, list[dict[str, Any]]]:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from disagg.model.tiny import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("router") / "tiny"), seed=1)
-
-
-@pytest.fixture(scope="module")
 def workers(model_dir: str, tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[dict[str, Worker]]:
     tmp = tmp_path_factory.mktemp("router-logs")

@@ -18,7 +18,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -42,10 +42,8 @@ NO_CONNECTION_WAIT_S = 1.0  # a worker that connects does so within milliseconds
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from disagg.model.tiny import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("auth") / "tiny"), seed=2)
+def model_dir(tiny_checkpoint: Callable[..., str]) -> str:
+    return tiny_checkpoint(seed=2)  # the weights these tests were written against
 
 
 class Listener:

@@ -36,13 +36,6 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from disagg.model.tiny import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("faults") / "tiny"), seed=1)
-
-
-@pytest.fixture(scope="module")
 def live(model_dir: str) -> Iterator[SimpleNamespace]:
     import uvicorn
 
