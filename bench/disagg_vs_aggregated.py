@@ -50,7 +50,6 @@ import math
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -79,6 +78,8 @@ from disagg.bench.ratematch import (  # noqa: E402
     verify_choices,
 )
 from disagg.bench.runner import BenchmarkConfig, run_benchmark  # noqa: E402
+from disagg.procs import NotHealthy, free_ports, log_tail, spawn, stop_all  # noqa: E402
+from disagg.procs import wait_healthy as wait_child_healthy  # noqa: E402
 
 SIZES = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
              num_attention_heads=8, num_key_value_heads=4, vocab_size=2048,
@@ -89,18 +90,6 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 # --------------------------------------------------------------------------- processes
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):  # held together: distinct
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def proc_cpu_s(pid: int) -> float:
@@ -130,24 +119,17 @@ class Proc:
         return proc_cpu_s(self.popen.pid)
 
 
-def _pin(cpu: int | None) -> Any:
-    if cpu is None:
-        return None
-    return lambda: os.sched_setaffinity(0, {cpu})
-
-
 def start_worker(model: str, name: str, role: str, cpu: int, port: int, logs: Path,
                  max_num_tokens: int, *extra: str) -> Proc:
     log = logs / f"{name}.log"
     env = {**os.environ, "DISAGG_CLUSTER_TOKEN": TOKEN, "OMP_NUM_THREADS": "1",
            "OMP_WAIT_POLICY": "PASSIVE"}
-    with open(log, "wb") as f:
-        p = subprocess.Popen(
-            [sys.executable, "-m", "disagg.cli", "serve", model, "--port", str(port), "--role",
-             role, "--served-model-name", NAME, "--log-level", "warning", "--kv-cache-tokens",
-             "32768", "--max-model-len", "1024", "--max-num-tokens", str(max_num_tokens),
-             "--kv-transfer-backend", "TCP", *extra],
-            stdout=f, stderr=subprocess.STDOUT, env=env, preexec_fn=_pin(cpu), cwd=ROOT)
+    p = spawn(
+        [sys.executable, "-m", "disagg.cli", "serve", model, "--port", str(port), "--role",
+         role, "--served-model-name", NAME, "--log-level", "warning", "--kv-cache-tokens",
+         "32768", "--max-model-len", "1024", "--max-num-tokens", str(max_num_tokens),
+         "--kv-transfer-backend", "TCP", *extra],
+        log, env=env, cwd=ROOT, new_session=False, cpus={cpu})
     return Proc(name, p, f"http://127.0.0.1:{port}", log, cpu)
 
 
@@ -158,39 +140,28 @@ def start_router(cluster: dict[str, Any], port: int, logs: Path, name: str) -> P
     path.write_text(yaml.safe_dump({"hostname": "127.0.0.1", "port": port, **cluster},
                                    sort_keys=False))
     log = logs / f"{name}.log"
-    with open(log, "wb") as f:
-        # The workers' token: a disaggregated router signs its calls with it.
-        p = subprocess.Popen([sys.executable, "-m", "disagg.cli", "router", "-c", str(path),
-                              "--log-level", "warning"], stdout=f, stderr=subprocess.STDOUT,
-                             cwd=ROOT, env={**os.environ, "DISAGG_CLUSTER_TOKEN": TOKEN})
+    # The workers' token: a disaggregated router signs its calls with it.
+    p = spawn([sys.executable, "-m", "disagg.cli", "router", "-c", str(path), "--log-level",
+               "warning"], log, cwd=ROOT, env={**os.environ, "DISAGG_CLUSTER_TOKEN": TOKEN},
+              new_session=False)
     return Proc(name, p, f"http://127.0.0.1:{port}", log, None)
 
 
 def wait_healthy(procs: list[Proc], timeout: float = 180.0) -> None:
+    """All healthy within ``timeout`` (one deadline); else stop them all and raise."""
     deadline = time.monotonic() + timeout
     for p in procs:
-        while True:
-            try:
-                if httpx.get(p.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if p.popen.poll() is not None or time.monotonic() > deadline:
-                stop(procs)
-                raise RuntimeError(f"{p.name} did not start:\n{p.log.read_text()[-3000:]}")
-            time.sleep(0.2)
+        try:
+            wait_child_healthy(p.url, max(0.0, deadline - time.monotonic()), proc=p.popen,
+                               interval=0.2, what=p.name)
+        except NotHealthy as e:
+            stop(procs)
+            raise RuntimeError(f"{e}:\n{log_tail(p.log)}") from None
 
 
 def stop(procs: list[Proc]) -> None:
-    for p in reversed(procs):
-        if p.popen.poll() is None:
-            p.popen.send_signal(signal.SIGTERM)
-    for p in reversed(procs):
-        try:
-            p.popen.wait(60)
-        except subprocess.TimeoutExpired:
-            p.popen.kill()
-            p.popen.wait(10)
+    """SIGTERM all (the last started first), up to 60 s to drain, then SIGKILL."""
+    stop_all([p.popen for p in reversed(procs)], grace_s=60.0, kill_wait_s=10.0)
 
 
 def kv_metrics(url: str) -> dict[str, float]:
@@ -461,9 +432,10 @@ def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
                  f"{_f(a.get('tokens_per_s_per_user'))} | {_f(a.get('ttft_ms'), '.0f')} |")
     L.append("")
     L.append("ctx:gen = context workers per generation worker that match request rates; tok/s "
-             "per device = gen tok/s / (ctx:gen + 1) (REFERENCE section 7). tok/s/user = 1000 / "
-             "mean TPOT. The aggregated columns: one aggregated worker (one core) at the same "
-             "concurrency, same prompts and lengths.")
+             "per device = gen tok/s / (ctx:gen + 1), each worker one device: the generation "
+             "worker's output shared by itself and the context workers feeding it. "
+             "tok/s/user = 1000 / mean TPOT. The aggregated columns: one aggregated worker "
+             "(one core) at the same concurrency, same prompts and lengths.")
     L.append("")
 
     # --- closed-loop verify

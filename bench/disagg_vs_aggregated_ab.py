@@ -74,6 +74,7 @@ from disagg.bench.ratematch import (  # noqa: E402
     save_result,
 )
 from disagg.bench.runner import BenchmarkConfig, run_benchmark  # noqa: E402
+from disagg.procs import free_ports  # noqa: E402
 
 NAME = dva.NAME
 
@@ -565,7 +566,7 @@ def main() -> int:
         "params_m": params / 1e6, "args": vars(args), "steps": []}
     guard = dva.Guard(data["steps"], args.wait_quiet, args.max_other, args.attempts)
     mnt = args.max_num_tokens
-    p = dva.free_ports(6)
+    p = free_ports(6)
     procs = [dva.start_worker(model, "context worker", "context", 0, p[0], tmp, mnt),
              dva.start_worker(model, "generation worker", "generation", 1, p[1], tmp, mnt,
                               "--benchmark-gen-only"),

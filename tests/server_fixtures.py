@@ -73,6 +73,63 @@ def serve_in_thread(app: Any, timeout: float = 30.0) -> Iterator[str]:
         assert not thread.is_alive(), "server thread did not stop"
 
 
+class Listener:
+    """A TCP port that accepts connections and counts them, never answering (forged KV
+    addresses point here: a test asserts that nothing connected). ``hold``: keep each
+    connection open until ``close()`` (the peer waits for an answer that never comes);
+    otherwise close it at once."""
+
+    def __init__(self, hold: bool = True, backlog: int = 16) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(backlog)
+        self.addr = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.connections = 0
+        self.hold = hold
+        self._accepted: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True, name="test-listener")
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            self.connections += 1
+            if self.hold:
+                self._accepted.append(conn)
+            else:
+                conn.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self._thread.join(5)
+        for c in self._accepted:
+            c.close()
+
+
+def raw_exchange(port: int, data: bytes, wait: float = 10.0) -> tuple[bytes, float]:
+    """Send ``data`` to 127.0.0.1:``port`` and leave the socket open: what arrives until the
+    server closes it (``<still open>`` appended when ``wait`` seconds pass in silence), and
+    the seconds that took."""
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(data)
+        s.settimeout(wait)
+        out = b""
+        try:
+            while chunk := s.recv(65536):
+                out += chunk
+        except TimeoutError:
+            out += b"<still open>"
+        except ConnectionResetError:
+            pass
+    return out, time.monotonic() - t0
+
+
 def signed(token: str, method: str, path: str, body: Any = None,
            headers: dict[str, str] | None = None) -> dict[str, Any]:
     """httpx keyword arguments for a request signed with the cluster ``token`` (as the router
