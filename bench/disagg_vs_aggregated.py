@@ -344,11 +344,10 @@ def cpu_line(name: str, m: dict[str, Any]) -> str:
             + " of one core (2 cores = 200%)")
 
 
-def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
-    rm = data["rate_match"]
-    ctx_rate = rm["context"]["ctx_rate"]
-    osl = args.osl
+def _report_header(data: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    """Title, machine, workload, CPU shares and the quiet-machine steps."""
     L: list[str] = []
+    osl = args.osl
     L.append(f"# Disaggregated vs aggregated on the same cores ({data['date'][:10]})")
     L.append("")
     L.append(f"Produced by `python bench/disagg_vs_aggregated.py` ({data['command']}); every "
@@ -402,7 +401,13 @@ def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
                     " (**a step stayed disturbed after every try**)") + ".")
         L.append("")
 
-    # --- rate matching
+    return L
+
+
+def _report_rate_matching(rm: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    """Section 1: the context rate and the rate-matched points beside the aggregated ones."""
+    ctx_rate = rm["context"]["ctx_rate"]
+    L: list[str] = []
     L.append("## 1. Rate matching (one context worker, one generation worker)")
     L.append("")
     if ctx_rate is None:
@@ -438,8 +443,12 @@ def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
              "(one core) at the same concurrency, same prompts and lengths.")
     L.append("")
 
-    # --- closed-loop verify
-    ver = rm.get("verify") or []
+    return L
+
+
+def _report_verify(data: dict[str, Any], ver: list[dict[str, Any]]) -> list[str]:
+    """Section 2: the end-to-end measurements against their predictions."""
+    L: list[str] = []
     if ver:
         L.append("## 2. End to end at rate-matched points (1 context + 1 generation, through "
                  "the router)")
@@ -480,7 +489,13 @@ def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
                  "send to last byte) includes the ramp-up and the drain.")
         L.append("")
 
-    # --- open loop
+    return L
+
+
+def _report_open_loop(data: dict[str, Any], png: str
+                      ) -> tuple[list[str], list[tuple[dict[str, Any], dict[str, Any]]]]:
+    """Section 3: Poisson arrivals at the same rates, both systems; also the row pairs."""
+    L: list[str] = []
     L.append("## 3. Open loop (Poisson) at the same request rates")
     L.append("")
     L.append("| req/s | system | output tok/s (steady) | whole run | predicted tok/s | "
@@ -521,7 +536,13 @@ def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
     L.append(f"![tokens/s per device against tokens/s/user]({os.path.basename(png)})")
     L.append("")
 
-    # --- targets
+    return L, rows
+
+
+def _report_targets(rows: list[tuple[dict[str, Any], dict[str, Any]]],
+                    ver: list[dict[str, Any]]) -> list[str]:
+    """The two targets and whether this run met them."""
+    L: list[str] = []
     L.append("## Targets")
     L.append("")
     ratios = []
@@ -556,6 +577,18 @@ def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
              + ", ".join(_pct(g) for g in ogaps) + "); mean TPOT at the sustainable "
              "open-loop rates " + _verdict([abs(g) <= 0.10 for g in tgaps]) + " ("
              + ", ".join(_pct(g) for g in tgaps) + ").")
+    return L
+
+
+def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
+    rm = data["rate_match"]
+    ver = rm.get("verify") or []
+    L = _report_header(data, args)
+    L += _report_rate_matching(rm, args)
+    L += _report_verify(data, ver)
+    open_loop, rows = _report_open_loop(data, png)
+    L += open_loop
+    L += _report_targets(rows, ver)
     L.append("")
     L.append("Notes:")
     L.append("")
@@ -564,8 +597,8 @@ def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
     return "\n".join(L) + "\n"
 
 
-def explain(data: dict[str, Any]) -> list[str]:
-    """Measured facts that explain the numbers (written from the data, not by hand)."""
+def _verify_notes(data: dict[str, Any]) -> list[str]:
+    """What each end-to-end point loaded the generation worker with, and its TTFT."""
     notes = []
     rm = data["rate_match"]
     ver = rm.get("verify") or []
@@ -594,6 +627,13 @@ def explain(data: dict[str, Any]) -> list[str]:
             f"context queue, prefill, KV transfer) before it."
             f" TTFT p{data['args']['ttft_percentile']:g} {ttft:.0f} ms: "
             f"{'within' if ttft <= slo else 'past'} the SLO ({slo:g} ms).")
+    return notes
+
+
+def _aggregated_notes(data: dict[str, Any]) -> list[str]:
+    """Why the aggregated workers' TPOT suffers: the prefills they interleave."""
+    notes = []
+    rm = data["rate_match"]
     agg = rm.get("aggregated") or {}
     if agg.get("points"):
         best = max(agg["points"], key=lambda p: p["output_throughput"])
@@ -621,6 +661,12 @@ def explain(data: dict[str, Any]) -> list[str]:
             + ", ".join(f"{p['mean_tpot_ms']:.1f} ms at {p['concurrency']}"
                         for p in rm["generation"]["points"][:3])
             + "), and it installs each request's pulled KV.")
+    return notes
+
+
+def _kv_notes(data: dict[str, Any]) -> list[str]:
+    """The KV the generation worker pulled and installed, against its TPOT gap."""
+    notes = []
     kv = data.get("gen_kv") or {}
     n_kv = kv.get("disagg_kv_transfers_total", 0.0)
     if n_kv:
@@ -637,6 +683,13 @@ def explain(data: dict[str, Any]) -> list[str]:
                         f"{100 * g:+.0f}%)" for r, g in gaps)
             + ". Generation-only requests skip the pull, so the generation curve leaves this "
               "work out of the TPOT prediction.")
+    return notes
+
+
+def _machine_notes(data: dict[str, Any]) -> list[str]:
+    """Interference between the cores and the other work on this shared machine."""
+    notes = []
+    rm = data["rate_match"]
     for p in rm.get("interference") or []:
         notes.append(
             f"Cores are not independent: generation-only at concurrency {p['concurrency']} "
@@ -657,6 +710,12 @@ def explain(data: dict[str, Any]) -> list[str]:
                  "a quiet machine and any redone steps; the kept steps' own shares are listed "
                  "after them.")
     return notes
+
+
+def explain(data: dict[str, Any]) -> list[str]:
+    """Measured facts that explain the numbers (written from the data, not by hand)."""
+    return (_verify_notes(data) + _aggregated_notes(data) + _kv_notes(data)
+            + _machine_notes(data))
 
 
 # --------------------------------------------------------------------------------- main
