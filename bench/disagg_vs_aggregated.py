@@ -721,7 +721,7 @@ def explain(data: dict[str, Any]) -> list[str]:
 # --------------------------------------------------------------------------------- main
 
 
-def main() -> int:
+def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out",
                     default=str(ROOT / "bench/results/disagg-vs-aggregated-sequential.md"))
@@ -756,48 +756,27 @@ def main() -> int:
     ap.add_argument("--from-json", default=None, metavar="JSON",
                     help="measure nothing: rewrite the report (and its notes) from a saved "
                          "result JSON, e.g. after the report's wording changed")
-    args = ap.parse_args()
-    if args.from_json:
-        data = json.loads(Path(args.from_json).read_text())
-        data["notes"] = explain(data)
-        data["report_rewritten"] = datetime.datetime.now().astimezone().isoformat(
-            timespec="seconds")
-        saved = argparse.Namespace(**data["args"])
-        md = os.path.splitext(args.from_json)[0] + ".md"
-        save_result(data, args.from_json)
-        Path(md).write_text(report(data, saved, os.path.splitext(md)[0] + ".png"))
-        print(f"rewrote {md} from {args.from_json}")
-        return 0
-    png = args.png or os.path.splitext(args.out)[0] + ".png"
-    json_path = args.json or os.path.splitext(args.out)[0] + ".json"
+    return ap.parse_args()
 
-    def on_sigterm(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)  # unwinds through the `finally`s that stop the workers
 
-    signal.signal(signal.SIGTERM, on_sigterm)
-    concs = tuple(int(x) for x in args.concurrency.split(","))
-    fracs = [float(x) for x in args.rate_fracs.split(",")]
+def _rewrite_from_json(path: str) -> None:
+    """``--from-json``: the notes and the report again from a saved result, no measuring."""
+    data = json.loads(Path(path).read_text())
+    data["notes"] = explain(data)
+    data["report_rewritten"] = datetime.datetime.now().astimezone().isoformat(
+        timespec="seconds")
+    saved = argparse.Namespace(**data["args"])
+    md = os.path.splitext(path)[0] + ".md"
+    save_result(data, path)
+    Path(md).write_text(report(data, saved, os.path.splitext(md)[0] + ".png"))
+    print(f"rewrote {md} from {path}")
 
-    from disagg.model.tiny import write_tiny_checkpoint
 
-    tmp = Path(tempfile.mkdtemp(prefix="disagg-vs-agg-"))
-    model = write_tiny_checkpoint(str(tmp / "model"), seed=0, **SIZES)
-    from safetensors import safe_open
-
-    with safe_open(os.path.join(model, "model.safetensors"), "pt") as f:
-        params = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
-    tok = load_bench_tokenizer(model)
-    load0 = os.getloadavg()[0]
-    print(f"model {model} ({params / 1e6:.1f} M parameters); logs in {tmp}", flush=True)
-    data: dict[str, Any] = {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": " ".join(["python", "bench/disagg_vs_aggregated.py", *sys.argv[1:]]),
-        "params_m": params / 1e6, "args": vars(args), "cpu": {},
-    }
-
-    data["steps"] = []
-    guard = Guard(data["steps"], args.wait_quiet, args.max_other, args.attempts)
-    # ---- phase 1: disaggregated cluster
+def _run_disaggregated(data: dict[str, Any], args: argparse.Namespace, model: str, tmp: Path,
+                       tok: Any, guard: Guard, concs: tuple[int, ...], fracs: list[float]
+                       ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Phase 1, the 1 + 1 cluster: rate-match, verify, open loop, interference. Returns the
+    rate-match result and the open-loop runs; CPU shares and KV counters go into ``data``."""
     ports = free_ports(3)
     mnt = args.max_num_tokens
     ctx = start_worker(model, "context worker", "context", 0, ports[0], tmp, mnt)
@@ -869,9 +848,15 @@ def main() -> int:
         data["gen_kv"] = kv_metrics(gen.url)
     finally:
         stop(procs)
-    rates = [d["rate"] for d in dis]
+    return rm, dis
 
-    # ---- phase 2: aggregated cluster
+
+def _run_aggregated(data: dict[str, Any], args: argparse.Namespace, model: str, tmp: Path,
+                    tok: Any, guard: Guard, concs: tuple[int, ...], rm: dict[str, Any],
+                    rates: list[float]) -> list[dict[str, Any]]:
+    """Phase 2, two aggregated workers: the one-worker baseline (into ``rm``) and the
+    open-loop runs at the same rates (returned)."""
+    mnt = args.max_num_tokens
     ports = free_ports(3)
     a0 = start_worker(model, "aggregated worker 0", "aggregated", 0, ports[0], tmp, mnt)
     a1 = start_worker(model, "aggregated worker 1", "aggregated", 1, ports[1], tmp, mnt)
@@ -901,11 +886,53 @@ def main() -> int:
                 await tr.aclose()
 
         meter = CpuMeter(procs)
-        rm["aggregated"], agg = asyncio.run(phase2())
+        base, agg = asyncio.run(phase2())
+        rm["aggregated"] = base
         rm["config"]["aggregated_url"] = a0.url
         data["cpu"]["aggregated cluster"] = meter.done()
     finally:
         stop(procs)
+    return agg
+
+
+def main() -> int:
+    args = _parse_args()
+    if args.from_json:
+        _rewrite_from_json(args.from_json)
+        return 0
+    png = args.png or os.path.splitext(args.out)[0] + ".png"
+    json_path = args.json or os.path.splitext(args.out)[0] + ".json"
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)  # unwinds through the `finally`s that stop the workers
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    concs = tuple(int(x) for x in args.concurrency.split(","))
+    fracs = [float(x) for x in args.rate_fracs.split(",")]
+
+    from disagg.model.tiny import write_tiny_checkpoint
+
+    tmp = Path(tempfile.mkdtemp(prefix="disagg-vs-agg-"))
+    model = write_tiny_checkpoint(str(tmp / "model"), seed=0, **SIZES)
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(model, "model.safetensors"), "pt") as f:
+        params = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
+    tok = load_bench_tokenizer(model)
+    load0 = os.getloadavg()[0]
+    print(f"model {model} ({params / 1e6:.1f} M parameters); logs in {tmp}", flush=True)
+    data: dict[str, Any] = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": " ".join(["python", "bench/disagg_vs_aggregated.py", *sys.argv[1:]]),
+        "params_m": params / 1e6, "args": vars(args), "cpu": {},
+    }
+
+    data["steps"] = []
+    guard = Guard(data["steps"], args.wait_quiet, args.max_other, args.attempts)
+    # Phase 1 then phase 2: each cluster alone on the two cores.
+    rm, dis = _run_disaggregated(data, args, model, tmp, tok, guard, concs, fracs)
+    rates = [d["rate"] for d in dis]
+    agg = _run_aggregated(data, args, model, tmp, tok, guard, concs, rm, rates)
 
     data["loadavg"] = [load0, os.getloadavg()[0]]
     data["rate_match"] = rm

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -64,3 +64,13 @@ def model_dir(tiny_checkpoint: Callable[..., str]) -> str:
     """The default tiny llama with seed 1: what the server, router and disaggregated tests
     serve (a module that needs other weights overrides this with its own seed)."""
     return tiny_checkpoint(seed=1)
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[object]:
+    """A ``router_fixtures.LoopThread`` per module: serves in-process aiohttp apps."""
+    from router_fixtures import LoopThread
+
+    lt = LoopThread()
+    yield lt
+    lt.close()

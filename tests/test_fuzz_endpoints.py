@@ -42,8 +42,8 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from router_fixtures import LoopThread
 from server_fixtures import Listener, serve_in_thread, wait_for
-from test_router_live import LoopThread
 
 from disagg.cluster_auth import sign_http
 from disagg.config import build_engine_config

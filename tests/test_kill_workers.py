@@ -30,6 +30,7 @@ from typing import Any
 
 import httpx
 import pytest
+from router_fixtures import LoopThread
 from server_fixtures import (
     WorkerProc,
     serve_in_thread,
@@ -39,7 +40,6 @@ from server_fixtures import (
     wait_all_healthy,
     wait_for,
 )
-from test_router_live import LoopThread
 
 from disagg.router.app import ROUTER_KEY, build_router_app, start_router
 from disagg.router.config import parse_cluster_config

@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import pytest
 from aiohttp import web
+from router_fixtures import LoopThread, metric
 from server_fixtures import (
     raw_exchange,
     start_worker_proc,
@@ -30,7 +31,6 @@ from server_fixtures import (
     wait_all_healthy,
     wait_for,
 )
-from test_router_live import LoopThread, metric
 
 from disagg.router.app import LINGER_S, ROUTER_KEY, build_router_app, start_router
 from disagg.router.config import parse_cluster_config
@@ -131,13 +131,6 @@ class StubWorker:
             "id": "cmpl-g", "object": "text_completion", "created": 0, "model": "m",
             "choices": [{"index": 0, "text": " a b", "finish_reason": "length",
                          "logprobs": None}], "usage": usage})
-
-
-@pytest.fixture(scope="module")
-def loop() -> Iterator[LoopThread]:
-    lt = LoopThread()
-    yield lt
-    lt.close()
 
 
 @contextlib.contextmanager
