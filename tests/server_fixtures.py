@@ -130,6 +130,20 @@ def raw_exchange(port: int, data: bytes, wait: float = 10.0) -> tuple[bytes, flo
     return out, time.monotonic() - t0
 
 
+@contextlib.contextmanager
+def reference_server(model_dir: str, name: str = "tiny") -> Iterator[str]:
+    """An aggregated worker served in this process (16-token blocks, a 4096-token KV cache):
+    the outputs a disaggregated request must match. Yields its base URL."""
+    from disagg.engine import AsyncLLM
+    from disagg.server.app import ServerSettings, build_app
+
+    engine = AsyncLLM.from_options(model_dir, tokens_per_block=16, kv_cache_tokens=4096,
+                                   max_model_len=512, max_num_tokens=256, max_batch_size=32)
+    app = build_app(engine, ServerSettings(model_dir=model_dir, served_model_name=name))
+    with serve_in_thread(app) as url:
+        yield url
+
+
 def signed(token: str, method: str, path: str, body: Any = None,
            headers: dict[str, str] | None = None) -> dict[str, Any]:
     """httpx keyword arguments for a request signed with the cluster ``token`` (as the router

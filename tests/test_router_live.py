@@ -23,7 +23,7 @@ from aiohttp import web
 from router_fixtures import ROUTER_TOKEN, LoopThread, metric, running_router
 from server_fixtures import (
     WorkerProc,
-    serve_in_thread,
+    reference_server,
     signed,
     start_worker_proc,
     stop_all,
@@ -112,13 +112,7 @@ def workers(model_dir: str, tmp_path_factory: pytest.TempPathFactory
 @pytest.fixture(scope="module")
 def reference(model_dir: str) -> Iterator[str]:
     """An aggregated worker in this process: the expected outputs."""
-    from disagg.engine import AsyncLLM
-    from disagg.server.app import ServerSettings, build_app
-
-    engine = AsyncLLM.from_options(model_dir, tokens_per_block=16, kv_cache_tokens=4096,
-                                   max_model_len=512, max_num_tokens=256, max_batch_size=32)
-    app = build_app(engine, ServerSettings(model_dir=model_dir, served_model_name=NAME))
-    with serve_in_thread(app) as url:
+    with reference_server(model_dir, NAME) as url:
         yield url
 
 
