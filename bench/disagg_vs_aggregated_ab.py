@@ -540,7 +540,7 @@ def idle_cpu(procs: list[dva.Proc], seconds: float) -> dict[str, float]:
     return {"wall_s": wall, "cores": (sum(p.cpu_s() for p in procs) - c0) / wall}
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(dva.ROOT / "bench/results/disagg-vs-aggregated.md"))
     ap.add_argument("--json", default=None, help="default: --out with .json")
@@ -568,6 +568,11 @@ def main() -> int:
     ap.add_argument("--attempts", type=int, default=3)
     ap.add_argument("--from-json", default=None, metavar="JSON",
                     help="rewrite the markdown from a saved result JSON")
+    return ap
+
+
+def main() -> int:
+    ap = _parser()
     args = ap.parse_args()
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
