@@ -23,50 +23,42 @@ import json
 import os
 import random
 import re
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 
-from disagg.cluster_auth import sign_http
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # this checkout's package, not an installed one
+    sys.path.insert(0, str(ROOT))
+
+from disagg import procs  # noqa: E402
+from disagg.cluster_auth import sign_http  # noqa: E402
 
 TOKEN = "bench-secret"
 LINE_PREFIX = "Transfer share of TTFT at"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(model: str, role: str, backend: str, log: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+    port = procs.free_port()
     env = {**os.environ, "DISAGG_CLUSTER_TOKEN": TOKEN}
-    proc = subprocess.Popen(
+    proc = procs.spawn(
         [sys.executable, "-m", "disagg.cli", "serve", model, "--port", str(port), "--role", role,
          "--kv-transfer-backend", backend, "--served-model-name", "m", "--log-level", "warning",
          "--kv-cache-tokens", "16384", "--max-num-tokens", "4096", "--max-model-len", "4096",
-         "--tokens-per-block", "16", "--no-enable-prefix-caching"],
-        stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
+         "--tokens-per-block", "16", "--no-enable-prefix-caching"], log, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            break
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"{role} worker did not start; see {log}")
+    try:
+        procs.wait_healthy(url, 120, proc=proc, interval=0.2, what=f"{role} worker")
+    except procs.NotHealthy as e:
+        procs.stop(proc, grace_s=0)
+        raise RuntimeError(f"{e}; see {log}") from None
+    return proc, url
 
 
 def transfer_seconds(url: str) -> float:
@@ -122,12 +114,12 @@ def main() -> None:
         if backend.upper() == "UCX" and not ucx_available()[0]:
             print(f"skipping UCX: {ucx_available()[1]}")
             continue
-        procs = []
+        started = []
         try:
             c, ctx = start(model, "context", backend, os.path.join(tmp, f"ctx-{backend}.log"))
-            procs.append(c)
+            started.append(c)
             g, gen = start(model, "generation", backend, os.path.join(tmp, f"gen-{backend}.log"))
-            procs.append(g)
+            started.append(g)
             samples = []
             for i in range(args.reps + 2):
                 prompt = [rng.randrange(3, 500) for _ in range(args.tokens)]
@@ -135,9 +127,7 @@ def main() -> None:
                 if i >= 2:
                     samples.append((ttft, xfer))
         finally:
-            for proc in procs:
-                proc.terminate()
-                proc.wait(30)
+            procs.stop_all(started, grace_s=30.0)
         ttft = statistics.median(s[0] for s in samples)
         xfer = statistics.median(s[1] for s in samples)
         share = statistics.median(s[1] / s[0] for s in samples)

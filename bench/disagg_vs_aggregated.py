@@ -50,7 +50,6 @@ import math
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -79,6 +78,8 @@ from disagg.bench.ratematch import (  # noqa: E402
     verify_choices,
 )
 from disagg.bench.runner import BenchmarkConfig, run_benchmark  # noqa: E402
+from disagg.procs import NotHealthy, free_ports, log_tail, spawn, stop_all  # noqa: E402
+from disagg.procs import wait_healthy as wait_child_healthy  # noqa: E402
 
 SIZES = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
              num_attention_heads=8, num_key_value_heads=4, vocab_size=2048,
@@ -89,18 +90,6 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 # --------------------------------------------------------------------------- processes
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):  # held together: distinct
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def proc_cpu_s(pid: int) -> float:
@@ -130,24 +119,17 @@ class Proc:
         return proc_cpu_s(self.popen.pid)
 
 
-def _pin(cpu: int | None) -> Any:
-    if cpu is None:
-        return None
-    return lambda: os.sched_setaffinity(0, {cpu})
-
-
 def start_worker(model: str, name: str, role: str, cpu: int, port: int, logs: Path,
                  max_num_tokens: int, *extra: str) -> Proc:
     log = logs / f"{name}.log"
     env = {**os.environ, "DISAGG_CLUSTER_TOKEN": TOKEN, "OMP_NUM_THREADS": "1",
            "OMP_WAIT_POLICY": "PASSIVE"}
-    with open(log, "wb") as f:
-        p = subprocess.Popen(
-            [sys.executable, "-m", "disagg.cli", "serve", model, "--port", str(port), "--role",
-             role, "--served-model-name", NAME, "--log-level", "warning", "--kv-cache-tokens",
-             "32768", "--max-model-len", "1024", "--max-num-tokens", str(max_num_tokens),
-             "--kv-transfer-backend", "TCP", *extra],
-            stdout=f, stderr=subprocess.STDOUT, env=env, preexec_fn=_pin(cpu), cwd=ROOT)
+    p = spawn(
+        [sys.executable, "-m", "disagg.cli", "serve", model, "--port", str(port), "--role",
+         role, "--served-model-name", NAME, "--log-level", "warning", "--kv-cache-tokens",
+         "32768", "--max-model-len", "1024", "--max-num-tokens", str(max_num_tokens),
+         "--kv-transfer-backend", "TCP", *extra],
+        log, env=env, cwd=ROOT, new_session=False, cpus={cpu})
     return Proc(name, p, f"http://127.0.0.1:{port}", log, cpu)
 
 
@@ -158,39 +140,28 @@ def start_router(cluster: dict[str, Any], port: int, logs: Path, name: str) -> P
     path.write_text(yaml.safe_dump({"hostname": "127.0.0.1", "port": port, **cluster},
                                    sort_keys=False))
     log = logs / f"{name}.log"
-    with open(log, "wb") as f:
-        # The workers' token: a disaggregated router signs its calls with it.
-        p = subprocess.Popen([sys.executable, "-m", "disagg.cli", "router", "-c", str(path),
-                              "--log-level", "warning"], stdout=f, stderr=subprocess.STDOUT,
-                             cwd=ROOT, env={**os.environ, "DISAGG_CLUSTER_TOKEN": TOKEN})
+    # The workers' token: a disaggregated router signs its calls with it.
+    p = spawn([sys.executable, "-m", "disagg.cli", "router", "-c", str(path), "--log-level",
+               "warning"], log, cwd=ROOT, env={**os.environ, "DISAGG_CLUSTER_TOKEN": TOKEN},
+              new_session=False)
     return Proc(name, p, f"http://127.0.0.1:{port}", log, None)
 
 
 def wait_healthy(procs: list[Proc], timeout: float = 180.0) -> None:
+    """All healthy within ``timeout`` (one deadline); else stop them all and raise."""
     deadline = time.monotonic() + timeout
     for p in procs:
-        while True:
-            try:
-                if httpx.get(p.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if p.popen.poll() is not None or time.monotonic() > deadline:
-                stop(procs)
-                raise RuntimeError(f"{p.name} did not start:\n{p.log.read_text()[-3000:]}")
-            time.sleep(0.2)
+        try:
+            wait_child_healthy(p.url, max(0.0, deadline - time.monotonic()), proc=p.popen,
+                               interval=0.2, what=p.name)
+        except NotHealthy as e:
+            stop(procs)
+            raise RuntimeError(f"{e}:\n{log_tail(p.log)}") from None
 
 
 def stop(procs: list[Proc]) -> None:
-    for p in reversed(procs):
-        if p.popen.poll() is None:
-            p.popen.send_signal(signal.SIGTERM)
-    for p in reversed(procs):
-        try:
-            p.popen.wait(60)
-        except subprocess.TimeoutExpired:
-            p.popen.kill()
-            p.popen.wait(10)
+    """SIGTERM all (the last started first), up to 60 s to drain, then SIGKILL."""
+    stop_all([p.popen for p in reversed(procs)], grace_s=60.0, kill_wait_s=10.0)
 
 
 def kv_metrics(url: str) -> dict[str, float]:
@@ -373,11 +344,10 @@ def cpu_line(name: str, m: dict[str, Any]) -> str:
             + " of one core (2 cores = 200%)")
 
 
-def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
-    rm = data["rate_match"]
-    ctx_rate = rm["context"]["ctx_rate"]
-    osl = args.osl
+def _report_header(data: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    """Title, machine, workload, CPU shares and the quiet-machine steps."""
     L: list[str] = []
+    osl = args.osl
     L.append(f"# Disaggregated vs aggregated on the same cores ({data['date'][:10]})")
     L.append("")
     L.append(f"Produced by `python bench/disagg_vs_aggregated.py` ({data['command']}); every "
@@ -431,7 +401,13 @@ def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
                     " (**a step stayed disturbed after every try**)") + ".")
         L.append("")
 
-    # --- rate matching
+    return L
+
+
+def _report_rate_matching(rm: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    """Section 1: the context rate and the rate-matched points beside the aggregated ones."""
+    ctx_rate = rm["context"]["ctx_rate"]
+    L: list[str] = []
     L.append("## 1. Rate matching (one context worker, one generation worker)")
     L.append("")
     if ctx_rate is None:
@@ -461,13 +437,18 @@ def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
                  f"{_f(a.get('tokens_per_s_per_user'))} | {_f(a.get('ttft_ms'), '.0f')} |")
     L.append("")
     L.append("ctx:gen = context workers per generation worker that match request rates; tok/s "
-             "per device = gen tok/s / (ctx:gen + 1) (REFERENCE section 7). tok/s/user = 1000 / "
-             "mean TPOT. The aggregated columns: one aggregated worker (one core) at the same "
-             "concurrency, same prompts and lengths.")
+             "per device = gen tok/s / (ctx:gen + 1), each worker one device: the generation "
+             "worker's output shared by itself and the context workers feeding it. "
+             "tok/s/user = 1000 / mean TPOT. The aggregated columns: one aggregated worker "
+             "(one core) at the same concurrency, same prompts and lengths.")
     L.append("")
 
-    # --- closed-loop verify
-    ver = rm.get("verify") or []
+    return L
+
+
+def _report_verify(data: dict[str, Any], ver: list[dict[str, Any]]) -> list[str]:
+    """Section 2: the end-to-end measurements against their predictions."""
+    L: list[str] = []
     if ver:
         L.append("## 2. End to end at rate-matched points (1 context + 1 generation, through "
                  "the router)")
@@ -508,7 +489,13 @@ def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
                  "send to last byte) includes the ramp-up and the drain.")
         L.append("")
 
-    # --- open loop
+    return L
+
+
+def _report_open_loop(data: dict[str, Any], png: str
+                      ) -> tuple[list[str], list[tuple[dict[str, Any], dict[str, Any]]]]:
+    """Section 3: Poisson arrivals at the same rates, both systems; also the row pairs."""
+    L: list[str] = []
     L.append("## 3. Open loop (Poisson) at the same request rates")
     L.append("")
     L.append("| req/s | system | output tok/s (steady) | whole run | predicted tok/s | "
@@ -549,7 +536,13 @@ def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
     L.append(f"![tokens/s per device against tokens/s/user]({os.path.basename(png)})")
     L.append("")
 
-    # --- targets
+    return L, rows
+
+
+def _report_targets(rows: list[tuple[dict[str, Any], dict[str, Any]]],
+                    ver: list[dict[str, Any]]) -> list[str]:
+    """The two targets and whether this run met them."""
+    L: list[str] = []
     L.append("## Targets")
     L.append("")
     ratios = []
@@ -584,6 +577,18 @@ def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
              + ", ".join(_pct(g) for g in ogaps) + "); mean TPOT at the sustainable "
              "open-loop rates " + _verdict([abs(g) <= 0.10 for g in tgaps]) + " ("
              + ", ".join(_pct(g) for g in tgaps) + ").")
+    return L
+
+
+def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
+    rm = data["rate_match"]
+    ver = rm.get("verify") or []
+    L = _report_header(data, args)
+    L += _report_rate_matching(rm, args)
+    L += _report_verify(data, ver)
+    open_loop, rows = _report_open_loop(data, png)
+    L += open_loop
+    L += _report_targets(rows, ver)
     L.append("")
     L.append("Notes:")
     L.append("")
@@ -592,8 +597,8 @@ def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
     return "\n".join(L) + "\n"
 
 
-def explain(data: dict[str, Any]) -> list[str]:
-    """Measured facts that explain the numbers (written from the data, not by hand)."""
+def _verify_notes(data: dict[str, Any]) -> list[str]:
+    """What each end-to-end point loaded the generation worker with, and its TTFT."""
     notes = []
     rm = data["rate_match"]
     ver = rm.get("verify") or []
@@ -622,6 +627,13 @@ def explain(data: dict[str, Any]) -> list[str]:
             f"context queue, prefill, KV transfer) before it."
             f" TTFT p{data['args']['ttft_percentile']:g} {ttft:.0f} ms: "
             f"{'within' if ttft <= slo else 'past'} the SLO ({slo:g} ms).")
+    return notes
+
+
+def _aggregated_notes(data: dict[str, Any]) -> list[str]:
+    """Why the aggregated workers' TPOT suffers: the prefills they interleave."""
+    notes = []
+    rm = data["rate_match"]
     agg = rm.get("aggregated") or {}
     if agg.get("points"):
         best = max(agg["points"], key=lambda p: p["output_throughput"])
@@ -649,6 +661,12 @@ def explain(data: dict[str, Any]) -> list[str]:
             + ", ".join(f"{p['mean_tpot_ms']:.1f} ms at {p['concurrency']}"
                         for p in rm["generation"]["points"][:3])
             + "), and it installs each request's pulled KV.")
+    return notes
+
+
+def _kv_notes(data: dict[str, Any]) -> list[str]:
+    """The KV the generation worker pulled and installed, against its TPOT gap."""
+    notes = []
     kv = data.get("gen_kv") or {}
     n_kv = kv.get("disagg_kv_transfers_total", 0.0)
     if n_kv:
@@ -665,6 +683,13 @@ def explain(data: dict[str, Any]) -> list[str]:
                         f"{100 * g:+.0f}%)" for r, g in gaps)
             + ". Generation-only requests skip the pull, so the generation curve leaves this "
               "work out of the TPOT prediction.")
+    return notes
+
+
+def _machine_notes(data: dict[str, Any]) -> list[str]:
+    """Interference between the cores and the other work on this shared machine."""
+    notes = []
+    rm = data["rate_match"]
     for p in rm.get("interference") or []:
         notes.append(
             f"Cores are not independent: generation-only at concurrency {p['concurrency']} "
@@ -687,10 +712,16 @@ def explain(data: dict[str, Any]) -> list[str]:
     return notes
 
 
+def explain(data: dict[str, Any]) -> list[str]:
+    """Measured facts that explain the numbers (written from the data, not by hand)."""
+    return (_verify_notes(data) + _aggregated_notes(data) + _kv_notes(data)
+            + _machine_notes(data))
+
+
 # --------------------------------------------------------------------------------- main
 
 
-def main() -> int:
+def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out",
                     default=str(ROOT / "bench/results/disagg-vs-aggregated-sequential.md"))
@@ -725,48 +756,27 @@ def main() -> int:
     ap.add_argument("--from-json", default=None, metavar="JSON",
                     help="measure nothing: rewrite the report (and its notes) from a saved "
                          "result JSON, e.g. after the report's wording changed")
-    args = ap.parse_args()
-    if args.from_json:
-        data = json.loads(Path(args.from_json).read_text())
-        data["notes"] = explain(data)
-        data["report_rewritten"] = datetime.datetime.now().astimezone().isoformat(
-            timespec="seconds")
-        saved = argparse.Namespace(**data["args"])
-        md = os.path.splitext(args.from_json)[0] + ".md"
-        save_result(data, args.from_json)
-        Path(md).write_text(report(data, saved, os.path.splitext(md)[0] + ".png"))
-        print(f"rewrote {md} from {args.from_json}")
-        return 0
-    png = args.png or os.path.splitext(args.out)[0] + ".png"
-    json_path = args.json or os.path.splitext(args.out)[0] + ".json"
+    return ap.parse_args()
 
-    def on_sigterm(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)  # unwinds through the `finally`s that stop the workers
 
-    signal.signal(signal.SIGTERM, on_sigterm)
-    concs = tuple(int(x) for x in args.concurrency.split(","))
-    fracs = [float(x) for x in args.rate_fracs.split(",")]
+def _rewrite_from_json(path: str) -> None:
+    """``--from-json``: the notes and the report again from a saved result, no measuring."""
+    data = json.loads(Path(path).read_text())
+    data["notes"] = explain(data)
+    data["report_rewritten"] = datetime.datetime.now().astimezone().isoformat(
+        timespec="seconds")
+    saved = argparse.Namespace(**data["args"])
+    md = os.path.splitext(path)[0] + ".md"
+    save_result(data, path)
+    Path(md).write_text(report(data, saved, os.path.splitext(md)[0] + ".png"))
+    print(f"rewrote {md} from {path}")
 
-    from disagg.model.tiny import write_tiny_checkpoint
 
-    tmp = Path(tempfile.mkdtemp(prefix="disagg-vs-agg-"))
-    model = write_tiny_checkpoint(str(tmp / "model"), seed=0, **SIZES)
-    from safetensors import safe_open
-
-    with safe_open(os.path.join(model, "model.safetensors"), "pt") as f:
-        params = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
-    tok = load_bench_tokenizer(model)
-    load0 = os.getloadavg()[0]
-    print(f"model {model} ({params / 1e6:.1f} M parameters); logs in {tmp}", flush=True)
-    data: dict[str, Any] = {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": " ".join(["python", "bench/disagg_vs_aggregated.py", *sys.argv[1:]]),
-        "params_m": params / 1e6, "args": vars(args), "cpu": {},
-    }
-
-    data["steps"] = []
-    guard = Guard(data["steps"], args.wait_quiet, args.max_other, args.attempts)
-    # ---- phase 1: disaggregated cluster
+def _run_disaggregated(data: dict[str, Any], args: argparse.Namespace, model: str, tmp: Path,
+                       tok: Any, guard: Guard, concs: tuple[int, ...], fracs: list[float]
+                       ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Phase 1, the 1 + 1 cluster: rate-match, verify, open loop, interference. Returns the
+    rate-match result and the open-loop runs; CPU shares and KV counters go into ``data``."""
     ports = free_ports(3)
     mnt = args.max_num_tokens
     ctx = start_worker(model, "context worker", "context", 0, ports[0], tmp, mnt)
@@ -838,9 +848,15 @@ def main() -> int:
         data["gen_kv"] = kv_metrics(gen.url)
     finally:
         stop(procs)
-    rates = [d["rate"] for d in dis]
+    return rm, dis
 
-    # ---- phase 2: aggregated cluster
+
+def _run_aggregated(data: dict[str, Any], args: argparse.Namespace, model: str, tmp: Path,
+                    tok: Any, guard: Guard, concs: tuple[int, ...], rm: dict[str, Any],
+                    rates: list[float]) -> list[dict[str, Any]]:
+    """Phase 2, two aggregated workers: the one-worker baseline (into ``rm``) and the
+    open-loop runs at the same rates (returned)."""
+    mnt = args.max_num_tokens
     ports = free_ports(3)
     a0 = start_worker(model, "aggregated worker 0", "aggregated", 0, ports[0], tmp, mnt)
     a1 = start_worker(model, "aggregated worker 1", "aggregated", 1, ports[1], tmp, mnt)
@@ -870,11 +886,53 @@ def main() -> int:
                 await tr.aclose()
 
         meter = CpuMeter(procs)
-        rm["aggregated"], agg = asyncio.run(phase2())
+        base, agg = asyncio.run(phase2())
+        rm["aggregated"] = base
         rm["config"]["aggregated_url"] = a0.url
         data["cpu"]["aggregated cluster"] = meter.done()
     finally:
         stop(procs)
+    return agg
+
+
+def main() -> int:
+    args = _parse_args()
+    if args.from_json:
+        _rewrite_from_json(args.from_json)
+        return 0
+    png = args.png or os.path.splitext(args.out)[0] + ".png"
+    json_path = args.json or os.path.splitext(args.out)[0] + ".json"
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)  # unwinds through the `finally`s that stop the workers
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    concs = tuple(int(x) for x in args.concurrency.split(","))
+    fracs = [float(x) for x in args.rate_fracs.split(",")]
+
+    from disagg.model.tiny import write_tiny_checkpoint
+
+    tmp = Path(tempfile.mkdtemp(prefix="disagg-vs-agg-"))
+    model = write_tiny_checkpoint(str(tmp / "model"), seed=0, **SIZES)
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(model, "model.safetensors"), "pt") as f:
+        params = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
+    tok = load_bench_tokenizer(model)
+    load0 = os.getloadavg()[0]
+    print(f"model {model} ({params / 1e6:.1f} M parameters); logs in {tmp}", flush=True)
+    data: dict[str, Any] = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": " ".join(["python", "bench/disagg_vs_aggregated.py", *sys.argv[1:]]),
+        "params_m": params / 1e6, "args": vars(args), "cpu": {},
+    }
+
+    data["steps"] = []
+    guard = Guard(data["steps"], args.wait_quiet, args.max_other, args.attempts)
+    # Phase 1 then phase 2: each cluster alone on the two cores.
+    rm, dis = _run_disaggregated(data, args, model, tmp, tok, guard, concs, fracs)
+    rates = [d["rate"] for d in dis]
+    agg = _run_aggregated(data, args, model, tmp, tok, guard, concs, rm, rates)
 
     data["loadavg"] = [load0, os.getloadavg()[0]]
     data["rate_match"] = rm

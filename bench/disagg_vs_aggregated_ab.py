@@ -74,6 +74,7 @@ from disagg.bench.ratematch import (  # noqa: E402
     save_result,
 )
 from disagg.bench.runner import BenchmarkConfig, run_benchmark  # noqa: E402
+from disagg.procs import free_ports  # noqa: E402
 
 NAME = dva.NAME
 
@@ -287,12 +288,9 @@ def plot(data: dict[str, Any], png: str) -> str:
         f"{cfg.osl}, TTFT p{cfg.ttft_percentile:g} <= {cfg.ttft_slo_ms:g} ms)"))
 
 
-def report(data: dict[str, Any], png: str, rewritten: str | None = None) -> str:
-    """The markdown; ``png``: the picture's file name beside it; ``rewritten``: the date of a
-    ``--from-json`` rewrite."""
-    args = argparse.Namespace(**data["args"])
-    rows = summarize(data)
-    ctx = data["context"]
+def _report_header(data: dict[str, Any], args: argparse.Namespace,
+                   rewritten: str | None) -> list[str]:
+    """Title, machine, workload, SLOs, the idle cluster's CPU and the quiet-machine guard."""
     L = [f"# Disaggregated vs aggregated, alternated pairs ({data['date'][:10]})", "",
          f"Produced by `{data['command']}`; every number below is the script's own output.",
          ""]
@@ -322,6 +320,13 @@ def report(data: dict[str, Any], png: str, rewritten: str | None = None) -> str:
     L.append(f"- quiet-machine guard (as in the main script): steps redone {redone}; other "
              f"processes' CPU during the kept steps at most {max(others):.2f} cores")
     L.append("")
+    return L
+
+
+def _report_capacity(data: dict[str, Any], args: argparse.Namespace, png: str) -> list[str]:
+    """Section 1: the 1 + 1 capacity and the generation side alone and co-located."""
+    ctx = data["context"]
+    L: list[str] = []
     L.append("## 1. The 1 + 1 cluster's rate-matched capacity (this run)")
     L.append("")
     L.append(f"Context worker: **{ctx['ctx_rate']:.3f} req/s** within TTFT "
@@ -358,6 +363,12 @@ def report(data: dict[str, Any], png: str, rewritten: str | None = None) -> str:
              "(medians, per device: 2 workers each), and the generation-bound checks of "
              "section 4 (stars) joined to their co-located predictions.")
     L.append("")
+    return L
+
+
+def _report_pairs(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
+    """Section 2: TPOT p99 of the alternated pairs, and target 1."""
+    L: list[str] = []
     L.append(f"## 2. TPOT p99, {args.repeats} alternated pairs per rate")
     L.append("")
     L.append("Median (min-max) over the pairs. Ratio: disaggregated / aggregated TPOT p99 "
@@ -391,6 +402,12 @@ def report(data: dict[str, Any], png: str, rewritten: str | None = None) -> str:
              f"{met or 'none'} of the fractions {all_fracs}"
              + (f"; near the matched throughput ({at_matched})" if matched else "") + ".")
     L.append("")
+    return L
+
+
+def _report_open_loop(ol: list[dict[str, Any]]) -> list[str]:
+    """Section 3: each open-loop run against its rate-matched prediction."""
+    L: list[str] = []
     L.append("## 3. The rate-matched prediction of each open-loop run (disaggregated)")
     L.append("")
     L.append("From this run's context rate and generation sweep (`ratematch.predict_at_rate`: "
@@ -406,7 +423,6 @@ def report(data: dict[str, Any], png: str, rewritten: str | None = None) -> str:
     L.append("| fraction | req/s | predicted tok/s | measured | gap | mean TPOT ms measured | "
              "predicted alone | gap | predicted co-located | gap |")
     L.append("|---|---|---|---|---|---|---|---|---|---|")
-    ol = open_loop_predictions(data)
     for r in ol:
         a, c = r["alone"], r["colocated"]
         L.append(f"| {r['frac']:g} | {r['rate']:.3f} | {c['tps']:.1f} | "
@@ -414,7 +430,12 @@ def report(data: dict[str, Any], png: str, rewritten: str | None = None) -> str:
                  f"{fmt_spread(r['tpot'], '.2f')} | {a['tpot']:.2f} | "
                  f"{dva._pct(a['gap_tpot'])} | {c['tpot']:.2f} | {dva._pct(c['gap_tpot'])} |")
     L.append("")
-    checks = data["gen_checks"]
+    return L
+
+
+def _report_checks(checks: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
+    """Section 4: the back-to-back generation-bound checks."""
+    L: list[str] = []
     L.append(f"## 4. The generation-bound prediction, {len(checks)} back-to-back checks")
     L.append("")
     if checks:
@@ -461,6 +482,21 @@ def report(data: dict[str, Any], png: str, rewritten: str | None = None) -> str:
     else:
         L.append("Concurrency 1 was not generation-bound in this run: no check.")
         L.append("")
+    return L
+
+
+def report(data: dict[str, Any], png: str, rewritten: str | None = None) -> str:
+    """The markdown; ``png``: the picture's file name beside it; ``rewritten``: the date of a
+    ``--from-json`` rewrite."""
+    args = argparse.Namespace(**data["args"])
+    rows = summarize(data)
+    ol = open_loop_predictions(data)
+    checks = data["gen_checks"]
+    L = _report_header(data, args, rewritten)
+    L += _report_capacity(data, args, png)
+    L += _report_pairs(rows, args)
+    L += _report_open_loop(ol)
+    L += _report_checks(checks, args)
     L += targets(rows, ol, checks)
     return "\n".join(L)
 
@@ -504,7 +540,7 @@ def idle_cpu(procs: list[dva.Proc], seconds: float) -> dict[str, float]:
     return {"wall_s": wall, "cores": (sum(p.cpu_s() for p in procs) - c0) / wall}
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(dva.ROOT / "bench/results/disagg-vs-aggregated.md"))
     ap.add_argument("--json", default=None, help="default: --out with .json")
@@ -532,6 +568,11 @@ def main() -> int:
     ap.add_argument("--attempts", type=int, default=3)
     ap.add_argument("--from-json", default=None, metavar="JSON",
                     help="rewrite the markdown from a saved result JSON")
+    return ap
+
+
+def main() -> int:
+    ap = _parser()
     args = ap.parse_args()
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
@@ -565,7 +606,7 @@ def main() -> int:
         "params_m": params / 1e6, "args": vars(args), "steps": []}
     guard = dva.Guard(data["steps"], args.wait_quiet, args.max_other, args.attempts)
     mnt = args.max_num_tokens
-    p = dva.free_ports(6)
+    p = free_ports(6)
     procs = [dva.start_worker(model, "context worker", "context", 0, p[0], tmp, mnt),
              dva.start_worker(model, "generation worker", "generation", 1, p[1], tmp, mnt,
                               "--benchmark-gen-only"),

@@ -41,13 +41,17 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # this checkout's package, not an installed one
+    sys.path.insert(0, str(ROOT))
+
+from disagg import procs  # noqa: E402
+
 TARGET_ADDED_P50_MS = 1.0
 TARGET_RPS = 1500.0
 STREAM_CHUNKS = 8
@@ -304,12 +308,6 @@ async def closed_loop(port: int, stream: bool, concurrency: int, *, requests: in
 # -- the router process ---------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_router(config: dict[str, Any], core: int, log_path: Path, timeout: float = 60.0,
                  profile_to: Path | None = None) -> subprocess.Popen[bytes]:
     """``disagg router`` pinned to ``core`` (under cProfile when ``profile_to`` is given);
@@ -322,41 +320,22 @@ def start_router(config: dict[str, Any], core: int, log_path: Path, timeout: flo
     # (the measured window only, not imports and start-up).
     cmd = ([sys.executable, __file__, "--profiled-router", str(profile_to)] if profile_to
            else [sys.executable, "-m", "disagg.cli"])
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [*cmd, "router", "-c", str(cfg_path), "--log-level", "warning"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            # A disaggregated router needs a cluster token (the stubs do not check signatures).
-            env={**os.environ, "DISAGG_CLUSTER_TOKEN": "router-overhead-bench"},
-            # Pinned before exec: every thread the router makes stays on its core.
-            preexec_fn=lambda: os.sched_setaffinity(0, {core}))
-    deadline = time.monotonic() + timeout
-    url = f"http://127.0.0.1:{config['port']}/health"
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"router exited with {proc.returncode}:\n"
-                               f"{log_path.read_text()[-3000:]}")
-        try:
-            with NO_PROXY.open(url, timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            stop(proc)
-            raise RuntimeError(f"router not healthy in {timeout} s:\n"
-                               f"{log_path.read_text()[-3000:]}")
-        time.sleep(0.1)  # health polling, bounded by the deadline
+    proc = procs.spawn(
+        [*cmd, "router", "-c", str(cfg_path), "--log-level", "warning"], log_path,
+        # A disaggregated router needs a cluster token (the stubs do not check signatures).
+        env={**os.environ, "DISAGG_CLUSTER_TOKEN": "router-overhead-bench"},
+        cpus={core})  # pinned before exec: every thread the router makes stays on its core
+    try:
+        procs.wait_healthy(f"http://127.0.0.1:{config['port']}", timeout, proc=proc,
+                           what="router")
+    except procs.NotHealthy as e:
+        stop(proc)
+        raise RuntimeError(f"{e}:\n{procs.log_tail(log_path)}") from None
+    return proc
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    procs.stop(proc, grace_s=20.0)
 
 
 def router_config(port: int, ctx_port: int | None, gen_port: int) -> dict[str, Any]:
@@ -435,7 +414,7 @@ async def measure(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
 
     async def router_for(ctx_port: int | None, gen_port: int,
                          profile_to: Path | None = None) -> subprocess.Popen[bytes]:
-        p = free_port()
+        p = procs.free_port()
         cfg = router_config(p, ctx_port, gen_port)
         proc = await loop.run_in_executor(None, lambda: start_router(
             cfg, args.core, log_dir / f"router-{p}.log", profile_to=profile_to))

@@ -25,9 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import ctypes
 import datetime as _dt
-import errno
 import json
 import os
 import re
@@ -45,8 +43,10 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any, TypeVar
 
+from disagg import procs
 from disagg.cluster_auth import sign_http
 from disagg.env import CUDA_VISIBLE_DEVICES
+from disagg.procs import HEALTH_TIMEOUT_S, KILL_WAIT_S, LOCAL_HTTP, http_status
 
 _T = TypeVar("_T")
 TINY_MODEL = "tiny"  # the placeholder model name that means the built-in tiny model
@@ -54,10 +54,6 @@ SECTIONS = ("context_servers", "generation_servers")
 LOG_TAIL_LINES = 30
 POLL_INTERVAL_S = 0.1
 WATCH_INTERVAL_S = 0.25
-KILL_WAIT_S = 5.0  # after SIGKILL: a process is gone at once unless stuck in the kernel
-HEALTH_TIMEOUT_S = 2.0
-# Local children only: never through an HTTP proxy from the environment.
-_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 ROUTER_LISTEN_RE = re.compile(r"disagg router listening on (http://\S+)")
 DEMO_TINY_OPTIONS: dict[str, Any] = {
     # The tiny model needs little: a fixed KV size keeps each worker's memory small (the CPU
@@ -388,18 +384,6 @@ def _plan_workers(cfg: Any, log_dir: Path, addresses: _LocalAddresses
 # -- running: children, health, signals --------------------------------------------------------
 
 
-_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
-
-
-def _child_preexec() -> None:
-    """In the child, before exec: undo the launcher's signal block (the mask is inherited),
-    and get SIGTERM if the launcher dies (even by SIGKILL), so a crashed launcher leaves no
-    workers behind (PR_SET_PDEATHSIG: Linux only; harmless elsewhere)."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
-
-
 @dataclass
 class Child:
     spec: ChildSpec
@@ -407,33 +391,10 @@ class Child:
     started: float
     base_url: str | None  # known at start, or (router on port 0) read from its log
     healthy_after: float | None = None
-    log_file: IO[bytes] | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
         return self.spec.name
-
-
-def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))  # enough for 30 lines of any sane log
-            text = f.read().decode(errors="replace")
-    except OSError as e:
-        return f"(cannot read {path}: {e.strerror or e})"
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def http_status(url: str, timeout: float = HEALTH_TIMEOUT_S) -> int | None:
-    """HTTP status of GET ``url``, or None when nothing answers."""
-    try:
-        with _HTTP.open(url, timeout=timeout) as resp:
-            return int(resp.status)
-    except urllib.error.HTTPError as e:
-        return int(e.code)
-    except (OSError, ValueError):  # refused, reset, timeout
-        return None
 
 
 class Stop(Exception):
@@ -526,24 +487,18 @@ class Cluster:
     def start(self, spec: ChildSpec) -> Child:
         host, port = split_url(spec.address)
         base_url = http_base(host, port) if port else None
-        log = open(spec.log_path, "wb")  # closed in stop()
-        log.write(f"$ {' '.join(spec.cmd)}\n".encode())
-        log.flush()
         # Ctrl-C / SIGTERM wait until the child is recorded, so none escapes stop().
-        signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        signal.pthread_sigmask(signal.SIG_BLOCK, procs.STOP_SIGNALS)
         try:
-            # A new session: the terminal's Ctrl-C reaches only the launcher, which then
-            # stops children in order; killpg also reaches a worker's rank processes.
-            proc = subprocess.Popen(spec.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, env={**self.env, **spec.env},
-                                    start_new_session=True, preexec_fn=_child_preexec)
-            child = Child(spec, proc, time.monotonic(), base_url, log_file=log)
+            # Its own session (the terminal's Ctrl-C reaches only the launcher, which then
+            # stops children in order; killpg also reaches a worker's rank processes), and
+            # SIGTERM if the launcher dies, even by SIGKILL: a crash leaves no workers behind.
+            proc = procs.spawn(spec.cmd, spec.log_path, env={**self.env, **spec.env},
+                               header=True, die_with_parent=True)
+            child = Child(spec, proc, time.monotonic(), base_url)
             self.children.append(child)
-        except BaseException:
-            log.close()
-            raise
         finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, procs.STOP_SIGNALS)
         gpus = spec.env.get("CUDA_VISIBLE_DEVICES")
         self.say(f"  started {spec.name:<6} {spec.kind:<10} {spec.address:<22} pid {proc.pid}"
                  + (f"  (GPUs {gpus})" if gpus else ""))
@@ -560,7 +515,7 @@ class Cluster:
                     raise self.failed([child], f"{child.name} exited with code {code} during "
                                                f"start-up")
                 if child.base_url is None:  # router on port 0: its log says where it listens
-                    m = ROUTER_LISTEN_RE.search(log_tail(child.spec.log_path, 200))
+                    m = ROUTER_LISTEN_RE.search(procs.log_tail(child.spec.log_path, 200))
                     if m is None:
                         continue
                     child.base_url = m.group(1).rstrip("/")
@@ -590,7 +545,8 @@ class Cluster:
         print(f"disagg launch: error: {message}", file=sys.stderr, flush=True)
         for child in children:
             print(f"--- last {LOG_TAIL_LINES} lines of {child.spec.log_path} ---\n"
-                  f"{log_tail(child.spec.log_path)}\n---", file=sys.stderr, flush=True)
+                  f"{procs.log_tail(child.spec.log_path, LOG_TAIL_LINES)}\n---",
+                  file=sys.stderr, flush=True)
         return ChildFailed(children, message)
 
     # stop ---------------------------------------------------------------------------------------
@@ -605,8 +561,7 @@ class Cluster:
         if alive:
             self.say(f"stopping {len(alive)} process(es) ...")
         for child in alive:
-            with contextlib.suppress(ProcessLookupError):
-                child.proc.send_signal(signal.SIGTERM)
+            procs.terminate(child.proc)
         deadline = time.monotonic() + self.stop_grace_s
         for child in alive:
             while child.proc.poll() is None and time.monotonic() < deadline and not self._forced:
@@ -618,16 +573,9 @@ class Cluster:
                        else f"did not stop in {self.stop_grace_s:g} s")
                 self.say(f"  {child.name}: {why}: killing it")
             # The whole group: a worker's spawned rank processes too.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(child.proc.pid, signal.SIGKILL)
-            try:
-                child.proc.wait(timeout=KILL_WAIT_S)
-            except subprocess.TimeoutExpired:
+            if not procs.kill_group(child.proc, KILL_WAIT_S):
                 self.say(f"  {child.name}: pid {child.proc.pid} not reaped {KILL_WAIT_S:g} s "
                          f"after SIGKILL (stuck in the kernel?)")
-            if child.log_file is not None:
-                child.log_file.close()
-                child.log_file = None
         for child in alive:
             self.say(f"  stopped {child.name:<6} (pid {child.proc.pid}, exit "
                      f"{child.proc.returncode})")
@@ -641,30 +589,13 @@ class ChildFailed(Exception):
         self.children = list(children)
 
 
-def _port_free(host: str, port: int) -> bool:
-    """Can ``host:port`` be bound now? (A clear error beats a worker's bind traceback.)"""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror:
-        return True  # the worker will say what is wrong with the name
-    family, _, _, _, sockaddr = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        # uvicorn sets SO_REUSEADDR too: TIME_WAIT leftovers do not count as in use.
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(sockaddr)
-        except OSError as e:
-            return e.errno != errno.EADDRINUSE
-    return True
-
-
 @contextlib.contextmanager
 def _launched(plan: Plan, timeout: float, out: IO[str], stop_grace_s: float
               ) -> Iterator[Cluster]:
     """Start the workers, wait for them, start the router, wait for it; stop all on exit."""
     for spec in (*plan.workers, plan.router):  # before starting anything
         host, port = split_url(spec.address)
-        if port and not _port_free(host, port):
+        if port and not procs.port_free(host, port):
             raise LaunchError(f"{plan.source}: {spec.name}: {spec.address}: the port is "
                               f"already in use")
     with Cluster(plan, out=out, stop_grace_s=stop_grace_s) as cluster:
@@ -692,7 +623,7 @@ def post_json(url: str, body: dict[str, Any], api_key: str | None, timeout: floa
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers,
                                  method="POST")
     try:
-        with _HTTP.open(req, timeout=timeout) as resp:
+        with LOCAL_HTTP.open(req, timeout=timeout) as resp:
             return int(resp.status), json.loads(resp.read() or b"{}")
     except urllib.error.HTTPError as e:
         try:
@@ -706,7 +637,7 @@ def metric_value(base_url: str, name: str, cluster_token: str | None = None) -> 
     ``cluster_token`` (a worker with an API key answers /metrics to the cluster only)."""
     headers = sign_http(cluster_token, "GET", "/metrics") if cluster_token else {}
     try:
-        with _HTTP.open(urllib.request.Request(base_url + "/metrics", headers=headers),
+        with LOCAL_HTTP.open(urllib.request.Request(base_url + "/metrics", headers=headers),
                         timeout=HEALTH_TIMEOUT_S) as resp:
             text = resp.read().decode()
     except (OSError, ValueError):
@@ -748,23 +679,9 @@ def demo_request(cluster: Cluster, message: str, max_tokens: int) -> int:
 # -- CLI ---------------------------------------------------------------------------------------
 
 
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct free local ports (held open together so none repeats)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def demo_config(model: str) -> dict[str, Any]:
     """The demo's disagg YAML: 1 context + 1 generation worker and the router, free ports."""
-    ctx, gen, router = _free_ports(3)
+    ctx, gen, router = procs.free_ports(3)
     return {"hostname": "127.0.0.1", "port": router, "model": model, **DEMO_TINY_OPTIONS,
             "context_servers": {"num_instances": 1, "router": {"type": "round_robin"},
                                 "urls": [f"127.0.0.1:{ctx}"]},

@@ -1,9 +1,14 @@
-"""Shared fixtures: tiny checkpoints written once per test session."""
+"""Shared fixtures: tiny checkpoints written once per test session.
+
+Writing a checkpoint trains its BPE tokenizer (about 1.5 s); the tests only read the folders,
+so one folder per distinct set of arguments serves the whole session.
+"""
 
 from __future__ import annotations
 
+import json
 import os
-from pathlib import Path
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -14,13 +19,29 @@ os.environ.setdefault("DISAGG_DIST_TIMEOUT_S", "60")
 
 
 @pytest.fixture(scope="session")
-def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Tiny random checkpoints: llama (GQA, llama3 rope scaling), qwen2 (q/k/v bias, tied
-    embeddings), mistral (MQA-ish GQA)."""
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
+    """``tiny_checkpoint(name="tiny", **kwargs)``: a folder ``.../name`` holding
+    ``write_tiny_checkpoint(folder, **kwargs)``, written on first use and shared by every later
+    call with the same arguments (read only: a test that changes a checkpoint copies it
+    first). The folder's name is the served model name when a test sets none."""
     from disagg.model.tiny import write_tiny_checkpoint
 
-    root = tmp_path_factory.mktemp("tiny")
-    dirs = {}
+    written: dict[str, str] = {}
+
+    def make(name: str = "tiny", **kwargs: object) -> str:
+        key = json.dumps([name, kwargs], sort_keys=True)
+        if key not in written:
+            out = tmp_path_factory.mktemp("ckpt") / name
+            written[key] = write_tiny_checkpoint(str(out), **kwargs)  # type: ignore[arg-type]
+        return written[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tiny_checkpoint: Callable[..., str]) -> dict[str, str]:
+    """Tiny random checkpoints: llama (GQA, llama3 rope scaling), qwen2 (q/k/v bias, tied
+    embeddings), mistral (MQA-ish GQA)."""
     specs = {
         "llama": dict(
             arch="llama", num_key_value_heads=2,
@@ -30,11 +51,26 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "qwen2": dict(arch="qwen2", num_key_value_heads=2, tie_word_embeddings=True),
         "mistral": dict(arch="mistral", num_key_value_heads=1),
     }
-    for name, spec in specs.items():
-        dirs[name] = write_tiny_checkpoint(str(Path(root) / name), seed=1, **spec)
-    return dirs
+    return {name: tiny_checkpoint(name, seed=1, **spec) for name, spec in specs.items()}
 
 
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_dirs: dict[str, str]) -> str:
     return tiny_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def model_dir(tiny_checkpoint: Callable[..., str]) -> str:
+    """The default tiny llama with seed 1: what the server, router and disaggregated tests
+    serve (a module that needs other weights overrides this with its own seed)."""
+    return tiny_checkpoint(seed=1)
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[object]:
+    """A ``router_fixtures.LoopThread`` per module: serves in-process aiohttp apps."""
+    from router_fixtures import LoopThread
+
+    lt = LoopThread()
+    yield lt
+    lt.close()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +19,10 @@ from typing import Any
 
 import httpx
 
+from disagg import procs
+from disagg.procs import free_port as free_port
+from disagg.procs import health_ok as health_ok
+
 
 def device_for_ranks(world_size: int) -> str:
     """The device for test workers of up to ``world_size`` ranks: CUDA when there is a GPU
@@ -29,12 +32,6 @@ def device_for_ranks(world_size: int) -> str:
     import torch
 
     return "cuda" if torch.cuda.device_count() >= world_size else "cpu"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(cond: Callable[[], Any], timeout: float = 20.0, interval: float = 0.02,
@@ -76,6 +73,77 @@ def serve_in_thread(app: Any, timeout: float = 30.0) -> Iterator[str]:
         assert not thread.is_alive(), "server thread did not stop"
 
 
+class Listener:
+    """A TCP port that accepts connections and counts them, never answering (forged KV
+    addresses point here: a test asserts that nothing connected). ``hold``: keep each
+    connection open until ``close()`` (the peer waits for an answer that never comes);
+    otherwise close it at once."""
+
+    def __init__(self, hold: bool = True, backlog: int = 16) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(backlog)
+        self.addr = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.connections = 0
+        self.hold = hold
+        self._accepted: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True, name="test-listener")
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            self.connections += 1
+            if self.hold:
+                self._accepted.append(conn)
+            else:
+                conn.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self._thread.join(5)
+        for c in self._accepted:
+            c.close()
+
+
+def raw_exchange(port: int, data: bytes, wait: float = 10.0) -> tuple[bytes, float]:
+    """Send ``data`` to 127.0.0.1:``port`` and leave the socket open: what arrives until the
+    server closes it (``<still open>`` appended when ``wait`` seconds pass in silence), and
+    the seconds that took."""
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(data)
+        s.settimeout(wait)
+        out = b""
+        try:
+            while chunk := s.recv(65536):
+                out += chunk
+        except TimeoutError:
+            out += b"<still open>"
+        except ConnectionResetError:
+            pass
+    return out, time.monotonic() - t0
+
+
+@contextlib.contextmanager
+def reference_server(model_dir: str, name: str = "tiny") -> Iterator[str]:
+    """An aggregated worker served in this process (16-token blocks, a 4096-token KV cache):
+    the outputs a disaggregated request must match. Yields its base URL."""
+    from disagg.engine import AsyncLLM
+    from disagg.server.app import ServerSettings, build_app
+
+    engine = AsyncLLM.from_options(model_dir, tokens_per_block=16, kv_cache_tokens=4096,
+                                   max_model_len=512, max_num_tokens=256, max_batch_size=32)
+    app = build_app(engine, ServerSettings(model_dir=model_dir, served_model_name=name))
+    with serve_in_thread(app) as url:
+        yield url
+
+
 def signed(token: str, method: str, path: str, body: Any = None,
            headers: dict[str, str] | None = None) -> dict[str, Any]:
     """httpx keyword arguments for a request signed with the cluster ``token`` (as the router
@@ -94,13 +162,6 @@ def signed_post(url: str, path: str, body: Any, token: str, timeout: float = 60.
                 ) -> httpx.Response:
     """POST ``body`` to ``url + path`` signed with the cluster ``token``."""
     return httpx.post(url + path, timeout=timeout, **signed(token, "POST", path, body))
-
-
-def health_ok(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 # ---- worker subprocesses (`disagg serve ...`) -------------------------------------------------
@@ -142,11 +203,10 @@ def start_worker_proc(tmp: Path, model_dir: str, name: str, args: list[str],
     thread, its output in ``tmp/NAME-xxxxxx.log``."""
     port = port or free_port()
     log = tmp / f"{name}-{uuid.uuid4().hex[:6]}.log"
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "disagg.cli", "serve", model_dir, "--port", str(port), *args],
-            stdout=f, stderr=subprocess.STDOUT, env=full_env)
+    # In the test's process group (as a plain Popen): a Ctrl-C of pytest reaches it too.
+    proc = procs.spawn([sys.executable, "-m", "disagg.cli", "serve", model_dir, "--port",
+                        str(port), *args], log, env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+                       new_session=False)
     return WorkerProc(name, f"http://127.0.0.1:{port}", proc, log, port,
                       env.get("DISAGG_CLUSTER_TOKEN"))
 
@@ -154,22 +214,13 @@ def start_worker_proc(tmp: Path, model_dir: str, name: str, args: list[str],
 def wait_all_healthy(workers: list[WorkerProc], timeout: float) -> None:
     """Each worker healthy within ``timeout``; else stop them all and raise with its log."""
     for w in workers:
-        with contextlib.suppress(TimeoutError):
-            wait_for(lambda w=w: health_ok(w.url) or w.proc.poll() is not None, timeout, 0.1,
-                     what=f"{w.name} health")
-        if not health_ok(w.url):
+        try:
+            procs.wait_healthy(w.url, timeout, proc=w.proc, what=w.name)
+        except procs.NotHealthy as e:
             stop_all(workers)
-            raise RuntimeError(f"{w.name} did not start:\n{w.log.read_text()[-3000:]}")
+            raise RuntimeError(f"{e}:\n{procs.log_tail(w.log, 40)}") from None
 
 
 def stop_all(workers: list[WorkerProc]) -> None:
     """SIGTERM every worker (they drain), then reap; SIGKILL what does not exit."""
-    for w in workers:
-        if w.proc.poll() is None:
-            w.proc.send_signal(signal.SIGTERM)
-    for w in workers:
-        try:
-            w.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            w.proc.kill()
-            w.proc.wait(10)
+    procs.stop_all([w.proc for w in workers], grace_s=30.0, kill_wait_s=10.0)

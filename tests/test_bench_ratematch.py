@@ -7,17 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from server_fixtures import free_port, health_ok, wait_for
+from server_fixtures import WorkerProc, start_worker_proc, stop_all, wait_all_healthy
 
 from disagg.bench.metrics import RequestRecord
 from disagg.bench.ratematch import (
@@ -336,42 +332,22 @@ COMMON = ["--kv-cache-tokens", "4096", "--max-model-len", "512", "--tokens-per-b
           "--kv-transfer-backend", "TCP", "--served-model-name", NAME, "--log-level", "warning"]
 
 
-def _start(tmp: Path, model: str, name: str, *flags: str) -> tuple[subprocess.Popen, str, Path]:
-    port = free_port()
-    log = tmp / f"{name}.log"
-    env = {**os.environ, "DISAGG_CLUSTER_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "disagg.cli", "serve", model, "--port",
-                                 str(port), *COMMON, *flags],
-                                stdout=f, stderr=subprocess.STDOUT, env=env)
-    return proc, f"http://127.0.0.1:{port}", log
+def _start(tmp: Path, model: str, name: str, *flags: str) -> WorkerProc:
+    return start_worker_proc(tmp, model, name, [*COMMON, *flags],
+                             {"DISAGG_CLUSTER_TOKEN": TOKEN})
 
 
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory: pytest.TempPathFactory, tiny_llama: str
             ) -> Iterator[dict[str, str]]:
     tmp = tmp_path_factory.mktemp("ratematch")
-    started = {
-        "ctx": _start(tmp, tiny_llama, "ctx", "--role", "context"),
-        "gen": _start(tmp, tiny_llama, "gen", "--role", "generation", "--benchmark-gen-only"),
-    }
+    started = [_start(tmp, tiny_llama, "ctx", "--role", "context"),
+               _start(tmp, tiny_llama, "gen", "--role", "generation", "--benchmark-gen-only")]
     try:
-        for name, (proc, url, log) in started.items():
-            wait_for(lambda p=proc, u=url: health_ok(u) or p.poll() is not None, 90, 0.1,
-                     what=f"{name} worker")
-            if not health_ok(url):
-                raise RuntimeError(f"{name} did not start:\n{log.read_text()[-3000:]}")
-        yield {name: url for name, (_, url, _) in started.items()}
+        wait_all_healthy(started, 90)
+        yield {w.name: w.url for w in started}
     finally:
-        for proc, _, _ in started.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc, _, _ in started.values():
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop_all(started)
 
 
 def _metric(url: str, name: str) -> float:

@@ -20,7 +20,7 @@ import pytest
 from server_fixtures import (
     WorkerProc,
     health_ok,
-    serve_in_thread,
+    reference_server,
     signed,
     start_worker_proc,
     stop_all,
@@ -55,13 +55,6 @@ def _wait_healthy(workers: list[Worker]) -> None:
 
 
 _stop = stop_all
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from disagg.model.tiny import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("disagg") / "tiny"), seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -107,13 +100,7 @@ def ucx(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[di
 @pytest.fixture(scope="module")
 def reference(model_dir: str) -> Iterator[str]:
     """An aggregated worker in this process: the expected outputs."""
-    from disagg.engine import AsyncLLM
-    from disagg.server.app import ServerSettings, build_app
-
-    engine = AsyncLLM.from_options(model_dir, tokens_per_block=16, kv_cache_tokens=4096,
-                                   max_model_len=512, max_num_tokens=256, max_batch_size=32)
-    app = build_app(engine, ServerSettings(model_dir=model_dir, served_model_name=NAME))
-    with serve_in_thread(app) as url:
+    with reference_server(model_dir, NAME) as url:
         yield url
 
 

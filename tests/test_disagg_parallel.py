@@ -53,13 +53,6 @@ def _par(tp: int, pp: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from disagg.model.tiny import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("disagg-par") / "tiny"), seed=1)
-
-
-@pytest.fixture(scope="module")
 def cluster(model_dir: str, tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[dict[str, Worker]]:
     tmp: Path = tmp_path_factory.mktemp("par-logs")

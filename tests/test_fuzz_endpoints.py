@@ -32,7 +32,6 @@ import gzip
 import json
 import os
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -43,8 +42,8 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_fixtures import serve_in_thread, wait_for
-from test_router_live import LoopThread
+from router_fixtures import LoopThread
+from server_fixtures import Listener, serve_in_thread, wait_for
 
 from disagg.cluster_auth import sign_http
 from disagg.config import build_engine_config
@@ -322,39 +321,9 @@ def wire(draw: st.DrawFn, body: Any) -> tuple[bytes, dict[str, str]]:
 # ---- the cluster under test -----------------------------------------------------------------
 
 
-class Listener:
-    """A TCP port that counts the connections it gets (forged KV addresses point here)."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.addr = f"127.0.0.1:{self.sock.getsockname()[1]}"
-        self.connections = 0
-        self._thread = threading.Thread(target=self._accept, daemon=True, name="fuzz-listener")
-        self._thread.start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:  # closed
-                return
-            self.connections += 1
-            conn.close()
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
-        self._thread.join(5)
-
-
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
-    from disagg.model.tiny import write_tiny_checkpoint
-
-    model_dir = write_tiny_checkpoint(str(tmp_path_factory.mktemp("fuzz") / "tiny"), seed=1)
+def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: str
+            ) -> Iterator[SimpleNamespace]:
     ctx_config = build_engine_config(model_dir, **CTX_OPTIONS)
     gen_config = build_engine_config(model_dir, **OPTIONS)
     assert gen_config.model.vocab_size == VOCAB
@@ -369,7 +338,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespac
                                               role=roles[name], cluster_token=TOKEN))
             for name, e in engines.items()}
     loop = LoopThread()
-    listener = Listener()
+    listener = Listener(hold=False, backlog=64)
     with contextlib.ExitStack() as stack:
         stack.callback(loop.close)
         stack.callback(listener.close)

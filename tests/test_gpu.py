@@ -212,15 +212,14 @@ def test_install_into_gpu_cache_equals_cpu_install(fmt: str, payload_on: str) ->
 
 
 @pytest.fixture(scope="module")
-def gpu_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
+def gpu_workers(tmp_path_factory: pytest.TempPathFactory, model_dir: str
+                ) -> Iterator[dict[str, object]]:
     from server_fixtures import serve_in_thread, stop_all, wait_all_healthy
     from test_disagg_e2e import NAME, _start
 
     from disagg.engine import AsyncLLM
-    from disagg.model.tiny import write_tiny_checkpoint
     from disagg.server.app import ServerSettings, build_app
 
-    model_dir = write_tiny_checkpoint(str(tmp_path_factory.mktemp("gpu") / "tiny"), seed=1)
     tmp = Path(tmp_path_factory.mktemp("gpu-logs"))
     backends = ["TCP"] + (["UCX"] if UCX_OK else [])
     ws = {}

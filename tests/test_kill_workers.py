@@ -30,6 +30,7 @@ from typing import Any
 
 import httpx
 import pytest
+from router_fixtures import LoopThread
 from server_fixtures import (
     WorkerProc,
     serve_in_thread,
@@ -39,7 +40,6 @@ from server_fixtures import (
     wait_all_healthy,
     wait_for,
 )
-from test_router_live import LoopThread
 
 from disagg.router.app import ROUTER_KEY, build_router_app, start_router
 from disagg.router.config import parse_cluster_config
@@ -152,12 +152,11 @@ class Load:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
+def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: str
+            ) -> Iterator[SimpleNamespace]:
     from disagg.engine import AsyncLLM
-    from disagg.model.tiny import write_tiny_checkpoint
     from disagg.server.app import ServerSettings, build_app
 
-    model_dir = write_tiny_checkpoint(str(tmp_path_factory.mktemp("kill") / "tiny"), seed=1)
     tmp = tmp_path_factory.mktemp("kill-logs")
     env = {"DISAGG_CLUSTER_TOKEN": TOKEN}
     ctx_flags = ["--role", "context", "--kv-lease-ttl", str(LEASE_TTL_S), *FLAGS]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 
 import httpx
@@ -57,10 +57,8 @@ def test_log_rejects_an_empty_capacity() -> None:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from disagg.model.tiny import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("kvev") / "tiny"), seed=3)
+def model_dir(tiny_checkpoint: Callable[..., str]) -> str:
+    return tiny_checkpoint(seed=3)  # the weights these tests were written against
 
 
 @pytest.fixture(scope="module")

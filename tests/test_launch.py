@@ -10,7 +10,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,23 +21,14 @@ import httpx
 import pytest
 import yaml
 
+from disagg.procs import free_ports
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT = 120.0
 PID_RE = re.compile(r"started (\S+) .* pid (\d+)")
 READY_RE = re.compile(r"cluster ready in [\d.]+ s: (http://\S+)")
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _alive(pid: int) -> bool:
@@ -147,7 +137,7 @@ def _config(tmp_path: Path, name: str, instances: dict[str, int] | None = None,
     data = yaml.safe_load((ROOT / "configs" / name).read_text())
     sections = [s for s in ("context_servers", "generation_servers") if s in data]
     counts = {s: (instances or {}).get(s, len(data[s]["urls"])) for s in sections}
-    ports = iter(_free_ports(sum(counts.values()) + 1))
+    ports = iter(free_ports(sum(counts.values()) + 1))
     data["hostname"], data["port"] = "127.0.0.1", next(ports)
     for sec in sections:
         data[sec]["urls"] = [f"127.0.0.1:{next(ports)}" for _ in range(counts[sec])]

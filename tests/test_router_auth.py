@@ -18,7 +18,6 @@ import select
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +25,9 @@ import httpx
 import pytest
 import yaml
 from aiohttp import web
+from router_fixtures import DYNAMIC, LoopThread, running_router
+from router_fixtures import ROUTER_TOKEN as TOKEN
 from server_fixtures import signed, wait_for
-from test_router_live import TOKEN, LoopThread, running_router
 
 from disagg.cli import main as cli_main
 from disagg.cluster_auth import AUTH_HEADER, HttpVerifier
@@ -36,16 +36,6 @@ from disagg.router.app import build_router_app
 from disagg.router.config import RouterConfigError, parse_cluster_config
 
 C = "/v1/completions"
-DYNAMIC = {"health_check_interval_sec": 0.2, "disagg_cluster": {
-    "minimal_instances": {"generation_servers": 1},
-    "heartbeat_interval_sec": 0.2, "inactive_timeout_sec": 1.0}}
-
-
-@pytest.fixture(scope="module")
-def loop() -> Iterator[LoopThread]:
-    lt = LoopThread()
-    yield lt
-    lt.close()
 
 
 @pytest.fixture(autouse=True)

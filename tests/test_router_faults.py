@@ -23,8 +23,14 @@ from typing import Any
 import httpx
 import pytest
 from aiohttp import web
-from server_fixtures import start_worker_proc, stop_all, wait_all_healthy, wait_for
-from test_router_live import LoopThread, metric
+from router_fixtures import LoopThread, metric
+from server_fixtures import (
+    raw_exchange,
+    start_worker_proc,
+    stop_all,
+    wait_all_healthy,
+    wait_for,
+)
 
 from disagg.router.app import LINGER_S, ROUTER_KEY, build_router_app, start_router
 from disagg.router.config import parse_cluster_config
@@ -125,13 +131,6 @@ class StubWorker:
             "id": "cmpl-g", "object": "text_completion", "created": 0, "model": "m",
             "choices": [{"index": 0, "text": " a b", "finish_reason": "length",
                          "logprobs": None}], "usage": usage})
-
-
-@pytest.fixture(scope="module")
-def loop() -> Iterator[LoopThread]:
-    lt = LoopThread()
-    yield lt
-    lt.close()
 
 
 @contextlib.contextmanager
@@ -333,22 +332,6 @@ def test_bad_input_gets_a_4xx_json_answer(loop: LoopThread, kind: str,
 # ---- item 7: slow and odd HTTP -------------------------------------------------------------------
 
 
-def _raw(port: int, data: bytes, wait: float = 10.0) -> bytes:
-    """Send ``data``, leave the socket open; what arrives until the server closes it."""
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        s.sendall(data)
-        s.settimeout(wait)
-        out = b""
-        try:
-            while chunk := s.recv(65536):
-                out += chunk
-        except TimeoutError:
-            out += b"<still open>"
-        except ConnectionResetError:
-            pass
-    return out
-
-
 def test_slow_and_odd_http(loop: LoopThread) -> None:
     timeout_s = 1.0
     cases = {
@@ -368,8 +351,7 @@ def test_slow_and_odd_http(loop: LoopThread) -> None:
         results: dict[str, tuple[bytes, float]] = {}
 
         def run(name: str, data: bytes) -> None:
-            t0 = time.monotonic()
-            results[name] = (_raw(rt.port, data), time.monotonic() - t0)
+            results[name] = raw_exchange(rt.port, data)
 
         threads = [threading.Thread(target=run, args=kv) for kv in cases.items()]
         for t in threads:
@@ -466,10 +448,8 @@ PROMPT_IDS = [(7 * i) % 500 + 1 for i in range(300)]
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
-    from disagg.model.tiny import write_tiny_checkpoint
-
-    model_dir = write_tiny_checkpoint(str(tmp_path_factory.mktemp("faults") / "tiny"), seed=1)
+def pair(tmp_path_factory: pytest.TempPathFactory, model_dir: str
+         ) -> Iterator[SimpleNamespace]:
     tmp = tmp_path_factory.mktemp("faults-logs")
     common = ["--served-model-name", NAME, "--log-level", "warning", "--kv-cache-tokens",
               str(KV_TOKENS), "--max-model-len", "512", "--max-num-tokens", "256",

@@ -8,12 +8,9 @@ disconnect frees the KV on both sides; killing a context worker under load.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import concurrent.futures as cf
-import contextlib
 import json
-import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,9 +20,10 @@ import httpx
 import openai
 import pytest
 from aiohttp import web
+from router_fixtures import ROUTER_TOKEN, LoopThread, metric, running_router
 from server_fixtures import (
     WorkerProc,
-    serve_in_thread,
+    reference_server,
     signed,
     start_worker_proc,
     stop_all,
@@ -33,11 +31,10 @@ from server_fixtures import (
     wait_for,
 )
 
-from disagg.router.app import build_router_app, start_router
-from disagg.router.config import ClusterConfig, parse_cluster_config
+from disagg.router.config import parse_cluster_config
 
 NAME = "tiny"
-TOKEN = "router-test-secret"
+TOKEN = ROUTER_TOKEN
 COMMON = ["--kv-cache-tokens", "4096", "--max-model-len", "512", "--max-num-tokens", "256",
           "--max-batch-size", "32"]
 START_TIMEOUT = 120.0
@@ -68,61 +65,6 @@ def wait_healthy(workers: list[Worker]) -> None:
 stop_workers = stop_all
 
 
-class LoopThread:
-    """An asyncio loop in a daemon thread, for in-process aiohttp servers."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True,
-                                       name="test-router-loop")
-        self.thread.start()
-
-    def run(self, coro: Any, timeout: float = 60.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def serve(self, app: web.Application) -> tuple[web.AppRunner, str]:
-        runner, port = self.run(start_router(app, "127.0.0.1", 0))
-        return runner, f"http://127.0.0.1:{port}"
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(30)
-        assert not self.thread.is_alive()
-        self.loop.close()
-
-
-@contextlib.contextmanager
-def running_router(config: ClusterConfig | dict[str, Any], loop: LoopThread | None = None,
-                   cluster_token: str | None = TOKEN, **kw: Any) -> Iterator[str]:
-    """The router app of ``config`` served on an ephemeral port; yields its base URL. It holds
-    the workers' cluster token (``cluster_token``) unless told otherwise."""
-    cfg = config if isinstance(config, ClusterConfig) else parse_cluster_config(config, "test")
-    own = loop is None
-    lt = loop or LoopThread()
-    try:
-        runner, url = lt.serve(build_router_app(cfg, cluster_token=cluster_token, **kw))
-        try:
-            yield url
-        finally:
-            lt.run(runner.cleanup())
-    finally:
-        if own:
-            lt.close()
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        m = re.match(r"^([a-zA-Z_:]+)(\{[^}]*\})? ([-+0-9.eEinfa]+)$", line)
-        if not m or m.group(1) != name:
-            continue
-        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-        if all(got.get(k) == v for k, v in labels.items()):
-            total += float(m.group(3))
-    return total
-
-
 def cluster(url: str) -> dict[str, Any]:
     return httpx.get(url + "/cluster_info", timeout=10).json()
 
@@ -151,13 +93,6 @@ def sse_text(path: str, r: httpx.Response) -> tuple[str, list[dict[str, Any]]]:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from disagg.model.tiny import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("router") / "tiny"), seed=1)
-
-
-@pytest.fixture(scope="module")
 def workers(model_dir: str, tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[dict[str, Worker]]:
     tmp = tmp_path_factory.mktemp("router-logs")
@@ -177,21 +112,8 @@ def workers(model_dir: str, tmp_path_factory: pytest.TempPathFactory
 @pytest.fixture(scope="module")
 def reference(model_dir: str) -> Iterator[str]:
     """An aggregated worker in this process: the expected outputs."""
-    from disagg.engine import AsyncLLM
-    from disagg.server.app import ServerSettings, build_app
-
-    engine = AsyncLLM.from_options(model_dir, tokens_per_block=16, kv_cache_tokens=4096,
-                                   max_model_len=512, max_num_tokens=256, max_batch_size=32)
-    app = build_app(engine, ServerSettings(model_dir=model_dir, served_model_name=NAME))
-    with serve_in_thread(app) as url:
+    with reference_server(model_dir, NAME) as url:
         yield url
-
-
-@pytest.fixture(scope="module")
-def loop() -> Iterator[LoopThread]:
-    lt = LoopThread()
-    yield lt
-    lt.close()
 
 
 def disagg_config(ws: dict[str, Worker], model_dir: str, ctx_router: dict | None = None,

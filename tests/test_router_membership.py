@@ -8,36 +8,22 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
-import pytest
+from router_fixtures import DYNAMIC, LoopThread, running_router
 from server_fixtures import signed, wait_for
 from test_router_live import (
     NAME,
     TOKEN,
     FakeWorker,
-    LoopThread,
     cluster,
-    running_router,
     start_worker,
     stop_workers,
     wait_healthy,
 )
-
-DYNAMIC = {"health_check_interval_sec": 0.2, "disagg_cluster": {
-    "minimal_instances": {"generation_servers": 1},
-    "heartbeat_interval_sec": 0.2, "inactive_timeout_sec": 1.0}}
-
-
-@pytest.fixture(scope="module")
-def loop() -> Iterator[LoopThread]:
-    lt = LoopThread()
-    yield lt
-    lt.close()
 
 
 def _register(url: str, payload: dict[str, Any]) -> httpx.Response:

@@ -26,13 +26,13 @@ CHAT = [{"role": "user", "content": "Tell me about the sea."}]
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
+def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: str
+            ) -> Iterator[SimpleNamespace]:
     from disagg.engine import AsyncLLM
-    from disagg.model.tiny import write_tiny_checkpoint
     from disagg.server.app import ServerSettings, build_app
 
     tmp = tmp_path_factory.mktemp("router-par")
-    model = write_tiny_checkpoint(str(tmp / "tiny"), seed=1)
+    model = model_dir
     path, _ = _config(tmp, "disagg_2ctx_tp2_1gen_pp2.yaml")
     data = yaml.safe_load(Path(path).read_text())
     data["kv_cache_tokens"] = 4096  # the example's 8192 times six ranks is more than needed

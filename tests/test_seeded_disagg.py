@@ -5,6 +5,7 @@ KV pulled over TCP, in this process), whatever the request's batch-mates."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 
@@ -28,10 +29,8 @@ CASES = [  # seeds x filters; temperatures high enough that the tiny model's dra
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from disagg.model.tiny import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("seeded") / "tiny"), seed=4)
+def model_dir(tiny_checkpoint: Callable[..., str]) -> str:
+    return tiny_checkpoint(seed=4)  # the weights these tests were written against
 
 
 async def _final(engine: AsyncLLM, rid: str, params: SamplingParams,

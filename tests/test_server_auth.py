@@ -15,16 +15,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
-import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
-from server_fixtures import serve_in_thread, signed, wait_for
+from server_fixtures import Listener, serve_in_thread, signed, wait_for
 
 from disagg.cluster_auth import PeerAllowlist
 from disagg.config import build_engine_config
@@ -42,41 +40,8 @@ NO_CONNECTION_WAIT_S = 1.0  # a worker that connects does so within milliseconds
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from disagg.model.tiny import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("auth") / "tiny"), seed=2)
-
-
-class Listener:
-    """A TCP port that accepts connections, counts them and never answers."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.addr = f"127.0.0.1:{self.sock.getsockname()[1]}"
-        self.connections = 0
-        self._accepted: list[socket.socket] = []
-        self._thread = threading.Thread(target=self._accept, daemon=True, name="test-listener")
-        self._thread.start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:  # closed
-                return
-            self.connections += 1
-            self._accepted.append(conn)
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
-        self._thread.join(5)
-        for c in self._accepted:
-            c.close()
+def model_dir(tiny_checkpoint: Callable[..., str]) -> str:
+    return tiny_checkpoint(seed=2)  # the weights these tests were written against
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from server_fixtures import wait_for
+from server_fixtures import raw_exchange, wait_for
 
 from disagg.engine import AsyncLLM
 from disagg.server.app import ServerSettings, build_app
@@ -33,13 +33,6 @@ HEADER_TIMEOUT_S = 1.0
 BODY_TIMEOUT_S = 1.0
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from disagg.model.tiny import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("faults") / "tiny"), seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -250,23 +243,6 @@ def test_an_internal_error_keeps_the_connection(live: SimpleNamespace,
 # ---- item 7: slow and odd HTTP ----------------------------------------------------------------
 
 
-def _raw(port: int, data: bytes, wait: float = 10.0) -> tuple[bytes, float]:
-    """Send ``data``, leave the socket open; what arrives until the server closes it."""
-    t0 = time.monotonic()
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        s.sendall(data)
-        s.settimeout(wait)
-        out = b""
-        try:
-            while chunk := s.recv(65536):
-                out += chunk
-        except TimeoutError:
-            out += b"<still open>"
-        except ConnectionResetError:
-            pass
-    return out, time.monotonic() - t0
-
-
 def test_slow_and_odd_http(live: SimpleNamespace) -> None:
     results: dict[str, tuple[bytes, float]] = {}
     cases = {
@@ -280,7 +256,7 @@ def test_slow_and_odd_http(live: SimpleNamespace) -> None:
         "http 9.9": b"GET /health HTTP/9.9\r\nHost: x\r\n\r\n",
         "http 2.0": b"GET /health HTTP/2.0\r\nHost: x\r\n\r\n",
     }
-    threads = [threading.Thread(target=lambda k=k, d=d: results.__setitem__(k, _raw(
+    threads = [threading.Thread(target=lambda k=k, d=d: results.__setitem__(k, raw_exchange(
         live.port, d))) for k, d in cases.items()]
     for t in threads:
         t.start()

@@ -31,13 +31,6 @@ PROMPTS = ["The harbour was quiet", "Memory is organised in small blocks.", "Num
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from disagg.model.tiny import write_tiny_checkpoint
-
-    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("server") / "tiny"), seed=1)
-
-
-@pytest.fixture(scope="module")
 def live(model_dir: str) -> Iterator[SimpleNamespace]:
     engine = AsyncLLM.from_options(model_dir, **OPTIONS)
     app = build_app(engine, ServerSettings(model_dir=model_dir, served_model_name=NAME,

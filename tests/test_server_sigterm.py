@@ -30,10 +30,8 @@ def _stream_lines(url: str, body: dict, out: list[str], started: threading.Event
         started.set()
 
 
-def test_sigterm_drains_and_exits_zero(tmp_path: Path) -> None:
-    from disagg.model.tiny import write_tiny_checkpoint
-
-    model = write_tiny_checkpoint(str(tmp_path / "tiny"), seed=1)
+def test_sigterm_drains_and_exits_zero(tmp_path: Path, model_dir: str) -> None:
+    model = model_dir
     cfg = tmp_path / "worker.yaml"
     cfg.write_text("served_model_name: tiny\ntokens_per_block: 16\nkv_cache_tokens: 8192\n"
                    "max_batch_size: 8\ndevice: cpu\nport: 1\n")  # the --port flag wins

@@ -6,12 +6,13 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Callable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from disagg.model.tiny import SPECIAL_TOKENS, _byte_level_alphabet, write_tiny_checkpoint
+from disagg.model.tiny import SPECIAL_TOKENS, _byte_level_alphabet
 from disagg.request import SamplingParams
 from disagg.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer, load_tokenizer
 
@@ -47,8 +48,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return write_tiny_checkpoint(str(tmp_path_factory.mktemp("tok") / "tiny"))
+def ckpt(tiny_checkpoint: Callable[..., str]) -> str:
+    return tiny_checkpoint()  # the defaults (seed 0)
 
 
 @pytest.fixture(scope="module")

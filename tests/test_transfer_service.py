@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from transfer_fixtures import expected, same_bytes
 
 from disagg.transfer import (
     KVTransferClient,
@@ -38,21 +39,6 @@ BACKENDS = [
 def make_kv(seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(N, L, 2, H, B, D, generator=g).to(dtype)
-
-
-def expected(kv: torch.Tensor, req: ReadRequest) -> torch.Tensor:
-    (l0, l1), (h0, h1) = req.layer_slice, req.head_slice
-    sel = kv[list(req.block_ids)][:, l0:l1, :, h0:h1]
-    if req.format == "blocks":
-        return sel.contiguous()
-    n, nl, _, nh, b, d = sel.shape
-    return sel.permute(1, 2, 3, 0, 4, 5).reshape(nl, 2, nh, n * b, d)[
-        :, :, :, :req.num_tokens].contiguous()
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
-                                              b.reshape(-1).view(torch.uint8))
 
 
 def eventually(cond: Callable[[], bool], timeout_s: float = 3.0) -> bool:

@@ -1,5 +1,7 @@
-"""Raw-socket helpers for the KV transfer security and abuse tests: length-prefixed JSON headers
-by hand, a recording fake server, a recording proxy, the listening sockets of a port."""
+"""Helpers for the KV transfer tests: the payload a read must return (``expected``, compared
+with ``same_bytes``), and for the security and abuse tests raw-socket pieces: length-prefixed
+JSON headers by hand, a recording fake server, a recording proxy, the listening sockets of a
+port."""
 
 from __future__ import annotations
 
@@ -8,9 +10,35 @@ import socket
 import struct
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from disagg.transfer import ReadRequest
 
 LEN = struct.Struct("!I")
+
+
+def expected(kv: torch.Tensor, req: ReadRequest) -> torch.Tensor:
+    """What ``req`` reads from ``kv`` (blocks, layers, 2, heads, block size, head dim): the
+    selected blocks' layer and head slices, either as blocks or as one token-major run cut to
+    ``num_tokens``."""
+    # Ranges: blocks req.block_ids, layers [l0, l1), heads [h0, h1); "tokens" format flattens
+    # (block, position in block) into one token axis and keeps the first num_tokens.
+    (l0, l1), (h0, h1) = req.layer_slice, req.head_slice
+    sel = kv[list(req.block_ids)][:, l0:l1, :, h0:h1]
+    if req.format == "blocks":
+        return sel.contiguous()
+    n, nl, _, nh, b, d = sel.shape
+    return sel.permute(1, 2, 3, 0, 4, 5).reshape(nl, 2, nh, n * b, d)[
+        :, :, :, :req.num_tokens].contiguous()
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape and the same bytes (float comparison would let -0.0 == 0.0 and NaN fail)."""
+    return a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                              b.reshape(-1).view(torch.uint8))
 
 
 def frame(obj: dict[str, Any]) -> bytes:

@@ -43,7 +43,6 @@ import queue
 import random
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -64,6 +63,14 @@ if str(ROOT) not in sys.path:
 from disagg import LLM, SamplingParams  # noqa: E402
 from disagg.config import ModelConfig  # noqa: E402
 from disagg.model.llama import LlamaForCausalLM  # noqa: E402
+from disagg.procs import (  # noqa: E402
+    NotHealthy,
+    free_ports,
+    log_tail,
+    spawn,
+    stop_all,
+    wait_healthy,
+)
 
 TOKEN = "bench-gpu-secret"
 NAME = "m"
@@ -902,18 +909,6 @@ def sec_kv(plan: Plan, dev: str, rep: Report) -> None:
 
 # ---- disaggregated against aggregated through the router
 
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def _serve_flags() -> str:
     out = subprocess.run([sys.executable, "-m", "disagg.cli", "serve", "--help"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
@@ -931,39 +926,24 @@ class _Proc:
 def _start(args: list[str], name: str, port: int, logs: Path) -> _Proc:
     log = logs / f"{name}.log"
     env = {**os.environ, "DISAGG_CLUSTER_TOKEN": TOKEN}
-    with open(log, "wb") as f:
-        p = subprocess.Popen([sys.executable, "-m", "disagg.cli", *args], stdout=f,
-                             stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                             start_new_session=True)
+    p = spawn([sys.executable, "-m", "disagg.cli", *args], log, env=env, cwd=ROOT)
     return _Proc(name, p, f"http://127.0.0.1:{port}", log)
 
 
 def _wait(procs: list[_Proc], timeout: float) -> None:
-    import httpx
-
+    """All healthy within ``timeout`` (one deadline); RuntimeError with the log tail if not."""
     deadline = time.monotonic() + timeout
     for p in procs:
-        while True:
-            try:
-                if httpx.get(p.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if p.popen.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{p.name} did not start:\n{p.log.read_text()[-3000:]}")
-            time.sleep(0.3)
+        try:
+            wait_healthy(p.url, max(0.0, deadline - time.monotonic()), proc=p.popen,
+                         interval=0.3, what=p.name)
+        except NotHealthy as e:
+            raise RuntimeError(f"{e}:\n{log_tail(p.log)}") from None
 
 
 def _stop(procs: list[_Proc]) -> None:
-    for p in reversed(procs):
-        if p.popen.poll() is None:
-            p.popen.send_signal(signal.SIGTERM)
-    for p in reversed(procs):
-        try:
-            p.popen.wait(30)
-        except subprocess.TimeoutExpired:
-            p.popen.kill()
-            p.popen.wait(10)
+    """SIGTERM all (the last started first), up to 30 s to drain, then SIGKILL the groups."""
+    stop_all([p.popen for p in reversed(procs)], grace_s=30.0, kill_wait_s=10.0)
 
 
 def _router(cluster: dict[str, Any], port: int, logs: Path, name: str) -> _Proc:
@@ -1050,7 +1030,7 @@ def sec_serve(plan: Plan, dev: str, rep: Report, tmp: Path) -> None:
                                    ("agg1", ["--role", "aggregated"])],
     }
     for label, workers in clusters.items():
-        ports = _free_ports(len(workers) + 1)
+        ports = free_ports(len(workers) + 1)
         procs: list[_Proc] = []
         try:
             for (name, extra), port in zip(workers, ports, strict=False):

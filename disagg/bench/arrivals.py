@@ -1,4 +1,6 @@
-"""Request arrival processes (REFERENCE section 7).
+"""Request arrival processes: Poisson at a request rate, or gamma-distributed gaps whose
+burstiness sets how clumped the requests come (1 is Poisson); a fixed concurrency instead is the
+runner's ``max_concurrency``, not an arrival process.
 
 Arrival times are offsets in seconds from the benchmark start; the first request goes at 0.
 """

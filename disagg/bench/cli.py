@@ -369,9 +369,11 @@ def add_rate_match_cli(sub: argparse._SubParsersAction) -> None:
         "rate-match", help="size a disaggregated cluster: ctx:gen ratio and tokens/s per device",
         description="Measure one context worker (highest request rate within a TTFT SLO) and "
                     "one generation worker (started with --benchmark-gen-only: output tokens/s "
-                    "and tokens/s/user per concurrency), rate-match them (REFERENCE section 7) "
-                    "and write JSON and a PNG of tokens/s per device against tokens/s/user. "
-                    "See disagg/bench/ratematch.py for the method and the JSON schema.",
+                    "and tokens/s/user per concurrency), rate-match them (enough context "
+                    "workers per generation worker that both sides serve the same request "
+                    "rate) and write JSON and a PNG of tokens/s per device against "
+                    "tokens/s/user. See the disagg/bench/ratematch/ package docstring for the "
+                    "method and ratematch/report.py for the JSON schema.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = rm.add_argument_group("endpoints")
     g.add_argument("--context-url", required=True, help="one context worker")

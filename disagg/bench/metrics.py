@@ -1,4 +1,5 @@
-"""Per-request measurements and their aggregates (REFERENCE sections 1 and 7).
+"""Per-request measurements and their aggregates: mean, median and percentiles of each
+latency, request and token throughputs, and goodput under SLOs.
 
 Definitions (times in seconds internally, milliseconds in reports):
 

@@ -106,6 +106,80 @@ def plot_results(results: Sequence[tuple[str, dict[str, Any]]], out_dir: str,
     return written
 
 
+def _xy(points: Sequence[dict[str, Any]]) -> tuple[list[float], list[float]]:
+    """(tokens/s/user, tokens/s per device) of rate-match points, as two lists."""
+    return ([p["tokens_per_s_per_user"] for p in points], [p["tput_per_device"] for p in points])
+
+
+def _draw_rate_matched(ax: Any, result: dict[str, Any]) -> None:
+    """The rate-matched points and frontier (co-located: also each side measured alone)."""
+    rm = result.get("rate_matched") or []
+    if rm:
+        ax.scatter(*_xy(rm), s=18, color="tab:blue", alpha=0.45, label="rate-matched points")
+        for p in rm:
+            ax.annotate(f"c{p['concurrency']} {p['ctx_per_gen']:.2f}:1",
+                        (p["tokens_per_s_per_user"], p["tput_per_device"]),
+                        textcoords="offset points", xytext=(4, 3), fontsize=6, color="tab:blue")
+    front = result.get("frontier") or []
+    gen = result.get("generation") or {}
+    colocated = bool(gen.get("colocated"))
+    if front:
+        ax.plot(*_xy(front), "o-", color="tab:blue", lw=2,
+                label="rate-matched frontier (disaggregated"
+                      + (", co-located)" if colocated else ")"))
+    ctx_rate = (result.get("context") or {}).get("ctx_rate")
+    if colocated and ctx_rate:  # the same curve from each side measured alone
+        from disagg.bench.ratematch.model import pareto_frontier, rate_match
+
+        cfg = result.get("config", {})
+        alone = rate_match(ctx_rate, gen["points"], cfg["osl"], cfg.get("ctx_devices", 1.0),
+                           cfg.get("gen_devices", 1.0))
+        xy = [(p["tokens_per_s_per_user"], p["tput_per_device"]) for p in alone]
+        fx, fy = zip(*(xy[i] for i in pareto_frontier(xy)), strict=True)
+        ax.plot(fx, fy, "o--", color="tab:blue", lw=1, alpha=0.5, ms=4,
+                label="rate-matched frontier, each side measured alone")
+
+
+def _draw_aggregated(ax: Any, agg: dict[str, Any]) -> None:
+    """The aggregated baseline: points within the TTFT SLO filled, the others hollow."""
+    pts = sorted(agg["points"], key=lambda p: p["tokens_per_s_per_user"])
+    ok = [p for p in pts if p.get("meets_ttft_slo", True)]
+    miss = [p for p in pts if not p.get("meets_ttft_slo", True)]
+    if ok:
+        ax.scatter(*_xy(ok), color="tab:orange", s=22, label="aggregated")
+    if miss:
+        ax.scatter(*_xy(miss), facecolors="none", edgecolors="tab:orange", s=22,
+                   label="aggregated (misses TTFT SLO)")
+    af = agg.get("frontier") or []
+    if af:
+        ax.plot(*_xy(af), "o-", color="tab:orange", lw=2, label="aggregated frontier")
+
+
+def _draw_verify(ax: Any, verify: Sequence[dict[str, Any]]) -> None:
+    """End-to-end points, each joined to its prediction by a dotted line."""
+    for i, v in enumerate(verify):
+        pr, me = v["predicted"], v["measured"]
+        ax.plot([pr["tokens_per_s_per_user"], me["tokens_per_s_per_user"]],
+                [pr["tput_per_device"], me["tput_per_device"]], ":", color="tab:red", lw=1)
+        ax.scatter([me["tokens_per_s_per_user"]], [me["tput_per_device"]], marker="*", s=110,
+                   color="tab:red", zorder=5, label="end to end" if i == 0 else None)
+        ax.annotate(f"{v['num_ctx']}ctx+{v['num_gen']}gen c{v['concurrency']}",
+                    (me["tokens_per_s_per_user"], me["tput_per_device"]),
+                    textcoords="offset points", xytext=(5, -10), fontsize=7, color="tab:red")
+
+
+def _draw_extra(ax: Any, extra_series: Sequence[tuple[str, Sequence[tuple[float, float]]]]
+                ) -> None:
+    markers = "sDv^P"
+    colors = ("tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive")  # not the above
+    for i, (label, series) in enumerate(extra_series):
+        pts = sorted(series)
+        if pts:
+            xs, ys = zip(*pts, strict=True)
+            ax.plot(xs, ys, marker=markers[i % len(markers)], ls="--", lw=1,
+                    color=colors[i % len(colors)], label=label)
+
+
 def plot_rate_match(result: dict[str, Any], path: str, title: str | None = None,
                     extra_series: Sequence[tuple[str, Sequence[tuple[float, float]]]] = (),
                     ) -> str:
@@ -120,68 +194,11 @@ def plot_rate_match(result: dict[str, Any], path: str, title: str | None = None,
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    rm = result.get("rate_matched") or []
-    if rm:
-        ax.scatter([p["tokens_per_s_per_user"] for p in rm], [p["tput_per_device"] for p in rm],
-                   s=18, color="tab:blue", alpha=0.45, label="rate-matched points")
-        for p in rm:
-            ax.annotate(f"c{p['concurrency']} {p['ctx_per_gen']:.2f}:1",
-                        (p["tokens_per_s_per_user"], p["tput_per_device"]),
-                        textcoords="offset points", xytext=(4, 3), fontsize=6, color="tab:blue")
-    front = result.get("frontier") or []
-    gen = result.get("generation") or {}
-    colocated = bool(gen.get("colocated"))
-    if front:
-        ax.plot([p["tokens_per_s_per_user"] for p in front], [p["tput_per_device"] for p in front],
-                "o-", color="tab:blue", lw=2,
-                label="rate-matched frontier (disaggregated"
-                      + (", co-located)" if colocated else ")"))
-    ctx_rate = (result.get("context") or {}).get("ctx_rate")
-    if colocated and ctx_rate:  # the same curve from each side measured alone
-        from disagg.bench.ratematch import pareto_frontier, rate_match
-
-        cfg = result.get("config", {})
-        alone = rate_match(ctx_rate, gen["points"], cfg["osl"], cfg.get("ctx_devices", 1.0),
-                           cfg.get("gen_devices", 1.0))
-        xy = [(p["tokens_per_s_per_user"], p["tput_per_device"]) for p in alone]
-        fx, fy = zip(*(xy[i] for i in pareto_frontier(xy)), strict=True)
-        ax.plot(fx, fy, "o--", color="tab:blue", lw=1, alpha=0.5, ms=4,
-                label="rate-matched frontier, each side measured alone")
-    agg = result.get("aggregated")
-    if agg:
-        pts = sorted(agg["points"], key=lambda p: p["tokens_per_s_per_user"])
-        ok = [p for p in pts if p.get("meets_ttft_slo", True)]
-        miss = [p for p in pts if not p.get("meets_ttft_slo", True)]
-        if ok:
-            ax.scatter([p["tokens_per_s_per_user"] for p in ok],
-                       [p["tput_per_device"] for p in ok], color="tab:orange", s=22,
-                       label="aggregated")
-        if miss:
-            ax.scatter([p["tokens_per_s_per_user"] for p in miss],
-                       [p["tput_per_device"] for p in miss], facecolors="none",
-                       edgecolors="tab:orange", s=22, label="aggregated (misses TTFT SLO)")
-        af = agg.get("frontier") or []
-        if af:
-            ax.plot([p["tokens_per_s_per_user"] for p in af],
-                    [p["tput_per_device"] for p in af], "o-", color="tab:orange", lw=2,
-                    label="aggregated frontier")
-    for i, v in enumerate(result.get("verify") or []):
-        pr, me = v["predicted"], v["measured"]
-        ax.plot([pr["tokens_per_s_per_user"], me["tokens_per_s_per_user"]],
-                [pr["tput_per_device"], me["tput_per_device"]], ":", color="tab:red", lw=1)
-        ax.scatter([me["tokens_per_s_per_user"]], [me["tput_per_device"]], marker="*", s=110,
-                   color="tab:red", zorder=5, label="end to end" if i == 0 else None)
-        ax.annotate(f"{v['num_ctx']}ctx+{v['num_gen']}gen c{v['concurrency']}",
-                    (me["tokens_per_s_per_user"], me["tput_per_device"]),
-                    textcoords="offset points", xytext=(5, -10), fontsize=7, color="tab:red")
-    markers = "sDv^P"
-    colors = ("tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive")  # not the above
-    for i, (label, series) in enumerate(extra_series):
-        pts = sorted(series)
-        if pts:
-            xs, ys = zip(*pts, strict=True)
-            ax.plot(xs, ys, marker=markers[i % len(markers)], ls="--", lw=1,
-                    color=colors[i % len(colors)], label=label)
+    _draw_rate_matched(ax, result)
+    if result.get("aggregated"):
+        _draw_aggregated(ax, result["aggregated"])
+    _draw_verify(ax, result.get("verify") or [])
+    _draw_extra(ax, extra_series)
     cfg = result.get("config", {})
     ax.set_xlabel("tokens/s/user (1000 / mean TPOT ms)")
     ax.set_ylabel("output tokens/s per device")

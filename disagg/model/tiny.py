@@ -288,6 +288,84 @@ def _weights(cfg: dict[str, Any], arch: str, seed: int, suppressed_ids: list[int
     return {k: v.to(dtype).contiguous() for k, v in w.items()}
 
 
+def _check_shape(arch: str, dtype: str, sizes: dict[str, int]) -> int:
+    """Raise ValueError for arguments no checkpoint can have; returns ``head_dim``."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"arch: {arch!r} is not one of {sorted(ARCHITECTURES)}")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype: {dtype!r} is not one of float32, bfloat16, float16")
+    for name, value in sizes.items():
+        if value <= 0:
+            raise ValueError(f"{name}: must be > 0, got {value}")
+    hidden, heads, kv_heads = (sizes["hidden_size"], sizes["num_attention_heads"],
+                               sizes["num_key_value_heads"])
+    if hidden % heads:
+        raise ValueError(f"num_attention_heads: {heads} must divide hidden_size {hidden}")
+    if heads % kv_heads:
+        raise ValueError(f"num_key_value_heads: {kv_heads} must divide "
+                         f"num_attention_heads {heads}")
+    head_dim = hidden // heads
+    if head_dim % 2:
+        raise ValueError(f"hidden_size / num_attention_heads = {head_dim} must be even (RoPE)")
+    return head_dim
+
+
+def _model_config(arch: str, tok: Any, vocab_size: int, sizes: dict[str, int], head_dim: int,
+                  tie_word_embeddings: bool, rope_scaling: dict[str, Any] | None,
+                  rope_theta: float, dtype: str) -> dict[str, Any]:
+    """``config.json``: the Hugging Face config of ``arch`` with the tokenizer's special ids."""
+    cfg: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": vocab_size,
+        **{k: sizes[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                 "num_attention_heads", "num_key_value_heads")},
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": sizes["max_position_embeddings"],
+        "rms_norm_eps": 1e-5,
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": tie_word_embeddings,
+        "bos_token_id": tok.token_to_id(BOS_TOKEN),
+        "eos_token_id": [tok.token_to_id(EOS_TOKEN), tok.token_to_id(EOT_TOKEN)],
+        "pad_token_id": tok.token_to_id("<|pad|>"),
+        "torch_dtype": dtype,
+        "use_cache": True,
+    }
+    if arch == "llama":
+        cfg.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    elif arch == "mistral":
+        cfg["sliding_window"] = None  # full attention, like the engine
+    else:  # qwen2: q/k/v carry a bias; no sliding window
+        cfg.update(use_sliding_window=False, sliding_window=None,
+                   max_window_layers=sizes["num_hidden_layers"])
+    return cfg
+
+
+def _save(out_dir: str, cfg: dict[str, Any], tok: Any, weights: dict[str, Any]) -> None:
+    """The checkpoint's files into ``out_dir`` (created; files overwritten)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+
+    def dump(name: str, obj: Any) -> None:
+        with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, ensure_ascii=False)
+            f.write("\n")
+
+    dump("config.json", cfg)
+    dump("generation_config.json", {"bos_token_id": cfg["bos_token_id"],
+                                    "eos_token_id": cfg["eos_token_id"],
+                                    "pad_token_id": cfg["pad_token_id"]})
+    dump("tokenizer_config.json",
+         _tokenizer_config(tok, cfg["vocab_size"], cfg["max_position_embeddings"]))
+    tok.save(os.path.join(out_dir, "tokenizer.json"), pretty=True)
+    save_file(weights, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+
+
 def write_tiny_checkpoint(
     out_dir: str,
     arch: str = "llama",
@@ -310,81 +388,17 @@ def write_tiny_checkpoint(
     Returns ``out_dir``. The tokenizer has at most ``vocab_size`` tokens (the model's
     vocabulary is exactly ``vocab_size``; extra rows are padding).
     """
-    from safetensors.torch import save_file
-
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"arch: {arch!r} is not one of {sorted(ARCHITECTURES)}")
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"dtype: {dtype!r} is not one of float32, bfloat16, float16")
-    for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
-                        ("num_hidden_layers", num_hidden_layers),
-                        ("num_attention_heads", num_attention_heads),
-                        ("num_key_value_heads", num_key_value_heads),
-                        ("max_position_embeddings", max_position_embeddings)):
-        if value <= 0:
-            raise ValueError(f"{name}: must be > 0, got {value}")
-    if hidden_size % num_attention_heads:
-        raise ValueError(f"num_attention_heads: {num_attention_heads} must divide "
-                         f"hidden_size {hidden_size}")
-    if num_attention_heads % num_key_value_heads:
-        raise ValueError(f"num_key_value_heads: {num_key_value_heads} must divide "
-                         f"num_attention_heads {num_attention_heads}")
-    head_dim = hidden_size // num_attention_heads
-    if head_dim % 2:
-        raise ValueError(f"hidden_size / num_attention_heads = {head_dim} must be even (RoPE)")
-
+    sizes = {"hidden_size": hidden_size, "intermediate_size": intermediate_size,
+             "num_hidden_layers": num_hidden_layers, "num_attention_heads": num_attention_heads,
+             "num_key_value_heads": num_key_value_heads,
+             "max_position_embeddings": max_position_embeddings}
+    head_dim = _check_shape(arch, dtype, sizes)
     tok = build_tokenizer(vocab_size)
-    bos_id = tok.token_to_id(BOS_TOKEN)
-    eos_ids = [tok.token_to_id(EOS_TOKEN), tok.token_to_id(EOT_TOKEN)]
-    cfg: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[arch]],
-        "model_type": arch,
-        "vocab_size": vocab_size,
-        "hidden_size": hidden_size,
-        "intermediate_size": intermediate_size,
-        "num_hidden_layers": num_hidden_layers,
-        "num_attention_heads": num_attention_heads,
-        "num_key_value_heads": num_key_value_heads,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": max_position_embeddings,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": rope_theta,
-        "rope_scaling": rope_scaling,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "tie_word_embeddings": tie_word_embeddings,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_ids,
-        "pad_token_id": tok.token_to_id("<|pad|>"),
-        "torch_dtype": dtype,
-        "use_cache": True,
-    }
-    if arch == "llama":
-        cfg.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
-    elif arch == "mistral":
-        cfg["sliding_window"] = None  # full attention, like the engine
-    else:  # qwen2: q/k/v carry a bias; no sliding window
-        cfg.update(use_sliding_window=False, sliding_window=None,
-                   max_window_layers=num_hidden_layers)
-
+    cfg = _model_config(arch, tok, vocab_size, sizes, head_dim, tie_word_embeddings,
+                        rope_scaling, rope_theta, dtype)
     weights = _weights(cfg, arch, seed, _unreadable_ids(tok),
                        tok.get_vocab_size(with_added_tokens=True))
-
-    os.makedirs(out_dir, exist_ok=True)
-
-    def dump(name: str, obj: Any) -> None:
-        with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, ensure_ascii=False)
-            f.write("\n")
-
-    dump("config.json", cfg)
-    dump("generation_config.json", {"bos_token_id": bos_id, "eos_token_id": eos_ids,
-                                    "pad_token_id": cfg["pad_token_id"]})
-    dump("tokenizer_config.json",
-         _tokenizer_config(tok, vocab_size, max_position_embeddings))
-    tok.save(os.path.join(out_dir, "tokenizer.json"), pretty=True)
-    save_file(weights, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    _save(out_dir, cfg, tok, weights)
     return out_dir
 
 

@@ -1,0 +1,218 @@
+"""Child processes on this machine: start, find free ports, wait for /health, stop, reap.
+
+``disagg launch``, ``disagg bench rate-match --verify``, the scripts under ``bench/`` and the
+test fixtures all start ``disagg serve`` / ``disagg router`` children and wait for them; this
+module is the one place that does it. The contract:
+
+- ``spawn`` starts a child with stdin from /dev/null and stdout + stderr into a log file (the
+  parent closes its copy at once: the child holds its own descriptor). By default the child
+  gets its own session, so its process id is also its process group id: a terminal's Ctrl-C
+  reaches only the parent, which stops its children in its own order, and ``kill_group``
+  reaches whatever the child spawned (a worker's rank processes). ``die_with_parent`` asks
+  Linux to send the child SIGTERM when the thread that started it ends (the parent crashed or
+  was SIGKILLed): no orphaned workers. The child always starts with SIGINT and SIGTERM
+  unblocked, so a parent may block them around ``spawn`` (no stop signal between fork and
+  recording the child) without its children inheriting the mask.
+- ``free_ports(n)`` gives ``n`` distinct ports that were free a moment ago (bound together,
+  then released: another process may still take one before the child binds it);
+  ``port_free`` says whether one given address can be bound now.
+- ``http_status`` is one GET that never goes through a proxy from the environment (every
+  child is local) and answers None instead of raising when nothing answers;
+  ``wait_healthy`` polls ``/health`` until 200, raising ``NotHealthy`` when the child exits
+  first or the deadline passes. Every wait here is bounded.
+- ``stop`` / ``stop_all``: SIGTERM (the child drains and exits), a grace period, then SIGKILL to
+  the whole process group, then a wait of at most ``kill_wait_s`` (a SIGKILLed process is gone at
+  once unless stuck in the kernel: such a one is left, and its exit code stays None).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+HEALTH_TIMEOUT_S = 2.0  # one /health request
+KILL_WAIT_S = 5.0  # after SIGKILL
+STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
+_PR_SET_PDEATHSIG = 1
+# Local children only: never through an HTTP proxy from the environment.
+LOCAL_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class NotHealthy(RuntimeError):
+    """A child exited during start-up, or did not answer /health with 200 in time."""
+
+
+# -- start --------------------------------------------------------------------------------------
+
+
+def _preexec(die_with_parent: bool, cpus: frozenset[int] | None) -> Callable[[], None]:
+    def run() -> None:  # in the child, between fork and exec: system calls only
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        if die_with_parent:  # Linux only; harmless elsewhere
+            with contextlib.suppress(Exception):
+                ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if cpus is not None:  # before exec: every thread the child makes stays there
+            os.sched_setaffinity(0, cpus)
+
+    return run
+
+
+def spawn(cmd: Sequence[str], log_path: str | Path, *, env: Mapping[str, str] | None = None,
+          cwd: str | Path | None = None, header: bool = False, new_session: bool = True,
+          die_with_parent: bool = False, cpus: set[int] | None = None
+          ) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` with its output in ``log_path`` (created or truncated; ``header``: the
+    command line first, as ``$ cmd``). ``env``: the child's whole environment (None: this
+    one's); ``cpus``: pin the child to those cores. See the module docstring for the rest."""
+    with open(log_path, "wb") as log:
+        if header:
+            log.write(f"$ {' '.join(cmd)}\n".encode())
+            log.flush()
+        need_preexec = die_with_parent or cpus is not None
+        return subprocess.Popen(
+            list(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=None if env is None else dict(env), cwd=cwd, start_new_session=new_session,
+            preexec_fn=(_preexec(die_with_parent, None if cpus is None else frozenset(cpus))
+                        if need_preexec else None))
+
+
+# -- ports --------------------------------------------------------------------------------------
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct free ports on ``host`` (held open together so that none repeats)."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    return free_ports(1, host)[0]
+
+
+def port_free(host: str, port: int) -> bool:
+    """Can ``host:port`` be bound now? (A clear error beats a worker's bind traceback.)"""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return True  # the child will say what is wrong with the name
+    family, _, _, _, sockaddr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        # uvicorn sets SO_REUSEADDR too: TIME_WAIT leftovers do not count as in use.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(sockaddr)
+        except OSError as e:
+            return e.errno != errno.EADDRINUSE
+    return True
+
+
+# -- health -------------------------------------------------------------------------------------
+
+
+def http_status(url: str, timeout: float = HEALTH_TIMEOUT_S) -> int | None:
+    """HTTP status of GET ``url``, or None when nothing answers."""
+    try:
+        with LOCAL_HTTP.open(url, timeout=timeout) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except (OSError, ValueError):  # refused, reset, timeout
+        return None
+
+
+def health_ok(base_url: str) -> bool:
+    return http_status(base_url + "/health") == 200
+
+
+def wait_healthy(base_url: str, timeout: float, *, proc: subprocess.Popen | None = None,
+                 interval: float = 0.1, what: str = "the child") -> None:
+    """Poll ``base_url``/health until it answers 200. NotHealthy when ``proc`` (the child
+    behind it, if given) exits first or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while not health_ok(base_url):
+        if proc is not None and proc.poll() is not None:
+            raise NotHealthy(f"{what} exited with code {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise NotHealthy(f"{what} not healthy in {timeout:g} s")
+        time.sleep(interval)  # start-up polling, bounded by the deadline
+
+
+def log_tail(path: str | Path, lines: int = 30) -> str:
+    """The last ``lines`` lines of a child's log, for an error message."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))  # enough for the tail of any sane log
+            text = f.read().decode(errors="replace")
+    except OSError as e:
+        return f"(cannot read {path}: {e.strerror or e})"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+# -- stop ---------------------------------------------------------------------------------------
+
+
+def terminate(proc: subprocess.Popen) -> bool:
+    """SIGTERM ``proc`` if it is still running; whether it was."""
+    if proc.poll() is not None:
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    return True
+
+
+def kill_group(proc: subprocess.Popen, kill_wait_s: float = KILL_WAIT_S) -> bool:
+    """SIGKILL ``proc``'s process group (a child started in its own session: whatever it
+    spawned too; otherwise ``proc`` alone) and reap it within ``kill_wait_s``; whether it was
+    reaped. Called for an exited child as well: its group may outlive it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # no such group: not a group leader
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+    try:
+        proc.wait(timeout=kill_wait_s)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
+
+
+def stop_all(procs: Sequence[subprocess.Popen], grace_s: float = 30.0,
+             kill_wait_s: float = KILL_WAIT_S) -> list[int | None]:
+    """SIGTERM every running one (in the order given), wait until all exit or ``grace_s``
+    passes, SIGKILL each one's group and reap it. Returns the exit codes (None: not reaped,
+    stuck in the kernel). Bounded: ``grace_s`` plus ``kill_wait_s`` per child at most."""
+    for proc in procs:
+        terminate(proc)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        kill_group(proc, kill_wait_s)
+    return [proc.returncode for proc in procs]
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 30.0, kill_wait_s: float = KILL_WAIT_S
+         ) -> int | None:
+    """``stop_all`` for one child."""
+    return stop_all([proc], grace_s, kill_wait_s)[0]
