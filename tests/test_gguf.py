@@ -75,6 +75,53 @@ def ref_dequantize(raw: np.ndarray, qtype: QT, shape: tuple[int, ...]) -> np.nda
     return out.reshape(shape)
 
 
+def _k_scale_min(scales: np.ndarray, j: int) -> tuple[int, int]:
+    """Q4_K / Q5_K: the 6-bit scale and minimum of sub-block j from the 12 packed bytes."""
+    q = [int(v) for v in scales]
+    if j < 4:
+        return q[j] & 63, q[j + 4] & 63
+    return (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4)
+
+
+def ref_dequantize_k(raw: np.ndarray, qtype: QT, shape: tuple[int, ...]) -> np.ndarray:
+    """The K-quants, element by element as ggml's dequantize_row_q{4,5,6}_K loops go."""
+    size = {QT.Q4_K: 144, QT.Q5_K: 176, QT.Q6_K: 210}[qtype]
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, size)
+    out = np.empty((blocks.shape[0], 256), dtype=np.float32)
+    for b, blk in enumerate(blocks):
+        y = out[b]
+        if qtype == QT.Q6_K:  # ql[128], qh[64], int8 scales[16], f16 d
+            ql, qh = blk[0:128], blk[128:192]
+            sc = blk[192:208].view(np.int8)
+            d = _f16(blk[208:210])[0]
+            for n in range(2):  # two halves of 128
+                for lane in range(32):
+                    s = n * 8 + lane // 16
+                    h = int(qh[n * 32 + lane])
+                    a, c = int(ql[n * 64 + lane]), int(ql[n * 64 + lane + 32])
+                    q = [(a & 0xF) | ((h & 3) << 4), (c & 0xF) | (((h >> 2) & 3) << 4),
+                         (a >> 4) | (((h >> 4) & 3) << 4), (c >> 4) | (((h >> 6) & 3) << 4)]
+                    for k in range(4):
+                        y[n * 128 + lane + 32 * k] = (d * np.float32(sc[s + 2 * k])
+                                                      * np.float32(q[k] - 32))
+            continue
+        # Q4_K / Q5_K: f16 d, f16 dmin, scales[12], (Q5_K: qh[32]), qs[128]
+        d, dmin = _f16(blk[0:2])[0], _f16(blk[2:4])[0]
+        scales = blk[4:16]
+        qh = blk[16:48] if qtype == QT.Q5_K else None
+        qs = blk[48:176] if qtype == QT.Q5_K else blk[16:144]
+        for g in range(4):  # 64 elements: sub-blocks 2g (low nibbles), 2g+1 (high nibbles)
+            for half in range(2):
+                sc, m = _k_scale_min(scales, 2 * g + half)
+                d1, m1 = d * np.float32(sc), dmin * np.float32(m)
+                for lane in range(32):
+                    q = (int(qs[32 * g + lane]) >> (4 * half)) & 0xF
+                    if qh is not None and (int(qh[lane]) >> (2 * g + half)) & 1:
+                        q += 16
+                    y[64 * g + 32 * half + lane] = d1 * np.float32(q) - m1
+    return out.reshape(shape)
+
+
 def error_bound(raw: np.ndarray, qtype: QT, original: np.ndarray) -> np.ndarray:
     """Per-element bound on |original - dequantized| implied by the format: the rounding step
     (half a scale, a whole one where the most negative level is clipped), plus the f16 rounding
@@ -276,6 +323,30 @@ def test_imported_tensors_equal_decoded_originals(tiny_gguf: dict[str, Any]) -> 
     assert seen_types >= set(LINEAR_TYPES) | {QT.F32}
 
 
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda t: t.name)
+def test_k_quants_match_independent_decoder(qtype: QT, tmp_path: Path) -> None:
+    # gguf has no K-quant quantizer: random blocks with sane f16 scales stand in for one
+    size = {QT.Q4_K: 144, QT.Q5_K: 176, QT.Q6_K: 210}[qtype]
+    rng = np.random.default_rng(int(qtype))
+    raw = rng.integers(0, 256, (2, 3, size), dtype=np.uint8)  # 2 rows of 3 x 256 values
+    scale = rng.uniform(1e-3, 1e-1, (2, 3, 2)).astype(np.float16).view(np.uint8)
+    if qtype == QT.Q6_K:
+        raw[..., 208:210] = scale[..., :2]
+    else:
+        raw[..., 0:4] = scale  # d and dmin
+    raw = raw.reshape(2, 3 * size)
+    w = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
+    w.add_tensor("x", raw, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    t = gguf.GGUFReader(str(tmp_path / "k.gguf")).tensors[0]
+    got = imp.dequantize(t.data, t.tensor_type.name, (2, 768))
+    np.testing.assert_array_equal(got, ref_dequantize_k(raw, qtype, (2, 768)))
+    assert np.isfinite(got).all() and np.unique(got).size > 100
+
+
 # -- (b) the q/k permutation -------------------------------------------------------------------
 
 
@@ -453,15 +524,15 @@ def test_pre_tokenizer_follows_gguf_pre(tiny_gguf: dict[str, Any]) -> None:
 def test_unsupported_quant_type_names_tensor(tiny_gguf: dict[str, Any], tmp_path: Path) -> None:
     weights, tok = tiny_gguf["weights"], tiny_gguf["tok"]
     path = tmp_path / "k.gguf"
-    q4k = np.random.default_rng(0).integers(0, 255, (64 * 2, 144), dtype=np.uint8)
-    q4k[:, :4] = 0  # zero scales: a finite tensor whatever the rest
+    # IQ4_NL: a type gguf can decode but the importer does not take (blocks of 32, 18 bytes)
+    iq4 = np.zeros((128, 2 * 18), dtype=np.uint8)
     types = dict.fromkeys(weights, QT.F32)
     w = {k: v for k, v in weights.items() if k != "model.layers.0.mlp.up_proj.weight"}
-    write_gguf(path, w, tok, types=types, extra_tensors={"blk.0.ffn_up.weight": (q4k, QT.Q4_K)})
+    write_gguf(path, w, tok, types=types, extra_tensors={"blk.0.ffn_up.weight": (iq4, QT.IQ4_NL)})
     with pytest.raises(imp.GGUFError) as e:
         imp.import_gguf(str(path), str(tmp_path / "out"))
     msg = str(e.value)
-    assert str(path) in msg and "'blk.0.ffn_up.weight'" in msg and "Q4_K" in msg, msg
+    assert str(path) in msg and "'blk.0.ffn_up.weight'" in msg and "IQ4_NL" in msg, msg
     assert "Q4_1" in msg  # lists what is supported
 
 

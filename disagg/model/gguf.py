@@ -55,6 +55,10 @@ SUPPORTED_TYPES = {
     "Q4_1": "4-bit, blocks of 32, f16 scale and f16 minimum",
     "Q5_0": "5-bit, blocks of 32, one f16 scale, offset -16",
     "Q5_1": "5-bit, blocks of 32, f16 scale and f16 minimum",
+    # K-quants (rows must be a multiple of 256 long): the Q4_K_M / Q5_K_M / Q6_K files
+    "Q4_K": "4-bit, super-blocks of 256 = 8 x 32 with 6-bit scales and minimums",
+    "Q5_K": "5-bit, super-blocks of 256 = 8 x 32 with 6-bit scales and minimums",
+    "Q6_K": "6-bit, super-blocks of 256 = 16 x 16 with 8-bit scales",
 }
 
 SUPPORTED_ARCHITECTURES = ("llama",)
