@@ -345,6 +345,13 @@ def test_k_quants_match_independent_decoder(qtype: QT, tmp_path: Path) -> None:
     got = imp.dequantize(t.data, t.tensor_type.name, (2, 768))
     np.testing.assert_array_equal(got, ref_dequantize_k(raw, qtype, (2, 768)))
     assert np.isfinite(got).all() and np.unique(got).size > 100
+    try:  # and transformers' own GGUF dequantizer (private module: skipped if it moves)
+        import torch
+        from transformers.integrations.gguf.dequant import dequantize as hf_dequantize
+    except ImportError:
+        return
+    theirs = hf_dequantize(torch.from_numpy(raw.copy()), int(qtype)).numpy().reshape(2, 768)
+    np.testing.assert_array_equal(got, theirs)
 
 
 # -- (b) the q/k permutation -------------------------------------------------------------------
@@ -561,6 +568,8 @@ def test_bad_files_through_config_and_cli(tmp_path: Path, monkeypatch: pytest.Mo
     bad.write_bytes(b"not a gguf at all" * 10)
     with pytest.raises(ConfigError, match="bad.gguf: not a readable GGUF file"):
         build_engine_config(str(bad))
+    with pytest.raises(ConfigError, match="missing.gguf: GGUF file not found"):
+        build_engine_config(str(tmp_path / "missing.gguf"))
     assert main(["model", "import", str(bad), str(tmp_path / "out")]) == 1
     assert "bad.gguf: not a readable GGUF file" in capsys.readouterr().err
     assert main(["model", "import", str(tmp_path / "missing.gguf"), str(tmp_path / "o")]) == 1

@@ -606,8 +606,10 @@ def cached_import_dir(path: str) -> str:
 def resolve_model_dir(path: str) -> str:
     """``path`` itself unless it names a ``.gguf`` file; a GGUF is imported once into the cache
     (``cached_import_dir``) and that folder is returned."""
-    if not (str(path).lower().endswith(".gguf") and os.path.isfile(path)):
+    if not str(path).lower().endswith(".gguf") or os.path.isdir(path):
         return path
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: GGUF file not found")
     return import_into(path, cached_import_dir(path))
 
 
