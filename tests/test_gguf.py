@@ -423,6 +423,12 @@ def test_greedy_tokens_match_transformers_gguf(tie: bool, tmp_path: Path,
     for name, value in imported.items():
         np.testing.assert_array_equal(state[name].numpy(), value, err_msg=name)
     assert llm.engine.config.model_dir.startswith(str(tmp_path / "cache" / "gguf"))
+    # transformers loads the imported folder itself to the same model
+    folder = transformers.AutoModelForCausalLM.from_pretrained(llm.engine.config.model_dir,
+                                                               dtype=torch.float32)
+    assert folder.config.tie_word_embeddings == tie
+    for name, value in folder.state_dict().items():
+        assert torch.equal(value, state[name]), name
     compared = 0
     for prompt in PROMPTS:
         ids = hf_tok(prompt).input_ids
