@@ -527,6 +527,20 @@ def test_pre_tokenizer_follows_gguf_pre(tiny_gguf: dict[str, Any]) -> None:
     plain, _ = imp.build_tokenizer({**meta, "tokenizer.ggml.pre": "gpt2"})
     assert split_digits.encode("12").ids == [1, 2]  # smollm: digits one by one
     assert plain.encode("12").ids == [3]
+    # the Llama 3 family: a whole-vocabulary word skips the merges; BOS on by default
+    meta3 = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.merges": ["a b"],
+             "tokenizer.ggml.tokens": ["a", "b", "c", "ab", "abc", "<|bos|>"],
+             "tokenizer.ggml.token_type": [1, 1, 1, 1, 1, imp.TOKEN_CONTROL],
+             "tokenizer.ggml.bos_token_id": 5}
+    llama3, cfg3 = imp.build_tokenizer({**meta3, "tokenizer.ggml.pre": "llama-bpe"})
+    gpt2, cfg2 = imp.build_tokenizer({**meta3, "tokenizer.ggml.pre": "gpt2"})
+    assert llama3.encode("abc", add_special_tokens=False).ids == [4]
+    assert gpt2.encode("abc", add_special_tokens=False).ids == [3, 2]
+    assert cfg3["add_bos_token"] is True and llama3.encode("abc").ids == [5, 4]
+    assert cfg2["add_bos_token"] is False and cfg2["bos_token"] == "<|bos|>"
+    _, cfg = imp.build_tokenizer({**meta3, "tokenizer.ggml.pre": "llama-bpe",
+                                  "tokenizer.ggml.add_bos_token": False})
+    assert cfg["add_bos_token"] is False
     with pytest.raises(imp.GGUFError, match="tokenizer.ggml.pre = 'mystery'"):
         imp.build_tokenizer({**meta, "tokenizer.ggml.pre": "mystery"})
 

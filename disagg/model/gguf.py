@@ -83,12 +83,14 @@ _PRE_SPLITS: dict[str, tuple[str, ...]] = {
     **{name: (r"\p{N}", _GPT2_SPLIT) for name in (
         "smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")},
     **{name: (_LLAMA3_SPLIT,) for name in (
-        "llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe")},
+        "llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+        "dbrx", "smaug-bpe")},
     **{name: (_QWEN2_SPLIT,) for name in ("qwen2", "deepseek-r1-qwen", "megrez")},
 }
-# llama.cpp ignores the merges for whole-vocabulary words with these (as HF's Llama 3 does).
-_IGNORE_MERGES_PRE = {"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx",
-                      "smaug-bpe"}
+# llama.cpp's Llama 3 family: whole-vocabulary words skip the merges (as HF's Llama 3 does)
+# and BOS is added unless tokenizer.ggml.add_bos_token says otherwise.
+_LLAMA3_PRE = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
+               "lfm2"}
 
 # GGUF tensor name (after "blk.N.") -> HF Llama name (after "model.layers.N.")
 _LAYER_TENSORS = {
@@ -416,12 +418,12 @@ def build_tokenizer(meta: dict[str, Any], path: str = "?") -> tuple[Any, dict[st
     for i, (tok, ty) in enumerate(zip(tokens, types, strict=True)):
         if ty not in (TOKEN_CONTROL, TOKEN_USER_DEFINED) and not set(tok) <= spelled:
             tok = "".join(alphabet[b] for b in tok.encode("utf-8"))
-        vocab.setdefault(tok, i)  # a duplicate keeps its first id, like llama.cpp's lookup
+        vocab[tok] = i  # a duplicate keeps its last id, as llama.cpp's token_to_id map does
 
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None,
                                continuing_subword_prefix="", end_of_word_suffix="",
                                fuse_unk=False, byte_fallback=False,
-                               ignore_merges=pre in _IGNORE_MERGES_PRE))
+                               ignore_merges=pre in _LLAMA3_PRE))
     splits = _PRE_SPLITS[pre]
     if splits[-1] == _GPT2_SPLIT:  # ByteLevel applies GPT-2's regex itself
         steps = [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits[:-1]]
@@ -448,7 +450,8 @@ def build_tokenizer(meta: dict[str, Any], path: str = "?") -> tuple[Any, dict[st
         return tokens[int(i)]
 
     bos, eos = token_of("bos_token_id"), token_of("eos_token_id")
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", pre in _LLAMA3_PRE)) and (
+        bos is not None)
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
     if add_bos or add_eos:
         single = " ".join([f"{bos}:0"] * add_bos + ["$A:0"] + [f"{eos}:0"] * add_eos)
