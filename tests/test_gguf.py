@@ -605,6 +605,9 @@ def test_cli_import(tiny_gguf: dict[str, Any], tmp_path: Path,
     assert imp.is_complete(str(out))
     assert main(["model", "import", str(tiny_gguf["path"]), str(out)]) == 1  # not empty
     assert "--force" in capsys.readouterr().err
+    (out / "model.safetensors.index.json").write_text("{}")  # from an older checkpoint
+    assert main(["model", "import", str(tiny_gguf["path"]), str(out), "--force"]) == 0
+    assert not (out / "model.safetensors.index.json").exists()
 
 
 def test_fetch_reports_pip_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

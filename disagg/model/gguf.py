@@ -515,6 +515,10 @@ def import_gguf(path: str, out_dir: str) -> str:
     del reader  # closes the memory map; the arrays above are copies
 
     os.makedirs(out_dir, exist_ok=True)
+    # Files an older checkpoint in out_dir may hold that loaders would prefer to ours.
+    for stale in ("model.safetensors.index.json", "chat_template.jinja", "chat_template.json"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(out_dir, stale))
 
     def dump(name: str, obj: Any) -> None:
         with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
