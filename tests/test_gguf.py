@@ -545,6 +545,59 @@ def test_pre_tokenizer_follows_gguf_pre(tiny_gguf: dict[str, Any]) -> None:
         imp.build_tokenizer({**meta, "tokenizer.ggml.pre": "mystery"})
 
 
+def write_spm_gguf(path: Path) -> None:
+    """A sentencepiece-style vocabulary (tokenizer.ggml.model = llama: "\u2581" for spaces,
+    <0xXX> byte tokens, scores, no merges) trained here on the tiny corpus."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from disagg.model.tiny import _corpus_lines
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    bpe.train_from_iterator(_corpus_lines(), trainers.BpeTrainer(
+        vocab_size=600, min_frequency=2, show_progress=False))
+    merged = json.loads(bpe.to_str())["model"]
+    rank = {(a + b if isinstance(m, list) else "".join(m.split(" "))): r
+            for r, m in enumerate(merged["merges"]) for a, b in [m if isinstance(m, list)
+                                                                 else m.split(" ")]}
+    learned = sorted(merged["vocab"], key=merged["vocab"].get)
+    tokens = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], *learned]
+    types = [2, 3, 3, *[imp.TOKEN_BYTE] * 256, *[imp.TOKEN_NORMAL] * len(learned)]
+    # llama.cpp-style scores: a merged piece scores by its merge rank, single characters last
+    scores = [0.0] * 259 + [-float(rank.get(t, 1e6)) for t in learned]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_sentencepiece_tokenizer_matches_transformers_gguf(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+
+    from disagg.tokenizer import Tokenizer
+
+    path = tmp_path / "spm.gguf"
+    write_spm_gguf(path)
+    backend, cfg = imp.build_tokenizer(imp.read_metadata(gguf.GGUFReader(str(path))), str(path))
+    ours = Tokenizer(backend, cfg)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    strings = tokenizer_strings()
+    assert assert_same_tokenizer(ours, theirs, strings) >= 300
+    assert ours.encode("Hello world")[0] == 1  # BOS by default for sentencepiece files
+    text = "two  spaces, é 😀 \u4e2d"  # byte fallback for characters the vocabulary lacks
+    assert ours.decode(ours.encode(text)) == text == theirs.decode(
+        theirs(text).input_ids, skip_special_tokens=True)
+    assert any(t.startswith("<0x") for t in map(ours.id_to_token, ours.encode(text)))
+
+
 # -- (e) bad input -----------------------------------------------------------------------------
 
 
@@ -573,8 +626,8 @@ def test_unsupported_architecture_and_tokenizer(tiny_gguf: dict[str, Any],
     assert str(path) in str(e.value)
     path = tmp_path / "spm.gguf"
     write_gguf(path, tiny_gguf["weights"], tiny_gguf["tok"], types=types,
-               tokenizer_model="llama")
-    with pytest.raises(imp.GGUFError, match=r"tokenizer.ggml.model = 'llama'"):
+               tokenizer_model="bert")
+    with pytest.raises(imp.GGUFError, match=r"tokenizer.ggml.model = 'bert'"):
         imp.import_gguf(str(path), str(tmp_path / "out2"))
 
 

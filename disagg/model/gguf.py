@@ -9,9 +9,10 @@ writes ``config.json``, ``generation_config.json``, ``model.safetensors`` (float
 2. tensors: each is dequantized to float32 (``gguf.quants.dequantize``; types in
    ``SUPPORTED_TYPES``), renamed to the HF Llama name, and ``attn_q`` / ``attn_k`` get
    llama.cpp's rotary row permutation undone (``unpermute_rotary_rows``);
-3. tokenizer: ``tokenizer.ggml.*`` (a byte-level BPE, ``tokenizer.ggml.model == "gpt2"``)
-   becomes a ``tokenizers`` BPE with the pre-tokenizer llama.cpp uses for
-   ``tokenizer.ggml.pre``; control / user-defined tokens become added tokens; the chat
+3. tokenizer: ``tokenizer.ggml.*`` becomes a ``tokenizers`` BPE: byte-level
+   (``tokenizer.ggml.model == "gpt2"``) with the pre-tokenizer llama.cpp uses for
+   ``tokenizer.ggml.pre``, or sentencepiece-style (``"llama"``: byte fallback, ``▁`` spaces,
+   merges from the scores); control / user-defined tokens become added tokens; the chat
    template comes from ``tokenizer.chat_template``.
 
 ``resolve_model_dir(path)`` is the one entry point ``build_engine_config`` calls: a folder is
@@ -376,34 +377,26 @@ def _byte_alphabet() -> dict[int, str]:
     return out
 
 
-def build_tokenizer(meta: dict[str, Any], path: str = "?") -> tuple[Any, dict[str, Any]]:
-    """``(tokenizers.Tokenizer, tokenizer_config dict)`` from ``tokenizer.*`` metadata."""
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-    )
-
-    model = _need(meta, "tokenizer.ggml.model", path)
-    if model != "gpt2":
-        raise GGUFError(f"{path}: tokenizer.ggml.model = {model!r} is not supported (supported: "
-                        f"'gpt2', byte-level BPE)")
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in _PRE_SPLITS:
-        raise GGUFError(f"{path}: tokenizer.ggml.pre = {pre!r} is not supported (supported: "
-                        f"{', '.join(sorted(_PRE_SPLITS))})")
+def _token_list(meta: dict[str, Any], path: str) -> tuple[list[str], list[int]]:
     tokens: list[str] = list(_need(meta, "tokenizer.ggml.tokens", path))
     types = list(meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens))
     if len(types) != len(tokens):
         raise GGUFError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for "
                         f"{len(tokens)} tokens")
-    merges_raw = _need(meta, "tokenizer.ggml.merges", path)
+    return tokens, [int(t) for t in types]
+
+
+def _byte_level_bpe(meta: dict[str, Any], path: str) -> tuple[Any, dict[str, int], bool]:
+    """``tokenizer.ggml.model = gpt2``: (backend, vocab, BOS by default)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in _PRE_SPLITS:
+        raise GGUFError(f"{path}: tokenizer.ggml.pre = {pre!r} is not supported (supported: "
+                        f"{', '.join(sorted(_PRE_SPLITS))})")
+    tokens, types = _token_list(meta, path)
     merges = []
-    for m in merges_raw:
+    for m in _need(meta, "tokenizer.ggml.merges", path):
         parts = m.split(" ")
         if len(parts) != 2:
             raise GGUFError(f"{path}: tokenizer.ggml.merges: {m!r} is not two tokens")
@@ -420,10 +413,10 @@ def build_tokenizer(meta: dict[str, Any], path: str = "?") -> tuple[Any, dict[st
             tok = "".join(alphabet[b] for b in tok.encode("utf-8"))
         vocab[tok] = i  # a duplicate keeps its last id, as llama.cpp's token_to_id map does
 
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None,
-                               continuing_subword_prefix="", end_of_word_suffix="",
-                               fuse_unk=False, byte_fallback=False,
-                               ignore_merges=pre in _LLAMA3_PRE))
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None,
+                                   continuing_subword_prefix="", end_of_word_suffix="",
+                                   fuse_unk=False, byte_fallback=False,
+                                   ignore_merges=pre in _LLAMA3_PRE))
     splits = _PRE_SPLITS[pre]
     if splits[-1] == _GPT2_SPLIT:  # ByteLevel applies GPT-2's regex itself
         steps = [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits[:-1]]
@@ -431,8 +424,70 @@ def build_tokenizer(meta: dict[str, Any], path: str = "?") -> tuple[Any, dict[st
     else:
         steps = [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
         steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
-    tok.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
-    tok.decoder = decoders.ByteLevel()
+    backend.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
+    backend.decoder = decoders.ByteLevel()
+    return backend, vocab, pre in _LLAMA3_PRE
+
+
+def merges_from_scores(vocab: dict[str, int], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges equivalent to a sentencepiece-BPE vocabulary with scores (llama.cpp merges
+    the adjacent pair whose joined token scores highest): every split of a token into two
+    vocabulary tokens is a merge, ranked by that token's score, best first. Equal scores:
+    longer left, then longer right part first, then vocabulary order (as transformers)."""
+    found: list[tuple[float, int, int, str, str]] = []
+    for token, i in vocab.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                found.append((-scores[i], -len(left), -len(right), left, right))
+    found.sort(key=lambda f: f[:3])  # stable: ties keep vocabulary order
+    return [(f[3], f[4]) for f in found]
+
+
+def _sentencepiece_bpe(meta: dict[str, Any], path: str) -> tuple[Any, dict[str, int], bool]:
+    """``tokenizer.ggml.model = llama`` (sentencepiece BPE with byte fallback, as Llama 2 /
+    Mistral / TinyLlama): (backend, vocab, BOS by default)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tokens, _ = _token_list(meta, path)
+    scores = list(meta.get("tokenizer.ggml.scores") or [])
+    if len(scores) != len(tokens):
+        raise GGUFError(f"{path}: tokenizer.ggml.scores has {len(scores)} entries for "
+                        f"{len(tokens)} tokens")
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab[tok] = i
+    if "tokenizer.ggml.merges" in meta:
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    else:
+        merges = merges_from_scores(vocab, [float(x) for x in scores])
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(tokens) else None
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, unk_token=unk,
+                                   fuse_unk=True, byte_fallback=True))
+    # Spaces become "▁"; one is prepended to the text (not after special tokens) unless the
+    # file says add_space_prefix = false.
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first" if prefix else "never", split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        steps.append(decoders.Strip(content=" ", left=1))
+    backend.decoder = decoders.Sequence(steps)
+    return backend, vocab, True  # llama.cpp adds BOS to these unless the file says not to
+
+
+def build_tokenizer(meta: dict[str, Any], path: str = "?") -> tuple[Any, dict[str, Any]]:
+    """``(tokenizers.Tokenizer, tokenizer_config dict)`` from ``tokenizer.*`` metadata."""
+    from tokenizers import AddedToken, processors
+
+    model = _need(meta, "tokenizer.ggml.model", path)
+    builders = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
+    if model not in builders:
+        raise GGUFError(f"{path}: tokenizer.ggml.model = {model!r} is not supported (supported: "
+                        f"'gpt2' byte-level BPE, 'llama' sentencepiece BPE)")
+    tok, vocab, bos_default = builders[model](meta, path)
+    tokens, types = _token_list(meta, path)
 
     added = [AddedToken(t, special=ty == TOKEN_CONTROL, normalized=False)
              for t, ty in zip(tokens, types, strict=True)
@@ -450,8 +505,7 @@ def build_tokenizer(meta: dict[str, Any], path: str = "?") -> tuple[Any, dict[st
         return tokens[int(i)]
 
     bos, eos = token_of("bos_token_id"), token_of("eos_token_id")
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", pre in _LLAMA3_PRE)) and (
-        bos is not None)
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", bos_default)) and bos is not None
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
     if add_bos or add_eos:
         single = " ".join([f"{bos}:0"] * add_bos + ["$A:0"] + [f"{eos}:0"] * add_eos)
