@@ -177,22 +177,26 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end
                  "\n\n{% endif %}")
 
 
-def hf_checkpoint(out: Path, tie: bool) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def hf_checkpoint(out: Path, tie: bool,
+                  vocab_size: int = 512) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     from safetensors.numpy import load_file
 
     from disagg.model.tiny import write_tiny_checkpoint
 
-    write_tiny_checkpoint(str(out), tie_word_embeddings=tie, seed=3, **TINY)
+    write_tiny_checkpoint(str(out), tie_word_embeddings=tie, seed=3,
+                          **{**TINY, "vocab_size": vocab_size})
     weights = load_file(str(out / "model.safetensors"))
     tok = json.loads((out / "tokenizer.json").read_text())
     return weights, tok
 
 
-def write_gguf(path: Path, weights: dict[str, np.ndarray], tok: dict[str, Any], *,
+def write_gguf(path: Path, weights: dict[str, np.ndarray], tok: dict[str, Any] | None, *,
                types: dict[str, QT] | None = None, arch: str = "llama", pre: str = "gpt2",
                add_bos: bool = True, tokenizer_model: str = "gpt2",
-               extra_tensors: dict[str, tuple[np.ndarray, QT]] | None = None) -> dict[str, Any]:
-    """Write a llama GGUF of the HF ``weights``; return {gguf name: (raw, qtype, HF values)}."""
+               extra_tensors: dict[str, tuple[np.ndarray, QT]] | None = None,
+               vocab_writer: Any = None) -> dict[str, Any]:
+    """Write a llama GGUF of the HF ``weights``; return {gguf name: (raw, qtype, HF values)}.
+    The vocabulary is ``tok`` (a tokenizer.json) unless ``vocab_writer(writer)`` writes one."""
     c = TINY
     heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
     w = gguf.GGUFWriter(str(path), arch)
@@ -205,27 +209,13 @@ def write_gguf(path: Path, weights: dict[str, np.ndarray], tok: dict[str, Any], 
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(c["hidden_size"] // heads)
-    w.add_vocab_size(c["vocab_size"])
-    vocab = tok["model"]["vocab"]
-    added = {t["id"]: t["content"] for t in tok["added_tokens"]}
-    tokens = [""] * c["vocab_size"]
-    token_types = [imp.TOKEN_NORMAL] * c["vocab_size"]
-    for t, i in vocab.items():
-        tokens[i] = t
-    for i, t in added.items():
-        tokens[i], token_types[i] = t, imp.TOKEN_CONTROL
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
-    w.add_tokenizer_model(tokenizer_model)
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(token_types)
-    w.add_token_merges(merges)
-    inv = {t: i for i, t in added.items()}
-    w.add_bos_token_id(inv["<|begin_of_text|>"])
-    w.add_eos_token_id(inv["<|eot_id|>"])
-    w.add_pad_token_id(inv["<|pad|>"])
-    w.add_add_bos_token(add_bos)
+    w.add_vocab_size(weights["model.embed_tokens.weight"].shape[0])
     w.add_chat_template(CHAT_TEMPLATE)
+    if vocab_writer is None:
+        assert tok is not None
+        _add_byte_level_vocab(w, tok, pre, add_bos, tokenizer_model)
+    else:
+        vocab_writer(w)
 
     names = {v: k for k, v in imp._GLOBAL_TENSORS.items()}
     for i in range(c["num_hidden_layers"]):
@@ -258,6 +248,30 @@ def write_gguf(path: Path, weights: dict[str, np.ndarray], tok: dict[str, Any], 
     w.write_tensors_to_file()
     w.close()
     return written
+
+
+def _add_byte_level_vocab(w: Any, tok: dict[str, Any], pre: str, add_bos: bool,
+                          tokenizer_model: str) -> None:
+    """The tiny checkpoint's byte-level BPE (tokenizer.json) as tokenizer.ggml.* keys."""
+    n = len(tok["model"]["vocab"]) + len(tok["added_tokens"])
+    added = {t["id"]: t["content"] for t in tok["added_tokens"]}
+    tokens = [""] * n
+    token_types = [imp.TOKEN_NORMAL] * n
+    for t, i in tok["model"]["vocab"].items():
+        tokens[i] = t
+    for i, t in added.items():
+        tokens[i], token_types[i] = t, imp.TOKEN_CONTROL
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w.add_tokenizer_model(tokenizer_model)
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(token_types)
+    w.add_token_merges(merges)
+    inv = {t: i for i, t in added.items()}
+    w.add_bos_token_id(inv["<|begin_of_text|>"])
+    w.add_eos_token_id(inv["<|eot_id|>"])
+    w.add_pad_token_id(inv["<|pad|>"])
+    w.add_add_bos_token(add_bos)
 
 
 @pytest.fixture(scope="module")
@@ -545,9 +559,10 @@ def test_pre_tokenizer_follows_gguf_pre(tiny_gguf: dict[str, Any]) -> None:
         imp.build_tokenizer({**meta, "tokenizer.ggml.pre": "mystery"})
 
 
-def write_spm_gguf(path: Path) -> None:
+def spm_vocab() -> tuple[list[str], list[float], list[int]]:
     """A sentencepiece-style vocabulary (tokenizer.ggml.model = llama: "\u2581" for spaces,
-    <0xXX> byte tokens, scores, no merges) trained here on the tiny corpus."""
+    <0xXX> byte tokens, scores, no merges) trained here on the tiny corpus: (tokens, scores,
+    token types)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     from disagg.model.tiny import _corpus_lines
@@ -557,15 +572,18 @@ def write_spm_gguf(path: Path) -> None:
     bpe.train_from_iterator(_corpus_lines(), trainers.BpeTrainer(
         vocab_size=600, min_frequency=2, show_progress=False))
     merged = json.loads(bpe.to_str())["model"]
-    rank = {(a + b if isinstance(m, list) else "".join(m.split(" "))): r
-            for r, m in enumerate(merged["merges"]) for a, b in [m if isinstance(m, list)
-                                                                 else m.split(" ")]}
+    pairs = [m if isinstance(m, list) else m.split(" ") for m in merged["merges"]]
+    rank = {a + b: r for r, (a, b) in enumerate(pairs)}
     learned = sorted(merged["vocab"], key=merged["vocab"].get)
     tokens = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], *learned]
     types = [2, 3, 3, *[imp.TOKEN_BYTE] * 256, *[imp.TOKEN_NORMAL] * len(learned)]
     # llama.cpp-style scores: a merged piece scores by its merge rank, single characters last
     scores = [0.0] * 259 + [-float(rank.get(t, 1e6)) for t in learned]
-    w = gguf.GGUFWriter(str(path), "llama")
+    return tokens, scores, types
+
+
+def add_spm_vocab(w: Any, vocab: tuple[list[str], list[float], list[int]]) -> None:
+    tokens, scores, types = vocab
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
     w.add_token_scores(scores)
@@ -573,6 +591,11 @@ def write_spm_gguf(path: Path) -> None:
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
+
+
+def write_spm_gguf(path: Path) -> None:
+    w = gguf.GGUFWriter(str(path), "llama")
+    add_spm_vocab(w, spm_vocab())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -596,6 +619,37 @@ def test_sentencepiece_tokenizer_matches_transformers_gguf(tmp_path: Path) -> No
     assert ours.decode(ours.encode(text)) == text == theirs.decode(
         theirs(text).input_ids, skip_special_tokens=True)
     assert any(t.startswith("<0x") for t in map(ours.id_to_token, ours.encode(text)))
+
+
+def test_sentencepiece_model_end_to_end(tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny Llama with a sentencepiece vocabulary: LLM("file.gguf") gives transformers'
+    greedy tokens and text."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    import torch
+
+    from disagg import LLM, SamplingParams
+
+    monkeypatch.setattr(imp, "cache_root", lambda: str(tmp_path / "cache"))
+    vocab = spm_vocab()
+    weights, _ = hf_checkpoint(tmp_path / "hf", tie=False, vocab_size=len(vocab[0]))
+    path = tmp_path / "spm-llama.gguf"
+    write_gguf(path, weights, None, vocab_writer=lambda w: add_spm_vocab(w, vocab))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+    hf.generation_config.eos_token_id = None
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    llm = LLM(str(path), max_num_tokens=128, kv_cache_tokens=512)
+    for prompt in PROMPTS[:2]:
+        ids = hf_tok(prompt).input_ids
+        assert llm.tokenizer.encode(prompt) == ids and ids[0] == 1  # BOS
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12,
+                                                  ignore_eos=True))[0].outputs[0]
+        expected = _hf_greedy(hf, ids, 12)
+        assert list(out.token_ids) == expected, prompt
+        assert out.text == hf_tok.decode(expected, skip_special_tokens=True), prompt
+    llm.shutdown()
 
 
 # -- (e) bad input -----------------------------------------------------------------------------
