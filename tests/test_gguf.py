@@ -670,6 +670,17 @@ def test_unsupported_quant_type_names_tensor(tiny_gguf: dict[str, Any], tmp_path
     assert "Q4_1" in msg  # lists what is supported
 
 
+def test_missing_tensor_is_named(tiny_gguf: dict[str, Any], tmp_path: Path) -> None:
+    types = dict.fromkeys(tiny_gguf["weights"], QT.F32)
+    w = {k: v for k, v in tiny_gguf["weights"].items()
+         if k != "model.layers.1.self_attn.v_proj.weight"}
+    path = tmp_path / "missing.gguf"
+    write_gguf(path, w, tiny_gguf["tok"], types=types)
+    with pytest.raises(imp.GGUFError, match=r"tensor 'blk.1.attn_v.weight' \(for model.layers"
+                                            r".1.self_attn.v_proj.weight\) is missing"):
+        imp.import_gguf(str(path), str(tmp_path / "out"))
+
+
 def test_unsupported_architecture_and_tokenizer(tiny_gguf: dict[str, Any],
                                                 tmp_path: Path) -> None:
     types = dict.fromkeys(tiny_gguf["weights"], QT.F32)

@@ -240,6 +240,8 @@ def _hf_config(meta: dict[str, Any], path: str, tied: bool, vocab: int) -> dict[
                 if "llama.attention.key_length" in meta else hidden // heads)
     rope_dim = (_int(meta, "llama.rope.dimension_count", path)
                 if "llama.rope.dimension_count" in meta else head_dim)
+    if head_dim % 2:  # rotary pairs
+        raise GGUFError(f"{path}: the head size {head_dim} is odd (rotary embeddings need pairs)")
     if rope_dim != head_dim:  # HF Llama rotates the whole head
         raise GGUFError(f"{path}: llama.rope.dimension_count = {rope_dim} differs from the "
                         f"head size {head_dim} (partial rotary embeddings are not supported)")
@@ -326,6 +328,15 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     return None
 
 
+def _gguf_tensor_name(hf_name: str) -> str:
+    """The GGUF name of an HF Llama tensor (for messages)."""
+    for g, h in _GLOBAL_TENSORS.items():
+        if h == hf_name:
+            return g
+    _, _, i, rest = hf_name.split(".", 3)  # model . layers . N . rest
+    return f"blk.{i}." + next(g for g, h in _LAYER_TENSORS.items() if h == rest)
+
+
 def read_tensors(reader: Any, path: str, cfg: dict[str, Any]) -> dict[str, np.ndarray]:
     """Every tensor as HF-named float32 numpy arrays, q/k unpermuted, shapes checked."""
     a = _arch(cfg)
@@ -355,8 +366,8 @@ def read_tensors(reader: Any, path: str, cfg: dict[str, Any]) -> dict[str, np.nd
     missing = [n for n in expected if n not in out and not (
         n == "lm_head.weight" and cfg["tie_word_embeddings"])]
     if missing:
-        raise GGUFError(f"{path}: tensor for {missing[0]!r} is missing "
-                        f"({len(missing)} missing in all)")
+        raise GGUFError(f"{path}: tensor {_gguf_tensor_name(missing[0])!r} (for "
+                        f"{missing[0]}) is missing ({len(missing)} missing in all)")
     return out
 
 
