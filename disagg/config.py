@@ -377,6 +377,12 @@ def build_engine_config(model_dir: str, **options: Any) -> EngineConfig:
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown engine option (known: "
                           f"{', '.join(ENGINE_OPTION_NAMES)})")
+    from disagg.model.gguf import resolve_model_dir  # torch-free; a .gguf is imported once
+
+    try:
+        model_dir = resolve_model_dir(model_dir)
+    except (ValueError, OSError) as e:  # unreadable or unsupported GGUF
+        raise ConfigError(str(e)) from None
     model = ModelConfig.from_dir(model_dir)
 
     def pick(cls: type, **extra: Any) -> Any:

@@ -471,7 +471,7 @@ def _cmd_tiny(args: argparse.Namespace) -> int:
 
 
 def add_cli(subparsers: Any) -> None:
-    """Register ``disagg model tiny DIR``."""
+    """Register ``disagg model tiny DIR`` (and ``model import`` / ``model fetch``)."""
     model = subparsers.add_parser("model", help="model utilities",
                                   description="Model utilities.")
     sub = model.add_subparsers(dest="model_command", metavar="SUBCOMMAND")
@@ -493,3 +493,7 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="overwrite a non-empty folder")
     p.set_defaults(func=_cmd_tiny)
+
+    from disagg.model.gguf import add_model_cli  # model import FILE.gguf DIR, model fetch
+
+    add_model_cli(sub)
