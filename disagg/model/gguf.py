@@ -615,9 +615,10 @@ def is_complete(model_dir: str) -> bool:
 def cache_root() -> str:
     """The disagg cache: ``$DISAGG_CACHE_DIR`` (as the CPU kernels use), else ``$DISAGG_CACHE``
     (as the tiny demo model uses), else ``$XDG_CACHE_HOME/disagg`` or ``~/.cache/disagg``."""
-    return (os.environ.get("DISAGG_CACHE_DIR") or os.environ.get("DISAGG_CACHE")
-            or os.path.join(os.environ.get("XDG_CACHE_HOME")
-                            or os.path.join(os.path.expanduser("~"), ".cache"), "disagg"))
+    from disagg.env import KERNEL_CACHE_DIR
+    from disagg.env import cache_root as default_root
+
+    return KERNEL_CACHE_DIR.get() or default_root()
 
 
 @contextlib.contextmanager
