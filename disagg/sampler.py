@@ -132,88 +132,119 @@ class Sampler:
             # path below computes then, without its host-side bookkeeping.
             x = torch.nan_to_num(logits, nan=_NEG_INF, posinf=torch.finfo(torch.float32).max)
             return x.argmax(dim=-1).tolist(), [None] * n
-        V = logits.shape[1]
-        dev = logits.device
-        # -- host: what each row asks for ------------------------------------------------
+        plan = _RowPlan.of(params, banned, logits.shape[1])
+        u = self._uniforms([params[i] for i in plan.s_rows], [positions[i] for i in plan.s_rows])
+        flat = _sample_on_device(logits, plan, u)  # the one device -> host sync
+        return _unpack(flat, n, plan)
+
+
+@dataclass(frozen=True)
+class _RowPlan:
+    """What each row of a batch asks for (host side, before any device work); row indices are
+    rows of the batch unless said otherwise."""
+
+    want_lp: list[int]  # rows that return logprobs
+    s_rows: list[int]  # rows that sample (temperature >= SAMPLING_EPS)
+    temps: list[float]  # per s_row
+    ks: list[int]  # per s_row: top-k, 0 = off
+    p_rows: list[int]  # indices into s_rows with top_p < 1
+    top_p: list[float]  # per p_row
+    ban_rows: list[int]  # (row, token) pairs never to be chosen
+    ban_cols: list[int]
+    groups: dict[int, list[int]]  # top-n -> indices into want_lp (one topk per distinct n)
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], banned: list[tuple[int, ...]], V: int
+           ) -> _RowPlan:
         want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
         s_rows = [i for i, p in enumerate(params) if p.temperature >= SAMPLING_EPS]
         s_params = [params[i] for i in s_rows]
-        ks = [p.top_k if 0 < p.top_k < V else 0 for p in s_params]
-        p_rows = [j for j, p in enumerate(s_params) if p.top_p < 1.0]  # rows of s_rows
+        p_rows = [j for j, p in enumerate(s_params) if p.top_p < 1.0]
         ban_rows: list[int] = []
         ban_cols: list[int] = []
         for i, b in enumerate(banned):
             ids = [t for t in b if 0 <= t < V]  # a stop token id beyond the vocabulary
             ban_rows += [i] * len(ids)  # can never be sampled anyway
             ban_cols += ids
-        # Logprob rows grouped by their top-n: one topk per distinct n, not per row.
         groups: dict[int, list[int]] = {}
         for j, i in enumerate(want_lp):
             groups.setdefault(min(params[i].logprobs or 0, V), []).append(j)
         groups.pop(0, None)
-        # One float64 upload (integers below 2^53 are exact), laid out as
-        #   s_rows | temps | top-k | top_p (p_rows) | p_rows | u | want_lp | ban rows | ban cols
-        #   | rows of each logprob group
-        u = self._uniforms(s_params, [positions[i] for i in s_rows])
-        parts: list[list[float] | list[int]] = [
-            s_rows, [p.temperature for p in s_params], ks,
-            [s_params[j].top_p for j in p_rows], p_rows, u, want_lp, ban_rows, ban_cols,
-            *groups.values()]
-        up = _upload([x for part in parts for x in part], dev)
-        sizes = [len(part) for part in parts]
-        (s_idx, temps, ks_t, top_p, p_idx, u_t, lp_idx, ban_r, ban_c,
-         *group_idx) = up.split(sizes)
+        return cls(want_lp, s_rows, [p.temperature for p in s_params],
+                   [p.top_k if 0 < p.top_k < V else 0 for p in s_params], p_rows,
+                   [s_params[j].top_p for j in p_rows], ban_rows, ban_cols, groups)
 
-        # -- device ----------------------------------------------------------------------
-        # NaN never wins, +inf is the largest finite value: argmax and softmax stay defined.
-        x = torch.nan_to_num(logits, nan=_NEG_INF, posinf=torch.finfo(torch.float32).max)
-        raw_lp = None
-        if want_lp:
-            raw_lp = torch.log_softmax(x.index_select(0, lp_idx.long()), dim=-1)
-            raw_lp = raw_lp.nan_to_num(nan=MIN_LOGPROB, neginf=MIN_LOGPROB, posinf=0.0)
-        if ban_rows:
-            # (a device fill: torch.tensor(-inf, device=cuda) would be a blocking copy)
-            x.index_put_((ban_r.long(), ban_c.long()),
-                         torch.full((), _NEG_INF, dtype=x.dtype, device=dev))
-        chosen = x.argmax(dim=-1)
-        if s_rows:
-            s_long = s_idx.long()
-            drawn = _draw(x.index_select(0, s_long), temps.float(), ks_t.long(), max(ks),
-                          top_p, p_idx.long() if p_rows else None, u_t)
-            chosen = chosen.index_copy(0, s_long, drawn)
-        down = [chosen.double()]
-        if raw_lp is not None:
-            lp_long = lp_idx.long()
-            down.append(raw_lp.gather(1, chosen.index_select(0, lp_long).unsqueeze(1))
-                        .squeeze(1).double())
-            for k, gi in zip(groups, group_idx, strict=True):
-                top = torch.topk(raw_lp.index_select(0, gi.long()), k, dim=-1)
-                down += [top.indices.flatten().double(), top.values.flatten().double()]
-        flat = torch.cat(down).tolist()  # the one device -> host sync
 
-        # -- host: unpack ----------------------------------------------------------------
-        tokens = [int(t) for t in flat[:n]]
-        logprobs: list[dict[int, float] | None] = [None] * n
-        if raw_lp is not None:
-            L = len(want_lp)
-            chosen_lp = flat[n:n + L]
-            top_of: dict[int, tuple[list[float], list[float]]] = {}
-            at = n + L
-            for k, rows in groups.items():
-                cnt = len(rows) * k
-                ids, vals = flat[at:at + cnt], flat[at + cnt:at + 2 * cnt]
-                at += 2 * cnt
-                for r, j in enumerate(rows):
-                    top_of[j] = (ids[r * k:(r + 1) * k], vals[r * k:(r + 1) * k])
-            for j, i in enumerate(want_lp):
-                entry: dict[int, float] = {}
-                if j in top_of:
-                    ids, vals = top_of[j]
-                    entry = {int(t): v for t, v in zip(ids, vals, strict=True)}
-                if tokens[i] not in entry:
-                    entry[tokens[i]] = chosen_lp[j]
-                logprobs[i] = entry
+def _sample_on_device(logits: torch.Tensor, plan: _RowPlan, u: list[float]) -> list[float]:
+    """Tokens, then (when rows want logprobs) the chosen tokens' logprobs and each logprob
+    group's top-n ids and values, flattened into one list by one ``tolist``."""
+    dev = logits.device
+    # One float64 upload (integers below 2^53 are exact), laid out as
+    #   s_rows | temps | top-k | top_p (p_rows) | p_rows | u | want_lp | ban rows | ban cols
+    #   | rows of each logprob group
+    parts: list[list[float] | list[int]] = [
+        plan.s_rows, plan.temps, plan.ks, plan.top_p, plan.p_rows, u, plan.want_lp,
+        plan.ban_rows, plan.ban_cols, *plan.groups.values()]
+    up = _upload([x for part in parts for x in part], dev)
+    (s_idx, temps, ks_t, top_p, p_idx, u_t, lp_idx, ban_r, ban_c,
+     *group_idx) = up.split([len(part) for part in parts])
+    # NaN never wins, +inf is the largest finite value: argmax and softmax stay defined.
+    x = torch.nan_to_num(logits, nan=_NEG_INF, posinf=torch.finfo(torch.float32).max)
+    raw_lp = None
+    if plan.want_lp:
+        raw_lp = torch.log_softmax(x.index_select(0, lp_idx.long()), dim=-1)
+        raw_lp = raw_lp.nan_to_num(nan=MIN_LOGPROB, neginf=MIN_LOGPROB, posinf=0.0)
+    if plan.ban_rows:
+        # (a device fill: torch.tensor(-inf, device=cuda) would be a blocking copy)
+        x.index_put_((ban_r.long(), ban_c.long()),
+                     torch.full((), _NEG_INF, dtype=x.dtype, device=dev))
+    chosen = x.argmax(dim=-1)
+    if plan.s_rows:
+        s_long = s_idx.long()
+        drawn = _draw(x.index_select(0, s_long), temps.float(), ks_t.long(), max(plan.ks),
+                      top_p, p_idx.long() if plan.p_rows else None, u_t)
+        chosen = chosen.index_copy(0, s_long, drawn)
+    down = [chosen.double()]
+    if raw_lp is not None:
+        lp_long = lp_idx.long()
+        down.append(raw_lp.gather(1, chosen.index_select(0, lp_long).unsqueeze(1))
+                    .squeeze(1).double())
+        for k, gi in zip(plan.groups, group_idx, strict=True):
+            top = torch.topk(raw_lp.index_select(0, gi.long()), k, dim=-1)
+            down += [top.indices.flatten().double(), top.values.flatten().double()]
+    return torch.cat(down).tolist()
+
+
+def _unpack(flat: list[float], n: int, plan: _RowPlan
+            ) -> tuple[list[int], list[dict[int, float] | None]]:
+    """``_sample_on_device``'s list back into tokens and per-row logprob dicts; ``flat`` is
+    laid out as
+      [0, n)          tokens
+      [n, n + L)      the chosen tokens' logprobs (L = len(want_lp))
+      then per group of top-n k with r rows: r*k ids, then r*k values."""
+    tokens = [int(t) for t in flat[:n]]
+    logprobs: list[dict[int, float] | None] = [None] * n
+    if not plan.want_lp:
         return tokens, logprobs
+    L = len(plan.want_lp)
+    chosen_lp = flat[n:n + L]
+    top_of: dict[int, tuple[list[float], list[float]]] = {}
+    at = n + L
+    for k, rows in plan.groups.items():
+        cnt = len(rows) * k
+        ids, vals = flat[at:at + cnt], flat[at + cnt:at + 2 * cnt]
+        at += 2 * cnt
+        for r, j in enumerate(rows):
+            top_of[j] = (ids[r * k:(r + 1) * k], vals[r * k:(r + 1) * k])
+    for j, i in enumerate(plan.want_lp):
+        entry: dict[int, float] = {}
+        if j in top_of:
+            ids, vals = top_of[j]
+            entry = {int(t): v for t, v in zip(ids, vals, strict=True)}
+        if tokens[i] not in entry:
+            entry[tokens[i]] = chosen_lp[j]
+        logprobs[i] = entry
+    return tokens, logprobs
 
 
 def _upload(values: list[float] | list[int], device: torch.device) -> torch.Tensor:
