@@ -42,7 +42,7 @@ from disagg.server import protocol as P
 logger = logging.getLogger("disagg.router")
 
 # glibc keeps memory the router freed: under a steady load RSS crept ~0.3 MiB/min while live
-# Python objects and malloc's in-use bytes stayed flat (DESIGN section 10); malloc_trim hands
+# Python objects and malloc's in-use bytes stayed flat (DESIGN.md section 12); malloc_trim hands
 # it back. Once a minute, well under a millisecond on this heap.
 MALLOC_TRIM_INTERVAL_S = 60.0
 

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP app of one worker: ``build_app(engine, settings) -> FastAPI``.
 
-The engine (``AsyncLLM``, DESIGN section 8) steps on its own thread; handlers only iterate its
+The engine (``AsyncLLM``, DESIGN.md section 8) steps on its own thread; handlers only iterate its
 async generators, so the event loop never runs the model. The app is assembled here from
 modules named for what they do:
 
