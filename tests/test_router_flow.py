@@ -7,7 +7,11 @@ import asyncio
 import json
 from typing import Any
 
+import httpx
 import pytest
+from aiohttp import web
+from router_fixtures import LoopThread, metric, running_router
+from server_fixtures import wait_for
 
 from disagg.roles import Role
 from disagg.router.app import Router
@@ -141,3 +145,66 @@ def test_models_needs_the_api_key_before_any_worker_is_asked() -> None:
     bare, keyed, body = asyncio.run(main())
     assert bare == 401
     assert keyed == 503 and body["error"]["code"] == "no_healthy_worker"  # nothing listens
+
+
+# -- a stream the client has whole ------------------------------------------------------------
+
+
+class _LingeringWorker:
+    """An aggregated worker whose stream sends its last event, ``[DONE]``, and then keeps the
+    response open until ``release`` is set (as a worker still finishing its request does)."""
+
+    def __init__(self) -> None:
+        self.release: asyncio.Event | None = None
+        app = web.Application()
+        app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
+        app.router.add_get("/server_info", lambda r: web.json_response(
+            {"role": "aggregated", "tokens_per_block": 16, "worker_id": "w", "model_dir": None}))
+        app.router.add_post("/v1/completions", self.completions)
+        self.app = app
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        self.release = asyncio.Event()
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        chunk = {"id": "c", "object": "text_completion", "choices": [
+            {"index": 0, "text": "hi", "finish_reason": "length"}]}
+        await out.write(b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n")
+        await asyncio.wait_for(self.release.wait(), 30)
+        return out
+
+
+def test_a_client_closing_after_done_is_a_success_not_a_disconnect(loop: LoopThread) -> None:
+    """The client read ``[DONE]`` and closed while the router still waited for the worker's
+    end of stream: the router's handler is cancelled then, but the client got everything,
+    so the request counts as a success (it was once counted "disconnected", a flaky
+    failure of test_router_parallel under load)."""
+    worker = _LingeringWorker()
+    runner, wurl = loop.serve(worker.app)
+    try:
+        cfg = {"generation_servers": {"urls": [wurl.removeprefix("http://")]},
+               "health_check_interval_sec": 0.2}
+        with running_router(cfg, loop) as url:
+            wait_for(lambda: httpx.get(url + "/health").status_code == 200, 30, what="router")
+            body = {"model": "m", "prompt": "x", "max_tokens": 1, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+                assert r.status_code == 200
+                lines = []
+                for line in r.iter_lines():
+                    lines.append(line)
+                    if line == "data: [DONE]":
+                        break  # closes the connection with the worker's stream still open
+            assert lines[-1] == "data: [DONE]"
+
+            def counted() -> float:
+                return sum(metric(url, "disagg_router_requests_total", outcome=o)
+                           for o in ("success", "disconnected"))
+
+            wait_for(lambda: counted() == 1, 20, what="the request counted")
+            assert metric(url, "disagg_router_requests_total", outcome="success") == 1
+            assert metric(url, "disagg_router_requests_total", outcome="disconnected") == 0
+            assert worker.release is not None
+            loop.loop.call_soon_threadsafe(worker.release.set)
+    finally:
+        loop.run(runner.cleanup())

@@ -72,7 +72,8 @@ class Handlers:
             st.outcome = r.outcome
             return r.response()
         except (asyncio.CancelledError, ConnectionError):  # the client went away
-            st.outcome = "disconnected"
+            if not st.delivered:
+                st.outcome = "disconnected"
             raise
         finally:
             metrics.requests.labels(path, st.outcome).inc()

@@ -42,6 +42,10 @@ class RequestState:
 
     endpoint: str
     outcome: str = "success"
+    # The client has the whole answer (a stream's [DONE] written): a disconnect or a handler
+    # cancellation after it (the client closing once it read [DONE] while the router still
+    # waits for the worker's end of stream) is no failure.
+    delivered: bool = False
 
 
 @contextlib.contextmanager
@@ -129,6 +133,7 @@ class Relay:
                     st.outcome = "disconnected"
                     return out or web.Response(status=499)
                 done = events.endswith(DONE)
+                st.delivered = done
             if not done:
                 raise aiohttp.ClientPayloadError("the stream ended without [DONE]")
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
