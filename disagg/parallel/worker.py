@@ -64,6 +64,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("disagg.parallel")
 
+
 def dist_timeout_s() -> float:
     """Seconds a collective / send / recv may wait for a peer before failing (init included).
 
