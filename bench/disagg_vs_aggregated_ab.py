@@ -113,6 +113,125 @@ async def pair(guard: dva.Guard, urls: dict[str, str], order: list[str], rate: f
     return out
 
 
+async def _sweeps(args: argparse.Namespace, guard: dva.Guard, m: RateMatcher
+                  ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], float, list[float],
+                             list[float]]:
+    """The rate-match sweeps and the 1 + 1 capacity: (context, generation, aggregated,
+    capacity, rate fractions, rates)."""
+    ctx = await guard.run("context sweep", m.sweep_context)
+    if ctx["ctx_rate"] is None:
+        raise RuntimeError("no context rate met the TTFT SLO; raise --ttft-slo")
+    # Alone, then beside the context worker at its rate (rate-match --colocated).
+    gen = await guard.run("generation sweep",
+                          lambda: m.sweep_generation(ctx["ctx_rate"]))
+    agg = await guard.run("aggregated baseline (one worker)", m.sweep_aggregated)
+    cap = predict_at_rate(ctx["ctx_rate"], gen["points"], args.osl, 1, 1,
+                          1e9, generation=gen)["capacity_request_rate"]
+    fracs = [float(x) for x in args.rate_fracs.split(",")]
+    rates = [f * cap for f in fracs]
+    print(f"1+1 rate-matched capacity {cap:.3f} req/s; rates "
+          f"{', '.join(f'{r:.3f}' for r in rates)}", flush=True)
+    return ctx, gen, agg, cap, fracs, rates
+
+
+async def _warm(args: argparse.Namespace, tok: Any, urls: dict[str, str], tr: Any) -> None:
+    """Warm both clusters' routes once (first requests are slow: allocator, KV pages)."""
+    warm = sample_random(tok, 2, args.isl, args.osl, seed=args.seed + 999,
+                         as_token_ids=True)
+    for system in ("disaggregated", "aggregated"):
+        await run_benchmark(BenchmarkConfig(base_url=urls[system], model=NAME,
+                                            ignore_eos=True, max_concurrency=1),
+                            warm, transport=tr)
+
+
+async def _alternated_pairs(args: argparse.Namespace, guard: dva.Guard, tok: Any,
+                            urls: dict[str, str], fracs: list[float], rates: list[float],
+                            tr: Any) -> list[dict[str, Any]]:
+    """Target 1: at every rate, ``--repeats`` pairs, the first system alternating."""
+    pairs = []
+    for rep in range(args.repeats):
+        for i, (frac, rate) in enumerate(zip(fracs, rates, strict=True)):
+            n = max(args.min_prompts, round(rate * args.run_seconds))
+            seed = args.seed + 1000 * (rep + 1) + i
+            samples = sample_random(tok, n, args.isl, args.osl, seed=seed,
+                                    as_token_ids=True)
+            order = (["disaggregated", "aggregated"] if (rep + i) % 2 == 0
+                     else ["aggregated", "disaggregated"])
+            print(f"repeat {rep + 1}/{args.repeats}, {rate:.3f} req/s x {n} "
+                  f"({order[0]} first)", flush=True)
+            res = await pair(guard, urls, order, rate, samples, seed, args, tr)
+            pairs.append({"repeat": rep, "frac": frac, "rate": rate, "num_requests": n,
+                          "order": order, **res})
+    return pairs
+
+
+async def _gen_only_points(guard: dva.Guard, mc: RateMatcher, ctx_rate: float, when: str,
+                           rep: int) -> dict[str, dict[str, Any]]:
+    """Concurrency 1 alone and beside the context worker at its rate."""
+    return {
+        "alone": await guard.run(
+            f"generation-only concurrency 1 {when} (check {rep + 1})",
+            lambda: mc.generation_point(1, label="generation-only")),
+        "beside": await guard.run(
+            f"generation-only concurrency 1 beside context {when} (check {rep + 1})",
+            lambda: mc.generation_point(1, ctx_rate, label="generation-only"))}
+
+
+def _check_predictions(args: argparse.Namespace, ctx_rate: float,
+                       before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]],
+                       e2e: dict[str, Any]) -> dict[str, Any]:
+    """One generation-bound check: the mean of the generation-only points before and after,
+    and the end-to-end run against its two predictions (alone; co-located)."""
+    mean = {side: {"concurrency": 1, "completed": 1,
+                   **{k: (before[side][k] + after[side][k]) / 2
+                      for k in ("output_throughput", "mean_tpot_ms")}}
+            for side in ("alone", "beside")}
+    for pt in mean.values():
+        pt["tokens_per_s_per_user"] = 1000.0 / pt["mean_tpot_ms"]
+    v: dict[str, Any] = {"gen_only": {"before": before, "after": after, "mean": mean}}
+    # Two predictions of the same end-to-end run: from the generation side measured
+    # alone, and co-located (rate-match --colocated: at the 1 + 1's own context load).
+    generation = {"points": [mean["alone"]], "colocated": {
+        "context_load": ctx_rate, "points": [mean["beside"]]}}
+    for how, gen_block in (("alone", None), ("colocated", generation)):
+        pred = predict_cluster(ctx_rate, mean["alone"], [mean["alone"]], args.osl, 1,
+                               1, generation=gen_block)
+        choice = {"concurrency_per_gen": 1, "num_ctx": 1, "num_gen": 1,
+                  "devices": pred.pop("devices"), "concurrency": 1, "predicted": pred}
+        v[how] = finish_verify_point(choice, e2e)
+        print(f"  gap ({how}): tok/s per device "
+              f"{dva._pct(v[how]['gap_tput_per_device'])}, tok/s/user "
+              f"{dva._pct(v[how]['gap_tokens_per_s_per_user'])}", flush=True)
+    return v
+
+
+async def _generation_bound_checks(args: argparse.Namespace, guard: dva.Guard,
+                                   cfg: RateMatchConfig, tok: Any, urls: dict[str, str],
+                                   ctx_rate: float, tr: Any) -> list[dict[str, Any]]:
+    """Target 2: the generation-bound point, prediction and verify back to back."""
+    # Its own matcher: longer loops than the sweep's (--check-rounds), same settings.
+    mc = RateMatcher(replace(cfg, gen_rounds=args.check_rounds, seed=args.seed + 77), tok,
+                     tr)
+    gen_checks = []
+    for rep in range(args.gen_repeats):
+        # The generation-only points before and after the end-to-end loops: their mean is
+        # the prediction's input, so a drift of the machine during the check cancels to
+        # first order (both halves are in the table).
+        before = await _gen_only_points(guard, mc, ctx_rate, "before", rep)
+        pred = predict_cluster(ctx_rate, before["alone"], [before["alone"]], args.osl, 1, 1)
+        if pred["bound"] != "generation":
+            print(f"  concurrency 1 is {pred['bound']}-bound here: no generation-bound "
+                  "check", flush=True)
+            break
+        e2e = await guard.run(
+            f"end to end, generation-bound (check {rep + 1})",
+            lambda pred=pred: mc.run_end_to_end(urls["disaggregated"], 1,
+                                                pred["request_rate"], "closed"))
+        after = await _gen_only_points(guard, mc, ctx_rate, "after", rep)
+        gen_checks.append(_check_predictions(args, ctx_rate, before, after, e2e))
+    return gen_checks
+
+
 async def measure(args: argparse.Namespace, guard: dva.Guard, tok: Any,
                   urls: dict[str, str]) -> dict[str, Any]:
     tr = make_transport("auto", 3600)
@@ -125,97 +244,11 @@ async def measure(args: argparse.Namespace, guard: dva.Guard, tok: Any,
                               ctx_max_probes=args.ctx_max_probes, gen_rounds=args.gen_rounds,
                               colocated=True, aggregated_url=urls["agg0"], seed=args.seed)
         m = RateMatcher(cfg, tok, tr)
-        ctx = await guard.run("context sweep", m.sweep_context)
-        if ctx["ctx_rate"] is None:
-            raise RuntimeError("no context rate met the TTFT SLO; raise --ttft-slo")
-        # Alone, then beside the context worker at its rate (rate-match --colocated).
-        gen = await guard.run("generation sweep",
-                              lambda: m.sweep_generation(ctx["ctx_rate"]))
-        agg = await guard.run("aggregated baseline (one worker)", m.sweep_aggregated)
-        cap = predict_at_rate(ctx["ctx_rate"], gen["points"], args.osl, 1, 1,
-                              1e9, generation=gen)["capacity_request_rate"]
-        fracs = [float(x) for x in args.rate_fracs.split(",")]
-        rates = [f * cap for f in fracs]
-        print(f"1+1 rate-matched capacity {cap:.3f} req/s; rates "
-              f"{', '.join(f'{r:.3f}' for r in rates)}", flush=True)
-
-        # Warm both clusters' routes once (first requests are slow: allocator, KV pages).
-        warm = sample_random(tok, 2, args.isl, args.osl, seed=args.seed + 999,
-                             as_token_ids=True)
-        for system in ("disaggregated", "aggregated"):
-            await run_benchmark(BenchmarkConfig(base_url=urls[system], model=NAME,
-                                                ignore_eos=True, max_concurrency=1),
-                                warm, transport=tr)
-
-        # ---- target 1: alternated pairs
-        pairs = []
-        for rep in range(args.repeats):
-            for i, (frac, rate) in enumerate(zip(fracs, rates, strict=True)):
-                n = max(args.min_prompts, round(rate * args.run_seconds))
-                seed = args.seed + 1000 * (rep + 1) + i
-                samples = sample_random(tok, n, args.isl, args.osl, seed=seed,
-                                        as_token_ids=True)
-                order = (["disaggregated", "aggregated"] if (rep + i) % 2 == 0
-                         else ["aggregated", "disaggregated"])
-                print(f"repeat {rep + 1}/{args.repeats}, {rate:.3f} req/s x {n} "
-                      f"({order[0]} first)", flush=True)
-                res = await pair(guard, urls, order, rate, samples, seed, args, tr)
-                pairs.append({"repeat": rep, "frac": frac, "rate": rate, "num_requests": n,
-                              "order": order, **res})
-
-        # ---- target 2: the generation-bound point, prediction and verify back to back
-        # Its own matcher: longer loops than the sweep's (--check-rounds), same settings.
-        mc = RateMatcher(replace(cfg, gen_rounds=args.check_rounds, seed=args.seed + 77), tok,
-                         tr)
-        gen_checks = []
-        ctx_rate = ctx["ctx_rate"]
-
-        async def gen_only_points(when: str, rep: int) -> dict[str, dict[str, Any]]:
-            """Concurrency 1 alone and beside the context worker at its rate."""
-            return {
-                "alone": await guard.run(
-                    f"generation-only concurrency 1 {when} (check {rep + 1})",
-                    lambda: mc.generation_point(1, label="generation-only")),
-                "beside": await guard.run(
-                    f"generation-only concurrency 1 beside context {when} (check {rep + 1})",
-                    lambda: mc.generation_point(1, ctx_rate, label="generation-only"))}
-
-        for rep in range(args.gen_repeats):
-            # The generation-only points before and after the end-to-end loops: their mean is
-            # the prediction's input, so a drift of the machine during the check cancels to
-            # first order (both halves are in the table).
-            before = await gen_only_points("before", rep)
-            pred = predict_cluster(ctx_rate, before["alone"], [before["alone"]], args.osl, 1, 1)
-            if pred["bound"] != "generation":
-                print(f"  concurrency 1 is {pred['bound']}-bound here: no generation-bound "
-                      "check", flush=True)
-                break
-            e2e = await guard.run(
-                f"end to end, generation-bound (check {rep + 1})",
-                lambda pred=pred: mc.run_end_to_end(urls["disaggregated"], 1,
-                                                    pred["request_rate"], "closed"))
-            after = await gen_only_points("after", rep)
-            mean = {side: {"concurrency": 1, "completed": 1,
-                           **{k: (before[side][k] + after[side][k]) / 2
-                              for k in ("output_throughput", "mean_tpot_ms")}}
-                    for side in ("alone", "beside")}
-            for pt in mean.values():
-                pt["tokens_per_s_per_user"] = 1000.0 / pt["mean_tpot_ms"]
-            v: dict[str, Any] = {"gen_only": {"before": before, "after": after, "mean": mean}}
-            # Two predictions of the same end-to-end run: from the generation side measured
-            # alone, and co-located (rate-match --colocated: at the 1 + 1's own context load).
-            generation = {"points": [mean["alone"]], "colocated": {
-                "context_load": ctx_rate, "points": [mean["beside"]]}}
-            for how, gen_block in (("alone", None), ("colocated", generation)):
-                pred = predict_cluster(ctx_rate, mean["alone"], [mean["alone"]], args.osl, 1,
-                                       1, generation=gen_block)
-                choice = {"concurrency_per_gen": 1, "num_ctx": 1, "num_gen": 1,
-                          "devices": pred.pop("devices"), "concurrency": 1, "predicted": pred}
-                v[how] = finish_verify_point(choice, e2e)
-                print(f"  gap ({how}): tok/s per device "
-                      f"{dva._pct(v[how]['gap_tput_per_device'])}, tok/s/user "
-                      f"{dva._pct(v[how]['gap_tokens_per_s_per_user'])}", flush=True)
-            gen_checks.append(v)
+        ctx, gen, agg, cap, fracs, rates = await _sweeps(args, guard, m)
+        await _warm(args, tok, urls, tr)
+        pairs = await _alternated_pairs(args, guard, tok, urls, fracs, rates, tr)
+        gen_checks = await _generation_bound_checks(args, guard, cfg, tok, urls,
+                                                    ctx["ctx_rate"], tr)
         return {"context": ctx, "generation": gen, "aggregated": agg, "capacity": cap,
                 "rates": rates, "fracs": fracs, "pairs": pairs, "gen_checks": gen_checks,
                 "config": asdict(cfg)}

@@ -205,7 +205,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--backends", default="ucx,tcp")
     p.add_argument("--tokens", default="128,512,2048,8192")
@@ -219,27 +219,37 @@ def main() -> None:
     p.add_argument("--out", default=None, help="write the markdown report here")
     args = p.parse_args()
     args.tokens = [int(t) for t in args.tokens.split(",")]
+    return args
+
+
+def usable_backends(args: argparse.Namespace) -> list[str]:
+    """The ``--backends`` asked for, less UCX where it is not available here."""
     backends = [b.strip().lower() for b in args.backends.split(",") if b.strip()]
     ok, why = ucx_available()
     if "ucx" in backends and not ok:
         print(f"skipping UCX: {why}", file=sys.stderr)
         backends.remove("ucx")
+    return backends
 
-    load_before = os.getloadavg()
-    rows: list[dict[str, Any]] = []
-    for backend in backends:
-        rows += bench_backend(backend, args)
-    block_bytes = (args.layers * 2 * args.kv_heads * args.tokens_per_block * args.head_dim
-                   * torch.empty(0, dtype=getattr(torch, args.dtype)).element_size())
-    idle_lines = []
+
+def idle_lines(rows: list[dict[str, Any]], backends: list[str]) -> list[str]:
+    """Per backend: both processes' CPU while idle with the connections open."""
+    lines = []
     for backend in backends:
         row = next(r for r in rows if r["backend"] == backend.upper())
         gen, ctx = row["idle"]
-        idle_lines.append(f"- {backend.upper()}: generation process {gen:.0%} of a core, "
-                          f"context process {ctx:.0%}")
+        lines.append(f"- {backend.upper()}: generation process {gen:.0%} of a core, "
+                     f"context process {ctx:.0%}")
+    return lines
+
+
+def report_head(args: argparse.Namespace, load_before: tuple[float, ...],
+                load_after: tuple[float, ...]) -> list[str]:
+    """Title, machine, KV cache shape, transports, host load, method, command."""
+    block_bytes = (args.layers * 2 * args.kv_heads * args.tokens_per_block * args.head_dim
+                   * torch.empty(0, dtype=getattr(torch, args.dtype)).element_size())
     ucx_env = {**UCX_PROFILES["same_host"], **UCX_ALWAYS_ENV}
-    load_after = os.getloadavg()
-    report = "\n".join([
+    return [
         f"# KV transfer between two processes on one host ({time.strftime('%Y-%m-%d')})",
         "",
         *[f"- {m}" for m in machine()],
@@ -256,6 +266,12 @@ def main() -> None:
         "same bytes in the generation process, timed beside each read",
         "- command: `python bench/kv_transfer.py " + " ".join(sys.argv[1:]) + "`",
         "",
+    ]
+
+
+def report_body(rows: list[dict[str, Any]], idle: list[str]) -> list[str]:
+    """The table, what the layouts mean, idle CPU, notes, the target and what is pending."""
+    return [
         table(rows),
         "",
         "GB/s = 1e9 bytes per second. *consecutive*: one run of block ids, sent straight from "
@@ -265,7 +281,7 @@ def main() -> None:
         "",
         "Idle CPU after the transfers, connections still open (1 s, no traffic):",
         "",
-        *idle_lines,
+        *idle,
         "",
         "Notes:",
         "",
@@ -286,11 +302,23 @@ def main() -> None:
         "Transfer share of TTFT at 2048 prompt tokens: **pending** — measured once the "
         "transfer is integrated into the context/generation workers (end-to-end TTFT).",
         "",
-    ])
+    ]
+
+
+def main() -> None:
+    args = _args()
+    backends = usable_backends(args)
+    load_before = os.getloadavg()
+    rows: list[dict[str, Any]] = []
+    for backend in backends:
+        rows += bench_backend(backend, args)
+    idle = idle_lines(rows, backends)
+    load_after = os.getloadavg()
+    report = "\n".join(report_head(args, load_before, load_after) + report_body(rows, idle))
     print()
     print(table(rows))
     print("\nIdle CPU with connections open (1 s, no traffic):")
-    print("\n".join(idle_lines))
+    print("\n".join(idle))
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:

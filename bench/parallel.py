@@ -129,7 +129,7 @@ def ms(s: float, steps: int) -> str:
     return f"{s / max(steps, 1) * 1e3:.2f}"
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--batch-size", type=int, default=8)
@@ -137,8 +137,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3,
                     help="measured runs per config; the fastest is reported")
     ap.add_argument("--out", default=None, help="write the markdown report here")
-    args = ap.parse_args()
+    return ap.parse_args()
 
+
+def measure_all(args: argparse.Namespace) -> tuple[int, dict[str, dict[str, Any]]]:
+    """Every config of CONFIGS on one checkpoint and workload: (parameters, results by name)."""
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_checkpoint(os.path.join(tmp, "m"), seed=0, **SIZES)
         from disagg.model.loader import load_model
@@ -149,13 +152,20 @@ def main() -> None:
         work = workload(args.num_requests, 500, special, args.seed)
         results = {name: run(model_dir, work, tp, pp, args.batch_size, args.repeats, threads)
                    for name, tp, pp, threads in CONFIGS}
+    return n_params, results
 
-    base = results["tp1"]
+
+def available_cores() -> int:
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:
-        cores = os.cpu_count() or 1
-    lines = [
+        return os.cpu_count() or 1
+
+
+def header_lines(args: argparse.Namespace, n_params: int, base: dict[str, Any],
+                 cores: int) -> list[str]:
+    """Title, machine, model and workload, what the run can show, the throughput table head."""
+    return [
         f"# Parallel workers: tp1 / tp2 / pp2 ({time.strftime('%Y-%m-%d')})",
         "",
         f"- machine: {cpu_model()}, {cores} cores available, {platform.system()} "
@@ -181,7 +191,12 @@ def main() -> None:
         "vs tp1-1thread | steps | ms/step | same tokens as tp1 | cores used: ours / others |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    one = results["tp1-1thread"]
+
+
+def throughput_rows(results: dict[str, dict[str, Any]], cores: int) -> list[str]:
+    """One row per config against tp1 and tp1-1thread; a note when threads made tp1 slower."""
+    base, one = results["tp1"], results["tp1-1thread"]
+    lines = []
     for name, _, _, _ in CONFIGS:
         r = results[name]
         tps = r["n"] / r["elapsed"]
@@ -199,7 +214,12 @@ def main() -> None:
                   f"{', '.join(f'{t:.1f}' for t in base['times'])} s): intra-op threads of "
                   "one process contend on this machine, so tp1-1thread is the fairer "
                   "baseline for ranks running one thread each."]
-    lines += [
+    return lines
+
+
+def comm_rows(results: dict[str, dict[str, Any]]) -> list[str]:
+    """The per-rank, per-step communication table."""
+    lines = [
         "",
         "Per rank, per step (host wall time, ms; averaged over the measured steps). "
         "*comm* = all-reduce + send + control; *recv* is listed apart because a blocking "
@@ -219,7 +239,12 @@ def main() -> None:
                 f"({s['all_reduce_calls'] / max(n, 1):.0f}) | {ms(s['send_s'], n)} | "
                 f"{ms(s['recv_s'], n)} | {ms(s['control_s'], n)} | "
                 f"{comm / s['step_s']:.1%} | {s['recv_s'] / s['step_s']:.1%} |")
-    lines += [
+    return lines
+
+
+def probe_rows(results: dict[str, dict[str, Any]]) -> list[str]:
+    """The pure transfer times (every rank at a barrier before each op)."""
+    lines = [
         "",
         "The per-step all-reduce / recv times above include waiting for the peer (its share of "
         "the cores, its compute). The transfer alone, every rank synchronised (barrier) before "
@@ -233,6 +258,17 @@ def main() -> None:
             lines.append(f"| {name} | [{n}, {SIZES['hidden_size']}] float32 | "
                          f"{_first_last(per_rank, 'all_reduce_ms')} | "
                          f"{_first_last(per_rank, 'send_recv_ms')} |")
+    return lines
+
+
+def main() -> None:
+    args = _args()
+    n_params, results = measure_all(args)
+    cores = available_cores()
+    lines = header_lines(args, n_params, results["tp1"], cores)
+    lines += throughput_rows(results, cores)
+    lines += comm_rows(results)
+    lines += probe_rows(results)
     lines.append("")
     report = "\n".join(lines)
     print(report)

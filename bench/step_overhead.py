@@ -51,17 +51,14 @@ def _timed(obj, name: str, acc: dict[str, float], key: str) -> None:
     setattr(obj, name, wrapper)
 
 
-def measure(batch: int, ctx: int, steps: int, path: str, model_dir: str) -> dict[str, float]:
-    """Median µs per phase over ``steps`` pure-decode steps at ``batch`` requests."""
-    import torch
-
+def _engine(batch: int, ctx: int, steps: int, path: str, model_dir: str):
+    """An engine sized for ``batch`` requests of ``ctx`` tokens; on the padded path its runner
+    decodes through the padded (graph) inputs with the reference attention."""
     import disagg.engine as engine_mod
-    from disagg import SamplingParams
     from disagg.config import build_engine_config
     from disagg.engine import LLMEngine
     from disagg.runner import ModelRunner
 
-    torch.set_num_threads(1)
     orig_make = engine_mod.make_executor
     if path == "padded":
         from disagg.cuda_graph import paged_decode_reference
@@ -69,37 +66,52 @@ def measure(batch: int, ctx: int, steps: int, path: str, model_dir: str) -> dict
         engine_mod.make_executor = lambda config, disagg=None: ModelRunner(
             config, padded_decode=paged_decode_reference)
     try:
-        eng = LLMEngine(build_engine_config(
+        return LLMEngine(build_engine_config(
             model_dir, max_batch_size=max(batch, 1), max_num_tokens=max(2048, ctx + 64),
             tokens_per_block=32, kv_cache_tokens=batch * (ctx + steps + batch + 96),
             max_model_len=ctx + steps + batch + 64, enable_prefix_caching=False,
             cuda_graph_max_batch_size=max(batch, 1)))
     finally:
         engine_mod.make_executor = orig_make
+
+
+def _time_phases(eng, acc: dict[str, float]) -> None:
+    """Wrap schedule, update, sample and the input builders to add their time to ``acc``."""
     runner = eng.runner
-    model = runner.model
-    embed = model.model.embed_tokens
-
-    def stub_forward(input_ids, positions, kv_cache, meta, hidden_states=None):
-        return embed(input_ids)
-
-    acc: dict[str, float] = defaultdict(float)
     _timed(eng.scheduler, "schedule", acc, "schedule")
     _timed(eng.scheduler, "update_from_output", acc, "update")
     _timed(eng.sampler, "sample", acc, "sample")
     if runner.graphs is not None:
         _timed(runner.graphs, "load", acc, "inputs")
     _timed(runner, "prepare_inputs", acc, "inputs")
+
+
+def _prefill(eng, batch: int, ctx: int, steps: int) -> None:
+    """``batch`` requests of ``ctx`` random tokens, prefilled with the real model until each
+    has its first output token."""
+    import torch
+
+    from disagg import SamplingParams
+
+    model = eng.runner.model
     vocab = model.config.vocab_size if hasattr(model, "config") else 512
     g = torch.Generator().manual_seed(batch)
     params = SamplingParams(temperature=0, max_tokens=steps + batch + 8, ignore_eos=True)
     for i in range(batch):
         eng.add_request(f"r{i}", torch.randint(3, vocab, (ctx,), generator=g).tolist(), params)
-    # Prefill with the real model (fills the cache), then stub the forward for the decodes.
     while eng.scheduler.waiting or any(r.num_output_tokens == 0 for r in
                                        eng.scheduler.running):
         eng.step()
-    model.forward = stub_forward
+
+
+def _stub_forward(model, acc: dict[str, float]) -> None:
+    """Replace the forward by the embedding of the input ids; the forward and the logits add
+    their time to ``acc["forward"]``."""
+    embed = model.model.embed_tokens
+
+    def stub_forward(input_ids, positions, kv_cache, meta, hidden_states=None):
+        return embed(input_ids)
+
     lm = model.compute_logits
 
     def timed_logits(h):
@@ -120,6 +132,11 @@ def measure(batch: int, ctx: int, steps: int, path: str, model_dir: str) -> dict
             acc["forward"] += time.perf_counter() - t0
 
     model.forward = timed_forward
+
+
+def _decode_steps(eng, acc: dict[str, float], batch: int, steps: int
+                  ) -> dict[str, list[float]]:
+    """Seconds per phase of each pure-decode step after 3 warm-ups."""
     per: dict[str, list[float]] = defaultdict(list)
     for s in range(steps):
         acc.clear()
@@ -135,8 +152,23 @@ def measure(batch: int, ctx: int, steps: int, path: str, model_dir: str) -> dict
             per[k].append(acc[k])
         per["outputs"].append(total - known)
         per["step"].append(total)
+    return per
+
+
+def measure(batch: int, ctx: int, steps: int, path: str, model_dir: str) -> dict[str, float]:
+    """Median µs per phase over ``steps`` pure-decode steps at ``batch`` requests."""
+    import torch
+
+    torch.set_num_threads(1)
+    eng = _engine(batch, ctx, steps, path, model_dir)
+    acc: dict[str, float] = defaultdict(float)
+    _time_phases(eng, acc)
+    # Prefill with the real model (fills the cache), then stub the forward for the decodes.
+    _prefill(eng, batch, ctx, steps)
+    _stub_forward(eng.runner.model, acc)
+    per = _decode_steps(eng, acc, batch, steps)
     if path == "padded":
-        assert runner.graphs is not None and runner.graphs.eager_runs > 0
+        assert eng.runner.graphs is not None and eng.runner.graphs.eager_runs > 0
     eng.shutdown()
     return {k: statistics.median(v) * 1e6 for k, v in per.items()}
 

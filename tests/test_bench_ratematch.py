@@ -358,29 +358,25 @@ def _metric(url: str, name: str) -> float:
     return sum(vals)
 
 
-def test_rate_match_live_tiny_model(workers: dict[str, str], tiny_llama: str,
-                                    tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    gen_tokens_before = _metric(workers["gen"], "disagg_generation_tokens_total")
-    out = tmp_path / "rm.json"
-    isl, osl, concs, rounds, warmups = 48, 6, (1, 3), 2, 1
-    rc = cli_main(["bench", "rate-match", "--context-url", workers["ctx"],
-                   "--generation-url", workers["gen"], "--aggregated-url", workers["ctx"],
-                   "--tokenizer", tiny_llama, "--isl", str(isl), "--osl", str(osl),
-                   "--ttft-slo", "2000", "--concurrency", ",".join(map(str, concs)),
-                   "--ctx-probe-seconds", "0.5", "--ctx-min-prompts", "6",
-                   "--ctx-max-probes", "3", "--ctx-rate-start", "4", "--gen-rounds",
-                   str(rounds), "--num-warmups", str(warmups), "--request-timeout", "60",
-                   "--save-result", str(out), "--no-progress",
-                   # End to end: a 1 + 1 cluster from `disagg launch` for one frontier point.
-                   "--verify", "--verify-model", tiny_llama, "--verify-points", "1",
-                   "--verify-max-devices", "2", "--verify-timeout", "120",
-                   "--verify-log-dir", str(tmp_path / "logs")])
-    printed = capsys.readouterr()
-    assert rc == 0, printed.err
-    assert "Rate matching" in printed.out and "end to end" in printed.out
-    res = json.loads(out.read_text())
-    assert res["kind"] == "disagg-bench-rate-match" and res["model"] == NAME
-    ctx = res["context"]
+def _rate_match_cli(workers: dict[str, str], tiny_llama: str, tmp_path: Path, out: Path,
+                    isl: int, osl: int, concs: tuple[int, ...], rounds: int,
+                    warmups: int) -> int:
+    """`disagg bench rate-match` against the live workers, with one verified frontier point."""
+    return cli_main(["bench", "rate-match", "--context-url", workers["ctx"],
+                     "--generation-url", workers["gen"], "--aggregated-url", workers["ctx"],
+                     "--tokenizer", tiny_llama, "--isl", str(isl), "--osl", str(osl),
+                     "--ttft-slo", "2000", "--concurrency", ",".join(map(str, concs)),
+                     "--ctx-probe-seconds", "0.5", "--ctx-min-prompts", "6",
+                     "--ctx-max-probes", "3", "--ctx-rate-start", "4", "--gen-rounds",
+                     str(rounds), "--num-warmups", str(warmups), "--request-timeout", "60",
+                     "--save-result", str(out), "--no-progress",
+                     # End to end: a 1 + 1 cluster from `disagg launch` for one frontier point.
+                     "--verify", "--verify-model", tiny_llama, "--verify-points", "1",
+                     "--verify-max-devices", "2", "--verify-timeout", "120",
+                     "--verify-log-dir", str(tmp_path / "logs")])
+
+
+def _check_context_probes(ctx: dict[str, Any]) -> None:
     assert len(ctx["probes"]) == 3 and ctx["ctx_rate"] is not None
     assert ctx["ctx_rate"] == max(min(p["rate"], p["served_rate"])
                                   for p in ctx["probes"] if p["passed"])
@@ -388,18 +384,21 @@ def test_rate_match_live_tiny_model(workers: dict[str, str], tiny_llama: str,
         assert p["failed"] == 0 and p["completed"] == p["num_requests"] >= 6
         assert p["served_rate"] > 0
         assert p["passed"] == (p["ttft_ms"] <= 2000)
-    gen = res["generation"]["points"]
+
+
+def _check_generation_points(gen: list[dict[str, Any]], concs: tuple[int, ...], rounds: int,
+                             osl: int) -> None:
     assert [p["concurrency"] for p in gen] == list(concs)
     for p in gen:
         assert p["failed"] == 0 and p["completed"] == rounds * p["concurrency"]
         assert p["output_throughput"] > 0
         assert p["tokens_per_s_per_user"] == pytest.approx(1000 / p["mean_tpot_ms"])
         assert p["request_rate"] == pytest.approx(p["output_throughput"] / osl)
-    # Every generation-only request decoded exactly osl tokens on the generation worker
-    # (warmups included), and none of them pulled KV from anywhere.
-    sent = warmups + max(concs) + rounds * sum(concs)  # warmups: sequential, then one round
-    assert _metric(workers["gen"], "disagg_generation_tokens_total") - gen_tokens_before \
-        == sent * osl
+
+
+def _check_rate_matched_and_aggregated(res: dict[str, Any], concs: tuple[int, ...],
+                                       osl: int) -> None:
+    ctx = res["context"]
     rm = res["rate_matched"]
     assert [p["concurrency"] for p in rm] == list(concs)
     for p in rm:
@@ -410,10 +409,10 @@ def test_rate_match_live_tiny_model(workers: dict[str, str], tiny_llama: str,
     agg = res["aggregated"]
     assert [p["concurrency"] for p in agg["points"]] == list(concs)
     assert all(p["failed"] == 0 and p["tput_per_device"] > 0 for p in agg["points"])
-    (v,) = res["verify"]
-    assert (v["num_ctx"], v["num_gen"], v["devices"]) == (1, 1, 2)
-    fp = next(p for p in res["frontier"] if p["concurrency"] == v["concurrency_per_gen"])
-    assert v["concurrency"] == v["concurrency_per_gen"]
+
+
+def _check_verify_measured(v: dict[str, Any]) -> None:
+    """The verified point's end-to-end run: arrivals, requests, throughput, gap."""
     me, pr = v["measured"], v["predicted"]
     # Each prediction is measured under the arrivals of its binding side.
     assert me["arrivals"] == pr["arrivals"] == \
@@ -433,12 +432,26 @@ def test_rate_match_live_tiny_model(workers: dict[str, str], tiny_llama: str,
     assert me["output_throughput"] > 0 and me["run_output_throughput"] > 0
     assert v["gap_tput_per_device"] == pytest.approx(
         (me["tput_per_device"] - pr["tput_per_device"]) / pr["tput_per_device"])
+
+
+def _check_verify(res: dict[str, Any], tmp_path: Path) -> None:
+    """One 1 + 1 point verified end to end, its prediction from the rate-matched point."""
+    ctx, gen = res["context"], res["generation"]["points"]
+    (v,) = res["verify"]
+    assert (v["num_ctx"], v["num_gen"], v["devices"]) == (1, 1, 2)
+    fp = next(p for p in res["frontier"] if p["concurrency"] == v["concurrency_per_gen"])
+    assert v["concurrency"] == v["concurrency_per_gen"]
+    _check_verify_measured(v)
+    pr = v["predicted"]
     # The prediction is the rate-matched point's, capped by whichever side is short for 1 + 1.
     gp = next(p for p in gen if p["concurrency"] == v["concurrency_per_gen"])
     assert pr["request_rate"] == pytest.approx(min(gp["request_rate"], ctx["ctx_rate"]))
     assert pr["tput_per_device"] <= 2 * fp["tput_per_device"] + 1e-9
     assert (tmp_path / "logs" / "verify-0" / "verify-cluster.yaml").is_file()
 
+
+def _check_plots(tmp_path: Path, out: Path) -> None:
+    """The PNG beside the JSON, and `bench plot` redrawing it."""
     import matplotlib.image
 
     img = matplotlib.image.imread(str(tmp_path / "rm.png"))
@@ -447,6 +460,29 @@ def test_rate_match_live_tiny_model(workers: dict[str, str], tiny_llama: str,
     # `bench plot` redraws a rate-match result.
     assert cli_main(["bench", "plot", str(out), "--out-dir", str(tmp_path / "p")]) == 0
     assert matplotlib.image.imread(str(tmp_path / "p" / "rm.png")).shape == img.shape
+
+
+def test_rate_match_live_tiny_model(workers: dict[str, str], tiny_llama: str,
+                                    tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    gen_tokens_before = _metric(workers["gen"], "disagg_generation_tokens_total")
+    out = tmp_path / "rm.json"
+    isl, osl, concs, rounds, warmups = 48, 6, (1, 3), 2, 1
+    rc = _rate_match_cli(workers, tiny_llama, tmp_path, out, isl, osl, concs, rounds, warmups)
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    assert "Rate matching" in printed.out and "end to end" in printed.out
+    res = json.loads(out.read_text())
+    assert res["kind"] == "disagg-bench-rate-match" and res["model"] == NAME
+    _check_context_probes(res["context"])
+    _check_generation_points(res["generation"]["points"], concs, rounds, osl)
+    # Every generation-only request decoded exactly osl tokens on the generation worker
+    # (warmups included), and none of them pulled KV from anywhere.
+    sent = warmups + max(concs) + rounds * sum(concs)  # warmups: sequential, then one round
+    assert _metric(workers["gen"], "disagg_generation_tokens_total") - gen_tokens_before \
+        == sent * osl
+    _check_rate_matched_and_aggregated(res, concs, osl)
+    _check_verify(res, tmp_path)
+    _check_plots(tmp_path, out)
 
 
 def test_gen_only_needs_the_worker_flag(workers: dict[str, str], tiny_llama: str,

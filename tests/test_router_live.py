@@ -540,94 +540,133 @@ def test_conditional_disaggregation_prefills_short_uncached_parts_locally(
 # ---- a context worker killed under load, then back with another block size -------------------
 
 
-def test_kill_context_worker_under_load_then_restart_with_other_block_size(
-        workers: dict[str, Worker], model_dir: str, reference: str, loop: LoopThread) -> None:
-    ctx1, ctx2, gen = workers["ctx1"], workers["ctx2"], workers["gen"]
+def _kill_test_requests(reference: str) -> tuple[list[dict[str, Any]], dict[int, str]]:
+    """20 requests, every other one streamed, and the reference worker's text for each."""
     bodies = [{"model": NAME, "prompt": f"{PROMPTS[i % 3]} #{i}", "max_tokens": 32,
                "temperature": 0, "ignore_eos": True, "stream": i % 2 == 0} for i in range(20)]
     expected = {}
     for i, b in enumerate(bodies):
         r = httpx.post(reference + C, json={**b, "stream": False}, timeout=60)
         expected[i] = r.json()["choices"][0]["text"]
+    return bodies, expected
+
+
+def _send(url: str, b: dict[str, Any]) -> tuple[str | None, str | None]:
+    """(text, None) for a completion, (None, its error message) for a failed one."""
+    if b["stream"]:
+        with httpx.stream("POST", url + C, json=b, timeout=60) as r:
+            if r.status_code != 200:
+                return None, r.read().decode()
+            text, events = sse_text(C, r)
+            errs = [e["error"]["message"] for e in events if "error" in e]
+            return (None if errs else text), (errs[0] if errs else None)
+    r = httpx.post(url + C, json=b, timeout=60)
+    if r.status_code != 200:
+        return None, r.json()["error"]["message"]
+    return r.json()["choices"][0]["text"], None
+
+
+def _kill_under_load(url: str, bodies: list[dict[str, Any]], victim: Worker
+                     ) -> tuple[int, list[tuple[int, str | None, str | None]]]:
+    """A steady stream of the requests; ``victim`` killed once 4 have finished. (Requests
+    left when it died, (i, text, error) of each request.)"""
+    done = threading.Event()
+    finished: list[int] = []
+
+    def one(i: int) -> tuple[int, str | None, str | None]:
+        try:
+            return i, *_send(url, bodies[i])
+        finally:
+            finished.append(i)
+            if len(finished) >= 4:
+                done.set()
+
+    with cf.ThreadPoolExecutor(6) as pool:  # a steady stream of requests
+        futures = [pool.submit(one, i) for i in range(20)]
+        done.wait(60)
+        victim.proc.kill()  # mid-way: some requests are on it, prefilling or being read
+        left = 20 - len(finished)
+        victim.proc.wait(10)
+        results = [f.result(90) for f in futures]
+    return left, results
+
+
+def _check_kill_outcome(url: str, left: int, results: list[tuple[int, str | None, str | None]],
+                        expected: dict[int, str]) -> None:
+    """Right text or a clear error for every request; the kill noticed."""
+    assert left >= 6, f"only {left} requests were left when ctx2 died"
+    errors = []
+    for i, text, err in results:
+        if text is not None:
+            assert text == expected[i], (i, text, expected[i])  # never wrong text
+        else:
+            assert err, i  # a clear error
+            errors.append(err)
+    assert len(errors) <= 10, errors
+    # the kill was noticed: a retry elsewhere (or a clear error) for what was on ctx2
+    assert errors or metric(url, "disagg_router_retries_total", role="context") >= 1
+
+
+def _check_serves_without(url: str, dead: Worker, bodies: list[dict[str, Any]],
+                          expected: dict[int, str], survivors: list[Worker]) -> None:
+    """The router took ``dead`` out of rotation and keeps serving; nothing leaked."""
+    wait_for(lambda: not worker_info(url, dead.addr)["healthy"], 10, what="ctx2 out")
+    for i in range(4):
+        r = httpx.post(url + C, json={**bodies[i], "stream": False}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected[i]
+    for w in survivors:  # nothing leaked on the survivors
+        w.wait_blocks(0)
+
+
+def _restart_with_block_size_8(workers: dict[str, Worker], model_dir: str, url: str,
+                               old: Worker) -> Worker:
+    """``old`` back on the same port with tokens_per_block 8, once the router has it healthy
+    and indexed in the new block size."""
+    back = start_worker(workers["_tmp"], model_dir, "ctx2b", "context",  # type: ignore[arg-type]
+                        "--tokens-per-block", "8", port=old.port)
+    workers["ctx2"] = back
+    wait_healthy([back])
+    wait_for(lambda: worker_info(url, back.addr)["healthy"], 20, what="ctx2 back")
+    wait_for(lambda: (worker_info(url, back.addr)["kv_index"] or {}).get(
+        "tokens_per_block") == 8, 20, what="index in the new block size")
+    return back
+
+
+def _check_matches_in_blocks_of_8(url: str, back: Worker) -> None:
+    prefix = f"[restarted] {LONG}"
+    _warm(back, prefix)
+    wait_for(lambda: _index_blocks(url, back) >= 20, 15, what="index of ctx2 (B=8)")
+    m0 = metric(url, "disagg_router_kv_matched_tokens_total", role="context",
+                worker=back.addr)
+    r = httpx.post(url + C, json={"model": NAME, "prompt": prefix + " And then?",
+                                  "max_tokens": 3}, timeout=60)
+    assert r.status_code == 200
+    matched = metric(url, "disagg_router_kv_matched_tokens_total", role="context",
+                     worker=back.addr) - m0
+    # matched in blocks of 8 (a stale block size of 16 would match nothing at all)
+    assert matched >= 160 and matched % 8 == 0
+    assert worker_info(url, back.addr)["tokens_per_block"] == 8
+
+
+def test_kill_context_worker_under_load_then_restart_with_other_block_size(
+        workers: dict[str, Worker], model_dir: str, reference: str, loop: LoopThread) -> None:
+    ctx1, ctx2, gen = workers["ctx1"], workers["ctx2"], workers["gen"]
+    bodies, expected = _kill_test_requests(reference)
     cfg = disagg_config(workers, model_dir, {"type": "kv_cache_aware",
                                              "kv_events_poll_interval_sec": 0.05})
     # Healthy workers checked rarely: the requests, not a health check, find ctx2 dead.
     cfg["health_check_interval_sec"] = 10
     with running_router(cfg, loop) as url:
         wait_for(lambda: httpx.get(url + "/health").status_code == 200, 30, what="router")
-        done = threading.Event()
-        finished: list[int] = []
-
-        def one(i: int) -> tuple[int, str | None, str | None]:
-            b = bodies[i]
-            try:
-                if b["stream"]:
-                    with httpx.stream("POST", url + C, json=b, timeout=60) as r:
-                        if r.status_code != 200:
-                            return i, None, r.read().decode()
-                        text, events = sse_text(C, r)
-                        errs = [e["error"]["message"] for e in events if "error" in e]
-                        return i, (None if errs else text), (errs[0] if errs else None)
-                r = httpx.post(url + C, json=b, timeout=60)
-                if r.status_code != 200:
-                    return i, None, r.json()["error"]["message"]
-                return i, r.json()["choices"][0]["text"], None
-            finally:
-                finished.append(i)
-                if len(finished) >= 4:
-                    done.set()
-
-        with cf.ThreadPoolExecutor(6) as pool:  # a steady stream of requests
-            futures = [pool.submit(one, i) for i in range(20)]
-            done.wait(60)
-            ctx2.proc.kill()  # mid-way: some requests are on it, prefilling or being read
-            left = 20 - len(finished)
-            ctx2.proc.wait(10)
-            results = [f.result(90) for f in futures]
-        assert left >= 6, f"only {left} requests were left when ctx2 died"
-        errors = []
-        for i, text, err in results:
-            if text is not None:
-                assert text == expected[i], (i, text, expected[i])  # never wrong text
-            else:
-                assert err, i  # a clear error
-                errors.append(err)
-        assert len(errors) <= 10, errors
-        # the kill was noticed: a retry elsewhere (or a clear error) for what was on ctx2
-        assert errors or metric(url, "disagg_router_retries_total", role="context") >= 1
-        # the router took ctx2 out of rotation and keeps serving
-        wait_for(lambda: not worker_info(url, ctx2.addr)["healthy"], 10, what="ctx2 out")
-        for i in range(4):
-            r = httpx.post(url + C, json={**bodies[i], "stream": False}, timeout=60)
-            assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected[i]
-        ctx1.wait_blocks(0)  # nothing leaked on the survivors
-        gen.wait_blocks(0)
-
+        left, results = _kill_under_load(url, bodies, ctx2)
+        _check_kill_outcome(url, left, results, expected)
+        _check_serves_without(url, ctx2, bodies, expected, [ctx1, gen])
         # ctx2 comes back on the same port with tokens_per_block 8: the router re-checks it,
         # rebuilds its index in the new block size and matches with it.
-        back = start_worker(workers["_tmp"], model_dir, "ctx2b", "context",  # type: ignore[arg-type]
-                            "--tokens-per-block", "8", port=ctx2.port)
-        workers["ctx2"] = back
-        wait_healthy([back])
-        wait_for(lambda: worker_info(url, back.addr)["healthy"], 20, what="ctx2 back")
-        wait_for(lambda: (worker_info(url, back.addr)["kv_index"] or {}).get(
-            "tokens_per_block") == 8, 20, what="index in the new block size")
-        prefix = f"[restarted] {LONG}"
-        _warm(back, prefix)
-        wait_for(lambda: _index_blocks(url, back) >= 20, 15, what="index of ctx2 (B=8)")
-        m0 = metric(url, "disagg_router_kv_matched_tokens_total", role="context",
-                    worker=back.addr)
-        r = httpx.post(url + C, json={"model": NAME, "prompt": prefix + " And then?",
-                                      "max_tokens": 3}, timeout=60)
-        assert r.status_code == 200
-        matched = metric(url, "disagg_router_kv_matched_tokens_total", role="context",
-                         worker=back.addr) - m0
-        # matched in blocks of 8 (a stale block size of 16 would match nothing at all)
-        assert matched >= 160 and matched % 8 == 0
-        assert worker_info(url, back.addr)["tokens_per_block"] == 8
+        back = _restart_with_block_size_8(workers, model_dir, url, ctx2)
+        _check_matches_in_blocks_of_8(url, back)
     for w in (ctx1, back, gen):
         w.wait_blocks(0)
-
 
 
 def test_lease_freed_when_no_generation_worker_takes_the_request(

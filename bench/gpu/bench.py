@@ -489,28 +489,90 @@ def sec_refs(plan: Plan, dev: str, rep: Report) -> None:
     ])
 
 
-def sec_llama8b(plan: Plan, dev: str, rep: Report, tmp: Path) -> None:
-    bw, mm_rate = rep.results.get("bw"), rep.results.get("mm")
-    if bw is None or mm_rate is None:
-        raise RuntimeError("the references section did not run")
-    shape = plan.big
-    cfg = model_config(shape)
+def _build_llama8b_engine(plan: Plan, dev: str, tmp: Path) -> tuple[LLM, float]:
+    """The engine on the Llama-3-8B shape with random bf16 weights; (llm, build seconds)."""
     batches = plan.decode_batches
     max_new = plan.decode_steps + 2
     kv_tokens = max(max(batches) * (plan.decode_ctx + max_new + 64), plan.prefill_tokens + 256)
-    model_dir = write_config_dir(tmp / "big", shape)
+    model_dir = write_config_dir(tmp / "big", plan.big)
     t0 = time.perf_counter()
     with random_weights(seed=0):
         llm = LLM(model_dir, device=dev, dtype="bfloat16", kv_cache_tokens=kv_tokens,
                   max_num_tokens=max(plan.prefill_tokens, 256), max_batch_size=max(batches),
                   max_model_len=plan.prefill_tokens + 64, enable_prefix_caching=False,
                   tokens_per_block=32)
-    build_s = time.perf_counter() - t0
-    lines = []
+    return llm, time.perf_counter() - t0
+
+
+def _llama8b_decode_rows(plan: Plan, llm: LLM, cfg: ModelConfig, wbytes: float, bw: float,
+                         dev: str, rep: Report, lines: list[str], heads: list[str]) -> None:
+    """One table row and one headline part per decode batch, against the HBM roofline."""
+    per_tok = kv_bytes_per_token(cfg, 2)
+    targets = {1: 0.75, 64: 0.60}
+    for b in plan.decode_batches:
+        d = engine_decode(llm, b, plan.decode_ctx, plan.decode_steps, cfg.vocab_size,
+                          seed=100 + b)
+        nbytes = wbytes + b * d["mean_ctx"] * per_tok
+        roof = nbytes / bw
+        share = roof / d["step_s"]
+        tgt = targets.get(b, 0.60)
+        rep.results[f"decode_b{b}"] = {**d, "bytes": nbytes, "roofline_s": roof}
+        lines.append(f"| decode step, batch {b}, ~{d['mean_ctx']:.0f} context (median of "
+                     f"{d['steps']}; {d['graph_replays']} graph replays) "
+                     f"| {d['step_s'] * 1e3:.2f} ms | {gb(nbytes)} "
+                     f"(weights {gb(wbytes)} + KV {gb(nbytes - wbytes)}) "
+                     f"| roofline {roof * 1e3:.2f} ms | {pct(share)} "
+                     f"| >= {pct(tgt)}: {verdict(share >= tgt)} |")
+        heads.append(f"decode at batch {b} takes {d['step_s'] * 1e3:.2f} ms per step, "
+                     f"{share * 100:.0f}% of the HBM roofline ({roof * 1e3:.2f} ms to read "
+                     f"{gb(nbytes)}; target {pct(tgt)}: {verdict(share >= tgt)})")
+        free_device(dev)
+
+
+def _llama8b_prefill_row(plan: Plan, llm: LLM, cfg: ModelConfig, mm_rate: float, dev: str,
+                         rep: Report, lines: list[str], heads: list[str]) -> None:
+    """One request of prefill_tokens random tokens, one sampled token, against the matmul
+    rate: its table row and headline part."""
+    model = llm.engine.runner.model
+    T = plan.prefill_tokens
+    g = torch.Generator().manual_seed(7)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    times = []
+    for i in range(4):  # first: warm-up
+        prompt = torch.randint(3, cfg.vocab_size, (T,), generator=g).tolist()
+        sync(dev)
+        t0 = time.perf_counter()
+        llm.generate([prompt], params)
+        sync(dev)
+        if i:
+            times.append(time.perf_counter() - t0)
+    t = statistics.median(times)
+    lin = sum(p.numel() for n, p in model.named_parameters()
+              if p.dim() == 2 and "embed_tokens" not in n and "lm_head" not in n)
+    flops = (2 * lin * T + 2 * cfg.hidden_size * cfg.vocab_size
+             + 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
+             * T * (T + 1) / 2)
+    rate = flops / t
+    share = rate / mm_rate
+    rep.results["prefill"] = {"s": t, "flops": flops}
+    lines.append(f"| prefill of {T} tokens (median of {len(times)}) | {t * 1e3:.1f} ms "
+                 f"| {flops / 1e12:.3g} TFLOP -> {rate / 1e12:.3g} TFLOP/s "
+                 f"| matmul {mm_rate / 1e12:.3g} TFLOP/s | {pct(share)} "
+                 f"| >= 50%: {verdict(share >= 0.5)} |")
+    heads.append(f"a {T}-token prefill takes {t * 1e3:.0f} ms, {share * 100:.0f}% of the "
+                 f"measured bf16 matmul rate (target 50%: {verdict(share >= 0.5)})")
+
+
+def sec_llama8b(plan: Plan, dev: str, rep: Report, tmp: Path) -> None:
+    bw, mm_rate = rep.results.get("bw"), rep.results.get("mm")
+    if bw is None or mm_rate is None:
+        raise RuntimeError("the references section did not run")
+    cfg = model_config(plan.big)
+    llm, build_s = _build_llama8b_engine(plan, dev, tmp)
+    lines: list[str] = []
     try:
         model = llm.engine.runner.model
         wbytes = param_bytes(model, exclude_embedding=True)
-        per_tok = kv_bytes_per_token(cfg, 2)
         lines.append(f"Engine built with random bf16 weights on the device in {build_s:.1f} s "
                      f"({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters; "
                      f"runner: {runner_features(llm)}).")
@@ -518,54 +580,9 @@ def sec_llama8b(plan: Plan, dev: str, rep: Report, tmp: Path) -> None:
         lines.append("| measurement | time | bytes or FLOPs | reference | share of reference "
                      "| target |")
         lines.append("|---|---|---|---|---|---|")
-        heads = []
-        targets = {1: 0.75, 64: 0.60}
-        for b in batches:
-            d = engine_decode(llm, b, plan.decode_ctx, plan.decode_steps, cfg.vocab_size,
-                              seed=100 + b)
-            nbytes = wbytes + b * d["mean_ctx"] * per_tok
-            roof = nbytes / bw
-            share = roof / d["step_s"]
-            tgt = targets.get(b, 0.60)
-            rep.results[f"decode_b{b}"] = {**d, "bytes": nbytes, "roofline_s": roof}
-            lines.append(f"| decode step, batch {b}, ~{d['mean_ctx']:.0f} context (median of "
-                         f"{d['steps']}; {d['graph_replays']} graph replays) "
-                         f"| {d['step_s'] * 1e3:.2f} ms | {gb(nbytes)} "
-                         f"(weights {gb(wbytes)} + KV {gb(nbytes - wbytes)}) "
-                         f"| roofline {roof * 1e3:.2f} ms | {pct(share)} "
-                         f"| >= {pct(tgt)}: {verdict(share >= tgt)} |")
-            heads.append(f"decode at batch {b} takes {d['step_s'] * 1e3:.2f} ms per step, "
-                         f"{share * 100:.0f}% of the HBM roofline ({roof * 1e3:.2f} ms to read "
-                         f"{gb(nbytes)}; target {pct(tgt)}: {verdict(share >= tgt)})")
-            free_device(dev)
-        # Prefill: one request of prefill_tokens random tokens, one sampled token.
-        T = plan.prefill_tokens
-        g = torch.Generator().manual_seed(7)
-        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-        times = []
-        for i in range(4):  # first: warm-up
-            prompt = torch.randint(3, cfg.vocab_size, (T,), generator=g).tolist()
-            sync(dev)
-            t0 = time.perf_counter()
-            llm.generate([prompt], params)
-            sync(dev)
-            if i:
-                times.append(time.perf_counter() - t0)
-        t = statistics.median(times)
-        lin = sum(p.numel() for n, p in model.named_parameters()
-                  if p.dim() == 2 and "embed_tokens" not in n and "lm_head" not in n)
-        flops = (2 * lin * T + 2 * cfg.hidden_size * cfg.vocab_size
-                 + 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim
-                 * T * (T + 1) / 2)
-        rate = flops / t
-        share = rate / mm_rate
-        rep.results["prefill"] = {"s": t, "flops": flops}
-        lines.append(f"| prefill of {T} tokens (median of {len(times)}) | {t * 1e3:.1f} ms "
-                     f"| {flops / 1e12:.3g} TFLOP -> {rate / 1e12:.3g} TFLOP/s "
-                     f"| matmul {mm_rate / 1e12:.3g} TFLOP/s | {pct(share)} "
-                     f"| >= 50%: {verdict(share >= 0.5)} |")
-        heads.append(f"a {T}-token prefill takes {t * 1e3:.0f} ms, {share * 100:.0f}% of the "
-                     f"measured bf16 matmul rate (target 50%: {verdict(share >= 0.5)})")
+        heads: list[str] = []
+        _llama8b_decode_rows(plan, llm, cfg, wbytes, bw, dev, rep, lines, heads)
+        _llama8b_prefill_row(plan, llm, cfg, mm_rate, dev, rep, lines, heads)
         lines.insert(0, "**Headline:** on the Llama-3-8B shape " + "; ".join(heads) + ".")
         lines.insert(1, "")
         lines.append("")
@@ -955,12 +972,10 @@ def _router(cluster: dict[str, Any], port: int, logs: Path, name: str) -> _Proc:
     return _start(["router", "-c", str(path), "--log-level", "warning"], name, port, logs)
 
 
-def sec_serve(plan: Plan, dev: str, rep: Report, tmp: Path) -> None:
-    from disagg.bench.client import make_transport
-    from disagg.bench.datasets import load_bench_tokenizer, sample_random
-    from disagg.bench.runner import BenchmarkConfig, run_benchmark
+def _serve_model(plan: Plan, tmp: Path) -> tuple[int, str, Any]:
+    """The SmolLM2-shape checkpoint the serve section runs: (vocabulary, path, tokenizer)."""
+    from disagg.bench.datasets import load_bench_tokenizer
     from disagg.model.tiny import build_tokenizer
-    from disagg.transfer.ucx import ucx_available
 
     # The checkpoint's trained tokenizer has far fewer tokens than SmolLM2's 49152: a model
     # of that vocabulary mostly samples ids that decode to no text, its stream then carries
@@ -968,9 +983,11 @@ def sec_serve(plan: Plan, dev: str, rep: Report, tmp: Path) -> None:
     # the vocabulary is the tokenizer's, so every token is a text chunk.
     vocab = build_tokenizer(plan.smol["vocab_size"]).get_vocab_size()
     model = write_checkpoint(tmp / "serve-model", {**plan.smol, "vocab_size": vocab})
-    tok = load_bench_tokenizer(model)
-    logs = tmp / "serve-logs"
-    logs.mkdir(exist_ok=True)
+    return vocab, model, load_bench_tokenizer(model)
+
+
+def _serve_memory(dev: str) -> tuple[int, list[str], str]:
+    """Each worker's memory limits: (KV tokens, memory flag for `serve`, the report's words)."""
     helptext = _serve_flags()
     m = re.search(r"--gpu-memory-(fraction|utilization)\b", helptext)
     share = 0.35 if dev.startswith("cuda") else None
@@ -984,80 +1001,79 @@ def sec_serve(plan: Plan, dev: str, rep: Report, tmp: Path) -> None:
         why = ("on a CPU" if share is None else
                "no GPU memory share option in this tree: activations are not capped")
         memory = f"each worker at most {per_worker_kv} KV tokens ({why})"
-    ok, _why = ucx_available()
-    backend = "UCX" if ok else "TCP"
-    common = ["serve", model, "--served-model-name", NAME, "--log-level", "warning",
-              "--device", dev, "--dtype", "bfloat16", "--kv-cache-tokens", str(per_worker_kv),
-              "--max-model-len", str(plan.serve_isl + plan.serve_osl + 64),
-              "--max-num-tokens", str(max(2048, plan.serve_isl + 64)),
-              "--no-enable-prefix-caching", *mem_flag]
+    return per_worker_kv, mem_flag, memory
+
+
+async def _serve_run_rates(url: str, plan: Plan, tok: Any) -> list[dict[str, Any]]:
+    """A warm-up, then each of the plan's request rates against ``url``: one result a rate."""
+    from disagg.bench.client import make_transport
+    from disagg.bench.datasets import sample_random
+    from disagg.bench.runner import BenchmarkConfig, run_benchmark
+
+    tr = make_transport("auto", 600)
+    out = []
+    warm = sample_random(tok, 4, plan.serve_isl, plan.serve_osl, seed=999,
+                         as_token_ids=True)
+    await run_benchmark(BenchmarkConfig(base_url=url, model=NAME, ignore_eos=True,
+                                        max_concurrency=2), warm, transport=tr)
+    for i, rate in enumerate(plan.serve_rates):
+        n = max(8, round(rate * plan.serve_seconds))
+        samples = sample_random(tok, n, plan.serve_isl, plan.serve_osl, seed=i,
+                                as_token_ids=True)
+        cfg = BenchmarkConfig(base_url=url, model=NAME, request_rate=rate,
+                              ignore_eos=True, goodput_slos_ms=plan.slo_ms,
+                              percentiles=(50.0, 99.0), seed=i, exact_rate=True,
+                              request_timeout_s=120)
+        res = await run_benchmark(cfg, samples, transport=tr)
+        s = res.summary
+        # Streamed chunks per generated token: TTFT / TPOT mean something only when
+        # tokens arrive one by one (about 1 chunk a token).
+        toks = sum(r.output_tokens or 0 for r in res.records if r.success)
+        chunks = sum(len(r.itl) + 1 for r in res.records if r.success and r.output_tokens)
+        out.append({"rate": rate, "n": n, "s": s,
+                    "chunks_per_token": chunks / toks if toks else 0.0})
+        print(f"  {url} rate {rate}: TTFT p99 {s['p99_ttft_ms']:.0f} ms, TPOT p99 "
+              f"{s['p99_tpot_ms']:.1f} ms, goodput {s['request_goodput']}", flush=True)
+    await tr.aclose()
+    return out
+
+
+def _serve_cluster(label: str, workers: list[tuple[str, list[str]]], common: list[str],
+                   logs: Path, plan: Plan, tok: Any) -> list[dict[str, Any]]:
+    """Start one system's workers and its router, run the rates through the router, stop."""
+    ports = free_ports(len(workers) + 1)
+    procs: list[_Proc] = []
+    try:
+        for (name, extra), port in zip(workers, ports, strict=False):
+            procs.append(_start([*common, "--port", str(port), *extra],
+                                f"{label[:4]}-{name}", port, logs))
+        _wait(procs, 240)
+        urls = [p.url[7:] for p in procs]
+        if label.startswith("disagg"):
+            cluster = {"context_servers": {"num_instances": 1, "urls": urls[:1],
+                                           "router": {"type": "load_balancing"}},
+                       "generation_servers": {"num_instances": 1, "urls": urls[1:],
+                                              "router": {"type": "load_balancing"}}}
+        else:
+            cluster = {"generation_servers": {"num_instances": 2, "urls": urls,
+                                              "router": {"type": "load_balancing"}}}
+        router = _router(cluster, ports[-1], logs, f"router-{label[:4]}")
+        procs.append(router)
+        _wait([router], 60)
+        return asyncio.run(_serve_run_rates(router.url, plan, tok))
+    except Exception:
+        for p in procs:
+            print(f"--- {p.name} log tail:\n{p.log.read_text()[-2000:]}", flush=True)
+        raise
+    finally:
+        _stop(procs)
+        time.sleep(1.0)
+
+
+def _serve_lines(plan: Plan, dis: list[dict[str, Any]], agg: list[dict[str, Any]], vocab: int,
+                 memory: str) -> list[str]:
+    """The serve section: headline, one table row per rate and system, the workload."""
     slos = plan.slo_ms
-
-    async def run_rates(url: str) -> list[dict[str, Any]]:
-        tr = make_transport("auto", 600)
-        out = []
-        warm = sample_random(tok, 4, plan.serve_isl, plan.serve_osl, seed=999,
-                             as_token_ids=True)
-        await run_benchmark(BenchmarkConfig(base_url=url, model=NAME, ignore_eos=True,
-                                            max_concurrency=2), warm, transport=tr)
-        for i, rate in enumerate(plan.serve_rates):
-            n = max(8, round(rate * plan.serve_seconds))
-            samples = sample_random(tok, n, plan.serve_isl, plan.serve_osl, seed=i,
-                                    as_token_ids=True)
-            cfg = BenchmarkConfig(base_url=url, model=NAME, request_rate=rate,
-                                  ignore_eos=True, goodput_slos_ms=slos,
-                                  percentiles=(50.0, 99.0), seed=i, exact_rate=True,
-                                  request_timeout_s=120)
-            res = await run_benchmark(cfg, samples, transport=tr)
-            s = res.summary
-            # Streamed chunks per generated token: TTFT / TPOT mean something only when
-            # tokens arrive one by one (about 1 chunk a token).
-            toks = sum(r.output_tokens or 0 for r in res.records if r.success)
-            chunks = sum(len(r.itl) + 1 for r in res.records if r.success and r.output_tokens)
-            out.append({"rate": rate, "n": n, "s": s,
-                        "chunks_per_token": chunks / toks if toks else 0.0})
-            print(f"  {url} rate {rate}: TTFT p99 {s['p99_ttft_ms']:.0f} ms, TPOT p99 "
-                  f"{s['p99_tpot_ms']:.1f} ms, goodput {s['request_goodput']}", flush=True)
-        await tr.aclose()
-        return out
-
-    results: dict[str, list[dict[str, Any]]] = {}
-    clusters = {
-        f"disaggregated (1 context + 1 generation, KV over {backend})": [
-            ("context", ["--role", "context", "--kv-transfer-backend", backend]),
-            ("generation", ["--role", "generation", "--kv-transfer-backend", backend])],
-        "aggregated (2 workers)": [("agg0", ["--role", "aggregated"]),
-                                   ("agg1", ["--role", "aggregated"])],
-    }
-    for label, workers in clusters.items():
-        ports = free_ports(len(workers) + 1)
-        procs: list[_Proc] = []
-        try:
-            for (name, extra), port in zip(workers, ports, strict=False):
-                procs.append(_start([*common, "--port", str(port), *extra],
-                                    f"{label[:4]}-{name}", port, logs))
-            _wait(procs, 240)
-            urls = [p.url[7:] for p in procs]
-            if label.startswith("disagg"):
-                cluster = {"context_servers": {"num_instances": 1, "urls": urls[:1],
-                                               "router": {"type": "load_balancing"}},
-                           "generation_servers": {"num_instances": 1, "urls": urls[1:],
-                                                  "router": {"type": "load_balancing"}}}
-            else:
-                cluster = {"generation_servers": {"num_instances": 2, "urls": urls,
-                                                  "router": {"type": "load_balancing"}}}
-            router = _router(cluster, ports[-1], logs, f"router-{label[:4]}")
-            procs.append(router)
-            _wait([router], 60)
-            results[label] = asyncio.run(run_rates(router.url))
-        except Exception:
-            for p in procs:
-                print(f"--- {p.name} log tail:\n{p.log.read_text()[-2000:]}", flush=True)
-            raise
-        finally:
-            _stop(procs)
-            time.sleep(1.0)
-    dis, agg = list(results.values())
     kv_mib = plan.serve_isl * kv_bytes_per_token(model_config(plan.smol), 2) / 2**20
     lines = ["| rate (req/s) | system | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | output "
              "tok/s | goodput (req/s) | failed | stream chunks per token |",
@@ -1088,7 +1104,35 @@ def sec_serve(plan: Plan, dev: str, rep: Report, tmp: Path) -> None:
               f"{slos['tpot']:g} ms. Both systems: two worker processes sharing the device, "
               f"{memory}; prefix caching off. Aggregated: router load balancing (least "
               f"active requests) over two aggregated workers."]
-    rep.add("Disaggregated against aggregated on one device", lines)
+    return lines
+
+
+def sec_serve(plan: Plan, dev: str, rep: Report, tmp: Path) -> None:
+    from disagg.transfer.ucx import ucx_available
+
+    vocab, model, tok = _serve_model(plan, tmp)
+    logs = tmp / "serve-logs"
+    logs.mkdir(exist_ok=True)
+    per_worker_kv, mem_flag, memory = _serve_memory(dev)
+    ok, _why = ucx_available()
+    backend = "UCX" if ok else "TCP"
+    common = ["serve", model, "--served-model-name", NAME, "--log-level", "warning",
+              "--device", dev, "--dtype", "bfloat16", "--kv-cache-tokens", str(per_worker_kv),
+              "--max-model-len", str(plan.serve_isl + plan.serve_osl + 64),
+              "--max-num-tokens", str(max(2048, plan.serve_isl + 64)),
+              "--no-enable-prefix-caching", *mem_flag]
+    clusters = {
+        f"disaggregated (1 context + 1 generation, KV over {backend})": [
+            ("context", ["--role", "context", "--kv-transfer-backend", backend]),
+            ("generation", ["--role", "generation", "--kv-transfer-backend", backend])],
+        "aggregated (2 workers)": [("agg0", ["--role", "aggregated"]),
+                                   ("agg1", ["--role", "aggregated"])],
+    }
+    results = {label: _serve_cluster(label, workers, common, logs, plan, tok)
+               for label, workers in clusters.items()}
+    dis, agg = list(results.values())
+    rep.add("Disaggregated against aggregated on one device",
+            _serve_lines(plan, dis, agg, vocab, memory))
 
 
 def _serve_sentence(d: dict[str, Any], a: dict[str, Any], kv_mib: float) -> str:
