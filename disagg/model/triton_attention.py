@@ -182,6 +182,36 @@ if HAS_TRITON:
                  res.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
     @triton.jit
+    def _seq_of_q_block(qsl_ptr, q0, num_seqs, pid, BLOCK_Q: tl.constexpr):
+        """The sequence q-block ``pid`` belongs to: sequence i owns q-blocks
+        [qb_i, qb_{i+1}) with qb_i = (qsl[i] - qsl[0]) // BLOCK_Q + i (every sequence starts a
+        new block), so it is the last i with qb_i <= pid (binary search over qsl)."""
+        lo = 0
+        hi = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            qb = (tl.load(qsl_ptr + mid) - q0) // BLOCK_Q + mid
+            if qb <= pid:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo - 1
+
+    @triton.jit
+    def _softmax_tile(qk, v, m_i, l_i, acc, MASKED: tl.constexpr):
+        """One key tile of online softmax (log2 units): the running max ``m_i``, sum ``l_i``
+        and output ``acc`` of every query row after the tile's scores ``qk`` and values
+        ``v``. ``MASKED``: rows may have no key yet (-inf everywhere), kept at weight 0."""
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        if MASKED:
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows past q_len
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _prefill_kernel(
         q_ptr, kv_ptr, bt_ptr, lens_ptr, qsl_ptr, out_ptr,
         qk_scale, num_seqs,
@@ -195,18 +225,8 @@ if HAS_TRITON:
     ):
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
-        # Sequence of this q-block: the last i with qb_i <= pid (binary search over qsl).
         q0 = tl.load(qsl_ptr)
-        lo = 0
-        hi = num_seqs
-        while lo < hi:
-            mid = (lo + hi) // 2
-            qb = (tl.load(qsl_ptr + mid) - q0) // BLOCK_Q + mid
-            if qb <= pid:
-                lo = mid + 1
-            else:
-                hi = mid
-        seq = lo - 1
+        seq = _seq_of_q_block(qsl_ptr, q0, num_seqs, pid, BLOCK_Q)
         q_begin = tl.load(qsl_ptr + seq)
         q_len = tl.load(qsl_ptr + seq + 1) - q_begin
         first_tok = (pid - ((q_begin - q0) // BLOCK_Q + seq)) * BLOCK_Q
@@ -243,12 +263,7 @@ if HAS_TRITON:
                 v = tl.load(row[:, None] + stride_kkv + d[None, :], mask=d_ok[None, :],
                             other=0.0)
                 qk = _dot(q.to(k.dtype), k) * qk_scale
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                p = tl.exp2(qk - m_new[:, None])
-                alpha = tl.exp2(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v)
-                m_i = m_new
+                m_i, l_i, acc = _softmax_tile(qk, v, m_i, l_i, acc, False)
             for n0 in range(full_end, kv_end, TILE_N):
                 pos = n0 + tl.arange(0, TILE_N)
                 p_ok = pos < kv_end
@@ -261,13 +276,7 @@ if HAS_TRITON:
                 qk = _dot(q.to(k.dtype), k) * qk_scale
                 causal = (pos[None, :] <= q_pos[:, None]) & p_ok[None, :]
                 qk = tl.where(causal, qk, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, 1))
-                m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows past q_len
-                p = tl.exp2(qk - m_new[:, None])
-                alpha = tl.exp2(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v)
-                m_i = m_new
+                m_i, l_i, acc = _softmax_tile(qk, v, m_i, l_i, acc, True)
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh
                      + d[None, :], o.to(out_ptr.dtype.element_ty),
