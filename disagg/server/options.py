@@ -91,7 +91,8 @@ SERVER_OPTIONS: dict[str, Opt] = {
     "role": Opt(str, "worker role (default aggregated); context / generation serve "
                  "disaggregated requests", choices=ROLES),
     "kv_transfer_backend": Opt(str, "KV transfer backend of a context/generation worker "
-                                "(default UCX; YAML: cache_transceiver_config.backend)",
+                                "(default: UCX when ucxx imports, else TCP; YAML: "
+                                "cache_transceiver_config.backend)",
                                 choices=("UCX", "TCP", "ucx", "tcp")),
     "kv_transfer_host": Opt(str, "address the context worker's KV transfer server binds and "
                              "advertises (default: --host)", metavar="HOST"),

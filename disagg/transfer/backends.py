@@ -1,4 +1,5 @@
-"""The transport backend registry: ``make_backend("UCX" | "TCP")``.
+"""The transport backend registry: ``make_backend("UCX" | "TCP")``, and ``default_backend()``
+(UCX when ucxx imports, TCP otherwise).
 
 ``base`` defines the ``TransportBackend`` abstraction and knows no implementation; ``tcp`` and
 ``ucx`` implement it; this module is the one place that knows them all. Importing it imports
@@ -10,9 +11,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from disagg.transfer import ucx
 from disagg.transfer.base import CacheTransceiverConfig, TransportBackend
 from disagg.transfer.tcp import TcpBackend
 from disagg.transfer.ucx import UcxBackend
+
+
+def default_backend() -> tuple[str, str]:
+    """The backend of a worker that names none, and why: ``("UCX", ...)`` when ucxx imports
+    (the `ucx` extra, which the `serve` extra installs), else ``("TCP", why not UCX)``. An
+    explicit choice never comes here: an explicit UCX without ucxx stays an error."""
+    ok, detail = ucx.ucx_available()
+    if ok:
+        return "UCX", f"the default: ucxx {detail} imports"
+    return "TCP", (f"the fallback default: {detail}; install the `ucx` extra "
+                   f"(pip install 'disagg[ucx]') for UCX")
 
 
 def make_backend(
