@@ -16,6 +16,9 @@ def test_demo_is_the_launch_demo():
     args = build_parser().parse_args(["demo", "--max-tokens", "8", "--keep-running"])
     assert args.func is run and args.config is None and args.model is None
     assert args.max_tokens == 8 and args.keep_running and args.timeout > 0
+    assert args.message == "What is the capital of France?"
+    # The demo's model choice (SmolLM2, else tiny) can be overridden as with `launch`.
+    assert build_parser().parse_args(["demo", "--model", "tiny"]).model == "tiny"
 
 
 def test_generate_cli(tiny_llama):
