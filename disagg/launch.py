@@ -730,8 +730,9 @@ def demo_report(cluster: Cluster, before: Mapping[str, float]) -> list[str]:
         kv = {k: v - before.get(k, 0.0) for k, v in now.items()}
         if "disagg_kv_transfer_bytes_total" in kv:
             n_bytes = kv["disagg_kv_transfer_bytes_total"]
-            lines.append(f"KV moved context -> generation over {backend}: "
-                         f"{kv.get('disagg_kv_transfer_blocks_total', 0):.0f} blocks, "
+            blocks = round(kv.get("disagg_kv_transfer_blocks_total", 0))
+            lines.append(f"KV moved context -> generation over {backend}: {blocks} "
+                         f"block{'' if blocks == 1 else 's'}, "
                          f"{n_bytes:,.0f} bytes ({n_bytes / 2**20:.2f} MiB) in "
                          f"{_ms(kv.get('disagg_kv_transfer_seconds_sum'))}")
         else:

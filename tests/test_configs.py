@@ -196,7 +196,7 @@ def test_packaged_model_that_cannot_be_fetched_is_a_launch_error(monkeypatch):
     assert "no network" in str(err.value)
 
 
-def test_gguf_file_in_the_yaml_is_imported_once(monkeypatch, tmp_path: Path):
+def test_gguf_file_in_the_yaml_is_imported_into_the_cache(monkeypatch, tmp_path: Path):
     pytest.importorskip("gguf")
     from test_gguf import hf_checkpoint, write_gguf
 

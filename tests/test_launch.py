@@ -148,7 +148,7 @@ def _config(tmp_path: Path, name: str, instances: dict[str, int] | None = None,
     return str(path), data["port"]
 
 
-KV_MOVED_RE = re.compile(r"KV moved context -> generation over (UCX|TCP): (\d+) blocks, "
+KV_MOVED_RE = re.compile(r"KV moved context -> generation over (UCX|TCP): (\d+) blocks?, "
                          r"([\d,]+) bytes \([\d.]+ MiB\) in \d+ ms")
 TIMINGS_RE = re.compile(r"timings since the command started: model ready [\d.]+ s \| workers "
                         r"healthy [\d.]+ s \| router healthy [\d.]+ s \| answer printed "
