@@ -1,13 +1,15 @@
 """How long a worker's first start waits for the CPU kernels: the former build (a
 ``torch.utils.cpp_extension`` module, torch headers and pybind11, as ``disagg/model/kernels.py``
 was at commit ``BASE``) against the current one (plain C++ shared libraries loaded with ctypes),
-each from a clean cache directory; then whether the two builds compute bit-identical results.
+each from a clean cache directory; then whether the two builds compute bit-identical results,
+how long a call of each takes and what that makes of the engine's decode step.
 
     python bench/kernel_build.py [--out bench/results/kernel_build.md]
 
 Each build runs in a fresh Python process (torch imported first, not timed): the time is that of
 the first ``paged_decode_kernel()`` plus ``small_linear_kernel()`` call, what a worker's first
-start waits for; then a second process times the same calls with the cache filled. The former
+start waits for (``--new-runs`` / ``--old-runs`` clean builds, the median reported); then a
+second process times the same calls with the cache filled. The former
 module and its sources are read from git (``git show BASE:...``) into a temporary directory.
 """
 
@@ -17,6 +19,8 @@ import argparse
 import json
 import os
 import platform
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -92,7 +96,37 @@ for name, (o, n, args) in calls.items():
     rounds = [[timeit.timeit(lambda f=f: f(*args), number=2000) / 2000 * 1e6 for f in (o, n)]
               for _ in range(5)]
     us[name] = [min(r[0] for r in rounds), min(r[1] for r in rounds)]
-print(json.dumps({"cases": cases, "differ": differ, "call_us": us}))
+
+# The engine's decode step (tiny 8-layer model, prompt 256, one torch thread), its kernels
+# switched between the two builds at every step: median step time of each.
+import random, statistics, tempfile, time
+from disagg import SamplingParams
+from disagg.engine import LLMEngine
+from disagg.model.tiny import write_tiny_checkpoint
+SIZES = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+             num_key_value_heads=4, vocab_size=2048, max_position_embeddings=2048)
+step_ms = {}
+with tempfile.TemporaryDirectory() as tmp:
+    model_dir = write_tiny_checkpoint(os.path.join(tmp, "m"), seed=0, **SIZES)
+    for batch in (1, 8):
+        eng = LLMEngine.from_options(model_dir, kv_cache_tokens=32768, max_model_len=1024)
+        model, rng = eng.runner.model, random.Random(batch)
+        for i in range(batch):
+            eng.add_request(f"r{i}", [rng.randrange(2048) for _ in range(256)],
+                            SamplingParams(max_tokens=220, ignore_eos=True))
+        for _ in range(6):
+            eng.step()
+        times = ([], [])
+        for i in range(200):
+            side = i % 2
+            model.workspace.decode_kernel = (oa, na)[side]
+            model.use_linear_kernel((ol, nl)[side])
+            t0 = time.perf_counter()
+            eng.step()
+            times[side].append(time.perf_counter() - t0)
+        eng.shutdown()
+        step_ms[batch] = [statistics.median(t) * 1e3 for t in times]
+print(json.dumps({"cases": cases, "differ": differ, "call_us": us, "step_ms": step_ms}))
 """
 
 
@@ -114,14 +148,17 @@ def _old_module(tmp: Path) -> Path:
     return tmp / "old" / "kernels.py"
 
 
-def measure() -> dict:
+def measure(runs: dict[str, int]) -> dict:
+    """Clean builds (``runs[label]`` each, a fresh cache directory each), a cached load, and the
+    comparison of the two builds."""
     with tempfile.TemporaryDirectory(prefix="kernel-build-") as tmp:
         old = _old_module(Path(tmp))
         res: dict = {"load_before": os.getloadavg()[0]}
         for label, arg in (("new", "new"), ("old", str(old))):
-            cache = str(Path(tmp) / f"cache-{label}")
-            res[label] = {"clean": _child(TIME_BUILD, [arg], cache),
-                          "cached": _child(TIME_BUILD, [arg], cache)}
+            caches = [str(Path(tmp) / f"cache-{label}-{i}") for i in range(runs[label])]
+            res[label] = {"clean": [_child(TIME_BUILD, [arg], c) for c in caches]}
+            res[label]["cached"] = _child(TIME_BUILD, [arg], caches[0])
+            shutil.move(caches[0], str(Path(tmp) / f"cache-{label}"))
         res["compare"] = _child(COMPARE, [str(old), str(Path(tmp) / "cache-old")],
                                 str(Path(tmp) / "cache-new"))
         res["load_after"] = os.getloadavg()[0]
@@ -131,13 +168,17 @@ def measure() -> dict:
 def report(res: dict, argv: list[str]) -> str:
     import torch
 
+    def clean_s(label: str) -> float:
+        return statistics.median(c["s"] for c in res[label]["clean"])
+
     def row(label: str, what: str) -> str:
         r = res[label]
-        assert all(r["clean"]["ok"]) and all(r["cached"]["ok"]), f"{label} kernels missing: {r}"
-        return f"| {what} | {r['clean']['s']:.1f} | {r['cached']['s']:.3f} |"
+        assert all(all(c["ok"]) for c in [*r["clean"], r["cached"]]), f"{label}: {r}"
+        each = ", ".join(f"{c['s']:.1f}" for c in r["clean"])
+        return f"| {what} | {clean_s(label):.1f} ({each}) | {r['cached']['s']:.3f} |"
 
     cmp = res["compare"]
-    speedup = res["old"]["clean"]["s"] / res["new"]["clean"]["s"]
+    speedup = clean_s("old") / clean_s("new")
     return "\n".join([
         "# CPU kernel build time (first start)", "",
         "Produced by `python bench/kernel_build.py`; the section below is the script's own "
@@ -148,9 +189,10 @@ def report(res: dict, argv: list[str]) -> str:
         f"{res['load_before']:.2f}, after {res['load_after']:.2f}",
         f"- command: `python {' '.join(argv)}`",
         "- time of the first `paged_decode_kernel()` + `small_linear_kernel()` call in a fresh "
-        "process (torch already imported), clean cache directory, then with the cache filled",
+        "process (torch already imported): from a clean cache directory (median of the runs, "
+        "each run), then with the cache filled",
         "",
-        "| build | clean cache s | cached s |", "|---|---|---|",
+        "| build | clean cache s (runs) | cached s |", "|---|---|---|",
         row("old", f"torch extension (`torch.utils.cpp_extension.load`, commit {BASE[:7]})"),
         row("new", "plain C++ shared libraries, ctypes (this tree)"),
         "",
@@ -162,7 +204,13 @@ def report(res: dict, argv: list[str]) -> str:
         "allocation, the ctypes call) against the extension's C++ side (min of 5 rounds of 2000 "
         "calls):", "",
         "| call | torch extension us | ctypes us |", "|---|---|---|",
-        *[f"| {name} | {o:.1f} | {n:.1f} |" for name, (o, n) in cmp["call_us"].items()], ""])
+        *[f"| {name} | {o:.1f} | {n:.1f} |" for name, (o, n) in cmp["call_us"].items()], "",
+        "What that costs a decode step of the engine (tiny model: 8 layers, hidden 512; prompt "
+        "256; one torch thread; kernels switched between the builds at every step, median of "
+        "100 steps each):", "",
+        "| batch | torch extension ms | ctypes ms | change |", "|---|---|---|---|",
+        *[f"| {b} | {o:.2f} | {n:.2f} | {(n / o - 1) * 100:+.1f}% |"
+          for b, (o, n) in cmp["step_ms"].items()], ""])
 
 
 def _compiler_version() -> str:
@@ -176,8 +224,11 @@ def _compiler_version() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "kernel_build.md"))
+    ap.add_argument("--new-runs", type=int, default=3, help="clean builds of the current kernels")
+    ap.add_argument("--old-runs", type=int, default=1,
+                    help="clean builds of the former extension (slow: torch headers)")
     args = ap.parse_args()
-    text = report(measure(), sys.argv)
+    text = report(measure({"new": args.new_runs, "old": args.old_runs}), sys.argv)
     Path(args.out).write_text(text)
     print(text)
 

@@ -183,7 +183,7 @@ def _build(name: str, source: Path, what: str, fallback: str) -> ctypes.PyDLL | 
             t0 = time.monotonic()
             _compile(compiler, source, target)
             logger.info("built the CPU %s kernel in %.1f s (cached in %s)", what,
-                           time.monotonic() - t0, build_dir)
+                        time.monotonic() - t0, build_dir)
             lib = _load(target)
             if lib is None:
                 raise RuntimeError(f"{target} does not load")
@@ -194,6 +194,8 @@ def _build(name: str, source: Path, what: str, fallback: str) -> ctypes.PyDLL | 
         return None
 
 
+# Looked up once: the wrappers below run for every projection and layer of a decode step.
+_F32, _I64, _num_threads = torch.float32, torch.int64, torch.get_num_threads
 _DECODE_DTYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
 _DECODE_ERRORS = {1: "sequence length out of range of its block table",
                   2: "block id out of range", 3: "unsupported dtype"}
@@ -221,7 +223,7 @@ class _PagedDecode:
         strides = kv_layer.stride()
         if not (len(strides) == 5 and kv_layer.shape[1] == 2 and strides[4] == 1):
             raise RuntimeError("kv_layer must be [N, 2, Hkv, B, D] with a dense last dim")
-        if q.dtype != kv_layer.dtype:
+        if q.dtype is not kv_layer.dtype:
             raise RuntimeError("q and kv_layer dtypes differ")
         dtype = _DECODE_DTYPES.get(q.dtype)
         if dtype is None:
@@ -233,16 +235,16 @@ class _PagedDecode:
         if hq % hkv:
             raise RuntimeError("query heads not a multiple of kv heads")
         t_strides = tables.stride()
-        if not (tables.dtype == torch.int64 and len(t_strides) == 2 and t_strides[1] == 1
+        if not (tables.dtype is _I64 and len(t_strides) == 2 and t_strides[1] == 1
                 and tables.shape[0] == s):
             raise RuntimeError("tables must be [S, max_blocks] int64 with dense rows")
-        if not (lens.dtype == torch.int64 and lens.is_contiguous() and lens.numel() == s):
+        if not (lens.dtype is _I64 and lens.is_contiguous() and lens.numel() == s):
             raise RuntimeError("lens must be [S] int64")
         out = torch.empty_like(q)
         err = self._fn(q.data_ptr(), kv_layer.data_ptr(), tables.data_ptr(), lens.data_ptr(),
                        out.data_ptr(), dtype, s, hq, d, hkv, b, n, strides[0], strides[1],
                        strides[2], strides[3], t_strides[0], tables.shape[1], scale,
-                       torch.get_num_threads())
+                       _num_threads())
         if err:  # checked by the kernel before reading anything
             raise RuntimeError(_DECODE_ERRORS.get(err, f"error {err}"))
         return out
@@ -265,7 +267,7 @@ class _SmallLinear:
                  bias: torch.Tensor | None = None) -> torch.Tensor:
         if not (x.is_cpu and w.is_cpu):
             raise RuntimeError("small_linear: CPU tensors only")
-        if not (x.dtype == torch.float32 and w.dtype == torch.float32):
+        if not (x.dtype is _F32 and w.dtype is _F32):
             raise RuntimeError("small_linear: float32 only")
         x_strides = x.stride()
         if not (len(x_strides) == 2 and (x_strides[1] == 1 or x.shape[1] <= 1)):
@@ -278,14 +280,14 @@ class _SmallLinear:
             raise RuntimeError(f"small_linear: x has K={k}, w has K={w_k}")
         bp = None
         if bias is not None:
-            if not (bias.is_cpu and bias.dtype == torch.float32 and bias.dim() == 1
+            if not (bias.is_cpu and bias.dtype is _F32 and bias.dim() == 1
                     and bias.shape[0] == n and bias.is_contiguous()):
                 raise RuntimeError("small_linear: bias must be a contiguous float32 [N]")
             bp = bias.data_ptr()
         out = x.new_empty(m, n)  # float32 on the CPU, as x
         if m and n:
             self._fn(x.data_ptr(), w.data_ptr(), bp, out.data_ptr(), m, k, n, x_strides[0],
-                     torch.get_num_threads())
+                     _num_threads())
         return out
 
 
