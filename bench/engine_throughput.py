@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from disagg import LLM, SamplingParams
 from disagg.engine import LLMEngine
+from disagg.model import kernels
 from disagg.model.llama import apply_rope
 from disagg.model.tiny import write_tiny_checkpoint
 
@@ -209,7 +210,8 @@ def main() -> None:
         "",
         f"- machine: {platform.machine()}, {os.cpu_count()} cores, {platform.system()}, "
         f"torch {torch.__version__}, threads {torch.get_num_threads()}, device cpu, float32, "
-        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}",
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, CPU kernels "
+        f"{', '.join(k for k, on in kernels.status().items() if on) or 'none (PyTorch path)'}",
         f"- model: llama {SIZES}, {n_params / 1e6:.1f} M parameters",
         f"- workload: {args.num_requests} requests, prompt 32-512, output 16-256 tokens "
         f"(seed {args.seed}), {e_tok} output tokens; batch size {args.batch_size}",

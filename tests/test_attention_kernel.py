@@ -10,7 +10,7 @@ from disagg.model.kernels import kernels_enabled, paged_decode_kernel
 
 KERNEL = paged_decode_kernel()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the CPU kernel did not build here "
-                                  "(no compiler / ninja, or DISAGG_CPU_KERNELS=0)")
+                                  "(no C++ compiler, or DISAGG_CPU_KERNELS=0)")
 
 
 def _decode_case(seed: int, s: int, hq: int, hkv: int, d: int, b: int, dtype: torch.dtype
@@ -76,6 +76,12 @@ def test_kernel_rejects_bad_tables_and_lengths() -> None:
         KERNEL(q, layer, meta.block_tables, too_long, 1.0)
     with pytest.raises(RuntimeError, match="dtypes differ"):
         KERNEL(q.double(), layer, meta.block_tables, meta.decode_seq_lens, 1.0)
+    with pytest.raises(RuntimeError, match="not supported"):
+        KERNEL(q.int(), layer.int(), meta.block_tables, meta.decode_seq_lens, 1.0)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        KERNEL(q.transpose(0, 1), layer, meta.block_tables, meta.decode_seq_lens, 1.0)
+    with pytest.raises(RuntimeError, match="int64"):
+        KERNEL(q, layer, meta.block_tables.int(), meta.decode_seq_lens, 1.0)
 
 
 def test_kernels_can_be_switched_off(monkeypatch) -> None:
@@ -99,12 +105,11 @@ def _hold_build_lock(build_dir: str, ready: str) -> None:
 
 def test_build_lock_survives_a_killed_builder(tmp_path) -> None:
     """A builder killed mid-build (kill -9) must not block later builds: the flock dies with
-    it, and torch's lock file it left behind is removed (it made every later worker wait
-    forever)."""
+    it."""
     import multiprocessing as mp
     import time
 
-    from disagg.model.kernels import TORCH_LOCK_NAME, build_lock
+    from disagg.model.kernels import build_lock
 
     ctx = mp.get_context("spawn")
     ready = tmp_path / "ready"
@@ -115,12 +120,11 @@ def test_build_lock_survives_a_killed_builder(tmp_path) -> None:
         while not ready.exists():
             assert child.is_alive() and time.monotonic() < deadline, "child never took the lock"
             time.sleep(0.05)
-        (tmp_path / TORCH_LOCK_NAME).touch()  # what torch's FileBaton leaves when killed
         child.kill()
         child.join(10)
         t0 = time.monotonic()
         with build_lock(tmp_path):
-            assert not (tmp_path / TORCH_LOCK_NAME).exists()
+            pass
         assert time.monotonic() - t0 < 5
     finally:
         if child.is_alive():

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,7 +22,7 @@ from disagg.model.llama import Linear
 
 KERNEL = small_linear_kernel()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the CPU kernel did not build here "
-                                  "(no compiler / ninja, or DISAGG_CPU_KERNELS off)")
+                                  "(no C++ compiler, or DISAGG_CPU_KERNELS off)")
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor, k: int) -> None:
@@ -129,28 +135,69 @@ def test_kernels_can_be_switched_off_one_by_one(monkeypatch) -> None:
     assert kernels_enabled("linear") and kernels_enabled("attention")
 
 
-def test_a_built_kernel_loads_despite_a_stale_build_lock(tmp_path) -> None:
-    """A process killed while holding torch's build lock (a worker SIGKILLed as it starts)
-    leaves the lock file behind; the next worker must still start, not wait forever."""
-    import os
-    import shutil
-    import subprocess
-    import sys
-    from pathlib import Path
+def _child_env(cache: Path) -> dict[str, str]:
+    root = str(Path(__file__).resolve().parents[1])
+    return dict(os.environ, DISAGG_CACHE_DIR=str(cache),
+                PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
 
+
+LOAD_LINEAR = ("from disagg.model import kernels\n"
+               "assert kernels.small_linear_kernel() is not None\n")
+
+
+def test_a_built_kernel_loads_without_the_build_lock(tmp_path) -> None:
+    """A build already in the cache is loaded without waiting for the build lock (held here,
+    as by a worker still building another kernel)."""
     from disagg.model import kernels
 
     if kernels.small_linear_kernel() is None:
         pytest.skip("the small-M kernel cannot be built here")
-    built = kernels._build_dir(kernels._LINEAR_SOURCE)
+    built = kernels._build_dir(kernels._LINEAR_SOURCE, kernels._compiler())
     cache = tmp_path / "cache"
-    stale = cache / "kernels" / built.name
-    stale.mkdir(parents=True)
-    shutil.copy(built / "disagg_small_gemm.so", stale)
-    (stale / "lock").touch()  # nobody holds it
-    root = str(Path(__file__).resolve().parents[1])
-    env = dict(os.environ, DISAGG_CACHE_DIR=str(cache),
-               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    code = ("from disagg.model import kernels\n"
-            "assert kernels.small_linear_kernel() is not None\n")
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
+    copy = cache / "kernels" / built.name
+    copy.mkdir(parents=True)
+    shutil.copy(built / "disagg_small_gemm.so", copy)
+    with kernels.build_lock(copy):
+        subprocess.run([sys.executable, "-c", LOAD_LINEAR], env=_child_env(cache), check=True,
+                       timeout=60)
+
+
+def test_workers_starting_at_once_build_once(tmp_path) -> None:
+    """Three processes needing the kernel at once in a clean cache: one builds (saying so), the
+    others wait for it and load its library; no temporary file is left behind."""
+    from disagg.model import kernels
+
+    if kernels._compiler() is None or not kernels.kernels_enabled("linear"):
+        pytest.skip("no C++ compiler, or the kernel is switched off")
+    procs = [subprocess.Popen([sys.executable, "-c", LOAD_LINEAR], env=_child_env(tmp_path),
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], errs
+    assert sum(e.count("building CPU kernels (first start)") for e in errs) == 1, errs
+    (build_dir,) = (tmp_path / "kernels").iterdir()
+    assert sorted(f.name for f in build_dir.iterdir()) == [kernels.LOCK_NAME,
+                                                           "disagg_small_gemm.so"]
+
+
+def test_a_failed_build_or_no_compiler_falls_back(tmp_path, monkeypatch, caplog) -> None:
+    from disagg.model import kernels
+
+    monkeypatch.setenv("DISAGG_CACHE_DIR", str(tmp_path / "cache"))
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    if kernels._compiler() is not None:
+        assert kernels._build("disagg_broken", broken, "test", "torch") is None
+        assert "CPU test kernel unavailable" in caplog.text and "failed" in caplog.text
+        (build_dir,) = (tmp_path / "cache" / "kernels").iterdir()
+        assert [f.name for f in build_dir.iterdir()] == [kernels.LOCK_NAME]  # no temp file
+    caplog.clear()
+    monkeypatch.setattr(kernels, "COMPILERS", ("disagg-no-such-compiler",))
+    assert kernels._build("disagg_small_gemm", kernels._LINEAR_SOURCE, "test", "torch") is None
+    assert "no C++ compiler" in caplog.text
+
+
+def test_status_says_which_kernels_are_active() -> None:
+    from disagg.model import kernels
+
+    assert kernels.status() == {"attention": kernels.paged_decode_kernel() is not None,
+                                "linear": KERNEL is not None}

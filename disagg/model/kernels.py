@@ -5,35 +5,49 @@
 - ``small_linear_kernel()``: ``csrc/small_gemm.cpp``, ``x @ w.T (+ bias)`` for a few rows
   (decode batches), where BLAS is slow; ``small_linear_applies`` says when to use it.
 
-Each returns None when it cannot be had: not on a CPU, no compiler / ninja, a failed build, or
+Each returns None when it cannot be had: not on a CPU, no C++ compiler, a failed build, or
 switched off by ``DISAGG_CPU_KERNELS``: ``0`` (or false/no/off) disables both, a comma list
 such as ``attention`` or ``linear`` enables only those named, unset / ``1`` enables all.
 Callers then use the pure-PyTorch path, which gives the same results (tests compare the two).
+``status()`` says which kernels this process has (for benchmark reports).
+
+The sources are plain C++ with a C ABI over raw pointers, strides and sizes, without torch's
+headers: the system compiler (``c++``, the ``COMPILE_FLAGS`` below) builds each into a shared
+library in seconds (``bench/kernel_build.py`` times it against the former
+``torch.utils.cpp_extension`` build; ``bench/results/kernel_build.md``), and ctypes loads it.
+The Python wrappers here check dtypes, layouts and devices, allocate the output and pass
+``data_ptr()``s; the kernels check the block ids before reading the cache. They use torch's
+thread count and its OpenMP runtime, with the GIL held (ctypes.PyDLL) as an extension would.
 
 Each kernel is built to ``$DISAGG_CACHE_DIR`` (default ``~/.cache/disagg``)
-``/kernels/<source stem>-<key>``, the key hashing its source, the torch version and this
-CPU's model and flags (``-march=native``), so a cache shared between different machines never
-loads a foreign build and an edited source is rebuilt. Concurrent builds (several workers
-starting at once) are serialised by ``build_lock``: an ``flock`` that the OS drops when its
-holder dies. torch's own build lock is a plain file that a builder killed mid-build leaves
-behind, after which every later build waits for it forever; under our lock no other builder
-can be running, so such a file is stale and is removed. A build already there is imported
-directly, without any lock.
+``/kernels/<source stem>-<key>/``, the key hashing its sources, the compiler and its flags and
+this CPU's model and flags (``-march=native``), so a cache shared between different machines
+never loads a foreign build and an edited source is rebuilt. A build already there is loaded
+directly, without any lock: it only ever appears whole, compiled into a temporary file and
+renamed into place. Concurrent builds (several workers starting at once) are serialised by
+``build_lock``, an ``flock`` that the OS drops when its holder dies; a process that waits for it
+finds the library built and loads it. A build that is not cached logs a warning first (the
+first start of a worker is never silent) and its time after.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import hashlib
 import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from disagg.env import CPU_KERNELS, kernel_cache_root
+from disagg.env import CPU_KERNEL_NAMES, CPU_KERNELS, kernel_cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +63,13 @@ LinearKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch
 # 1..32 rows with K = 512..4096; at 48 rows from +4% to -4% by shape, even at 64; see
 # docs/DESIGN.md section 5); more rows (prefill) go to F.linear.
 SMALL_LINEAR_MAX_ROWS = 32
+
+# The compiler (first found on PATH) and its flags: those of the former torch extension build
+# (-O3 -march=native -fopenmp), for a shared library.
+COMPILERS = ("c++", "g++", "clang++")
+COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+BUILD_TIMEOUT_S = 300.0
+LOCK_NAME = "disagg-build.lock"
 
 
 def kernels_enabled(name: str | None = None) -> bool:
@@ -66,79 +87,208 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-def _build_dir(source: Path) -> Path:
-    key = hashlib.sha256(b"\0".join([
-        source.read_bytes(), torch.__version__.encode(), _cpu_signature().encode()])).hexdigest()
-    root = Path(kernel_cache_root())
-    path = root / "kernels" / f"{source.stem}-{key[:16]}"
+def _compiler() -> str | None:
+    """The C++ compiler's path, or None when there is none."""
+    for name in COMPILERS:
+        path = shutil.which(name)
+        if path is not None:
+            return path
+    return None
+
+
+def _sources(source: Path) -> list[Path]:
+    """What a build of ``source`` reads: it and the shared headers of csrc/."""
+    return [source, *sorted(_CSRC.glob("*.h"))]
+
+
+def _build_dir(source: Path, compiler: str) -> Path:
+    """``<cache>/kernels/<stem>-<key>`` (created), the key hashing the sources, the compiler
+    and its flags, and this CPU."""
+    parts = [p.read_bytes() for p in _sources(source)]
+    parts += [compiler.encode(), " ".join(COMPILE_FLAGS).encode(), _cpu_signature().encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()
+    path = Path(kernel_cache_root()) / "kernels" / f"{source.stem}-{key[:16]}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
-TORCH_LOCK_NAME = "lock"  # torch.utils.cpp_extension's FileBaton in the build directory
-
-
 @contextlib.contextmanager
-def build_lock(build_dir: Path) -> Iterator[None]:
-    """Hold the build directory's lock; clear torch's lock file left by a killed builder."""
+def build_lock(build_dir: Path, what: str = "CPU kernels") -> Iterator[None]:
+    """Hold the build directory's lock (an flock, released by the OS if its holder dies);
+    says so when another process holds it, rather than waiting silently."""
     try:
         import fcntl
-    except ImportError:  # no flock (Windows): torch's own lock alone
+    except ImportError:  # no flock (Windows): builds race, each into its own temporary file
         yield
         return
-    with open(build_dir / "disagg-build.lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # blocks while another live process builds
+    with open(build_dir / LOCK_NAME, "a") as f:
         try:
-            stale = build_dir / TORCH_LOCK_NAME
-            if stale.exists():
-                logger.warning("removing the stale kernel build lock %s (its builder died)",
-                               stale)
-                stale.unlink(missing_ok=True)
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.warning("waiting for another process building the %s (%s) ...", what,
+                           build_dir)
+            fcntl.flock(f, fcntl.LOCK_EX)  # blocks while another live process builds
+        try:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _import_built(name: str, build_dir: Path) -> Any | None:
-    """The module already built in ``build_dir`` (its key pins the source), or None.
-
-    Imported directly rather than through ``load``, which takes torch's build lock even to find
-    the build up to date: a process killed while holding that lock (a worker SIGKILLed during
-    startup) leaves a lock file behind that makes every later start wait forever."""
-    import importlib.util
-
-    path = build_dir / f"{name}.so"
+def _load(path: Path) -> ctypes.PyDLL | None:
+    """The library at ``path``, or None when there is none (or it does not load)."""
     if not path.is_file():
         return None
     try:
-        spec = importlib.util.spec_from_file_location(name, path)
-        if spec is None or spec.loader is None:
-            return None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    except ImportError:  # half-written by a concurrent build: build (or wait) as usual
+        return ctypes.PyDLL(str(path))  # PyDLL: the GIL stays held, as in an extension
+    except OSError as e:
+        logger.warning("cannot load %s (%s); rebuilding it", path, e)
         return None
 
 
-def _build(name: str, source: Path, what: str, fallback: str) -> Any | None:
-    """The extension module built from ``source``, or None (with a warning) on failure."""
+def _compile(compiler: str, source: Path, target: Path) -> None:
+    """Compile ``source`` into ``target`` atomically: a temporary file, renamed."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.stem}-", suffix=".so")
+    os.close(fd)
     try:
-        from torch.utils.cpp_extension import load
+        cmd = [compiler, *COMPILE_FLAGS, str(source), "-o", tmp]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-2000:]}")
+        os.chmod(tmp, 0o755)  # mkstemp's 0600 would hide it from other users of the cache
+        os.replace(tmp, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
 
-        build_dir = _build_dir(source)
-        module = _import_built(name, build_dir)
-        if module is not None:
-            return module
-        with build_lock(build_dir):
-            return load(
-                name=name, sources=[str(source)], build_directory=str(build_dir),
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as e:  # no compiler, no ninja, a failed build: the PyTorch path serves
+
+def _build(name: str, source: Path, what: str, fallback: str) -> ctypes.PyDLL | None:
+    """The library built from ``source`` (cached), or None (with a warning) on failure."""
+    try:
+        compiler = _compiler()
+        if compiler is None:
+            raise RuntimeError(f"no C++ compiler ({', '.join(COMPILERS)}) on PATH")
+        build_dir = _build_dir(source, compiler)
+        target = build_dir / f"{name}.so"
+        lib = _load(target)
+        if lib is not None:
+            return lib
+        with build_lock(build_dir, f"CPU {what} kernel"):
+            lib = _load(target)  # built by the process that held the lock
+            if lib is not None:
+                return lib
+            for stale in build_dir.glob(f".{name}-*.so"):  # a killed builder's temporary file
+                stale.unlink(missing_ok=True)
+            logger.warning("building CPU kernels (first start): the %s kernel, %s ...", what,
+                           source.name)
+            t0 = time.monotonic()
+            _compile(compiler, source, target)
+            logger.info("built the CPU %s kernel in %.1f s (cached in %s)", what,
+                        time.monotonic() - t0, build_dir)
+            lib = _load(target)
+            if lib is None:
+                raise RuntimeError(f"{target} does not load")
+            return lib
+    except Exception as e:  # no compiler, a failed build: the PyTorch path serves
         logger.warning("CPU %s kernel unavailable (%s); using %s", what,
                        str(e).splitlines()[0] if str(e) else repr(e), fallback)
         return None
+
+
+# Looked up once: the wrappers below run for every projection and layer of a decode step.
+_F32, _I64, _num_threads = torch.float32, torch.int64, torch.get_num_threads
+_DECODE_DTYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
+_DECODE_ERRORS = {1: "sequence length out of range of its block table",
+                  2: "block id out of range", 3: "unsupported dtype"}
+
+
+class _PagedDecode:
+    """``(q [S, Hq, D], kv_layer [N, 2, Hkv, B, D], tables [S, max_blocks] int64, lens [S]
+    int64, scale) -> out [S, Hq, D]`` over ``disagg_paged_decode_attention``. Called once per
+    layer and step: the checks are plain conditions, their messages built only on failure."""
+
+    def __init__(self, lib: ctypes.PyDLL) -> None:
+        fn = lib.disagg_paged_decode_attention
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_int, *[i64] * 12, ctypes.c_double,
+                       ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    def __call__(self, q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor,
+                 lens: torch.Tensor, scale: float) -> torch.Tensor:
+        if not (q.is_cpu and kv_layer.is_cpu and tables.is_cpu and lens.is_cpu):
+            raise RuntimeError("CPU tensors only")
+        if not (q.dim() == 3 and q.is_contiguous()):
+            raise RuntimeError("q must be a contiguous [S, Hq, D]")
+        strides = kv_layer.stride()
+        if not (len(strides) == 5 and kv_layer.shape[1] == 2 and strides[4] == 1):
+            raise RuntimeError("kv_layer must be [N, 2, Hkv, B, D] with a dense last dim")
+        if q.dtype is not kv_layer.dtype:
+            raise RuntimeError("q and kv_layer dtypes differ")
+        dtype = _DECODE_DTYPES.get(q.dtype)
+        if dtype is None:
+            raise RuntimeError(f"paged_decode_attention: {q.dtype} not supported")
+        s, hq, d = q.shape
+        n, _, hkv, b, kv_d = kv_layer.shape
+        if d != kv_d:
+            raise RuntimeError("head_dim differs")
+        if hq % hkv:
+            raise RuntimeError("query heads not a multiple of kv heads")
+        t_strides = tables.stride()
+        if not (tables.dtype is _I64 and len(t_strides) == 2 and t_strides[1] == 1
+                and tables.shape[0] == s):
+            raise RuntimeError("tables must be [S, max_blocks] int64 with dense rows")
+        if not (lens.dtype is _I64 and lens.is_contiguous() and lens.numel() == s):
+            raise RuntimeError("lens must be [S] int64")
+        out = torch.empty_like(q)
+        err = self._fn(q.data_ptr(), kv_layer.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+                       out.data_ptr(), dtype, s, hq, d, hkv, b, n, strides[0], strides[1],
+                       strides[2], strides[3], t_strides[0], tables.shape[1], scale,
+                       _num_threads())
+        if err:  # checked by the kernel before reading anything
+            raise RuntimeError(_DECODE_ERRORS.get(err, f"error {err}"))
+        return out
+
+
+class _SmallLinear:
+    """``(x [M, K], w [N, K], bias [N] | None) -> x @ w.T (+ bias)`` over
+    ``disagg_small_linear``; float32 CPU tensors, ``x`` dense along K, ``w`` contiguous.
+    Called for every projection of a decode step: the checks are plain conditions, their
+    messages built only on failure."""
+
+    def __init__(self, lib: ctypes.PyDLL) -> None:
+        fn = lib.disagg_small_linear
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
+        fn.restype = None
+        self._fn = fn
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not (x.is_cpu and w.is_cpu):
+            raise RuntimeError("small_linear: CPU tensors only")
+        if not (x.dtype is _F32 and w.dtype is _F32):
+            raise RuntimeError("small_linear: float32 only")
+        x_strides = x.stride()
+        if not (len(x_strides) == 2 and (x_strides[1] == 1 or x.shape[1] <= 1)):
+            raise RuntimeError("small_linear: x must be [M, K] with unit stride along K")
+        if not (w.dim() == 2 and w.is_contiguous()):
+            raise RuntimeError("small_linear: w must be a contiguous [N, K]")
+        m, k = x.shape
+        n, w_k = w.shape
+        if k != w_k:
+            raise RuntimeError(f"small_linear: x has K={k}, w has K={w_k}")
+        bp = None
+        if bias is not None:
+            if not (bias.is_cpu and bias.dtype is _F32 and bias.dim() == 1
+                    and bias.shape[0] == n and bias.is_contiguous()):
+                raise RuntimeError("small_linear: bias must be a contiguous float32 [N]")
+            bp = bias.data_ptr()
+        out = x.new_empty(m, n)  # float32 on the CPU, as x
+        if m and n:
+            self._fn(x.data_ptr(), w.data_ptr(), bp, out.data_ptr(), m, k, n, x_strides[0],
+                     _num_threads())
+        return out
 
 
 @functools.lru_cache(maxsize=1)
@@ -146,9 +296,9 @@ def paged_decode_kernel() -> DecodeKernel | None:
     """The compiled decode attention (built once per process, cached on disk), or None."""
     if not kernels_enabled("attention"):
         return None
-    module = _build("disagg_paged_attention", _ATTENTION_SOURCE, "paged attention",
-                    "the PyTorch gather path")
-    return None if module is None else module.paged_decode_attention
+    lib = _build("disagg_paged_attention", _ATTENTION_SOURCE, "paged attention",
+                 "the PyTorch gather path")
+    return None if lib is None else _PagedDecode(lib)
 
 
 @functools.lru_cache(maxsize=1)
@@ -159,8 +309,17 @@ def small_linear_kernel() -> LinearKernel | None:
     """
     if not kernels_enabled("linear"):
         return None
-    module = _build("disagg_small_gemm", _LINEAR_SOURCE, "small-M linear", "torch's GEMM")
-    return None if module is None else module.small_linear
+    lib = _build("disagg_small_gemm", _LINEAR_SOURCE, "small-M linear", "torch's GEMM")
+    return None if lib is None else _SmallLinear(lib)
+
+
+_KERNELS = {"attention": paged_decode_kernel, "linear": small_linear_kernel}
+
+
+def status() -> dict[str, bool]:
+    """Which kernels this process has, by ``DISAGG_CPU_KERNELS`` name: enabled and built
+    (building them if not yet done). For benchmark reports."""
+    return {name: _KERNELS[name]() is not None for name in CPU_KERNEL_NAMES}
 
 
 def small_linear_applies(x: torch.Tensor, weight: torch.Tensor,

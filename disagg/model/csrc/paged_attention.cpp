@@ -5,43 +5,119 @@
 // CPU that copy moves as many bytes as the attention itself reads. This kernel walks the block
 // table instead and reads each key and value once.
 //
-//   q        [S, Hq, D]                    one query token per sequence (decode)
+//   q        [S, Hq, D]                    one query token per sequence (decode), contiguous
 //   kv_layer [N, 2, Hkv, B, D]             a strided view kv_cache[:, layer]; last dim dense
 //   tables   [S, max_blocks] int64         token p of sequence s: block tables[s][p / B],
-//                                          offset p % B
+//                                          offset p % B (row stride s_tab, dense rows)
 //   lens     [S] int64                     keys [0, lens[s]) are attended
-//   out      [S, Hq, D]
+//   out      [S, Hq, D]                    contiguous
 //
 // Query head hq reads kv head hq / G (G = Hq / Hkv, Hugging Face's repeat_kv order); one work
 // item is a (sequence, kv head) pair with its G query heads, so each key is read once for all
 // of them. Softmax in two passes over a per-item score buffer, all arithmetic in float.
-
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+//
+// A plain C ABI over raw pointers, strides and sizes (no torch headers, so it compiles in a
+// second or two): kernels.py checks dtypes, layouts and devices and calls it through ctypes.
+// Work items are split over threads as at::parallel_for does with torch's OpenMP backend.
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
+
+#include "parallel_for.h"
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
-template <typename T>
-void decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables,
-            const at::Tensor& lens, double scale, at::Tensor& out) {
-  const int64_t S = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t Hkv = kv.size(2), B = kv.size(3);
-  const int64_t G = Hq / Hkv;
-  const int64_t s_blk = kv.stride(0), s_kv = kv.stride(1), s_h = kv.stride(2),
-                s_tok = kv.stride(3);
-  const int64_t s_tab = tables.stride(0);
-  const T* qp = q.data_ptr<T>();
-  const T* kvp = kv.data_ptr<T>();
-  const int64_t* tab = tables.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
-  const float fscale = static_cast<float>(scale);
+// bfloat16 and IEEE half as torch stores them, converted as c10::BFloat16 / c10::Half do.
+struct bf16 {
+  uint16_t x;
+  operator float() const {
+    const uint32_t u = static_cast<uint32_t>(x) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof(f));
+    return f;
+  }
+};
+struct f16 {
+  uint16_t x;
+  operator float() const;
+};
 
-  at::parallel_for(0, S * Hkv, 1, [&](int64_t begin, int64_t end) {
+inline bf16 to_bf16(float f) {  // round to nearest even; NaN -> 0x7FC0 (c10's)
+  if (std::isnan(f)) return bf16{0x7FC0};
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  const uint32_t rounding_bias = ((u >> 16) & 1) + UINT32_C(0x7FFF);
+  return bf16{static_cast<uint16_t>((u + rounding_bias) >> 16)};
+}
+
+inline float bits_f32(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+inline uint32_t f32_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+#if defined(__F16C__)
+f16::operator float() const { return _cvtsh_ss(x); }
+inline f16 to_f16(float f) {
+  return f16{static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT))};
+}
+#else
+// c10's portable conversions (from the FP16 library), exact / round to nearest even.
+f16::operator float() const {
+  const uint32_t w = static_cast<uint32_t>(x) << 16;
+  const uint32_t sign = w & UINT32_C(0x80000000);
+  const uint32_t two_w = w + w;
+  const uint32_t exp_offset = UINT32_C(0xE0) << 23;
+  const float exp_scale = bits_f32(UINT32_C(0x7800000));
+  const float normalized = bits_f32((two_w >> 4) + exp_offset) * exp_scale;
+  const uint32_t magic_mask = UINT32_C(126) << 23;
+  const float magic_bias = 0.5f;
+  const float denormalized = bits_f32((two_w >> 17) | magic_mask) - magic_bias;
+  const uint32_t denormalized_cutoff = UINT32_C(1) << 27;
+  const uint32_t result =
+      sign | (two_w < denormalized_cutoff ? f32_bits(denormalized) : f32_bits(normalized));
+  return bits_f32(result);
+}
+inline f16 to_f16(float f) {
+  const float scale_to_inf = bits_f32(UINT32_C(239) << 23);
+  const float scale_to_zero = bits_f32(UINT32_C(17) << 23);
+  float base = (std::fabs(f) * scale_to_inf) * scale_to_zero;
+  const uint32_t w = f32_bits(f);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & UINT32_C(0x80000000);
+  uint32_t bias = shl1_w & UINT32_C(0xFF000000);
+  if (bias < UINT32_C(0x71000000)) bias = UINT32_C(0x71000000);
+  base = bits_f32((bias >> 1) + UINT32_C(0x07800000)) + base;
+  const uint32_t bits = f32_bits(base);
+  const uint32_t exp_bits = (bits >> 13) & UINT32_C(0x00007C00);
+  const uint32_t mantissa_bits = bits & UINT32_C(0x00000FFF);
+  const uint32_t nonsign = exp_bits + mantissa_bits;
+  return f16{static_cast<uint16_t>((sign >> 16) |
+                                   (shl1_w > UINT32_C(0xFF000000) ? UINT16_C(0x7E00) : nonsign))};
+}
+#endif
+
+template <typename T> inline T from_float(float f) { return static_cast<T>(f); }
+template <> inline bf16 from_float<bf16>(float f) { return to_bf16(f); }
+template <> inline f16 from_float<f16>(float f) { return to_f16(f); }
+
+template <typename T>
+void decode(const T* qp, const T* kvp, const int64_t* tab, const int64_t* lp, T* op, int64_t S,
+            int64_t Hq, int64_t D, int64_t Hkv, int64_t B, int64_t s_blk, int64_t s_kv,
+            int64_t s_h, int64_t s_tok, int64_t s_tab, float fscale, int threads) {
+  const int64_t G = Hq / Hkv;
+  disagg::parallel_for(0, S * Hkv, 1, threads, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), scores, inv(G);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / Hkv, h = item % Hkv;
@@ -97,50 +173,41 @@ void decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables,
       }
       for (int64_t g = 0; g < G; ++g) {
         T* orow = op + (s * Hq + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(acc[g * D + d] * inv[g]);
+        for (int64_t d = 0; d < D; ++d) orow[d] = from_float<T>(acc[g * D + d] * inv[g]);
       }
     }
   });
 }
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_layer,
-                                  const at::Tensor& tables, const at::Tensor& lens,
-                                  double scale) {
-  TORCH_CHECK(q.device().is_cpu() && kv_layer.device().is_cpu(), "CPU tensors only");
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [S, Hq, D]");
-  TORCH_CHECK(kv_layer.dim() == 5 && kv_layer.size(1) == 2 && kv_layer.stride(4) == 1,
-              "kv_layer must be [N, 2, Hkv, B, D] with a dense last dim");
-  TORCH_CHECK(q.scalar_type() == kv_layer.scalar_type(), "q and kv_layer dtypes differ");
-  TORCH_CHECK(q.size(2) == kv_layer.size(4), "head_dim differs");
-  TORCH_CHECK(q.size(1) % kv_layer.size(2) == 0, "query heads not a multiple of kv heads");
-  TORCH_CHECK(tables.scalar_type() == at::kLong && tables.dim() == 2 &&
-                  tables.stride(1) == 1 && tables.size(0) == q.size(0),
-              "tables must be [S, max_blocks] int64 with dense rows");
-  TORCH_CHECK(lens.scalar_type() == at::kLong && lens.is_contiguous() &&
-                  lens.numel() == q.size(0), "lens must be [S] int64");
-  // Checked here, not in the parallel loop: a bad id would read outside the cache.
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  const int64_t* tab = tables.data_ptr<int64_t>();
-  const int64_t B = kv_layer.size(3), N = kv_layer.size(0);
-  for (int64_t s = 0; s < q.size(0); ++s) {
-    TORCH_CHECK(lp[s] >= 1 && lp[s] <= tables.size(1) * B,
-                "sequence length out of range of its block table");
-    for (int64_t i = 0; i < (lp[s] + B - 1) / B; ++i) {
-      const int64_t blk = tab[s * tables.stride(0) + i];
-      TORCH_CHECK(blk >= 0 && blk < N, "block id out of range");
-    }
-  }
-  at::Tensor out = at::empty_like(q);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(),
-                                  "paged_decode_attention", [&] {
-    decode<scalar_t>(q, kv_layer, tables, lens, scale, out);
-  });
-  return out;
-}
-
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over a paged KV cache, read in place (CPU)");
+// The kernel's C entry point; dtype: 0 float32, 1 float64, 2 bfloat16, 3 float16.
+// Returns 0, or before touching anything: 1 a sequence length out of range of its block table,
+// 2 a block id out of range [0, N), 3 an unknown dtype.
+extern "C" int disagg_paged_decode_attention(
+    const void* q, const void* kv, const int64_t* tables, const int64_t* lens, void* out,
+    int dtype, int64_t S, int64_t Hq, int64_t D, int64_t Hkv, int64_t B, int64_t N,
+    int64_t s_blk, int64_t s_kv, int64_t s_h, int64_t s_tok, int64_t s_tab, int64_t max_blocks,
+    double scale, int threads) {
+  // Checked here, not in the parallel loop: a bad id would read outside the cache.
+  for (int64_t s = 0; s < S; ++s) {
+    if (!(lens[s] >= 1 && lens[s] <= max_blocks * B)) return 1;
+    for (int64_t i = 0; i < (lens[s] + B - 1) / B; ++i) {
+      const int64_t blk = tables[s * s_tab + i];
+      if (!(blk >= 0 && blk < N)) return 2;
+    }
+  }
+  const float fscale = static_cast<float>(scale);
+#define DISAGG_DECODE(T)                                                                    \
+  decode<T>(static_cast<const T*>(q), static_cast<const T*>(kv), tables, lens,              \
+            static_cast<T*>(out), S, Hq, D, Hkv, B, s_blk, s_kv, s_h, s_tok, s_tab, fscale, \
+            threads)
+  switch (dtype) {
+    case 0: DISAGG_DECODE(float); return 0;
+    case 1: DISAGG_DECODE(double); return 0;
+    case 2: DISAGG_DECODE(bf16); return 0;
+    case 3: DISAGG_DECODE(f16); return 0;
+    default: return 3;
+  }
+#undef DISAGG_DECODE
 }

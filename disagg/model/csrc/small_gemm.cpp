@@ -13,20 +13,24 @@
 // 12 accumulators + 3 weight vectors + 1 input vector = the 16 vector registers of AVX2:
 // 7 loads per 12 multiply-adds. While a tile's rows are read the first time (from DRAM),
 // for short rows the rows about 48 KB ahead are prefetched, which keeps the memory stream
-// going during the arithmetic. Vectors are GCC / Clang vector extensions, lowered to whatever -march=native
-// offers. Work is split over weight rows with at::parallel_for (torch's thread count).
-// Float32 only; the summation order differs from BLAS, so results agree to rounding.
+// going during the arithmetic. Vectors are GCC / Clang vector extensions, lowered to whatever
+// -march=native offers. Work is split over weight rows as at::parallel_for does with torch's
+// OpenMP backend, on torch's thread count (passed in). Float32 only; the summation order
+// differs from BLAS, so results agree to rounding.
 //
-//   x     [M, K] float32, unit stride along K (rows may be strided)
+//   x     [M, K] float32, unit stride along K (rows ldx floats apart)
 //   w     [N, K] float32, contiguous
-//   bias  [N] float32 or None
-
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+//   bias  [N] float32, or null
+//   out   [M, N] float32, contiguous
+//
+// A plain C ABI over raw pointers and sizes (no torch headers, so it compiles in a second or
+// two): kernels.py checks dtypes, layouts and devices and calls it through ctypes.
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
-#include <optional>
+
+#include "parallel_for.h"
 
 namespace {
 
@@ -135,52 +139,27 @@ void rows(const float* w, const float* x, int64_t M, int64_t K, int64_t ldx,
 
 template <int TN>
 void run(const float* w, const float* x, int64_t M, int64_t K, int64_t ldx, const float* bias,
-         float* out, int64_t N) {
+         float* out, int64_t N, int threads) {
   // Parallel over tiles of TN weight rows; a chunk of at least ~64K multiply-adds.
   const int64_t tiles = (N + TN - 1) / TN;
   const int64_t per_tile = std::max<int64_t>(1, M * K * TN);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / per_tile);
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+  disagg::parallel_for(0, tiles, grain, threads, [&](int64_t t0, int64_t t1) {
     rows<TN>(w, x, M, K, ldx, bias, out, N, t0 * TN, std::min(N, t1 * TN));
   });
 }
 
-at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w,
-                        const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "small_linear: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
-              "small_linear: float32 only");
-  TORCH_CHECK(x.dim() == 2 && (x.stride(1) == 1 || x.size(1) <= 1),
-              "small_linear: x must be [M, K] with unit stride along K");
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "small_linear: w must be a contiguous [N, K]");
-  TORCH_CHECK(x.size(1) == w.size(1), "small_linear: x has K=", x.size(1), ", w has K=",
-              w.size(1));
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->device().is_cpu() && bias->scalar_type() == at::kFloat &&
-                    bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous(),
-                "small_linear: bias must be a contiguous float32 [N]");
-    bp = bias->data_ptr<float>();
-  }
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t ldx = x.stride(0);
+}  // namespace
+
+// The kernel's C entry point: out[M, N] = x[M, K] @ w[N, K]^T (+ bias), on `threads` threads.
+extern "C" void disagg_small_linear(const float* x, const float* w, const float* bias,
+                                    float* out, int64_t M, int64_t K, int64_t N, int64_t ldx,
+                                    int threads) {
+  if (M == 0 || N == 0) return;
   // One row (1 accumulator per weight row): more weight rows per tile, to have enough
   // independent multiply-adds in flight.
   if (M == 1)
-    run<NB1>(wp, xp, M, K, ldx, bp, op, N);
+    run<NB1>(w, x, M, K, ldx, bias, out, N, threads);
   else
-    run<NB>(wp, xp, M, K, ldx, bp, op, N);
-  return out;
-}
-
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("small_linear", &small_linear, "x[M, K] @ w[N, K]^T (+ bias) for small M (CPU)",
-        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("bias") = pybind11::none());
+    run<NB>(w, x, M, K, ldx, bias, out, N, threads);
 }
