@@ -11,17 +11,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from disagg.transfer import ucx
 from disagg.transfer.base import CacheTransceiverConfig, TransportBackend
 from disagg.transfer.tcp import TcpBackend
-from disagg.transfer.ucx import UcxBackend
+from disagg.transfer.ucx import UcxBackend, ucx_available
 
 
 def default_backend() -> tuple[str, str]:
     """The backend of a worker that names none, and why: ``("UCX", ...)`` when ucxx imports
     (the `ucx` extra, which the `serve` extra installs), else ``("TCP", why not UCX)``. An
     explicit choice never comes here: an explicit UCX without ucxx stays an error."""
-    ok, detail = ucx.ucx_available()
+    ok, detail = ucx_available()
     if ok:
         return "UCX", f"the default: ucxx {detail} imports"
     return "TCP", (f"the fallback default: {detail}; install the `ucx` extra "
