@@ -94,6 +94,36 @@ if HAS_TRITON:
             return tl.dot(a, b)
 
     @triton.jit
+    def _seq_of_q_block(qsl_ptr, q0, num_seqs, pid, BLOCK_Q: tl.constexpr):
+        """The sequence q-block ``pid`` belongs to: sequence i owns q-blocks
+        [qb_i, qb_{i+1}) with qb_i = (qsl[i] - qsl[0]) // BLOCK_Q + i (every sequence starts a
+        new block), so it is the last i with qb_i <= pid (binary search over qsl)."""
+        lo = 0
+        hi = num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            qb = (tl.load(qsl_ptr + mid) - q0) // BLOCK_Q + mid
+            if qb <= pid:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo - 1
+
+    @triton.jit
+    def _softmax_tile(qk, v, m_i, l_i, acc, MASKED: tl.constexpr):
+        """One key tile of online softmax (log2 units): the running max ``m_i``, sum ``l_i``
+        and output ``acc`` of every query row after the tile's scores ``qk`` and values
+        ``v``. ``MASKED``: rows may have no key yet (-inf everywhere), kept at weight 0."""
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        if MASKED:
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows past q_len
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _decode_split_kernel(
         q_ptr, kv_ptr, bt_ptr, lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
         qk_scale, num_splits,                       # softmax scale * log2(e), grid dim 2
@@ -138,12 +168,8 @@ if HAS_TRITON:
                         mask=p_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE_N, HEAD_PAD]
             qk = _dot(q.to(k.dtype), k) * qk_scale             # [GROUP_PAD, TILE_N], log2 units
             qk = tl.where(p_ok[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))              # finite: pos n0 is always valid
-            p = tl.exp2(qk - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v)
-            m_i = m_new
+            # not MASKED: key n0 is always valid, so every row's max is finite
+            m_i, l_i, acc = _softmax_tile(qk, v, m_i, l_i, acc, False)
 
         safe_l = tl.where(l_i > 0, l_i, 1.0)
         o = acc / safe_l[:, None]                               # 0 where no key was read
@@ -180,36 +206,6 @@ if HAS_TRITON:
         res = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
         tl.store(out_ptr + s * stride_os + h * stride_oh + d,
                  res.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
-
-    @triton.jit
-    def _seq_of_q_block(qsl_ptr, q0, num_seqs, pid, BLOCK_Q: tl.constexpr):
-        """The sequence q-block ``pid`` belongs to: sequence i owns q-blocks
-        [qb_i, qb_{i+1}) with qb_i = (qsl[i] - qsl[0]) // BLOCK_Q + i (every sequence starts a
-        new block), so it is the last i with qb_i <= pid (binary search over qsl)."""
-        lo = 0
-        hi = num_seqs
-        while lo < hi:
-            mid = (lo + hi) // 2
-            qb = (tl.load(qsl_ptr + mid) - q0) // BLOCK_Q + mid
-            if qb <= pid:
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo - 1
-
-    @triton.jit
-    def _softmax_tile(qk, v, m_i, l_i, acc, MASKED: tl.constexpr):
-        """One key tile of online softmax (log2 units): the running max ``m_i``, sum ``l_i``
-        and output ``acc`` of every query row after the tile's scores ``qk`` and values
-        ``v``. ``MASKED``: rows may have no key yet (-inf everywhere), kept at weight 0."""
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        if MASKED:
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows past q_len
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v)
-        return m_new, l_i, acc
 
     @triton.jit
     def _prefill_kernel(
