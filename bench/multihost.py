@@ -10,7 +10,7 @@ veth address, same_host for loopback) and, to separate the link from the setting
 cross_host on loopback. ``numpy.copyto`` of the same bytes in the client is the physical limit
 measured beside each read.
 
-    python bench/multihost.py [--backends tcp,ucx] [--mib 64] [--reps 5]
+    python bench/multihost.py [--backends tcp,ucx] [--mib 64] [--reps 5] [--rounds 3]
                               [--ucx-profiles cross_host,same_host]
                               [--out bench/results/multihost.md]
 
@@ -146,16 +146,38 @@ def _pull(host: Any, backend: str, profile: str, address: str, args: argparse.Na
     return json.loads(cp.stdout.strip().splitlines()[-1])
 
 
+def _mtu(host: Any, dev: str) -> int | None:
+    """The MTU of ``dev`` inside ``host`` (segment size: lo's is far larger than a veth's)."""
+    cp = subprocess.run(["ip", "-n", host.ns, "-o", "link", "show", dev], capture_output=True,
+                        text=True, timeout=20)
+    words = cp.stdout.split()
+    return int(words[words.index("mtu") + 1]) if "mtu" in words else None
+
+
 def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
+def _row(backend: str, profile: str, path: str, results: list[dict[str, Any]]
+         ) -> dict[str, Any]:
+    """One table row from each round's pull: medians over rounds, the range of round medians."""
+    nbytes = results[0]["bytes"]
+    per_round = [_gbps(nbytes, r["read_s"]) for r in results]
+    return dict(backend=backend, profile=profile, path=path, mib=nbytes / 2**20,
+                gbps=statistics.median(per_round), low=min(per_round), high=max(per_round),
+                best_gbps=max(_gbps(nbytes, r["best_s"]) for r in results),
+                memcpy_gbps=statistics.median(_gbps(nbytes, r["copy_s"]) for r in results),
+                data_ok=all(r["data_ok"] for r in results), transports=results[0]["transports"])
+
+
 def measure(lab: Any, backends: list[str], args: argparse.Namespace, logs: Path
             ) -> list[dict[str, Any]]:
-    """One row per (backend, profile, path): GB/s of the median read, its best, memcpy."""
+    """One row per (backend, profile, path): GB/s (median over rounds of each round's median
+    read), the best read, memcpy."""
     from disagg import procs
 
     a, b = lab.add_host("bench-a"), lab.add_host("bench-b")
+    args.mtus = {dev: _mtu(a, dev) for dev in ("eth0", "lo")}
     plans = [("TCP", "auto")] if "tcp" in backends else []
     if "ucx" in backends:
         plans += [("UCX", p) for p in args.ucx_profiles.split(",")]
@@ -170,13 +192,13 @@ def measure(lab: Any, backends: list[str], args: argparse.Namespace, logs: Path
             paths = [("veth", b, f"{a.addr}:{port}"), ("loopback", a, f"127.0.0.1:{port}")]
             if profile == "same_host":  # only what auto picks for loopback
                 paths = paths[1:]
-            for path, host, address in paths:
-                r = _pull(host, backend, profile, address, args)
-                rows.append(dict(backend=backend, profile=profile, path=path,
-                                 mib=r["bytes"] / 2**20, gbps=_gbps(r["bytes"], r["read_s"]),
-                                 best_gbps=_gbps(r["bytes"], r["best_s"]),
-                                 memcpy_gbps=_gbps(r["bytes"], r["copy_s"]),
-                                 data_ok=r["data_ok"], transports=r["transports"]))
+            # Rounds alternate the paths, so both see the same background load.
+            got: dict[str, list[dict[str, Any]]] = {path: [] for path, _, _ in paths}
+            for _ in range(args.rounds):
+                for path, host, address in paths:
+                    got[path].append(_pull(host, backend, profile, address, args))
+            for path, results in got.items():
+                rows.append(_row(backend, profile, path, results))
                 print(f"{backend} {profile:>10} {path:>8}: {rows[-1]['gbps']:.2f} GB/s "
                       f"(memcpy {rows[-1]['memcpy_gbps']:.2f})", flush=True)
         finally:
@@ -202,14 +224,16 @@ VETH_NOTE = (
     "kernel, here one in each host's network namespace and plugged into a Linux bridge in a "
     "third namespace. A packet sent on one end is handed to the other end by the kernel on "
     "the same CPU: a memory copy through the full TCP/IP stack of both namespaces (routing, "
-    "ARP, the bridge's forwarding, netfilter hooks, TCP segmentation without a wire MTU "
-    "limit), with no NIC, no DMA, no wire latency or loss and no bandwidth cap of its own. "
+    "ARP, the bridge's forwarding, netfilter hooks, an Ethernet MTU), with no NIC, no DMA, "
+    "no wire latency or loss and no bandwidth cap of its own. "
     "So these numbers show that addressing, routing and transport selection work across two "
     "interfaces in two network stacks (each process sees only its own `eth0` and its own "
     "loopback, and UCX's shared-memory transports cannot take a short cut to the other "
     "namespace's process), and what the extra stack traversal costs against loopback; they "
-    "say nothing about a real NIC's bandwidth or latency (a 100 Gb/s NIC moves ~12 GB/s, a "
-    "25 Gb/s one ~3 GB/s; RDMA transports were not available here).")
+    "say nothing about a real NIC's bandwidth or latency (a 100 Gb/s link's line rate is 12.5 "
+    "GB/s, a 25 Gb/s one's 3.1 GB/s; RDMA transports were not available here). UCX's same_host "
+    "profile on loopback uses shared memory, whose fragmented pipeline needs both processes on a "
+    "core at once: on an oversubscribed host it varies widely (disagg/transfer/ucx.py).")
 
 
 def _ratio(rows: list[dict[str, Any]], backend: str, veth_profile: str, lo_profile: str
@@ -229,15 +253,22 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     head = [f"# KV transfer across a veth link vs loopback ({time.strftime('%Y-%m-%d')})", "",
             *[f"- {m}" for m in machine()],
             f"- {args.mib} MiB per read (one lease of {_blocks(args.mib)} blocks of "
-            f"{BLOCK_BYTES // 1024} KiB, `\"blocks\"` format), median of {args.reps} reads "
-            f"after one warm-up, each timed from submit to the last byte in the client's "
-            f"preallocated buffer; memcpy = `numpy.copyto` of the same bytes in the client",
+            f"{BLOCK_BYTES // 1024} KiB, `\"blocks\"` format); {args.rounds} rounds, each a fresh "
+            f"client process per path (the paths alternate) doing one warm-up and {args.reps} "
+            f"reads timed from submit to the last byte in its preallocated buffer; GB/s = "
+            f"median over rounds of each round's median read; memcpy = `numpy.copyto` of the "
+            f"same bytes in the client",
+            f"- MTU: veth `eth0` {args.mtus.get('eth0')}, `lo` {args.mtus.get('lo')} (TCP "
+            f"segments over the veth are that much smaller: more packets per byte)",
+            f"- host load average (1 min) before / after: {args.load[0]:.2f} / "
+            f"{os.getloadavg()[0]:.2f} (2 shared cores: other work moves these numbers)",
             "- command: `python bench/multihost.py " + " ".join(sys.argv[1:]) + "`", "",
-            "| backend | UCX profile | path | MiB | GB/s (median) | GB/s (best) | memcpy GB/s "
-            "| data checked | UCX transports (client) |",
-            "|---|---|---|---:|---:|---:|---:|---|---|"]
+            "| backend | UCX profile | path | MiB | GB/s (median) | rounds' range | GB/s (best) "
+            "| memcpy GB/s | data checked | UCX transports (client) |",
+            "|---|---|---|---:|---:|---:|---:|---:|---|---|"]
     body = [f"| {r['backend']} | {r['profile'] if r['backend'] == 'UCX' else '-'} | "
-            f"{r['path']} | {r['mib']:.0f} | {r['gbps']:.2f} | {r['best_gbps']:.2f} | "
+            f"{r['path']} | {r['mib']:.0f} | {r['gbps']:.2f} | {r['low']:.2f}-{r['high']:.2f} | "
+            f"{r['best_gbps']:.2f} | "
             f"{r['memcpy_gbps']:.2f} | {'yes' if r['data_ok'] else 'NO'} | "
             f"{', '.join(r['transports']) or '-'} |" for r in rows]
     ratios = [x for x in (_ratio(rows, "TCP", "auto", "auto"),
@@ -260,6 +291,7 @@ def run_main(args: argparse.Namespace) -> int:
     if "ucx" in backends and not ucx_available()[0]:
         print(f"skipping UCX: {ucx_available()[1]}", file=sys.stderr)
         backends.remove("ucx")
+    args.load = os.getloadavg()
     logs = Path(args.logs or "/tmp") / f"multihost-bench-{os.getpid()}"
     logs.mkdir(parents=True, exist_ok=True)
     with NetLab(root_link=False) as lab:
@@ -277,6 +309,7 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backends", default="tcp,ucx")
     p.add_argument("--mib", type=int, default=64)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3, help="client processes per path")
     p.add_argument("--ucx-profiles", default="cross_host,same_host",
                    help="UCX servers to run: cross_host (pulled over veth and loopback), "
                    "same_host (over loopback: what auto picks there)")
@@ -296,8 +329,8 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = set(getattr(args, "ucx_profiles", "").split(",")) - {"cross_host", "same_host", ""}
     if args.cmd is None and bad:
         p.error(f"--ucx-profiles: unknown {sorted(bad)}")
-    if args.mib < 1 or args.reps < 1:
-        p.error("--mib and --reps must be >= 1")
+    if args.mib < 1 or args.reps < 1 or getattr(args, "rounds", 1) < 1:
+        p.error("--mib, --reps and --rounds must be >= 1")
     return args
 
 

@@ -246,7 +246,7 @@ def test_bandwidth_bench_across_veth_and_loopback(tmp_path: Path) -> None:
     out = tmp_path / "multihost.md"
     cp = subprocess.run([sys.executable, str(ROOT / "bench" / "multihost.py"), "--backends",
                          backends, "--ucx-profiles", "cross_host", "--mib", "4", "--reps", "1",
-                         "--out", str(out), "--logs", str(tmp_path)],
+                         "--rounds", "1", "--out", str(out), "--logs", str(tmp_path)],
                         capture_output=True, text=True, timeout=240, env=_env())
     assert cp.returncode == 0, cp.stderr[-3000:]
     text = out.read_text()
