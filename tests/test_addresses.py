@@ -118,3 +118,29 @@ def test_context_transports_parse_ucx_info() -> None:
             "#      resource 1  :  md 0  dev 1  flags -- tcp/lo\n"
             "#      resource 2  :  md 1  dev 2  flags -- sysv/memory\n")
     assert context_transports(info) == ["tcp/eth0", "tcp/lo", "sysv/memory"]
+
+
+def test_kv_transfer_over_an_ipv6_literal() -> None:
+    """A transfer server bound to ::1 hands out [::1]:port, and a client reads through it."""
+    import torch
+    from transfer_fixtures import expected, same_bytes
+
+    from disagg.transfer import KVTransferClient, KVTransferServer, LeaseTable, ReadRequest
+    from disagg.transfer.payload import payload_shape
+
+    if not A.is_local_address("::1"):
+        pytest.skip("no IPv6 loopback here")
+    kv = torch.randn(4, 2, 2, 2, 4, 8)
+    leases = LeaseTable(default_ttl_s=30.0)
+    leases.create("r1", [1, 3], readers=1)
+    server = KVTransferServer(kv, leases, "t" * 32, "tcp", "::1", advertise_host="::1").start()
+    client = KVTransferClient("tcp", "t" * 32, timeout_s=20.0)
+    try:
+        assert server.address.startswith("[::1]:")
+        req = ReadRequest("r1", [1, 3], (0, 2), (0, 2))
+        out = torch.empty(payload_shape(tuple(kv.shape), req), dtype=kv.dtype)
+        client.read(server.address, req, out).result(20)
+        assert same_bytes(out, expected(kv, req))
+    finally:
+        client.close()
+        server.stop()
