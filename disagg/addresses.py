@@ -6,9 +6,9 @@ interface) and ``127.0.0.1`` / ``::1`` (this host only) mean nothing on another 
 rules (``advertise_address``):
 
 1. ``--advertise-host`` given: that (a name or an IP literal; never a wildcard, and a loopback
-   one only when the router is on this host).
-2. A specific bind address (``--host 10.0.0.5``): that; a loopback bind with a router on
-   another host is an error (the router could never reach it).
+   one only when the router is on loopback too).
+2. A specific bind address (``--host 10.0.0.5``): that; a loopback bind with a router that
+   is not on loopback is an error (it, and peers on other hosts, could never reach it).
 3. A wildcard bind: the source address of this host's route to the router (a UDP socket
    "connected" to the router: no packet is sent, the kernel picks the interface and its
    address), else the first non-loopback address of an up interface, else loopback when the
@@ -109,10 +109,10 @@ def is_local_address(ip: str) -> bool:
     return True
 
 
-def host_is_local(host: str) -> bool:
-    """Whether every address ``host`` resolves to is this host's (a router on this host)."""
+def on_loopback(host: str) -> bool:
+    """Whether ``host`` (a router's) resolves to loopback addresses only."""
     ips = _resolve(host)
-    return bool(ips) and all(is_local_address(ip) for ip in ips)
+    return bool(ips) and all(is_loopback(ip) for ip in ips)
 
 
 def route_source(target: str, family: int | None = None) -> str | None:
@@ -201,19 +201,23 @@ def advertise_address(bind_host: str, *, advertise_host: str | None = None,
     """The address peers should use for a socket bound to ``bind_host`` (rules: the module
     docstring). ``AddressError`` when none that a peer can reach exists."""
     router = _router_host(router_url)
-    router_local = router is None or host_is_local(router)
+    # A loopback address is only handed to a router that is itself on loopback (its workers
+    # and their peers are then all on this host); no router: the caller's own choice.
+    router_local = router is None or on_loopback(router)
     if advertise_host is not None:
         host = check_advertise_host(advertise_host)
         if is_loopback(host) and not router_local:
             raise AddressError(f"advertise_host: {advertise_host!r} is a loopback address but "
-                               f"the router ({router}) is on another host")
+                               f"the router ({router}) is not on loopback: peers on other "
+                               f"hosts could not reach it")
         return Advertised(host, "--advertise-host")
     bare = strip_brackets(bind_host.strip())
     if not is_wildcard(bare):
         if is_loopback(bare) and not router_local:
-            raise AddressError(f"host: {bind_host!r} is loopback, so the router at {router} "
-                               f"(another host) cannot reach this worker; bind a reachable "
-                               f"address, or 0.0.0.0 with --advertise-host")
+            raise AddressError(f"host: {bind_host!r} is loopback but the router at {router} is "
+                               f"not, so it (and peers on other hosts) cannot reach this "
+                               f"worker; bind a reachable address, or 0.0.0.0 with "
+                               f"--advertise-host")
         return Advertised(bare, "the bound address")
     # Wildcard: 0.0.0.0 accepts IPv4 only; :: (dual-stack on Linux) either family.
     family = socket.AF_INET if bare in ("0.0.0.0", "*", "") else None
@@ -226,6 +230,6 @@ def advertise_address(bind_host: str, *, advertise_host: str | None = None,
         return Advertised(ip, "the first non-loopback address (wildcard bind)")
     if router_local:
         return Advertised("::1" if bare == "::" else "127.0.0.1",
-                          "loopback: no other interface, router on this host")
+                          "loopback: no other interface, the router is on loopback")
     raise AddressError(f"host: {bind_host!r} is a wildcard and this host has no address the "
                        f"router {router} can reach; set --advertise-host")

@@ -30,7 +30,7 @@ def test_explicit_advertise_host_wins_and_is_checked() -> None:
     # Loopback is fine for a router on this host, an error for one elsewhere.
     assert A.advertise_address("0.0.0.0", advertise_host="127.0.0.1",
                                router_url="http://127.0.0.1:9").host == "127.0.0.1"
-    with pytest.raises(A.AddressError, match="loopback.*another host"):
+    with pytest.raises(A.AddressError, match="loopback address but the router .* not on loop"):
         A.advertise_address("0.0.0.0", advertise_host="127.0.0.1", router_url=REMOTE_ROUTER)
 
 
@@ -38,7 +38,7 @@ def test_specific_bind_is_itself_but_loopback_only_for_a_local_router() -> None:
     assert A.advertise_address("10.9.8.7", router_url=REMOTE_ROUTER).host == "10.9.8.7"
     assert A.advertise_address("127.0.0.1").host == "127.0.0.1"
     assert A.advertise_address("[::1]", router_url="http://[::1]:9").host == "::1"
-    with pytest.raises(A.AddressError, match=r"host: '127.0.0.1' is loopback.*--advertise-host"):
+    with pytest.raises(A.AddressError, match=r"host: '127.0.0.1' is loopback but.*--advertise-h"):
         A.advertise_address("127.0.0.1", router_url=REMOTE_ROUTER)
 
 
@@ -70,8 +70,8 @@ def test_wildcard_bind_falls_back_to_a_non_loopback_address(monkeypatch) -> None
 def test_real_lookups_on_this_host() -> None:
     # The route to a loopback router starts at loopback; this host's own addresses are local.
     assert A.route_source("127.0.0.1") == "127.0.0.1"
-    assert A.host_is_local("127.0.0.1") and A.host_is_local("localhost")
-    assert not A.host_is_local("192.0.2.77")
+    assert A.on_loopback("127.0.0.1") and A.on_loopback("localhost") and A.on_loopback("::1")
+    assert not A.on_loopback("192.0.2.77") and not A.on_loopback("no-such-host.invalid")
     ip = A.first_non_loopback()
     assert ip is None or (A.is_local_address(ip) and not A.is_loopback(ip))
     got = A.advertise_address("0.0.0.0", router_url="http://127.0.0.1:1").host
