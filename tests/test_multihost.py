@@ -170,6 +170,9 @@ def test_outputs_through_the_router_match_aggregated(cluster: Cluster, reference
             assert kv["ucx"]["profile"] == "cross_host" and "tcp/eth0" in kv["ucx"]["transports"]
         else:
             assert kv["ucx"] is None
+    gen = cluster.server_info("gen0")["kv_transfer"]
+    if cluster.backend == "UCX":  # its UCX context started with its first pull
+        assert gen["ucx"]["profile"] == "cross_host" and "tcp/eth0" in gen["ucx"]["transports"]
     assert metric(cluster.url("ctx0"), "disagg_requests_finished_total") + metric(
         cluster.url("ctx1"), "disagg_requests_finished_total") >= len(PROMPTS)
 
