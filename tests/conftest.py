@@ -12,6 +12,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+# Hosts as network namespaces (tests/netns.py): the `netlab` / `module_netlab` fixtures.
+from netns import module_netlab, netlab  # noqa: F401
+
 # Two cores: keep torch from oversubscribing when several test processes run.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 # Parallel-worker tests: a hung collective fails in a minute, not in the default five.

@@ -34,6 +34,13 @@ def _wait_http(url: str, timeout: float = 15.0) -> None:
         time.sleep(0.05)
 
 
+def test_fixture_gives_an_open_lab(netlab: NetLab) -> None:
+    host = netlab.add_host("solo")
+    assert netlab.subnet is not None and netlab.root_addr is not None
+    assert host.ns in _namespaces() and host.argv(["true"])[:4] == ["ip", "netns", "exec",
+                                                                   host.ns]
+
+
 def test_hosts_talk_cut_restore_and_teardown(tmp_path) -> None:
     require_netns()
     with NetLab() as lab:
