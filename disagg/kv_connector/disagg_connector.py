@@ -136,6 +136,7 @@ class DisaggConnector(KVConnector):
             # The engine loop sweeps expiries (sweep_interval_s=None): one owner of the clock.
             self.server = KVTransferServer(kv_cache, self.leases, settings.cluster_token,
                                            self.backend, settings.host, stats=self.stats,
+                                           advertise_host=settings.advertise_host,
                                            sweep_interval_s=None).start()
         if peers is not None:
             if self.role == Role.CONTEXT and any(a is None for a in peers.transfer_addresses):
@@ -157,7 +158,10 @@ class DisaggConnector(KVConnector):
                 "backend": self.backend.name.upper(),
                 "addresses": self.addresses,
                 "layout": self.layout.to_dict(),
-                "lease_ttl_s": self.settings.lease_ttl_s if self.role == Role.CONTEXT else None}
+                "lease_ttl_s": self.settings.lease_ttl_s if self.role == Role.CONTEXT else None,
+                # UCX: profile, UCX_TLS and the transports its context runs (None for TCP)
+                "ucx": describe() if (describe := getattr(self.backend, "describe", None))
+                else None}
 
     def stats_snapshot(self) -> TransferStatsSnapshot:
         # list(): one C-level copy under the GIL (the engine thread updates the dict).

@@ -88,6 +88,7 @@ class RankTransfer:
             self.leases = LeaseTable(settings.lease_ttl_s, on_release=self._on_release)
             self.server = KVTransferServer(kv_cache, self.leases, settings.cluster_token,
                                            self.backend, settings.host, stats=self.stats,
+                                           advertise_host=settings.advertise_host,
                                            sweep_interval_s=SWEEP_INTERVAL_S).start()
         else:
             # Installs run here, not on the transport's thread (which must keep progressing).

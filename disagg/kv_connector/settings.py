@@ -17,6 +17,8 @@ class DisaggSettings:
     cluster_token: str
     backend: str = "TCP"  # this worker's backend (the context side serves with it)
     host: str = "127.0.0.1"  # where the transfer server listens (context role)
+    # What the transfer server hands to peers (None: ``host``); never a wildcard.
+    advertise_host: str | None = None
     lease_ttl_s: float = 30.0
     ucx_profile: str = "same_host"
     read_timeout_s: float = 30.0

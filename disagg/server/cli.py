@@ -172,10 +172,11 @@ def run_server(
     cluster_token: str | None = None,
     kv_lease_ttl: float = 30.0,
     kv_peer_allowlist: list[str] | None = None,
-    ucx_profile: str = "same_host",
+    ucx_profile: str = "auto",
     benchmark_gen_only: bool = False,
     router_url: str | None = None,
     public_metrics: bool = False,
+    advertise_host: str | None = None,
 ) -> int:
     """Load the model, serve until SIGTERM/SIGINT, drain, return the exit code."""
     logging.basicConfig(level=log_level.upper(),
@@ -185,11 +186,14 @@ def run_server(
     cluster_token = cluster_token_or_none(cluster_token)
     try:
         # Before loading anything: fail fast on a role or options we cannot serve.
+        http_host, kv_advertise = _advertised_hosts(host, kv_transfer_host, advertise_host,
+                                                    router_url, role)
         disagg_settings = _disagg_settings(
             role, engine_options, benchmark_gen_only=benchmark_gen_only,
             cluster_token=cluster_token, kv_transfer_backend=kv_transfer_backend,
             kv_transfer_host=kv_transfer_host or host, kv_lease_ttl=kv_lease_ttl,
-            ucx_profile=ucx_profile, kv_peer_allowlist=kv_peer_allowlist)
+            ucx_profile=ucx_profile, kv_peer_allowlist=kv_peer_allowlist,
+            kv_advertise_host=kv_advertise)
         config, engine = _start_engine(model_dir, engine_options, disagg_settings)
     except _StartError as e:
         print(f"disagg serve: error: {e}", file=sys.stderr)
@@ -213,7 +217,8 @@ def run_server(
     if router_url:  # dynamic membership: register once listening, heartbeat
         from disagg.server.registration import RouterRegistration
 
-        registration = RouterRegistration(router_url, engine, settings, host, cluster_token)
+        registration = RouterRegistration(router_url, engine, settings, http_host or host,
+                                          cluster_token)
     return _serve(server, engine, registration)
 
 
@@ -244,6 +249,29 @@ class _StartError(Exception):
         self.exit_code = exit_code
 
 
+def _advertised_hosts(host: str, kv_transfer_host: str | None, advertise_host: str | None,
+                      router_url: str | None, role: str) -> tuple[str | None, str | None]:
+    """``(HTTP host registered with the router, KV transfer host handed to peers)``; None where
+    the worker has no such peer (no router / an aggregated worker). Each choice is logged;
+    ``_StartError`` (exit 2) when no address a peer could reach exists."""
+    from disagg.addresses import AddressError, advertise_address, is_wildcard
+
+    try:
+        http = kv = None
+        if router_url:
+            http = advertise_address(host, advertise_host=advertise_host, router_url=router_url)
+            logger.info("advertising HTTP address %s to the router (%s)", http.host, http.why)
+        if role in DISAGG_ROLES:
+            # A specific --kv-transfer-host is the KV address itself (a separate network).
+            own = kv_transfer_host is not None and not is_wildcard(kv_transfer_host)
+            kv = advertise_address(kv_transfer_host or host, router_url=router_url,
+                                   advertise_host=None if own else advertise_host)
+            logger.info("advertising KV transfer address %s (%s)", kv.host, kv.why)
+    except (AddressError, ValueError) as e:
+        raise _StartError(2, str(e)) from None
+    return (http.host if http else None), (kv.host if kv else None)
+
+
 def kv_transfer_backend_or_default(backend: str | None) -> str:
     """An explicit backend as given (an explicit UCX without ucxx fails when the worker
     starts, saying so); none: the default, UCX when ucxx imports, else TCP, logged."""
@@ -259,7 +287,8 @@ def kv_transfer_backend_or_default(backend: str | None) -> str:
 def _disagg_settings(role: str, engine_options: dict[str, Any], *, benchmark_gen_only: bool,
                      cluster_token: str | None, kv_transfer_backend: str | None,
                      kv_transfer_host: str, kv_lease_ttl: float | None,
-                     ucx_profile: str | None, kv_peer_allowlist: list[str] | None) -> Any:
+                     ucx_profile: str | None, kv_peer_allowlist: list[str] | None,
+                     kv_advertise_host: str | None = None) -> Any:
     """Check the role and the KV transfer options; the ``DisaggSettings`` of a context or
     generation worker (None for an aggregated one). ``_StartError`` (exit 2) on a bad role, a
     missing cluster token or a bad lease ttl."""
@@ -273,13 +302,18 @@ def _disagg_settings(role: str, engine_options: dict[str, Any], *, benchmark_gen
             return None
         from disagg.cluster_auth import PeerAllowlist, resolve_cluster_token
         from disagg.kv_connector.settings import DisaggSettings
+        from disagg.transfer.ucx import resolve_ucx_profile
 
         if kv_lease_ttl is None or kv_lease_ttl <= 0:
             raise ValueError("kv_lease_ttl: must be > 0")
+        backend = kv_transfer_backend_or_default(kv_transfer_backend)
+        profile, why = resolve_ucx_profile(ucx_profile, kv_advertise_host or kv_transfer_host)
+        if backend == "UCX":
+            logger.info("UCX profile %s (%s)", profile, why)
         return DisaggSettings(
             role=role, cluster_token=resolve_cluster_token(cluster_token),
-            backend=kv_transfer_backend_or_default(kv_transfer_backend), host=kv_transfer_host,
-            lease_ttl_s=float(kv_lease_ttl), ucx_profile=ucx_profile or "same_host",
+            backend=backend, host=kv_transfer_host, advertise_host=kv_advertise_host,
+            lease_ttl_s=float(kv_lease_ttl), ucx_profile=profile,
             kv_peer_allowlist=PeerAllowlist.parse(kv_peer_allowlist))
     except ValueError as e:
         raise _StartError(2, str(e)) from None

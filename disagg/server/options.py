@@ -96,6 +96,11 @@ SERVER_OPTIONS: dict[str, Opt] = {
                                 choices=("UCX", "TCP", "ucx", "tcp")),
     "kv_transfer_host": Opt(str, "address the context worker's KV transfer server binds and "
                              "advertises (default: --host)", metavar="HOST"),
+    "advertise_host": Opt(str, "address or name peers on other hosts use for this worker: the "
+                           "HTTP url it registers with --router-url and its KV transfer "
+                           "address (default: the bound address; for a wildcard bind, this "
+                           "host's address on the route to the router, else its first "
+                           "non-loopback one)", metavar="HOST"),
     "cluster_token": Opt(str, "shared secret of the cluster's members: the router signs its "
                           "calls with it, KV transfer peers prove they hold it (default: "
                           "$DISAGG_CLUSTER_TOKEN)", metavar="TOKEN"),

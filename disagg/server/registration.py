@@ -22,24 +22,16 @@ import asyncio
 import contextlib
 import json
 import logging
-import socket
 from typing import Any
 from urllib.parse import urlsplit
 
+from disagg.addresses import host_port
 from disagg.cluster_auth import sign_http
 
 logger = logging.getLogger("disagg.server.registration")
 
 RETRY_S = 1.0
 TIMEOUT_S = 5.0
-
-
-def advertised_host(host: str) -> str:
-    """An address the router can reach: the bound host, or this machine's name for a
-    wildcard bind."""
-    if host in ("", "0.0.0.0", "::", "[::]"):
-        return socket.gethostname()
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def worker_payload(engine: Any, settings: Any, url: str) -> dict[str, Any]:
@@ -67,6 +59,8 @@ class RouterRegistration:
 
     def __init__(self, router_url: str, engine: Any, settings: Any, host: str,
                  cluster_token: str | None = None) -> None:
+        """``host``: the address the router should call this worker at (already chosen by
+        ``addresses.advertise_address``: never a wildcard)."""
         self.router_url = router_url.rstrip("/")
         if "://" not in self.router_url:
             self.router_url = "http://" + self.router_url
@@ -88,7 +82,7 @@ class RouterRegistration:
                 return
             await asyncio.sleep(0.05)
         port = server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"{advertised_host(self.host)}:{port}"
+        self.url = host_port(self.host, port)
         payload = worker_payload(self.engine, self.settings, self.url)
         async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
             try:

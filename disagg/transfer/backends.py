@@ -43,4 +43,5 @@ def make_backend(
         cfg = CacheTransceiverConfig.from_dict(spec)
     if cfg.backend == "TCP":
         return TcpBackend()
-    return UcxBackend(profile=cfg.ucx_profile)
+    # "auto" with no address to judge by: same_host (sm,tcp also reaches other hosts, by tcp)
+    return UcxBackend(profile="same_host" if cfg.ucx_profile == "auto" else cfg.ucx_profile)

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from disagg.addresses import host_port
 from disagg.transfer.backends import make_backend
 from disagg.transfer.base import (
     BAD_REQUEST,
@@ -167,7 +168,7 @@ class KVTransferServer:
     def address(self) -> str:
         if self._listener is None:
             raise RuntimeError("server not started")
-        return f"{self._advertise}:{self._listener.port}"
+        return host_port(self._advertise, self._listener.port)
 
     @property
     def num_connections(self) -> int:

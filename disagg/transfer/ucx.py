@@ -21,9 +21,17 @@ profile        environment
 =============  =================================================
 same_host      UCX_TLS=sm,tcp UCX_MM_ERROR_HANDLING=y (~6 GB/s)
 cross_host     UCX_TLS=tcp UCX_RNDV_SCHEME=put_zcopy (~3 GB/s)
+auto           cross_host when the worker's advertised KV address is not
+               loopback (its peers may be on other hosts), else same_host
 always         UCX_WARN_UNUSED_ENV_VARS=n (else UCX prints a WARN to stdout)
 with CUDA      UCX_TLS += cuda_copy,cuda_ipc (same_host) / cuda_copy (cross_host)
+with RDMA      UCX_TLS += rc,ud (cross_host, where /sys/class/infiniband has a
+               device: InfiniBand / RoCE; never measured here, no such NIC)
 =============  =================================================
+
+The transports UCX actually runs (``tl/device`` pairs of its context, e.g. ``tcp/eth0``) are
+logged when the context starts and shown in the worker's ``/server_info``
+(``kv_transfer.ucx``).
 
 GPU memory ("device-direct"): in a process that has a CUDA device, the profile's ``UCX_TLS`` also
 names UCX's CUDA transports: ``cuda_ipc`` (a process maps the other's GPU memory: GPU to GPU on
@@ -105,6 +113,10 @@ UCX_ALWAYS_ENV = {
 }
 # The CUDA transports added to a profile's UCX_TLS in a process with a CUDA device.
 UCX_CUDA_TLS: dict[str, str] = {"same_host": "cuda_copy,cuda_ipc", "cross_host": "cuda_copy"}
+# RDMA transports added to cross_host's UCX_TLS where the host has an RDMA device (UCX uses the
+# ones that start; naming them where absent would only cost a failed probe, but it is skipped).
+UCX_RDMA_TLS = "rc,ud"
+RDMA_CLASS_DIR = "/sys/class/infiniband"
 # "0" (or no/false/off): never hand GPU memory to UCX; a GPU cache stages in pinned host memory.
 DEVICE_DIRECT_ENV = KV_DEVICE_DIRECT.name
 # Progress: ucxx's C++ progress thread (epoll, wakes every ms) + Python futures completed by
@@ -117,13 +129,39 @@ DEVICE_DIRECT_ENV = KV_DEVICE_DIRECT.name
 PROGRESS_MODE = "thread"
 
 
-def configure_ucx_env(profile: str = "same_host", cuda: bool = False) -> dict[str, str]:
+def resolve_ucx_profile(profile: str | None, kv_host: str | None) -> tuple[str, str]:
+    """A concrete profile for ``profile`` (``auto`` / None: judged by the worker's advertised
+    KV address ``kv_host``) and why, for the log line."""
+    from disagg.addresses import is_loopback
+
+    if profile not in (None, "auto"):
+        return profile, "configured"  # type: ignore[return-value]
+    if kv_host is None:
+        return "same_host", "auto: no KV address to judge by"
+    if is_loopback(kv_host):
+        return "same_host", f"auto: the KV address {kv_host} is loopback (peers on this host)"
+    return "cross_host", f"auto: the KV address {kv_host} is not loopback (peers may be on " \
+                         f"other hosts)"
+
+
+def has_rdma_device(class_dir: str = RDMA_CLASS_DIR) -> bool:
+    try:
+        return bool(os.listdir(class_dir))
+    except OSError:
+        return False
+
+
+def configure_ucx_env(profile: str = "same_host", cuda: bool = False,
+                      rdma: bool | None = None) -> dict[str, str]:
     """Put the profile's UCX variables in ``os.environ`` unless already set; returns what is in
-    effect. ``cuda``: add the profile's CUDA transports to ``UCX_TLS``. Call before ucxx
-    creates its context (``UcxBackend`` does it for you)."""
+    effect. ``cuda``: add the profile's CUDA transports to ``UCX_TLS``; ``rdma`` (None: whether
+    the host has an RDMA device): add ``rc,ud`` to cross_host's. Call before ucxx creates its
+    context (``UcxBackend`` does it for you)."""
     if profile not in UCX_PROFILES:
         raise ValueError(f"ucx profile must be one of {sorted(UCX_PROFILES)}, got {profile!r}")
     env = {**UCX_PROFILES[profile], **UCX_ALWAYS_ENV}
+    if profile == "cross_host" and (has_rdma_device() if rdma is None else rdma):
+        env["UCX_TLS"] = f"{UCX_RDMA_TLS},{env['UCX_TLS']}"
     if cuda:
         env["UCX_TLS"] = f"{env['UCX_TLS']},{UCX_CUDA_TLS[profile]}"
     applied = {}
@@ -145,6 +183,13 @@ def device_direct_wanted() -> tuple[bool, str]:
     if not torch.cuda.is_available():
         return False, "no CUDA device in this process"
     return True, ""
+
+
+def context_transports(context_info: str) -> list[str]:
+    """Every ``transport/device`` a UCX context runs, from its ``ucp_context_print_info`` text
+    (``resource 0 : md 0 dev 0 flags -- tcp/eth0``), in UCX's order."""
+    return list(dict.fromkeys(re.findall(r"resource\s+\d+\s*:.*?--\s*(\S+/\S+)",
+                                         context_info)))
 
 
 def cuda_transports(context_info: str) -> list[str]:
@@ -217,6 +262,7 @@ class _UcxRuntime:
     _loop: LoopThread | None = None
     _profile: str | None = None
     device_support: tuple[bool, str] = (False, "UCX is not started")
+    transports: tuple[str, ...] = ()  # the running context's transport/device pairs
 
     @classmethod
     def acquire(cls, profile: str) -> LoopThread:
@@ -238,6 +284,9 @@ class _UcxRuntime:
                 # Inside the loop: ucxx binds its progress and future notifier to the running
                 # loop (a loop created outside would be a stray one).
                 ucxx.init(progress_mode=PROGRESS_MODE, enable_python_future=True)
+                with contextlib.suppress(Exception):  # an API this ucxx lacks: none listed
+                    cls.transports = tuple(context_transports(
+                        str(ucxx.core._get_ctx().context.info)))
                 return _probe_device_support(ucxx, wanted, why)
 
             try:
@@ -249,6 +298,8 @@ class _UcxRuntime:
                 raise
             cls._loop, cls._profile, cls._users = loop, profile, 1
             cls.device_support = support
+            logger.info("UCX started: profile %s, UCX_TLS=%s, transports %s", profile,
+                        UCX_TLS.get(), ",".join(cls.transports) or "(not reported)")
             if wanted or support[0]:
                 logger.info("UCX KV transfer (UCX_TLS=%s): %s", UCX_TLS.get(),
                             f"GPU memory moves directly ({support[1]})" if support[0]
@@ -265,6 +316,7 @@ class _UcxRuntime:
                 return
             cls._loop, cls._profile = None, None
             cls.device_support = (False, "UCX is not started")
+            cls.transports = ()
             loop.stop()  # closing the loop cancels ucxx's progress tasks
             import ucxx
 
@@ -447,6 +499,12 @@ class UcxBackend(TransportBackend):
 
     def device_memory_support(self) -> tuple[bool, str]:
         return _UcxRuntime.device_support
+
+    def describe(self) -> dict[str, Any]:
+        """The profile, the UCX_TLS in effect and the transports the context runs (empty until
+        this process first starts UCX), for ``/server_info``."""
+        return {"profile": self.profile, "ucx_tls": UCX_TLS.get(),
+                "transports": list(_UcxRuntime.transports)}
 
     async def listen(self, host: str, port: int, handler: ConnectionHandler) -> Listener:
         # No UCX listener (ucxx 0.52 binds it on every interface): the TCP door bound to
