@@ -261,9 +261,10 @@ def render(plan: DeployPlan, opts: K8sOptions) -> dict[str, list[dict[str, Any]]
 def write(plan: DeployPlan, opts: K8sOptions, out_dir: Path, command: str) -> list[Path]:
     """Render into ``out_dir`` (created): the manifests and a README; returns the paths."""
     header = f"# Rendered by `{command}` from {plan.source}; re-render instead of editing.\n"
+    files = render(plan, opts)  # errors before anything is written
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, docs in render(plan, opts).items():
+    for name, docs in files.items():
         path = out_dir / name
         text = header + "".join(("---\n" if i else "") + dump_yaml(d) for i, d in
                                 enumerate(docs))
@@ -295,8 +296,8 @@ def render_readme(plan: DeployPlan, opts: K8sOptions, command: str) -> str:
                                 if m.generated else
                                 f"read from the volume mounted read-only at `{m.mount_dir}`")
         for m in plan.models)
-    secret = (f"`secret.yaml` holds a fresh random token (file mode 0600; do not commit it). "
-              f"Re-rendering makes a new one: restart every pod after applying it."
+    secret = ("`secret.yaml` holds a fresh random token (file mode 0600; do not commit it). "
+              "Re-rendering makes a new one: restart every pod after applying it."
               if opts.secret else
               f"Create it once (no token is written into these files):\n\n"
               f"    kubectl{ns} create secret generic {name}-cluster-token \\\n"

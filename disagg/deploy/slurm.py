@@ -170,7 +170,8 @@ NODES_NEEDED={nodes}
 ROUTER_PORT={port}
 STOP_GRACE_S={grace}  # a worker's drain timeout plus a margin to exit
 STARTUP_TIMEOUT_S={startup}
-JOB_DIR="${{DISAGG_JOB_DIR:-${{SLURM_SUBMIT_DIR:-$PWD}}/disagg-${{SLURM_JOB_ID:?not in a Slurm job}}}}"
+: "${{SLURM_JOB_ID:?not in a Slurm job (submit with sbatch)}}"
+JOB_DIR="${{DISAGG_JOB_DIR:-${{SLURM_SUBMIT_DIR:-$PWD}}/disagg-$SLURM_JOB_ID}}"
 mkdir -p "$JOB_DIR/logs"
 cd "$JOB_DIR"
 
