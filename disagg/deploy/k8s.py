@@ -319,8 +319,10 @@ worker group, a ConfigMap with the YAMLs (`{name}-config`):
 
 {groups}
 
-Workers join the router through `--router-url http://{name}-router:{port}`, registering their
-pod IP (`--advertise-host $(POD_IP)`): scaling changes nothing else.
+Every pod of a group listens on the port of the group's first url in the YAML (the hosts of
+the urls are not used). Workers join the router through `--router-url
+http://{name}-router:{port}`, registering their pod IP (`--advertise-host $(POD_IP)`): scaling
+changes nothing else.
 
 ## 1. Image
 
@@ -342,7 +344,7 @@ Every member reads `DISAGG_CLUSTER_TOKEN` from the Secret `{name}-cluster-token`
     kubectl{ns} apply -f .
     kubectl{ns} rollout status deployment/{name}-router
     kubectl{ns} port-forward service/{name}-router {port}:{port}   # then http://localhost:{port}/v1
-    kubectl{ns} scale deployment/{name}-{first} --replicas=3         # joins the router by itself
+    kubectl{ns} scale deployment/{name}-{first} --replicas=3   # new pods join the router
 
 Each pod's `/metrics` carries `prometheus.io/scrape` annotations. A worker being deleted drains:
 it leaves the router at once and finishes its requests within its drain timeout.
