@@ -65,6 +65,13 @@ def test_rendered_script_is_shellcheck_clean(tmp_path: Path, config: Path,
     assert "DISAGG_CLUSTER_TOKEN=" in text and "cluster_token" not in text
 
 
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
+def test_fake_slurm_is_shellcheck_clean() -> None:
+    scripts = sorted(str(p) for p in FAKE_SLURM.iterdir())
+    cp = subprocess.run(["shellcheck", *scripts], capture_output=True, text=True, timeout=60)
+    assert len(scripts) == 3 and cp.returncode == 0, cp.stdout + cp.stderr
+
+
 def test_checked_in_example_is_up_to_date(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                           ) -> None:
     """deploy/slurm/job.sbatch is what the command renders today."""
@@ -154,20 +161,21 @@ def test_job_serves_across_namespaces_and_stops_on_scancel(fake_job: FakeJob,
     job.wait_ready()
     router, ctx, gen = job.hosts
     base = f"http://{router.addr}:8000"
-    # the workers registered the addresses of their own nodes (--advertise-host)
-    info = httpx.get(f"{base}/cluster_info", timeout=10).json()
-    assert [w["url"] for w in info["workers"]["context"]] == [f"{ctx.addr}:8001"]
-    assert [w["url"] for w in info["workers"]["generation"]] == [f"{gen.addr}:8002"]
-    r = httpx.post(f"{base}/v1/completions", timeout=60, json={
-        "model": model_dir, "prompt": "Hello there", "max_tokens": 8, "temperature": 0,
-        "ignore_eos": True})
-    assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] == 8
-    # the prompt's KV came from the context node to the generation node
-    metrics = httpx.get(f"http://{gen.addr}:8002/metrics", timeout=10).text
-    moved = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-             if line.startswith("disagg_kv_transfer_bytes_total")]
-    assert moved and sum(moved) > 0, metrics[:2000]
+    with httpx.Client(trust_env=False, timeout=60) as http:  # the lab: never a proxy
+        # the workers registered the addresses of their own nodes (--advertise-host)
+        info = http.get(f"{base}/cluster_info").json()
+        assert [w["url"] for w in info["workers"]["context"]] == [f"{ctx.addr}:8001"]
+        assert [w["url"] for w in info["workers"]["generation"]] == [f"{gen.addr}:8002"]
+        r = http.post(f"{base}/v1/completions", json={
+            "model": model_dir, "prompt": "Hello there", "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 8
+        # the prompt's KV came from the context node to the generation node
+        metrics = http.get(f"http://{gen.addr}:8002/metrics").text
+        moved = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                 if line.startswith("disagg_kv_transfer_bytes_total")]
+        assert moved and sum(moved) > 0, metrics[:2000]
     job.proc.send_signal(signal.SIGTERM)  # what scancel / the time limit's --signal do
     assert job.wait_exit() == 0, job.log()
     out = job.out.read_text()
