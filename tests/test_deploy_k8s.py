@@ -198,3 +198,16 @@ def test_bad_input_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixtur
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_api_keys_hide_metrics_from_scrapers_and_are_called_out(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("model: tiny\napi_key: k\ngeneration_servers: {urls: ['h:8001'], "
+                      "api_key: w}\ncontext_servers: {urls: ['h:8002'], api_key: w, "
+                      "public_metrics: true}\n")
+    files = render(tmp_path / "o", config)
+    annotations = {n: d["spec"]["template"]["metadata"]["annotations"]
+                   for n, d in by_kind(files, "Deployment").items()}
+    assert annotations["disagg-router"] == {} and annotations["disagg-generation"] == {}
+    assert annotations["disagg-context"]["prometheus.io/scrape"] == "true"
+    assert "`api_key` values are in the ConfigMap" in (tmp_path / "o/README.md").read_text()

@@ -306,7 +306,17 @@ def render_readme(plan: DeployPlan, opts: K8sOptions, command: str) -> str:
     return _README.format(
         command=command, source=plan.source, image=image, dockerfile=dockerfile, ns=ns,
         name=name, port=plan.router_port, groups=groups, models=models, secret=secret,
-        first=plan.groups[-1].role)
+        first=plan.groups[-1].role, keys=_api_key_note(plan))
+
+
+def _api_key_note(plan: DeployPlan) -> str:
+    """A warning when the YAML holds API keys: they are in the ConfigMap as written."""
+    if not (plan.api_key or any(g.options.get("api_key") for g in plan.groups)):
+        return ""
+    return ("\n\nThe YAML's `api_key` values are in the ConfigMap as written (the router and "
+            "the workers read them from their YAML): whoever may read ConfigMaps in the "
+            "namespace may read them. Pods whose `/metrics` needs the key (no "
+            "`public_metrics`) carry no scrape annotations.")
 
 
 _README = """\
@@ -347,7 +357,7 @@ Every member reads `DISAGG_CLUSTER_TOKEN` from the Secret `{name}-cluster-token`
     kubectl{ns} scale deployment/{name}-{first} --replicas=3   # new pods join the router
 
 Each pod's `/metrics` carries `prometheus.io/scrape` annotations. A worker being deleted drains:
-it leaves the router at once and finishes its requests within its drain timeout.
+it leaves the router at once and finishes its requests within its drain timeout.{keys}
 """
 
 
