@@ -115,7 +115,7 @@ def render(plan: DeployPlan, opts: SlurmOptions, command: str) -> str:
               f"--time={opts.time}", "--output=disagg-%j.out",
               # SIGTERM to this script before the time limit: the workers drain.
               f"--signal=B:TERM@{drain + 15}"]
-    if gpus:
+    if gpus:  # every node gets the most any worker needs: the router's node idles them
         sbatch.append(f"--gpus-per-node={gpus}")
     if opts.partition:
         sbatch.append(f"--partition={opts.partition}")
