@@ -228,6 +228,10 @@ def _validate(config: EngineConfig, num_blocks: int, prompt_token_ids: list[int]
     bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
     if bad is not None:
         raise ValueError(f"stop_token_ids: token id {bad} is out of range [0, {vocab})")
+    bad = next((t for t, _ in params.logit_bias if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"logit_bias: key {bad} is not a token id of this model "
+                         f"(range [0, {vocab}))")
     # What Scheduler._never_fits would finish with an error instead: a bad request.
     sched = config.scheduler
     if not sched.enable_chunked_context and len(prompt_token_ids) > sched.max_num_tokens:
@@ -642,13 +646,19 @@ class LLMEngine:
             else ()
             for st in states
         ]
+        params = [st.request.sampling_params for st in states]
+        # Penalties read the token history: on a generation worker the output starts with the
+        # context worker's first token, so its counts are those one worker would have.
+        histories = ([(st.request.prompt_token_ids, st.request.output_token_ids)
+                      for st in states] if any(p.penalized for p in params) else None)
         # A seeded draw depends on (seed, output position) only: a generation worker
         # continuing a context worker's first token draws what one worker would.
         out = self.sampler.sample(
             logits,
-            [st.request.sampling_params for st in states],
+            params,
             [st.request.num_output_tokens for st in states],
             banned,
+            histories,
         )
         return rids, out
 

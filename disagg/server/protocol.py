@@ -136,10 +136,13 @@ class _Request(BaseModel):
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    # Accepted only at their neutral value: a silent no-op would mislead the caller.
+    # Logits processing (penalties: OpenAI's; repetition_penalty, min_p: vLLM's extensions)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    prompt_logprobs: StrictInt | None = None  # vLLM extension: logprobs of the prompt tokens
     # Disaggregated serving (router -> worker): {request_type, ...ContextParams}; see README.
     disaggregated_params: dict[str, Any] | None = None
 
@@ -158,11 +161,24 @@ class _Request(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options: only allowed when stream is true",
                               param="stream_options")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise bad_request(f"{name}: not supported (only 0)", param=name)
-        if self.logit_bias:
-            raise bad_request("logit_bias: not supported", param="logit_bias")
+        self.logit_bias_ids()
+        if self.prompt_logprobs is not None:
+            raise bad_request("prompt_logprobs: not supported yet", param="prompt_logprobs")
+
+    def logit_bias_ids(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` with token-id keys; 400 naming a key that is not one (OpenAI sends
+        ids as JSON object keys, i.e. strings). Value ranges: SamplingParams."""
+        out = []
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                tid = int(key)
+            except ValueError:
+                tid = -1
+            if tid < 0 or str(tid) != key.strip():
+                raise bad_request(f"logit_bias: key {key!r} is not a token id",
+                                  param="logit_bias")
+            out.append((tid, bias))
+        return tuple(out)
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -181,8 +197,13 @@ class _Request(BaseModel):
             logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self.logit_bias_ids(),
+            prompt_logprobs=self.prompt_logprobs,
         )
-        # None means "OpenAI default" (temperature 1, top_p 1, top_k off).
+        # None means "OpenAI default" (temperature 1, top_p 1, top_k off, no penalties).
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+            if getattr(self, name) is not None:
+                kw[name] = getattr(self, name)
         if self.temperature is not None:
             kw["temperature"] = self.temperature
         if self.top_p is not None:
