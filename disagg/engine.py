@@ -33,7 +33,7 @@ from disagg.kv_connector.errors import KVTransferError
 from disagg.parallel.executor import DistributedExecutor, WorkerDiedError
 from disagg.request import Request, RequestStatus, SamplingParams
 from disagg.runner import ModelRunner
-from disagg.sampler import Sampler, SamplerOutput
+from disagg.sampler import Sampler, SamplerOutput, prompt_logprobs
 from disagg.scheduler import Scheduler, SchedulerOutput
 from disagg.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
@@ -89,6 +89,9 @@ class RequestOutput:
     # Set (with ``error``, its message) when the request failed because its prompt KV could
     # not be pulled from the context worker: the server answers 502 kv_transfer_failed.
     kv_transfer_error: KVTransferError | None = None
+    # prompt_logprobs: per prompt token, {token id: logprob} (its own and the top-n); None for
+    # the first token (nothing scores it). Complete from the first output on.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,8 @@ class _State:
     kv_error: KVTransferError | None = None
     # The connector heard of the end (request_finished): once per request.
     ended: bool = False
+    # prompt_logprobs: entry p scores prompt token p (filled as prefill chunks run).
+    prompt_lps: list[dict[int, float] | None] | None = None
 
     @classmethod
     def new(cls, req: Request, tokenizer: Tokenizer, prompt: str | None,
@@ -155,7 +160,14 @@ class _State:
                 logprobs = list(remote.first_gen_logprobs or [{} for _ in req.output_token_ids])
         # Before min_tokens, EOS and stop tokens are masked out so the model cannot pick them.
         banned = tuple(sorted(set(req.eos_token_ids) | set(params.stop_token_ids)))
+        prompt_lps = None
+        if params.prompt_logprobs is not None:
+            # (a generation_only request: the context worker scored the prompt)
+            prompt_lps = (list(remote.prompt_logprobs) if remote is not None
+                          and remote.prompt_logprobs is not None
+                          else [None] * req.num_prompt_tokens)
         return cls(
+            prompt_lps=prompt_lps,
             request=req,
             detok=IncrementalDetokenizer(tokenizer, req.prompt_token_ids, params),
             metrics=RequestMetrics(arrival_time=req.arrival_time),
@@ -201,6 +213,7 @@ class _State:
             prompt=self.prompt,
             disaggregated_params=self.disagg_out if finished else None,
             kv_transfer_error=self.kv_error if finished else None,
+            prompt_logprobs=self.prompt_lps,
         )
 
 
@@ -523,6 +536,8 @@ class LLMEngine:
                 req.error = f"kv lease failed: {e!r}"
                 params = None
             if params is not None:
+                if st.prompt_lps is not None:  # the generation worker's answer echoes them
+                    params = replace(params, prompt_logprobs=st.prompt_lps)
                 st.disagg_out = params.to_dict()
                 return  # held until the lease ends (service_transfers)
         if held is not None:
@@ -637,6 +652,9 @@ class LLMEngine:
     def _run_step(self, sched: SchedulerOutput) -> tuple[list[str], SamplerOutput | None]:
         """Execute ``sched`` and sample its rows: (sampling request ids, their draws)."""
         rids, logits = self.runner.execute(sched)
+        if logits is not None and logits.shape[0] > len(rids):
+            self._score_prompts(sched, logits[len(rids):])
+            logits = logits[:len(rids)]
         if not rids:
             return [], None
         states = [self._states[rid] for rid in rids]
@@ -661,6 +679,23 @@ class LLMEngine:
             histories,
         )
         return rids, out
+
+    def _score_prompts(self, sched: SchedulerOutput, logits: torch.Tensor) -> None:
+        """Prompt logprobs from this step's prompt-logprob rows (``logits`` [P, V], in the
+        runner's order: each scheduled request's ``prompt_logit_positions``). The logits at
+        position p score prompt token p + 1; a recomputation (preemption) writes the same."""
+        where: list[tuple[_State, int]] = []
+        targets: list[int] = []
+        tops: list[int] = []
+        for r in sched.scheduled:
+            st = self._states[r.request_id]
+            for p in r.prompt_logit_positions:
+                where.append((st, p + 1))
+                targets.append(st.request.prompt_token_ids[p + 1])
+                tops.append(st.request.sampling_params.prompt_logprobs or 0)
+        for (st, p), lp in zip(where, prompt_logprobs(logits, targets, tops), strict=True):
+            assert st.prompt_lps is not None
+            st.prompt_lps[p] = lp
 
     def _collect_finished_without_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         # The scheduler may end a request during schedule() (e.g. one that can never fit).

@@ -8,8 +8,9 @@ For a row with history (prompt ids P, output ids O) and logits ``x`` [V]:
     x[t] -= frequency * count_O(t) + presence * (count_O(t) > 0)             (OpenAI)
 
 Only the rows that use one of them take part (``PenaltyPlan.rows``); the others cost nothing.
-Counts come from one ``index_put_(accumulate=True)`` over the concatenated ids of those rows
-(a scatter-add), the repetition mask likewise; the host only concatenates id lists.
+The work is proportional to the histories' lengths, not to rows x vocabulary: the ids of those
+rows are concatenated on the host into one id tensor (no per-row device work), and the counts
+are a scatter-add over it (``index_put_(accumulate=True)``).
 """
 
 from __future__ import annotations
@@ -75,41 +76,44 @@ class PenaltyPlan:
 
 
 def apply_penalties(x: torch.Tensor, plan: PenaltyPlan) -> torch.Tensor:
-    """``x`` [S, V] float32 (finite or -inf) with the plan's rows processed (in place)."""
+    """``x`` [S, V] float32 (finite or -inf) with the plan's rows processed, in place.
+
+    Sparse: the work is over the (row, id) pairs of the histories, never a dense [R, V]
+    count table. A rule that sets a value per distinct pair (repetition, presence) gathers the
+    logits there and writes the new values back (a pair listed twice writes the same value
+    twice); the frequency penalty is added once per occurrence (a scatter-add)."""
     dev = x.device
-    R, V = len(plan.rows), x.shape[1]
     parts: list[list[float] | list[int]] = [
         plan.rows, plan.rep, plan.freq, plan.pres, plan.out_lens, plan.seen_lens,
         plan.bias_rows, plan.bias_ids, plan.bias_vals]
-    ints = torch.tensor([v for part in (plan.out_ids, plan.seen_ids) for v in part],
-                        dtype=torch.long)
     up = _to(torch.tensor([v for part in parts for v in part], dtype=torch.float64), dev)
     rows, rep, freq, pres, out_lens, seen_lens, b_rows, b_ids, b_vals = up.split(
         [len(p) for p in parts])
-    ids = _to(ints, dev)
+    ids = _to(torch.tensor(plan.out_ids + plan.seen_ids, dtype=torch.long), dev)
     out_ids, seen_ids = ids.split([len(plan.out_ids), len(plan.seen_ids)])
     rows_l = rows.long()
-    sub = x.index_select(0, rows_l)  # [R, V]
     if plan.bias_rows:
-        sub.index_put_((b_rows.long(), b_ids.long()), b_vals.float(), accumulate=True)
+        x.index_put_((rows_l[b_rows.long()], b_ids.long()), b_vals.float(), accumulate=True)
     if plan.seen_ids:
-        seen = _counts(seen_ids, seen_lens.long(), R, V) > 0
-        r = rep.float().unsqueeze(1)
-        sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
+        at = (_row_of(rows_l, seen_lens, seen_ids), seen_ids)
+        v = x[at]
+        r = _per_pair(rep, seen_lens, seen_ids).float()
+        x.index_put_(at, torch.where(v > 0, v / r, v * r))
     if plan.out_ids:
-        counts = _counts(out_ids, out_lens.long(), R, V)
-        sub = sub - freq.float().unsqueeze(1) * counts - pres.float().unsqueeze(1) * (counts > 0)
-    return x.index_copy_(0, rows_l, sub)
+        at = (_row_of(rows_l, out_lens, out_ids), out_ids)
+        x.index_put_(at, x[at] - _per_pair(pres, out_lens, out_ids).float())
+        x.index_put_(at, -_per_pair(freq, out_lens, out_ids).float(), accumulate=True)
+    return x
 
 
-def _counts(ids: torch.Tensor, lens: torch.Tensor, R: int, V: int) -> torch.Tensor:
-    """[R, V] float32: how often each id occurs in each row's run of ``ids`` (row j owns the
-    ``lens[j]`` ids after those of rows < j); a scatter-add, no per-row work."""
-    row_of = torch.repeat_interleave(torch.arange(R, device=ids.device), lens,
-                                     output_size=ids.numel())
-    counts = torch.zeros(R, V, dtype=torch.float32, device=ids.device)
-    return counts.index_put_((row_of, ids), torch.ones((), device=ids.device),
-                             accumulate=True)
+def _row_of(rows: torch.Tensor, lens: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The batch row of each id: row j of the plan owns the ``lens[j]`` ids after those of
+    rows < j."""
+    return torch.repeat_interleave(rows, lens.long(), output_size=ids.numel())
+
+
+def _per_pair(vals: torch.Tensor, lens: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return torch.repeat_interleave(vals, lens.long(), output_size=ids.numel())
 
 
 def _to(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -378,3 +378,36 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, fallback: torch.Tensor,
     j = torch.searchsorted(inner, rest, right=True).clamp_(max=chunk - 1)
     idx = (c * chunk + j).squeeze(1)
     return torch.where(ok, idx, fallback)
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: Sequence[int], tops: Sequence[int]
+                    ) -> list[dict[int, float]]:
+    """Scoring: per row of ``logits`` [P, V] (the logits at a prompt position), the logprob of
+    ``targets[i]`` (the prompt's next token) and the ``tops[i]`` most likely tokens', from the
+    model's raw distribution (as the sampler's logprobs). One device -> host read."""
+    P = logits.shape[0]
+    if len(targets) != P or len(tops) != P:
+        raise ValueError(f"{P} logit rows for {len(targets)} targets, {len(tops)} top counts")
+    if P == 0:
+        return []
+    x = torch.nan_to_num(logits.float(), nan=_NEG_INF, posinf=torch.finfo(torch.float32).max)
+    lp = torch.log_softmax(x, dim=-1).nan_to_num(nan=MIN_LOGPROB, neginf=MIN_LOGPROB,
+                                                 posinf=0.0)
+    tgt = torch.tensor(list(targets), dtype=torch.long).to(lp.device)
+    down = [lp.gather(1, tgt.unsqueeze(1)).squeeze(1).double()]
+    k = min(max(tops), lp.shape[1])
+    if k > 0:  # one topk at the largest n; rows asking fewer take a prefix
+        top = torch.topk(lp, k, dim=-1)
+        down += [top.indices.flatten().double(), top.values.flatten().double()]
+    flat = torch.cat(down).tolist()
+    out = []
+    for i, t in enumerate(targets):
+        entry: dict[int, float] = {}
+        n = min(tops[i], k)
+        if n:
+            ids = flat[P + i * k:P + i * k + n]
+            vals = flat[P + P * k + i * k:P + P * k + i * k + n]
+            entry = {int(a): b for a, b in zip(ids, vals, strict=True)}
+        entry[int(t)] = flat[i]
+        out.append(entry)
+    return out
