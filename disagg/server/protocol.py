@@ -162,8 +162,9 @@ class _Request(BaseModel):
             raise bad_request("stream_options: only allowed when stream is true",
                               param="stream_options")
         self.logit_bias_ids()
-        if self.prompt_logprobs is not None:
-            raise bad_request("prompt_logprobs: not supported yet", param="prompt_logprobs")
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request("prompt_logprobs: not available when stream is true (as in "
+                              "vLLM)", param="prompt_logprobs")
 
     def logit_bias_ids(self) -> tuple[tuple[int, float], ...]:
         """``logit_bias`` with token-id keys; 400 naming a key that is not one (OpenAI sends
@@ -184,8 +185,10 @@ class _Request(BaseModel):
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """Base params for one choice (n is fanned out by the server, seed + i per choice)."""
+    def _sampling_params(self, max_tokens: int, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
+        """Base params for one choice (n is fanned out by the server, seed + i per choice);
+        ``prompt_logprobs`` beside the request's own (echo: the larger)."""
         kw: dict[str, Any] = dict(
             n=self.n,
             max_tokens=max_tokens,
@@ -198,7 +201,8 @@ class _Request(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self.logit_bias_ids(),
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=max((n for n in (self.prompt_logprobs, prompt_logprobs)
+                                 if n is not None), default=None),
         )
         # None means "OpenAI default" (temperature 1, top_p 1, top_k off, no penalties).
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
@@ -248,17 +252,32 @@ class CompletionRequest(_Request):
                 raise bad_request(f"{where}: must not be empty", param="prompt")
         return items
 
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens`` 0: scoring, nothing generated (the engine samples one
+        token that the answer leaves out, as vLLM does)."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def engine_max_tokens(self) -> int:
+        if self.echo_only:
+            return 1
+        return self.max_tokens if self.max_tokens is not None else 16
+
     def to_sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
         self.check_fields()
-        max_tokens = self.max_tokens if self.max_tokens is not None else 16
+        max_tokens = self.engine_max_tokens
         check_context_length(num_prompt_tokens, max_tokens, max_model_len, "prompt")
-        return self._sampling_params(max_tokens, self.logprobs)
+        # echo with logprobs: the prompt's tokens get logprobs too (the first null).
+        return self._sampling_params(max_tokens, self.logprobs,
+                                     self.logprobs if self.echo else None)
 
     def check_fields(self) -> None:
         """Every check that needs neither the tokenizer nor the model's limits."""
         self.common_checks()
-        if self.echo:
-            raise bad_request("echo: not supported", param="echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request("max_tokens: must be >= 1 (0 only with echo: scoring the "
+                              "prompt)", param="max_tokens")
         if self.suffix:
             raise bad_request("suffix: not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -428,6 +447,34 @@ def completion_logprobs(
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def echo_logprobs(prompt_ids: Sequence[int], prompt_lps: Sequence[dict[int, float] | None],
+                  token_text: TokenText) -> dict[str, Any]:
+    """The prompt's part of an echoed completion's ``logprobs`` (what lm-evaluation-harness
+    scores): its first token has no logprob (``null`` in token_logprobs and top_logprobs),
+    as in OpenAI's and vLLM's answers."""
+    rest = completion_logprobs(prompt_ids[1:], [lp or {} for lp in prompt_lps[1:]],
+                               token_text, len(token_text(prompt_ids[0])))
+    return {"tokens": [token_text(prompt_ids[0]), *rest["tokens"]],
+            "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": [None, *rest["top_logprobs"]],
+            "text_offset": [0, *rest["text_offset"]]}
+
+
+def join_logprobs(head: dict[str, Any], tail: dict[str, Any]) -> dict[str, Any]:
+    """Two ``completion_logprobs`` parts, the second after the first (its text offsets
+    already continue the first's)."""
+    return {k: [*head[k], *tail[k]] for k in head}
+
+
+def prompt_logprobs_json(prompt_lps: Sequence[dict[int, float] | None], token_text: TokenText
+                         ) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token null (the first) or
+    ``{token_id: {"logprob", "decoded_token"}}`` for the token itself and the top-n."""
+    return [None if lp is None else {
+        str(t): {"logprob": _finite(v), "decoded_token": token_text(t)}
+        for t, v in sorted(lp.items(), key=lambda kv: -kv[1])} for lp in prompt_lps]
 
 
 def chat_logprobs(
@@ -629,8 +676,7 @@ def validate_request(path: str, body: dict[str, Any]) -> _Request:
     req.check_fields()
     if isinstance(req, CompletionRequest):
         req.prompts()
-        max_tokens, logprobs = (req.max_tokens if req.max_tokens is not None else 16,
-                                req.logprobs)
+        max_tokens, logprobs = req.engine_max_tokens, req.logprobs
         if max_tokens < 1:
             raise bad_request("max_tokens: must be >= 1", param="max_tokens")
     else:
