@@ -109,6 +109,34 @@ def _is_union_tag(part: object) -> bool:
 
 # ---- requests -------------------------------------------------------------------------------
 
+# Request fields that vLLM honours and this server does not: a 400 naming the field unless the
+# value is one of the neutral ones listed (what vLLM does with the field absent). Fields no
+# server knows are ignored and logged, as vLLM does (OpenAI clients send vendor extras).
+# Structured outputs and tool calling (response_format, tools, structured_outputs, guided_*)
+# are checked by their own code, not here.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (False, None),
+    "length_penalty": (1, 1.0, None),  # beam search only
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,),
+    "spaces_between_special_tokens": (True, None),
+    "logits_processors": (None, []),
+    "return_tokens_as_token_ids": (False, None),
+    "return_token_ids": (False, None),
+    "prompt_embeds": (None,),
+    "priority": (0, None),
+    "cache_salt": (None,),
+    "kv_transfer_params": (None,),
+    "vllm_xargs": (None, {}),
+    "thinking_token_budget": (None,),
+    "mm_processor_kwargs": (None, {}),
+    "media_io_kwargs": (None, {}),
+    "documents": (None, []),
+    "chat_template": (None,),  # vLLM honours it only with --trust-request-chat-template
+    "echo": (False, None),  # chat's echo (prepend the last message); completions has its own
+}
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -162,6 +190,13 @@ class _Request(BaseModel):
             raise bad_request("stream_options: only allowed when stream is true",
                               param="stream_options")
         self.logit_bias_ids()
+        for name, value in (self.model_extra or {}).items():
+            neutral = UNSUPPORTED_FIELDS.get(name)
+            if neutral is not None and not any(value == v and type(value) is type(v)
+                                               for v in neutral):
+                raise bad_request(f"{name}: not supported by this server (it is a vLLM "
+                                  f"extension; send {json.dumps(neutral[0])} or leave it out)",
+                                  param=name)
         if self.prompt_logprobs is not None and self.stream:
             raise bad_request("prompt_logprobs: not available when stream is true (as in "
                               "vLLM)", param="prompt_logprobs")
@@ -228,6 +263,7 @@ class CompletionRequest(_Request):
     echo: bool = False
     suffix: str | None = None
     best_of: StrictInt | None = None
+    add_special_tokens: bool = True  # vLLM extension: the tokenizer's BOS etc. on text prompts
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list; raises 400 for an empty one."""
@@ -303,29 +339,20 @@ class ChatCompletionRequest(_Request):
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True  # vLLM extension
+    # vLLM extensions: continue the last (assistant) message instead of opening a new one;
+    # extra variables for the chat template; special tokens added to the rendered prompt.
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``render_chat`` besides the messages."""
+        return chat_template_args(self.add_generation_prompt, self.continue_final_message,
+                                  self.chat_template_kwargs)
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """Messages as plain dicts for the chat template; only text content is supported."""
-        out = []
-        for i, m in enumerate(self.messages):
-            if m.role not in ("system", "developer", "user", "assistant", "tool"):
-                raise bad_request(f"messages.{i}.role: unknown role {m.role!r}",
-                                  param="messages")
-            content = m.content
-            if isinstance(content, list):
-                for j, part in enumerate(content):
-                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise bad_request(
-                            f"messages.{i}.content.{j}: only text parts are supported",
-                            param="messages")
-                content = "".join(part["text"] for part in content)
-            msg = {k: v for k, v in m.model_dump().items() if v is not None}
-            msg["content"] = content
-            # Llama-style templates know "system", not OpenAI's newer "developer".
-            if m.role == "developer":
-                msg["role"] = "system"
-            out.append(msg)
-        return out
+        return plain_messages(self.messages)
 
     def to_sampling_params(self, num_prompt_tokens: int, max_model_len: int,
                            kv_capacity_tokens: int | None = None) -> SamplingParams:
@@ -356,6 +383,7 @@ class ChatCompletionRequest(_Request):
     def check_fields(self) -> None:
         """Every check that needs neither the tokenizer nor the model's limits."""
         self.common_checks()
+        self.template_kwargs()
         if self.tools:
             raise bad_request("tools: tool calling is not supported", param="tools")
         if self.tool_choice not in (None, "none", "auto"):
@@ -370,6 +398,51 @@ class ChatCompletionRequest(_Request):
             if not self.logprobs:
                 raise bad_request("top_logprobs: requires logprobs to be true",
                                   param="top_logprobs")
+
+
+def plain_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as plain dicts for the chat template; only text content is supported."""
+    out = []
+    for i, m in enumerate(messages):
+        if m.role not in ("system", "developer", "user", "assistant", "tool"):
+            raise bad_request(f"messages.{i}.role: unknown role {m.role!r}",
+                              param="messages")
+        content = m.content
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request(
+                        f"messages.{i}.content.{j}: only text parts are supported",
+                        param="messages")
+            content = "\n".join(part["text"] for part in content)  # as vLLM joins them
+        msg = {k: v for k, v in m.model_dump().items() if v is not None}
+        msg["content"] = content
+        # Llama-style templates know "system", not OpenAI's newer "developer".
+        if m.role == "developer":
+            msg["role"] = "system"
+        out.append(msg)
+    return out
+
+
+# Names the chat template sees that chat_template_kwargs must not replace.
+_TEMPLATE_RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt",
+                                "continue_final_message", "chat_template"})
+
+
+def chat_template_args(add_generation_prompt: bool, continue_final_message: bool,
+                       chat_template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The chat options of a request (400 naming the field when they conflict)."""
+    if add_generation_prompt and continue_final_message:
+        raise bad_request("continue_final_message: cannot be combined with "
+                          "add_generation_prompt=true (set it to false)",
+                          param="continue_final_message")
+    kwargs = dict(chat_template_kwargs or {})
+    clash = sorted(_TEMPLATE_RESERVED & kwargs.keys())
+    if clash:
+        raise bad_request(f"chat_template_kwargs: {clash[0]!r} is set by the request itself, "
+                          "not through chat_template_kwargs", param="chat_template_kwargs")
+    return {"add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message, "template_vars": kwargs}
 
 
 def check_context_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int,
@@ -689,3 +762,39 @@ def validate_request(path: str, body: dict[str, Any]) -> _Request:
     req._sampling_params(max_tokens if max_tokens is not None else max(req.min_tokens, 1),
                          logprobs)
     return req
+
+
+# ---- /tokenize and /detokenize (vLLM's shapes) ----------------------------------------------
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``/tokenize``: ``prompt`` (completions style) or ``messages`` (chat style,
+    rendered with the chat template first)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: true for prompt, false for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    def check_fields(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("prompt: give exactly one of prompt and messages",
+                              param="prompt" if self.prompt is None else "messages")
+        if self.messages is not None:
+            if not self.messages:
+                raise bad_request("messages: must not be empty", param="messages")
+            chat_template_args(self.add_generation_prompt, self.continue_final_message,
+                               self.chat_template_kwargs)
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[StrictInt]
