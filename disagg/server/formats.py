@@ -126,8 +126,9 @@ class CompletionFormat(Format):
 
     def _echo(self, c: Choice, out: Any) -> tuple[str, dict[str, Any] | None]:
         """The echoed prompt's text and (with ``logprobs``) its logprobs part."""
+        # Token ids echo as /detokenize shows them (special tokens too, as their logprobs do).
         text = (c.prompt_text if c.prompt_text is not None
-                else self.srv.engine.tokenizer.decode(c.prompt_ids))
+                else self.srv.engine.tokenizer.decode(c.prompt_ids, skip_special_tokens=False))
         lps = getattr(out, "prompt_logprobs", None)
         if self.req.logprobs is None or lps is None:
             return text, None
