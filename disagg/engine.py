@@ -268,6 +268,25 @@ def _validate(config: EngineConfig, num_blocks: int, prompt_token_ids: list[int]
         )
 
 
+def _score_prompts(states: dict[str, _State], sched: SchedulerOutput, logits: torch.Tensor
+                   ) -> None:
+    """Prompt logprobs from this step's prompt-logprob rows (``logits`` [P, V], in the
+    runner's order: each scheduled request's ``prompt_logit_positions``). The logits at
+    position p score prompt token p + 1; a recomputation (preemption) writes the same."""
+    where: list[tuple[_State, int]] = []
+    targets: list[int] = []
+    tops: list[int] = []
+    for r in sched.scheduled:
+        st = states[r.request_id]
+        for p in r.prompt_logit_positions:
+            where.append((st, p + 1))
+            targets.append(st.request.prompt_token_ids[p + 1])
+            tops.append(st.request.sampling_params.prompt_logprobs or 0)
+    for (st, p), lp in zip(where, prompt_logprobs(logits, targets, tops), strict=True):
+        assert st.prompt_lps is not None
+        st.prompt_lps[p] = lp
+
+
 def make_executor(config: EngineConfig, disagg: DisaggSettings | None = None
                   ) -> ModelRunner | DistributedExecutor:
     """The model executor: this process alone, or rank 0 of ``tp * pp`` rank processes.
@@ -653,7 +672,7 @@ class LLMEngine:
         """Execute ``sched`` and sample its rows: (sampling request ids, their draws)."""
         rids, logits = self.runner.execute(sched)
         if logits is not None and logits.shape[0] > len(rids):
-            self._score_prompts(sched, logits[len(rids):])
+            _score_prompts(self._states, sched, logits[len(rids):])
             logits = logits[:len(rids)]
         if not rids:
             return [], None
@@ -679,23 +698,6 @@ class LLMEngine:
             histories,
         )
         return rids, out
-
-    def _score_prompts(self, sched: SchedulerOutput, logits: torch.Tensor) -> None:
-        """Prompt logprobs from this step's prompt-logprob rows (``logits`` [P, V], in the
-        runner's order: each scheduled request's ``prompt_logit_positions``). The logits at
-        position p score prompt token p + 1; a recomputation (preemption) writes the same."""
-        where: list[tuple[_State, int]] = []
-        targets: list[int] = []
-        tops: list[int] = []
-        for r in sched.scheduled:
-            st = self._states[r.request_id]
-            for p in r.prompt_logit_positions:
-                where.append((st, p + 1))
-                targets.append(st.request.prompt_token_ids[p + 1])
-                tops.append(st.request.sampling_params.prompt_logprobs or 0)
-        for (st, p), lp in zip(where, prompt_logprobs(logits, targets, tops), strict=True):
-            assert st.prompt_lps is not None
-            st.prompt_lps[p] = lp
 
     def _collect_finished_without_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         # The scheduler may end a request during schedule() (e.g. one that can never fit).
