@@ -42,3 +42,22 @@ def test_prompt_logprobs_equal_transformers(tiny_llama: str) -> None:
                     assert entry[t] == pytest.approx(v, abs=1e-3)
             assert out.num_cached_tokens == 0, rnd  # no prefix hit skipped positions
     assert llm.engine.stats().steps_total > 4  # chunked
+
+
+def test_prompt_logprobs_with_pipeline_parallel_ranks(tiny_llama: str) -> None:
+    """The last stage computes the prompt-logprob rows and sends them to rank 0 with the
+    sampled ones: the same values as one rank."""
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    one = LLM(tiny_llama, max_num_tokens=16, tokens_per_block=8, kv_cache_tokens=2048)
+    want = [o.prompt_logprobs for o in one.generate(PROMPTS, params)]
+    two = LLM(tiny_llama, max_num_tokens=16, tokens_per_block=8, kv_cache_tokens=2048,
+              pipeline_parallel_size=2)
+    try:
+        got = [o.prompt_logprobs for o in two.generate(PROMPTS, params)]
+    finally:
+        two.engine.shutdown()
+    for g, w in zip(got, want, strict=True):
+        assert g is not None and w is not None and g[0] is None and w[0] is None
+        for a, b in zip(g[1:], w[1:], strict=True):
+            assert a is not None and b is not None and a.keys() == b.keys()
+            assert list(a.values()) == pytest.approx(list(b.values()), abs=1e-4)
