@@ -44,6 +44,10 @@ class SamplingParams:
     min_p: float = 0.0
     # Logprobs of every prompt token (top-n besides the prompt's own; the first is None).
     prompt_logprobs: int | None = None
+    # Whether the sampler must read the token history (or add biases) for this request; set
+    # once here because the engine asks every step for every row (most are not: they pay a
+    # plain attribute read).
+    penalized: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self) -> None:
         # Accept lists / a single string for convenience; store tuples (hashable, frozen).
@@ -78,6 +82,9 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be >= 0")
         self._check_logits_processing(bad)
+        object.__setattr__(self, "penalized", (
+            self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0 or bool(self.logit_bias)))
 
     def _check_logits_processing(self, bad: Callable[[str, str], None]) -> None:
         # vLLM's ranges (SamplingParams._verify_args); OpenAI's for logit_bias values.
@@ -98,13 +105,6 @@ class SamplingParams:
                 bad("logit_bias", f"key {t}: bias {b} is not in [-100, 100]")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             bad("prompt_logprobs", "must be in [0, 20]")
-
-    @property
-    def penalized(self) -> bool:
-        """Whether the sampler must look at the token history (or add biases) for this
-        request; most requests do not and cost nothing there."""
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0 or bool(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
