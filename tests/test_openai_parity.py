@@ -98,6 +98,9 @@ def test_penalties_disaggregated_equal_aggregated(cluster: dict[str, str],
     assert want != biased and want.startswith(biased[:1])
     chat_want = _chat(agg, stream, **PENALTIES, extra_body=EXTRA)
     assert _chat(router, stream, **PENALTIES, extra_body=EXTRA) == chat_want
+    # Seeded sampling with them (min_p now filters too): the same draws on both.
+    sampled = {"temperature": 0.9, "seed": 7, **PENALTIES, "extra_body": EXTRA}
+    assert _complete(router, stream, **sampled) == _complete(agg, stream, **sampled)
 
 
 def _hf_logprobs(model_dir: str, ids: list[int]) -> torch.Tensor:
@@ -220,3 +223,22 @@ def test_bad_values_are_400_naming_the_field(cluster: dict[str, str], kw: dict[s
             _chat(url, **kw)
         body = e.value.body
         assert isinstance(body, dict) and body.get("param") == param, body
+
+
+def test_echo_streamed_equals_whole(cluster: dict[str, str]) -> None:
+    """A streamed echo sends the prompt (and its logprobs) in each choice's first chunk."""
+    for url in (cluster["aggregated"], cluster["router"]):
+        args = {"model": NAME, "prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 3,
+                "temperature": 0}
+        whole = _client(url).completions.create(**args).choices[0]
+        text, tokens, lps = "", [], []
+        for ev in _client(url).completions.create(stream=True, **args):
+            for ch in ev.choices:
+                text += ch.text
+                if ch.logprobs is not None:
+                    tokens += ch.logprobs.tokens or []
+                    lps += ch.logprobs.token_logprobs or []
+        assert text == whole.text and text.startswith(PROMPT)
+        assert whole.logprobs is not None and tokens == whole.logprobs.tokens
+        assert lps[0] is None and lps[1:] == pytest.approx(whole.logprobs.token_logprobs[1:],
+                                                           abs=1e-4)
