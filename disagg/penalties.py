@@ -76,12 +76,14 @@ class PenaltyPlan:
 
 
 def apply_penalties(x: torch.Tensor, plan: PenaltyPlan) -> torch.Tensor:
-    """``x`` [S, V] float32 (finite or -inf) with the plan's rows processed, in place.
+    """``x`` [S, V] float32 (finite or -inf) with the plan's rows processed (in place when
+    ``x`` is contiguous; use the returned tensor).
 
-    Sparse: the work is over the (row, id) pairs of the histories, never a dense [R, V]
-    count table. A rule that sets a value per distinct pair (repetition, presence) gathers the
-    logits there and writes the new values back (a pair listed twice writes the same value
-    twice); the frequency penalty is added once per occurrence (a scatter-add)."""
+    Sparse: the work is over the (row, id) pairs of the histories, addressed in the flat view
+    of ``x``, never a dense [R, V] count table. A rule that sets a value per distinct pair
+    (repetition, presence) gathers the logits there and writes the new values back (a pair
+    listed twice writes the same value twice); the frequency penalty is added once per
+    occurrence (a scatter-add)."""
     dev = x.device
     parts: list[list[float] | list[int]] = [
         plan.rows, plan.rep, plan.freq, plan.pres, plan.out_lens, plan.seen_lens,
@@ -92,28 +94,30 @@ def apply_penalties(x: torch.Tensor, plan: PenaltyPlan) -> torch.Tensor:
     ids = _to(torch.tensor(plan.out_ids + plan.seen_ids, dtype=torch.long), dev)
     out_ids, seen_ids = ids.split([len(plan.out_ids), len(plan.seen_ids)])
     rows_l = rows.long()
+    x = x.contiguous()
+    flat = x.view(-1)  # element (r, t) is flat[r * V + t]
+    V = x.shape[1]
     if plan.bias_rows:
-        x.index_put_((rows_l[b_rows.long()], b_ids.long()), b_vals.float(), accumulate=True)
+        flat.index_add_(0, rows_l[b_rows.long()] * V + b_ids.long(), b_vals.float())
     if plan.seen_ids:
-        at = (_row_of(rows_l, seen_lens, seen_ids), seen_ids)
-        v = x[at]
-        r = _per_pair(rep, seen_lens, seen_ids).float()
-        x.index_put_(at, torch.where(v > 0, v / r, v * r))
+        local = _local_rows(seen_lens, seen_ids)
+        at = rows_l[local] * V + seen_ids
+        v = flat.index_select(0, at)
+        r = rep.float()[local]
+        flat.index_copy_(0, at, torch.where(v > 0, v / r, v * r))
     if plan.out_ids:
-        at = (_row_of(rows_l, out_lens, out_ids), out_ids)
-        x.index_put_(at, x[at] - _per_pair(pres, out_lens, out_ids).float())
-        x.index_put_(at, -_per_pair(freq, out_lens, out_ids).float(), accumulate=True)
+        local = _local_rows(out_lens, out_ids)
+        at = rows_l[local] * V + out_ids
+        flat.index_copy_(0, at, flat.index_select(0, at) - pres.float()[local])
+        flat.index_add_(0, at, -freq.float()[local])
     return x
 
 
-def _row_of(rows: torch.Tensor, lens: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The batch row of each id: row j of the plan owns the ``lens[j]`` ids after those of
+def _local_rows(lens: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Each id's index into the plan's rows: row j owns the ``lens[j]`` ids after those of
     rows < j."""
-    return torch.repeat_interleave(rows, lens.long(), output_size=ids.numel())
-
-
-def _per_pair(vals: torch.Tensor, lens: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return torch.repeat_interleave(vals, lens.long(), output_size=ids.numel())
+    return torch.repeat_interleave(torch.arange(lens.numel(), device=ids.device), lens.long(),
+                                   output_size=ids.numel())
 
 
 def _to(host: torch.Tensor, device: torch.device) -> torch.Tensor:
