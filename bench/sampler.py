@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import os
 import platform
 import statistics
 import time
@@ -104,13 +105,18 @@ def penalty_rows(args: argparse.Namespace) -> list[str]:
 
 
 def write_penalties(args: argparse.Namespace) -> None:
+    load0 = os.getloadavg()[0]
     rows = penalty_rows(args)
+    load1 = os.getloadavg()[0]
     cpu = platform.processor() or platform.machine()
     lines = [
         "# Sampler: cost of penalties, logit_bias and min_p",
         "",
         f"- machine: {args.device}, {cpu}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} torch threads, Python {platform.python_version()}"
+        f"{torch.get_num_threads()} torch threads, Python {platform.python_version()}, "
+        f"{os.cpu_count()} CPUs, load average (1 min) {load0:.1f} at the start and "
+        f"{load1:.1f} at the end (other work shares the machine: ratios, taken from "
+        "alternating rounds, are the numbers to read)"
         + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""),
         f"- `Sampler.sample` on random [batch, vocab] logits; median of {args.iters} calls, "
         f"median of {args.rounds} alternating rounds (plain, penalized)",
