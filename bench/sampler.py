@@ -120,8 +120,8 @@ def write_penalties(args: argparse.Namespace) -> None:
         + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""),
         f"- `Sampler.sample` on random [batch, vocab] logits; median of {args.iters} calls, "
         f"median of {args.rounds} alternating rounds (plain, penalized)",
-        "- history per row: 512 prompt + 128 output token ids (the counts and the "
-        "repetition mask are built from them every call, as in a decode step)",
+        "- history per row: 512 prompt + 128 output token ids (uploaded and turned into "
+        "(row, id) pairs every call, as in a decode step)",
         f"- penalized = {PENALTIES}; top_p = temperature 0.8, top_p 0.95, half seeded; "
         "'1 row penalized': one greedy row of the batch has them, the rest none",
         "",
