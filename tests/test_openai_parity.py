@@ -183,6 +183,9 @@ def test_tokenize_detokenize_version(cluster: dict[str, str]) -> None:
     assert d.json() == {"prompt": "x"}
     bad = httpx.post(router + "/detokenize", json={"tokens": [10 ** 6]}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    bad = httpx.post(router + "/tokenize", json={"messages": MESSAGES,
+                                                 "chat_template": "{{ 1 }}"}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template"
     assert httpx.get(router + "/version", timeout=30).json() == {"version": __version__}
 
 

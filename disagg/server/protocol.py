@@ -138,6 +138,17 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
 }
 
 
+def check_unsupported(extra: dict[str, Any] | None) -> None:
+    """400 naming the first field of ``UNSUPPORTED_FIELDS`` sent at a non-neutral value."""
+    for name, value in (extra or {}).items():
+        neutral = UNSUPPORTED_FIELDS.get(name)
+        if neutral is not None and not any(value == v and type(value) is type(v)
+                                           for v in neutral):
+            raise bad_request(f"{name}: not supported by this server (it is a vLLM "
+                              f"extension; send {json.dumps(neutral[0])} or leave it out)",
+                              param=name)
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -190,13 +201,7 @@ class _Request(BaseModel):
             raise bad_request("stream_options: only allowed when stream is true",
                               param="stream_options")
         self.logit_bias_ids()
-        for name, value in (self.model_extra or {}).items():
-            neutral = UNSUPPORTED_FIELDS.get(name)
-            if neutral is not None and not any(value == v and type(value) is type(v)
-                                               for v in neutral):
-                raise bad_request(f"{name}: not supported by this server (it is a vLLM "
-                                  f"extension; send {json.dumps(neutral[0])} or leave it out)",
-                                  param=name)
+        check_unsupported(self.model_extra)
         if self.prompt_logprobs is not None and self.stream:
             raise bad_request("prompt_logprobs: not available when stream is true (as in "
                               "vLLM)", param="prompt_logprobs")
@@ -783,6 +788,7 @@ class TokenizeRequest(BaseModel):
     return_token_strs: bool = False
 
     def check_fields(self) -> None:
+        check_unsupported(self.model_extra)
         if (self.prompt is None) == (self.messages is None):
             raise bad_request("prompt: give exactly one of prompt and messages",
                               param="prompt" if self.prompt is None else "messages")
