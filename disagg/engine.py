@@ -92,6 +92,7 @@ class RequestOutput:
     # prompt_logprobs: per prompt token, {token id: logprob} (its own and the top-n); None for
     # the first token (nothing scores it). Complete from the first output on.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None  # each prompt token's rank
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,7 @@ class _State:
     ended: bool = False
     # prompt_logprobs: entry p scores prompt token p (filled as prefill chunks run).
     prompt_lps: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
 
     @classmethod
     def new(cls, req: Request, tokenizer: Tokenizer, prompt: str | None,
@@ -160,14 +162,17 @@ class _State:
                 logprobs = list(remote.first_gen_logprobs or [{} for _ in req.output_token_ids])
         # Before min_tokens, EOS and stop tokens are masked out so the model cannot pick them.
         banned = tuple(sorted(set(req.eos_token_ids) | set(params.stop_token_ids)))
-        prompt_lps = None
+        prompt_lps = prompt_ranks = None
         if params.prompt_logprobs is not None:
-            # (a generation_only request: the context worker scored the prompt)
-            prompt_lps = (list(remote.prompt_logprobs) if remote is not None
-                          and remote.prompt_logprobs is not None
-                          else [None] * req.num_prompt_tokens)
+            prompt_lps = [None] * req.num_prompt_tokens
+            prompt_ranks = [None] * req.num_prompt_tokens
+            if remote is not None and remote.prompt_logprobs is not None:
+                # (a generation_only request: the context worker scored the prompt)
+                prompt_lps = list(remote.prompt_logprobs)
+                prompt_ranks = list(remote.prompt_logprob_ranks or prompt_ranks)
         return cls(
             prompt_lps=prompt_lps,
+            prompt_ranks=prompt_ranks,
             request=req,
             detok=IncrementalDetokenizer(tokenizer, req.prompt_token_ids, params),
             metrics=RequestMetrics(arrival_time=req.arrival_time),
@@ -214,6 +219,7 @@ class _State:
             disaggregated_params=self.disagg_out if finished else None,
             kv_transfer_error=self.kv_error if finished else None,
             prompt_logprobs=self.prompt_lps,
+            prompt_logprob_ranks=self.prompt_ranks,
         )
 
 
@@ -282,9 +288,11 @@ def _score_prompts(states: dict[str, _State], sched: SchedulerOutput, logits: to
             where.append((st, p + 1))
             targets.append(st.request.prompt_token_ids[p + 1])
             tops.append(st.request.sampling_params.prompt_logprobs or 0)
-    for (st, p), lp in zip(where, prompt_logprobs(logits, targets, tops), strict=True):
-        assert st.prompt_lps is not None
+    entries, ranks = prompt_logprobs(logits, targets, tops)
+    for (st, p), lp, rank in zip(where, entries, ranks, strict=True):
+        assert st.prompt_lps is not None and st.prompt_ranks is not None
         st.prompt_lps[p] = lp
+        st.prompt_ranks[p] = rank
 
 
 def make_executor(config: EngineConfig, disagg: DisaggSettings | None = None
@@ -556,7 +564,8 @@ class LLMEngine:
                 params = None
             if params is not None:
                 if st.prompt_lps is not None:  # the generation worker's answer echoes them
-                    params = replace(params, prompt_logprobs=st.prompt_lps)
+                    params = replace(params, prompt_logprobs=st.prompt_lps,
+                                     prompt_logprob_ranks=st.prompt_ranks)
                 st.disagg_out = params.to_dict()
                 return  # held until the lease ends (service_transfers)
         if held is not None:

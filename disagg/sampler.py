@@ -381,20 +381,23 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, fallback: torch.Tensor,
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: Sequence[int], tops: Sequence[int]
-                    ) -> list[dict[int, float]]:
+                    ) -> tuple[list[dict[int, float]], list[int]]:
     """Scoring: per row of ``logits`` [P, V] (the logits at a prompt position), the logprob of
     ``targets[i]`` (the prompt's next token) and the ``tops[i]`` most likely tokens', from the
-    model's raw distribution (as the sampler's logprobs). One device -> host read."""
+    model's raw distribution (as the sampler's logprobs), and the target's rank (1: the most
+    likely; 1 + the number of tokens more likely, as vLLM counts). One device -> host read."""
     P = logits.shape[0]
     if len(targets) != P or len(tops) != P:
         raise ValueError(f"{P} logit rows for {len(targets)} targets, {len(tops)} top counts")
     if P == 0:
-        return []
+        return [], []
     x = torch.nan_to_num(logits.float(), nan=_NEG_INF, posinf=torch.finfo(torch.float32).max)
     lp = torch.log_softmax(x, dim=-1).nan_to_num(nan=MIN_LOGPROB, neginf=MIN_LOGPROB,
                                                  posinf=0.0)
     tgt = torch.tensor(list(targets), dtype=torch.long).to(lp.device)
-    down = [lp.gather(1, tgt.unsqueeze(1)).squeeze(1).double()]
+    chosen = lp.gather(1, tgt.unsqueeze(1))
+    rank = (lp > chosen).sum(dim=-1) + 1
+    down = [chosen.squeeze(1).double(), rank.double()]
     k = min(max(tops), lp.shape[1])
     if k > 0:  # one topk at the largest n; rows asking fewer take a prefix
         top = torch.topk(lp, k, dim=-1)
@@ -404,10 +407,11 @@ def prompt_logprobs(logits: torch.Tensor, targets: Sequence[int], tops: Sequence
     for i, t in enumerate(targets):
         entry: dict[int, float] = {}
         n = min(tops[i], k)
+        # flat: [0, P) target logprobs, [P, 2P) ranks, then P*k top ids, then P*k values
         if n:
-            ids = flat[P + i * k:P + i * k + n]
-            vals = flat[P + P * k + i * k:P + P * k + i * k + n]
+            ids = flat[2 * P + i * k:2 * P + i * k + n]
+            vals = flat[2 * P + P * k + i * k:2 * P + P * k + i * k + n]
             entry = {int(a): b for a, b in zip(ids, vals, strict=True)}
         entry[int(t)] = flat[i]
         out.append(entry)
-    return out
+    return out, [int(r) for r in flat[P:2 * P]]

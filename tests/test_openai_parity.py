@@ -157,6 +157,7 @@ def test_prompt_logprobs_extension(cluster: dict[str, str]) -> None:
             assert a.keys() == b.keys()
             for k in a:
                 assert a[k]["logprob"] == pytest.approx(b[k]["logprob"], abs=1e-4)
+                assert a[k]["rank"] == b[k]["rank"] >= 1
 
 
 def test_tokenize_detokenize_version(cluster: dict[str, str]) -> None:

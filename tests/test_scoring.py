@@ -37,6 +37,9 @@ def test_prompt_logprobs_equal_transformers(tiny_llama: str) -> None:
                 entry = lps[p]
                 assert entry is not None
                 assert entry[prompt[p]] == pytest.approx(ref[p - 1, prompt[p]].item(), abs=1e-3)
+                want_rank = int((ref[p - 1] > ref[p - 1, prompt[p]]).sum()) + 1
+                assert out.prompt_logprob_ranks is not None
+                assert abs(out.prompt_logprob_ranks[p] - want_rank) <= 1  # (float near-ties)
                 top = torch.topk(ref[p - 1], 3)
                 for t, v in zip(top.indices.tolist(), top.values.tolist(), strict=True):
                     assert entry[t] == pytest.approx(v, abs=1e-3)

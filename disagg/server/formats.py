@@ -154,7 +154,8 @@ class CompletionFormat(Format):
         choice = P.completion_choice(c.index, text, finish, lp, stop_reason)
         plps = getattr(out, "prompt_logprobs", None)
         if out is not None and self.req.prompt_logprobs is not None and plps is not None:
-            choice["prompt_logprobs"] = P.prompt_logprobs_json(plps, self.srv.token_text)
+            choice["prompt_logprobs"] = P.prompt_logprobs_json(
+                c.prompt_ids, plps, out.prompt_logprob_ranks, self.srv.token_text)
         return choice
 
     def _echo_end(self, c: Choice, out: Any) -> int:
@@ -217,7 +218,9 @@ class ChatFormat(Format):
                                  self.usage(choices))
         plps = getattr(choices[0].final, "prompt_logprobs", None) if choices else None
         if self.req.prompt_logprobs is not None and plps is not None:
-            answer["prompt_logprobs"] = P.prompt_logprobs_json(plps, self.srv.token_text)
+            answer["prompt_logprobs"] = P.prompt_logprobs_json(
+                choices[0].prompt_ids, plps, choices[0].final.prompt_logprob_ranks,
+                self.srv.token_text)
         return answer
 
     def start_chunks(self, choices: list[Choice]) -> list[dict[str, Any]]:

@@ -546,13 +546,25 @@ def join_logprobs(head: dict[str, Any], tail: dict[str, Any]) -> dict[str, Any]:
     return {k: [*head[k], *tail[k]] for k in head}
 
 
-def prompt_logprobs_json(prompt_lps: Sequence[dict[int, float] | None], token_text: TokenText
+def prompt_logprobs_json(prompt_ids: Sequence[int],
+                         prompt_lps: Sequence[dict[int, float] | None],
+                         ranks: Sequence[int | None] | None, token_text: TokenText
                          ) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's ``prompt_logprobs``: per prompt token null (the first) or
-    ``{token_id: {"logprob", "decoded_token"}}`` for the token itself and the top-n."""
-    return [None if lp is None else {
-        str(t): {"logprob": _finite(v), "decoded_token": token_text(t)}
-        for t, v in sorted(lp.items(), key=lambda kv: -kv[1])} for lp in prompt_lps]
+    ``{token_id: {"logprob", "rank", "decoded_token"}}`` for the token itself (its rank in the
+    vocabulary) and the top-n (ranks 1..n)."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for p, lp in enumerate(prompt_lps):
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {}
+        for i, (t, v) in enumerate(sorted(lp.items(), key=lambda kv: -kv[1])):
+            rank = ranks[p] if ranks is not None and t == prompt_ids[p] else i + 1
+            entry[str(t)] = {"logprob": _finite(v), "rank": rank,
+                             "decoded_token": token_text(t)}
+        out.append(entry)
+    return out
 
 
 def chat_logprobs(

@@ -50,12 +50,14 @@ class ContextParams:
     # prompt_logprobs the context worker computed (first entry None), for the generation
     # worker's answer; None when the request did not ask.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None  # with prompt_logprobs
 
     def to_dict(self) -> dict[str, Any]:
         out = self._required_dict()
         if self.prompt_logprobs is not None:
             out["prompt_logprobs"] = [None if lp is None else {str(k): v for k, v in lp.items()}
                                       for lp in self.prompt_logprobs]
+            out["prompt_logprob_ranks"] = self.prompt_logprob_ranks
         return out
 
     def _required_dict(self) -> dict[str, Any]:
@@ -111,6 +113,7 @@ class ContextParams:
             layout=layout, lease_expiry=float(f["lease_expiry"]),
             first_gen_logprobs=_logprobs(d.get("first_gen_logprobs")),
             prompt_logprobs=_prompt_logprobs(d.get("prompt_logprobs"), num_tokens),
+            prompt_logprob_ranks=_ranks(d.get("prompt_logprob_ranks"), num_tokens),
         )
 
 
@@ -155,6 +158,17 @@ def _prompt_logprobs(raw: Any, num_tokens: int) -> list[dict[int, float] | None]
         return [None, *(_logprobs(raw[1:]) or [])]
     except DisaggParamsError:
         raise DisaggParamsError("disaggregated_params.prompt_logprobs: malformed") from None
+
+
+def _ranks(raw: Any, num_tokens: int) -> list[int | None] | None:
+    if raw is None:
+        return None
+    if not (isinstance(raw, list) and len(raw) == num_tokens and all(
+            r is None or isinstance(r, int) and not isinstance(r, bool) and r >= 1
+            for r in raw)):
+        raise DisaggParamsError("disaggregated_params.prompt_logprob_ranks: one rank >= 1 "
+                                "(or null) per prompt token")
+    return list(raw)
 
 
 def _logprobs(raw: Any) -> list[dict[int, float]] | None:
