@@ -33,7 +33,7 @@ from disagg.kv_connector.errors import KVTransferError
 from disagg.parallel.executor import DistributedExecutor, WorkerDiedError
 from disagg.request import Request, RequestStatus, SamplingParams
 from disagg.runner import ModelRunner
-from disagg.sampler import Sampler, SamplerOutput
+from disagg.sampler import Sampler, SamplerOutput, prompt_logprobs
 from disagg.scheduler import Scheduler, SchedulerOutput
 from disagg.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
@@ -89,6 +89,10 @@ class RequestOutput:
     # Set (with ``error``, its message) when the request failed because its prompt KV could
     # not be pulled from the context worker: the server answers 502 kv_transfer_failed.
     kv_transfer_error: KVTransferError | None = None
+    # prompt_logprobs: per prompt token, {token id: logprob} (its own and the top-n); None for
+    # the first token (nothing scores it). Complete from the first output on.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None  # each prompt token's rank
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,9 @@ class _State:
     kv_error: KVTransferError | None = None
     # The connector heard of the end (request_finished): once per request.
     ended: bool = False
+    # prompt_logprobs: entry p scores prompt token p (filled as prefill chunks run).
+    prompt_lps: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
 
     @classmethod
     def new(cls, req: Request, tokenizer: Tokenizer, prompt: str | None,
@@ -155,7 +162,17 @@ class _State:
                 logprobs = list(remote.first_gen_logprobs or [{} for _ in req.output_token_ids])
         # Before min_tokens, EOS and stop tokens are masked out so the model cannot pick them.
         banned = tuple(sorted(set(req.eos_token_ids) | set(params.stop_token_ids)))
+        prompt_lps = prompt_ranks = None
+        if params.prompt_logprobs is not None:
+            prompt_lps = [None] * req.num_prompt_tokens
+            prompt_ranks = [None] * req.num_prompt_tokens
+            if remote is not None and remote.prompt_logprobs is not None:
+                # (a generation_only request: the context worker scored the prompt)
+                prompt_lps = list(remote.prompt_logprobs)
+                prompt_ranks = list(remote.prompt_logprob_ranks or prompt_ranks)
         return cls(
+            prompt_lps=prompt_lps,
+            prompt_ranks=prompt_ranks,
             request=req,
             detok=IncrementalDetokenizer(tokenizer, req.prompt_token_ids, params),
             metrics=RequestMetrics(arrival_time=req.arrival_time),
@@ -201,6 +218,8 @@ class _State:
             prompt=self.prompt,
             disaggregated_params=self.disagg_out if finished else None,
             kv_transfer_error=self.kv_error if finished else None,
+            prompt_logprobs=self.prompt_lps,
+            prompt_logprob_ranks=self.prompt_ranks,
         )
 
 
@@ -228,6 +247,10 @@ def _validate(config: EngineConfig, num_blocks: int, prompt_token_ids: list[int]
     bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
     if bad is not None:
         raise ValueError(f"stop_token_ids: token id {bad} is out of range [0, {vocab})")
+    bad = next((t for t, _ in params.logit_bias if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"logit_bias: key {bad} is not a token id of this model "
+                         f"(range [0, {vocab}))")
     # What Scheduler._never_fits would finish with an error instead: a bad request.
     sched = config.scheduler
     if not sched.enable_chunked_context and len(prompt_token_ids) > sched.max_num_tokens:
@@ -249,6 +272,27 @@ def _validate(config: EngineConfig, num_blocks: int, prompt_token_ids: list[int]
             f"max_tokens: prompt + max_tokens = {total} tokens exceeds the KV cache "
             f"capacity of {capacity} tokens"
         )
+
+
+def _score_prompts(states: dict[str, _State], sched: SchedulerOutput, logits: torch.Tensor
+                   ) -> None:
+    """Prompt logprobs from this step's prompt-logprob rows (``logits`` [P, V], in the
+    runner's order: each scheduled request's ``prompt_logit_positions``). The logits at
+    position p score prompt token p + 1; a recomputation (preemption) writes the same."""
+    where: list[tuple[_State, int]] = []
+    targets: list[int] = []
+    tops: list[int] = []
+    for r in sched.scheduled:
+        st = states[r.request_id]
+        for p in r.prompt_logit_positions:
+            where.append((st, p + 1))
+            targets.append(st.request.prompt_token_ids[p + 1])
+            tops.append(st.request.sampling_params.prompt_logprobs or 0)
+    entries, ranks = prompt_logprobs(logits, targets, tops)
+    for (st, p), lp, rank in zip(where, entries, ranks, strict=True):
+        assert st.prompt_lps is not None and st.prompt_ranks is not None
+        st.prompt_lps[p] = lp
+        st.prompt_ranks[p] = rank
 
 
 def make_executor(config: EngineConfig, disagg: DisaggSettings | None = None
@@ -519,6 +563,9 @@ class LLMEngine:
                 req.error = f"kv lease failed: {e!r}"
                 params = None
             if params is not None:
+                if st.prompt_lps is not None:  # the generation worker's answer echoes them
+                    params = replace(params, prompt_logprobs=st.prompt_lps,
+                                     prompt_logprob_ranks=st.prompt_ranks)
                 st.disagg_out = params.to_dict()
                 return  # held until the lease ends (service_transfers)
         if held is not None:
@@ -633,6 +680,9 @@ class LLMEngine:
     def _run_step(self, sched: SchedulerOutput) -> tuple[list[str], SamplerOutput | None]:
         """Execute ``sched`` and sample its rows: (sampling request ids, their draws)."""
         rids, logits = self.runner.execute(sched)
+        if logits is not None and logits.shape[0] > len(rids):
+            _score_prompts(self._states, sched, logits[len(rids):])
+            logits = logits[:len(rids)]
         if not rids:
             return [], None
         states = [self._states[rid] for rid in rids]
@@ -642,13 +692,19 @@ class LLMEngine:
             else ()
             for st in states
         ]
+        params = [st.request.sampling_params for st in states]
+        # Penalties read the token history: on a generation worker the output starts with the
+        # context worker's first token, so its counts are those one worker would have.
+        histories = ([(st.request.prompt_token_ids, st.request.output_token_ids)
+                      for st in states] if any(p.penalized for p in params) else None)
         # A seeded draw depends on (seed, output position) only: a generation worker
         # continuing a context worker's first token draws what one worker would.
         out = self.sampler.sample(
             logits,
-            [st.request.sampling_params for st in states],
+            params,
             [st.request.num_output_tokens for st in states],
             banned,
+            histories,
         )
         return rids, out
 

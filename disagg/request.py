@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -34,6 +35,19 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per generated token (0: only the chosen one)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Logits processing (see disagg/sampler.py): OpenAI's penalties on the output's token
+    # counts, the transformers repetition rule on prompt + output, per-token biases, min-p.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids unique, sorted
+    min_p: float = 0.0
+    # Logprobs of every prompt token (top-n besides the prompt's own; the first is None).
+    prompt_logprobs: int | None = None
+    # Whether the sampler must read the token history (or add biases) for this request; set
+    # once here because the engine asks every step for every row (most are not: they pay a
+    # plain attribute read).
+    penalized: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self) -> None:
         # Accept lists / a single string for convenience; store tuples (hashable, frozen).
@@ -42,6 +56,9 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias",
+                           tuple(sorted((int(t), float(b)) for t, b in bias or ())))
 
         def bad(name: str, msg: str) -> None:
             raise SamplingParamsError(f"{name}: {msg}")
@@ -64,6 +81,30 @@ class SamplingParams:
             bad("stop", "stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be >= 0")
+        self._check_logits_processing(bad)
+        object.__setattr__(self, "penalized", (
+            self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0 or bool(self.logit_bias)))
+
+    def _check_logits_processing(self, bad: Callable[[str, str], None]) -> None:
+        # vLLM's ranges (SamplingParams._verify_args); OpenAI's for logit_bias values.
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 1e4:  # (huge values only overflow)
+            bad("repetition_penalty", f"must be in (0, 1e4], got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        ids = [t for t, _ in self.logit_bias]
+        if len(set(ids)) != len(ids):
+            bad("logit_bias", "a token id appears twice")
+        for t, b in self.logit_bias:
+            if t < 0:
+                bad("logit_bias", f"key {t}: token ids are >= 0")
+            if not -100.0 <= b <= 100.0:
+                bad("logit_bias", f"key {t}: bias {b} is not in [-100, 100]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            bad("prompt_logprobs", "must be in [0, 20]")
 
     @property
     def greedy(self) -> bool:

@@ -72,8 +72,11 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # rows of the hidden states whose logits are sampled
-    sample_request_ids: list[str]  # request id of each of those rows, in order
+    # Rows of the hidden states that get logits: the sampled ones (one per request in
+    # sample_request_ids, in order), then each request's prompt-logprob positions
+    # (ScheduledRequest.prompt_logit_positions, in schedule order).
+    logits_indices: torch.Tensor
+    sample_request_ids: list[str]  # request id of each sampled row, in order
 
 
 class ModelRunner:
@@ -313,6 +316,7 @@ class ModelRunner:
         query_start_loc = [0]
         seq_lens: list[int] = []
         logits_rows: list[int] = []
+        prompt_rows: list[int] = []
         sample_ids: list[str] = []
         max_blocks = max((len(r.block_ids) for r in sched.scheduled), default=0)
         width = max(max_blocks, 1)
@@ -333,9 +337,12 @@ class ModelRunner:
             if r.sample:
                 logits_rows.append(query_start_loc[-1] - 1)  # last new token of the sequence
                 sample_ids.append(r.request_id)
+            # position p is hidden row query_start_loc[i] + (p - start_pos)
+            prompt_rows.extend(query_start_loc[-2] + p - r.start_pos
+                               for p in r.prompt_logit_positions)
         ids_t, pos_t, sb_t, so_t, dsl_t, rows_t, tables_t, sl_t, qsl_t = self._to_device(
             input_ids, positions, slot_block, slot_offset, seq_lens[: sched.num_decodes],
-            logits_rows, tables, seq_lens, query_start_loc)
+            logits_rows + prompt_rows, tables, seq_lens, query_start_loc)
         meta = AttentionMetadata(
             num_decodes=sched.num_decodes,
             query_start_loc=query_start_loc,
@@ -353,7 +360,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[list[str], torch.Tensor | None]:
-        """Run one step; return the sampling request ids and their logits ([S, V] float32).
+        """Run one step; return the sampling request ids and their logits ([S, V] float32),
+        followed by the prompt-logprob rows when the step has any ([S + P, V]).
 
         A pure-decode step replays the CUDA graph of its bucket when there is one; its logits
         are then a view of the graph's output, valid until the next step."""
@@ -363,7 +371,7 @@ class ModelRunner:
             return [r.request_id for r in sched.scheduled], logits
         inputs = self.prepare_inputs(sched)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
-        if not inputs.sample_request_ids:
+        if not inputs.logits_indices.numel():
             return [], None
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         return inputs.sample_request_ids, logits

@@ -13,8 +13,12 @@ Numerically safe for every value ``SamplingParams`` accepts: temperatures below 
 NaN / +inf logits are sanitised, and a row whose distribution is still empty falls back to its
 greedy token. A row that fails anyway fails alone (``SamplerOutput.errors``), not the batch.
 
-Logprobs are those of the model's raw distribution (before temperature / top-k / top-p), as
-vLLM reports them.
+Before the draw, the logits of penalized rows go through ``disagg.penalties`` (logit_bias,
+repetition, frequency and presence penalties); ``min_p`` drops tokens whose probability (after
+temperature and top-k) is below ``min_p`` times the top token's, before top-p.
+
+Logprobs are those of the model's raw distribution (before penalties, temperature / top-k /
+top-p), as vLLM reports them by default.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from disagg.penalties import PenaltyPlan, TokenHistory, apply_penalties
 from disagg.request import SamplingParams
 
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
@@ -70,12 +75,15 @@ class Sampler:
         params: Sequence[SamplingParams],
         positions: Sequence[int],
         banned_token_ids: Sequence[tuple[int, ...]] | None = None,
+        histories: Sequence[TokenHistory] | None = None,
     ) -> SamplerOutput:
         """Pick one token per row of ``logits`` ([S, V]).
 
         ``positions[i]``: the output index of the token row i samples (its request's number of
         generated tokens so far). ``banned_token_ids[i]`` are masked out for row i (EOS and
-        stop tokens before ``min_tokens`` are reached). Never raises for a row's sake: a batch
+        stop tokens before ``min_tokens`` are reached). ``histories[i]``: row i's (prompt ids,
+        output ids), read only for rows with penalties or biases (may be None when no row has
+        them). Never raises for a row's sake: a batch
         that fails is sampled again row by row, and the rows that still fail are reported in
         ``errors``.
         """
@@ -83,14 +91,17 @@ class Sampler:
         if logits.dtype != torch.float32:
             logits = logits.float()
         banned = list(banned_token_ids) if banned_token_ids else [()] * n
+        hist = list(histories) if histories is not None else None
         try:
-            tokens, logprobs = self._sample_rows(logits, list(params), list(positions), banned)
+            tokens, logprobs = self._sample_rows(logits, list(params), list(positions), banned,
+                                                 hist)
         except Exception:  # some row broke the batch: find it, fail only that request
-            return self._row_by_row(logits, list(params), list(positions), banned)
+            return self._row_by_row(logits, list(params), list(positions), banned, hist)
         return SamplerOutput(tokens, logprobs, [None] * n)
 
     def _row_by_row(self, logits: torch.Tensor, params: list[SamplingParams],
-                    positions: list[int], banned: list[tuple[int, ...]]) -> SamplerOutput:
+                    positions: list[int], banned: list[tuple[int, ...]],
+                    histories: list[TokenHistory] | None) -> SamplerOutput:
         n = len(params)
         tokens: list[int] = [-1] * n
         logprobs: list[dict[int, float] | None] = [None] * n
@@ -98,7 +109,8 @@ class Sampler:
         for i in range(n):  # a seeded row draws the same token again
             try:
                 t, lp = self._sample_rows(logits[i:i + 1], [params[i]], [positions[i]],
-                                          [banned[i]])
+                                          [banned[i]],
+                                          histories[i:i + 1] if histories else None)
                 tokens[i], logprobs[i] = t[0], lp[0]
             except Exception as e:
                 errors[i] = f"sampling failed: {e!r}"
@@ -117,7 +129,8 @@ class Sampler:
                 for p, pos in zip(params, positions, strict=True)]
 
     def _sample_rows(self, logits: torch.Tensor, params: list[SamplingParams],
-                     positions: list[int], banned: list[tuple[int, ...]]
+                     positions: list[int], banned: list[tuple[int, ...]],
+                     histories: list[TokenHistory] | None = None,
                      ) -> tuple[list[int], list[dict[int, float] | None]]:
         """The batch on the device: every per-row value goes up in one copy (from pinned memory,
         non-blocking), tokens and logprobs come down in one ``tolist`` (the step's one host
@@ -126,15 +139,18 @@ class Sampler:
         if logits.shape[0] != n or len(positions) != n or len(banned) != n:
             raise ValueError(f"{logits.shape[0]} logit rows for {n} params, "
                              f"{len(positions)} positions, {len(banned)} banned lists")
+        pen = PenaltyPlan.of(params, histories, logits.shape[1])
         if not any(banned) and all(p.temperature < SAMPLING_EPS and p.logprobs is None
                                    for p in params):
             # All greedy, no logprobs, nothing banned (the usual decode batch): what the general
             # path below computes then, without its host-side bookkeeping.
             x = torch.nan_to_num(logits, nan=_NEG_INF, posinf=torch.finfo(torch.float32).max)
+            if pen is not None:
+                x = apply_penalties(x, pen)
             return x.argmax(dim=-1).tolist(), [None] * n
         plan = _RowPlan.of(params, banned, logits.shape[1])
         u = self._uniforms([params[i] for i in plan.s_rows], [positions[i] for i in plan.s_rows])
-        flat = _sample_on_device(logits, plan, u)  # the one device -> host sync
+        flat = _sample_on_device(logits, plan, u, pen)  # the one device -> host sync
         return _unpack(flat, n, plan)
 
 
@@ -149,6 +165,7 @@ class _RowPlan:
     ks: list[int]  # per s_row: top-k, 0 = off
     p_rows: list[int]  # indices into s_rows with top_p < 1
     top_p: list[float]  # per p_row
+    min_p: list[float]  # per s_row; empty when no row uses min_p
     ban_rows: list[int]  # (row, token) pairs never to be chosen
     ban_cols: list[int]
     groups: dict[int, list[int]]  # top-n -> indices into want_lp (one topk per distinct n)
@@ -170,23 +187,25 @@ class _RowPlan:
         for j, i in enumerate(want_lp):
             groups.setdefault(min(params[i].logprobs or 0, V), []).append(j)
         groups.pop(0, None)
+        min_p = [p.min_p for p in s_params] if any(p.min_p > 0 for p in s_params) else []
         return cls(want_lp, s_rows, [p.temperature for p in s_params],
                    [p.top_k if 0 < p.top_k < V else 0 for p in s_params], p_rows,
-                   [s_params[j].top_p for j in p_rows], ban_rows, ban_cols, groups)
+                   [s_params[j].top_p for j in p_rows], min_p, ban_rows, ban_cols, groups)
 
 
-def _sample_on_device(logits: torch.Tensor, plan: _RowPlan, u: list[float]) -> list[float]:
+def _sample_on_device(logits: torch.Tensor, plan: _RowPlan, u: list[float],
+                      pen: PenaltyPlan | None = None) -> list[float]:
     """Tokens, then (when rows want logprobs) the chosen tokens' logprobs and each logprob
     group's top-n ids and values, flattened into one list by one ``tolist``."""
     dev = logits.device
     # One float64 upload (integers below 2^53 are exact), laid out as
-    #   s_rows | temps | top-k | top_p (p_rows) | p_rows | u | want_lp | ban rows | ban cols
-    #   | rows of each logprob group
+    #   s_rows | temps | top-k | top_p (p_rows) | p_rows | min_p | u | want_lp | ban rows
+    #   | ban cols | rows of each logprob group
     parts: list[list[float] | list[int]] = [
-        plan.s_rows, plan.temps, plan.ks, plan.top_p, plan.p_rows, u, plan.want_lp,
-        plan.ban_rows, plan.ban_cols, *plan.groups.values()]
+        plan.s_rows, plan.temps, plan.ks, plan.top_p, plan.p_rows, plan.min_p, u,
+        plan.want_lp, plan.ban_rows, plan.ban_cols, *plan.groups.values()]
     up = _upload([x for part in parts for x in part], dev)
-    (s_idx, temps, ks_t, top_p, p_idx, u_t, lp_idx, ban_r, ban_c,
+    (s_idx, temps, ks_t, top_p, p_idx, min_p, u_t, lp_idx, ban_r, ban_c,
      *group_idx) = up.split([len(part) for part in parts])
     # NaN never wins, +inf is the largest finite value: argmax and softmax stay defined.
     x = torch.nan_to_num(logits, nan=_NEG_INF, posinf=torch.finfo(torch.float32).max)
@@ -194,6 +213,8 @@ def _sample_on_device(logits: torch.Tensor, plan: _RowPlan, u: list[float]) -> l
     if plan.want_lp:
         raw_lp = torch.log_softmax(x.index_select(0, lp_idx.long()), dim=-1)
         raw_lp = raw_lp.nan_to_num(nan=MIN_LOGPROB, neginf=MIN_LOGPROB, posinf=0.0)
+    if pen is not None:  # after the raw logprobs: those are the model's
+        x = apply_penalties(x, pen)
     if plan.ban_rows:
         # (a device fill: torch.tensor(-inf, device=cuda) would be a blocking copy)
         x.index_put_((ban_r.long(), ban_c.long()),
@@ -202,7 +223,8 @@ def _sample_on_device(logits: torch.Tensor, plan: _RowPlan, u: list[float]) -> l
     if plan.s_rows:
         s_long = s_idx.long()
         drawn = _draw(x.index_select(0, s_long), temps.float(), ks_t.long(), max(plan.ks),
-                      top_p, p_idx.long() if plan.p_rows else None, u_t)
+                      top_p, p_idx.long() if plan.p_rows else None, u_t,
+                      min_p if plan.min_p else None)
         chosen = chosen.index_copy(0, s_long, drawn)
     down = [chosen.double()]
     if raw_lp is not None:
@@ -259,10 +281,12 @@ def _upload(values: list[float] | list[int], device: torch.device) -> torch.Tens
 
 
 def _draw(x: torch.Tensor, temps: torch.Tensor, ks: torch.Tensor, kmax: int,
-          top_p: torch.Tensor, p_idx: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
+          top_p: torch.Tensor, p_idx: torch.Tensor | None, u: torch.Tensor,
+          min_p: torch.Tensor | None = None) -> torch.Tensor:
     """Sample one token per row of sanitised logits ``x`` [R, V] (finite or -inf) with the
     rows' temperature ``temps`` [R] (float32), top-k ``ks`` [R] (0: off; ``kmax`` their max)
-    and top-p (``top_p`` [P] float64 for rows ``p_idx`` [P]; None: no row uses it), by inverse
+    and top-p (``top_p`` [P] float64 for rows ``p_idx`` [P]; None: no row uses it) and min-p
+    (``min_p`` [R] float64; None: no row uses it), by inverse
     CDF at ``u`` [R] (float64) over the filtered distribution in vocabulary order (so ties never
     depend on a sort). Device tensors only, no host sync."""
     # Greedy choice of each row: the answer when its filtered distribution is empty.
@@ -280,6 +304,12 @@ def _draw(x: torch.Tensor, temps: torch.Tensor, ks: torch.Tensor, kmax: int,
         on = (ks > 0).unsqueeze(1)
         z = z.masked_fill(on & (z < kth), _NEG_INF)
     probs = torch.softmax(z, dim=-1)
+    if min_p is not None:
+        # The top token has probability max; keep those >= min_p * max (the top one always),
+        # renormalised so that top-p below sees a distribution.
+        floor = min_p.float().unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
 
     if p_idx is not None:
         sub = probs.index_select(0, p_idx)
@@ -348,3 +378,40 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, fallback: torch.Tensor,
     j = torch.searchsorted(inner, rest, right=True).clamp_(max=chunk - 1)
     idx = (c * chunk + j).squeeze(1)
     return torch.where(ok, idx, fallback)
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: Sequence[int], tops: Sequence[int]
+                    ) -> tuple[list[dict[int, float]], list[int]]:
+    """Scoring: per row of ``logits`` [P, V] (the logits at a prompt position), the logprob of
+    ``targets[i]`` (the prompt's next token) and the ``tops[i]`` most likely tokens', from the
+    model's raw distribution (as the sampler's logprobs), and the target's rank (1: the most
+    likely; 1 + the number of tokens more likely, as vLLM counts). One device -> host read."""
+    P = logits.shape[0]
+    if len(targets) != P or len(tops) != P:
+        raise ValueError(f"{P} logit rows for {len(targets)} targets, {len(tops)} top counts")
+    if P == 0:
+        return [], []
+    x = torch.nan_to_num(logits.float(), nan=_NEG_INF, posinf=torch.finfo(torch.float32).max)
+    lp = torch.log_softmax(x, dim=-1).nan_to_num(nan=MIN_LOGPROB, neginf=MIN_LOGPROB,
+                                                 posinf=0.0)
+    tgt = torch.tensor(list(targets), dtype=torch.long).to(lp.device)
+    chosen = lp.gather(1, tgt.unsqueeze(1))
+    rank = (lp > chosen).sum(dim=-1) + 1
+    down = [chosen.squeeze(1).double(), rank.double()]
+    k = min(max(tops), lp.shape[1])
+    if k > 0:  # one topk at the largest n; rows asking fewer take a prefix
+        top = torch.topk(lp, k, dim=-1)
+        down += [top.indices.flatten().double(), top.values.flatten().double()]
+    flat = torch.cat(down).tolist()
+    out = []
+    for i, t in enumerate(targets):
+        entry: dict[int, float] = {}
+        n = min(tops[i], k)
+        # flat: [0, P) target logprobs, [P, 2P) ranks, then P*k top ids, then P*k values
+        if n:
+            ids = flat[2 * P + i * k:2 * P + i * k + n]
+            vals = flat[2 * P + P * k + i * k:2 * P + P * k + i * k + n]
+            entry = {int(a): b for a, b in zip(ids, vals, strict=True)}
+        entry[int(t)] = flat[i]
+        out.append(entry)
+    return out, [int(r) for r in flat[P:2 * P]]

@@ -46,6 +46,17 @@ class ScheduledRequest:
     start_pos: int  # num_computed_tokens before the step (positions start here)
     block_ids: list[int]  # the full block table after allocation
     sample: bool  # True if this step reaches num_tokens (a token is sampled)
+    # Positions p < prompt_logits_end of this chunk also get logits (they score prompt token
+    # p + 1: prompt_logprobs); 0 for requests that do not ask.
+    prompt_logits_end: int = 0
+
+    @property
+    def prompt_logit_positions(self) -> range:
+        """Positions of this chunk whose logits score the next prompt token, in order:
+        [start_pos, min(start_pos + n, prompt_logits_end))."""
+        return range(self.start_pos,
+                     max(self.start_pos, min(self.start_pos + len(self.token_ids),
+                                             self.prompt_logits_end)))
 
 
 @dataclass(frozen=True)
@@ -346,6 +357,9 @@ class Scheduler:
             if st.num_scheduled >= max_batch or st.token_budget < 1:
                 break
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            if req.sampling_params.prompt_logprobs is not None:
+                # Its prompt logprobs need every prompt position's logits: no prefix hit.
+                hits, num_hit_tokens = [], 0
             n = self._chunk_size(req, num_hit_tokens, st.token_budget)
             if n == 0:
                 break  # does not fit this step; FCFS: everything behind it waits too
@@ -430,6 +444,8 @@ class Scheduler:
             start_pos=start,
             block_ids=self.kv.block_ids(req.request_id),
             sample=start + n == req.num_tokens,
+            prompt_logits_end=(req.num_prompt_tokens - 1
+                               if req.sampling_params.prompt_logprobs is not None else 0),
         )
 
     # -- after the step ----------------------------------------------------------------------

@@ -303,12 +303,12 @@ def test_a_request_whose_sampling_fails_fails_alone(tiny_llama, monkeypatch):
     real = Sampler._sample_rows
     calls = {"n": 0}
 
-    def broken(self, logits, params, positions, banned):
+    def broken(self, logits, params, positions, banned, histories=None):
         if any(p.seed == 13 for p in params):
             calls["n"] += 1
             if calls["n"] > 2:  # the doomed request's third token cannot be sampled
                 raise RuntimeError("injected sampling failure")
-        return real(self, logits, params, positions, banned)
+        return real(self, logits, params, positions, banned, histories)
 
     monkeypatch.setattr(Sampler, "_sample_rows", broken)
     engine.add_request("g2", [5, 6, 7], greedy)

@@ -253,7 +253,10 @@ def test_router_tokenizes_as_the_workers_do(workers: dict[str, Worker], model_di
                                    {"role": "user", "content": [
                                        {"type": "text", "text": "Hi "},
                                        {"type": "text", "text": "there"}]}]}),
-              (CHAT, {"messages": MESSAGES, "add_generation_prompt": False})]
+              (CHAT, {"messages": MESSAGES, "add_generation_prompt": False}),
+              (CHAT, {"messages": [*MESSAGES, {"role": "assistant", "content": "The sea"}],
+                      "add_generation_prompt": False, "continue_final_message": True}),
+              (C, {"prompt": PROMPTS[0], "add_special_tokens": False})]
     for path, extra in bodies:
         body = {"model": NAME, "max_tokens": 1, "disaggregated_params": {
             "request_type": "context_only"}, **extra}

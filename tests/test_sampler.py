@@ -132,10 +132,10 @@ def test_a_failing_row_fails_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     s = Sampler(torch.Generator().manual_seed(0))
     real = Sampler._sample_rows
 
-    def broken(self, logits, params, positions, banned):  # type: ignore[no-untyped-def]
+    def broken(self, logits, params, positions, banned, histories):  # type: ignore[no-untyped-def]
         if any(p.seed == 13 for p in params):
             raise RuntimeError("injected")
-        return real(self, logits, params, positions, banned)
+        return real(self, logits, params, positions, banned, histories)
 
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2))
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=13),

@@ -82,10 +82,18 @@ def test_prompt_forms() -> None:
     ({"logprobs": 21}, "logprobs"),
     ({"min_tokens": 100}, "min_tokens"),
     ({"stop": [""]}, "stop"),
-    ({"echo": True}, "echo"),
+    ({"max_tokens": 0, "echo": False}, "max_tokens"),
+    ({"use_beam_search": True}, "use_beam_search"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"best_of": 3}, "best_of"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"logit_bias": {"1": 2.0}}, "logit_bias"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -2.01}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"logit_bias": {"1": 100.5}}, "logit_bias"),
+    ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"-3": 1.0}}, "logit_bias"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"disaggregated_params": {"request_type": "prefill_please"}}, "disaggregated_params"),
 ])
@@ -127,7 +135,7 @@ def test_chat_request() -> None:
             "max_completion_tokens": 5, "max_tokens": 9, "logprobs": True, "top_logprobs": 2}
     req = parse(P.ChatCompletionRequest, body)
     msgs = req.chat_messages()
-    assert msgs == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
+    assert msgs == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"}]
     sp = req.to_sampling_params(10, 100)
     assert sp.max_tokens == 5 and sp.logprobs == 2  # max_completion_tokens wins
     # Without a limit: what the context (and the KV cache) leaves.

@@ -242,15 +242,16 @@ class StageWorker:
                        runner.kv_cache, inputs.meta, hidden_states=hidden_in)
         ids = inputs.sample_request_ids
         logits = None
+        num_rows = int(inputs.logits_indices.shape[0])  # sampled + prompt-logprob rows
         if not lay.is_last_stage:
             self.comm.send(hidden, lay.stage_rank(lay.pp_rank + 1))
-        elif ids and lay.tp_rank == 0:
+        elif num_rows and lay.tp_rank == 0:
             logits = model.compute_logits(hidden[inputs.logits_indices])
             if lay.rank != 0:
                 self.comm.send(logits, 0)
                 logits = None
-        if lay.rank == 0 and ids and logits is None:
-            logits = self.comm.recv((len(ids), runner.config.model.vocab_size), torch.float32,
+        if lay.rank == 0 and num_rows and logits is None:
+            logits = self.comm.recv((num_rows, runner.config.model.vocab_size), torch.float32,
                                     self.logits_rank)
         self.comm.stats.steps += 1
         self.comm.stats.step_s += time.perf_counter() - t0

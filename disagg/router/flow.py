@@ -185,8 +185,9 @@ class RequestFlow:
             gen_body = dict(body)
             gen_body["disaggregated_params"] = {
                 **dp, "request_type": RequestType.GENERATION_ONLY.value}
-            if path == COMPLETIONS and prompt_ids is not None:
-                gen_body["prompt"] = prompt_ids  # no second tokenization on the worker
+            if path == COMPLETIONS and prompt_ids is not None and not body.get("echo"):
+                # No second tokenization on the worker (an echo answer needs the text).
+                gen_body["prompt"] = prompt_ids
             lease = _Lease(ctx_worker, dp, dumps(gen_body), answer.get("usage") or {})
             try:
                 return await self._generation(request, st, path, route, gen, ctx, lease)

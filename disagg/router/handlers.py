@@ -1,5 +1,6 @@
 """The router's HTTP handlers: the OpenAI endpoints (through ``flow``), ``/v1/models``,
-``/health``, ``/metrics``, ``/cluster_info`` and the membership calls ``/cluster/register`` and
+``/tokenize`` and ``/detokenize`` (a generation worker's answer), ``/version``, ``/health``,
+``/metrics``, ``/cluster_info`` and the membership calls ``/cluster/register`` and
 ``/cluster/unregister``.
 
 An OpenAI request's body is parsed and checked with the workers' own schema
@@ -22,6 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
+from disagg import __version__
 from disagg.cluster_auth import AUTH_HEADER, AuthError
 from disagg.roles import Role
 from disagg.router.flow import Tries
@@ -51,6 +53,9 @@ class Handlers:
         r.add_post(COMPLETIONS, self.openai)
         r.add_post("/v1/chat/completions", self.openai)
         r.add_get("/v1/models", self.models)
+        r.add_post("/tokenize", self.tokenize)
+        r.add_post("/detokenize", self.tokenize)
+        r.add_get("/version", self.version)
         r.add_get("/health", self.health)
         r.add_get("/metrics", self.metrics)
         r.add_get("/cluster_info", self.cluster_info)
@@ -151,7 +156,35 @@ class Handlers:
             raise Failed(f"{w.url} answered {status}")
         return status, body, content_type
 
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """``/tokenize`` and ``/detokenize``: a generation worker's answer (every worker has
+        the model's tokenizer; the next one when one fails)."""
+        path = request.path
+        try:
+            self.check_api_key(request)
+            raw = await self.read_body(request)
+            tries = Tries(Role.GENERATION, self.config.max_retries, counted=False)
+            status, body, content_type = await self.router.flow.retrying(
+                tries, RouteRequest(), lambda w: self._post_to(w, path, raw))
+        except Reply as r:
+            return r.response()
+        return web.Response(status=status, body=body, content_type=content_type)
+
+    async def _post_to(self, w: Worker, path: str, raw: bytes) -> tuple[int, bytes, str]:
+        upstream = self.router.upstream
+        resp = await upstream.post(w, path, raw)
+        try:
+            if resp.status >= 500:
+                raise await upstream.error_answer(w, resp)
+            body = await upstream.read(w, resp)
+            return resp.status, body, resp.content_type or "application/json"
+        finally:
+            resp.close()
+
     # -- the router's own endpoints -----------------------------------------------------------
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": __version__})
 
     async def health(self, request: web.Request) -> web.Response:
         ready, why = self.router.membership.ready()

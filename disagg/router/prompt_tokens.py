@@ -18,6 +18,8 @@ from typing import Any
 from disagg.roles import Role
 from disagg.router.config import ClusterConfig, PolicyConfig, RouterConfigError
 from disagg.router.policies import RouteRequest
+from disagg.server import protocol as P
+from disagg.server.chat_prompt import render_chat
 
 logger = logging.getLogger("disagg.router")
 
@@ -99,16 +101,20 @@ class PromptTokens:
                         isinstance(t, int) and not isinstance(t, bool) for t in prompt):
                     return RouteRequest.from_token_ids(prompt)
                 if isinstance(prompt, str) and tok is not None:
-                    return RouteRequest.from_token_ids(tok.encode(prompt))
+                    return RouteRequest.from_token_ids(tok.encode(
+                        prompt, add_special_tokens=body.get("add_special_tokens") is not False))
                 return RouteRequest()
             messages = body.get("messages")
             if tok is None or not isinstance(messages, list):
                 return RouteRequest()
-            text = tok.apply_chat_template(
-                [chat_message(m) for m in messages],
-                add_generation_prompt=body.get("add_generation_prompt", True) is not False)
-            # As the worker does: the template writes the special tokens itself.
-            return RouteRequest.from_token_ids(tok.encode(text, add_special_tokens=False))
+            # The worker's own rendering (protocol.plain_messages, chat_prompt.render_chat).
+            plain = P.plain_messages([P.ChatMessage.model_validate(m) for m in messages])
+            text = render_chat(tok, plain, **P.chat_template_args(
+                body.get("add_generation_prompt", True) is not False,
+                body.get("continue_final_message") is True, body.get("chat_template_kwargs")))
+            # As the worker does: the template writes the special tokens itself (by default).
+            return RouteRequest.from_token_ids(tok.encode(
+                text, add_special_tokens=body.get("add_special_tokens") is True))
         except Exception as e:  # malformed messages etc.: the worker answers the 400
             logger.debug("cannot tokenize the request for routing: %s", e)
             return RouteRequest()
@@ -122,15 +128,3 @@ class PromptTokens:
                 route.prompt.for_block_size(size)
         return route
 
-
-def chat_message(m: Any) -> Any:
-    """A chat message as the worker hands it to the template (protocol.chat_messages)."""
-    if not isinstance(m, dict):
-        raise ValueError("message is not an object")
-    msg = {k: v for k, v in m.items() if v is not None}
-    content = m.get("content")
-    if isinstance(content, list):
-        msg["content"] = "".join(part["text"] for part in content)
-    if msg.get("role") == "developer":
-        msg["role"] = "system"
-    return msg

@@ -14,6 +14,8 @@ modules named for what they do:
 - ``engine_errors``: an engine failure as the client's HTTP error;
 - ``cluster_routes``: ``/health``, ``/version``, ``/server_info``, ``/kv_events``,
   ``/kv_leases/release``, ``/metrics``;
+- ``tokenize_routes``: ``/tokenize``, ``/detokenize`` (vLLM's shapes); ``chat_prompt``: the
+  chat template's prompt (``continue_final_message``, ``chat_template_kwargs``);
 - ``http_guard``: HTTP limits below the routes.
 
 Failure policy: every client-caused problem is an ``APIError`` rendered as OpenAI error JSON
@@ -41,6 +43,7 @@ from disagg.server.cluster_routes import ClusterRoutes
 from disagg.server.http_guard import HttpGuard
 from disagg.server.openai_routes import OpenAIRoutes
 from disagg.server.state import ServerSettings, ServerState
+from disagg.server.tokenize_routes import TokenizeRoutes
 
 __all__ = ["ServerSettings", "begin_drain", "build_app"]
 
@@ -65,6 +68,7 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     _add_error_handlers(app, srv)
     OpenAIRoutes(srv).register(app)
     ClusterRoutes(srv).register(app)
+    TokenizeRoutes(srv).register(app)
     return app
 
 

@@ -104,7 +104,7 @@ def disagg_choice(srv: ServerState, request: Request, fmt: Format,
         if chat:
             ids = list(prompt)  # type: ignore[arg-type]
         elif not generation or "prompt_token_ids" not in dp:
-            ids = srv.encode_prompt(prompt)
+            ids = srv.encode_prompt(prompt, add_special_tokens=req.add_special_tokens)
         if isinstance(prompt, str):
             text = prompt
     dummy = generation and srv.settings.benchmark_gen_only and "ctx_request_id" not in dp

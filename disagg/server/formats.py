@@ -106,28 +106,88 @@ def finish_of(out: Any) -> tuple[str | None, int | str | None]:
 
 
 class CompletionFormat(Format):
+    """``echo``: the prompt's text (and, with ``logprobs``, its tokens' logprobs, the first
+    null) comes before the completion's, in the answer or in each choice's first chunk.
+    ``echo`` with ``max_tokens`` 0 answers the prompt alone (``echo_only``)."""
+
     request_model = P.CompletionRequest
     id_prefix = "cmpl"
+
+    def __init__(self, srv: ServerState, req: Any, rid: str) -> None:
+        super().__init__(srv, req, rid)
+        self._to_echo: dict[int, Any] = {}  # choice index -> an engine output (streaming)
+        self._echoed: set[int] = set()
+
+    def usage(self, choices: list[Choice]) -> dict[str, Any]:
+        u = super().usage(choices)
+        if self.req.echo_only:  # the engine's one sampled token is not part of the answer
+            u = P.usage(u["prompt_tokens"], 0, u["prompt_tokens_details"]["cached_tokens"])
+        return u
+
+    def _echo(self, c: Choice, out: Any) -> tuple[str, dict[str, Any] | None]:
+        """The echoed prompt's text and (with ``logprobs``) its logprobs part."""
+        # Token ids echo as /detokenize shows them (special tokens too, as their logprobs do).
+        text = (c.prompt_text if c.prompt_text is not None
+                else self.srv.engine.tokenizer.decode(c.prompt_ids, skip_special_tokens=False))
+        lps = getattr(out, "prompt_logprobs", None)
+        if self.req.logprobs is None or lps is None:
+            return text, None
+        return text, P.echo_logprobs(c.prompt_ids, lps, self.srv.token_text)
+
+    def _choice(self, c: Choice, out: Any, text: str, ids: list[int],
+                lps: list[dict[int, float]] | None, offset: int, finish: str | None,
+                stop_reason: int | str | None) -> dict[str, Any]:
+        """One choice (of the answer or a chunk); ``out``: an engine output with the prompt's
+        logprobs when this choice echoes or reports them now, else None."""
+        if self.req.echo_only:
+            ids, lps, text = [], [], ""
+            if finish is not None:
+                finish, stop_reason = "length", None
+        lp = None
+        if c.params.logprobs is not None and lps is not None:
+            lp = P.completion_logprobs(ids, lps, self.srv.token_text, offset)
+        if out is not None and self.req.echo:
+            echo_text, echo_lp = self._echo(c, out)
+            text = echo_text + text
+            if lp is not None and echo_lp is not None:
+                lp = P.join_logprobs(echo_lp, lp)
+        choice = P.completion_choice(c.index, text, finish, lp, stop_reason)
+        plps = getattr(out, "prompt_logprobs", None)
+        if out is not None and self.req.prompt_logprobs is not None and plps is not None:
+            choice["prompt_logprobs"] = P.prompt_logprobs_json(
+                c.prompt_ids, plps, out.prompt_logprob_ranks, self.srv.token_text)
+        return choice
+
+    def _echo_end(self, c: Choice, out: Any) -> int:
+        """Where the completion's text offsets start: after the echoed prompt's tokens."""
+        if not self.req.echo or getattr(out, "prompt_logprobs", None) is None:
+            return 0
+        return sum(len(self.srv.token_text(t)) for t in c.prompt_ids)
 
     def response(self, choices: list[Choice]) -> dict[str, Any]:
         items = []
         for c in choices:
             comp = final_output(c)
-            lp = None
-            if c.params.logprobs is not None and comp.logprobs is not None:
-                lp = P.completion_logprobs(comp.token_ids, comp.logprobs, self.srv.token_text)
-            items.append(P.completion_choice(c.index, comp.text, comp.finish_reason, lp,
-                                             comp.stop_reason))
+            items.append(self._choice(c, c.final, comp.text, comp.token_ids, comp.logprobs,
+                                      self._echo_end(c, c.final), comp.finish_reason,
+                                      comp.stop_reason))
         return P.completion_response(self.rid, self.created, self.model, items,
                                      self.usage(choices))
 
+    def delta_chunk(self, c: Choice, out: Any) -> dict[str, Any] | None:
+        if self.req.echo and c.index not in self._echoed:
+            self._to_echo.setdefault(c.index, out)  # echoed with the choice's first chunk
+        return super().delta_chunk(c, out)
+
     def delta(self, c: Choice, text: str, ids: list[int], lps: list[dict[int, float]],
               finish: str | None, stop_reason: int | str | None) -> dict[str, Any]:
-        lp = None
-        if c.params.logprobs is not None:
-            lp = P.completion_logprobs(ids, lps, self.srv.token_text, c.text_offset)
-            c.text_offset += sum(len(t) for t in lp["tokens"])
-        choice = P.completion_choice(c.index, text, finish, lp, stop_reason)
+        out = self._to_echo.pop(c.index, None)
+        if out is not None:
+            self._echoed.add(c.index)
+            c.text_offset = self._echo_end(c, out)
+        choice = self._choice(c, out, text, ids, lps, c.text_offset, finish, stop_reason)
+        if choice["logprobs"] is not None:
+            c.text_offset += sum(len(self.srv.token_text(t)) for t in ids)
         return P.completion_chunk(self.rid, self.created, self.model, [choice],
                                   with_usage_field=self.include_usage)
 
@@ -154,7 +214,14 @@ class ChatFormat(Format):
                                      self.top_n)
             items.append(P.chat_choice(c.index, comp.text, comp.finish_reason, lp,
                                        comp.stop_reason))
-        return P.chat_response(self.rid, self.created, self.model, items, self.usage(choices))
+        answer = P.chat_response(self.rid, self.created, self.model, items,
+                                 self.usage(choices))
+        plps = getattr(choices[0].final, "prompt_logprobs", None) if choices else None
+        if self.req.prompt_logprobs is not None and plps is not None:
+            answer["prompt_logprobs"] = P.prompt_logprobs_json(
+                choices[0].prompt_ids, plps, choices[0].final.prompt_logprob_ranks,
+                self.srv.token_text)
+        return answer
 
     def start_chunks(self, choices: list[Choice]) -> list[dict[str, Any]]:
         # OpenAI opens each choice with a role-only delta.

@@ -18,6 +18,7 @@ from fastapi.responses import Response
 
 from disagg.roles import RequestType
 from disagg.server import protocol as P
+from disagg.server.chat_prompt import render_chat
 from disagg.server.disagg_requests import disagg_choice, releasing_refused, request_type
 from disagg.server.fanout import Choice
 from disagg.server.formats import ChatFormat, CompletionFormat, Format
@@ -66,7 +67,8 @@ class OpenAIRoutes:
         n = req.n
         for pi, prompt in enumerate(prompts):
             where = "prompt" if len(prompts) == 1 else f"prompt.{pi}"
-            ids = srv.encode_prompt(prompt, field=where)
+            ids = srv.encode_prompt(prompt, add_special_tokens=req.add_special_tokens,
+                                    field=where)
             params = req.to_sampling_params(len(ids), srv.max_model_len)
             text = prompt if isinstance(prompt, str) else None
             for i in range(n):
@@ -85,14 +87,10 @@ class OpenAIRoutes:
             # The context worker's token ids are the prompt (no second tokenization).
             choice = disagg_choice(srv, request, fmt, None, None, kind)
             return await respond(srv, request, [choice], fmt, t_arrival)
-        try:
-            text = srv.engine.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt)
-        except ValueError as e:  # ChatTemplateError: raise_exception(...) in the template
-            raise P.bad_request(f"messages: the chat template rejected them: {e}",
-                                param="messages") from None
-        # The template writes the special tokens (bos) itself.
-        ids = srv.encode_prompt(text, add_special_tokens=False, field="messages")
+        text = render_chat(srv.engine.tokenizer, messages, **req.template_kwargs())
+        # The template writes the special tokens (bos) itself (add_special_tokens: false).
+        ids = srv.encode_prompt(text, add_special_tokens=req.add_special_tokens,
+                                field="messages")
         if kind is not None:
             choice = disagg_choice(srv, request, fmt, ids, text, kind)
             return await respond(srv, request, [choice], fmt, t_arrival)

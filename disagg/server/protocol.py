@@ -109,6 +109,45 @@ def _is_union_tag(part: object) -> bool:
 
 # ---- requests -------------------------------------------------------------------------------
 
+# Request fields that vLLM honours and this server does not: a 400 naming the field unless the
+# value is one of the neutral ones listed (what vLLM does with the field absent). Fields no
+# server knows are ignored and logged, as vLLM does (OpenAI clients send vendor extras).
+# Structured outputs and tool calling (response_format, tools, structured_outputs, guided_*)
+# are checked by their own code, not here.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (False, None),
+    "length_penalty": (1, 1.0, None),  # beam search only
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,),
+    "spaces_between_special_tokens": (True, None),
+    "logits_processors": (None, []),
+    "return_tokens_as_token_ids": (False, None),
+    "return_token_ids": (False, None),
+    "prompt_embeds": (None,),
+    "priority": (0, None),
+    "cache_salt": (None,),
+    "kv_transfer_params": (None,),
+    "vllm_xargs": (None, {}),
+    "thinking_token_budget": (None,),
+    "mm_processor_kwargs": (None, {}),
+    "media_io_kwargs": (None, {}),
+    "documents": (None, []),
+    "chat_template": (None,),  # vLLM honours it only with --trust-request-chat-template
+    "echo": (False, None),  # chat's echo (prepend the last message); completions has its own
+}
+
+
+def check_unsupported(extra: dict[str, Any] | None) -> None:
+    """400 naming the first field of ``UNSUPPORTED_FIELDS`` sent at a non-neutral value."""
+    for name, value in (extra or {}).items():
+        neutral = UNSUPPORTED_FIELDS.get(name)
+        if neutral is not None and not any(value == v and type(value) is type(v)
+                                           for v in neutral):
+            raise bad_request(f"{name}: not supported by this server (it is a vLLM "
+                              f"extension; send {json.dumps(neutral[0])} or leave it out)",
+                              param=name)
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -136,10 +175,13 @@ class _Request(BaseModel):
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    # Accepted only at their neutral value: a silent no-op would mislead the caller.
+    # Logits processing (penalties: OpenAI's; repetition_penalty, min_p: vLLM's extensions)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    prompt_logprobs: StrictInt | None = None  # vLLM extension: logprobs of the prompt tokens
     # Disaggregated serving (router -> worker): {request_type, ...ContextParams}; see README.
     disaggregated_params: dict[str, Any] | None = None
 
@@ -158,18 +200,35 @@ class _Request(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options: only allowed when stream is true",
                               param="stream_options")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise bad_request(f"{name}: not supported (only 0)", param=name)
-        if self.logit_bias:
-            raise bad_request("logit_bias: not supported", param="logit_bias")
+        self.logit_bias_ids()
+        check_unsupported(self.model_extra)
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request("prompt_logprobs: not available when stream is true (as in "
+                              "vLLM)", param="prompt_logprobs")
+
+    def logit_bias_ids(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` with token-id keys; 400 naming a key that is not one (OpenAI sends
+        ids as JSON object keys, i.e. strings). Value ranges: SamplingParams."""
+        out = []
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                tid = int(key)
+            except ValueError:
+                tid = -1
+            if tid < 0 or str(tid) != key.strip():
+                raise bad_request(f"logit_bias: key {key!r} is not a token id",
+                                  param="logit_bias")
+            out.append((tid, bias))
+        return tuple(out)
 
     @property
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """Base params for one choice (n is fanned out by the server, seed + i per choice)."""
+    def _sampling_params(self, max_tokens: int, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
+        """Base params for one choice (n is fanned out by the server, seed + i per choice);
+        ``prompt_logprobs`` beside the request's own (echo: the larger)."""
         kw: dict[str, Any] = dict(
             n=self.n,
             max_tokens=max_tokens,
@@ -181,8 +240,14 @@ class _Request(BaseModel):
             logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self.logit_bias_ids(),
+            prompt_logprobs=max((n for n in (self.prompt_logprobs, prompt_logprobs)
+                                 if n is not None), default=None),
         )
-        # None means "OpenAI default" (temperature 1, top_p 1, top_k off).
+        # None means "OpenAI default" (temperature 1, top_p 1, top_k off, no penalties).
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+            if getattr(self, name) is not None:
+                kw[name] = getattr(self, name)
         if self.temperature is not None:
             kw["temperature"] = self.temperature
         if self.top_p is not None:
@@ -203,6 +268,7 @@ class CompletionRequest(_Request):
     echo: bool = False
     suffix: str | None = None
     best_of: StrictInt | None = None
+    add_special_tokens: bool = True  # vLLM extension: the tokenizer's BOS etc. on text prompts
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list; raises 400 for an empty one."""
@@ -227,17 +293,32 @@ class CompletionRequest(_Request):
                 raise bad_request(f"{where}: must not be empty", param="prompt")
         return items
 
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens`` 0: scoring, nothing generated (the engine samples one
+        token that the answer leaves out, as vLLM does)."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def engine_max_tokens(self) -> int:
+        if self.echo_only:
+            return 1
+        return self.max_tokens if self.max_tokens is not None else 16
+
     def to_sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
         self.check_fields()
-        max_tokens = self.max_tokens if self.max_tokens is not None else 16
+        max_tokens = self.engine_max_tokens
         check_context_length(num_prompt_tokens, max_tokens, max_model_len, "prompt")
-        return self._sampling_params(max_tokens, self.logprobs)
+        # echo with logprobs: the prompt's tokens get logprobs too (the first null).
+        return self._sampling_params(max_tokens, self.logprobs,
+                                     self.logprobs if self.echo else None)
 
     def check_fields(self) -> None:
         """Every check that needs neither the tokenizer nor the model's limits."""
         self.common_checks()
-        if self.echo:
-            raise bad_request("echo: not supported", param="echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request("max_tokens: must be >= 1 (0 only with echo: scoring the "
+                              "prompt)", param="max_tokens")
         if self.suffix:
             raise bad_request("suffix: not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -263,29 +344,20 @@ class ChatCompletionRequest(_Request):
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True  # vLLM extension
+    # vLLM extensions: continue the last (assistant) message instead of opening a new one;
+    # extra variables for the chat template; special tokens added to the rendered prompt.
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``render_chat`` besides the messages."""
+        return chat_template_args(self.add_generation_prompt, self.continue_final_message,
+                                  self.chat_template_kwargs)
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """Messages as plain dicts for the chat template; only text content is supported."""
-        out = []
-        for i, m in enumerate(self.messages):
-            if m.role not in ("system", "developer", "user", "assistant", "tool"):
-                raise bad_request(f"messages.{i}.role: unknown role {m.role!r}",
-                                  param="messages")
-            content = m.content
-            if isinstance(content, list):
-                for j, part in enumerate(content):
-                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise bad_request(
-                            f"messages.{i}.content.{j}: only text parts are supported",
-                            param="messages")
-                content = "".join(part["text"] for part in content)
-            msg = {k: v for k, v in m.model_dump().items() if v is not None}
-            msg["content"] = content
-            # Llama-style templates know "system", not OpenAI's newer "developer".
-            if m.role == "developer":
-                msg["role"] = "system"
-            out.append(msg)
-        return out
+        return plain_messages(self.messages)
 
     def to_sampling_params(self, num_prompt_tokens: int, max_model_len: int,
                            kv_capacity_tokens: int | None = None) -> SamplingParams:
@@ -316,6 +388,7 @@ class ChatCompletionRequest(_Request):
     def check_fields(self) -> None:
         """Every check that needs neither the tokenizer nor the model's limits."""
         self.common_checks()
+        self.template_kwargs()
         if self.tools:
             raise bad_request("tools: tool calling is not supported", param="tools")
         if self.tool_choice not in (None, "none", "auto"):
@@ -330,6 +403,51 @@ class ChatCompletionRequest(_Request):
             if not self.logprobs:
                 raise bad_request("top_logprobs: requires logprobs to be true",
                                   param="top_logprobs")
+
+
+def plain_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as plain dicts for the chat template; only text content is supported."""
+    out = []
+    for i, m in enumerate(messages):
+        if m.role not in ("system", "developer", "user", "assistant", "tool"):
+            raise bad_request(f"messages.{i}.role: unknown role {m.role!r}",
+                              param="messages")
+        content = m.content
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request(
+                        f"messages.{i}.content.{j}: only text parts are supported",
+                        param="messages")
+            content = "\n".join(part["text"] for part in content)  # as vLLM joins them
+        msg = {k: v for k, v in m.model_dump().items() if v is not None}
+        msg["content"] = content
+        # Llama-style templates know "system", not OpenAI's newer "developer".
+        if m.role == "developer":
+            msg["role"] = "system"
+        out.append(msg)
+    return out
+
+
+# Names the chat template sees that chat_template_kwargs must not replace.
+_TEMPLATE_RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt",
+                                "continue_final_message", "chat_template"})
+
+
+def chat_template_args(add_generation_prompt: bool, continue_final_message: bool,
+                       chat_template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The chat options of a request (400 naming the field when they conflict)."""
+    if add_generation_prompt and continue_final_message:
+        raise bad_request("continue_final_message: cannot be combined with "
+                          "add_generation_prompt=true (set it to false)",
+                          param="continue_final_message")
+    kwargs = dict(chat_template_kwargs or {})
+    clash = sorted(_TEMPLATE_RESERVED & kwargs.keys())
+    if clash:
+        raise bad_request(f"chat_template_kwargs: {clash[0]!r} is set by the request itself, "
+                          "not through chat_template_kwargs", param="chat_template_kwargs")
+    return {"add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message, "template_vars": kwargs}
 
 
 def check_context_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int,
@@ -407,6 +525,46 @@ def completion_logprobs(
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def echo_logprobs(prompt_ids: Sequence[int], prompt_lps: Sequence[dict[int, float] | None],
+                  token_text: TokenText) -> dict[str, Any]:
+    """The prompt's part of an echoed completion's ``logprobs`` (what lm-evaluation-harness
+    scores): its first token has no logprob (``null`` in token_logprobs and top_logprobs),
+    as in OpenAI's and vLLM's answers."""
+    rest = completion_logprobs(prompt_ids[1:], [lp or {} for lp in prompt_lps[1:]],
+                               token_text, len(token_text(prompt_ids[0])))
+    return {"tokens": [token_text(prompt_ids[0]), *rest["tokens"]],
+            "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": [None, *rest["top_logprobs"]],
+            "text_offset": [0, *rest["text_offset"]]}
+
+
+def join_logprobs(head: dict[str, Any], tail: dict[str, Any]) -> dict[str, Any]:
+    """Two ``completion_logprobs`` parts, the second after the first (its text offsets
+    already continue the first's)."""
+    return {k: [*head[k], *tail[k]] for k in head}
+
+
+def prompt_logprobs_json(prompt_ids: Sequence[int],
+                         prompt_lps: Sequence[dict[int, float] | None],
+                         ranks: Sequence[int | None] | None, token_text: TokenText
+                         ) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token null (the first) or
+    ``{token_id: {"logprob", "rank", "decoded_token"}}`` for the token itself (its rank in the
+    vocabulary) and the top-n (ranks 1..n)."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for p, lp in enumerate(prompt_lps):
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {}
+        for i, (t, v) in enumerate(sorted(lp.items(), key=lambda kv: -kv[1])):
+            rank = ranks[p] if ranks is not None and t == prompt_ids[p] else i + 1
+            entry[str(t)] = {"logprob": _finite(v), "rank": rank,
+                             "decoded_token": token_text(t)}
+        out.append(entry)
+    return out
 
 
 def chat_logprobs(
@@ -608,8 +766,7 @@ def validate_request(path: str, body: dict[str, Any]) -> _Request:
     req.check_fields()
     if isinstance(req, CompletionRequest):
         req.prompts()
-        max_tokens, logprobs = (req.max_tokens if req.max_tokens is not None else 16,
-                                req.logprobs)
+        max_tokens, logprobs = req.engine_max_tokens, req.logprobs
         if max_tokens < 1:
             raise bad_request("max_tokens: must be >= 1", param="max_tokens")
     else:
@@ -622,3 +779,40 @@ def validate_request(path: str, body: dict[str, Any]) -> _Request:
     req._sampling_params(max_tokens if max_tokens is not None else max(req.min_tokens, 1),
                          logprobs)
     return req
+
+
+# ---- /tokenize and /detokenize (vLLM's shapes) ----------------------------------------------
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``/tokenize``: ``prompt`` (completions style) or ``messages`` (chat style,
+    rendered with the chat template first)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: true for prompt, false for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    def check_fields(self) -> None:
+        check_unsupported(self.model_extra)
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("prompt: give exactly one of prompt and messages",
+                              param="prompt" if self.prompt is None else "messages")
+        if self.messages is not None:
+            if not self.messages:
+                raise bad_request("messages: must not be empty", param="messages")
+            chat_template_args(self.add_generation_prompt, self.continue_final_message,
+                               self.chat_template_kwargs)
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[StrictInt]

@@ -47,8 +47,20 @@ class ContextParams:
     layout: WorkerLayout
     lease_expiry: float
     first_gen_logprobs: list[dict[int, float]] | None = None
+    # prompt_logprobs the context worker computed (first entry None), for the generation
+    # worker's answer; None when the request did not ask.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None  # with prompt_logprobs
 
     def to_dict(self) -> dict[str, Any]:
+        out = self._required_dict()
+        if self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = [None if lp is None else {str(k): v for k, v in lp.items()}
+                                      for lp in self.prompt_logprobs]
+            out["prompt_logprob_ranks"] = self.prompt_logprob_ranks
+        return out
+
+    def _required_dict(self) -> dict[str, Any]:
         return {
             "ctx_request_id": self.ctx_request_id,
             "first_gen_tokens": list(self.first_gen_tokens),
@@ -100,6 +112,8 @@ class ContextParams:
             addresses=list(addresses), block_ids=block_ids, num_tokens=num_tokens,
             layout=layout, lease_expiry=float(f["lease_expiry"]),
             first_gen_logprobs=_logprobs(d.get("first_gen_logprobs")),
+            prompt_logprobs=_prompt_logprobs(d.get("prompt_logprobs"), num_tokens),
+            prompt_logprob_ranks=_ranks(d.get("prompt_logprob_ranks"), num_tokens),
         )
 
 
@@ -132,6 +146,29 @@ def _int_list(name: str, v: Any) -> list[int]:
             isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
         raise DisaggParamsError(f"disaggregated_params.{name}: must be a list of integers >= 0")
     return list(v)
+
+
+def _prompt_logprobs(raw: Any, num_tokens: int) -> list[dict[int, float] | None] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) != num_tokens or raw[0] is not None:
+        raise DisaggParamsError("disaggregated_params.prompt_logprobs: one entry per prompt "
+                                "token, the first null")
+    try:
+        return [None, *(_logprobs(raw[1:]) or [])]
+    except DisaggParamsError:
+        raise DisaggParamsError("disaggregated_params.prompt_logprobs: malformed") from None
+
+
+def _ranks(raw: Any, num_tokens: int) -> list[int | None] | None:
+    if raw is None:
+        return None
+    if not (isinstance(raw, list) and len(raw) == num_tokens and all(
+            r is None or isinstance(r, int) and not isinstance(r, bool) and r >= 1
+            for r in raw)):
+        raise DisaggParamsError("disaggregated_params.prompt_logprob_ranks: one rank >= 1 "
+                                "(or null) per prompt token")
+    return list(raw)
 
 
 def _logprobs(raw: Any) -> list[dict[int, float]] | None:
