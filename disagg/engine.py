@@ -35,6 +35,8 @@ from disagg.request import Request, RequestStatus, SamplingParams
 from disagg.runner import ModelRunner
 from disagg.sampler import Sampler, SamplerOutput
 from disagg.scheduler import Scheduler, SchedulerOutput
+from disagg.structured.grammar import GrammarCache, Matcher
+from disagg.structured.mask import MaskFiller
 from disagg.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
@@ -130,6 +132,8 @@ class _State:
     kv_error: KVTransferError | None = None
     # The connector heard of the end (request_finished): once per request.
     ended: bool = False
+    # Structured outputs: where the output is in its grammar (None: unconstrained).
+    matcher: Matcher | None = None
 
     @classmethod
     def new(cls, req: Request, tokenizer: Tokenizer, prompt: str | None,
@@ -202,6 +206,31 @@ class _State:
             disaggregated_params=self.disagg_out if finished else None,
             kv_transfer_error=self.kv_error if finished else None,
         )
+
+
+def _advance_grammars(matchers: list[Matcher | None], out: SamplerOutput) -> SamplerOutput:
+    """Feed each constrained row's sampled token to its matcher; a row whose grammar refuses
+    it (an engine bug, or a grammar the mask could not express) fails alone."""
+    if all(m is None for m in matchers):
+        return out
+    errors = list(out.errors)
+    for i, (m, tok) in enumerate(zip(matchers, out.token_ids, strict=True)):
+        if m is not None and errors[i] is None and not m.consume(tok):
+            errors[i] = m.error
+    return SamplerOutput(out.token_ids, out.logprobs, errors)
+
+
+def _grammar_complete(scheduler: Scheduler, req: Request, finished: set[str]) -> None:
+    """The request's grammar is complete (only EOS may follow): it ends with "stop", also
+    when the token was its last one anyway (a context-only request's one token is then final:
+    nothing is left for a generation worker)."""
+    rid = req.request_id
+    if rid in finished:
+        if req.status == RequestStatus.FINISHED_LENGTH:
+            req.status = RequestStatus.FINISHED_STOPPED
+        return
+    scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+    finished.add(rid)
 
 
 def _release_device_cache() -> None:
@@ -336,6 +365,9 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, B, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len=config.max_model_len)
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
+        self.grammars = GrammarCache(self.tokenizer.backend, config.model.vocab_size,
+                                     self.tokenizer.eos_token_ids)
+        self._masks = MaskFiller(config.model.vocab_size)
         self.eos_token_ids = tuple(
             sorted(set(self.tokenizer.eos_token_ids) | set(config.model.eos_token_ids))
         )
@@ -360,6 +392,8 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError for a request that can never be served (the server's 400)."""
         _validate(self.config, self.runner.num_blocks, prompt_token_ids, params)
+        if params.structured is not None:  # a bad schema / regex / grammar: its own 400
+            self.grammars.compile(params.structured)
 
     def add_request(
         self,
@@ -406,6 +440,8 @@ class LLMEngine:
             req.arrival_time = arrival_time
         st = _State.new(req, self.tokenizer, prompt, ctx_params, remote, dummy_kv)
         st.cache_remote_kv = cache_remote_kv
+        if params.structured is not None:
+            st.matcher = self._matcher_of(req, remote is not None)
         self._states[request_id] = st
         self.scheduler.add_request(req)
         if self.connector is None:
@@ -415,6 +451,18 @@ class LLMEngine:
                        remote=remote)
         if self.connector.add_request(request_id, kv) and not req.is_finished():
             self.scheduler.hold_blocks_on_finish(request_id)
+
+    def _matcher_of(self, req: Request, replay: bool) -> Matcher:
+        """A fresh matcher for ``req``'s grammar. ``replay``: a generation-only request
+        continues the context worker's first token(s), sampled under the same grammar: they are
+        consumed first, so its first mask here is the one the next step would use on one
+        worker."""
+        assert req.sampling_params.structured is not None
+        m = self.grammars.matcher(req.sampling_params.structured)
+        if replay and not m.replay(req.output_token_ids):
+            raise ValueError(f"{req.sampling_params.structured.field}: the context worker's "
+                             f"first token does not match the grammar ({m.error})")
+        return m
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort and free the request's blocks now; returns its final output, if it existed."""
@@ -470,7 +518,7 @@ class LLMEngine:
         st.metrics.last_token_time = now
         delta = "".join(st.detok.update(t) for t in st.request.output_token_ids)
         finished = False
-        if st.detok.stopped:
+        if st.detok.stopped or (st.matcher is not None and st.matcher.done):
             st.request.stop_reason = st.detok.stop_reason
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
             finished = True
@@ -619,6 +667,8 @@ class LLMEngine:
                 st.request.stop_reason = st.detok.stop_reason
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
                 finished.add(rid)
+            elif st.matcher is not None and st.matcher.done:
+                _grammar_complete(self.scheduler, st.request, finished)
             if rid in finished and not st.detok.stopped:
                 delta += st.detok.flush()
             outputs.append(self._make_output(st, delta, finished=rid in finished))
@@ -642,6 +692,7 @@ class LLMEngine:
             else ()
             for st in states
         ]
+        matchers = [st.matcher for st in states]
         # A seeded draw depends on (seed, output position) only: a generation worker
         # continuing a context worker's first token draws what one worker would.
         out = self.sampler.sample(
@@ -649,8 +700,9 @@ class LLMEngine:
             [st.request.sampling_params for st in states],
             [st.request.num_output_tokens for st in states],
             banned,
+            allowed=self._masks.allowed(matchers, logits.device),
         )
-        return rids, out
+        return rids, _advance_grammars(matchers, out)
 
     def _collect_finished_without_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         # The scheduler may end a request during schedule() (e.g. one that can never fit).

@@ -12,6 +12,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from disagg.structured.spec import GrammarSpec
+
 
 class SamplingParamsError(ValueError):
     """An out-of-range sampling parameter; the message names the field."""
@@ -34,6 +36,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per generated token (0: only the chosen one)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Structured outputs: the grammar the output must match (None: unconstrained).
+    structured: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         # Accept lists / a single string for convenience; store tuples (hashable, frozen).

@@ -1,0 +1,50 @@
+"""The token mask of one sampling step: every constrained row's allowed tokens, filled by the
+grammar engine into one packed bitmask (32 tokens per int32, llguidance's layout) in one call
+for the whole batch, then unpacked on the logits' device by one vectorized op."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from disagg.structured.grammar import Matcher
+
+
+class MaskFiller:
+    """Fills the bitmasks of a batch's matchers (owns the grammar engine's thread pool)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._executor: Any = None
+
+    def allowed(self, matchers: Sequence[Matcher | None], device: torch.device
+                ) -> torch.Tensor | None:
+        """A bool [rows, vocab] tensor on ``device`` (True: the token may be sampled; rows
+        without a matcher allow every token), or None when no row is constrained."""
+        rows = [(m.ll, i) for i, m in enumerate(matchers) if m is not None and m.error is None]
+        if not rows:
+            return None
+        import llguidance
+        from llguidance.torch import fill_next_token_bitmask_par
+
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        words = (self.vocab_size + 31) // 32
+        packed = torch.full((len(matchers), words), -1, dtype=torch.int32)
+        fill_next_token_bitmask_par(self._executor, rows, packed)
+        return unpack_bitmask(packed, self.vocab_size, device)
+
+
+def unpack_bitmask(packed: torch.Tensor, vocab_size: int, device: torch.device
+                   ) -> torch.Tensor:
+    """[rows, words] int32 (bit b of word w: token 32 * w + b) -> bool [rows, vocab_size]."""
+    bits = torch.arange(32, dtype=torch.int32, device=device)
+    if device.type == "cuda":
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    else:
+        packed = packed.to(device)
+    # int32 >> is arithmetic: a set sign bit smears ones leftward, & 1 still reads bit b.
+    unpacked = (packed.unsqueeze(-1) >> bits) & 1  # [rows, words, 32]
+    return unpacked.view(packed.shape[0], -1)[:, :vocab_size].bool()
