@@ -79,6 +79,12 @@ class OpenAIRoutes:
         t_arrival = time.monotonic()
         fmt = await self._admit(request, ChatFormat)
         srv, req, rid = self.srv, fmt.req, fmt.rid
+        assert isinstance(fmt, ChatFormat)
+        if fmt.tool_choice.mode == "auto" and srv.settings.tool_call_parser is None:
+            raise P.bad_request('tool_choice: "auto" (the default with tools) needs a server '
+                                'started with --tool-call-parser (hermes, llama3_json, '
+                                'mistral); "required" or a named tool work without one',
+                                param="tool_choice")
         messages = req.chat_messages()
         kind = request_type(srv, req, 1)
         if kind is RequestType.GENERATION_ONLY and "prompt_token_ids" in req.disaggregated_params:
@@ -87,7 +93,8 @@ class OpenAIRoutes:
             return await respond(srv, request, [choice], fmt, t_arrival)
         try:
             text = srv.engine.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt)
+                messages, add_generation_prompt=req.add_generation_prompt,
+                tools=req.tools or None)
         except ValueError as e:  # ChatTemplateError: raise_exception(...) in the template
             raise P.bad_request(f"messages: the chat template rejected them: {e}",
                                 param="messages") from None

@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from disagg.request import SamplingParams, SamplingParamsError
 from disagg.roles import REQUEST_TYPES
+from disagg.server import tools as T
+from disagg.structured.spec import GrammarSpec, StructuredSpecError, request_spec
 
 MAX_N = 128  # choices per request: each is an engine request, so bound the fan-out
 # Choices of one request in all (prompts x n): each is an engine request with its own state
@@ -142,6 +144,14 @@ class _Request(BaseModel):
     logit_bias: dict[str, float] | None = None
     # Disaggregated serving (router -> worker): {request_type, ...ContextParams}; see README.
     disaggregated_params: dict[str, Any] | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* fields (disagg/structured/spec.py reads them; one constraint per request).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def request_type(self) -> str | None:
@@ -163,6 +173,17 @@ class _Request(BaseModel):
                 raise bad_request(f"{name}: not supported (only 0)", param=name)
         if self.logit_bias:
             raise bad_request("logit_bias: not supported", param="logit_bias")
+        self.grammar_spec()
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The request's structured-output constraint (400 naming the field when malformed;
+        a schema / regex / grammar the engine cannot compile is its 400 later)."""
+        try:
+            return request_spec(self.response_format, self.structured_outputs, {
+                "json": self.guided_json, "regex": self.guided_regex,
+                "choice": self.guided_choice, "grammar": self.guided_grammar})
+        except StructuredSpecError as e:
+            raise from_value_error(e) from None
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -181,6 +202,7 @@ class _Request(BaseModel):
             logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            structured=self.grammar_spec(),
         )
         # None means "OpenAI default" (temperature 1, top_p 1, top_k off).
         if self.temperature is not None:
@@ -263,6 +285,7 @@ class ChatCompletionRequest(_Request):
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True  # vLLM extension
+    parallel_tool_calls: bool | None = None  # tool calling (server/tools.py)
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """Messages as plain dicts for the chat template; only text content is supported."""
@@ -302,6 +325,22 @@ class ChatCompletionRequest(_Request):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs)
 
+    def tool_choice_of(self) -> T.ToolChoice:
+        """The checked tools and tool_choice (400 naming the field)."""
+        try:
+            return T.resolve(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except T.ToolError as e:
+            raise from_value_error(e) from None
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """A forced tool call's grammar, or the response format's; not both."""
+        spec = super().grammar_spec()
+        forced = T.forced_spec(self.tool_choice_of())
+        if forced is not None and spec is not None:
+            raise bad_request(f"tool_choice: a forced tool call cannot be combined with "
+                              f"{spec.field}", param="tool_choice")
+        return forced or spec
+
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """max_completion_tokens, else max_tokens (None: as many as fit), and its field name;
         400 when it is < 1."""
@@ -316,13 +355,7 @@ class ChatCompletionRequest(_Request):
     def check_fields(self) -> None:
         """Every check that needs neither the tokenizer nor the model's limits."""
         self.common_checks()
-        if self.tools:
-            raise bad_request("tools: tool calling is not supported", param="tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice: tool calling is not supported", param="tool_choice")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise bad_request("response_format: only {\"type\": \"text\"} is supported",
-                              param="response_format")
+        self.tool_choice_of()
         if self.top_logprobs is not None:
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
                 raise bad_request(f"top_logprobs: must be in [0, {MAX_LOGPROBS}]",
@@ -469,8 +502,10 @@ def chat_response(rid: str, created: int, model: str, choices: list[dict[str, An
 
 def chat_choice(index: int, text: str, finish_reason: str | None,
                 logprobs: dict[str, Any] | None = None,
-                stop_reason: int | str | None = None) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": text},
+                stop_reason: int | str | None = None,
+                message: dict[str, Any] | None = None) -> dict[str, Any]:
+    # ``message``: one with tool_calls (server/tools.py) instead of the plain text.
+    return {"index": index, "message": message or {"role": "assistant", "content": text},
             "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
 
 

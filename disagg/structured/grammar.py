@@ -114,7 +114,13 @@ class GrammarCache:
 
 
 def _first_line(error: str) -> str:
-    return error.strip().splitlines()[0] if error.strip() else "error"
+    """The gist of an llguidance error: its first lines, without the state dump after them."""
+    lines = []
+    for line in error.strip().splitlines():
+        if line.startswith("<") or len(lines) == 4:
+            break
+        lines.append(line.strip())
+    return " ".join(x for x in lines if x) or "error"
 
 
 class Matcher:

@@ -1,0 +1,313 @@
+"""Tool calling: the request's ``tools`` and ``tool_choice`` checked, the grammar that forces a
+call, and the model's text turned into OpenAI ``tool_calls`` (whole, or as stream deltas).
+
+- ``tool_choice: "none"``: the tools reach the chat template, the text is plain content.
+- ``"auto"`` (the default when tools are given): the model decides; its text is read by the
+  parser the server was started with (``--tool-call-parser``: ``hermes``, ``llama3_json``,
+  ``mistral``); without one the request is a 400, as in vLLM.
+- ``"required"``: the output is forced (structured outputs) to a JSON array of
+  ``{"name", "parameters"}`` objects, one per call, each ``parameters`` matching its tool's
+  schema (one item only when ``parallel_tool_calls`` is false); finish_reason "tool_calls".
+- a named function: the output is forced to that tool's arguments object; finish_reason stays
+  "stop" (OpenAI's and vLLM's rule for a forced named call).
+``required`` and named need no parser: the grammar makes their output parse.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from disagg.structured.spec import GrammarSpec
+
+PARSERS = ("hermes", "llama3_json", "mistral")
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_EMPTY_PARAMS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+class ToolError(ValueError):
+    """A malformed ``tools`` / ``tool_choice``; the message starts with the field's name."""
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    parameters: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """``mode``: none | auto | required | named (then ``name`` is the forced tool)."""
+
+    mode: str
+    tools: tuple[Tool, ...] = ()
+    name: str | None = None
+    parallel: bool = True
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "named")
+
+
+def _tool(i: int, t: Any) -> Tool:
+    where = f"tools.{i}"
+    if not isinstance(t, dict) or t.get("type", "function") != "function":
+        raise ToolError(f"{where}: only {{\"type\": \"function\", \"function\": {{...}}}} "
+                        f"tools are supported")
+    fn = t.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ToolError(f"{where}.function: must be an object with a name")
+    if not _NAME.match(fn["name"]):
+        raise ToolError(f"{where}.function.name: {fn['name']!r} must be 1-64 letters, digits, "
+                        f"_ . or -")
+    params = fn.get("parameters", _EMPTY_PARAMS)
+    if not isinstance(params, dict):
+        raise ToolError(f"{where}.function.parameters: must be a JSON schema object")
+    return Tool(fn["name"], params)
+
+
+def resolve(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None,
+            parallel_tool_calls: bool | None) -> ToolChoice:
+    """The request's tool choice, checked (``ToolError`` names the bad field)."""
+    parsed = tuple(_tool(i, t) for i, t in enumerate(tools or []))
+    names = [t.name for t in parsed]
+    if len(set(names)) != len(names):
+        raise ToolError("tools: function names must be unique")
+    parallel = parallel_tool_calls is not False
+    if tool_choice is None:
+        return ToolChoice("auto" if parsed else "none", parsed, parallel=parallel)
+    if isinstance(tool_choice, str):
+        if tool_choice not in ("none", "auto", "required"):
+            raise ToolError(f"tool_choice: must be none, auto, required or "
+                            f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got "
+                            f"{tool_choice!r}")
+        if tool_choice != "none" and not parsed:
+            raise ToolError(f"tool_choice: {tool_choice!r} needs tools")
+        return ToolChoice(tool_choice, parsed, parallel=parallel)
+    fn = tool_choice.get("function") if tool_choice.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise ToolError("tool_choice: a named choice is {\"type\": \"function\", "
+                        "\"function\": {\"name\": ...}}")
+    if name not in names:
+        raise ToolError(f"tool_choice: {name!r} is not one of the tools ({names})")
+    return ToolChoice("named", parsed, name, parallel)
+
+
+def forced_spec(choice: ToolChoice) -> GrammarSpec | None:
+    """The grammar of a forced call (None when the model chooses)."""
+    if choice.mode == "named":
+        tool = next(t for t in choice.tools if t.name == choice.name)
+        return GrammarSpec.json_schema(tool.parameters, "tool_choice")
+    if choice.mode != "required":
+        return None
+    items = [{"type": "object", "additionalProperties": False,
+              "properties": {"name": {"const": t.name}, "parameters": t.parameters},
+              "required": ["name", "parameters"]} for t in choice.tools]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                              "items": items[0] if len(items) == 1 else {"anyOf": items}}
+    if not choice.parallel:
+        schema["maxItems"] = 1
+    return GrammarSpec.json_schema(schema, "tool_choice")
+
+
+# ---- reading calls out of the model's text ---------------------------------------------------
+
+Call = tuple[str, str]  # (function name, arguments as a JSON text)
+
+
+def _call_of(obj: Any) -> Call | None:
+    """``{"name", "arguments" | "parameters"}`` -> a call (None: not one)."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+
+
+def _json_values(text: str) -> tuple[list[Any], str]:
+    """Consecutive JSON values at the start of ``text`` (separated by blanks, ``,`` or ``;``)
+    and the unparsed rest."""
+    dec = json.JSONDecoder()
+    values, i = [], 0
+    while True:
+        while i < len(text) and text[i] in " \t\r\n;,":
+            i += 1
+        try:
+            value, i = dec.raw_decode(text, i)
+        except ValueError:
+            return values, text[i:]
+        values.append(value)
+
+
+@dataclass(frozen=True)
+class Parsed:
+    content: str  # plain text for the client (before the calls)
+    calls: list[Call]
+    # Streaming: how much of ``content`` is safe to send now (a marker may still begin later).
+    settled: int
+
+
+def _held_back(text: str, marker: str) -> int:
+    """Length of ``text`` that cannot be the start of ``marker``."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return len(text) - k
+    return len(text)
+
+
+def parse_hermes(text: str) -> Parsed:
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Qwen2.5, Hermes)."""
+    start = text.find("<tool_call>")
+    if start < 0:
+        return Parsed(text, [], _held_back(text, "<tool_call>"))
+    calls = []
+    for block in re.findall(r"<tool_call>(.*?)</tool_call>", text[start:], re.DOTALL):
+        values, _ = _json_values(block.strip())
+        call = _call_of(values[0]) if len(values) == 1 else None
+        if call is not None:
+            calls.append(call)
+    return Parsed(text[:start], calls, start)
+
+
+def parse_llama3_json(text: str) -> Parsed:
+    """Llama 3.x JSON calls: ``{"name": ..., "parameters": {...}}`` (``;``-separated),
+    optionally after ``<|python_tag|>``; text that does not open with ``{`` is content."""
+    body = text.lstrip()
+    body = body.removeprefix("<|python_tag|>").lstrip()
+    if not body:
+        return Parsed(text, [], 0)
+    if not body.startswith("{"):
+        return Parsed(text, [], len(text))
+    values, _ = _json_values(body)
+    calls = [c for c in map(_call_of, values) if c is not None]
+    return Parsed("", calls, 0)
+
+
+def parse_mistral(text: str) -> Parsed:
+    """Mistral: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (the marker is a
+    special token: also read when the detokenizer dropped it and the array opens the text)."""
+    marker = "[TOOL_CALLS]"
+    start = text.find(marker)
+    if start >= 0:
+        content, body = text[:start], text[start + len(marker):]
+    elif text.lstrip().startswith('[{"name"'):
+        content, body, start = "", text.lstrip(), 0
+    else:
+        return Parsed(text, [], _held_back(text, marker))
+    values, _ = _json_values(body.strip())
+    items = values[0] if values and isinstance(values[0], list) else values
+    calls = [c for c in map(_call_of, items) if c is not None]
+    return Parsed(content, calls, start)
+
+
+def _parse_required(text: str) -> Parsed:
+    """The forced array ``[{"name", "parameters"}, ...]``: complete items so far."""
+    body = text.lstrip()
+    if not body.startswith("["):
+        return Parsed("", [], 0)
+    values, _ = _json_values(body[1:])
+    return Parsed("", [c for c in map(_call_of, values) if c is not None], 0)
+
+
+PARSE: dict[str, Callable[[str], Parsed]] = {
+    "hermes": parse_hermes, "llama3_json": parse_llama3_json, "mistral": parse_mistral}
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def call_json(call: Call, call_id: str | None = None) -> dict[str, Any]:
+    return {"id": call_id or new_call_id(), "type": "function",
+            "function": {"name": call[0], "arguments": call[1]}}
+
+
+@dataclass
+class ToolCalls:
+    """Reads one choice's output as tool calls per the request's ``ToolChoice``."""
+
+    choice: ToolChoice
+    parser: str | None  # the server's --tool-call-parser
+
+    # Streaming state of one choice (one instance per choice).
+    _text: str = ""
+    _sent_content: int = 0
+    _sent_calls: int = 0
+    _ids: list[str] = field(default_factory=list)
+
+    @property
+    def active(self) -> bool:
+        return self.choice.forced or (self.choice.mode == "auto" and self.parser is not None)
+
+    def _parse(self, text: str) -> Parsed:
+        if self.choice.mode == "named":
+            assert self.choice.name is not None
+            return Parsed("", [(self.choice.name, text)], 0)
+        if self.choice.mode == "required":
+            return _parse_required(text)
+        assert self.parser is not None
+        return PARSE[self.parser](text)
+
+    def message(self, text: str, finish_reason: str | None
+                ) -> tuple[dict[str, Any], str | None]:
+        """The whole answer's ``message`` and finish_reason."""
+        msg: dict[str, Any] = {"role": "assistant", "content": text}
+        if not self.active:
+            return msg, finish_reason
+        if self.choice.mode == "named":
+            calls: list[Call] = [(self.choice.name or "", text)]
+            content = ""
+        else:
+            p = self._parse(text)
+            calls, content = p.calls, p.content if p.calls else text
+        if not calls:
+            return msg, finish_reason
+        msg["content"] = content or None
+        msg["tool_calls"] = [call_json(c) for c in calls]
+        # A forced named call ends with "stop" (OpenAI); chosen / required calls say so.
+        if self.choice.mode != "named" and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return msg, finish_reason
+
+    def stream_delta(self, text: str, finished: bool) -> list[dict[str, Any]]:
+        """The deltas for ``text`` (new output of this choice): content, and each tool call
+        once readable: its index, id, type and name first, then its arguments."""
+        self._text += text
+        if not self.active:
+            return [{"content": text}] if text else []
+        if self.choice.mode == "named":  # the output is the arguments: stream them as they come
+            out = []
+            if not self._ids and (text or finished):
+                self._ids.append(new_call_id())
+                out.append(self._head(0, self.choice.name or ""))
+            if text:
+                out.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
+            return out
+        p = self._parse(self._text)
+        out = []
+        settled = len(p.content) if finished or p.calls else p.settled
+        if settled > self._sent_content:
+            out.append({"content": p.content[self._sent_content:settled]})
+            self._sent_content = settled
+        for i in range(self._sent_calls, len(p.calls)):
+            self._ids.append(new_call_id())
+            out.append(self._head(i, p.calls[i][0]))
+            out.append({"tool_calls": [{"index": i, "function": {"arguments": p.calls[i][1]}}]})
+        self._sent_calls = len(p.calls)
+        if finished and not p.calls and len(self._text) > self._sent_content:
+            out.append({"content": self._text[self._sent_content:]})  # not a call after all
+            self._sent_content = len(self._text)
+        return out
+
+    def _head(self, index: int, name: str) -> dict[str, Any]:
+        return {"tool_calls": [{"index": index, "id": self._ids[index], "type": "function",
+                                "function": {"name": name, "arguments": ""}}]}
+
+    def stream_finish_reason(self, finish_reason: str | None) -> str | None:
+        if (finish_reason == "stop" and self._sent_calls and self.choice.mode != "named"):
+            return "tool_calls"
+        return finish_reason
