@@ -329,8 +329,9 @@ class ChatCompletionRequest(_Request):
         """The checked tools and tool_choice (400 naming the field)."""
         try:
             return T.resolve(self.tools, self.tool_choice, self.parallel_tool_calls)
-        except T.ToolError as e:
-            raise from_value_error(e) from None
+        except T.ToolError as e:  # "tools.0.function.name: ..." names param "tools"
+            msg = str(e)
+            raise bad_request(msg, param=msg.partition(":")[0].partition(".")[0]) from None
 
     def grammar_spec(self) -> GrammarSpec | None:
         """A forced tool call's grammar, or the response format's; not both."""

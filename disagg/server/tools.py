@@ -177,6 +177,8 @@ def parse_llama3_json(text: str) -> Parsed:
     """Llama 3.x JSON calls: ``{"name": ..., "parameters": {...}}`` (``;``-separated),
     optionally after ``<|python_tag|>``; text that does not open with ``{`` is content."""
     body = text.lstrip()
+    if "<|python_tag|>".startswith(body):  # empty, or the tag may still be arriving
+        return Parsed(text, [], 0)
     body = body.removeprefix("<|python_tag|>").lstrip()
     if not body:
         return Parsed(text, [], 0)
