@@ -234,10 +234,8 @@ def test_a_matcher_error_fails_its_request_only(live: SimpleNamespace) -> None:
 
     async def main() -> list[Any]:
         async def last(rid: str, params: SamplingParams) -> Any:
-            out = None
-            async for out in live.engine.generate(rid, [5, 6, 7], params):
-                pass
-            return out
+            outs = [o async for o in live.engine.generate(rid, [5, 6, 7], params)]
+            return outs[-1]
         return await asyncio.gather(
             last("bad", SamplingParams(max_tokens=8, temperature=0, structured=spec)),
             last("good", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)))
@@ -311,3 +309,31 @@ def test_parsers_leave_plain_text_alone() -> None:
         streamed = "".join(d.get("content", "") for i in range(0, len(text), 4)
                            for d in tc.stream_delta(text[i:i + 4], i + 4 >= len(text)))
         assert streamed == text
+
+
+# ---- request fields -> one GrammarSpec (pure) ------------------------------------------------
+
+
+def test_every_request_field_maps_to_one_spec() -> None:
+    from disagg.server import protocol as P
+
+    def spec(**body: Any) -> GrammarSpec | None:
+        req = P.ChatCompletionRequest.model_validate({"messages": MESSAGES, **body})
+        return req.to_sampling_params(10, 1000).structured
+
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {}}}
+    same = GrammarSpec.json_schema(dict(reversed(list(schema.items()))), "x")
+    assert spec() is None and spec(response_format={"type": "text"}) is None
+    got = spec(response_format={"type": "json_schema", "json_schema": {
+        "name": "n", "schema": schema, "strict": True}})
+    assert got is not None and got.kind == "json" and got.text == same.text  # keys sorted
+    assert spec(structured_outputs={"json": schema}).text == same.text
+    assert spec(guided_json=json.dumps(schema)).text == same.text
+    assert spec(response_format={"type": "json_object"}).text == '{"type":"object"}'
+    assert spec(guided_regex="a+").kind == "regex"
+    assert json.loads(spec(structured_outputs={"choice": ["x", "y"]}).text) == ["x", "y"]
+    assert spec(guided_grammar="start: \"a\"").kind == "grammar"
+    forced = spec(tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    assert forced is not None and json.loads(forced.text)["maxItems"] == 1
+    assert spec(tools=TOOLS, tool_choice="none") is None
+    assert spec(tools=TOOLS) is None  # auto: the model chooses, nothing is forced
