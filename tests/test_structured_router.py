@@ -13,8 +13,13 @@ import httpx
 import openai
 import pytest
 from router_fixtures import ROUTER_TOKEN, LoopThread, running_router
-from server_fixtures import serve_in_thread, start_worker_proc, stop_all, wait_all_healthy, \
-    wait_for
+from server_fixtures import (
+    serve_in_thread,
+    start_worker_proc,
+    stop_all,
+    wait_all_healthy,
+    wait_for,
+)
 
 NAME = "tiny"
 LIMITS = ["--kv-cache-tokens", "16384", "--max-model-len", "2048", "--max-num-tokens", "1024",
