@@ -26,14 +26,16 @@ class MaskFiller:
         rows = [(m.ll, i) for i, m in enumerate(matchers) if m is not None and m.error is None]
         if not rows:
             return None
-        import llguidance
-        from llguidance.torch import fill_next_token_bitmask_par
-
         if self._executor is None:
+            import llguidance  # not llguidance.torch: it imports torch.compile (~1 s)
+
             self._executor = llguidance.LLExecutor()
         words = (self.vocab_size + 31) // 32
         packed = torch.full((len(matchers), words), -1, dtype=torch.int32)
-        fill_next_token_bitmask_par(self._executor, rows, packed)
+        # One call for the batch: the rows' masks are computed on the engine's thread pool
+        # straight into ``packed`` (row i at byte offset i * words * 4).
+        self._executor.unsafe_compute_mask_ptr(rows, packed.data_ptr(), words * 4,
+                                               len(matchers))
         return unpack_bitmask(packed, self.vocab_size, device)
 
 
