@@ -337,3 +337,21 @@ def test_every_request_field_maps_to_one_spec() -> None:
     assert forced is not None and json.loads(forced.text)["maxItems"] == 1
     assert spec(tools=TOOLS, tool_choice="none") is None
     assert spec(tools=TOOLS) is None  # auto: the model chooses, nothing is forced
+
+
+def test_a_tool_round_trip_reaches_the_chat_template(live: SimpleNamespace) -> None:
+    """The tools and an earlier call (arguments as an object) reach the template."""
+    from disagg.server import protocol as P
+
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}
+    messages = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    req = P.ChatCompletionRequest.model_validate({"messages": messages, "tools": TOOLS})
+    msgs = req.chat_messages()
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"tz": "UTC"}
+    text = live.engine.tokenizer.apply_chat_template(msgs, tools=TOOLS)
+    assert '"get_weather"' in text and '{"tz": "UTC"}' in text.replace("\\", "")
+    r = live.client.chat.completions.create(model=NAME, messages=messages, tools=TOOLS,
+                                            tool_choice="none", max_tokens=5)
+    assert r.choices[0].message.tool_calls is None

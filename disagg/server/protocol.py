@@ -307,6 +307,8 @@ class ChatCompletionRequest(_Request):
             # Llama-style templates know "system", not OpenAI's newer "developer".
             if m.role == "developer":
                 msg["role"] = "system"
+            if isinstance(msg.get("tool_calls"), list):
+                msg["tool_calls"] = T.template_tool_calls(msg["tool_calls"])
             out.append(msg)
         return out
 

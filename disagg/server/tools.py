@@ -115,6 +115,21 @@ def forced_spec(choice: ToolChoice) -> GrammarSpec | None:
     return GrammarSpec.json_schema(schema, "tool_choice")
 
 
+def template_tool_calls(calls: list[Any]) -> list[Any]:
+    """An assistant message's ``tool_calls`` for the chat template: each call's ``arguments``
+    JSON text as an object (templates write ``arguments | tojson``; vLLM does the same)."""
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                call = {**call, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
+            except ValueError:
+                pass  # not JSON: the template gets the text as sent
+        out.append(call)
+    return out
+
+
 # ---- reading calls out of the model's text ---------------------------------------------------
 
 Call = tuple[str, str]  # (function name, arguments as a JSON text)
