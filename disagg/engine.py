@@ -700,7 +700,7 @@ class LLMEngine:
             [st.request.sampling_params for st in states],
             [st.request.num_output_tokens for st in states],
             banned,
-            allowed=self._masks.allowed(matchers, logits.device),
+            forbidden=self._masks.forbidden(matchers, logits.device),
         )
         return rids, _advance_grammars(matchers, out)
 

@@ -70,23 +70,23 @@ class Sampler:
         params: Sequence[SamplingParams],
         positions: Sequence[int],
         banned_token_ids: Sequence[tuple[int, ...]] | None = None,
-        allowed: torch.Tensor | None = None,
+        forbidden: torch.Tensor | None = None,
     ) -> SamplerOutput:
         """Pick one token per row of ``logits`` ([S, V]).
 
         ``positions[i]``: the output index of the token row i samples (its request's number of
         generated tokens so far). ``banned_token_ids[i]`` are masked out for row i (EOS and
-        stop tokens before ``min_tokens`` are reached). ``allowed``: bool [S, V] on the logits'
-        device, False for tokens a row's grammar forbids (structured outputs; rows without one
-        are all True); applied to the whole batch before anything else. Never raises for a
+        stop tokens before ``min_tokens`` are reached). ``forbidden``: bool [S, V] on the
+        logits' device, True for tokens a row's grammar forbids (structured outputs; rows
+        without one are all False); applied to the whole batch first. Never raises for a
         row's sake: a batch that fails is sampled again row by row, and the rows that still
         fail are reported in ``errors``.
         """
         n = len(params)
         if logits.dtype != torch.float32:
             logits = logits.float()
-        if allowed is not None:  # structured outputs: one masked fill for the whole batch
-            logits = logits.masked_fill(~allowed, _NEG_INF)
+        if forbidden is not None:  # structured outputs: one masked fill for the whole batch
+            logits = logits.masked_fill(forbidden, _NEG_INF)  # (an inference tensor: a copy)
         banned = list(banned_token_ids) if banned_token_ids else [()] * n
         try:
             tokens, logprobs = self._sample_rows(logits, list(params), list(positions), banned)

@@ -229,8 +229,8 @@ def test_a_matcher_error_fails_its_request_only(live: SimpleNamespace) -> None:
     mask cannot express would) ends that request with an error; its batch-mate finishes."""
     eng = live.engine.engine
     spec = GrammarSpec("regex", "a{40}")
-    real = eng._masks.allowed
-    eng._masks.allowed = lambda matchers, device: None  # the engine thread reads it per step
+    real = eng._masks.forbidden
+    eng._masks.forbidden = lambda matchers, device: None  # the engine thread reads it per step
 
     async def main() -> list[Any]:
         async def last(rid: str, params: SamplingParams) -> Any:
@@ -243,7 +243,7 @@ def test_a_matcher_error_fails_its_request_only(live: SimpleNamespace) -> None:
     try:
         bad, good = asyncio.run(main())
     finally:
-        eng._masks.allowed = real
+        eng._masks.forbidden = real
     assert bad.outputs[0].finish_reason == "error"
     assert "does not match the grammar" in bad.error
     assert good.error is None and len(good.outputs[0].token_ids) == 8
