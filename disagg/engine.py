@@ -873,6 +873,9 @@ class AsyncLLM:
         try:
             if not self.is_healthy():
                 raise EngineDeadError(f"engine is not running: {self._error!r}")
+            if params.structured is not None:  # compiled off the event loop (up to ~1 s for
+                # a large grammar); validate below then finds it in the cache
+                await asyncio.to_thread(self.engine.grammars.compile, params.structured)
             self.engine.validate(prompt_token_ids,
                                  context_only_params(params) if context_only else params)
             max_queue = self.config.scheduler.max_queue
