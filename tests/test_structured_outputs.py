@@ -122,6 +122,7 @@ def test_vllm_structured_outputs_and_guided_fields(live: SimpleNamespace) -> Non
     ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"structured_outputs": {"colour": "red"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs"),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
     ({"response_format": {"type": "xml"}}, "response_format"),

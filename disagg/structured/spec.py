@@ -100,11 +100,13 @@ def from_structured_outputs(so: dict[str, Any] | None) -> GrammarSpec | None:
     """vLLM's ``structured_outputs``: {json | regex | choice | grammar} (one of them)."""
     if so is None:
         return None
-    known = set(KINDS) | {"json_object", "disable_any_whitespace", "disable_fallback",
-                          "disable_additional_properties", "whitespace_pattern"}
+    # disable_fallback: there is one grammar engine, nothing to fall back to. vLLM's other
+    # options (whitespace, additionalProperties, structural tags) are refused, not ignored.
+    known = set(KINDS) | {"json_object", "disable_fallback"}
     unknown = sorted(set(so) - known)
     if unknown:
-        raise StructuredSpecError(f"structured_outputs: unknown field(s) {unknown}")
+        raise StructuredSpecError(f"structured_outputs: unsupported field(s) {unknown} "
+                                  f"(supported: {sorted(known)})")
     if so.get("json_object"):
         if _one_of(so, "structured_outputs") is not None:
             raise StructuredSpecError("structured_outputs: json_object excludes the others")
