@@ -85,9 +85,11 @@ def resolve(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any
             raise ToolError(f"tool_choice: must be none, auto, required or "
                             f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got "
                             f"{tool_choice!r}")
-        if tool_choice != "none" and not parsed:
-            raise ToolError(f"tool_choice: {tool_choice!r} needs tools")
-        return ToolChoice(tool_choice, parsed, parallel=parallel)
+        if tool_choice == "required" and not parsed:
+            raise ToolError("tool_choice: 'required' needs tools")
+        # "auto" over no tools: nothing to call (OpenAI clients send it with tools=[]).
+        mode = "none" if tool_choice == "auto" and not parsed else tool_choice
+        return ToolChoice(mode, parsed, parallel=parallel)
     fn = tool_choice.get("function") if tool_choice.get("type") == "function" else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
