@@ -208,6 +208,19 @@ class _State:
         )
 
 
+def _new_matcher(grammars: GrammarCache, req: Request, replay: bool) -> Matcher:
+    """A fresh matcher for ``req``'s grammar. ``replay``: a generation-only request continues
+    the context worker's first token(s), sampled under the same grammar: they are consumed
+    first, so its first mask here is the one the next step would use on one worker."""
+    spec = req.sampling_params.structured
+    assert spec is not None
+    m = grammars.matcher(spec)
+    if replay and not m.replay(req.output_token_ids):
+        raise ValueError(f"{spec.field}: the context worker's first token does not match the "
+                         f"grammar ({m.error})")
+    return m
+
+
 def _advance_grammars(matchers: list[Matcher | None], out: SamplerOutput) -> SamplerOutput:
     """Feed each constrained row's sampled token to its matcher; a row whose grammar refuses
     it (an engine bug, or a grammar the mask could not express) fails alone."""
@@ -441,7 +454,7 @@ class LLMEngine:
         st = _State.new(req, self.tokenizer, prompt, ctx_params, remote, dummy_kv)
         st.cache_remote_kv = cache_remote_kv
         if params.structured is not None:
-            st.matcher = self._matcher_of(req, remote is not None)
+            st.matcher = _new_matcher(self.grammars, req, replay=remote is not None)
         self._states[request_id] = st
         self.scheduler.add_request(req)
         if self.connector is None:
@@ -451,18 +464,6 @@ class LLMEngine:
                        remote=remote)
         if self.connector.add_request(request_id, kv) and not req.is_finished():
             self.scheduler.hold_blocks_on_finish(request_id)
-
-    def _matcher_of(self, req: Request, replay: bool) -> Matcher:
-        """A fresh matcher for ``req``'s grammar. ``replay``: a generation-only request
-        continues the context worker's first token(s), sampled under the same grammar: they are
-        consumed first, so its first mask here is the one the next step would use on one
-        worker."""
-        assert req.sampling_params.structured is not None
-        m = self.grammars.matcher(req.sampling_params.structured)
-        if replay and not m.replay(req.output_token_ids):
-            raise ValueError(f"{req.sampling_params.structured.field}: the context worker's "
-                             f"first token does not match the grammar ({m.error})")
-        return m
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort and free the request's blocks now; returns its final output, if it existed."""
