@@ -388,7 +388,8 @@ def main() -> None:
         "",
         "`difference` is constrained - unconstrained step (two noisy medians on a shared "
         "machine); the next columns time the grammar's work inside the constrained steps: "
-        "`fill+unpack` (llguidance fills every row's mask in one call, one vectorized unpack), "
+        "`fill+unpack` (llguidance writes each row's mask into one packed bitmask, one "
+        "vectorized unpack), "
         "`advance` (each matcher consumes its token), `sample +` (the sampler's extra time: "
         "the masked fill); `grammar work` is their sum and `share` its share of the "
         "unconstrained step.",
