@@ -132,3 +132,20 @@ def test_completions_regex_through_the_router(cluster: dict[str, str]) -> None:
                        for ch in ev.choices)
     for stream in (False, True):
         assert run(cluster["router"], stream) == run(cluster["reference"], stream)
+
+
+def test_bad_grammars_are_400_through_the_router(cluster: dict[str, str]) -> None:
+    """A regex the context worker cannot compile is the client's 400 (naming the field), and
+    tool_choice auto is answered by workers that have a parser."""
+    r = httpx.post(cluster["router"] + "/v1/completions", timeout=60, json={
+        "model": NAME, "prompt": "x", "max_tokens": 4, "structured_outputs": {"regex": "(ab"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", r.text
+    r = httpx.post(cluster["router"] + "/v1/chat/completions", timeout=60, json={
+        "model": NAME, "messages": MESSAGES, "max_tokens": 4, "tools": TOOLS,
+        "structured_outputs": {"choice": []}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", r.text
+    r = httpx.post(cluster["router"] + "/v1/chat/completions", timeout=60, json={
+        "model": NAME, "messages": MESSAGES, "max_tokens": 4, "tools": TOOLS,
+        "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
