@@ -290,14 +290,38 @@ def test_parsers_read_calls_whole_and_streamed(parser: str, text: str, content: 
         deltas += tc.stream_delta(text[i:i + 3], finished=i + 3 >= len(text))
     got_content = "".join(d.get("content", "") for d in deltas)
     calls: dict[int, dict[str, str]] = {}
+    fragments = 0
     for d in deltas:
         for t in d.get("tool_calls", []):
             if t["index"] not in calls:
                 assert t["function"]["name"] and t["id"].startswith("call_")
                 calls[t["index"]] = {"name": t["function"]["name"], "arguments": ""}
+            else:
+                assert "name" not in t["function"]  # the name once, first
+                fragments += 1
             calls[t["index"]]["arguments"] += t["function"]["arguments"]
     assert got_content == content and [calls[i] for i in sorted(calls)] == want
+    assert fragments > len(want)  # the arguments arrive in pieces as they are written
     assert tc.stream_finish_reason("stop") == "tool_calls"
+
+
+def test_calls_cut_short_read_the_same_whole_and_streamed() -> None:
+    """An answer cut by max_tokens inside a call's arguments: whole and streamed agree (the
+    call with its partial arguments; finish_reason "length" tells the client)."""
+    choice = T.resolve(TOOLS, "required", None)
+    text = '[{"name": "get_time", "parameters": {"tz": "UTC"}}, {"name": "get_weather", ' \
+           '"parameters": {"city": "Os'
+    msg, finish = T.ToolCalls(choice, None).message(text, "length")
+    assert finish == "length"
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == [
+        ("get_time", '{"tz": "UTC"}'), ("get_weather", '{"city": "Os')]
+    tc = T.ToolCalls(choice, None)
+    args: dict[int, str] = {}
+    for i in range(0, len(text), 5):
+        for d in tc.stream_delta(text[i:i + 5], i + 5 >= len(text)):
+            for t in d.get("tool_calls", []):
+                args[t["index"]] = args.get(t["index"], "") + t["function"]["arguments"]
+    assert args == {0: '{"tz": "UTC"}', 1: '{"city": "Os'}
 
 
 def test_parsers_leave_plain_text_alone() -> None:

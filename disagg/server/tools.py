@@ -134,30 +134,76 @@ def template_tool_calls(calls: list[Any]) -> list[Any]:
 
 # ---- reading calls out of the model's text ---------------------------------------------------
 
-Call = tuple[str, str]  # (function name, arguments as a JSON text)
+_DEC = json.JSONDecoder()
+_ARG_KEYS = ("arguments", "parameters")
 
 
-def _call_of(obj: Any) -> Call | None:
-    """``{"name", "arguments" | "parameters"}`` -> a call (None: not one)."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+@dataclass(frozen=True)
+class Call:
+    """One call object read from the text, maybe still being written. ``args``: the JSON text
+    of its arguments as written (a slice of the text, so what was streamed of it stays a
+    prefix), or the string's value when the model wrote them as a JSON string; ``streamable``:
+    ``args`` only grows as the text does (an object or array being written)."""
+
+    name: str | None
+    args: str
+    complete: bool
+    streamable: bool
 
 
-def _json_values(text: str) -> tuple[list[Any], str]:
-    """Consecutive JSON values at the start of ``text`` (separated by blanks, ``,`` or ``;``)
-    and the unparsed rest."""
-    dec = json.JSONDecoder()
-    values, i = [], 0
+def _skip(text: str, i: int, chars: str = " \t\r\n") -> int:
+    while i < len(text) and text[i] in chars:
+        i += 1
+    return i
+
+
+def _scan_call(text: str, i: int) -> tuple[Call, int]:
+    """The call object opening at ``text[i] == "{"``: (the call, the index after it, or
+    ``len(text)`` while it is open). Walks its top-level keys so that ``name`` and the
+    arguments' span are known before the object closes."""
+    name, args, streamable, j = None, None, True, i + 1
     while True:
-        while i < len(text) and text[i] in " \t\r\n;,":
-            i += 1
+        j = _skip(text, j, " \t\r\n,")
+        if j >= len(text) or text[j] == "}":
+            break
         try:
-            value, i = dec.raw_decode(text, i)
+            key, j = _DEC.raw_decode(text, j)
         except ValueError:
-            return values, text[i:]
-        values.append(value)
+            break
+        j = _skip(text, j)
+        if text[j:j + 1] != ":":
+            break
+        j = _skip(text, j + 1)
+        try:
+            value, end = _DEC.raw_decode(text, j)
+        except ValueError:  # the value is being written
+            if key in _ARG_KEYS and text[j:j + 1] in ("{", "["):
+                args = text[j:]
+            break
+        if key == "name" and isinstance(value, str):
+            name = value
+        elif key in _ARG_KEYS:
+            streamable = not isinstance(value, str)
+            args = value if isinstance(value, str) else text[j:end]
+        j = end
+    complete = j < len(text) and text[j] == "}"
+    return Call(name, args if args is not None else ("{}" if complete else ""), complete,
+                streamable), (j + 1 if complete else len(text))
+
+
+def _scan_calls(text: str, i: int, limit: int | None = None) -> list[Call]:
+    """Consecutive call objects from ``text[i]`` (separated by blanks, ``,`` or ``;``), up to
+    the first one still open; at most ``limit``."""
+    calls: list[Call] = []
+    while limit is None or len(calls) < limit:
+        i = _skip(text, i, " \t\r\n,;")
+        if text[i:i + 1] != "{":
+            break
+        call, i = _scan_call(text, i)
+        calls.append(call)
+        if not call.complete:
+            break
+    return calls
 
 
 @dataclass(frozen=True)
@@ -178,15 +224,17 @@ def _held_back(text: str, marker: str) -> int:
 
 def parse_hermes(text: str) -> Parsed:
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Qwen2.5, Hermes)."""
-    start = text.find("<tool_call>")
+    tag = "<tool_call>"
+    start = text.find(tag)
     if start < 0:
-        return Parsed(text, [], _held_back(text, "<tool_call>"))
-    calls = []
-    for block in re.findall(r"<tool_call>(.*?)</tool_call>", text[start:], re.DOTALL):
-        values, _ = _json_values(block.strip())
-        call = _call_of(values[0]) if len(values) == 1 else None
-        if call is not None:
-            calls.append(call)
+        return Parsed(text, [], _held_back(text, tag))
+    calls: list[Call] = []
+    at = start
+    while at >= 0:
+        calls += _scan_calls(text, at + len(tag), limit=1)
+        if calls and not calls[-1].complete:
+            break
+        at = text.find(tag, at + len(tag))
     return Parsed(text[:start], calls, start)
 
 
@@ -196,14 +244,13 @@ def parse_llama3_json(text: str) -> Parsed:
     body = text.lstrip()
     if "<|python_tag|>".startswith(body):  # empty, or the tag may still be arriving
         return Parsed(text, [], 0)
-    body = body.removeprefix("<|python_tag|>").lstrip()
-    if not body:
+    at = _skip(text, len(text) - len(body) + (len("<|python_tag|>") if body.startswith(
+        "<|python_tag|>") else 0))
+    if at >= len(text):
         return Parsed(text, [], 0)
-    if not body.startswith("{"):
+    if text[at] != "{":
         return Parsed(text, [], len(text))
-    values, _ = _json_values(body)
-    calls = [c for c in map(_call_of, values) if c is not None]
-    return Parsed("", calls, 0)
+    return Parsed("", _scan_calls(text, at), 0)
 
 
 def parse_mistral(text: str) -> Parsed:
@@ -212,24 +259,21 @@ def parse_mistral(text: str) -> Parsed:
     marker = "[TOOL_CALLS]"
     start = text.find(marker)
     if start >= 0:
-        content, body = text[:start], text[start + len(marker):]
+        at = _skip(text, start + len(marker))
     elif text.lstrip().startswith('[{"name"'):
-        content, body, start = "", text.lstrip(), 0
+        start, at = 0, _skip(text, 0)
     else:
         return Parsed(text, [], _held_back(text, marker))
-    values, _ = _json_values(body.strip())
-    items = values[0] if values and isinstance(values[0], list) else values
-    calls = [c for c in map(_call_of, items) if c is not None]
-    return Parsed(content, calls, start)
+    at = at + 1 if text[at:at + 1] == "[" else at
+    return Parsed(text[:start], _scan_calls(text, at), start)
 
 
 def _parse_required(text: str) -> Parsed:
-    """The forced array ``[{"name", "parameters"}, ...]``: complete items so far."""
-    body = text.lstrip()
-    if not body.startswith("["):
+    """The forced array ``[{"name", "parameters"}, ...]``."""
+    at = _skip(text, 0)
+    if text[at:at + 1] != "[":
         return Parsed("", [], 0)
-    values, _ = _json_values(body[1:])
-    return Parsed("", [c for c in map(_call_of, values) if c is not None], 0)
+    return Parsed("", _scan_calls(text, at + 1), 0)
 
 
 PARSE: dict[str, Callable[[str], Parsed]] = {
@@ -240,7 +284,7 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def call_json(call: Call, call_id: str | None = None) -> dict[str, Any]:
+def call_json(call: tuple[str, str], call_id: str | None = None) -> dict[str, Any]:
     return {"id": call_id or new_call_id(), "type": "function",
             "function": {"name": call[0], "arguments": call[1]}}
 
@@ -255,7 +299,7 @@ class ToolCalls:
     # Streaming state of one choice (one instance per choice).
     _text: str = ""
     _sent_content: int = 0
-    _sent_calls: int = 0
+    _sent_args: list[int] = field(default_factory=list)  # per call sent: args chars sent
     _ids: list[str] = field(default_factory=list)
 
     @property
@@ -263,13 +307,24 @@ class ToolCalls:
         return self.choice.forced or (self.choice.mode == "auto" and self.parser is not None)
 
     def _parse(self, text: str) -> Parsed:
-        if self.choice.mode == "named":
+        if self.choice.mode == "named":  # the output is the arguments object
             assert self.choice.name is not None
-            return Parsed("", [(self.choice.name, text)], 0)
+            return Parsed("", [Call(self.choice.name, text, False, True)], 0)
         if self.choice.mode == "required":
             return _parse_required(text)
         assert self.parser is not None
         return PARSE[self.parser](text)
+
+    @staticmethod
+    def _named(p: Parsed) -> list[Call]:
+        """The calls whose name is known, in order (a call's arguments may still be cut
+        short: finish_reason "length" says so)."""
+        out = []
+        for c in p.calls:
+            if c.name is None:
+                break
+            out.append(c)
+        return out
 
     def message(self, text: str, finish_reason: str | None
                 ) -> tuple[dict[str, Any], str | None]:
@@ -277,16 +332,12 @@ class ToolCalls:
         msg: dict[str, Any] = {"role": "assistant", "content": text}
         if not self.active:
             return msg, finish_reason
-        if self.choice.mode == "named":
-            calls: list[Call] = [(self.choice.name or "", text)]
-            content = ""
-        else:
-            p = self._parse(text)
-            calls, content = p.calls, p.content if p.calls else text
+        p = self._parse(text)
+        calls = self._named(p)
         if not calls:
             return msg, finish_reason
-        msg["content"] = content or None
-        msg["tool_calls"] = [call_json(c) for c in calls]
+        msg["content"] = p.content or None
+        msg["tool_calls"] = [call_json((c.name or "", c.args)) for c in calls]
         # A forced named call ends with "stop" (OpenAI); chosen / required calls say so.
         if self.choice.mode != "named" and finish_reason == "stop":
             finish_reason = "tool_calls"
@@ -294,30 +345,28 @@ class ToolCalls:
 
     def stream_delta(self, text: str, finished: bool) -> list[dict[str, Any]]:
         """The deltas for ``text`` (new output of this choice): content, and each tool call
-        once readable: its index, id, type and name first, then its arguments."""
+        as it is written: its index, id, type and name first, then fragments of its arguments
+        (an object's text as it grows; a string's value once complete)."""
         self._text += text
         if not self.active:
             return [{"content": text}] if text else []
-        if self.choice.mode == "named":  # the output is the arguments: stream them as they come
-            out = []
-            if not self._ids and (text or finished):
-                self._ids.append(new_call_id())
-                out.append(self._head(0, self.choice.name or ""))
-            if text:
-                out.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
-            return out
         p = self._parse(self._text)
-        out = []
+        calls = self._named(p)
+        out: list[dict[str, Any]] = []
         settled = len(p.content) if finished or p.calls else p.settled
         if settled > self._sent_content:
             out.append({"content": p.content[self._sent_content:settled]})
             self._sent_content = settled
-        for i in range(self._sent_calls, len(p.calls)):
-            self._ids.append(new_call_id())
-            out.append(self._head(i, p.calls[i][0]))
-            out.append({"tool_calls": [{"index": i, "function": {"arguments": p.calls[i][1]}}]})
-        self._sent_calls = len(p.calls)
-        if finished and not p.calls and len(self._text) > self._sent_content:
+        for i, c in enumerate(calls):
+            if i == len(self._ids):
+                self._ids.append(new_call_id())
+                self._sent_args.append(0)
+                out.append(self._head(i, c.name or ""))
+            if (c.streamable or c.complete or finished) and len(c.args) > self._sent_args[i]:
+                out.append({"tool_calls": [{"index": i, "function": {
+                    "arguments": c.args[self._sent_args[i]:]}}]})
+                self._sent_args[i] = len(c.args)
+        if finished and not calls and len(self._text) > self._sent_content:
             out.append({"content": self._text[self._sent_content:]})  # not a call after all
             self._sent_content = len(self._text)
         return out
@@ -327,6 +376,6 @@ class ToolCalls:
                                 "function": {"name": name, "arguments": ""}}]}
 
     def stream_finish_reason(self, finish_reason: str | None) -> str | None:
-        if (finish_reason == "stop" and self._sent_calls and self.choice.mode != "named"):
+        if finish_reason == "stop" and self._ids and self.choice.mode != "named":
             return "tool_calls"
         return finish_reason
