@@ -35,6 +35,8 @@ from disagg.request import Request, RequestStatus, SamplingParams
 from disagg.runner import ModelRunner
 from disagg.sampler import Sampler, SamplerOutput, prompt_logprobs
 from disagg.scheduler import Scheduler, SchedulerOutput
+from disagg.structured.grammar import GrammarCache, Matcher
+from disagg.structured.mask import MaskFiller
 from disagg.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
@@ -137,6 +139,8 @@ class _State:
     # prompt_logprobs: entry p scores prompt token p (filled as prefill chunks run).
     prompt_lps: list[dict[int, float] | None] | None = None
     prompt_ranks: list[int | None] | None = None
+    # Structured outputs: where the output is in its grammar (None: unconstrained).
+    matcher: Matcher | None = None
 
     @classmethod
     def new(cls, req: Request, tokenizer: Tokenizer, prompt: str | None,
@@ -221,6 +225,44 @@ class _State:
             prompt_logprobs=self.prompt_lps,
             prompt_logprob_ranks=self.prompt_ranks,
         )
+
+
+def _new_matcher(grammars: GrammarCache, req: Request, replay: bool) -> Matcher:
+    """A fresh matcher for ``req``'s grammar. ``replay``: a generation-only request continues
+    the context worker's first token(s), sampled under the same grammar: they are consumed
+    first, so its first mask here is the one the next step would use on one worker."""
+    spec = req.sampling_params.structured
+    assert spec is not None
+    m = grammars.matcher(spec)
+    if replay and not m.replay(req.output_token_ids):
+        raise ValueError(f"{spec.field}: the context worker's first token does not match the "
+                         f"grammar ({m.error})")
+    return m
+
+
+def _advance_grammars(matchers: list[Matcher | None], out: SamplerOutput) -> SamplerOutput:
+    """Feed each constrained row's sampled token to its matcher; a row whose grammar refuses
+    it (an engine bug, or a grammar the mask could not express) fails alone."""
+    if all(m is None for m in matchers):
+        return out
+    errors = list(out.errors)
+    for i, (m, tok) in enumerate(zip(matchers, out.token_ids, strict=True)):
+        if m is not None and errors[i] is None and not m.consume(tok):
+            errors[i] = m.error
+    return SamplerOutput(out.token_ids, out.logprobs, errors)
+
+
+def _grammar_complete(scheduler: Scheduler, req: Request, finished: set[str]) -> None:
+    """The request's grammar is complete (only EOS may follow): it ends with "stop", also
+    when the token was its last one anyway (a context-only request's one token is then final:
+    nothing is left for a generation worker)."""
+    rid = req.request_id
+    if rid in finished:
+        if req.status == RequestStatus.FINISHED_LENGTH:
+            req.status = RequestStatus.FINISHED_STOPPED
+        return
+    scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+    finished.add(rid)
 
 
 def _release_device_cache() -> None:
@@ -380,6 +422,9 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, B, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len=config.max_model_len)
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
+        self.grammars = GrammarCache(self.tokenizer.backend, config.model.vocab_size,
+                                     self.tokenizer.eos_token_ids)
+        self._masks = MaskFiller(config.model.vocab_size)
         self.eos_token_ids = tuple(
             sorted(set(self.tokenizer.eos_token_ids) | set(config.model.eos_token_ids))
         )
@@ -404,6 +449,8 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError for a request that can never be served (the server's 400)."""
         _validate(self.config, self.runner.num_blocks, prompt_token_ids, params)
+        if params.structured is not None:  # a bad schema / regex / grammar: its own 400
+            self.grammars.compile(params.structured)
 
     def add_request(
         self,
@@ -450,6 +497,8 @@ class LLMEngine:
             req.arrival_time = arrival_time
         st = _State.new(req, self.tokenizer, prompt, ctx_params, remote, dummy_kv)
         st.cache_remote_kv = cache_remote_kv
+        if params.structured is not None:
+            st.matcher = _new_matcher(self.grammars, req, replay=remote is not None)
         self._states[request_id] = st
         self.scheduler.add_request(req)
         if self.connector is None:
@@ -514,7 +563,7 @@ class LLMEngine:
         st.metrics.last_token_time = now
         delta = "".join(st.detok.update(t) for t in st.request.output_token_ids)
         finished = False
-        if st.detok.stopped:
+        if st.detok.stopped or (st.matcher is not None and st.matcher.done):
             st.request.stop_reason = st.detok.stop_reason
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
             finished = True
@@ -666,6 +715,8 @@ class LLMEngine:
                 st.request.stop_reason = st.detok.stop_reason
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
                 finished.add(rid)
+            elif st.matcher is not None and st.matcher.done:
+                _grammar_complete(self.scheduler, st.request, finished)
             if rid in finished and not st.detok.stopped:
                 delta += st.detok.flush()
             outputs.append(self._make_output(st, delta, finished=rid in finished))
@@ -697,6 +748,7 @@ class LLMEngine:
         # context worker's first token, so its counts are those one worker would have.
         histories = ([(st.request.prompt_token_ids, st.request.output_token_ids)
                       for st in states] if any(p.penalized for p in params) else None)
+        matchers = [st.matcher for st in states]
         # A seeded draw depends on (seed, output position) only: a generation worker
         # continuing a context worker's first token draws what one worker would.
         out = self.sampler.sample(
@@ -705,8 +757,9 @@ class LLMEngine:
             [st.request.num_output_tokens for st in states],
             banned,
             histories,
+            forbidden=self._masks.forbidden(matchers, logits.device),
         )
-        return rids, out
+        return rids, _advance_grammars(matchers, out)
 
     def _collect_finished_without_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         # The scheduler may end a request during schedule() (e.g. one that can never fit).
@@ -877,6 +930,9 @@ class AsyncLLM:
         try:
             if not self.is_healthy():
                 raise EngineDeadError(f"engine is not running: {self._error!r}")
+            if params.structured is not None:  # compiled off the event loop (up to ~1 s for
+                # a large grammar); validate below then finds it in the cache
+                await asyncio.to_thread(self.engine.grammars.compile, params.structured)
             self.engine.validate(prompt_token_ids,
                                  context_only_params(params) if context_only else params)
             max_queue = self.config.scheduler.max_queue

@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from disagg.structured.spec import GrammarSpec
+
 
 class SamplingParamsError(ValueError):
     """An out-of-range sampling parameter; the message names the field."""
@@ -48,6 +50,8 @@ class SamplingParams:
     # once here because the engine asks every step for every row (most are not: they pay a
     # plain attribute read).
     penalized: bool = field(init=False, repr=False, compare=False, default=False)
+    # Structured outputs: the grammar the output must match (None: unconstrained).
+    structured: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         # Accept lists / a single string for convenience; store tuples (hashable, frozen).

@@ -76,6 +76,7 @@ class Sampler:
         positions: Sequence[int],
         banned_token_ids: Sequence[tuple[int, ...]] | None = None,
         histories: Sequence[TokenHistory] | None = None,
+        forbidden: torch.Tensor | None = None,
     ) -> SamplerOutput:
         """Pick one token per row of ``logits`` ([S, V]).
 
@@ -83,13 +84,16 @@ class Sampler:
         generated tokens so far). ``banned_token_ids[i]`` are masked out for row i (EOS and
         stop tokens before ``min_tokens`` are reached). ``histories[i]``: row i's (prompt ids,
         output ids), read only for rows with penalties or biases (may be None when no row has
-        them). Never raises for a row's sake: a batch
-        that fails is sampled again row by row, and the rows that still fail are reported in
-        ``errors``.
+        them). ``forbidden``: bool [S, V] on the logits' device, True for tokens a row's
+        grammar forbids (structured outputs; rows without one are all False); applied to the
+        whole batch first. Never raises for a row's sake: a batch that fails is sampled again
+        row by row, and the rows that still fail are reported in ``errors``.
         """
         n = len(params)
         if logits.dtype != torch.float32:
             logits = logits.float()
+        if forbidden is not None:  # structured outputs: one masked fill for the whole batch
+            logits = logits.masked_fill(forbidden, _NEG_INF)  # (an inference tensor: a copy)
         banned = list(banned_token_ids) if banned_token_ids else [()] * n
         hist = list(histories) if histories is not None else None
         try:

@@ -83,7 +83,14 @@ def _bodies() -> list[tuple[str, dict]]:
             "ignore_eos": True}
     chat = {"model": NAME, "messages": CHAT, "max_tokens": 8, "temperature": 0,
             "ignore_eos": True, "stream": True}
-    return [(C, base), (CHAT_PATH, chat)]
+    # Structured outputs: the generation side replays the context's first token into its
+    # matcher (greedy, and seeded + streamed).
+    schema = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0,
+              "structured_outputs": {"json": {"type": "object", "required": ["n"],
+                                              "properties": {"n": {"type": "integer"}}}}}
+    seeded = {**chat, "max_tokens": 40, "temperature": 1.0, "seed": 5,
+              "response_format": {"type": "json_object"}}
+    return [(C, base), (CHAT_PATH, chat), (C, schema), (CHAT_PATH, seeded)]
 
 
 @pytest.mark.parametrize("gen_layout", LAYOUTS, ids=lambda x: f"gen-tp{x[0]}pp{x[1]}")

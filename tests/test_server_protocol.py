@@ -155,8 +155,10 @@ def test_chat_request() -> None:
     ({"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"max_tokens": 200}, "messages"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"structured_outputs": {"regex": "a", "json": {}}}, "structured_outputs"),
     ({"disaggregated_params": {}}, "disaggregated_params"),
 ])
 def test_chat_errors(body: dict, param: str) -> None:

@@ -177,6 +177,7 @@ def run_server(
     router_url: str | None = None,
     public_metrics: bool = False,
     advertise_host: str | None = None,
+    tool_call_parser: str | None = None,
 ) -> int:
     """Load the model, serve until SIGTERM/SIGINT, drain, return the exit code."""
     logging.basicConfig(level=log_level.upper(),
@@ -204,7 +205,8 @@ def run_server(
     settings = ServerSettings(model_dir=model_dir, served_model_name=served_model_name,
                               role=role, api_key=api_key, cluster_token=cluster_token,
                               public_metrics=bool(public_metrics),
-                              benchmark_gen_only=bool(benchmark_gen_only))
+                              benchmark_gen_only=bool(benchmark_gen_only),
+                              tool_call_parser=tool_call_parser)
     server = _uvicorn_server(build_app(engine, settings), engine, host=host, port=port,
                              log_level=log_level, drain_timeout=drain_timeout)
     logger.info("serving %s as %r (role %s) on %s:%d", model_dir, settings.model_name, role,

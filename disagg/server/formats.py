@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from disagg.server import protocol as P
+from disagg.server import tools as T
 from disagg.server.fanout import Choice
 
 if TYPE_CHECKING:
@@ -53,8 +54,8 @@ class Format(abc.ABC):
     def response(self, choices: list[Choice]) -> dict[str, Any]:
         """The whole answer of a non-streamed request."""
 
-    def delta_chunk(self, c: Choice, out: Any) -> dict[str, Any] | None:
-        """The stream chunk of one engine output of choice ``c`` (None: nothing to send)."""
+    def delta_chunk(self, c: Choice, out: Any) -> dict[str, Any] | list[dict[str, Any]] | None:
+        """The stream chunk(s) of one engine output of choice ``c`` (None: nothing to send)."""
         comp = out.outputs[0]
         finish, stop_reason = finish_of(out)
         ids, lps = self.take_logprobs(c, comp, flush=finish is not None)
@@ -64,7 +65,8 @@ class Format(abc.ABC):
 
     @abc.abstractmethod
     def delta(self, c: Choice, text: str, ids: list[int], lps: list[dict[int, float]],
-              finish: str | None, stop_reason: int | str | None) -> dict[str, Any]:
+              finish: str | None, stop_reason: int | str | None
+              ) -> dict[str, Any] | list[dict[str, Any]]:
         """A stream chunk with ``text`` (and the logprobs of ``ids``) for choice ``c``."""
 
     @abc.abstractmethod
@@ -200,6 +202,16 @@ class ChatFormat(Format):
     request_model = P.ChatCompletionRequest
     id_prefix = "chatcmpl"
 
+    def __init__(self, srv: ServerState, req: Any, rid: str) -> None:
+        super().__init__(srv, req, rid)
+        self.tool_choice = req.tool_choice_of()
+        self._tool_calls: dict[int, T.ToolCalls] = {}  # by choice index
+
+    def tool_calls(self, c: Choice) -> T.ToolCalls:
+        """Choice ``c``'s reader of tool calls (its streaming state)."""
+        return self._tool_calls.setdefault(c.index, T.ToolCalls(
+            self.tool_choice, getattr(self.srv.settings, "tool_call_parser", None)))
+
     @property
     def top_n(self) -> int:
         return self.req.top_logprobs or 0
@@ -212,8 +224,9 @@ class ChatFormat(Format):
             if self.req.logprobs and comp.logprobs is not None:
                 lp = P.chat_logprobs(comp.token_ids, comp.logprobs, self.srv.token_text,
                                      self.top_n)
-            items.append(P.chat_choice(c.index, comp.text, comp.finish_reason, lp,
-                                       comp.stop_reason))
+            message, finish = self.tool_calls(c).message(comp.text, comp.finish_reason)
+            items.append(P.chat_choice(c.index, comp.text, finish, lp, comp.stop_reason,
+                                       message))
         answer = P.chat_response(self.rid, self.created, self.model, items,
                                  self.usage(choices))
         plps = getattr(choices[0].final, "prompt_logprobs", None) if choices else None
@@ -230,14 +243,24 @@ class ChatFormat(Format):
                              with_usage_field=self.include_usage) for c in choices]
 
     def delta(self, c: Choice, text: str, ids: list[int], lps: list[dict[int, float]],
-              finish: str | None, stop_reason: int | str | None) -> dict[str, Any]:
+              finish: str | None, stop_reason: int | str | None
+              ) -> dict[str, Any] | list[dict[str, Any]]:
         lp = None
         if self.req.logprobs:
             lp = P.chat_logprobs(ids, lps, self.srv.token_text, self.top_n)
-        delta = {"content": text} if text else {}
-        choice = P.chat_chunk_choice(c.index, delta, finish, lp, stop_reason)
-        return P.chat_chunk(self.rid, self.created, self.model, [choice],
-                            with_usage_field=self.include_usage)
+        tc = self.tool_calls(c)
+        if not tc.active:
+            deltas = [{"content": text}] if text else [{}]
+        else:  # content and tool-call deltas; the last one carries the finish and logprobs
+            deltas = tc.stream_delta(text, finish is not None)
+            if not deltas and finish is None:
+                return []  # held back: it may open a tool call
+            deltas = deltas or [{}]
+            finish = tc.stream_finish_reason(finish)
+        chunks = [P.chat_chunk(self.rid, self.created, self.model, [P.chat_chunk_choice(
+            c.index, d, *((finish, lp, stop_reason) if i == len(deltas) - 1 else ()))],
+            with_usage_field=self.include_usage) for i, d in enumerate(deltas)]
+        return chunks[0] if len(chunks) == 1 else chunks
 
     def usage_chunk(self, choices: list[Choice]) -> dict[str, Any]:
         return P.chat_chunk(self.rid, self.created, self.model, [], self.usage(choices),

@@ -81,6 +81,12 @@ class OpenAIRoutes:
         t_arrival = time.monotonic()
         fmt = await self._admit(request, ChatFormat)
         srv, req, rid = self.srv, fmt.req, fmt.rid
+        assert isinstance(fmt, ChatFormat)
+        if fmt.tool_choice.mode == "auto" and srv.settings.tool_call_parser is None:
+            raise P.bad_request('tool_choice: "auto" (the default with tools) needs a server '
+                                'started with --tool-call-parser (hermes, llama3_json, '
+                                'mistral); "required" or a named tool work without one',
+                                param="tool_choice")
         messages = req.chat_messages()
         kind = request_type(srv, req, 1)
         if kind is RequestType.GENERATION_ONLY and "prompt_token_ids" in req.disaggregated_params:

@@ -120,6 +120,9 @@ SERVER_OPTIONS: dict[str, Opt] = {
                        "heartbeat; unregister on drain", metavar="URL"),
     "log_level": Opt(str, "log level (default info)",
                       choices=("critical", "error", "warning", "info", "debug")),
+    "tool_call_parser": Opt(str, "how tool calls are read from the model's text for "
+                             "tool_choice auto (the model family's format); without it such "
+                             "requests get 400", choices=("hermes", "llama3_json", "mistral")),
     "benchmark_gen_only": Opt(bool, "benchmarking aid of a generation worker: accept "
                                "generation_only requests without context params and decode as "
                                "if their prompt KV were in place (output text is meaningless)"),

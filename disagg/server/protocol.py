@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from disagg.request import SamplingParams, SamplingParamsError
 from disagg.roles import REQUEST_TYPES
+from disagg.server import tools as T
+from disagg.structured.spec import GrammarSpec, StructuredSpecError, request_spec
 
 MAX_N = 128  # choices per request: each is an engine request, so bound the fan-out
 # Choices of one request in all (prompts x n): each is an engine request with its own state
@@ -184,6 +186,14 @@ class _Request(BaseModel):
     prompt_logprobs: StrictInt | None = None  # vLLM extension: logprobs of the prompt tokens
     # Disaggregated serving (router -> worker): {request_type, ...ContextParams}; see README.
     disaggregated_params: dict[str, Any] | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* fields (disagg/structured/spec.py reads them; one constraint per request).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def request_type(self) -> str | None:
@@ -202,6 +212,7 @@ class _Request(BaseModel):
                               param="stream_options")
         self.logit_bias_ids()
         check_unsupported(self.model_extra)
+        self.grammar_spec()
         if self.prompt_logprobs is not None and self.stream:
             raise bad_request("prompt_logprobs: not available when stream is true (as in "
                               "vLLM)", param="prompt_logprobs")
@@ -220,6 +231,16 @@ class _Request(BaseModel):
                                   param="logit_bias")
             out.append((tid, bias))
         return tuple(out)
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The request's structured-output constraint (400 naming the field when malformed;
+        a schema / regex / grammar the engine cannot compile is its 400 later)."""
+        try:
+            return request_spec(self.response_format, self.structured_outputs, {
+                "json": self.guided_json, "regex": self.guided_regex,
+                "choice": self.guided_choice, "grammar": self.guided_grammar})
+        except StructuredSpecError as e:
+            raise from_value_error(e) from None
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -243,6 +264,7 @@ class _Request(BaseModel):
             logit_bias=self.logit_bias_ids(),
             prompt_logprobs=max((n for n in (self.prompt_logprobs, prompt_logprobs)
                                  if n is not None), default=None),
+            structured=self.grammar_spec(),
         )
         # None means "OpenAI default" (temperature 1, top_p 1, top_k off, no penalties).
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
@@ -349,11 +371,12 @@ class ChatCompletionRequest(_Request):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
+    parallel_tool_calls: bool | None = None  # tool calling (server/tools.py)
 
     def template_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``render_chat`` besides the messages."""
-        return chat_template_args(self.add_generation_prompt, self.continue_final_message,
-                                  self.chat_template_kwargs)
+        return {**chat_template_args(self.add_generation_prompt, self.continue_final_message,
+                                     self.chat_template_kwargs), "tools": self.tools or None}
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """Messages as plain dicts for the chat template; only text content is supported."""
@@ -374,6 +397,23 @@ class ChatCompletionRequest(_Request):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs)
 
+    def tool_choice_of(self) -> T.ToolChoice:
+        """The checked tools and tool_choice (400 naming the field)."""
+        try:
+            return T.resolve(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except T.ToolError as e:  # "tools.0.function.name: ..." names param "tools"
+            msg = str(e)
+            raise bad_request(msg, param=msg.partition(":")[0].partition(".")[0]) from None
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """A forced tool call's grammar, or the response format's; not both."""
+        spec = super().grammar_spec()
+        forced = T.forced_spec(self.tool_choice_of())
+        if forced is not None and spec is not None:
+            raise bad_request(f"tool_choice: a forced tool call cannot be combined with "
+                              f"{spec.field}", param="tool_choice")
+        return forced or spec
+
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """max_completion_tokens, else max_tokens (None: as many as fit), and its field name;
         400 when it is < 1."""
@@ -389,13 +429,7 @@ class ChatCompletionRequest(_Request):
         """Every check that needs neither the tokenizer nor the model's limits."""
         self.common_checks()
         self.template_kwargs()
-        if self.tools:
-            raise bad_request("tools: tool calling is not supported", param="tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice: tool calling is not supported", param="tool_choice")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise bad_request("response_format: only {\"type\": \"text\"} is supported",
-                              param="response_format")
+        self.tool_choice_of()
         if self.top_logprobs is not None:
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
                 raise bad_request(f"top_logprobs: must be in [0, {MAX_LOGPROBS}]",
@@ -425,6 +459,8 @@ def plain_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
         # Llama-style templates know "system", not OpenAI's newer "developer".
         if m.role == "developer":
             msg["role"] = "system"
+        if isinstance(msg.get("tool_calls"), list):  # arguments as objects, as vLLM passes them
+            msg["tool_calls"] = T.template_tool_calls(msg["tool_calls"])
         out.append(msg)
     return out
 
@@ -627,8 +663,10 @@ def chat_response(rid: str, created: int, model: str, choices: list[dict[str, An
 
 def chat_choice(index: int, text: str, finish_reason: str | None,
                 logprobs: dict[str, Any] | None = None,
-                stop_reason: int | str | None = None) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": text},
+                stop_reason: int | str | None = None,
+                message: dict[str, Any] | None = None) -> dict[str, Any]:
+    # ``message``: one with tool_calls (server/tools.py) instead of the plain text.
+    return {"index": index, "message": message or {"role": "assistant", "content": text},
             "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
 
 

@@ -67,8 +67,8 @@ async def sse_events(fan: FanOut, fmt: Format) -> AsyncIterator[str]:
             yield P.sse(chunk)
         async for c, out in fan.events():
             chunk = fmt.delta_chunk(c, out)
-            if chunk is not None:
-                yield P.sse(chunk)
+            for one in chunk if isinstance(chunk, list) else [chunk] if chunk else []:
+                yield P.sse(one)  # a list: tool-call deltas (name first, then arguments)
         if fmt.include_usage:
             yield P.sse(fmt.usage_chunk(fan.choices))
     except P.APIError as e:  # headers are gone: report in-band, as OpenAI does

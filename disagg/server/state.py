@@ -44,6 +44,9 @@ class ServerSettings:
     owns_engine: bool = True  # the app's lifespan starts the engine and shuts it down
     # Benchmarking aid: generation_only requests without context params decode at once.
     benchmark_gen_only: bool = False
+    # Reads tool calls out of tool_choice "auto" answers (server/tools.py PARSERS); None:
+    # such requests are a 400 (forced calls need no parser).
+    tool_call_parser: str | None = None
 
     @property
     def model_name(self) -> str:
