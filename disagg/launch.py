@@ -41,6 +41,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -62,6 +63,7 @@ DEMO_MESSAGE = "What is the capital of France?"
 SECTIONS = ("context_servers", "generation_servers")
 LOG_TAIL_LINES = 30
 POLL_INTERVAL_S = 0.1
+BUILD_JOIN_TIMEOUT_S = 300.0  # the compiler's own limit (kernel_build.BUILD_TIMEOUT_S)
 WATCH_INTERVAL_S = 0.25
 ROUTER_LISTEN_RE = re.compile(r"disagg router listening on (http://\S+)")
 DEMO_OPTIONS: dict[str, Any] = {
@@ -841,9 +843,44 @@ def process_age_s() -> float:
         return 0.0
 
 
+def start_kernel_prebuild(say: Callable[[str], None]) -> threading.Thread | None:
+    """On a CPU-only machine whose kernel cache lacks the CPU kernels (a first start): build
+    them in a thread while the model is fetched and the workers import torch, instead of in
+    the first worker on its critical path (the compiler runs as a subprocess: the GIL is
+    free). The workers find them cached, or wait for this build and say so. None when there
+    is nothing to build."""
+    from disagg.model import kernel_build
+
+    todo = kernel_build.missing()
+    if not todo or visible_gpus():  # GPU workers do not use the CPU kernels
+        return None
+    say(f"CPU kernels: building {', '.join(todo)} in the background (first start only) ...")
+
+    def build() -> None:
+        t = time.monotonic()
+        built = kernel_build.prebuild()
+        failed = sorted(name for name, ok in built.items() if not ok)
+        say(f"CPU kernels: built in {time.monotonic() - t:.1f} s" + (
+            f" ({', '.join(failed)} failed: the workers use PyTorch for them)" if failed
+            else ""))
+
+    thread = threading.Thread(target=build, name="kernel-prebuild", daemon=True)
+    thread.start()
+    return thread
+
+
 def run(args: argparse.Namespace) -> int:
     demo = args.config is None
     t0 = time.monotonic() - process_age_s()
+    prebuild = start_kernel_prebuild(lambda line: print(line, flush=True))
+    try:
+        return _run(args, demo, t0)
+    finally:
+        if prebuild is not None:  # never leave a compiler running behind the command
+            prebuild.join(timeout=BUILD_JOIN_TIMEOUT_S)
+
+
+def _run(args: argparse.Namespace, demo: bool, t0: float) -> int:
     try:
         log_dir = Path(args.log_dir) if args.log_dir else new_log_dir(
             "demo" if demo else "launch")
