@@ -435,6 +435,36 @@ class Stop(Exception):
     """Ctrl-C or SIGTERM arrived: stop everything and exit 0."""
 
 
+_LOG_PREFIX_RE = re.compile(r"^\S+ \S+ (INFO|WARNING) \S+: ")
+PROGRESS_AFTER_S = 2.0  # a child quiet in the terminal this long: say what its log says
+
+
+class _Progress:
+    """While children start: after ``PROGRESS_AFTER_S``, each child's newest log line (what it
+    is doing: importing, loading the model, building kernels, waiting for a lock), said once
+    per new line, so a slow start is never silent in the terminal."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self.say = say
+        self.next_check = time.monotonic() + PROGRESS_AFTER_S
+        self.last: dict[str, str] = {}
+
+    def report(self, pending: Sequence[Child]) -> None:
+        now = time.monotonic()
+        if now < self.next_check:
+            return
+        self.next_check = now + 1.0  # the logs are read once a second, not at every poll
+        for child in pending:
+            lines = [ln for ln in procs.log_tail(child.spec.log_path, 5).splitlines()
+                     if _LOG_PREFIX_RE.match(ln)]
+            if not lines:
+                continue
+            line = _LOG_PREFIX_RE.sub("", lines[-1])[:160]
+            if self.last.get(child.spec.name) != line:
+                self.last[child.spec.name] = line
+                self.say(f"  {child.spec.name:<6} {line}")
+
+
 class Cluster:
     """The launched children; ``stop()`` always runs (``with Cluster(...) as c``).
 
@@ -542,7 +572,9 @@ class Cluster:
         """Poll each child's /health until all answer 200; raise ChildFailed if one exits or
         the deadline passes (with the offending log tails)."""
         pending = list(children)
+        progress = _Progress(self.say)
         while pending:
+            progress.report(pending)
             for child in list(pending):
                 code = child.proc.poll()
                 if code is not None:
