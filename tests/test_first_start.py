@@ -46,3 +46,31 @@ def test_building_a_model_does_not_import_dynamo(tiny_checkpoint) -> None:
             f"load_model({str(model_dir)!r}); "
             "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo imported'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+
+
+def test_launcher_echoes_what_a_starting_child_is_doing(tmp_path: Path) -> None:
+    """A child still starting after 2 s: its newest log line is said once (not at every
+    poll), and again only when it changes."""
+    from types import SimpleNamespace
+
+    from disagg.launch import _Progress
+
+    log = tmp_path / "ctx0.log"
+    log.write_text("$ python -m disagg.cli serve ...\n"
+                   "2026-11-24 11:16:22,661 INFO disagg.server: loading /m (float32 on cpu) ...\n")
+    child = SimpleNamespace(spec=SimpleNamespace(name="ctx0", log_path=log))
+    said: list[str] = []
+    progress = _Progress(said.append)
+    progress.report([child])
+    assert said == []  # not within the first 2 s
+    progress.next_check = 0.0
+    progress.report([child])
+    progress.next_check = 0.0
+    progress.report([child])  # the same line: not said again
+    assert said == ["  ctx0   loading /m (float32 on cpu) ..."]
+    with log.open("a") as f:
+        f.write("2026-11-24 11:16:24,000 WARNING disagg.model.kernel_build: waiting for another "
+                "process building the CPU kernels ...\nINFO:     Started server process [1]\n")
+    progress.next_check = 0.0
+    progress.report([child])
+    assert said[-1] == "  ctx0   waiting for another process building the CPU kernels ..."
