@@ -53,7 +53,7 @@ from typing import IO, Any, TypeVar
 
 from disagg import procs
 from disagg.cluster_auth import sign_http
-from disagg.env import CUDA_VISIBLE_DEVICES
+from disagg.env import CUDA_VISIBLE_DEVICES, EnvError
 from disagg.procs import HEALTH_TIMEOUT_S, KILL_WAIT_S, LOCAL_HTTP, http_status
 
 _T = TypeVar("_T")
@@ -904,7 +904,11 @@ def start_kernel_prebuild(say: Callable[[str], None]) -> threading.Thread | None
 def run(args: argparse.Namespace) -> int:
     demo = args.config is None
     t0 = time.monotonic() - process_age_s()
-    prebuild = start_kernel_prebuild(lambda line: print(line, flush=True))
+    try:
+        prebuild = start_kernel_prebuild(lambda line: print(line, flush=True))
+    except EnvError as e:  # e.g. an unknown DISAGG_CPU_KERNELS name: the workers would fail too
+        print(f"disagg launch: error: {e}", file=sys.stderr, flush=True)
+        return 2
     try:
         return _run(args, demo, t0)
     finally:

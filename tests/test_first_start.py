@@ -74,3 +74,18 @@ def test_launcher_echoes_what_a_starting_child_is_doing(tmp_path: Path) -> None:
     progress.next_check = 0.0
     progress.report([child])
     assert said[-1] == "  ctx0   waiting for another process building the CPU kernels ..."
+
+
+def test_unknown_cpu_kernels_value_is_a_launch_error(tmp_path: Path) -> None:
+    """An unknown DISAGG_CPU_KERNELS name stops `disagg launch` with one line naming the
+    variable (exit 2) before anything starts, not a traceback, and not 'all kernels off'."""
+    import os
+
+    env = {**os.environ, "DISAGG_CPU_KERNELS": "attention,fast", "DISAGG_CACHE_DIR":
+           str(tmp_path), "DISAGG_CACHE": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "disagg.cli", "launch", "--model", "tiny"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("disagg launch: error: $DISAGG_CPU_KERNELS='attention,fast'"
+                                  ": unknown kernel(s) ['fast']"), proc.stderr
+    assert "Traceback" not in proc.stderr and not list(tmp_path.iterdir())  # nothing started
