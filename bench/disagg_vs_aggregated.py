@@ -32,6 +32,11 @@ step waits for a quiet machine first and is redone when other processes used mor
 
     python bench/disagg_vs_aggregated.py [--out bench/results/disagg-vs-aggregated-sequential.md]
 
+``--model DIR`` measures a checkpoint folder instead of the random tiny one, e.g.
+SmolLM2-135M-Instruct as ``disagg model fetch smollm2 DIR`` imports it (its results go to their
+own file: ``--out bench/results/disagg-vs-aggregated-smollm2.md``; shrink ``--isl`` / ``--osl``
+and the run lengths to fit a real 135 M model on 2 cores).
+
 Each cluster runs once per rate, the two minutes apart; the machine's drift over minutes then
 lands in the comparison. ``bench/disagg_vs_aggregated_ab.py`` keeps both clusters up and
 alternates them in repeated pairs: its result is the recorded comparison
@@ -358,8 +363,10 @@ def _report_header(data: dict[str, Any], args: argparse.Namespace) -> list[str]:
                  f"(`--from-json`); the measurements are those of the original run.")
     L.append("")
     L += [f"- {m}" for m in machine()]
-    L.append(f"- model: random llama {SIZES}, {data['params_m']:.1f} M parameters, float32, "
-             "one torch thread per worker")
+    L.append(f"- model: {data.get('model_desc') or f'random llama {SIZES}'}, "
+             f"{data['params_m']:.1f} M parameters, float32, one torch thread per worker")
+    if "cpu_kernels" in data:
+        L.append(f"- CPU kernels of the workers: {data['cpu_kernels']}")
     L.append(f"- workload: prompts of {args.isl} random token ids (fresh for every run: no "
              f"prefix-cache hits), {osl} output tokens (ignore_eos), streamed "
              f"`/v1/completions`")
@@ -753,6 +760,8 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--max-other", type=float, default=0.25, metavar="CORES",
                     help="redo a step during which other processes used more than this")
     ap.add_argument("--attempts", type=int, default=3, help="tries per step")
+    ap.add_argument("--model", default=None, metavar="DIR",
+                    help="checkpoint folder to serve (default: a random tiny llama, SIZES)")
     ap.add_argument("--from-json", default=None, metavar="JSON",
                     help="measure nothing: rewrite the report (and its notes) from a saved "
                          "result JSON, e.g. after the report's wording changed")
@@ -910,14 +919,8 @@ def main() -> int:
     concs = tuple(int(x) for x in args.concurrency.split(","))
     fracs = [float(x) for x in args.rate_fracs.split(",")]
 
-    from disagg.model.tiny import write_tiny_checkpoint
-
     tmp = Path(tempfile.mkdtemp(prefix="disagg-vs-agg-"))
-    model = write_tiny_checkpoint(str(tmp / "model"), seed=0, **SIZES)
-    from safetensors import safe_open
-
-    with safe_open(os.path.join(model, "model.safetensors"), "pt") as f:
-        params = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
+    model, params = bench_model(args.model, tmp)
     tok = load_bench_tokenizer(model)
     load0 = os.getloadavg()[0]
     print(f"model {model} ({params / 1e6:.1f} M parameters); logs in {tmp}", flush=True)
@@ -925,6 +928,7 @@ def main() -> int:
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": " ".join(["python", "bench/disagg_vs_aggregated.py", *sys.argv[1:]]),
         "params_m": params / 1e6, "args": vars(args), "cpu": {},
+        "model_desc": describe_model(args.model),
     }
 
     data["steps"] = []
@@ -935,6 +939,7 @@ def main() -> int:
     agg = _run_aggregated(data, args, model, tmp, tok, guard, concs, rm, rates)
 
     data["loadavg"] = [load0, os.getloadavg()[0]]
+    data["cpu_kernels"] = cpu_kernels()  # after the runs: the workers built what was missing
     data["rate_match"] = rm
     data["disagg_open"] = dis
     data["agg_open"] = agg
@@ -954,6 +959,48 @@ def main() -> int:
     print(text)
     print(f"wrote {args.out}, {png}, {json_path}")
     return 0
+
+
+def bench_model(model_dir: str | None, tmp: Path) -> tuple[str, int]:
+    """The checkpoint folder to serve (``model_dir``, else a random tiny llama written into
+    ``tmp``) and its parameter count."""
+    from safetensors import safe_open
+
+    from disagg.model.tiny import write_tiny_checkpoint
+
+    model = model_dir or write_tiny_checkpoint(str(tmp / "model"), seed=0, **SIZES)
+    params = 0
+    for name in sorted(os.listdir(model)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(model, name), "pt") as f:
+                params += sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
+    return model, params
+
+
+def describe_model(model_dir: str | None) -> str | None:
+    """A line for the report: the folder and its shape (None: the tiny default)."""
+    if model_dir is None:
+        return None
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    keys = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+            "num_key_value_heads", "vocab_size")
+    return f"`{model_dir}` ({cfg.get('model_type', '?')}: " + ", ".join(
+        f"{k} {cfg[k]}" for k in keys if k in cfg) + ")"
+
+
+def cpu_kernels() -> str:
+    """Which CPU kernels the workers had: enabled by ``DISAGG_CPU_KERNELS`` and built in the
+    cache they load from (the workers build a missing one at start, so this is read after
+    the runs)."""
+    from disagg.env import CPU_KERNELS
+    from disagg.model import kernel_build
+
+    enabled = sorted(CPU_KERNELS.get())
+    missing = kernel_build.missing()
+    if not enabled:
+        return "none (DISAGG_CPU_KERNELS off: the PyTorch path)"
+    return ", ".join(f"{k} ({'NOT built: PyTorch path' if k in missing else 'active'})"
+                     for k in enabled)
 
 
 def _numel(shape: Any) -> int:

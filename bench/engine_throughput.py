@@ -13,12 +13,17 @@ systems run ``--repeats`` times alternately (engine, transformers, engine, ...) 
 reported is the median of the per-pair ratios, each pair measured back to back.
 
     python bench/engine_throughput.py [--batch-size 16] [--num-requests 64] [--repeats 3]
-                                      [--out FILE.md]
+                                      [--model DIR] [--out FILE.md]
+
+``--model DIR``: a checkpoint folder instead of the random tiny one, e.g. SmolLM2-135M-Instruct
+as ``disagg model fetch smollm2 DIR`` imports it (30 layers, 135 M parameters: shrink the
+workload with ``--num-requests`` / ``--prompt-len`` / ``--output-len`` to fit minutes on 2 cores).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 # With two OpenMP threads on a shared 2-core machine, spinning waits make runs erratic
@@ -27,6 +32,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import platform
 import random
 import statistics
+import sys
 import tempfile
 import time
 
@@ -43,16 +49,30 @@ SIZES = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
              num_attention_heads=8, num_key_value_heads=4, vocab_size=2048)
 
 
-def workload(n: int, vocab: int, special: set[int], seed: int) -> list[tuple[list[int], int]]:
+def workload(n: int, vocab: int, special: set[int], seed: int, prompt: tuple[int, int] = (32, 512),
+             output: tuple[int, int] = (16, 256)) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     ids = [t for t in range(vocab) if t not in special]
-    return [([rng.choice(ids) for _ in range(rng.randint(32, 512))], rng.randint(16, 256))
+    return [([rng.choice(ids) for _ in range(rng.randint(*prompt))], rng.randint(*output))
             for _ in range(n)]
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    a, b = int(lo), int(hi or lo)
+    if not 0 < a <= b:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected MIN-MAX with 0 < MIN <= MAX")
+    return a, b
+
+
+def kv_tokens(work, batch_size: int) -> int:
+    """KV room for a full batch of the workload's longest requests."""
+    return batch_size * (max(len(p) for p, _ in work) + max(o for _, o in work) + 64)
 
 
 def run_engine(model_dir: str, work, batch_size: int) -> tuple[float, int]:
     llm = LLM(model_dir, max_batch_size=batch_size, max_num_tokens=2048, tokens_per_block=32,
-              kv_cache_tokens=batch_size * (512 + 256 + 64), enable_prefix_caching=False)
+              kv_cache_tokens=kv_tokens(work, batch_size), enable_prefix_caching=False)
     # warm up kernels and allocator
     llm.generate([work[0][0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in work]
@@ -96,7 +116,7 @@ def step_split(model_dir: str, work, batch_size: int) -> dict[str, float]:
     decode-only steps (a second run, timed per step)."""
     engine = LLMEngine.from_options(model_dir, max_batch_size=batch_size, max_num_tokens=2048,
                                     tokens_per_block=32, enable_prefix_caching=False,
-                                    kv_cache_tokens=batch_size * (512 + 256 + 64))
+                                    kv_cache_tokens=kv_tokens(work, batch_size))
     for i, (p, o) in enumerate(work):
         engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=o,
                                                       ignore_eos=True))
@@ -170,7 +190,26 @@ def decode_efficiency(model_dir: str, batch_size: int, ctx: int, steps: int) -> 
     return statistics.median(engine_times), statistics.median(bare_times)
 
 
-def main() -> None:
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "?"
+
+
+def describe_model(model_dir: str | None) -> str:
+    if model_dir is None:
+        return f"random llama {SIZES}"
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    keys = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+            "num_key_value_heads", "vocab_size", "tie_word_embeddings")
+    return f"`{model_dir}` ({cfg.get('model_type', '?')}: " + ", ".join(
+        f"{k} {cfg[k]}" for k in keys if k in cfg) + ")"
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--num-requests", type=int, default=64)
@@ -179,17 +218,28 @@ def main() -> None:
                     help="alternate engine and transformers runs this many times")
     ap.add_argument("--decode-ctx", type=int, default=384)
     ap.add_argument("--decode-steps", type=int, default=20)
-    ap.add_argument("--out", default=None, help="append a markdown report here")
-    args = ap.parse_args()
+    ap.add_argument("--prompt-len", type=_range, default=(32, 512), metavar="MIN-MAX")
+    ap.add_argument("--output-len", type=_range, default=(16, 256), metavar="MIN-MAX")
+    ap.add_argument("--model", default=None, metavar="DIR",
+                    help="a checkpoint folder (default: a random tiny llama, SIZES)")
+    ap.add_argument("--out", default=None, help="append a markdown report here (a new file "
+                                                "starts with a title and the command)")
+    return ap
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    load0 = os.getloadavg()
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_tiny_checkpoint(os.path.join(tmp, "m"), seed=0, **SIZES)
+        model_dir = args.model or write_tiny_checkpoint(os.path.join(tmp, "m"), seed=0, **SIZES)
         n_params = sum(p.numel() for p in LLM(model_dir, kv_cache_tokens=64)
                        .engine.runner.model.parameters())
         from disagg.tokenizer import load_tokenizer
 
         special = set(load_tokenizer(model_dir).all_special_ids)
-        work = workload(args.num_requests, 500, special, args.seed)
+        work = workload(args.num_requests, 500, special, args.seed, args.prompt_len,
+                        args.output_len)
         pairs = []  # (engine seconds, transformers seconds), each pair back to back
         for _ in range(args.repeats):
             e_time, e_tok = run_engine(model_dir, work, args.batch_size)
@@ -212,9 +262,13 @@ def main() -> None:
         f"torch {torch.__version__}, threads {torch.get_num_threads()}, device cpu, float32, "
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, CPU kernels "
         f"{', '.join(k for k, on in kernels.status().items() if on) or 'none (PyTorch path)'}",
-        f"- model: llama {SIZES}, {n_params / 1e6:.1f} M parameters",
-        f"- workload: {args.num_requests} requests, prompt 32-512, output 16-256 tokens "
-        f"(seed {args.seed}), {e_tok} output tokens; batch size {args.batch_size}",
+        f"- CPU: {cpu_model()}; load average (1, 5, 15 min) before "
+        f"{', '.join(f'{x:.2f}' for x in load0)}, after "
+        f"{', '.join(f'{x:.2f}' for x in os.getloadavg())} (a shared machine)",
+        f"- model: {describe_model(args.model)}, {n_params / 1e6:.1f} M parameters",
+        f"- workload: {args.num_requests} requests, prompt {'-'.join(map(str, args.prompt_len))}"
+        f", output {'-'.join(map(str, args.output_len))} tokens (seed {args.seed}), {e_tok} "
+        f"output tokens; batch size {args.batch_size}",
         "",
         "| pair | disagg engine s | tokens/s | transformers generate s | tokens/s | ratio |",
         "|---|---|---|---|---|---|",
@@ -238,8 +292,12 @@ def main() -> None:
     report = "\n".join(lines)
     print(report)
     if args.out:
+        title = "" if os.path.exists(args.out) else (
+            "# Engine throughput and decode efficiency (CPU)\n\nWritten by `python "
+            f"bench/engine_throughput.py {' '.join(sys.argv[1:])}`: the sections below are the "
+            "script's own output.\n\n")
         with open(args.out, "a") as f:
-            f.write(report + "\n")
+            f.write(title + report + "\n")
 
 
 if __name__ == "__main__":

@@ -265,6 +265,24 @@ def _grammar_complete(scheduler: Scheduler, req: Request, finished: set[str]) ->
     finished.add(rid)
 
 
+def _sampling_inputs(states: list[_State]) -> tuple[
+        list[SamplingParams], list[tuple[int, ...]], list[tuple[list[int], list[int]]] | None]:
+    """Per sampled row: its params, the tokens banned until ``min_tokens``, and (only when
+    some row has penalties) its (prompt ids, output ids) history."""
+    banned = [
+        st.banned_until_min
+        if st.request.num_output_tokens < st.request.sampling_params.min_tokens
+        else ()
+        for st in states
+    ]
+    params = [st.request.sampling_params for st in states]
+    # Penalties read the token history: on a generation worker the output starts with the
+    # context worker's first token, so its counts are those one worker would have.
+    histories = ([(st.request.prompt_token_ids, st.request.output_token_ids)
+                  for st in states] if any(p.penalized for p in params) else None)
+    return params, banned, histories
+
+
 def _release_device_cache() -> None:
     """Hand the caching allocator's unused blocks back (after an out-of-memory error)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -737,17 +755,7 @@ class LLMEngine:
         if not rids:
             return [], None
         states = [self._states[rid] for rid in rids]
-        banned = [
-            st.banned_until_min
-            if st.request.num_output_tokens < st.request.sampling_params.min_tokens
-            else ()
-            for st in states
-        ]
-        params = [st.request.sampling_params for st in states]
-        # Penalties read the token history: on a generation worker the output starts with the
-        # context worker's first token, so its counts are those one worker would have.
-        histories = ([(st.request.prompt_token_ids, st.request.output_token_ids)
-                      for st in states] if any(p.penalized for p in params) else None)
+        params, banned, histories = _sampling_inputs(states)
         matchers = [st.matcher for st in states]
         # A seeded draw depends on (seed, output position) only: a generation worker
         # continuing a context worker's first token draws what one worker would.

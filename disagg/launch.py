@@ -41,6 +41,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -52,7 +53,7 @@ from typing import IO, Any, TypeVar
 
 from disagg import procs
 from disagg.cluster_auth import sign_http
-from disagg.env import CUDA_VISIBLE_DEVICES
+from disagg.env import CUDA_VISIBLE_DEVICES, EnvError
 from disagg.procs import HEALTH_TIMEOUT_S, KILL_WAIT_S, LOCAL_HTTP, http_status
 
 _T = TypeVar("_T")
@@ -62,6 +63,7 @@ DEMO_MESSAGE = "What is the capital of France?"
 SECTIONS = ("context_servers", "generation_servers")
 LOG_TAIL_LINES = 30
 POLL_INTERVAL_S = 0.1
+BUILD_JOIN_TIMEOUT_S = 300.0  # the compiler's own limit (kernel_build.BUILD_TIMEOUT_S)
 WATCH_INTERVAL_S = 0.25
 ROUTER_LISTEN_RE = re.compile(r"disagg router listening on (http://\S+)")
 DEMO_OPTIONS: dict[str, Any] = {
@@ -433,6 +435,36 @@ class Stop(Exception):
     """Ctrl-C or SIGTERM arrived: stop everything and exit 0."""
 
 
+_LOG_PREFIX_RE = re.compile(r"^\S+ \S+ (INFO|WARNING) \S+: ")
+PROGRESS_AFTER_S = 2.0  # a child quiet in the terminal this long: say what its log says
+
+
+class _Progress:
+    """While children start: after ``PROGRESS_AFTER_S``, each child's newest log line (what it
+    is doing: importing, loading the model, building kernels, waiting for a lock), said once
+    per new line, so a slow start is never silent in the terminal."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self.say = say
+        self.next_check = time.monotonic() + PROGRESS_AFTER_S
+        self.last: dict[str, str] = {}
+
+    def report(self, pending: Sequence[Child]) -> None:
+        now = time.monotonic()
+        if now < self.next_check:
+            return
+        self.next_check = now + 1.0  # the logs are read once a second, not at every poll
+        for child in pending:
+            lines = [ln for ln in procs.log_tail(child.spec.log_path, 5).splitlines()
+                     if _LOG_PREFIX_RE.match(ln)]
+            if not lines:
+                continue
+            line = _LOG_PREFIX_RE.sub("", lines[-1])[:160]
+            if self.last.get(child.spec.name) != line:
+                self.last[child.spec.name] = line
+                self.say(f"  {child.spec.name:<6} {line}")
+
+
 class Cluster:
     """The launched children; ``stop()`` always runs (``with Cluster(...) as c``).
 
@@ -540,7 +572,9 @@ class Cluster:
         """Poll each child's /health until all answer 200; raise ChildFailed if one exits or
         the deadline passes (with the offending log tails)."""
         pending = list(children)
+        progress = _Progress(self.say)
         while pending:
+            progress.report(pending)
             for child in list(pending):
                 code = child.proc.poll()
                 if code is not None:
@@ -841,9 +875,48 @@ def process_age_s() -> float:
         return 0.0
 
 
+def start_kernel_prebuild(say: Callable[[str], None]) -> threading.Thread | None:
+    """On a CPU-only machine whose kernel cache lacks the CPU kernels (a first start): build
+    them in a thread while the model is fetched and the workers import torch, instead of in
+    the first worker on its critical path (the compiler runs as a subprocess: the GIL is
+    free). The workers find them cached, or wait for this build and say so. None when there
+    is nothing to build."""
+    from disagg.model import kernel_build
+
+    todo = kernel_build.missing()
+    if not todo or visible_gpus():  # GPU workers do not use the CPU kernels
+        return None
+    say(f"CPU kernels: building {', '.join(todo)} in the background (first start only) ...")
+
+    def build() -> None:
+        t = time.monotonic()
+        built = kernel_build.prebuild()
+        failed = sorted(name for name, ok in built.items() if not ok)
+        say(f"CPU kernels: built in {time.monotonic() - t:.1f} s" + (
+            f" ({', '.join(failed)} failed: the workers use PyTorch for them)" if failed
+            else ""))
+
+    thread = threading.Thread(target=build, name="kernel-prebuild", daemon=True)
+    thread.start()
+    return thread
+
+
 def run(args: argparse.Namespace) -> int:
     demo = args.config is None
     t0 = time.monotonic() - process_age_s()
+    try:
+        prebuild = start_kernel_prebuild(lambda line: print(line, flush=True))
+    except EnvError as e:  # e.g. an unknown DISAGG_CPU_KERNELS name: the workers would fail too
+        print(f"disagg launch: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        return _run(args, demo, t0)
+    finally:
+        if prebuild is not None:  # never leave a compiler running behind the command
+            prebuild.join(timeout=BUILD_JOIN_TIMEOUT_S)
+
+
+def _run(args: argparse.Namespace, demo: bool, t0: float) -> int:
     try:
         log_dir = Path(args.log_dir) if args.log_dir else new_log_dir(
             "demo" if demo else "launch")

@@ -96,7 +96,7 @@ def _hold_build_lock(build_dir: str, ready: str) -> None:
     import time
     from pathlib import Path
 
-    from disagg.model.kernels import build_lock
+    from disagg.model.kernel_build import build_lock
 
     with build_lock(Path(build_dir)):
         Path(ready).touch()
@@ -109,7 +109,7 @@ def test_build_lock_survives_a_killed_builder(tmp_path) -> None:
     import multiprocessing as mp
     import time
 
-    from disagg.model.kernels import build_lock
+    from disagg.model.kernel_build import build_lock
 
     ctx = mp.get_context("spawn")
     ready = tmp_path / "ready"

@@ -313,6 +313,54 @@ def test_dequantize_matches_independent_decoder(qtype: QT, tmp_path: Path) -> No
         np.testing.assert_array_equal(got, values)
 
 
+def test_fast_reader_matches_gguf_reader(tiny_gguf: dict[str, Any], tmp_path: Path) -> None:
+    """``GGUFFile`` (the importer's reader) gives what ``gguf.GGUFReader`` gives: every key
+    (strings, string/int/float arrays, bools) with the same Python types, every tensor (each
+    linear type in turn, F32 norms) with the same type, dims, dtype, shape and bytes."""
+    from disagg.model.gguf_file import GGUFFile
+
+    path = tmp_path / "meta.gguf"
+    write_gguf(path, tiny_gguf["weights"], tiny_gguf["tok"])
+    w = gguf.GGUFWriter(str(path) + ".x", "llama")  # value types the model file lacks
+    w.add_bool("t.bool", True)
+    w.add_array("t.ints", [1, -2, 3])
+    w.add_array("t.floats", [0.5, -1.25])
+    w.add_uint64("t.u64", 2**40)
+    w.add_float64("t.f64", 0.1)
+    w.add_string("t.unicode", "héllo ✓ 𝄞")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for p in (path, Path(str(path) + ".x")):
+        ours, theirs = GGUFFile(str(p)), gguf.GGUFReader(str(p))
+        meta, ref = imp.read_metadata(ours), imp.read_metadata(theirs)
+        assert meta == ref
+        assert {k: type(v) for k, v in meta.items()} == {k: type(v) for k, v in ref.items()}
+        assert len(ours.tensors) == len(theirs.tensors)
+        for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+            assert (a.name, list(a.shape), a.tensor_type) == (b.name, b.shape.tolist(),
+                                                              b.tensor_type)
+            assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
+            np.testing.assert_array_equal(a.data, b.data)
+
+
+def test_fast_reader_rejects_broken_files(tiny_gguf: dict[str, Any], tmp_path: Path) -> None:
+    """Truncated anywhere (header, tokenizer arrays, tensor data) or another version: a
+    GGUFError naming the file, never an IndexError or a short tensor."""
+    data = tiny_gguf["path"].read_bytes()
+    for n, why in ((10, "truncated|no GGUF magic"), (2000, "truncated"),
+                   (len(data) - 64, "runs past the end")):
+        cut = tmp_path / f"cut{n}.gguf"
+        cut.write_bytes(data[:n])
+        with pytest.raises(imp.GGUFError, match=f"cut{n}.gguf: not a readable GGUF file.*({why})"):
+            imp.import_gguf(str(cut), str(tmp_path / "out"))
+    v9 = tmp_path / "v9.gguf"
+    v9.write_bytes(data[:4] + (9).to_bytes(4, "little") + data[8:])
+    with pytest.raises(imp.GGUFError, match="GGUF version 9"):
+        imp.import_gguf(str(v9), str(tmp_path / "out"))
+
+
 def test_imported_tensors_equal_decoded_originals(tiny_gguf: dict[str, Any]) -> None:
     from safetensors.numpy import load_file
 

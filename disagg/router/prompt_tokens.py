@@ -111,7 +111,8 @@ class PromptTokens:
             plain = P.plain_messages([P.ChatMessage.model_validate(m) for m in messages])
             text = render_chat(tok, plain, **P.chat_template_args(
                 body.get("add_generation_prompt", True) is not False,
-                body.get("continue_final_message") is True, body.get("chat_template_kwargs")))
+                body.get("continue_final_message") is True, body.get("chat_template_kwargs")),
+                tools=body.get("tools") or None)
             # As the worker does: the template writes the special tokens itself (by default).
             return RouteRequest.from_token_ids(tok.encode(
                 text, add_special_tokens=body.get("add_special_tokens") is True))

@@ -17,6 +17,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
@@ -332,8 +333,14 @@ def _start_engine(model_dir: str, engine_options: dict[str, Any], disagg_setting
         config = build_engine_config(model_dir, **engine_options)
     except ConfigError as e:
         raise _StartError(2, str(e)) from None
+    # Seconds on a small model, minutes on a big one: say what the worker is doing.
+    logger.info("loading %s (%s on %s) and allocating the KV cache ...", config.model_dir,
+                config.dtype, config.device)
+    t0 = time.monotonic()
     try:
-        return config, AsyncLLM(config, disagg=disagg_settings)
+        engine = AsyncLLM(config, disagg=disagg_settings)
+        logger.info("model loaded in %.1f s", time.monotonic() - t0)
+        return config, engine
     except (ValueError, OSError) as e:  # unreadable checkpoint, bad tensor, KV does not fit
         raise _StartError(1, f"cannot load {model_dir}: {e}") from None
     except RuntimeError as e:  # the KV transfer backend cannot start (e.g. no ucxx)
