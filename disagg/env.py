@@ -27,6 +27,9 @@ DISAGG_STARTUP_TIMEOUT_S   float > 0       600                       seconds the
 DISAGG_KV_DEVICE_DIRECT    boolean         true                      false: never hand GPU memory
                                                                      to UCX (stage KV in pinned
                                                                      host memory)
+DISAGG_KV_RECV_POOL        boolean         true                      false: a fresh host receive
+                                                                     buffer per KV pull (no reuse;
+                                                                     for A/B benchmarks)
 CUDA_VISIBLE_DEVICES       list of ids     unset: all GPUs           GPUs ``disagg launch`` may
                                                                      give its workers
 UCX_TLS                    str             unset                     UCX's transports: read only
@@ -188,6 +191,9 @@ STARTUP_TIMEOUT_S: EnvVar[float] = EnvVar(
 KV_DEVICE_DIRECT: EnvVar[bool] = EnvVar(
     "DISAGG_KV_DEVICE_DIRECT", _bool_default_true, True,
     "false: never hand GPU memory to UCX; a GPU KV cache stages in pinned host memory")
+KV_RECV_POOL: EnvVar[bool] = EnvVar(
+    "DISAGG_KV_RECV_POOL", _bool_default_true, True,
+    "false: a generation worker allocates a fresh host receive buffer for every KV pull")
 CUDA_VISIBLE_DEVICES: EnvVar[list[str] | None] = EnvVar(
     "CUDA_VISIBLE_DEVICES", _csv, None,
     "GPUs disagg launch may give its workers (unset: every GPU nvidia-smi lists)")
@@ -200,8 +206,8 @@ OPENAI_API_KEY: EnvVar[str | None] = EnvVar(
 
 VARIABLES: tuple[EnvVar, ...] = (
     CLUSTER_TOKEN, CPU_KERNELS, CUDA_ATTENTION, KERNEL_CACHE_DIR, CACHE, XDG_CACHE_HOME,
-    DIST_TIMEOUT_S, STARTUP_TIMEOUT_S, KV_DEVICE_DIRECT, CUDA_VISIBLE_DEVICES, UCX_TLS,
-    OPENAI_API_KEY)
+    DIST_TIMEOUT_S, STARTUP_TIMEOUT_S, KV_DEVICE_DIRECT, KV_RECV_POOL, CUDA_VISIBLE_DEVICES,
+    UCX_TLS, OPENAI_API_KEY)
 
 
 def cache_root() -> str:

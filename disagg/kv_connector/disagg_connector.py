@@ -50,12 +50,14 @@ from disagg.kv_connector.pull import (
     Read,
     describe_failure,
     first_error,
+    give_back,
     install,
     log_release_failure,
     make_client,
     submit_reads,
     worker_layout,
 )
+from disagg.kv_connector.recv_pool import ReceivePool
 from disagg.kv_connector.settings import SWEEP_INTERVAL_S, DisaggSettings
 from disagg.request import Request, RequestStatus
 from disagg.roles import Role
@@ -119,6 +121,7 @@ class DisaggConnector(KVConnector):
         self.leases: LeaseTable | None = None
         self.server = None
         self._clients: dict[str, Any] = {}
+        self._recv_pool = ReceivePool.from_env()  # pages of past pulls' buffers stay mapped
         # Per request: context-only requests that may be leased, generation-only requests'
         # leases not given back yet, and pulls in flight.
         self._may_lease: set[str] = set()
@@ -242,9 +245,9 @@ class DisaggConnector(KVConnector):
         rid = fetch.request_id
         params = self._remote[rid]
         client = self._client(params.backend)
-        f = _Fetch(rid, params, list(fetch.block_ids))
+        f = _Fetch(rid, params, list(fetch.block_ids))  # t0: now
         f.reads = submit_reads(client, params, self.layout, 0, self.kv_cache,
-                               lambda _f: self._wake())
+                               lambda _f: self._wake(), self._recv_pool)
         if self.peers is not None:
             f.remote_pending = set(range(1, self.world_size))
             self.peers.send_all(StartFetch(rid, params, tuple(fetch.block_ids)))
@@ -275,12 +278,16 @@ class DisaggConnector(KVConnector):
             if fetch.remote_error is not None:
                 failed.append((rid, fetch.remote_error))
                 continue
+            t0 = time.perf_counter()
             try:
                 install(self.kv_cache, fetch.block_ids, fetch.reads, fetch.params.num_tokens)
             except Exception as e:  # a malformed payload must fail the request, not the loop
                 logger.exception("installing pulled KV of %s failed", rid)
                 failed.append((rid, KVTransferError.because(f": {e!r}")))
                 continue
+            t1 = time.perf_counter()
+            self.stats.record_install(t1 - t0, t1 - fetch.t0)
+            give_back(self._recv_pool, fetch.reads)
             loaded.append(rid)
         return loaded, failed
 

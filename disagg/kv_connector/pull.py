@@ -22,6 +22,7 @@ import torch
 
 from disagg.config import EngineConfig
 from disagg.kv_connector.errors import KVTransferError
+from disagg.kv_connector.recv_pool import ReceivePool
 from disagg.kv_connector.settings import DisaggSettings
 from disagg.layout import ParallelLayout, RankLayout, TransferPiece, WorkerLayout, plan_pulls
 from disagg.transfer.backends import make_backend
@@ -54,6 +55,7 @@ class Read:
     request: ReadRequest
     out: torch.Tensor
     future: cf.Future
+    base: torch.Tensor | None = None  # ``out``'s pooled buffer (CPU cache), see give_back
 
 
 _RECEIVE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -93,10 +95,12 @@ def log_kv_path(client: Any, kv: torch.Tensor, where: str) -> None:
 
 
 def submit_reads(client: Any, params: ContextParams, dst: WorkerLayout, dst_rank: int,
-                  kv: torch.Tensor, on_done: Callable[[cf.Future], None]) -> list[Read]:
+                  kv: torch.Tensor, on_done: Callable[[cf.Future], None],
+                  pool: ReceivePool | None = None) -> list[Read]:
     """Start rank ``dst_rank``'s reads of a request: one per context rank it needs. Payloads
     land in GPU memory when ``kv``, this rank's cache, is on a GPU and the client's transport
-    moves GPU memory; else in host memory (pinned for a GPU cache)."""
+    moves GPU memory; else in host memory (pinned for a GPU cache; for a CPU cache a buffer of
+    ``pool``, whose pages are mapped already, when given)."""
     device_direct = kv.device.type == "cuda" and bool(getattr(client, "device_payloads",
                                                               False))
     src = params.layout
@@ -117,11 +121,25 @@ def submit_reads(client: Any, params: ContextParams, dst: WorkerLayout, dst_rank
         nh = piece.heads[1] - piece.heads[0]
         shape = ((len(src_blocks), nl, 2, nh, src.tokens_per_block, src.head_dim)
                  if fmt == "blocks" else (nl, 2, nh, params.num_tokens, src.head_dim))
-        out = alloc_out(shape, kv, device_direct)  # private: never freed under a transfer
+        base = None
+        if pool is not None and kv.device.type == "cpu":
+            out, base = pool.take(shape, kv.dtype)  # private until given back after install
+        else:
+            out = alloc_out(shape, kv, device_direct)  # private: never freed under a transfer
         fut = client.read(params.addresses[piece.src_rank], req, out)
         fut.add_done_callback(on_done)
-        reads.append(Read(piece, req, out, fut))
+        reads.append(Read(piece, req, out, fut, base))
     return reads
+
+
+def give_back(pool: ReceivePool | None, reads: list[Read]) -> None:
+    """After ``install``: the reads' pooled buffers serve later pulls. Only then: a failed or
+    cancelled read may still be written by the transport, so its buffer is just dropped."""
+    if pool is None:
+        return
+    for r in reads:
+        if r.base is not None:
+            pool.give(r.base)
 
 
 def install(kv: torch.Tensor, block_ids: list[int], reads: list[Read], num_tokens: int

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,11 +35,13 @@ from disagg.kv_connector.pull import (
     Read,
     describe_failure,
     first_error,
+    give_back,
     install,
     make_client,
     submit_reads,
     worker_layout,
 )
+from disagg.kv_connector.recv_pool import ReceivePool
 from disagg.kv_connector.settings import SWEEP_INTERVAL_S, DisaggSettings
 from disagg.roles import Role
 from disagg.transfer.backends import make_backend
@@ -56,6 +59,7 @@ class _RankFetch:
     reads: list[Read] = field(default_factory=list)
     pending: int = 0
     cancelled: bool = False
+    t0: float = field(default_factory=time.perf_counter)
 
 
 class RankTransfer:
@@ -82,6 +86,7 @@ class RankTransfer:
         self._fetches: dict[str, _RankFetch] = {}
         self._lock = threading.Lock()  # the fetch table: main thread vs the installer
         self._installer: cf.ThreadPoolExecutor | None = None
+        self._recv_pool = ReceivePool.from_env()
         if settings.role == Role.CONTEXT:
             from disagg.transfer.service import KVTransferServer
 
@@ -142,7 +147,7 @@ class RankTransfer:
             self._fetches[request_id] = fetch
             try:
                 fetch.reads = submit_reads(client, params, self.layout, self.rank,
-                                           self.kv_cache, lambda _f: None)
+                                           self.kv_cache, lambda _f: None, self._recv_pool)
             except Exception as e:
                 del self._fetches[request_id]
                 self._fetched(request_id, KVTransferError.because(f" on rank {self.rank}: {e!r}"))
@@ -175,7 +180,11 @@ class RankTransfer:
                 error = describe_failure(err, fetch.params, fetch.reads)
             else:
                 try:
+                    t0 = time.perf_counter()
                     install(self.kv_cache, fetch.block_ids, fetch.reads, fetch.params.num_tokens)
+                    t1 = time.perf_counter()
+                    self.stats.record_install(t1 - t0, t1 - fetch.t0)
+                    give_back(self._recv_pool, fetch.reads)
                 except Exception as e:
                     logger.exception("rank %d: installing pulled KV of %s failed", self.rank,
                                      request_id)

@@ -250,6 +250,11 @@ class _TransferCollector(Collector):
                                   labels=["model_name", "role"])
         h.add_metric([*lv, role], buckets, s.latency_sum_s)
         yield h
+        yield counter("kv_install_seconds", "Seconds spent copying pulled KV into the cache "
+                      "(generation worker, summed over ranks).", s.install_seconds_sum)
+        yield counter("kv_installs", "Pulls installed (per rank).", s.installs)
+        yield counter("kv_pull_seconds", "Seconds from a pull's reads submitted to its KV "
+                      "installed (per rank, summed).", s.pull_seconds_sum)
         yield counter("kv_leases_expired", "Context leases that expired before their reader "
                       "confirmed.", s.expired_leases)
         yield gauge("kv_leases_active", "Live context leases.", s.active_leases)

@@ -46,6 +46,12 @@ class TransferStatsSnapshot:
     device_direct_transfers: int = 0
     host_staged_transfers: int = 0
     staging_reasons: tuple[tuple[str, int], ...] = ()  # sorted (reason, count)
+    # Generation side, per request and rank: copying the pulled payloads into the request's
+    # blocks, and the whole pull (reads submitted -> installed; transfer + wake-up + install).
+    installs: int = 0
+    install_seconds_sum: float = 0.0
+    pulls: int = 0
+    pull_seconds_sum: float = 0.0
 
 
 class TransferStats:
@@ -69,6 +75,10 @@ class TransferStats:
         self._staging_reasons: dict[str, int] = {}
         self._failures: dict[str, int] = {}
         self._leases: _LeaseSource | None = None
+        self._installs = 0
+        self._install_s = 0.0
+        self._pulls = 0
+        self._pull_s = 0.0
 
     def bind_leases(self, leases: _LeaseSource) -> None:
         """Report this lease table's gauges (held blocks, expired leases) in snapshots."""
@@ -91,6 +101,15 @@ class TransferStats:
                 reason = staging_reason or "unknown"
                 self._staging_reasons[reason] = self._staging_reasons.get(reason, 0) + 1
             self._observe_locked(seconds)
+
+    def record_install(self, install_s: float, pull_s: float) -> None:
+        """A pull installed: the copy into the cache took ``install_s``, the pull ``pull_s``
+        from its reads' submission (generation side)."""
+        with self._lock:
+            self._installs += 1
+            self._install_s += install_s
+            self._pulls += 1
+            self._pull_s += pull_s
 
     def record_failure(self, code: str) -> None:
         with self._lock:
@@ -122,6 +141,8 @@ class TransferStats:
                 device_direct_transfers=self._device_direct,
                 host_staged_transfers=self._host_staged,
                 staging_reasons=tuple(sorted(self._staging_reasons.items())),
+                installs=self._installs, install_seconds_sum=self._install_s,
+                pulls=self._pulls, pull_seconds_sum=self._pull_s,
             )
 
 
@@ -162,4 +183,8 @@ def merge_snapshots(snaps: list[TransferStatsSnapshot]) -> TransferStatsSnapshot
         device_direct_transfers=sum(s.device_direct_transfers for s in snaps),
         host_staged_transfers=sum(s.host_staged_transfers for s in snaps),
         staging_reasons=tuple(sorted(reasons.items())),
+        installs=sum(s.installs for s in snaps),
+        install_seconds_sum=sum(s.install_seconds_sum for s in snaps),
+        pulls=sum(s.pulls for s in snaps),
+        pull_seconds_sum=sum(s.pull_seconds_sum for s in snaps),
     )

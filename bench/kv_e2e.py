@@ -1,0 +1,257 @@
+"""End-to-end KV read inside a context -> generation request vs the transport microbenchmark.
+
+Per backend (TCP, UCX) and prompt length (512 / 2048 / 8192 tokens), in one run:
+
+- *micro*: ``bench/kv_transfer.py``'s read of the same bytes (two bare processes, a
+  ``KVTransferServer`` and a ``KVTransferClient``, the client's ``out`` buffer preallocated and
+  reused), through both block tables it measures (consecutive, fragmented);
+- *end to end*: real worker processes (``disagg serve --role context`` and two ``--role
+  generation`` workers over the same context worker: one with the receive-buffer pool, one
+  with ``DISAGG_KV_RECV_POOL=0``, the code before the pool), the router's two calls per rep,
+  alternating between the two generation workers. From the generation worker's ``/metrics``
+  deltas: *transfer* (``disagg_kv_transfer_seconds``: a read's submit -> last payload byte, the
+  micro's definition), *install* (``disagg_kv_install_seconds``: copy into the request's
+  blocks), *pull* (``disagg_kv_pull_seconds``: reads submitted -> installed, wake-up of the
+  engine loop included). From this client: *gen first token* (context answer received -> the
+  generation worker's first streamed token: HTTP, admission, pull, install) and *first decode
+  step* (first -> second streamed token).
+
+The end-to-end read is compared with the micro read of the block-table kind the context worker
+actually handed out (its answer's ``block_ids``). Medians of ``--reps`` after ``--warmup``.
+
+    python bench/kv_e2e.py [--backends TCP,UCX] [--tokens 512,2048,8192] [--reps 5]
+                           [--out bench/results/kv_e2e.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+for p in (ROOT, ROOT / "bench"):  # this checkout's package and kv_transfer.py
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import kv_transfer  # noqa: E402
+
+from disagg import procs  # noqa: E402
+from disagg.cluster_auth import sign_http  # noqa: E402
+
+TOKEN = "bench-secret"
+MAX_LEN = 8704  # 8192 prompt tokens + the answer, a multiple of the 16-token block
+METRICS = ("disagg_kv_transfer_seconds_sum", "disagg_kv_transfer_seconds_count",
+           "disagg_kv_install_seconds_total", "disagg_kv_pull_seconds_total",
+           "disagg_kv_installs_total")
+
+
+def start(model: str, role: str, backend: str, log: str, pool: bool = True
+          ) -> tuple[subprocess.Popen, str]:
+    port = procs.free_port()
+    env = {**os.environ, "DISAGG_CLUSTER_TOKEN": TOKEN, "DISAGG_KV_RECV_POOL": str(int(pool))}
+    proc = procs.spawn(
+        [sys.executable, "-m", "disagg.cli", "serve", model, "--port", str(port), "--role", role,
+         "--kv-transfer-backend", backend, "--served-model-name", "m", "--log-level", "warning",
+         "--kv-cache-tokens", str(2 * MAX_LEN), "--max-num-tokens", "4096",
+         "--max-model-len", str(MAX_LEN), "--tokens-per-block", "16",
+         "--no-enable-prefix-caching"], log, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        procs.wait_healthy(url, 180, proc=proc, interval=0.2, what=f"{role} worker")
+    except procs.NotHealthy as e:
+        procs.stop(proc, grace_s=0)
+        raise RuntimeError(f"{e}; see {log}") from None
+    return proc, url
+
+
+def metrics(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out = {}
+    for name in METRICS:
+        m = re.search(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M)
+        out[name] = float(m.group(1)) if m else 0.0
+    return out
+
+
+def consecutive(ids: list[int]) -> bool:
+    return all(b - a == 1 for a, b in zip(ids, ids[1:], strict=False))
+
+
+def one(ctx: str, gen: str, prompt: list[int]) -> dict[str, Any]:
+    """The router's two calls; the generation worker's phases (seconds)."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": 3, "temperature": 0,
+            "ignore_eos": True}
+    answer = httpx.post(ctx + "/v1/completions", timeout=300, json={
+        **body, "disaggregated_params": {"request_type": "context_only"}}).json()
+    dp = answer["disaggregated_params"]
+    before = metrics(gen)
+    data = json.dumps({**body, "stream": True, "disaggregated_params": {
+        **dp, "request_type": "generation_only"}}).encode()
+    # Signed as the router signs it: the generation worker trusts the context's addresses.
+    headers = {"Content-Type": "application/json",
+               **sign_http(TOKEN, "POST", "/v1/completions", data)}
+    t0 = time.perf_counter()
+    tokens: list[float] = []
+    with httpx.stream("POST", gen + "/v1/completions", content=data, headers=headers,
+                      timeout=300) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                ev = json.loads(line[6:])
+                if ev["choices"] and ev["choices"][0]["text"]:
+                    tokens.append(time.perf_counter())
+    after = metrics(gen)
+    d = {k: after[k] - before[k] for k in METRICS}
+    assert d["disagg_kv_transfer_seconds_count"] >= 1 and len(tokens) >= 2, (d, tokens)
+    return {"transfer": d["disagg_kv_transfer_seconds_sum"],
+            "install": d["disagg_kv_install_seconds_total"],
+            "pull": d["disagg_kv_pull_seconds_total"],
+            "first_token": tokens[0] - t0, "decode_step": tokens[1] - tokens[0],
+            "consecutive": consecutive(dp["block_ids"][:-(-len(prompt) // 16)])}
+
+
+def e2e_backend(model: str, backend: str, args: argparse.Namespace, tmp: str
+                ) -> dict[tuple[int, bool], list[dict[str, Any]]]:
+    """(tokens, pool) -> samples."""
+    rng = random.Random(0)
+    started: list[subprocess.Popen] = []
+    out: dict[tuple[int, bool], list[dict[str, Any]]] = {}
+    try:
+        c, ctx = start(model, "context", backend, os.path.join(tmp, f"ctx-{backend}.log"))
+        started.append(c)
+        gens = {}
+        for pool in (True, False):
+            g, gens[pool] = start(model, "generation", backend,
+                                  os.path.join(tmp, f"gen-{backend}-{pool}.log"), pool)
+            started.append(g)
+        for tokens in args.tokens:
+            for i in range(args.warmup + args.reps):
+                for pool in (False, True):  # alternating: both see the same host load
+                    s = one(ctx, gens[pool], [rng.randrange(3, 500) for _ in range(tokens)])
+                    if i >= args.warmup:
+                        out.setdefault((tokens, pool), []).append(s)
+                print(f"{backend} {tokens} rep {i}: " + ", ".join(
+                    f"pool={p} transfer {out[(tokens, p)][-1]['transfer'] * 1e3:.1f} ms"
+                    for p in (False, True) if (tokens, p) in out), flush=True)
+    finally:
+        procs.stop_all(started, grace_s=30.0)
+    return out
+
+
+def micro(backend: str, args: argparse.Namespace) -> dict[tuple[int, str], float]:
+    """(tokens, table) -> median read ms, from ``bench/kv_transfer.py``."""
+    ns = argparse.Namespace(tokens=args.tokens, layers=8, kv_heads=4, head_dim=64,
+                            tokens_per_block=16, dtype="float32", reps=args.micro_reps,
+                            warmup=2)
+    return {(r["tokens"], r["layout"]): r["ms"] for r in kv_transfer.bench_backend(backend, ns)}
+
+
+def med(samples: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(s[key] for s in samples) * 1e3
+
+
+def rows_of(backend: str, mic: dict[tuple[int, str], float],
+            e2e: dict[tuple[int, bool], list[dict[str, Any]]]) -> list[str]:
+    rows = []
+    for (tokens, pool), samples in sorted(e2e.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        table = ("consecutive" if all(s["consecutive"] for s in samples) else
+                 "fragmented" if not any(s["consecutive"] for s in samples) else "mixed")
+        ref = mic[(tokens, "fragmented" if table == "fragmented" else "consecutive")]
+        t = med(samples, "transfer")
+        rows.append(
+            f"| {backend} | {tokens} | {tokens * 16 / 1024:.0f} | "
+            f"{'pool' if pool else 'fresh buffer (before)'} | {table} | {ref:.2f} | {t:.2f} | "
+            f"**{t / ref:.2f}x** | {med(samples, 'install'):.2f} | {med(samples, 'pull'):.2f} "
+            f"| {med(samples, 'first_token'):.1f} | {med(samples, 'decode_step'):.1f} |")
+    return rows
+
+
+def report(args: argparse.Namespace, results: list[tuple[str, dict, dict]],
+           load: tuple[tuple[float, ...], tuple[float, ...]]) -> str:
+    lines = [f"# End-to-end KV read vs the transport ({datetime.date.today()})", ""]
+    lines += [f"- {m}" for m in kv_transfer.machine()]
+    lines += [
+        f"- host load average (1/5/15 min) before: {'/'.join(f'{x:.2f}' for x in load[0])}, "
+        f"after: {'/'.join(f'{x:.2f}' for x in load[1])}. The 2 cores were shared with two "
+        "other development sessions running their own work: absolute times are noisy; the "
+        "before/after pairs ran interleaved, request by request, under the same load.",
+        "- model: random checkpoint, 8 layers x 4 kv heads x head_dim 64, float32, 16 tokens "
+        "per block (256 KiB per block, 16 KiB per token: 2048 tokens = 32 MiB), one context and "
+        "two generation worker processes, tp1/pp1 both sides",
+        f"- medians of {args.reps} requests after {args.warmup} warm-up(s) per row; micro: "
+        f"median of {args.micro_reps} reads after 2 warm-ups",
+        f"- command: `python bench/kv_e2e.py --reps {args.reps} --out {args.out}`", "",
+        "| backend | prompt tokens | MiB | receive buffer | context block table | micro read ms "
+        "| e2e transfer ms | e2e / micro | install ms | pull ms (submit -> installed) "
+        "| gen first token ms | first decode step ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for backend, mic, e2e in results:
+        lines += rows_of(backend, mic, e2e)
+    lines += ["", *NOTES]
+    return "\n".join(lines) + "\n"
+
+
+NOTES = [
+    "Columns: *micro read* is `bench/kv_transfer.py`'s read of the same bytes (same block-table "
+    "kind), measured in this run. *e2e transfer* is the generation worker's "
+    "`disagg_kv_transfer_seconds` (submit -> last byte, the micro's definition). *pull* adds the "
+    "engine loop's wake-up and the install. *gen first token*: context answer received by the "
+    "router -> first token streamed by the generation worker (the context's token, sent once "
+    "the KV is installed: HTTP + admission + pull). *first decode step*: first -> second "
+    "streamed token.",
+    "",
+    "*fresh buffer (before)*: the generation worker started with `DISAGG_KV_RECV_POOL=0`, i.e. "
+    "a new `torch.empty` receive buffer per pull as before the pool: fresh anonymous memory "
+    "whose every 4 KiB page faults on the transport's first write (and is unmapped again when "
+    "freed). *pool*: the default, buffers of installed pulls are reused "
+    "(`disagg/kv_connector/recv_pool.py`).",
+]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--backends", default="TCP,UCX")
+    p.add_argument("--tokens", default="512,2048,8192")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--micro-reps", type=int, default=7)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    args.tokens = [int(t) for t in args.tokens.split(",")]
+    from disagg.model.tiny import write_tiny_checkpoint
+    from disagg.transfer.ucx import ucx_available
+
+    tmp = tempfile.mkdtemp(prefix="disagg-kve2e-")
+    model = write_tiny_checkpoint(os.path.join(tmp, "m"), vocab_size=512, hidden_size=512,
+                                  intermediate_size=1024, num_hidden_layers=8,
+                                  num_attention_heads=8, num_key_value_heads=4,
+                                  max_position_embeddings=MAX_LEN, seed=0)
+    load0 = os.getloadavg()
+    results = []
+    for backend in args.backends.upper().split(","):
+        if backend == "UCX" and not ucx_available()[0]:
+            print(f"skipping UCX: {ucx_available()[1]}")
+            continue
+        mic = micro(backend.lower(), args)
+        results.append((backend, mic, e2e_backend(model, backend, args, tmp)))
+    text = report(args, results, (load0, os.getloadavg()))
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
