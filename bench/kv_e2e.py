@@ -4,7 +4,8 @@ Per backend (TCP, UCX) and prompt length (512 / 2048 / 8192 tokens), in one run:
 
 - *micro*: ``bench/kv_transfer.py``'s read of the same bytes (two bare processes, a
   ``KVTransferServer`` and a ``KVTransferClient``, the client's ``out`` buffer preallocated and
-  reused), through both block tables it measures (consecutive, fragmented);
+  reused), through both block tables it measures (consecutive, fragmented), one read per rep
+  interleaved with the requests so that both see the same host load;
 - *end to end*: real worker processes (``disagg serve --role context`` and two ``--role
   generation`` workers over the same context worker: one with the receive-buffer pool, one
   with ``DISAGG_KV_RECV_POOL=0``, the code before the pool), the router's two calls per rep,
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import multiprocessing as mp
 import os
 import random
 import re
@@ -40,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 for p in (ROOT, ROOT / "bench"):  # this checkout's package and kv_transfer.py
@@ -50,6 +53,8 @@ import kv_transfer  # noqa: E402
 
 from disagg import procs  # noqa: E402
 from disagg.cluster_auth import sign_http  # noqa: E402
+from disagg.transfer import KVTransferClient, ReadRequest  # noqa: E402
+from disagg.transfer.payload import payload_shape  # noqa: E402
 
 TOKEN = "bench-secret"
 MAX_LEN = 8704  # 8192 prompt tokens + the answer, a multiple of the 16-token block
@@ -77,8 +82,8 @@ def start(model: str, role: str, backend: str, log: str, pool: bool = True
     return proc, url
 
 
-def metrics(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=10).text
+def metrics(client: httpx.Client, url: str) -> dict[str, float]:
+    text = client.get(url + "/metrics", timeout=10).text
     out = {}
     for name in METRICS:
         m = re.search(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M)
@@ -90,14 +95,15 @@ def consecutive(ids: list[int]) -> bool:
     return all(b - a == 1 for a, b in zip(ids, ids[1:], strict=False))
 
 
-def one(ctx: str, gen: str, prompt: list[int]) -> dict[str, Any]:
-    """The router's two calls; the generation worker's phases (seconds)."""
+def one(client: httpx.Client, ctx: str, gen: str, prompt: list[int]) -> dict[str, Any]:
+    """The router's two calls on kept-alive connections (a router keeps them too; a fresh
+    ``httpx`` client per call adds ~20 ms of set-up); the generation worker's phases (s)."""
     body = {"model": "m", "prompt": prompt, "max_tokens": 3, "temperature": 0,
             "ignore_eos": True}
-    answer = httpx.post(ctx + "/v1/completions", timeout=300, json={
+    answer = client.post(ctx + "/v1/completions", timeout=300, json={
         **body, "disaggregated_params": {"request_type": "context_only"}}).json()
     dp = answer["disaggregated_params"]
-    before = metrics(gen)
+    before = metrics(client, gen)
     data = json.dumps({**body, "stream": True, "disaggregated_params": {
         **dp, "request_type": "generation_only"}}).encode()
     # Signed as the router signs it: the generation worker trusts the context's addresses.
@@ -105,14 +111,14 @@ def one(ctx: str, gen: str, prompt: list[int]) -> dict[str, Any]:
                **sign_http(TOKEN, "POST", "/v1/completions", data)}
     t0 = time.perf_counter()
     tokens: list[float] = []
-    with httpx.stream("POST", gen + "/v1/completions", content=data, headers=headers,
+    with client.stream("POST", gen + "/v1/completions", content=data, headers=headers,
                       timeout=300) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 ev = json.loads(line[6:])
                 if ev["choices"] and ev["choices"][0]["text"]:
                     tokens.append(time.perf_counter())
-    after = metrics(gen)
+    after = metrics(client, gen)
     d = {k: after[k] - before[k] for k in METRICS}
     assert d["disagg_kv_transfer_seconds_count"] >= 1 and len(tokens) >= 2, (d, tokens)
     return {"transfer": d["disagg_kv_transfer_seconds_sum"],
@@ -123,10 +129,14 @@ def one(ctx: str, gen: str, prompt: list[int]) -> dict[str, Any]:
 
 
 def e2e_backend(model: str, backend: str, args: argparse.Namespace, tmp: str
-                ) -> dict[tuple[int, bool], list[dict[str, Any]]]:
-    """(tokens, pool) -> samples."""
+                ) -> tuple[dict[tuple[int, str], list[float]],
+                           dict[tuple[int, bool], list[dict[str, Any]]]]:
+    """(tokens, table) -> micro read seconds, (tokens, pool) -> request samples."""
     rng = random.Random(0)
     started: list[subprocess.Popen] = []
+    client = httpx.Client()
+    micro = Micro(backend.lower(), max(args.tokens))
+    mic: dict[tuple[int, str], list[float]] = {}
     out: dict[tuple[int, bool], list[dict[str, Any]]] = {}
     try:
         c, ctx = start(model, "context", backend, os.path.join(tmp, f"ctx-{backend}.log"))
@@ -137,44 +147,91 @@ def e2e_backend(model: str, backend: str, args: argparse.Namespace, tmp: str
                                   os.path.join(tmp, f"gen-{backend}-{pool}.log"), pool)
             started.append(g)
         for tokens in args.tokens:
+            micro.lease(tokens)
             for i in range(args.warmup + args.reps):
+                for table in ("consecutive", "fragmented"):
+                    for _ in range(2):  # the micro's warm-up: its first read after a wait
+                        dt = micro.read(tokens, table)
+                    if i >= args.warmup:
+                        mic.setdefault((tokens, table), []).append(dt)
                 for pool in (False, True):  # alternating: both see the same host load
-                    s = one(ctx, gens[pool], [rng.randrange(3, 500) for _ in range(tokens)])
+                    s = one(client, ctx, gens[pool], [rng.randrange(3, 500) for _ in range(tokens)])
                     if i >= args.warmup:
                         out.setdefault((tokens, pool), []).append(s)
                 print(f"{backend} {tokens} rep {i}: " + ", ".join(
                     f"pool={p} transfer {out[(tokens, p)][-1]['transfer'] * 1e3:.1f} ms"
                     for p in (False, True) if (tokens, p) in out), flush=True)
     finally:
+        client.close()
+        micro.close()
         procs.stop_all(started, grace_s=30.0)
-    return out
+    return mic, out
 
 
-def micro(backend: str, args: argparse.Namespace) -> dict[tuple[int, str], float]:
-    """(tokens, table) -> median read ms, from ``bench/kv_transfer.py``."""
-    ns = argparse.Namespace(tokens=args.tokens, layers=8, kv_heads=4, head_dim=64,
-                            tokens_per_block=16, dtype="float32", reps=args.micro_reps,
-                            warmup=2)
-    return {(r["tokens"], r["layout"]): r["ms"] for r in kv_transfer.bench_backend(backend, ns)}
+class Micro:
+    """``bench/kv_transfer.py``'s two bare processes (its ``context_main`` behind a
+    ``KVTransferServer``, a ``KVTransferClient`` here), kept alive beside the workers so that
+    its reads interleave with the requests under the same host load."""
+
+    def __init__(self, backend: str, max_tokens: int) -> None:
+        n = -(-max_tokens // 16)
+        # KV of the benchmark model: 8 layers x 4 kv heads x head_dim 64, 16-token blocks.
+        self.shape = (2 * n + 16, 8, 2, 4, 16, 64)
+        ctx = mp.get_context("spawn")  # a UCX context must be created after any fork
+        self.cmds, self.events = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=kv_transfer.context_main, daemon=True, args=(
+            backend, self.shape, "float32", self.cmds, self.events))
+        self.proc.start()
+        kind, self.address = self.events.get(timeout=120)
+        assert kind == "address", self.address
+        self.client = KVTransferClient(backend, kv_transfer.TOKEN, timeout_s=120.0)
+        self.rng = random.Random(0)
+        self.reads: dict[tuple[int, str], tuple[ReadRequest, torch.Tensor]] = {}
+
+    def lease(self, tokens: int) -> None:
+        """Lease the two block tables of ``tokens`` (consecutive, fragmented); the receive
+        buffer is allocated once and reused, as in ``bench/kv_transfer.py``."""
+        n = -(-tokens // 16)
+        tables = {"consecutive": list(range(8, 8 + n)),
+                  "fragmented": self.rng.sample(range(self.shape[0]), n)}
+        for table, ids in tables.items():
+            self.cmds.put(("lease", f"{table}-{tokens}", ids))
+            assert self.events.get(timeout=60) == ("ok",)
+            req = ReadRequest(f"{table}-{tokens}", ids, (0, 8), (0, 4))
+            self.reads[(tokens, table)] = (req, torch.empty(payload_shape(self.shape, req)))
+
+    def read(self, tokens: int, table: str) -> float:
+        req, out = self.reads[(tokens, table)]
+        t0 = time.perf_counter()
+        self.client.read(self.address, req, out).result(120)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.client.close()
+        self.cmds.put(("stop",))
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
 
 
 def med(samples: list[dict[str, Any]], key: str) -> float:
     return statistics.median(s[key] for s in samples) * 1e3
 
 
-def rows_of(backend: str, mic: dict[tuple[int, str], float],
+def rows_of(backend: str, mic: dict[tuple[int, str], list[float]],
             e2e: dict[tuple[int, bool], list[dict[str, Any]]]) -> list[str]:
     rows = []
     for (tokens, pool), samples in sorted(e2e.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         table = ("consecutive" if all(s["consecutive"] for s in samples) else
                  "fragmented" if not any(s["consecutive"] for s in samples) else "mixed")
-        ref = mic[(tokens, "fragmented" if table == "fragmented" else "consecutive")]
+        ref = statistics.median(
+            mic[(tokens, "fragmented" if table == "fragmented" else "consecutive")]) * 1e3
         t = med(samples, "transfer")
         rows.append(
             f"| {backend} | {tokens} | {tokens * 16 / 1024:.0f} | "
             f"{'pool' if pool else 'fresh buffer (before)'} | {table} | {ref:.2f} | {t:.2f} | "
             f"**{t / ref:.2f}x** | {med(samples, 'install'):.2f} | {med(samples, 'pull'):.2f} "
-            f"| {med(samples, 'first_token'):.1f} | {med(samples, 'decode_step'):.1f} |")
+            f"| {med(samples, 'pull') / ref:.2f}x | {med(samples, 'first_token'):.1f} | {med(samples, 'decode_step'):.1f} |")
     return rows
 
 
@@ -191,12 +248,12 @@ def report(args: argparse.Namespace, results: list[tuple[str, dict, dict]],
         "per block (256 KiB per block, 16 KiB per token: 2048 tokens = 32 MiB), one context and "
         "two generation worker processes, tp1/pp1 both sides",
         f"- medians of {args.reps} requests after {args.warmup} warm-up(s) per row; micro: "
-        f"median of {args.micro_reps} reads after 2 warm-ups",
+        f"one read per rep, interleaved with the requests (after one untimed read)",
         f"- command: `python bench/kv_e2e.py --reps {args.reps} --out {args.out}`", "",
         "| backend | prompt tokens | MiB | receive buffer | context block table | micro read ms "
         "| e2e transfer ms | e2e / micro | install ms | pull ms (submit -> installed) "
-        "| gen first token ms | first decode step ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| pull / micro | gen first token ms | first decode step ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for backend, mic, e2e in results:
         lines += rows_of(backend, mic, e2e)
@@ -227,7 +284,6 @@ def main() -> None:
     p.add_argument("--tokens", default="512,2048,8192")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--micro-reps", type=int, default=7)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.tokens = [int(t) for t in args.tokens.split(",")]
@@ -245,8 +301,7 @@ def main() -> None:
         if backend == "UCX" and not ucx_available()[0]:
             print(f"skipping UCX: {ucx_available()[1]}")
             continue
-        mic = micro(backend.lower(), args)
-        results.append((backend, mic, e2e_backend(model, backend, args, tmp)))
+        results.append((backend, *e2e_backend(model, backend, args, tmp)))
     text = report(args, results, (load0, os.getloadavg()))
     print(text)
     if args.out:

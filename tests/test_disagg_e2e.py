@@ -11,6 +11,7 @@ worker trusts their context addresses only when allow-listed, and never caches t
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -205,6 +206,12 @@ def test_tcp_outputs_match_aggregated(tcp: dict[str, Worker], reference: str) ->
     metrics = httpx.get(tcp["gen"].url + "/metrics").text
     assert "disagg_kv_transfer_bytes_total" in metrics
     assert "disagg_kv_transfer_seconds_bucket" in metrics
+    # Every pull was installed, most into a reused receive buffer (recv_pool.py): the outputs
+    # above match the aggregated worker's all the same.
+    installs = re.search(r"^disagg_kv_installs_total\{[^}]*\} (\S+)$", metrics, re.M)
+    assert installs is not None and float(installs.group(1)) >= len(_bodies())
+    assert "disagg_kv_install_seconds_total" in metrics
+    assert "disagg_kv_pull_seconds_total" in metrics
 
 
 def test_tcp_differing_block_sizes(tcp: dict[str, Worker], reference: str) -> None:
