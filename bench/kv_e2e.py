@@ -231,7 +231,8 @@ def rows_of(backend: str, mic: dict[tuple[int, str], list[float]],
             f"| {backend} | {tokens} | {tokens * 16 / 1024:.0f} | "
             f"{'pool' if pool else 'fresh buffer (before)'} | {table} | {ref:.2f} | {t:.2f} | "
             f"**{t / ref:.2f}x** | {med(samples, 'install'):.2f} | {med(samples, 'pull'):.2f} "
-            f"| {med(samples, 'pull') / ref:.2f}x | {med(samples, 'first_token'):.1f} | {med(samples, 'decode_step'):.1f} |")
+            f"| {med(samples, 'pull') / ref:.2f}x | {med(samples, 'first_token'):.1f} "
+            f"| {med(samples, 'decode_step'):.1f} |")
     return rows
 
 
