@@ -18,7 +18,9 @@ Per backend (TCP, UCX) and prompt length (512 / 2048 / 8192 tokens), in one run:
   step* (first -> second streamed token).
 
 The end-to-end read is compared with the micro read of the block-table kind the context worker
-actually handed out (its answer's ``block_ids``). Medians of ``--reps`` after ``--warmup``.
+actually handed out (its answer's ``block_ids``); *mixed* (consecutive for some requests, not
+for others) is compared with the consecutive read, the stricter reference. Medians of
+``--reps`` after ``--warmup``.
 
     python bench/kv_e2e.py [--backends TCP,UCX] [--tokens 512,2048,8192] [--reps 5]
                            [--out bench/results/kv_e2e.md]
