@@ -44,7 +44,8 @@ EXTRA: dict[str, Any] = {"repetition_penalty": 1.05, "min_p": 0.1, "ignore_eos":
 @pytest.fixture(scope="module")
 def cluster(model_dir: str, tmp_path_factory: pytest.TempPathFactory, loop: LoopThread
             ) -> Iterator[dict[str, str]]:
-    """URLs: ``router`` (over one context and one generation worker) and ``aggregated``."""
+    """URLs: ``router`` (over one context and one generation worker), ``ctx`` (that context
+    worker) and ``aggregated``."""
     tmp = tmp_path_factory.mktemp("parity-logs")
     env = {"DISAGG_CLUSTER_TOKEN": ROUTER_TOKEN}
     ws: list[WorkerProc] = [
@@ -59,7 +60,7 @@ def cluster(model_dir: str, tmp_path_factory: pytest.TempPathFactory, loop: Loop
             with running_router(cfg, loop) as router:
                 wait_for(lambda: httpx.get(router + "/health").status_code == 200, 30,
                          what="router")
-                yield {"router": router, "aggregated": aggregated}
+                yield {"router": router, "aggregated": aggregated, "ctx": ws[0].url}
     finally:
         stop_all(ws)
 
@@ -138,6 +139,37 @@ def test_echo_logprobs_score_the_prompt(cluster: dict[str, str], model_dir: str,
     assert answers[0][:2] == answers[1][:2]  # text and tokens
     for a, b in zip(answers[0][2][1:], answers[1][2][1:], strict=True):
         assert a == pytest.approx(b, abs=1e-4)
+
+
+def _finished(url: str) -> float:
+    """A worker's finished engine requests (all reasons), from its /metrics."""
+    return sum(float(line.rpartition(" ")[2]) for line in
+               httpx.get(url + "/metrics", timeout=30).text.splitlines()
+               if line.startswith("disagg_requests_finished_total{"))
+
+
+@pytest.mark.parametrize("max_tokens", [1, 4])
+def test_batch_of_one_prompt_is_disaggregated(cluster: dict[str, str], max_tokens: int
+                                              ) -> None:
+    """lm-evaluation-harness sends ``prompt: [[ids]]`` (a batch of one): the router splits it
+    like one prompt (the context worker prefills and scores it; before, a generation worker
+    served it whole) and the answer equals the aggregated worker's."""
+    ids = httpx.post(cluster["aggregated"] + "/tokenize", json={"prompt": PROMPT},
+                     timeout=30).json()["tokens"]
+    for prompt in ([ids], [PROMPT]):
+        body = {"model": NAME, "prompt": prompt, "echo": True, "logprobs": 1,
+                "max_tokens": max_tokens, "temperature": 0}
+        before = _finished(cluster["ctx"])
+        answers = [httpx.post(url + "/v1/completions", json=body, timeout=60)
+                   for url in (cluster["aggregated"], cluster["router"])]
+        assert [a.status_code for a in answers] == [200, 200], answers[1].text
+        assert _finished(cluster["ctx"]) == before + 1  # through the context worker
+        agg, dis = (a.json()["choices"] for a in answers)
+        assert len(agg) == len(dis) == 1 and agg[0]["index"] == dis[0]["index"] == 0
+        assert dis[0]["text"] == agg[0]["text"]
+        assert dis[0]["logprobs"]["tokens"] == agg[0]["logprobs"]["tokens"]
+        assert dis[0]["logprobs"]["token_logprobs"][1:] == pytest.approx(
+            agg[0]["logprobs"]["token_logprobs"][1:], abs=1e-4)
 
 
 def test_prompt_logprobs_extension(cluster: dict[str, str]) -> None:

@@ -307,6 +307,8 @@ def _checked_body(path: str, raw: bytes) -> dict[str, Any]:
         _normalize(body, P.validate_request(path, body))
     except P.APIError as e:
         raise Reply.from_api_error(e) from None
+    if path == COMPLETIONS:
+        _unwrap_single_prompt(body)
     return body
 
 
@@ -319,6 +321,18 @@ def _normalize(body: dict[str, Any], req: Any) -> None:
     if isinstance(opts, dict) and "include_usage" in opts and (
             opts["include_usage"] is not req.stream_options.include_usage):
         body["stream_options"] = {**opts, "include_usage": req.stream_options.include_usage}
+
+
+def _unwrap_single_prompt(body: dict[str, Any]) -> None:
+    """A batch of one prompt (``["text"]`` or ``[[ids]]``: lm-evaluation-harness sends its
+    token ids so) as that prompt: the answer is the same (one prompt's choices are indexed
+    from 0 either way), and the two calls, the policies' token view and the context worker's
+    scoring can then carry it instead of a generation worker serving it whole."""
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and (isinstance(p[0], str) or (
+            isinstance(p[0], list) and p[0] and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in p[0]))):
+        body["prompt"] = p[0]
 
 
 def _splittable(path: str, body: Mapping[str, Any]) -> bool:
