@@ -171,8 +171,12 @@ class StubProtocol(asyncio.Protocol):
                     return
                 body, used = self.buf[end + 4:end + 4 + length], end + 4 + length
             self.buf = self.buf[used:]
-            method, target, _ = lines[0].split(b" ", 2)
+            request_line = lines[0].split(b" ", 2)
             assert self.transport is not None
+            if len(request_line) != 3 or not request_line[2].startswith(b"HTTP/1."):
+                self.transport.close()  # HTTP/1 only (a peer router probes for HTTP/2)
+                return
+            method, target, _ = request_line
             self.transport.write(self.stub.answer(method, target, body))
 
 
@@ -409,6 +413,17 @@ async def wait_serving(proc: subprocess.Popen[bytes], port: int, log_path: Path,
             await asyncio.sleep(0.2)
 
 
+def checkout(rev: str, into: Path) -> Path:
+    """The ``disagg`` package as of git revision ``rev`` (this repository), extracted under
+    ``into``; put it first on PYTHONPATH to run that revision's router."""
+    out = into / f"rev-{rev}"
+    out.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "disagg"],
+                             capture_output=True, check=True, timeout=60).stdout
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True, timeout=60)
+    return out
+
+
 async def start_peer(peer: router_peers.Peer, venv: Path, worker_port: int, core: int,
                      log_dir: Path) -> subprocess.Popen[bytes]:
     port, prom = procs.free_ports(2)
@@ -456,8 +471,13 @@ async def side_by_side(args: argparse.Namespace, agg_port: int, router_for: Any,
         None, router_peers.install, venv)
     routers: dict[str, subprocess.Popen[bytes]] = {}
     res = SideBySide([], skipped, args.side_rounds, {}, {})
+    variants = list(DISAGG_VARIANTS)
+    if args.baseline:  # the router as committed at that revision: the "before"
+        variants.append((f"disagg @ {args.baseline}",
+                         {"PYTHONPATH": str(checkout(args.baseline, log_dir)),
+                          "DISAGG_ROUTER_UVLOOP": "0"}))
     try:
-        for name, extra_env in DISAGG_VARIANTS:
+        for name, extra_env in variants:
             routers[name] = await router_for(None, agg_port, extra_env=extra_env)
         for peer in peers:
             try:
@@ -516,7 +536,9 @@ def side_report(args: argparse.Namespace, res: SideBySide) -> list[str]:
     peers = ", ".join(f"{p.package} {p.version}" for p in router_peers.PEERS)
     lines += ["", f"Peers ({peers}) run from the virtualenv `{args.peers_venv}` that the "
               f"script installs them into; `--policy round_robin`, default options otherwise. "
-              f"*disagg (asyncio loop)*: the same router with `DISAGG_ROUTER_UVLOOP=0`. Added "
+              f"*disagg (asyncio loop)*: the same router with `DISAGG_ROUTER_UVLOOP=0`"
+              + (f"; *disagg @ {args.baseline}*: the router of that git revision (asyncio's "
+                 f"loop), the before of this change" if args.baseline else "") + ". Added "
               f"latency: router p50 minus the stub's direct p50 measured just before it "
               f"({args.side_latency_requests} requests each); throughput: "
               f"{args.side_duration:g} s runs after a 1 s warm-up."]
@@ -527,14 +549,17 @@ def side_report(args: argparse.Namespace, res: SideBySide) -> list[str]:
 
 def _side_targets(res: SideBySide) -> list[str]:
     """The issue's targets against vllm-router, and the uvloop before/after ratios."""
-    lines = []
-    base = "disagg (asyncio loop)"
-    if base in res.names:
-        lines += ["", "uvloop vs asyncio's loop (same run): " + "; ".join(
-            f"{mode} req/s x{res.rps('disagg', mode) / res.rps(base, mode):.2f}, per "
-            f"CPU-second x{res.per_core('disagg', mode) / res.per_core(base, mode):.2f}, "
-            f"added p50 {res.added_p50(base, mode):.2f} -> {res.added_p50('disagg', mode):.2f}"
-            f" ms" for _, mode in MODES)]
+    lines = [""]
+    before = next((n for n in res.names if n.startswith("disagg @ ")), None)
+    for new, old, what in (("disagg", "disagg (asyncio loop)", "uvloop"),
+                           ("disagg (asyncio loop)", before, "this branch's relay path alone"),
+                           ("disagg", before, "this branch (relay path + uvloop)")):
+        if old in res.names:
+            lines.append(f"- {what}: *{new}* vs *{old}* (same run): " + "; ".join(
+                f"{mode} req/s x{res.rps(new, mode) / res.rps(old, mode):.2f}, per "
+                f"CPU-second x{res.per_core(new, mode) / res.per_core(old, mode):.2f}, added "
+                f"p50 {res.added_p50(old, mode):.2f} -> {res.added_p50(new, mode):.2f} ms"
+                for _, mode in MODES))
     if "vllm-router" not in res.names:
         return lines
     lines += ["", "Targets (issue 20: the disagg router at least as good as vllm-router, same "
@@ -732,8 +757,7 @@ def _short(file: str) -> str:
 
 def report(args: argparse.Namespace, res: dict[str, Any], load: tuple[float, float],
            when: str, host: list[str]) -> str:
-    lines = [f"# Router overhead ({when})", ""]
-    lines += [f"- {m}" for m in host]
+    lines = [f"# Router overhead ({when})", "", *[f"- {m}" for m in host]]
     lines += [
         f"- router: `disagg router` (round_robin, max_retries 0) in its own process pinned to "
         f"core {args.core} (`sched_setaffinity`); load generator and stub upstreams: one "
@@ -859,6 +883,9 @@ def main() -> int:
                    help="seconds per throughput run (--peers)")
     p.add_argument("--side-latency-requests", type=int, default=1000,
                    help="requests per latency measurement at 1 in flight (--peers)")
+    p.add_argument("--baseline", metavar="REV",
+                   help="also run the router of this git revision (on asyncio's loop) in the "
+                   "side by side (--peers): before / after in one run")
     args = p.parse_args()
     args.command = " ".join(["python bench/router_overhead.py", *sys.argv[1:]])
     cores = sorted(os.sched_getaffinity(0))
