@@ -513,7 +513,8 @@ async def _side_round(args: argparse.Namespace, res: SideBySide, name: str,
           flush=True)
 
 
-def side_report(args: argparse.Namespace, res: SideBySide) -> list[str]:
+def side_report(args: argparse.Namespace, res: SideBySide, share: float | None
+                ) -> list[str]:
     """The side-by-side table (medians over the rounds) and the issue's targets."""
     names = res.names
     c = args.throughput_concurrency
@@ -544,6 +545,12 @@ def side_report(args: argparse.Namespace, res: SideBySide) -> list[str]:
               f"{args.side_duration:g} s runs after a 1 s warm-up."]
     lines += [f"- {name}: **skipped**: {why}" for name, why in res.skipped.items()]
     lines += _side_targets(res)
+    if share is not None and "vllm-router" in res.names:
+        lines += ["", f"Why: the router's own code (disagg/router) is {share:.0%} of its CPU "
+                  f"time (profile below); the rest is aiohttp's client and server, the event "
+                  f"loop and prometheus_client. Matching a Rust router per core takes a "
+                  f"cheaper HTTP path than aiohttp's, or several router processes "
+                  f"(SO_REUSEPORT), neither of which this run measures."]
     return lines
 
 
@@ -703,6 +710,7 @@ async def measure(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
         finally:
             stop(router)
         results["profile"] = profile_table(prof)
+        results["router_share"] = router_share(prof)
     for s in servers.values():
         s.close()
     return results
@@ -719,6 +727,15 @@ PROFILE_GROUPS = (
     ("asyncio event loop", "asyncio/"),
     ("json", "json/"),
 )
+
+
+def router_share(path: Path) -> float:
+    """The share of the profiled own time spent in the router's code (disagg/router)."""
+    import pstats
+
+    rows = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
+    total = sum(v[2] for v in rows.values()) or 1.0
+    return sum(v[2] for (file, _, _), v in rows.items() if "/disagg/router/" in file) / total
 
 
 def profile_table(path: Path, top: int = 15) -> list[str]:
@@ -829,7 +846,7 @@ def report(args: argparse.Namespace, res: dict[str, Any], load: tuple[float, flo
     lines.append(f"- >= {TARGET_RPS:.0f} requests/s non-streaming on one router core: "
                  f"{verdict}")
     if res["side"] is not None:
-        lines += side_report(args, res["side"])
+        lines += side_report(args, res["side"], res.get("router_share"))
     if res["profile"]:
         lines += ["", f"## Where the router's CPU time goes (cProfile, aggregated "
                   f"non-streaming, {args.profile_seconds:g} s at {args.throughput_concurrency} "
