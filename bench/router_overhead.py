@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import platform
@@ -385,8 +386,8 @@ def router_config(port: int, ctx_port: int | None, gen_port: int) -> dict[str, A
 
 # -- side by side: the peer routers ---------------------------------------------------------------
 
-# The disagg router both ways in one run: uvloop (its default when installed) and asyncio's loop.
-DISAGG_VARIANTS = (("disagg", {}), ("disagg (asyncio loop)", {"DISAGG_ROUTER_UVLOOP": "0"}))
+# The disagg router both ways in one run: asyncio's loop (its default) and uvloop.
+DISAGG_VARIANTS = (("disagg", {}), ("disagg (uvloop)", {"DISAGG_ROUTER_UVLOOP": "1"}))
 MODES = ((False, "non-streaming"), (True, "streaming"))
 
 
@@ -455,6 +456,15 @@ class SideBySide:
     def rps(self, name: str, mode: str) -> float:
         return statistics.median(r.rps for r in self.tput[name, mode])
 
+    def ratio(self, new: str, old: str, mode: str, per_cpu: bool) -> float:
+        """Median over the rounds of new / old, each round's two runs being neighbours in
+        time (the drift of a shared host cancels better than in a ratio of medians)."""
+        def rate(r: RunResult) -> float:
+            return r.rps / r.router_cpu if per_cpu and r.router_cpu else r.rps
+
+        return statistics.median(rate(a) / rate(b) for a, b in zip(
+            self.tput[new, mode], self.tput[old, mode], strict=True))
+
     def per_core(self, name: str, mode: str) -> float:
         runs = [r.rps / r.router_cpu for r in self.tput[name, mode] if r.router_cpu]
         return statistics.median(runs) if runs else float("nan")
@@ -462,7 +472,7 @@ class SideBySide:
 
 async def side_by_side(args: argparse.Namespace, agg_port: int, router_for: Any,
                        log_dir: Path) -> SideBySide:
-    """The disagg router (uvloop and asyncio's loop) and the installed peers, each pinned to
+    """The disagg router (asyncio's loop and uvloop) and the installed peers, each pinned to
     the router core in turn, in front of the same stub, interleaved: every round measures
     each router once (latency at 1 in flight against the direct latency measured just before
     it, then throughput), so drift of the shared host hits all alike."""
@@ -471,11 +481,11 @@ async def side_by_side(args: argparse.Namespace, agg_port: int, router_for: Any,
         None, router_peers.install, venv)
     routers: dict[str, subprocess.Popen[bytes]] = {}
     res = SideBySide([], skipped, args.side_rounds, {}, {})
-    variants = list(DISAGG_VARIANTS)
+    variants = [v for v in DISAGG_VARIANTS  # the uvloop run when uvloop is installed
+                if "DISAGG_ROUTER_UVLOOP" not in v[1] or importlib.util.find_spec("uvloop")]
     if args.baseline:  # the router as committed at that revision: the "before"
         variants.append((f"disagg @ {args.baseline}",
-                         {"PYTHONPATH": str(checkout(args.baseline, log_dir)),
-                          "DISAGG_ROUTER_UVLOOP": "0"}))
+                         {"PYTHONPATH": str(checkout(args.baseline, log_dir))}))
     try:
         for name, extra_env in variants:
             routers[name] = await router_for(None, agg_port, extra_env=extra_env)
@@ -537,9 +547,9 @@ def side_report(args: argparse.Namespace, res: SideBySide, share: float | None
     peers = ", ".join(f"{p.package} {p.version}" for p in router_peers.PEERS)
     lines += ["", f"Peers ({peers}) run from the virtualenv `{args.peers_venv}` that the "
               f"script installs them into; `--policy round_robin`, default options otherwise. "
-              f"*disagg (asyncio loop)*: the same router with `DISAGG_ROUTER_UVLOOP=0`"
-              + (f"; *disagg @ {args.baseline}*: the router of that git revision (asyncio's "
-                 f"loop), the before of this change" if args.baseline else "") + ". Added "
+              f"*disagg (uvloop)*: the same router with `DISAGG_ROUTER_UVLOOP=1`"
+              + (f"; *disagg @ {args.baseline}*: the router of that git revision, the before "
+                 f"of this change" if args.baseline else "") + ". Added "
               f"latency: router p50 minus the stub's direct p50 measured just before it "
               f"({args.side_latency_requests} requests each); throughput: "
               f"{args.side_duration:g} s runs after a 1 s warm-up."]
@@ -558,15 +568,15 @@ def _side_targets(res: SideBySide) -> list[str]:
     """The issue's targets against vllm-router, and the uvloop before/after ratios."""
     lines = [""]
     before = next((n for n in res.names if n.startswith("disagg @ ")), None)
-    for new, old, what in (("disagg", "disagg (asyncio loop)", "uvloop"),
-                           ("disagg (asyncio loop)", before, "this branch's relay path alone"),
-                           ("disagg", before, "this branch (relay path + uvloop)")):
+    for new, old, what in (("disagg (uvloop)", "disagg", "uvloop"),
+                           ("disagg", before, "this branch's relay path")):
         if old in res.names:
-            lines.append(f"- {what}: *{new}* vs *{old}* (same run): " + "; ".join(
-                f"{mode} req/s x{res.rps(new, mode) / res.rps(old, mode):.2f}, per "
-                f"CPU-second x{res.per_core(new, mode) / res.per_core(old, mode):.2f}, added "
-                f"p50 {res.added_p50(old, mode):.2f} -> {res.added_p50(new, mode):.2f} ms"
-                for _, mode in MODES))
+            lines.append(f"- {what}: *{new}* vs *{old}* (same run; median over the rounds of "
+                         f"each round's ratio): " + "; ".join(
+                             f"{mode} req/s x{res.ratio(new, old, mode, False):.2f}, per "
+                             f"CPU-second x{res.ratio(new, old, mode, True):.2f}, added p50 "
+                             f"{res.added_p50(old, mode):.2f} -> "
+                             f"{res.added_p50(new, mode):.2f} ms" for _, mode in MODES))
     if "vllm-router" not in res.names:
         return lines
     lines += ["", "Targets (issue 20: the disagg router at least as good as vllm-router, same "
@@ -600,9 +610,9 @@ def machine() -> list[str]:
     cores = len(os.sched_getaffinity(0))
     try:
         import uvloop
-        loop = f"uvloop {uvloop.__version__} (the router's default event loop when installed)"
+        loop = f"uvloop {uvloop.__version__} (*disagg (uvloop)* below)"
     except ImportError:
-        loop = "uvloop not installed: the router runs on asyncio's loop"
+        loop = "uvloop not installed"
     return [f"CPU: {model}, {cores} cores available to this run ({os.cpu_count()} online)",
             f"{platform.system()} {platform.release()} {platform.machine()}, Python "
             f"{platform.python_version()}, aiohttp {aiohttp.__version__}, {loop}"]
@@ -892,7 +902,7 @@ def main() -> int:
                    help="profile the router for this long at the end (0: no profile)")
     p.add_argument("--peers", action="store_true",
                    help="also run sglang-router and vllm-router (installed into --peers-venv) "
-                   "and the disagg router on asyncio's loop, side by side")
+                   "and the disagg router on uvloop (when installed), side by side")
     p.add_argument("--peers-venv", default=str(Path(cache_root()) / "router-peers-venv"),
                    help="the peers' own virtualenv (created when missing)")
     p.add_argument("--side-rounds", type=int, default=3, help="interleaved rounds (--peers)")
@@ -901,8 +911,8 @@ def main() -> int:
     p.add_argument("--side-latency-requests", type=int, default=1000,
                    help="requests per latency measurement at 1 in flight (--peers)")
     p.add_argument("--baseline", metavar="REV",
-                   help="also run the router of this git revision (on asyncio's loop) in the "
-                   "side by side (--peers): before / after in one run")
+                   help="also run the router of this git revision in the side by side "
+                   "(--peers): before / after in one run")
     args = p.parse_args()
     args.command = " ".join(["python bench/router_overhead.py", *sys.argv[1:]])
     cores = sorted(os.sched_getaffinity(0))

@@ -1,4 +1,4 @@
-"""The router's data-plane choices: its event loop (uvloop unless turned off) and the metric
+"""The router's data-plane choices: its event loop (asyncio's; uvloop when asked) and the metric
 label children it resolves once (dropped with the worker they name)."""
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ def _loop_name(monkeypatch: pytest.MonkeyPatch, value: str | None) -> str:
         return runner.run(name())
 
 
-def test_uvloop_by_default_and_asyncio_when_turned_off(monkeypatch: pytest.MonkeyPatch
-                                                        ) -> None:
-    pytest.importorskip("uvloop")
-    assert _loop_name(monkeypatch, None) == "uvloop"
+def test_asyncio_by_default_and_uvloop_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _loop_name(monkeypatch, None) == "asyncio"
     assert _loop_name(monkeypatch, "0") == "asyncio"
+    pytest.importorskip("uvloop")
+    assert _loop_name(monkeypatch, "1") == "uvloop"
     monkeypatch.setenv("DISAGG_ROUTER_UVLOOP", "maybe")
     with pytest.raises(ValueError, match="DISAGG_ROUTER_UVLOOP"):
         event_loop_factory()

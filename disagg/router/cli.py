@@ -5,8 +5,8 @@ so a supervisor that asked for port 0 learns the port. SIGTERM / SIGINT stop it 
 The cluster token comes from ``$DISAGG_CLUSTER_TOKEN``; without one a router with context
 servers, or with ``disagg_cluster`` (unless ``--insecure-membership``), exits 2 at once.
 
-The event loop is uvloop's when it is installed (the ``serve`` extra pins it), unless
-``DISAGG_ROUTER_UVLOOP=0``: measured side by side in ``bench/router_overhead.py``.
+The event loop is asyncio's; ``DISAGG_ROUTER_UVLOOP=1`` runs it on uvloop (installed
+separately; measured side by side in ``bench/router_overhead.py``, it did not beat asyncio's).
 """
 
 from __future__ import annotations
@@ -69,14 +69,15 @@ def _cmd_router(args: argparse.Namespace) -> int:
 
 
 def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's loop (cheaper per request than asyncio's own; see bench/results/router.md)
-    when installed and not turned off by ``DISAGG_ROUTER_UVLOOP=0``; None: asyncio's."""
+    """uvloop's loop with ``DISAGG_ROUTER_UVLOOP=1``; None (asyncio's) otherwise.
+    RouterConfigError when it is asked for and not installed."""
     if not env.ROUTER_UVLOOP.get():
         return None
     try:
         import uvloop
     except ImportError:
-        return None
+        raise RouterConfigError("DISAGG_ROUTER_UVLOOP=1 but uvloop is not installed "
+                                "(pip install uvloop)") from None
     return uvloop.new_event_loop  # type: ignore[no-any-return]
 
 
