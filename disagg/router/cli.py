@@ -6,7 +6,8 @@ The cluster token comes from ``$DISAGG_CLUSTER_TOKEN``; without one a router wit
 servers, or with ``disagg_cluster`` (unless ``--insecure-membership``), exits 2 at once.
 
 The event loop is asyncio's; ``DISAGG_ROUTER_UVLOOP=1`` runs it on uvloop (installed
-separately; measured side by side in ``bench/router_overhead.py``, it did not beat asyncio's).
+separately; in ``bench/router_overhead.py``'s side by side its gain was within the run-to-run
+noise of a shared host, so it is opt-in).
 """
 
 from __future__ import annotations
