@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import platform
@@ -50,7 +51,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # this checkout's package, not an installed one
     sys.path.insert(0, str(ROOT))
 
+import router_peers  # noqa: E402  (bench/, the script's own folder)
+
 from disagg import procs  # noqa: E402
+from disagg.env import cache_root  # noqa: E402
 
 TARGET_ADDED_P50_MS = 1.0
 TARGET_RPS = 1500.0
@@ -149,19 +153,48 @@ class StubProtocol(asyncio.Protocol):
             if end < 0:
                 return
             head = self.buf[:end]
-            length = 0
+            length, chunked = 0, False
             lines = head.split(b"\r\n")
             for line in lines[1:]:
                 name, _, value = line.partition(b":")
-                if name.strip().lower() == b"content-length":
+                name = name.strip().lower()
+                if name == b"content-length":
                     length = int(value)
-            if len(self.buf) < end + 4 + length:
-                return
-            body = self.buf[end + 4:end + 4 + length]
-            self.buf = self.buf[end + 4 + length:]
-            method, target, _ = lines[0].split(b" ", 2)
+                elif name == b"transfer-encoding" and b"chunked" in value.lower():
+                    chunked = True  # (a peer router may send its body so)
+            if chunked:
+                got = _dechunk(self.buf, end + 4)
+                if got is None:
+                    return
+                body, used = got
+            else:
+                if len(self.buf) < end + 4 + length:
+                    return
+                body, used = self.buf[end + 4:end + 4 + length], end + 4 + length
+            self.buf = self.buf[used:]
+            request_line = lines[0].split(b" ", 2)
             assert self.transport is not None
+            if len(request_line) != 3 or not request_line[2].startswith(b"HTTP/1."):
+                self.transport.close()  # HTTP/1 only (a peer router probes for HTTP/2)
+                return
+            method, target, _ = request_line
             self.transport.write(self.stub.answer(method, target, body))
+
+
+def _dechunk(buf: bytes, start: int) -> tuple[bytes, int] | None:
+    """A chunked body starting at ``buf[start]``: (body, end offset), None until complete."""
+    parts, pos = [], start
+    while True:
+        eol = buf.find(b"\r\n", pos)
+        if eol < 0:
+            return None
+        size = int(buf[pos:eol].split(b";", 1)[0], 16)
+        if len(buf) < eol + 2 + size + 2:  # data + CRLF
+            return None
+        if size == 0:  # no trailers expected: the terminating CRLF follows
+            return b"".join(parts), eol + 4
+        parts.append(buf[eol + 2:eol + 2 + size])
+        pos = eol + 2 + size + 2
 
 
 # -- the load generator -------------------------------------------------------------------------
@@ -309,9 +342,10 @@ async def closed_loop(port: int, stream: bool, concurrency: int, *, requests: in
 
 
 def start_router(config: dict[str, Any], core: int, log_path: Path, timeout: float = 60.0,
-                 profile_to: Path | None = None) -> subprocess.Popen[bytes]:
-    """``disagg router`` pinned to ``core`` (under cProfile when ``profile_to`` is given);
-    returns once its /health answers 200."""
+                 profile_to: Path | None = None, extra_env: dict[str, str] | None = None
+                 ) -> subprocess.Popen[bytes]:
+    """``disagg router`` pinned to ``core`` (under cProfile when ``profile_to`` is given;
+    ``extra_env``: e.g. ``DISAGG_ROUTER_UVLOOP=0``); returns once its /health answers 200."""
     import yaml
 
     cfg_path = log_path.with_suffix(".yaml")
@@ -323,7 +357,8 @@ def start_router(config: dict[str, Any], core: int, log_path: Path, timeout: flo
     proc = procs.spawn(
         [*cmd, "router", "-c", str(cfg_path), "--log-level", "warning"], log_path,
         # A disaggregated router needs a cluster token (the stubs do not check signatures).
-        env={**os.environ, "DISAGG_CLUSTER_TOKEN": "router-overhead-bench"},
+        env={**os.environ, "DISAGG_CLUSTER_TOKEN": "router-overhead-bench",
+             **(extra_env or {})},
         cpus={core})  # pinned before exec: every thread the router makes stays on its core
     try:
         procs.wait_healthy(f"http://127.0.0.1:{config['port']}", timeout, proc=proc,
@@ -349,6 +384,215 @@ def router_config(port: int, ctx_port: int | None, gen_port: int) -> dict[str, A
     return cfg
 
 
+# -- side by side: the peer routers ---------------------------------------------------------------
+
+# The disagg router both ways in one run: asyncio's loop (its default) and uvloop.
+DISAGG_VARIANTS = (("disagg", {}), ("disagg (uvloop)", {"DISAGG_ROUTER_UVLOOP": "1"}))
+MODES = ((False, "non-streaming"), (True, "streaming"))
+
+
+async def wait_serving(proc: subprocess.Popen[bytes], port: int, log_path: Path,
+                       timeout: float = 60.0) -> None:
+    """Until a completion through the router on ``port`` is answered right (a router is ready
+    when it routes: the peers' own health endpoints mean different things)."""
+    deadline = time.monotonic() + timeout
+    raw, check = build_request(port, False), make_check(False)
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"router exited {proc.returncode}:\n{procs.log_tail(log_path)}")
+        try:
+            conn = await Conn.open(port)
+            try:
+                check(*await asyncio.wait_for(conn.request(raw), 5.0))
+                return
+            finally:
+                conn.close()
+        except (OSError, RuntimeError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"router on port {port} not serving after {timeout:g} s:"
+                                   f"\n{procs.log_tail(log_path)}") from None
+            await asyncio.sleep(0.2)
+
+
+def checkout(rev: str, into: Path) -> Path:
+    """The ``disagg`` package as of git revision ``rev`` (this repository), extracted under
+    ``into``; put it first on PYTHONPATH to run that revision's router."""
+    out = into / f"rev-{rev}"
+    out.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "disagg"],
+                             capture_output=True, check=True, timeout=60).stdout
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True, timeout=60)
+    return out
+
+
+async def start_peer(peer: router_peers.Peer, venv: Path, worker_port: int, core: int,
+                     log_dir: Path) -> subprocess.Popen[bytes]:
+    port, prom = procs.free_ports(2)
+    log_path = log_dir / f"{peer.package}-{port}.log"
+    proc = procs.spawn(peer.argv(venv, f"http://127.0.0.1:{worker_port}", port, prom),
+                       log_path, cpus={core})  # pinned before exec, as the disagg router
+    try:
+        await wait_serving(proc, port, log_path)
+    except RuntimeError:
+        stop(proc)
+        raise
+    proc.port = port  # type: ignore[attr-defined]
+    return proc
+
+
+@dataclass
+class SideBySide:
+    """Per router: added p50 at 1 in flight (one value a round) and throughput runs."""
+
+    names: list[str]
+    skipped: dict[str, str]
+    rounds: int
+    added: dict[tuple[str, str], list[float]]  # (router, mode) -> added p50 ms per round
+    tput: dict[tuple[str, str], list[RunResult]]
+
+    def added_p50(self, name: str, mode: str) -> float:
+        return statistics.median(self.added[name, mode])
+
+    def rps(self, name: str, mode: str) -> float:
+        return statistics.median(r.rps for r in self.tput[name, mode])
+
+    def ratio(self, new: str, old: str, mode: str, per_cpu: bool) -> float:
+        """Median over the rounds of new / old, each round's two runs being neighbours in
+        time (the drift of a shared host cancels better than in a ratio of medians)."""
+        def rate(r: RunResult) -> float:
+            return r.rps / r.router_cpu if per_cpu and r.router_cpu else r.rps
+
+        return statistics.median(rate(a) / rate(b) for a, b in zip(
+            self.tput[new, mode], self.tput[old, mode], strict=True))
+
+    def per_core(self, name: str, mode: str) -> float:
+        runs = [r.rps / r.router_cpu for r in self.tput[name, mode] if r.router_cpu]
+        return statistics.median(runs) if runs else float("nan")
+
+
+async def side_by_side(args: argparse.Namespace, agg_port: int, router_for: Any,
+                       log_dir: Path) -> SideBySide:
+    """The disagg router (asyncio's loop and uvloop) and the installed peers, each pinned to
+    the router core in turn, in front of the same stub, interleaved: every round measures
+    each router once (latency at 1 in flight against the direct latency measured just before
+    it, then throughput), so drift of the shared host hits all alike."""
+    venv = Path(args.peers_venv)
+    peers, skipped = await asyncio.get_running_loop().run_in_executor(
+        None, router_peers.install, venv)
+    routers: dict[str, subprocess.Popen[bytes]] = {}
+    res = SideBySide([], skipped, args.side_rounds, {}, {})
+    variants = [v for v in DISAGG_VARIANTS  # the uvloop run when uvloop is installed
+                if "DISAGG_ROUTER_UVLOOP" not in v[1] or importlib.util.find_spec("uvloop")]
+    if args.baseline:  # the router as committed at that revision: the "before"
+        variants.append((f"disagg @ {args.baseline}",
+                         {"PYTHONPATH": str(checkout(args.baseline, log_dir))}))
+    try:
+        for name, extra_env in variants:
+            routers[name] = await router_for(None, agg_port, extra_env=extra_env)
+        for peer in peers:
+            try:
+                routers[peer.name] = await start_peer(peer, venv, agg_port, args.core, log_dir)
+            except RuntimeError as e:
+                res.skipped[peer.name] = f"did not start: {str(e)[:300]}"
+        res.names = list(routers)
+        for rnd in range(args.side_rounds):
+            for name, proc in routers.items():
+                await _side_round(args, res, name, proc, agg_port, rnd)
+    finally:
+        for proc in routers.values():
+            stop(proc)
+    return res
+
+
+async def _side_round(args: argparse.Namespace, res: SideBySide, name: str,
+                      proc: subprocess.Popen[bytes], agg_port: int, rnd: int) -> None:
+    port = proc.port  # type: ignore[attr-defined]
+    for stream, mode in MODES:
+        d = await closed_loop(agg_port, stream, 1, requests=args.side_latency_requests)
+        r = await closed_loop(port, stream, 1, requests=args.side_latency_requests)
+        res.added.setdefault((name, mode), []).append(r.pct(50) - d.pct(50))
+    for stream, mode in MODES:
+        t = await closed_loop(port, stream, args.throughput_concurrency,
+                              duration=args.side_duration, warmup_s=1.0, router_pid=proc.pid)
+        res.tput.setdefault((name, mode), []).append(t)
+    print(f"round {rnd + 1} {name:<22} added p50 "
+          + " / ".join(f"{res.added[name, m][-1]:.2f}" for _, m in MODES) + " ms; "
+          + " / ".join(f"{res.tput[name, m][-1].rps:.0f}" for _, m in MODES)
+          + " req/s (non-streaming / streaming), router CPU "
+          + " / ".join(f"{res.tput[name, m][-1].router_cpu or 0:.0%}" for _, m in MODES),
+          flush=True)
+
+
+def side_report(args: argparse.Namespace, res: SideBySide, share: float | None
+                ) -> list[str]:
+    """The side-by-side table (medians over the rounds) and the issue's targets."""
+    names = res.names
+    c = args.throughput_concurrency
+    lines = ["", f"## Side by side with the Rust routers (aggregated, round robin, one core "
+             f"each; median of {res.rounds} interleaved rounds)", "",
+             "| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for _, mode in MODES:
+        lines.append(f"| added p50 latency, {mode}, 1 in flight | "
+                     + " | ".join(f"{res.added_p50(n, mode):.2f} ms" for n in names) + " |")
+    for _, mode in reversed(MODES):
+        lines.append(f"| {mode} req/s, {c} in flight, one core | "
+                     + " | ".join(f"{res.rps(n, mode):,.0f}" for n in names) + " |")
+    for _, mode in reversed(MODES):
+        lines.append(f"| {mode} req/s per router CPU-second | "
+                     + " | ".join(f"{res.per_core(n, mode):,.0f}" for n in names) + " |")
+    for _, mode in reversed(MODES):
+        lines.append(f"| router CPU (of its core), {mode} | " + " | ".join(
+            f"{statistics.median(r.router_cpu or 0 for r in res.tput[n, mode]):.0%}"
+            for n in names) + " |")
+    peers = ", ".join(f"{p.package} {p.version}" for p in router_peers.PEERS)
+    lines += ["", f"Peers ({peers}) run from the virtualenv `{args.peers_venv}` that the "
+              f"script installs them into; `--policy round_robin`, default options otherwise. "
+              f"*disagg (uvloop)*: the same router with `DISAGG_ROUTER_UVLOOP=1`"
+              + (f"; *disagg @ {args.baseline}*: the router of that git revision, the before "
+                 f"of this change" if args.baseline else "") + ". Added "
+              f"latency: router p50 minus the stub's direct p50 measured just before it "
+              f"({args.side_latency_requests} requests each); throughput: "
+              f"{args.side_duration:g} s runs after a 1 s warm-up."]
+    lines += [f"- {name}: **skipped**: {why}" for name, why in res.skipped.items()]
+    lines += _side_targets(res)
+    if share is not None and "vllm-router" in res.names:
+        lines += ["", f"Why: the router's own code (disagg/router) is {share:.0%} of its CPU "
+                  f"time (profile below); the rest is aiohttp's client and server, the event "
+                  f"loop and prometheus_client. Matching a Rust router per core takes a "
+                  f"cheaper HTTP path than aiohttp's, or several router processes "
+                  f"(SO_REUSEPORT), neither of which this run measures."]
+    return lines
+
+
+def _side_targets(res: SideBySide) -> list[str]:
+    """The issue's targets against vllm-router, and the uvloop before/after ratios."""
+    lines = [""]
+    before = next((n for n in res.names if n.startswith("disagg @ ")), None)
+    for new, old, what in (("disagg (uvloop)", "disagg", "uvloop"),
+                           ("disagg", before, "this branch's relay path")):
+        if old in res.names:
+            lines.append(f"- {what}: *{new}* vs *{old}* (same run; median over the rounds of "
+                         f"each round's ratio): " + "; ".join(
+                             f"{mode} req/s x{res.ratio(new, old, mode, False):.2f}, per "
+                             f"CPU-second x{res.ratio(new, old, mode, True):.2f}, added p50 "
+                             f"{res.added_p50(old, mode):.2f} -> "
+                             f"{res.added_p50(new, mode):.2f} ms" for _, mode in MODES))
+    if "vllm-router" not in res.names:
+        return lines
+    lines += ["", "Targets (issue 20: the disagg router at least as good as vllm-router, same "
+              "run):", ""]
+    for _, mode in MODES:
+        ours, theirs = res.added_p50("disagg", mode), res.added_p50("vllm-router", mode)
+        lines.append(f"- added p50, {mode}: {ours:.2f} ms vs {theirs:.2f} ms: "
+                     f"**{'met' if ours <= theirs else 'missed'}**")
+    for _, mode in MODES:
+        ours, theirs = res.per_core("disagg", mode), res.per_core("vllm-router", mode)
+        lines.append(f"- req/s per router core, {mode}: {ours:,.0f} vs {theirs:,.0f} per "
+                     f"CPU-second (x{ours / theirs:.2f}): "
+                     f"**{'met' if ours >= theirs else 'missed'}**")
+    return lines
+
+
 # -- the report ---------------------------------------------------------------------------------
 
 
@@ -364,9 +608,14 @@ def machine() -> list[str]:
     import aiohttp
 
     cores = len(os.sched_getaffinity(0))
+    try:
+        import uvloop
+        loop = f"uvloop {uvloop.__version__} (*disagg (uvloop)* below)"
+    except ImportError:
+        loop = "uvloop not installed"
     return [f"CPU: {model}, {cores} cores available to this run ({os.cpu_count()} online)",
             f"{platform.system()} {platform.release()} {platform.machine()}, Python "
-            f"{platform.python_version()}, aiohttp {aiohttp.__version__}"]
+            f"{platform.python_version()}, aiohttp {aiohttp.__version__}, {loop}"]
 
 
 def fmt(x: float) -> str:
@@ -413,11 +662,13 @@ async def measure(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     results: dict[str, Any] = {"rows": [], "tput": [], "profile": None}
 
     async def router_for(ctx_port: int | None, gen_port: int,
-                         profile_to: Path | None = None) -> subprocess.Popen[bytes]:
+                         profile_to: Path | None = None,
+                         extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         p = procs.free_port()
         cfg = router_config(p, ctx_port, gen_port)
         proc = await loop.run_in_executor(None, lambda: start_router(
-            cfg, args.core, log_dir / f"router-{p}.log", profile_to=profile_to))
+            cfg, args.core, log_dir / f"router-{p}.log", profile_to=profile_to,
+            extra_env=extra_env))
         proc.port = p  # type: ignore[attr-defined]
         return proc
 
@@ -451,6 +702,8 @@ async def measure(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
         finally:
             stop(router)
 
+    results["side"] = (await side_by_side(args, ports["agg"], router_for, log_dir)
+                       if args.peers else None)
     if args.profile_seconds > 0:  # where the router's time goes (aggregated, non-streaming)
         prof = log_dir / "router.prof"
         router = await router_for(None, ports["agg"], profile_to=prof)
@@ -467,6 +720,7 @@ async def measure(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
         finally:
             stop(router)
         results["profile"] = profile_table(prof)
+        results["router_share"] = router_share(prof)
     for s in servers.values():
         s.close()
     return results
@@ -483,6 +737,15 @@ PROFILE_GROUPS = (
     ("asyncio event loop", "asyncio/"),
     ("json", "json/"),
 )
+
+
+def router_share(path: Path) -> float:
+    """The share of the profiled own time spent in the router's code (disagg/router)."""
+    import pstats
+
+    rows = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
+    total = sum(v[2] for v in rows.values()) or 1.0
+    return sum(v[2] for (file, _, _), v in rows.items() if "/disagg/router/" in file) / total
 
 
 def profile_table(path: Path, top: int = 15) -> list[str]:
@@ -521,8 +784,7 @@ def _short(file: str) -> str:
 
 def report(args: argparse.Namespace, res: dict[str, Any], load: tuple[float, float],
            when: str, host: list[str]) -> str:
-    lines = [f"# Router overhead ({when})", ""]
-    lines += [f"- {m}" for m in host]
+    lines = [f"# Router overhead ({when})", "", *[f"- {m}" for m in host]]
     lines += [
         f"- router: `disagg router` (round_robin, max_retries 0) in its own process pinned to "
         f"core {args.core} (`sched_setaffinity`); load generator and stub upstreams: one "
@@ -593,6 +855,8 @@ def report(args: argparse.Namespace, res: dict[str, Any], load: tuple[float, flo
                    f"profile below)")
     lines.append(f"- >= {TARGET_RPS:.0f} requests/s non-streaming on one router core: "
                  f"{verdict}")
+    if res["side"] is not None:
+        lines += side_report(args, res["side"], res.get("router_share"))
     if res["profile"]:
         lines += ["", f"## Where the router's CPU time goes (cProfile, aggregated "
                   f"non-streaming, {args.profile_seconds:g} s at {args.throughput_concurrency} "
@@ -636,6 +900,19 @@ def main() -> int:
                    help="skip the context + generation router (two upstream calls per request)")
     p.add_argument("--profile-seconds", type=float, default=4.0,
                    help="profile the router for this long at the end (0: no profile)")
+    p.add_argument("--peers", action="store_true",
+                   help="also run sglang-router and vllm-router (installed into --peers-venv) "
+                   "and the disagg router on uvloop (when installed), side by side")
+    p.add_argument("--peers-venv", default=str(Path(cache_root()) / "router-peers-venv"),
+                   help="the peers' own virtualenv (created when missing)")
+    p.add_argument("--side-rounds", type=int, default=3, help="interleaved rounds (--peers)")
+    p.add_argument("--side-duration", type=float, default=4.0,
+                   help="seconds per throughput run (--peers)")
+    p.add_argument("--side-latency-requests", type=int, default=1000,
+                   help="requests per latency measurement at 1 in flight (--peers)")
+    p.add_argument("--baseline", metavar="REV",
+                   help="also run the router of this git revision in the side by side "
+                   "(--peers): before / after in one run")
     args = p.parse_args()
     args.command = " ".join(["python bench/router_overhead.py", *sys.argv[1:]])
     cores = sorted(os.sched_getaffinity(0))

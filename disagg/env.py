@@ -36,6 +36,9 @@ UCX_TLS                    str             unset                     UCX's trans
                                                                      to explain staging decisions
 OPENAI_API_KEY             str             none                      ``disagg bench``'s default
                                                                      ``--api-key``
+DISAGG_ROUTER_UVLOOP       boolean         false                     true: ``disagg router``
+                                                                     runs on uvloop (installed
+                                                                     separately), not asyncio's
 =========================  ==============  ========================  =========================
 
 Writes stay where they happen, each for a reason: ``transfer/ucx.py`` sets UCX's own
@@ -203,11 +206,14 @@ UCX_TLS: EnvVar[str] = EnvVar(
     "is staged through host memory)")
 OPENAI_API_KEY: EnvVar[str | None] = EnvVar(
     "OPENAI_API_KEY", _optional_str, None, "disagg bench's default --api-key")
+ROUTER_UVLOOP: EnvVar[bool] = EnvVar(
+    "DISAGG_ROUTER_UVLOOP", parse_bool, False,
+    "true: disagg router runs on uvloop (pip install uvloop) instead of asyncio's own loop")
 
 VARIABLES: tuple[EnvVar, ...] = (
     CLUSTER_TOKEN, CPU_KERNELS, CUDA_ATTENTION, KERNEL_CACHE_DIR, CACHE, XDG_CACHE_HOME,
     DIST_TIMEOUT_S, STARTUP_TIMEOUT_S, KV_DEVICE_DIRECT, KV_RECV_POOL, CUDA_VISIBLE_DEVICES,
-    UCX_TLS, OPENAI_API_KEY)
+    UCX_TLS, OPENAI_API_KEY, ROUTER_UVLOOP)
 
 
 def cache_root() -> str:

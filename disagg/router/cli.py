@@ -4,6 +4,10 @@ Once listening it prints ``disagg router listening on http://HOST:PORT`` (flushe
 so a supervisor that asked for port 0 learns the port. SIGTERM / SIGINT stop it (exit 0).
 The cluster token comes from ``$DISAGG_CLUSTER_TOKEN``; without one a router with context
 servers, or with ``disagg_cluster`` (unless ``--insecure-membership``), exits 2 at once.
+
+The event loop is asyncio's; ``DISAGG_ROUTER_UVLOOP=1`` runs it on uvloop (installed
+separately; in ``bench/router_overhead.py``'s side by side its gain was within the run-to-run
+noise of a shared host, so it is opt-in).
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ import dataclasses
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from typing import Any
 
+from disagg import env
 from disagg.router.config import ClusterConfig, RouterConfigError, load_cluster_config
 
 
@@ -52,14 +58,34 @@ def _cmd_router(args: argparse.Namespace) -> int:
             config = dataclasses.replace(config, public_metrics=True)
         host = args.host or config.hostname
         port = config.port if args.port is None else args.port
-        return asyncio.run(serve(config, host, port,
-                                 insecure_membership=args.insecure_membership))
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+            return runner.run(serve(config, host, port,
+                                    insecure_membership=args.insecure_membership))
     except RouterConfigError as e:
         print(f"disagg router: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # the address is taken, etc.
         print(f"disagg router: error: cannot listen: {e}", file=sys.stderr)
         return 1
+
+
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop with ``DISAGG_ROUTER_UVLOOP=1``; None (asyncio's) otherwise.
+    RouterConfigError when it is asked for and not installed."""
+    if not env.ROUTER_UVLOOP.get():
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        raise RouterConfigError("DISAGG_ROUTER_UVLOOP=1 but uvloop is not installed "
+                                "(pip install uvloop)") from None
+    return uvloop.new_event_loop  # type: ignore[no-any-return]
+
+
+def event_loop_name() -> str:
+    """The running loop's implementation (logged at start)."""
+    return "uvloop" if type(asyncio.get_running_loop()).__module__.startswith("uvloop") \
+        else "asyncio"
 
 
 async def serve(config: ClusterConfig, host: str, port: int,
@@ -75,6 +101,7 @@ async def serve(config: ClusterConfig, host: str, port: int,
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     shown = f"[{host}]" if ":" in host else host
+    logging.getLogger("disagg.router").info("event loop: %s", event_loop_name())
     print(f"disagg router listening on http://{shown}:{bound}", flush=True)
     try:
         await stop.wait()

@@ -100,11 +100,12 @@ class RequestFlow:
         policy = self.policies[role]
         decision = policy.select(candidates, route)
         w = decision.worker
-        self.metrics.decisions.labels(role, policy.name, w.url).inc()
+        self.metrics.child(self.metrics.decisions, role, policy.name, w.url).inc()
         if policy.needs_kv_index and route.num_tokens:
-            self.metrics.kv_prompt.labels(role).inc(route.num_tokens)
+            self.metrics.child(self.metrics.kv_prompt, role).inc(route.num_tokens)
             if decision.matched_tokens:
-                self.metrics.kv_matched.labels(role, w.url).inc(decision.matched_tokens)
+                self.metrics.child(self.metrics.kv_matched, role, w.url).inc(
+                    decision.matched_tokens)
         return decision
 
     @staticmethod

@@ -81,7 +81,7 @@ class Handlers:
                 st.outcome = "disconnected"
             raise
         finally:
-            metrics.requests.labels(path, st.outcome).inc()
+            metrics.child(metrics.requests, path, st.outcome).inc()
             metrics.request_latency.observe(time.monotonic() - t0)
 
     async def _route(self, request: web.Request, st: RequestState, path: str, raw: bytes

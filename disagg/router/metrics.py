@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -68,6 +69,17 @@ class RouterMetrics:
         self.kv_prompt = Counter(P + "kv_prompt_tokens", "Prompt tokens routed by "
                                  "kv_cache_aware.", ["role"], registry=r)
         r.register(_WorkerCollector(membership))
+        # Labelled children resolved once: prometheus_client's labels() checks and joins the
+        # values under a lock on every call (~1.5% of the router's time under load).
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def child(self, metric: MetricWrapperBase, *values: str) -> Any:
+        """``metric.labels(*values)``, cached."""
+        key = (id(metric), values)  # (the metrics live as long as self)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
 
     def forget_worker(self, role: str, policy: str, url: str) -> None:
         """Drop the series labelled with a worker that left the cluster: with dynamic
@@ -75,6 +87,7 @@ class RouterMetrics:
         would otherwise keep each one's series for the router's lifetime."""
         for metric, labels in ((self.decisions, (role, policy, url)),
                                (self.kv_matched, (role, url))):
+            self._children.pop((id(metric), labels), None)
             with contextlib.suppress(KeyError):  # never used (older prometheus_client raises)
                 metric.remove(*labels)
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import json
 import logging
 import weakref
 from typing import Any
 
 import aiohttp
+import yarl
 
 from disagg.roles import Role
 from disagg.router.config import ClusterConfig
@@ -78,6 +80,12 @@ _STALE_CONNECTION = tuple(e for e in (aiohttp.ServerDisconnectedError, aiohttp.C
 # request; this costs ~1 us.
 _SENT_ON_USED: contextvars.ContextVar[bool] = contextvars.ContextVar("sent_on_used",
                                                                     default=False)
+
+
+@functools.lru_cache(maxsize=1024)
+def _url(base: str, path: str) -> yarl.URL:
+    """A worker endpoint's URL, parsed once (aiohttp parses a str URL on every request)."""
+    return yarl.URL(base + path)
 
 
 class _Connector(aiohttp.TCPConnector):
@@ -160,7 +168,7 @@ class UpstreamClient:
     async def _send(self, w: Worker, path: str, data: bytes, signed: bool
                     ) -> aiohttp.ClientResponse:
         assert self.session is not None and self.fresh_session is not None
-        url, base = w.base + path, self.headers[w.pool]
+        url, base = _url(w.base, path), self.headers[w.pool]
         headers = {**base, **self.auth.signature("POST", path, data)} if signed else base
         _SENT_ON_USED.set(False)
         try:
