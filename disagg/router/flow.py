@@ -189,7 +189,8 @@ class RequestFlow:
             if path == COMPLETIONS and prompt_ids is not None and not body.get("echo"):
                 # No second tokenization on the worker (an echo answer needs the text).
                 gen_body["prompt"] = prompt_ids
-            lease = _Lease(ctx_worker, dp, dumps(gen_body), answer.get("usage") or {})
+            lease = _Lease(ctx_worker, dp, dumps(gen_body), answer.get("usage") or {},
+                           _max_tokens(path, body))
             try:
                 return await self._generation(request, st, path, route, gen, ctx, lease)
             except Failed:
@@ -209,7 +210,10 @@ class RequestFlow:
                 if resp.status >= 500:
                     raise await self.upstream.error_answer(w, resp)
                 body = await self.upstream.read(w, resp)
-                self.metrics.ctx_latency.observe(time.monotonic() - t0)
+                dt = time.monotonic() - t0
+                self.metrics.ctx_latency.observe(dt)
+                if resp.status == 200:
+                    self.membership.load.context(dt)  # the planner's TTFT sample
                 if resp.status != 200:
                     raise Reply(resp.status, body, resp.content_type or "application/json")
                 try:
@@ -245,8 +249,11 @@ class RequestFlow:
             # (else never reached, or died before answering: the lease may still be good)
 
         async def call(w: Worker) -> web.StreamResponse:
+            t0 = time.monotonic()
             out = await self.relay.call_and_relay(request, st, w, path, lease.data, route,
                                                   lease.ctx_usage, signed=True)
+            if out.status == 200:  # the planner's TPOT sample
+                self.membership.load.generation(time.monotonic() - t0, lease.max_tokens)
             # A refusal (4xx) reads no KV: free the lease now, not at its expiry
             # (idempotent should the worker have released it too).
             lease.taken = out.status < 400
@@ -263,4 +270,13 @@ class _Lease:
     params: Mapping[str, Any]  # the context answer's disaggregated_params
     data: bytes  # the generation_only request
     ctx_usage: Mapping[str, Any]
+    max_tokens: int | None = None  # the output tokens asked for (the planner's TPOT sample)
     taken: bool = False  # a generation worker took it (and releases it on every path)
+
+
+def _max_tokens(path: str, body: Mapping[str, Any]) -> int | None:
+    """The output tokens the request asks for (completions' default 16; None: unbounded)."""
+    n = body.get("max_completion_tokens", body.get("max_tokens"))
+    if n is None and path == COMPLETIONS:
+        return 16
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
