@@ -6,6 +6,7 @@ under a concurrent load, and the planner moving a worker toward a slow side."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -21,10 +22,10 @@ import httpx
 import pytest
 import yaml
 from aiohttp import web
+from router_fixtures import DYNAMIC, ROUTER_TOKEN, LoopThread, metric, running_router
 
 from disagg import procs
 from disagg.cluster_auth import HttpSigner
-from tests.router_fixtures import ROUTER_TOKEN, LoopThread, metric
 
 TYPE_ROLE = {"context_only": "context", "generation_only": "generation"}
 
@@ -45,6 +46,25 @@ class StubWorker:
         self.wrong_type: list[str] = []  # served requests whose type did not fit: must be none
         self.refused_switching = 0  # arrived while switching (503 role_switching)
         self.url = ""
+        self.router_url: str | None = None  # registered there (heartbeats, re-registers)
+
+    async def register(self) -> None:
+        """One registration with the current role (the worker's RouterRegistration)."""
+        import aiohttp
+
+        assert self.router_url is not None
+        body = json.dumps({"role": self.role, "url": self.url}).encode()
+        headers = {"Content-Type": "application/json",
+                   **HttpSigner(ROUTER_TOKEN).headers("POST", "/cluster/register", body)}
+        async with aiohttp.ClientSession() as s, s.post(
+                self.router_url + "/cluster/register", data=body, headers=headers) as r:
+            assert r.status == 200, await r.text()
+
+    async def heartbeat(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):  # the router may be gone at the end
+                await self.register()
+            await asyncio.sleep(0.2)
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -82,6 +102,8 @@ class StubWorker:
         await asyncio.sleep(self.drain_s)
         self.role, self.switch = role, None
         self.switches += 1
+        if self.router_url is not None:
+            await self.register()  # at once with the new role, as the contract says
 
     async def completions(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -305,3 +327,45 @@ def test_planner_moves_a_worker_to_the_slow_side(stubs: dict[str, StubWorker],
     assert load.errors == [], load.errors[:3]
     for s in stubs.values():
         assert s.wrong_type == []
+
+
+def test_registered_worker_switch_reregisters() -> None:
+    """Dynamic membership: the switched worker re-registers with its new role at once (racing
+    the router's own poll); it ends up in the new pool once, healthy, and keeps heartbeating
+    there."""
+    lt = LoopThread()
+    workers = [StubWorker(role) for role in ("context", "generation", "generation")]
+    runners, beats = [], []
+    cfg = {**DYNAMIC, "disagg_cluster": {**DYNAMIC["disagg_cluster"],
+                                         "inactive_timeout_sec": 5.0}}
+    try:
+        with running_router(cfg, lt) as url:
+            for w in workers:
+                runner, wurl = lt.serve(w.app())
+                runners.append(runner)
+                w.url, w.router_url = wurl.removeprefix("http://"), url
+                beats.append(asyncio.run_coroutine_threadsafe(w.heartbeat(), lt.loop))
+            deadline = time.monotonic() + 10
+            while len(pools(url)["generation"]) < 2 or len(pools(url)["context"]) < 1:
+                assert time.monotonic() < deadline, pools(url)
+                time.sleep(0.05)
+            procs.wait_healthy(url, 10)
+            g2 = workers[2]
+            r = signed_post(url, "/admin/role", {"url": g2.url, "role": "context"})
+            assert r.status_code == 200 and r.json()["state"] == "done", r.text
+            info = httpx.get(url + "/cluster_info", timeout=10).json()
+            ctx = {w["url"]: w for w in info["workers"]["context"]}
+            assert len(info["workers"]["context"]) == 2  # once, whoever moved it first
+            assert set(ctx) == {workers[0].url, g2.url} and ctx[g2.url]["source"] == "registered"
+            assert ctx[g2.url]["healthy"] and ctx[g2.url]["role"] == "context"
+            assert [w["url"] for w in info["workers"]["generation"]] == [workers[1].url]
+            r = httpx.post(url + "/v1/completions", timeout=10,
+                           json={"model": "stub", "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            assert all(w.wrong_type == [] for w in workers)
+    finally:
+        for b in beats:
+            b.cancel()
+        for runner in runners:
+            lt.run(runner.cleanup())
+        lt.close()

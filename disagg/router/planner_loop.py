@@ -27,7 +27,7 @@ from disagg.router.planner import (
     SideSnapshot,
     decide,
 )
-from disagg.router.role_switch import RoleSwitcher
+from disagg.router.role_switch import RoleSwitcher, SwitchBusy, SwitchRefused
 
 logger = logging.getLogger("disagg.router.planner")
 
@@ -102,8 +102,14 @@ class PlannerLoop:
         if worker is not None:
             assert decision.to_role is not None
             self._switch_task = asyncio.get_running_loop().create_task(
-                self.switcher.switch(worker, decision.to_role, self.config.switch_timeout_s))
+                self._flip(worker, decision.to_role))
         return decision
+
+    async def _flip(self, worker: Worker, role: str) -> None:
+        try:
+            await self.switcher.switch(worker, role, self.config.switch_timeout_s)
+        except (SwitchBusy, SwitchRefused) as e:  # an operator's switch came first
+            logger.warning("planner: flip of %s not started: %s", worker.url, e)
 
     def _donor(self, role: Role) -> Worker | None:
         ws = [w for w in self.membership.candidates(role)
