@@ -171,3 +171,14 @@ def test_yaml_planner_section(tmp_path) -> None:
     with pytest.raises(RouterConfigError, match=r"^f.yaml: planner: .*context_servers"):
         parse_cluster_config({"generation_servers": {"urls": ["localhost:9002"]},
                               "planner": {"ttft_slo_ms": 1, "tpot_slo_ms": 1}}, "f.yaml")
+
+
+def test_cli_planner_needs_the_section(tmp_path, capsys) -> None:
+    import yaml
+
+    from disagg.cli import main as cli_main
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(BASE))
+    assert cli_main(["router", "-c", str(path), "--port", "0", "--planner"]) == 2
+    assert "planner: missing: --planner needs a planner: section" in capsys.readouterr().err

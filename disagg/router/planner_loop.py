@@ -4,7 +4,8 @@ decision, keeps the last ones for ``/cluster_info``, and carries out a flip with
 ``RoleSwitcher`` (in the background: the next intervals see it running and hold).
 
 The window a decision reads starts at the later of ``now - window_s`` and the end of the last
-flip, so samples taken before a flip never justify the next one (``min_samples`` then makes it
+switch (the planner's or an operator's ``POST /admin/role``; ``hysteresis_s`` counts from it
+too), so samples taken before a flip never justify the next one (``min_samples`` then makes it
 wait for fresh ones). The worker that moves is the donor side's healthy worker with the fewest
 of the router's requests in flight (the shortest drain).
 """
