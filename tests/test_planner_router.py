@@ -290,6 +290,33 @@ def test_admin_role_switches_under_load(stubs: dict[str, StubWorker], router: st
     assert info["planner"]["config"]["enabled"] is False
 
 
+def test_admin_role_timeout_then_late_switch_is_adopted(stubs: dict[str, StubWorker],
+                                                         router: str) -> None:
+    """A switch past its deadline: 504, the worker goes where its /server_info says (still
+    generation, draining: out of rotation, not failing); when it finishes late, the health
+    check moves it to its new pool."""
+    g1 = stubs["g1"]
+    g1.drain_s = 1.5
+    try:
+        r = signed_post(router, "/admin/role", {"url": g1.url, "role": "context",
+                                                "timeout_s": 0.3})
+        assert r.status_code == 504 and r.json()["state"] == "timeout", r.text
+        assert r.json()["pool"] == "generation"
+        info = httpx.get(router + "/cluster_info", timeout=10).json()
+        w = next(w for w in info["workers"]["generation"] if w["url"] == g1.url)
+        assert not w["healthy"] and w["reason"].startswith("switching role to context")
+        deadline = time.monotonic() + 10
+        while g1.url not in pools(router)["context"]:
+            assert time.monotonic() < deadline, pools(router)
+            time.sleep(0.05)
+    finally:
+        g1.drain_s = 0.2
+    assert metric(router, "disagg_router_role_switches_total", outcome="timeout") == 1
+    r = signed_post(router, "/admin/role", {"url": g1.url, "role": "generation"})
+    assert r.status_code == 200, r.text
+    assert g1.url in pools(router)["generation"]
+
+
 @pytest.mark.parametrize("router", [True], indirect=True, ids=["planner"])
 def test_planner_moves_a_worker_to_the_slow_side(stubs: dict[str, StubWorker],
                                                   router: str) -> None:
