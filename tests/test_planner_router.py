@@ -47,6 +47,7 @@ class StubWorker:
         self.refused_switching = 0  # arrived while switching (503 role_switching)
         self.url = ""
         self.router_url: str | None = None  # registered there (heartbeats, re-registers)
+        self.refuse_switching = False  # refuse requests as switching (a switch just begun)
 
     async def register(self) -> None:
         """One registration with the current role (the worker's RouterRegistration)."""
@@ -79,7 +80,9 @@ class StubWorker:
         return web.json_response({"status": "ok"})
 
     async def server_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"role": self.role, "role_switch": self.switch,
+        switch = self.switch or ({"from": self.role, "to": "context", "state": "draining"}
+                                 if self.refuse_switching else None)
+        return web.json_response({"role": self.role, "role_switch": switch,
                                   "role_switches": self.switches, "worker_id": self.url,
                                   "tokens_per_block": 16})
 
@@ -108,7 +111,7 @@ class StubWorker:
     async def completions(self, request: web.Request) -> web.Response:
         body = await request.json()
         rtype = (body.get("disaggregated_params") or {}).get("request_type")
-        if self.switch is not None:
+        if self.switch is not None or self.refuse_switching:
             self.refused_switching += 1
             return web.json_response({"error": {"message": "switching", "code":
                                                 "role_switching"}}, status=503)
@@ -393,6 +396,36 @@ def test_registered_worker_switch_reregisters() -> None:
     finally:
         for b in beats:
             b.cancel()
+        for runner in runners:
+            lt.run(runner.cleanup())
+        lt.close()
+
+
+def test_generation_refusal_while_switching_keeps_the_lease() -> None:
+    """A generation worker that refuses with 503 role_switching (a switch that began as the
+    request was sent) read no KV: the next generation worker takes the same context answer,
+    with no second prefill, and the refusing worker leaves rotation."""
+    lt = LoopThread()
+    ctx, g1, g2 = StubWorker("context"), StubWorker("generation"), StubWorker("generation")
+    runners = []
+    try:
+        for w in (ctx, g1, g2):
+            runner, wurl = lt.serve(w.app())
+            runners.append(runner)
+            w.url = wurl.removeprefix("http://")
+        cfg = {"health_check_interval_sec": 30, "context_servers": {"urls": [ctx.url]},
+               "generation_servers": {"urls": [g1.url, g2.url]}}
+        with running_router(cfg, lt) as url:
+            procs.wait_healthy(url, 10)
+            g1.refuse_switching = True  # after the router's checks: its switch just began
+            for _ in range(4):
+                r = httpx.post(url + "/v1/completions", timeout=10,
+                               json={"model": "stub", "prompt": "hi", "max_tokens": 2})
+                assert r.status_code == 200, r.text
+            assert g1.refused_switching == 1  # then out of rotation
+            assert ctx.served["context_only"] == 4  # one prefill per request
+            assert g2.served["generation_only"] == 4
+    finally:
         for runner in runners:
             lt.run(runner.cleanup())
         lt.close()

@@ -13,11 +13,13 @@ is relayed to the client.
 Retries (``max_retries`` failures per side, one helper: ``retrying``): a connection failure or
 a 5xx before the first byte reached the client tries another worker of that side. After a
 generation worker failed, the lease decides what is retried: a worker that never saw the request
-leaves the lease intact (same context answer, next generation worker); one that answered an
-error released it (prefill again); a failed KV pull (error code ``kv_transfer_failed``) is the
-context side's fault (prefill again, on another context worker if there is one; the generation
-worker stays in the running). A 4xx is the client's answer at once. When no generation worker
-took the request, the context worker is asked to free the lease now (``/kv_leases/release``).
+leaves the lease intact (same context answer, next generation worker), as does one that
+refused it with 503 ``role_switching`` (it is changing roles: ``role_switch``); one that
+answered another error released it (prefill again); a failed KV pull (error code
+``kv_transfer_failed``) is the context side's fault (prefill again, on another context worker
+if there is one; the generation worker stays in the running). A 4xx is the client's answer at
+once. When no generation worker took the request, the context worker is asked to free the
+lease now (``/kv_leases/release``).
 
 A request sent whole (aggregated cluster, several prompts, ``n > 1``, or conditional
 disaggregation's local prefill) takes the generation side's retries alone.
@@ -40,9 +42,10 @@ from disagg.router.policies import Decision, RouteRequest, RoutingPolicy
 from disagg.router.prompt_tokens import COMPLETIONS
 from disagg.router.relay import Relay, RequestState, counted, final_answer
 from disagg.router.replies import Reply, dumps
-from disagg.router.upstream import Failed, UpstreamClient
+from disagg.router.upstream import Failed, UpstreamClient, error_code
 
 T = TypeVar("T")
+ROLE_SWITCHING = "role_switching"  # a worker's 503 code while it changes roles (role_switch)
 
 
 @dataclass
@@ -245,6 +248,9 @@ class RequestFlow:
                 ctx.retry_reason = (Role.CONTEXT.value, f.reason)
                 return True
             gen.failed(w, f)
+            if f.reply is not None and f.reply.status == 503 and error_code(
+                    f.reply.body) == ROLE_SWITCHING:
+                return False  # refused before reading anything: the lease is intact
             return f.reply is not None  # it answered, so it released the lease
             # (else never reached, or died before answering: the lease may still be good)
 
