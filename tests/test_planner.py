@@ -182,3 +182,35 @@ def test_cli_planner_needs_the_section(tmp_path, capsys) -> None:
     path.write_text(yaml.safe_dump(BASE))
     assert cli_main(["router", "-c", str(path), "--port", "0", "--planner"]) == 2
     assert "planner: missing: --planner needs a planner: section" in capsys.readouterr().err
+
+
+def test_planner_loop_window_starts_after_the_last_switch() -> None:
+    """The snapshot reads samples of the last ``window_s`` seconds but none from before the
+    last switch's end; the rate is the generation calls completed per second of that span."""
+    from disagg.router.membership import Membership
+    from disagg.router.planner_loop import PlannerLoop
+    from disagg.router.role_switch import RoleSwitcher
+    from disagg.router.router import _policy_configs
+
+    cluster = parse_cluster_config({**BASE, "planner": {"ttft_slo_ms": 100, "tpot_slo_ms": 10,
+                                                        "window_s": 10, "interval_s": 1,
+                                                        "min_samples": 2}})
+    m = Membership(cluster, _policy_configs(cluster))
+    for w in m.by_url.values():
+        w.healthy, w.role = True, w.pool.value
+    switcher = RoleSwitcher(m)
+    assert cluster.planner is not None
+    loop = PlannerLoop(cluster.planner, m, switcher)
+    loop.started = 0.0
+    for t in (1.0, 2.0, 5.0, 6.0, 7.0):  # context 500 ms, generation 5 ms per token
+        m.load.context(0.5, now=t)
+        m.load.generation(0.02, 4, now=t)
+    snap = loop.snapshot(now=8.0)
+    assert snap.context.latencies_ms == (500.0,) * 5 and snap.rate == pytest.approx(5 / 8)
+    assert snap.generation.latencies_ms == (5.0,) * 5 and snap.osl == 4
+    assert (snap.context.workers, snap.generation.workers) == (1, 1)
+    switcher.last_end = 4.5  # a switch ended here: older samples are not read
+    snap = loop.snapshot(now=8.0)
+    assert len(snap.context.latencies_ms) == 3 and snap.rate == pytest.approx(3 / 3.5)
+    assert snap.since_last_flip_s == pytest.approx(3.5)
+    assert loop.snapshot(now=20.0).context.latencies_ms == ()  # all older than window_s

@@ -90,6 +90,10 @@ class PlannerLoop:
             return None  # aggregated workers are left alone
         snap = self.snapshot(now)
         self.last_snapshot = _public_snapshot(self.config, snap)
+        for role in (Role.CONTEXT, Role.GENERATION):  # the workers' own word (not decided on)
+            used = [w.kv_blocks_used for w in self.membership.pools[role]
+                    if w.kv_blocks_used is not None]
+            self.last_snapshot[role.value]["kv_blocks_used"] = sum(used) if used else None
         decision = decide(self.config, snap)
         if decision is None:
             return None
