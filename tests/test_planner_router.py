@@ -158,7 +158,7 @@ def stubs() -> Iterator[dict[str, StubWorker]]:
 
 
 PLANNER = {"ttft_slo_ms": 150, "tpot_slo_ms": 100, "interval_s": 0.3, "window_s": 3,
-           "min_samples": 8, "hysteresis_s": 1.5, "min_per_role": 1, "headroom": 0.2,
+           "min_samples": 8, "hysteresis_s": 3, "min_per_role": 1, "headroom": 0.2,
            "switch_timeout_s": 10}
 
 
