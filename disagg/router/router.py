@@ -3,7 +3,9 @@
 Parts: the sides' routing policies (``policies``), the workers (``membership``), the prompt's
 tokens for the policies that need them (``prompt_tokens``), the client of the workers
 (``upstream``), the relay of their answers (``relay``), the request flow with its retries
-(``flow``) and the Prometheus metrics (``metrics``). The HTTP handlers (``handlers``) use them.
+(``flow``), the Prometheus metrics (``metrics``), role switches (``role_switch``) and, with
+``planner.enabled`` / ``--planner``, the planner (``planner_loop`` over ``planner``). The HTTP
+handlers (``handlers``) use them.
 
 Cluster authentication: the router signs (``cluster_auth.HttpSigner``, with the token from
 ``$DISAGG_CLUSTER_TOKEN``) the calls whose handling depends on it: the generation_only call (a
