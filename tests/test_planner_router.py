@@ -241,6 +241,11 @@ def test_admin_role_switches_under_load(stubs: dict[str, StubWorker], router: st
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_cluster_signature"
     r = signed_post(router, "/admin/role", {"url": g2.url, "role": "prefill"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "role"
+    for bad, param in (({"url": ["x"], "role": "context"}, "url"),
+                       ({"url": g2.url, "role": "context", "timeout_s": 0}, "timeout_s"),
+                       ({"url": g2.url, "role": ["context"]}, "role")):
+        r = signed_post(router, "/admin/role", bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     r = signed_post(router, "/admin/role", {"url": "127.0.0.1:9", "role": "context"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "url"
     r = signed_post(router, "/admin/role", {"url": g2.url, "role": "generation"})
