@@ -44,6 +44,9 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--insecure-membership", action="store_true",
                    help="with disagg_cluster but no cluster token ($DISAGG_CLUSTER_TOKEN): "
                    "accept worker registrations from anyone (trusted networks only)")
+    p.add_argument("--planner", action="store_true",
+                   help="run the planner: move workers between the context and generation "
+                   "pools as the load shifts (settings: the YAML's planner: section)")
     p.set_defaults(func=_cmd_router)
 
 
@@ -56,6 +59,12 @@ def _cmd_router(args: argparse.Namespace) -> int:
             raise RouterConfigError(f"--port: {args.port} is not a port number")
         if args.public_metrics:
             config = dataclasses.replace(config, public_metrics=True)
+        if args.planner:
+            if config.planner is None:
+                raise RouterConfigError(f"{config.source}: planner: missing: --planner needs a "
+                                        "planner: section with ttft_slo_ms and tpot_slo_ms")
+            config = dataclasses.replace(
+                config, planner=dataclasses.replace(config.planner, enabled=True))
         host = args.host or config.hostname
         port = config.port if args.port is None else args.port
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:

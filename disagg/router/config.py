@@ -21,6 +21,7 @@ Shape::
     conditional_disagg_config: {max_local_prefill_length: 256}
     disagg_cluster: {cluster_uri, minimal_instances: {context_servers, generation_servers},
                      heartbeat_interval_sec: 5, inactive_timeout_sec: 10}
+    planner: {ttft_slo_ms: 500, tpot_slo_ms: 50, enabled: false, ...}  # see router.planner
 
 Worker keys are exactly the keys of a ``disagg serve --config`` worker YAML (the serve options in
 snake_case, plus ``cache_transceiver_config`` and ``kv_lease_ttl_s``), except ``host``, ``port``
@@ -35,6 +36,7 @@ Every error is a ``RouterConfigError`` whose message starts with ``FILE: dotted.
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import re
 from collections.abc import Mapping
@@ -43,6 +45,7 @@ from types import MappingProxyType
 from typing import Any
 
 from disagg.config import ConfigError, read_yaml
+from disagg.router.planner import PlannerConfig, PlannerConfigError, RateMatchPrior
 from disagg.server.options import (
     TRANSCEIVER_KEY,
     Opt,
@@ -111,8 +114,26 @@ POLICY_OPTIONS: dict[str, dict[str, Opt]] = {
     },
 }
 
+# planner: (``disagg.router.planner.PlannerConfig`` checks the values' ranges)
+PLANNER_OPTIONS: dict[str, Opt] = {
+    "enabled": Opt(bool, "run the planner (also: disagg router --planner)", default=False),
+    "ttft_slo_ms": Opt(float, "the context side's SLO: p<percentile> context-call latency"),
+    "tpot_slo_ms": Opt(float, "the generation side's SLO: p<percentile> time per output token"),
+    "interval_s": Opt(float, "seconds between decisions", default=10.0),
+    "min_per_role": Opt(int, "never fewer workers on a side", default=1),
+    "hysteresis_s": Opt(float, "no flip within this long of the previous flip", default=60.0),
+    "window_s": Opt(float, "seconds of samples a decision reads", default=60.0),
+    "min_samples": Opt(int, "samples per side in the window before deciding", default=20),
+    "percentile": Opt(float, "latency percentile compared with the SLOs", default=90.0),
+    "headroom": Opt(float, "spare capacity the side losing a worker must keep", default=0.2),
+    "switch_timeout_s": Opt(float, "a role switch not done by then is abandoned",
+                            default=120.0),
+    "rate_match_json": Opt(str, "a saved `disagg bench rate-match` JSON: the capacity prior"),
+}
+
 # Keys of the cluster file that are not worker options.
-_TOP_KEYS = (*CLUSTER_OPTIONS, *SECTIONS, "conditional_disagg_config", "disagg_cluster")
+_TOP_KEYS = (*CLUSTER_OPTIONS, *SECTIONS, "conditional_disagg_config", "disagg_cluster",
+             "planner")
 _SECTION_KEYS = (*SECTION_OPTIONS, "urls", "router")
 # Worker options the cluster sets itself: a worker's address comes from urls, its role from
 # the section it is in.
@@ -177,6 +198,7 @@ class ClusterConfig:
     upstream_timeout_sec: float = 300.0
     # The router's /metrics without the API key (the workers' is a section key, like api_key).
     public_metrics: bool = False
+    planner: PlannerConfig | None = None  # the planner: section (run when enabled)
 
     @property
     def aggregated(self) -> bool:
@@ -242,13 +264,49 @@ def parse_cluster_config(data: Mapping[str, Any] | Any, source: str = "<config>"
     if data.get("conditional_disagg_config") is not None:
         conditional = _parse_conditional(err, data["conditional_disagg_config"])
 
+    planner = None
+    if data.get("planner") is not None:
+        if groups["context_servers"] is None and cluster is None:
+            raise err("planner", "plans the context and generation pools of a disaggregated "
+                      "cluster: add context_servers (or disagg_cluster)")
+        planner = parse_planner(err, data["planner"])
+
     return ClusterConfig(
         hostname=top["hostname"], port=top["port"], max_retries=top["max_retries"],
         context_servers=groups["context_servers"],
         generation_servers=groups["generation_servers"],
         conditional_disagg=conditional, disagg_cluster=cluster, api_key=top["api_key"],
         source=source, health_check_interval_sec=top["health_check_interval_sec"],
-        upstream_timeout_sec=top["upstream_timeout_sec"], public_metrics=top["public_metrics"])
+        upstream_timeout_sec=top["upstream_timeout_sec"], public_metrics=top["public_metrics"],
+        planner=planner)
+
+
+def parse_planner(err: _Errors, raw: Any) -> PlannerConfig:
+    """The ``planner:`` section; errors name ``planner.<field>``."""
+    key = "planner"
+    if not isinstance(raw, Mapping):
+        raise err(key, "expected a mapping like {ttft_slo_ms: 500, tpot_slo_ms: 50}")
+    _no_unknown(err, key, raw, tuple(PLANNER_OPTIONS))
+    values = {name: _get(err, raw, name, opt, f"{key}.") for name, opt in
+              PLANNER_OPTIONS.items()}
+    for name in ("ttft_slo_ms", "tpot_slo_ms"):
+        if values[name] is None:
+            raise err(f"{key}.{name}", "missing (the planner needs both SLOs)")
+    path = values["rate_match_json"]
+    try:
+        prior = None
+        if path is not None:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    result = json.load(f)
+            except (OSError, ValueError) as e:
+                raise PlannerConfigError(f"rate_match_json: cannot read {path}: {e}") from None
+            if not isinstance(result, Mapping):
+                raise PlannerConfigError(f"rate_match_json: {path} is not a JSON object")
+            prior = RateMatchPrior.from_result(result)
+        return PlannerConfig(**values, prior=prior)
+    except PlannerConfigError as e:
+        raise err(f"{key}.{str(e).partition(':')[0]}", str(e).partition(": ")[2]) from None
 
 
 def _parse_conditional(err: _Errors, raw: Any) -> ConditionalDisaggConfig:

@@ -13,11 +13,13 @@ is relayed to the client.
 Retries (``max_retries`` failures per side, one helper: ``retrying``): a connection failure or
 a 5xx before the first byte reached the client tries another worker of that side. After a
 generation worker failed, the lease decides what is retried: a worker that never saw the request
-leaves the lease intact (same context answer, next generation worker); one that answered an
-error released it (prefill again); a failed KV pull (error code ``kv_transfer_failed``) is the
-context side's fault (prefill again, on another context worker if there is one; the generation
-worker stays in the running). A 4xx is the client's answer at once. When no generation worker
-took the request, the context worker is asked to free the lease now (``/kv_leases/release``).
+leaves the lease intact (same context answer, next generation worker), as does one that
+refused it with 503 ``role_switching`` (it is changing roles: ``role_switch``); one that
+answered another error released it (prefill again); a failed KV pull (error code
+``kv_transfer_failed``) is the context side's fault (prefill again, on another context worker
+if there is one; the generation worker stays in the running). A 4xx is the client's answer at
+once. When no generation worker took the request, the context worker is asked to free the
+lease now (``/kv_leases/release``).
 
 A request sent whole (aggregated cluster, several prompts, ``n > 1``, or conditional
 disaggregation's local prefill) takes the generation side's retries alone.
@@ -40,9 +42,10 @@ from disagg.router.policies import Decision, RouteRequest, RoutingPolicy
 from disagg.router.prompt_tokens import COMPLETIONS
 from disagg.router.relay import Relay, RequestState, counted, final_answer
 from disagg.router.replies import Reply, dumps
-from disagg.router.upstream import Failed, UpstreamClient
+from disagg.router.upstream import Failed, UpstreamClient, error_code
 
 T = TypeVar("T")
+ROLE_SWITCHING = "role_switching"  # a worker's 503 code while it changes roles (role_switch)
 
 
 @dataclass
@@ -189,7 +192,8 @@ class RequestFlow:
             if path == COMPLETIONS and prompt_ids is not None and not body.get("echo"):
                 # No second tokenization on the worker (an echo answer needs the text).
                 gen_body["prompt"] = prompt_ids
-            lease = _Lease(ctx_worker, dp, dumps(gen_body), answer.get("usage") or {})
+            lease = _Lease(ctx_worker, dp, dumps(gen_body), answer.get("usage") or {},
+                           _max_tokens(path, body))
             try:
                 return await self._generation(request, st, path, route, gen, ctx, lease)
             except Failed:
@@ -209,7 +213,10 @@ class RequestFlow:
                 if resp.status >= 500:
                     raise await self.upstream.error_answer(w, resp)
                 body = await self.upstream.read(w, resp)
-                self.metrics.ctx_latency.observe(time.monotonic() - t0)
+                dt = time.monotonic() - t0
+                self.metrics.ctx_latency.observe(dt)
+                if resp.status == 200:
+                    self.membership.load.context(dt)  # the planner's TTFT sample
                 if resp.status != 200:
                     raise Reply(resp.status, body, resp.content_type or "application/json")
                 try:
@@ -241,12 +248,18 @@ class RequestFlow:
                 ctx.retry_reason = (Role.CONTEXT.value, f.reason)
                 return True
             gen.failed(w, f)
+            if f.reply is not None and f.reply.status == 503 and error_code(
+                    f.reply.body) == ROLE_SWITCHING:
+                return False  # refused before reading anything: the lease is intact
             return f.reply is not None  # it answered, so it released the lease
             # (else never reached, or died before answering: the lease may still be good)
 
         async def call(w: Worker) -> web.StreamResponse:
+            t0 = time.monotonic()
             out = await self.relay.call_and_relay(request, st, w, path, lease.data, route,
                                                   lease.ctx_usage, signed=True)
+            if out.status == 200:  # the planner's TPOT sample
+                self.membership.load.generation(time.monotonic() - t0, lease.max_tokens)
             # A refusal (4xx) reads no KV: free the lease now, not at its expiry
             # (idempotent should the worker have released it too).
             lease.taken = out.status < 400
@@ -263,4 +276,13 @@ class _Lease:
     params: Mapping[str, Any]  # the context answer's disaggregated_params
     data: bytes  # the generation_only request
     ctx_usage: Mapping[str, Any]
+    max_tokens: int | None = None  # the output tokens asked for (the planner's TPOT sample)
     taken: bool = False  # a generation worker took it (and releases it on every path)
+
+
+def _max_tokens(path: str, body: Mapping[str, Any]) -> int | None:
+    """The output tokens the request asks for (completions' default 16; None: unbounded)."""
+    n = body.get("max_completion_tokens", body.get("max_tokens"))
+    if n is None and path == COMPLETIONS:
+        return 16
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None

@@ -1,7 +1,10 @@
 """The router's HTTP handlers: the OpenAI endpoints (through ``flow``), ``/v1/models``,
 ``/tokenize`` and ``/detokenize`` (a generation worker's answer), ``/version``, ``/health``,
-``/metrics``, ``/cluster_info`` and the membership calls ``/cluster/register`` and
-``/cluster/unregister``.
+``/metrics``, ``/cluster_info``, the membership calls ``/cluster/register`` and
+``/cluster/unregister``, and the operator's ``POST /admin/role {"url", "role"}`` (cluster
+signature; runs ``role_switch`` and answers when it ended: 200 done, 502 failed, 504 timeout;
+400 a bad url / role or an aggregated worker, 404 an unknown worker, 409 code
+``role_switch_in_progress`` while another switch runs).
 
 An OpenAI request's body is parsed and checked with the workers' own schema
 (``protocol.validate_request``) whenever the router reads it (disaggregated, or a policy needs
@@ -26,12 +29,14 @@ from aiohttp import web
 from disagg import __version__
 from disagg.cluster_auth import AUTH_HEADER, AuthError
 from disagg.roles import Role
+from disagg.router.config import normalize_worker_url
 from disagg.router.flow import Tries
 from disagg.router.membership import Worker
 from disagg.router.policies import RouteRequest
 from disagg.router.prompt_tokens import COMPLETIONS
 from disagg.router.relay import RequestState
 from disagg.router.replies import Reply
+from disagg.router.role_switch import SwitchBusy, SwitchRefused
 from disagg.router.router import Router
 from disagg.router.upstream import Failed
 from disagg.server import protocol as P
@@ -61,6 +66,7 @@ class Handlers:
         r.add_get("/cluster_info", self.cluster_info)
         r.add_post("/cluster/register", self.register_worker)
         r.add_post("/cluster/unregister", self.unregister_worker)
+        r.add_post("/admin/role", self.admin_role)
         r.add_route("*", "/{tail:.*}", self.not_found)
 
     # -- the OpenAI endpoints -----------------------------------------------------------------
@@ -216,7 +222,60 @@ class Handlers:
                                       {"max_local_prefill_length":
                                        self.config.conditional_disagg.max_local_prefill_length})
         info["tokenizer"] = router.tokens.source
+        info["role_switches"] = router.switcher.public()
+        info["planner"] = None if router.planner is None else router.planner.public()
+        if router.planner is None and self.config.planner is not None:
+            info["planner"] = {"config": self.config.planner.public(), "state": None,
+                               "decisions": []}
         return web.json_response(info)
+
+    async def admin_role(self, request: web.Request) -> web.Response:
+        """``POST /admin/role {"url", "role"[, "timeout_s"]}``: switch a worker's role."""
+        try:
+            w, role, timeout_s = await self._admin_role_body(request)
+            switcher = self.router.switcher
+            try:
+                switcher.check(w, role)
+            except SwitchRefused as e:
+                raise Reply.error(400, str(e), param=str(e).partition(":")[0]) from None
+            except SwitchBusy as e:
+                raise Reply.error(409, str(e), code="role_switch_in_progress") from None
+        except Reply as r:
+            return r.response()
+        if w.pool == role and w.role == role and w.switching is None:
+            return web.json_response({"object": "role_switch", "url": w.url, "from": role,
+                                      "to": role, "state": "done", "pool": w.pool})
+        # Not cancelled with this handler (a client that stops waiting): a switch half done
+        # would leave the worker out of every pool.
+        result = await asyncio.shield(self.router.run_switch(w, role, timeout_s))
+        status = {"done": 200, "timeout": 504}.get(result.outcome, 502)
+        return web.json_response(result.public(), status=status)
+
+    async def _admin_role_body(self, request: web.Request) -> tuple[Worker, str, float]:
+        raw = await self.read_body(request)
+        why = self._signature_error(request, raw)
+        if why is not None:
+            raise Reply.error(401, f"{request.path}: needs a cluster signature ({AUTH_HEADER}):"
+                              f" {why}", "authentication_error", code="invalid_cluster_signature")
+        body = parse_body(raw)
+        try:
+            url = normalize_worker_url(body.get("url"))
+        except ValueError as e:
+            raise Reply.error(400, f"url: {e}", param="url") from None
+        role = body.get("role")
+        if role not in (Role.CONTEXT, Role.GENERATION):
+            raise Reply.error(400, f"role: must be context or generation, got {role!r}",
+                              param="role")
+        timeout_s = body.get("timeout_s", self.router.switch_timeout_s)
+        if (not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool)
+                or not 0 < timeout_s <= 3600):
+            raise Reply.error(400, f"timeout_s: must be a number in (0, 3600], got "
+                              f"{timeout_s!r}", param="timeout_s")
+        w = self.router.membership.by_url.get(url)
+        if w is None:
+            raise Reply.error(404, f"url: {url} is not a worker of this router",
+                              "not_found_error", code="unknown_worker", param="url")
+        return w, str(role), float(timeout_s)
 
     async def register_worker(self, request: web.Request) -> web.Response:
         try:

@@ -23,6 +23,11 @@ the router polls each healthy worker's ``GET /kv_events?since=SEQ`` every
 ``router.kv_events_poll_interval_sec`` (default 0.1 s) and applies the answer to the worker's
 ``KVIndex`` (see ``kv_index``); the answer carries ``tokens_per_block`` and ``worker_id``, so a
 restart with another block size resyncs the index before anything is matched again.
+
+Role switches (``role_switch``): a worker being switched by the router (``switching``: the
+target role), or whose ``/server_info`` shows a ``role_switch`` under way, is out of rotation
+without counting as failing (a registered one is not dropped for it); ``move`` puts a worker
+into the other pool (static workers too), with the KV index that pool needs.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from disagg.cluster_auth import HttpSigner
 from disagg.roles import Role
 from disagg.router.config import ClusterConfig, PolicyConfig, normalize_worker_url
 from disagg.router.kv_index import KVEventsError, KVIndex
+from disagg.router.load import LoadWindows
 
 logger = logging.getLogger("disagg.router")
 
@@ -94,6 +100,8 @@ class Worker:
     requests_total: int = 0
     kv_poll_errors: int = 0
     request_failures: int = 0  # consecutive failed requests (reset by any answer)
+    switching: str | None = None  # the role the router is switching it to
+    remote_switch: dict[str, Any] | None = None  # its /server_info role_switch (None: none)
 
     @property
     def base(self) -> str:
@@ -107,6 +115,7 @@ class Worker:
             "active_requests": self.active_requests, "active_tokens": self.active_tokens,
             "requests_total": self.requests_total, "worker_id": self.worker_id,
             "tokens_per_block": self.tokens_per_block, "kv_blocks_used": self.kv_blocks_used,
+            "switching_to": self.switching, "role_switch": self.remote_switch,
             "kv_index": None if self.kv is None else {
                 "synced": self.kv.synced, "blocks": len(self.kv.blocks),
                 "tokens_per_block": self.kv.tokens_per_block, "next_seq": self.kv.next_seq,
@@ -135,6 +144,7 @@ class Membership:
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
         self._health_task: asyncio.Task[None] | None = None
         self._spawned: set[asyncio.Task[Any]] = set()
+        self.load = LoadWindows()  # the router's latency samples per side (the planner's)
         for role in ROLES:
             group = config.group(role)
             for url in group.urls if group else ():
@@ -152,10 +162,13 @@ class Membership:
         return [w for w in self.pools[pool] if w.healthy and w.url not in exclude]
 
     def _add(self, w: Worker) -> None:
+        self.by_url[w.url] = w
+        self._add_to_pool(w)
+
+    def _add_to_pool(self, w: Worker) -> None:
         if w.pool in self.kv_roles:
             w.kv = KVIndex()
         self.pools[w.pool].append(w)
-        self.by_url[w.url] = w
         if self.session is not None:
             self._start_worker_tasks(w)
 
@@ -170,6 +183,24 @@ class Membership:
             t.cancel()
         if self.on_remove is not None:
             self.on_remove(w)
+
+    def move(self, w: Worker, pool: Role) -> None:
+        """Put ``w`` into ``pool`` (after a role switch), with the KV index that pool needs.
+        Nothing when ``w`` is no longer ours (a registered worker that registered again with
+        its new role is already a new entry of that pool)."""
+        if self.by_url.get(w.url) is not w or w.pool == pool:
+            return
+        logger.info("worker %s moves from the %s pool to the %s pool", w.url, w.pool, pool)
+        with contextlib.suppress(ValueError):
+            self.pools[w.pool].remove(w)
+        for t in self._tasks.pop(w.url, []):
+            t.cancel()
+        if self.on_remove is not None:
+            self.on_remove(w)  # its series under the old pool's labels
+        w.pool = pool
+        w.kv = None
+        w.healthy = False
+        self._add_to_pool(w)
 
     def mark_failed(self, w: Worker, why: str) -> None:
         """Take ``w`` out of rotation now (a request could not use it); the health loop puts
@@ -353,6 +384,16 @@ class Membership:
         if info is not None:
             why = self._apply_info(w, info)
         now = time.monotonic()
+        if info is None:
+            w.remote_switch = None  # unreachable: its health decides, not an old answer
+        switch = w.switching or (w.remote_switch or {}).get("to")
+        if switch is not None:
+            # Out of rotation while it switches, but not failing (never dropped for it).
+            w.healthy, w.failing_since = False, None
+            w.reason = f"switching role to {switch}" + (f" ({why})" if why else "")
+            if w.static:
+                w.last_seen = now
+            return False
         if why is None:
             if not w.healthy:
                 logger.info("worker %s (%s) healthy", w.url, w.pool)
@@ -374,6 +415,8 @@ class Membership:
             logger.info("worker %s restarted (worker_id %s -> %s)", w.url, w.worker_id,
                         worker_id)
         w.role, w.worker_id = role, worker_id
+        rs = info.get("role_switch")
+        w.remote_switch = dict(rs) if isinstance(rs, Mapping) else None
         tpb = info.get("tokens_per_block")
         if tpb != w.tokens_per_block and w.tokens_per_block is not None:
             logger.info("worker %s: tokens_per_block %s -> %s", w.url, w.tokens_per_block, tpb)
@@ -386,6 +429,12 @@ class Membership:
             w.model_dir = model_dir
             if self.on_model_dir is not None:
                 self.on_model_dir(model_dir)
+        if (role not in self._expected_roles(w) and role in (Role.CONTEXT, Role.GENERATION)
+                and self.disaggregated and w.switching is None and not w.remote_switch
+                and info.get("role_switches")):
+            # It switched without us (a switch we gave up on that finished late, or one an
+            # operator asked of the worker itself): serve it in the pool of its new role.
+            self.move(w, Role(role))
         if role not in self._expected_roles(w):
             return (f"role is {role!r} but the {w.pool} pool needs "
                     f"{' or '.join(self._expected_roles(w))}")

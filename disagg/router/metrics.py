@@ -15,6 +15,11 @@
 - ``disagg_router_kv_matched_tokens_total{role, worker}`` and
   ``disagg_router_kv_prompt_tokens_total{role}``: prompt tokens found in the chosen worker's
   cache by kv_cache_aware routing, of all prompt tokens it routed;
+- the planner and role switches: ``disagg_router_planner_decisions_total{action, from_role,
+  to_role}`` (action = flip | hold; the roles empty when a hold names none),
+  ``disagg_router_role_switches_total{outcome}`` (done | failed | timeout),
+  ``disagg_router_role_switch_seconds``; ``disagg_router_pool_workers{role}`` (the pool's
+  members, read at scrape time);
 - per worker, read at scrape time: ``disagg_router_worker_active_requests{role, worker}``,
   ``disagg_router_worker_healthy{role, worker}``, ``disagg_router_kv_index_blocks{role,
   worker}``.
@@ -68,6 +73,14 @@ class RouterMetrics:
                                   registry=r)
         self.kv_prompt = Counter(P + "kv_prompt_tokens", "Prompt tokens routed by "
                                  "kv_cache_aware.", ["role"], registry=r)
+        self.planner_decisions = Counter(P + "planner_decisions", "Planner decisions (flip, or "
+                                         "hold while a side is over its SLO).",
+                                         ["action", "from_role", "to_role"], registry=r)
+        self.role_switches = Counter(P + "role_switches", "Role switches run by the router, "
+                                     "by outcome.", ["outcome"], registry=r)
+        self.role_switch_seconds = Histogram(P + "role_switch_seconds", "Role switch: start "
+                                             "-> back in rotation in the new pool.",
+                                             buckets=LATENCY_BUCKETS, registry=r)
         r.register(_WorkerCollector(membership))
         # Labelled children resolved once: prometheus_client's labels() checks and joins the
         # values under a lock on every call (~1.5% of the router's time under load).
@@ -110,7 +123,10 @@ class _WorkerCollector(Collector):
                                     labels=labels)
         blocks = GaugeMetricFamily(P + "kv_index_blocks", "Block hashes in the router's index "
                                    "of the worker's KV cache.", labels=labels)
+        pool_size = GaugeMetricFamily(P + "pool_workers", "Workers in the pool (in rotation "
+                                      "or not).", labels=["role"])
         for pool, workers in self.membership.pools.items():
+            pool_size.add_metric([pool], len(workers))
             for w in workers:
                 active.add_metric([pool, w.url], w.active_requests)
                 healthy.add_metric([pool, w.url], 1.0 if w.healthy else 0.0)
@@ -119,3 +135,4 @@ class _WorkerCollector(Collector):
         yield active
         yield healthy
         yield blocks
+        yield pool_size

@@ -3,7 +3,9 @@
 Parts: the sides' routing policies (``policies``), the workers (``membership``), the prompt's
 tokens for the policies that need them (``prompt_tokens``), the client of the workers
 (``upstream``), the relay of their answers (``relay``), the request flow with its retries
-(``flow``) and the Prometheus metrics (``metrics``). The HTTP handlers (``handlers``) use them.
+(``flow``), the Prometheus metrics (``metrics``), role switches (``role_switch``) and, with
+``planner.enabled`` / ``--planner``, the planner (``planner_loop`` over ``planner``). The HTTP
+handlers (``handlers``) use them.
 
 Cluster authentication: the router signs (``cluster_auth.HttpSigner``, with the token from
 ``$DISAGG_CLUSTER_TOKEN``) the calls whose handling depends on it: the generation_only call (a
@@ -31,11 +33,13 @@ from aiohttp import web
 from disagg.cluster_auth import HttpVerifier, cluster_token_or_none
 from disagg.router.config import ClusterConfig, PolicyConfig, RouterConfigError
 from disagg.router.flow import RequestFlow
-from disagg.router.membership import ROLES, Membership, UpstreamAuth
+from disagg.router.membership import ROLES, Membership, UpstreamAuth, Worker
 from disagg.router.metrics import RouterMetrics
+from disagg.router.planner_loop import PlannerLoop
 from disagg.router.policies import RouteRequest, RoutingPolicy, make_policy
 from disagg.router.prompt_tokens import PromptTokens
 from disagg.router.relay import Relay
+from disagg.router.role_switch import RoleSwitcher, SwitchResult
 from disagg.router.upstream import UpstreamClient
 from disagg.server import protocol as P
 
@@ -102,12 +106,37 @@ class Router:
         self.flow = RequestFlow(self.policies, self.membership, self.metrics, self.upstream,
                                 self.relay, config.max_retries)
         self.body_timeout_s = P.BODY_TIMEOUT_S  # then 408 (tests shorten it)
+        self.switcher = RoleSwitcher(self.membership, on_done=self._switch_done)
+        self._switch_tasks: set[asyncio.Task[SwitchResult]] = set()
+        self.planner: PlannerLoop | None = None
+        if config.planner is not None and config.planner.enabled:
+            self.planner = PlannerLoop(config.planner, self.membership, self.switcher,
+                                       on_decision=lambda d: self.metrics.planner_decisions
+                                       .labels(d.action, d.from_role or "", d.to_role or "")
+                                       .inc())
         self._trim_task: asyncio.Task[None] | None = None
 
     @property
     def need_tokens(self) -> bool:
         """Does a policy (or conditional disaggregation) need the prompt's tokens?"""
         return self.tokens.need_tokens
+
+    @property
+    def switch_timeout_s(self) -> float:
+        """A role switch's deadline: the planner's ``switch_timeout_s`` (120 s without one)."""
+        return self.config.planner.switch_timeout_s if self.config.planner else 120.0
+
+    def run_switch(self, w: Worker, role: str, timeout_s: float) -> asyncio.Task[SwitchResult]:
+        """The switch as a task of the router's (cancelled only when the router stops)."""
+        task = asyncio.get_running_loop().create_task(self.switcher.switch(w, role, timeout_s))
+        self._switch_tasks.add(task)
+        task.add_done_callback(self._switch_tasks.discard)
+        return task
+
+    def _switch_done(self, r: SwitchResult) -> None:
+        self.metrics.role_switches.labels(r.outcome).inc()
+        if r.outcome == "done":
+            self.metrics.role_switch_seconds.observe(r.duration_s)
 
     def _discover(self, model_dir: str) -> None:
         self.tokens.discover(model_dir, self.membership.spawn)
@@ -126,6 +155,8 @@ class Router:
     async def startup(self, app: web.Application) -> None:
         session = await self.upstream.start()
         await self.membership.start(session)
+        if self.planner is not None:
+            self.planner.start()
         trim = _malloc_trim()
         if trim is not None:
             self._trim_task = asyncio.get_running_loop().create_task(_trim_loop(trim))
@@ -133,6 +164,11 @@ class Router:
     async def cleanup(self, app: web.Application) -> None:
         if self._trim_task is not None:
             self._trim_task.cancel()
+        if self.planner is not None:
+            await self.planner.stop()
+        for t in list(self._switch_tasks):
+            t.cancel()
+        await asyncio.gather(*self._switch_tasks, return_exceptions=True)
         await self.membership.stop()
         await self.upstream.close()
 

@@ -202,7 +202,7 @@ class UpstreamClient:
         finally:
             resp.release()
         code = error_code(body)
-        if resp.status == 503 and code in ("draining", "engine_unavailable"):
+        if resp.status == 503 and code in ("draining", "engine_unavailable", "role_switching"):
             # what its /health says too: out until a check passes (a full queue is no reason)
             self.membership.mark_failed(w, "answered 503")
         kv = resp.status == 502 and code == KV_TRANSFER_FAILED

@@ -1,0 +1,52 @@
+"""The router's own latency samples per side, for the planner (``planner``'s docstring says
+what each sample means): context-call latency (ms) and generation time per requested output
+token (ms), with their completion times. Bounded: at most ``MAX_SAMPLES`` per side (older ones
+fall off first), and a read looks back ``window_s`` at most."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+
+MAX_SAMPLES = 20_000  # per side; at 300 req/s a 60 s window fits
+
+
+class LoadWindows:
+    """Samples of the two sides (``context`` / ``generation``) with their monotonic times."""
+
+    def __init__(self) -> None:
+        self._samples: dict[str, deque[tuple[float, float | None]]] = {
+            "context": deque(maxlen=MAX_SAMPLES), "generation": deque(maxlen=MAX_SAMPLES)}
+        self._tokens: deque[tuple[float, int]] = deque(maxlen=MAX_SAMPLES)
+
+    def context(self, latency_s: float, now: float | None = None) -> None:
+        """One context call answered after ``latency_s``."""
+        self._samples["context"].append((time.monotonic() if now is None else now,
+                                         latency_s * 1000.0))
+
+    def generation(self, duration_s: float, max_tokens: int | None,
+                   now: float | None = None) -> None:
+        """One generation call done after ``duration_s``; ``max_tokens`` requested (None:
+        unknown, the call counts towards the rate but gives no TPOT sample)."""
+        t = time.monotonic() if now is None else now
+        per_token = duration_s * 1000.0 / max_tokens if max_tokens else None
+        self._samples["generation"].append((t, per_token))
+        if max_tokens:
+            self._tokens.append((t, max_tokens))
+
+    @staticmethod
+    def _since(items: Iterable[tuple[float, object]], since: float) -> list[object]:
+        return [v for t, v in items if t >= since]
+
+    def latencies_ms(self, side: str, since: float) -> list[float]:
+        """``side``'s samples newer than ``since`` (monotonic)."""
+        return [v for v in self._since(self._samples[side], since) if v is not None]  # type: ignore[misc]
+
+    def completed(self, since: float) -> int:
+        """Generation calls done since ``since``: the disaggregated requests served."""
+        return sum(1 for t, _ in self._samples["generation"] if t >= since)
+
+    def mean_tokens(self, since: float) -> float | None:
+        xs = self._since(self._tokens, since)
+        return sum(xs) / len(xs) if xs else None  # type: ignore[arg-type]

@@ -1,0 +1,286 @@
+"""The planner's decision: should one worker change sides (context <-> generation)? Pure: no I/O,
+no clock; ``planner_loop`` feeds it snapshots and carries out what it decides.
+
+Signals (per side, over the last ``window_s`` seconds, measured by the router itself):
+
+- context side: the latency of each context call (the router sends it, the context worker
+  prefills and answers with the first token): the router's view of TTFT, in ms;
+- generation side: each generation call's duration divided by the output tokens the request
+  asked for (``max_tokens``): the router's view of TPOT, in ms (a request that stops early
+  makes it smaller, so the generation side is under-read, never over-read);
+- ``rate``: disaggregated requests completed per second over the window (the arrival rate in
+  a steady state); the workers of each side in rotation; the router's requests in flight.
+
+Definitions:
+
+- a side is **over SLO** when it has at least ``min_samples`` samples in the window and their
+  ``percentile`` (p90 by default) exceeds its SLO (``ttft_slo_ms`` for context,
+  ``tpot_slo_ms`` for generation);
+- a side has **slack** when it can lose one worker and still serve the observed rate with
+  ``headroom`` to spare: ``(n - 1) * capacity_per_worker >= rate * (1 + headroom)``, and the
+  loss leaves it ``min_per_role`` workers. ``capacity_per_worker`` is the side's requests/s
+  per worker at its SLO: with a rate-match prior (``bench rate-match`` JSON) the context
+  side's ``ctx_rate`` and, for the generation side, the highest measured request rate whose
+  mean TPOT meets ``tpot_slo_ms``; without one, the live estimate ``rate_per_worker * SLO /
+  observed percentile`` (latency taken as proportional to load below the SLO: crude, and it
+  errs high when the side is nearly idle, which ``min_samples`` and ``headroom`` temper).
+  With a prior the flipped cluster is also checked with the rate-match model
+  (``predict_at_rate``): it must sustain the rate, and its predicted TPOT meet the SLO;
+- the **bottleneck** is the side over SLO; a flip moves one worker from the other side to it
+  when that side has slack.
+
+Rules (conservative by construction): no flip while a switch runs; none within
+``hysteresis_s`` of the last flip's end; none when either side lacks ``min_samples``; none when
+both sides are over SLO (moving a worker would only move the problem); never below
+``min_per_role``. When a side is over SLO and no flip is made, the decision says why
+(``action: hold``); when no side is over SLO there is no decision (None).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from disagg.ratematch_model import predict_at_rate
+
+CONTEXT, GENERATION = "context", "generation"
+SIDES = (CONTEXT, GENERATION)
+
+
+class PlannerConfigError(ValueError):
+    """An invalid planner setting; the message starts with the field's name."""
+
+
+@dataclass(frozen=True)
+class RateMatchPrior:
+    """The capacity prior from a saved ``bench rate-match`` JSON."""
+
+    ctx_rate: float  # requests/s one context worker serves within its TTFT SLO
+    gen_points: tuple[Mapping[str, Any], ...]  # the generation sweep's points
+    osl: int  # the output length the generation points were measured with
+
+    @classmethod
+    def from_result(cls, result: Mapping[str, Any]) -> RateMatchPrior:
+        """From a rate-match result; PlannerConfigError naming what is missing."""
+        if result.get("kind") != "disagg-bench-rate-match":
+            raise PlannerConfigError("rate_match_json: not a `disagg bench rate-match` result "
+                                     f"(kind {result.get('kind')!r})")
+        ctx_rate = (result.get("context") or {}).get("ctx_rate")
+        points = (result.get("generation") or {}).get("points") or []
+        osl = (result.get("config") or {}).get("osl")
+        if not isinstance(ctx_rate, int | float) or ctx_rate <= 0:
+            raise PlannerConfigError("rate_match_json: context.ctx_rate is missing (no probe "
+                                     "passed the TTFT SLO in that run)")
+        if not points or not isinstance(osl, int) or osl <= 0:
+            raise PlannerConfigError("rate_match_json: generation.points or config.osl missing")
+        return cls(float(ctx_rate), tuple(dict(p) for p in points), osl)
+
+    def gen_rate_at_tpot(self, tpot_slo_ms: float) -> float:
+        """Highest requests/s one generation worker served with mean TPOT within the SLO."""
+        rates = [float(p["output_throughput"]) / self.osl for p in self.gen_points
+                 if p.get("completed", 1) and p.get("mean_tpot_ms") is not None
+                 and float(p["mean_tpot_ms"]) <= tpot_slo_ms]
+        return max(rates, default=0.0)
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """The YAML ``planner:`` section (validated here; ``config`` names the file)."""
+
+    ttft_slo_ms: float
+    tpot_slo_ms: float
+    enabled: bool = False  # ``--planner`` or ``planner.enabled: true``
+    interval_s: float = 10.0  # between decisions
+    min_per_role: int = 1  # never fewer workers on a side
+    hysteresis_s: float = 60.0  # no flip within this long of the previous flip's end
+    window_s: float = 60.0  # samples older than this are not read
+    min_samples: int = 20  # per side, in the window, before anything is decided
+    percentile: float = 90.0  # of the latency samples compared with the SLOs
+    headroom: float = 0.2  # the side losing a worker keeps this share of spare capacity
+    switch_timeout_s: float = 120.0  # a switch not done by then is abandoned (drain deadline)
+    rate_match_json: str | None = None
+    prior: RateMatchPrior | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        positive = {"ttft_slo_ms": self.ttft_slo_ms, "tpot_slo_ms": self.tpot_slo_ms,
+                    "interval_s": self.interval_s, "window_s": self.window_s,
+                    "switch_timeout_s": self.switch_timeout_s}
+        for name, value in positive.items():
+            if not isinstance(value, int | float) or isinstance(value, bool) or not (
+                    value > 0 and math.isfinite(value)):
+                raise PlannerConfigError(f"{name}: must be a positive number, got {value!r}")
+        for name, value in (("hysteresis_s", self.hysteresis_s), ("headroom", self.headroom)):
+            if not isinstance(value, int | float) or isinstance(value, bool) or not (
+                    value >= 0 and math.isfinite(value)):
+                raise PlannerConfigError(f"{name}: must be a number >= 0, got {value!r}")
+        for name, value, low in (("min_per_role", self.min_per_role, 1),
+                                 ("min_samples", self.min_samples, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise PlannerConfigError(f"{name}: must be an integer >= {low}, got {value!r}")
+        if not isinstance(self.percentile, int | float) or not 0 < self.percentile <= 100:
+            raise PlannerConfigError(f"percentile: must be in (0, 100], got {self.percentile!r}")
+        if self.window_s < self.interval_s:
+            raise PlannerConfigError(f"window_s: {self.window_s} is shorter than interval_s "
+                                     f"({self.interval_s}): samples would be missed")
+
+    def slo_ms(self, side: str) -> float:
+        return self.ttft_slo_ms if side == CONTEXT else self.tpot_slo_ms
+
+    def public(self) -> dict[str, Any]:
+        """As shown in ``/cluster_info``."""
+        return {"enabled": self.enabled, "ttft_slo_ms": self.ttft_slo_ms,
+                "tpot_slo_ms": self.tpot_slo_ms, "interval_s": self.interval_s,
+                "min_per_role": self.min_per_role, "hysteresis_s": self.hysteresis_s,
+                "window_s": self.window_s, "min_samples": self.min_samples,
+                "percentile": self.percentile, "headroom": self.headroom,
+                "switch_timeout_s": self.switch_timeout_s,
+                "rate_match_json": self.rate_match_json}
+
+
+@dataclass(frozen=True)
+class SideSnapshot:
+    """One side over the window."""
+
+    workers: int  # in rotation
+    latencies_ms: tuple[float, ...]  # TTFT (context) or TPOT (generation) samples
+    in_flight: int = 0  # the router's requests on the side's workers now
+
+    def percentile_ms(self, q: float) -> float | None:
+        """Nearest-rank percentile of the samples (None without any)."""
+        if not self.latencies_ms:
+            return None
+        xs = sorted(self.latencies_ms)
+        # rank ceil(q/100 * n) in 1..n -> index rank - 1 in 0..n-1
+        return xs[max(0, math.ceil(q / 100.0 * len(xs)) - 1)]
+
+
+@dataclass(frozen=True)
+class ClusterSnapshot:
+    context: SideSnapshot
+    generation: SideSnapshot
+    rate: float  # disaggregated requests completed per second over the window
+    osl: float | None = None  # mean requested output tokens (None: unknown)
+    switching: bool = False  # a role switch is running
+    since_last_flip_s: float | None = None  # since the last flip ended (None: never)
+
+    def side(self, name: str) -> SideSnapshot:
+        return self.context if name == CONTEXT else self.generation
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str  # flip | hold
+    reason: str
+    from_role: str | None = None  # the side that loses a worker (flip)
+    to_role: str | None = None  # the side that gains it
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+    def public(self) -> dict[str, Any]:
+        return {"action": self.action, "from_role": self.from_role, "to_role": self.to_role,
+                "reason": self.reason, "details": dict(self.details)}
+
+
+def other(side: str) -> str:
+    return GENERATION if side == CONTEXT else CONTEXT
+
+
+def capacity_per_worker(config: PlannerConfig, snap: ClusterSnapshot, side: str
+                        ) -> float | None:
+    """Requests/s one worker of ``side`` serves within its SLO (see the module docstring);
+    None when the live estimate has nothing to go on."""
+    if config.prior is not None:
+        return (config.prior.ctx_rate if side == CONTEXT
+                else config.prior.gen_rate_at_tpot(config.tpot_slo_ms))
+    s = snap.side(side)
+    p = s.percentile_ms(config.percentile)
+    if not s.workers or not p or snap.rate <= 0:
+        return None
+    return snap.rate / s.workers * config.slo_ms(side) / p
+
+
+def _over(config: PlannerConfig, snap: ClusterSnapshot) -> dict[str, float]:
+    """The sides over SLO -> their percentile (ms)."""
+    out = {}
+    for side in SIDES:
+        p = snap.side(side).percentile_ms(config.percentile)
+        if p is not None and p > config.slo_ms(side):
+            out[side] = p
+    return out
+
+
+def _prior_check(config: PlannerConfig, snap: ClusterSnapshot, donor: str) -> str | None:
+    """With a prior: why the flipped cluster would not serve the rate (None: it would)."""
+    prior = config.prior
+    if prior is None:
+        return None
+    n_ctx, n_gen = snap.context.workers, snap.generation.workers
+    n_ctx, n_gen = (n_ctx - 1, n_gen + 1) if donor == CONTEXT else (n_ctx + 1, n_gen - 1)
+    osl = max(1, round(snap.osl)) if snap.osl else prior.osl
+    pred = predict_at_rate(prior.ctx_rate, list(prior.gen_points), osl, n_ctx, n_gen,
+                           snap.rate)
+    if not pred["sustainable"]:
+        return (f"rate-match model: {n_ctx} context + {n_gen} generation workers serve "
+                f"{pred['capacity_request_rate']:.3g} req/s < {snap.rate:.3g} ({pred['bound']} "
+                f"bound)")
+    tpot = pred["mean_tpot_ms"]
+    if tpot is not None and tpot > config.tpot_slo_ms:
+        return (f"rate-match model: predicted TPOT {tpot:.3g} ms > tpot_slo_ms "
+                f"{config.tpot_slo_ms:g} with {n_gen} generation workers")
+    return None
+
+
+def decide(config: PlannerConfig, snap: ClusterSnapshot) -> Decision | None:
+    """The decision for one interval (module docstring); None when no side is over SLO."""
+    for side in SIDES:
+        n = len(snap.side(side).latencies_ms)
+        if n < config.min_samples:
+            over = _over(config, snap)
+            if not over:
+                return None
+            return Decision("hold", f"too few samples: {n} {side} samples in the window, "
+                            f"min_samples is {config.min_samples}", details={"samples": n})
+    over = _over(config, snap)
+    if not over:
+        return None
+    details: dict[str, Any] = {f"{s}_p{config.percentile:g}_ms": v for s, v in over.items()}
+    details["rate"] = snap.rate
+    if len(over) == 2:
+        return Decision("hold", "both sides are over their SLO: moving a worker would only "
+                        "move the bottleneck", details=details)
+    (target,) = over
+    donor = other(target)
+    hold = _hold_reason(config, snap, donor, details)
+    if hold is not None:
+        return Decision("hold", hold, donor, target, details)
+    return Decision("flip", f"{target} is the bottleneck (p{config.percentile:g} "
+                    f"{over[target]:.3g} ms > SLO {config.slo_ms(target):g} ms) and {donor} has "
+                    f"slack", donor, target, details)
+
+
+def _hold_reason(config: PlannerConfig, snap: ClusterSnapshot, donor: str,
+                 details: dict[str, Any]) -> str | None:
+    """Why one worker of ``donor`` must not move now (None: it may); fills ``details``."""
+    if snap.switching:
+        return "a role switch is still running"
+    if snap.since_last_flip_s is not None and snap.since_last_flip_s < config.hysteresis_s:
+        return (f"hysteresis: the last flip ended {snap.since_last_flip_s:.3g} s ago "
+                f"(hysteresis_s {config.hysteresis_s:g})")
+    n = snap.side(donor).workers
+    if n - 1 < config.min_per_role:
+        return f"min_per_role: {donor} has {n} worker(s), min_per_role is {config.min_per_role}"
+    cap = capacity_per_worker(config, snap, donor)
+    need = snap.rate * (1.0 + config.headroom)
+    details[f"{donor}_capacity_per_worker"] = cap
+    if cap is None:
+        return f"no capacity estimate for {donor} (no completed requests in the window)"
+    if (n - 1) * cap < need:
+        return (f"{donor} has no slack: {n - 1} worker(s) x {cap:.3g} req/s < {snap.rate:.3g} "
+                f"req/s x (1 + headroom {config.headroom:g})")
+    return _prior_check(config, snap, donor)
+
+
+def snapshot_side(workers: int, samples: Sequence[float], in_flight: int = 0) -> SideSnapshot:
+    """A ``SideSnapshot`` from any sequence of samples."""
+    return SideSnapshot(workers, tuple(samples), in_flight)
