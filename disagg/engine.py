@@ -1100,7 +1100,9 @@ class AsyncLLM:
                 if out is not None:
                     self._deliver(cmd.request_id, out)
             elif isinstance(cmd, _SwitchRole):
-                if self._switch is not None:
+                if not cmd.started.set_running_or_notify_cancel():
+                    pass  # the server gave up waiting for this turn: not started
+                elif self._switch is not None:
                     err = RuntimeError("a role switch is in progress")
                     cmd.started.set_exception(err)
                     cmd.done.set_exception(err)

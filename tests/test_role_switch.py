@@ -33,14 +33,18 @@ from server_fixtures import (
 from disagg.roles import Role, RoleDrain
 from disagg.server import protocol as P
 from disagg.server.role_switch import DRAINING, SWITCHING, RoleSwitcher, Switch, parse_role
+from disagg.transfer.ucx import ucx_available
+
+UCX_OK, UCX_WHY = ucx_available()
 
 TOKEN = ROUTER_TOKEN  # the workers and the router share it
 NAME = "tiny"
 C = "/v1/completions"
 ROLE = "/admin/role"
-COMMON = ["--served-model-name", NAME, "--log-level", "warning", "--kv-transfer-backend",
-          "TCP", "--kv-cache-tokens", "4096", "--max-model-len", "512", "--max-num-tokens",
-          "256", "--max-batch-size", "8", "--tokens-per-block", "16"]
+BASE = ["--served-model-name", NAME, "--log-level", "warning", "--kv-cache-tokens", "4096",
+        "--max-model-len", "512", "--max-num-tokens", "256", "--max-batch-size", "8",
+        "--tokens-per-block", "16"]
+COMMON = [*BASE, "--kv-transfer-backend", "TCP"]
 # 440 decode steps: B is still decoding when its switch is asked for (the first chunk came).
 LONG = {"model": NAME, "prompt": "The harbour was quiet", "max_tokens": 440,
         "temperature": 0, "ignore_eos": True}
@@ -116,6 +120,10 @@ def workers(model_dir: str, router: str, tmp_path_factory: pytest.TempPathFactor
           "B": start("B", "generation"),
           "G": start("G", "generation"),
           "W": start("W", "context", "--tensor-parallel-size", "2", "--device", "cpu")}
+    if UCX_OK:  # started with the others (in parallel), not when their test comes
+        ucx = [*BASE, "--kv-transfer-backend", "UCX"]
+        ws["Au"] = start_worker_proc(tmp, model_dir, "Au", ["--role", "context", *ucx], env)
+        ws["Bu"] = start_worker_proc(tmp, model_dir, "Bu", ["--role", "generation", *ucx], env)
     try:
         wait_all_healthy(list(ws.values()), 120.0)
         yield ws
@@ -310,3 +318,20 @@ def test_bad_requests(workers: dict[str, WorkerProc], reference: str) -> None:
     assert post(G.url, ROLE, {"role": "context"}, token="not-the-token").status_code == 403
     info = G.info()
     assert info["role_switch"] is None  # none of these started a switch
+
+
+@pytest.mark.skipif(not UCX_OK, reason=UCX_WHY)
+def test_ucx_pair_swaps_roles(workers: dict[str, WorkerProc], reference: str) -> None:
+    """Over UCX: a context and a generation worker swap roles (the new context side serves
+    from the UCX listener it started with), outputs exact both ways."""
+    a, b = workers["Au"], workers["Bu"]
+    assert a.info()["kv_transfer"]["backend"] == "UCX"
+    want = ref_text(reference, SHORT)
+    assert disagg_text(a, b, SHORT) == want
+    assert switch(a, "generation").status_code == 202
+    assert switch(b, "context").status_code == 202
+    wait_for(lambda: settled(a, "generation", 1) and settled(b, "context", 1), 20, 0.05,
+             what="UCX pair swapped")
+    assert disagg_text(b, a, SHORT) == want
+    a.wait_blocks(0)
+    b.wait_blocks(0)

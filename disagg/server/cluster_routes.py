@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from disagg import __version__
 from disagg.kv_cache.hashing import BLOCK_HASH_SCHEME
 from disagg.layout import ParallelLayout
+from disagg.roles import Role
 from disagg.server import protocol as P
 from disagg.server.state import ServerState
 
@@ -93,7 +94,7 @@ class ClusterRoutes:
         signature."""
         srv = self.srv
         rt = srv.transfer
-        if rt is None:  # (a worker that switched away from context may still end one)
+        if rt is None or rt.role != Role.CONTEXT:  # (a draining context worker: still context)
             raise P.APIError(404, f"no KV leases on a {srv.role.value!r} worker",
                              type="not_found_error")
         raw = await srv.read_body(request)

@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 DRAINING = "draining"
 SWITCHING = "switching"
+# How long the engine thread may take to pick a switch up (a loop turn: one step).
+STARTED_TIMEOUT_S = 30.0
 # How long the ``switching`` state waits for the router to take the new registration.
 SWITCHED_TIMEOUT_S = 10.0
 # The roles a worker can switch between (an aggregated worker has no KV transfer).
@@ -149,15 +151,19 @@ class RoleRoutes:
         check_admin(srv, request, raw)
         to = parse_role(raw)
         current = srv.role
+        if current in SWITCHABLE:
+            srv.check_accepting()  # 503 while shutting down or with a dead engine
         sw = srv.roles.begin(current, to, time.time())
         if sw is None:
             return answer(200, Switch(current, current, "done", time.time()), "done")
         try:
             started, done = srv.engine.switch_role(to.value)
-            first: RoleDrain = await asyncio.wrap_future(started)
+            # (the engine thread takes it within a loop turn; bounded should it die meanwhile)
+            first: RoleDrain = await asyncio.wait_for(asyncio.wrap_future(started),
+                                                      STARTED_TIMEOUT_S)
         except Exception as e:
             srv.roles.abandon()
-            raise P.APIError(503, f"the engine cannot switch role: {e}",
+            raise P.APIError(503, f"the engine cannot switch role: {e!r}",
                              code="engine_unavailable") from None
         logger.info("role switch %s -> %s: draining %s", current.value, to.value,
                     first.to_dict())
