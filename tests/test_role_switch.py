@@ -2,11 +2,12 @@
 
 Pure parts: the ``RoleSwitcher`` state machine and the body parser. Real processes (tiny model,
 TCP): context worker A (registered with a router through ``--router-url``), generation worker
-B, a spare generation worker G (the reader of a lease A holds while it drains) and a tp 2
-context worker W (gloo on the CPU). A flips context -> generation while it holds an unread
-lease, B flips generation -> context while it decodes; nothing in flight is lost, every greedy
-output equals an aggregated worker's, new requests get 503 ``role_switching`` during the drain,
-and the router moves A to the generation pool when it registers again.
+B, a spare generation worker G (the reader of a lease A holds while it drains; UCX where it
+imports, switched to context last) and a tp 2 context worker W (gloo on the CPU). A flips
+context -> generation while it holds an unread lease, B flips generation -> context while it
+decodes; nothing in flight is lost, every greedy output equals an aggregated worker's, new
+requests get 503 ``role_switching`` during the drain, and the router moves A to the
+generation pool when it registers again.
 """
 
 from __future__ import annotations
@@ -42,11 +43,11 @@ NAME = "tiny"
 C = "/v1/completions"
 ROLE = "/admin/role"
 BASE = ["--served-model-name", NAME, "--log-level", "warning", "--kv-cache-tokens", "4096",
-        "--max-model-len", "512", "--max-num-tokens", "256", "--max-batch-size", "8",
+        "--max-model-len", "1024", "--max-num-tokens", "256", "--max-batch-size", "8",
         "--tokens-per-block", "16"]
 COMMON = [*BASE, "--kv-transfer-backend", "TCP"]
-# 440 decode steps: B is still decoding when its switch is asked for (the first chunk came).
-LONG = {"model": NAME, "prompt": "The harbour was quiet", "max_tokens": 440,
+# 1000 decode steps (seconds): B still decodes while the test checks its drain.
+LONG = {"model": NAME, "prompt": "The harbour was quiet", "max_tokens": 1000,
         "temperature": 0, "ignore_eos": True}
 SHORT = {"model": NAME, "prompt": "Memory is organised in small blocks", "max_tokens": 12,
          "temperature": 0, "ignore_eos": True}
@@ -118,12 +119,12 @@ def workers(model_dir: str, router: str, tmp_path_factory: pytest.TempPathFactor
 
     ws = {"A": start("A", "context", "--router-url", router),
           "B": start("B", "generation"),
-          "G": start("G", "generation"),
           "W": start("W", "context", "--tensor-parallel-size", "2", "--device", "cpu")}
-    if UCX_OK:  # started with the others (in parallel), not when their test comes
-        ucx = [*BASE, "--kv-transfer-backend", "UCX"]
-        ws["Au"] = start_worker_proc(tmp, model_dir, "Au", ["--role", "context", *ucx], env)
-        ws["Bu"] = start_worker_proc(tmp, model_dir, "Bu", ["--role", "generation", *ucx], env)
+    # G: the spare generation worker; over UCX where it imports (its own listener, idle until
+    # it switches to context: test_ucx_generation_worker_becomes_context).
+    backend = "UCX" if UCX_OK else "TCP"
+    ws["G"] = start_worker_proc(tmp, model_dir, "G", ["--role", "generation", *BASE,
+                                                      "--kv-transfer-backend", backend], env)
     try:
         wait_all_healthy(list(ws.values()), 120.0)
         yield ws
@@ -139,7 +140,7 @@ def reference(model_dir: str) -> Iterator[str]:
     from disagg.server.app import ServerSettings, build_app
 
     engine = AsyncLLM.from_options(model_dir, tokens_per_block=16, kv_cache_tokens=4096,
-                                   max_model_len=512, max_num_tokens=256, max_batch_size=8)
+                                   max_model_len=1024, max_num_tokens=256, max_batch_size=8)
     app = build_app(engine, ServerSettings(model_dir=model_dir, served_model_name=NAME,
                                            cluster_token=TOKEN))
     with serve_in_thread(app) as url:
@@ -250,20 +251,22 @@ def test_switch_with_work_in_flight(workers: dict[str, WorkerProc], router: str,
         "object": "role_switch", "from": "context", "to": "generation", "state": "draining"}
     assert rb.json()["pending"]["requests"] == 1
     assert ra.json()["pending"]["leases"] >= 1
+    # B first (its drain ends with the decode): new requests are refused, the decode runs.
+    refused(post(B.url, C, gen_body(SHORT, short_ans)))  # the lease is not released by it
+    refused(post(B.url, C, SHORT))
+    r = switch(B, "generation")
+    assert (r.status_code, r.json()["error"]["code"]) == (409, "role_switch_in_progress")
+    assert B.info()["role_switch"]["pending"] == {"leases": 0, "requests": 1, "pulls": 0}
     info = A.info()
     assert info["role"] == "context" and info["role_switch"]["state"] == "draining"
     assert info["role_switch"]["to"] == "generation"
     wait_for(lambda: A.info()["role_switch"]["pending"]["leases"] == 1, 15, 0.05,
              what="A: only the unread lease left")
-    assert B.info()["role_switch"]["pending"] == {"leases": 0, "requests": 1, "pulls": 0}
 
-    # New requests of the old type (and plain ones) are refused while they drain.
+    # A: new requests of the old type (and plain ones) are refused while it drains.
     refused(post(A.url, C, {**SHORT, "disaggregated_params": {"request_type": "context_only"}}))
     refused(post(A.url, C, SHORT))
-    refused(post(B.url, C, gen_body(SHORT, short_ans)))  # the lease is not released by it
     assert switch(A, "context").status_code == 409
-    r = switch(B, "generation")
-    assert (r.status_code, r.json()["error"]["code"]) == (409, "role_switch_in_progress")
 
     # A's held lease is still read by a generation worker: exact tokens; then A flips.
     assert gen_text(G, SHORT, short_ans) == want_short
@@ -321,17 +324,23 @@ def test_bad_requests(workers: dict[str, WorkerProc], reference: str) -> None:
 
 
 @pytest.mark.skipif(not UCX_OK, reason=UCX_WHY)
-def test_ucx_pair_swaps_roles(workers: dict[str, WorkerProc], reference: str) -> None:
-    """Over UCX: a context and a generation worker swap roles (the new context side serves
-    from the UCX listener it started with), outputs exact both ways."""
-    a, b = workers["Au"], workers["Bu"]
-    assert a.info()["kv_transfer"]["backend"] == "UCX"
-    want = ref_text(reference, SHORT)
-    assert disagg_text(a, b, SHORT) == want
-    assert switch(a, "generation").status_code == 202
-    assert switch(b, "context").status_code == 202
-    wait_for(lambda: settled(a, "generation", 1) and settled(b, "context", 1), 20, 0.05,
-             what="UCX pair swapped")
-    assert disagg_text(b, a, SHORT) == want
-    a.wait_blocks(0)
-    b.wait_blocks(0)
+def test_ucx_generation_worker_becomes_context(workers: dict[str, WorkerProc],
+                                               reference: str) -> None:
+    """G (UCX) was started as generation: after its switch it serves leases from the UCX
+    listener it started with, and a TCP worker pulls them over UCX; exact outputs."""
+    G = workers["G"]
+    assert G.info()["kv_transfer"]["backend"] == "UCX"
+    gen = next((w for w in (workers["A"], workers["B"]) if w.info()["role"] == "generation"),
+               None)
+    if gen is None:  # (run alone: A is still context)
+        gen = workers["A"]
+        assert switch(gen, "generation").status_code == 202
+        wait_for(lambda: gen.info()["role_switch"] is None, 20, 0.05, what="A -> generation")
+    count = G.info()["role_switches"]
+    assert switch(G, "context").status_code == 202
+    wait_for(lambda: settled(G, "context", count + 1), 20, 0.05, what="G -> context")
+    answer = context_call(G, SHORT)
+    assert answer["disaggregated_params"]["backend"] == "UCX"
+    assert gen_text(gen, SHORT, answer) == ref_text(reference, SHORT)
+    G.wait_blocks(0)
+    gen.wait_blocks(0)
