@@ -125,10 +125,10 @@ class RoleSwitcher:
         return self.switch.from_role if self.switch is not None else current
 
 
-def answer(status: int, sw: Switch, state: str, pending: RoleDrain | None = None
-           ) -> JSONResponse:
-    body: dict[str, Any] = {"object": "role_switch", "from": sw.from_role.value,
-                            "to": sw.to_role.value, "state": state}
+def answer(status: int, from_role: Role, to_role: Role, state: str,
+           pending: RoleDrain | None = None) -> JSONResponse:
+    body: dict[str, Any] = {"object": "role_switch", "from": from_role.value,
+                            "to": to_role.value, "state": state}
     if pending is not None:
         body["pending"] = pending.to_dict()
     return JSONResponse(body, status_code=status)
@@ -155,7 +155,7 @@ class RoleRoutes:
             srv.check_accepting()  # 503 while shutting down or with a dead engine
         sw = srv.roles.begin(current, to, time.time())
         if sw is None:
-            return answer(200, Switch(current, current, "done", time.time()), "done")
+            return answer(200, current, current, "done")
         try:
             started, done = srv.engine.switch_role(to.value)
             # (the engine thread takes it within a loop turn; bounded should it die meanwhile)
@@ -168,7 +168,7 @@ class RoleRoutes:
         logger.info("role switch %s -> %s: draining %s", current.value, to.value,
                     first.to_dict())
         srv.spawn(self._complete(done))
-        return answer(202, sw, DRAINING, first)
+        return answer(202, sw.from_role, sw.to_role, DRAINING, first)
 
     async def _complete(self, done: Any) -> None:
         srv = self.srv
