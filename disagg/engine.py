@@ -14,6 +14,7 @@ ranks stays behind it.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import logging
 import queue
 import threading
@@ -32,6 +33,7 @@ from disagg.kv_connector.base import KVConnector, RequestKV
 from disagg.kv_connector.errors import KVTransferError
 from disagg.parallel.executor import DistributedExecutor, WorkerDiedError
 from disagg.request import Request, RequestStatus, SamplingParams
+from disagg.roles import Role, RoleDrain
 from disagg.runner import ModelRunner
 from disagg.sampler import Sampler, SamplerOutput, prompt_logprobs
 from disagg.scheduler import Scheduler, SchedulerOutput
@@ -133,6 +135,9 @@ class _State:
     cache_remote_kv: bool = False
     # benchmark gen-only: no context worker; the prompt's blocks count as computed as they are.
     dummy_kv: bool = False
+    # A generation-only request (pulled or dummy KV): what a generation worker's role switch
+    # waits for.
+    generation_only: bool = False
     kv_error: KVTransferError | None = None
     # The connector heard of the end (request_finished): once per request.
     ended: bool = False
@@ -515,6 +520,7 @@ class LLMEngine:
             req.arrival_time = arrival_time
         st = _State.new(req, self.tokenizer, prompt, ctx_params, remote, dummy_kv)
         st.cache_remote_kv = cache_remote_kv
+        st.generation_only = remote is not None or dummy_kv
         if params.structured is not None:
             st.matcher = _new_matcher(self.grammars, req, replay=remote is not None)
         self._states[request_id] = st
@@ -820,6 +826,22 @@ class LLMEngine:
         )
 
 
+def role_drain(engine: LLMEngine) -> RoleDrain:
+    """Engine thread: what a context / generation worker still holds of its current role
+    (context-only requests and their leases, or generation-only requests and their pulls); a
+    role switch waits until it is all zero."""
+    connector = engine.connector
+    if connector is None:
+        raise RuntimeError("an aggregated worker has no role to drain")
+    leases, pulls = connector.drain_pending()
+    states = engine._states.values()
+    if connector.role == Role.CONTEXT:
+        requests = sum(1 for st in states if st.ctx_params is not None)
+    else:
+        requests = sum(1 for st in states if st.generation_only)
+    return RoleDrain(leases=leases, requests=requests, pulls=pulls)
+
+
 @dataclass(frozen=True)
 class _Add:
     """AsyncLLM command: ``LLMEngine.add_request`` with these arguments."""
@@ -849,8 +871,18 @@ class _ReleaseLease:
     lease_id: str
 
 
+@dataclass(frozen=True)
+class _SwitchRole:
+    """AsyncLLM command: serve ``role`` once the current role drained. ``started`` resolves
+    with the first ``RoleDrain`` measured, ``done`` with the last (all zero) when switched."""
+
+    role: str
+    started: cf.Future
+    done: cf.Future
+
+
 # What the asyncio side asks of the engine thread, in order.
-_Command = _Add | _Abort | _ReleaseLease
+_Command = _Add | _Abort | _ReleaseLease | _SwitchRole
 
 
 class AsyncLLM:
@@ -872,6 +904,10 @@ class AsyncLLM:
         self._pending_adds = 0
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        # A role switch draining (engine thread), and its last measure (read by any thread:
+        # an immutable value swapped whole).
+        self._switch: _SwitchRole | None = None
+        self.role_drain_now: RoleDrain | None = None
 
     @classmethod
     def from_options(cls, model_dir: str, **options: object) -> AsyncLLM:
@@ -994,6 +1030,40 @@ class AsyncLLM:
         self._cmds.put(_Abort(request_id))
         self._wake.set()
 
+    def switch_role(self, role: str) -> tuple[cf.Future, cf.Future]:
+        """Thread-safe: have the engine thread switch the KV connector to ``role`` once the
+        current role drained (checked every loop turn: requests finishing, leases ending and
+        pulls landing all wake the loop). Returns (started, done) futures (``_SwitchRole``);
+        ``done`` fails if the engine stops first or another switch is draining."""
+        if self.engine.connector is None:
+            raise ValueError("role: an aggregated worker cannot switch role")
+        cmd = _SwitchRole(role, cf.Future(), cf.Future())
+        self._cmds.put(cmd)
+        self._wake.set()
+        return cmd.started, cmd.done
+
+    def _advance_switch(self) -> None:
+        """Engine thread: measure the draining role switch; switch once nothing is left."""
+        sw = self._switch
+        if sw is None:
+            return
+        drain = self.role_drain_now = role_drain(self.engine)
+        if not sw.started.done():
+            sw.started.set_result(drain)
+        if not drain.done:
+            return
+        assert self.engine.connector is not None
+        self.engine.connector.set_role(sw.role)
+        self._switch = None
+        sw.done.set_result(drain)
+
+    def _fail_switch(self, why: str) -> None:
+        sw, self._switch = self._switch, None
+        if sw is not None:
+            for fut in (sw.started, sw.done):
+                if not fut.done():
+                    fut.set_exception(RuntimeError(why))
+
     # ---- the loop thread ------------------------------------------------------------------
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
@@ -1029,6 +1099,16 @@ class AsyncLLM:
                 out = self.engine.abort_request(cmd.request_id)
                 if out is not None:
                     self._deliver(cmd.request_id, out)
+            elif isinstance(cmd, _SwitchRole):
+                if not cmd.started.set_running_or_notify_cancel():
+                    pass  # the server gave up waiting for this turn: not started
+                elif self._switch is not None:
+                    err = RuntimeError("a role switch is in progress")
+                    cmd.started.set_exception(err)
+                    cmd.done.set_exception(err)
+                else:
+                    self._switch = cmd
+                    self._advance_switch()
             else:
                 self.engine.release_lease(cmd.lease_id)
 
@@ -1046,8 +1126,10 @@ class AsyncLLM:
                     for out in self.engine.step():
                         self._deliver(out.request_id, out)
                     self.kv_events.append(self.engine.kv.take_events())
+                    self._advance_switch()
                 else:
                     self.kv_events.append(self.engine.kv.take_events())  # aborts, releases
+                    self._advance_switch()  # leases that ended, pulls that landed
                     # Idle, or only waiting for KV pulls (their futures wake us) and lease
                     # expiries (swept every few hundred ms).
                     self._wake.wait(timeout=self.engine.idle_wait_s())
@@ -1059,6 +1141,7 @@ class AsyncLLM:
             for rid in rids:
                 self._deliver(rid, EngineDeadError(f"engine loop died: {e!r}"))
         finally:
+            self._fail_switch("the engine stopped before the role switch was done")
             # Abort whatever is left so nothing waits forever and every block is freed.
             with self._sinks_lock:
                 rids = list(self._sinks)

@@ -7,6 +7,7 @@ YAML and command-line values compare and serialise as they are.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 
 class Role(str, enum.Enum):
@@ -46,3 +47,21 @@ class RequestType(str, enum.Enum):
 
 ROLES = tuple(r.value for r in Role)
 REQUEST_TYPES = tuple(t.value for t in RequestType)
+
+
+@dataclass(frozen=True)
+class RoleDrain:
+    """What a worker switching away from its role still holds of it (``LLMEngine.role_drain``):
+    context leases not yet read, released or expired (on any rank), requests of the old role's
+    type still running, and KV pulls in flight. The switch happens when all are zero."""
+
+    leases: int = 0
+    requests: int = 0
+    pulls: int = 0
+
+    @property
+    def done(self) -> bool:
+        return not (self.leases or self.requests or self.pulls)
+
+    def to_dict(self) -> dict[str, int]:
+        return {"leases": self.leases, "requests": self.requests, "pulls": self.pulls}

@@ -198,15 +198,16 @@ class WorkerProc:
 
 
 def start_worker_proc(tmp: Path, model_dir: str, name: str, args: list[str],
-                      env: dict[str, str], port: int | None = None) -> WorkerProc:
+                      env: dict[str, str], port: int | None = None,
+                      cpus: set[int] | None = None) -> WorkerProc:
     """``disagg serve MODEL --port P ARGS`` with ``env`` added to the environment, one torch
-    thread, its output in ``tmp/NAME-xxxxxx.log``."""
+    thread, its output in ``tmp/NAME-xxxxxx.log``; ``cpus``: pinned to those cores."""
     port = port or free_port()
     log = tmp / f"{name}-{uuid.uuid4().hex[:6]}.log"
     # In the test's process group (as a plain Popen): a Ctrl-C of pytest reaches it too.
     proc = procs.spawn([sys.executable, "-m", "disagg.cli", "serve", model_dir, "--port",
                         str(port), *args], log, env={**os.environ, "OMP_NUM_THREADS": "1", **env},
-                       new_session=False)
+                       new_session=False, cpus=cpus)
     return WorkerProc(name, f"http://127.0.0.1:{port}", proc, log, port,
                       env.get("DISAGG_CLUSTER_TOKEN"))
 

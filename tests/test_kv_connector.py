@@ -68,6 +68,12 @@ class Recorder(KVConnector):
     def busy(self) -> bool:
         return False
 
+    def set_role(self, role: str) -> None:
+        self.role = role
+
+    def drain_pending(self) -> tuple[int, int]:
+        return 0, 0
+
     def info(self) -> dict[str, object]:
         return {}
 

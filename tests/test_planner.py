@@ -214,3 +214,33 @@ def test_planner_loop_window_starts_after_the_last_switch() -> None:
     assert len(snap.context.latencies_ms) == 3 and snap.rate == pytest.approx(3 / 3.5)
     assert snap.since_last_flip_s == pytest.approx(3.5)
     assert loop.snapshot(now=20.0).context.latencies_ms == ()  # all older than window_s
+
+
+def test_generation_wait_over_ttft_slo_is_a_generation_bottleneck() -> None:
+    """Requests queueing for decode slots: TPOT fine, the wait for first bytes is not."""
+    from disagg.router.planner import ClusterSnapshot, PlannerConfig, decide, snapshot_side
+
+    cfg = PlannerConfig(ttft_slo_ms=100, tpot_slo_ms=20, min_samples=4, hysteresis_s=0)
+    snap = ClusterSnapshot(snapshot_side(3, [10.0] * 10),
+                           snapshot_side(1, [8.0] * 10, waits=[900.0] * 10), rate=2.0)
+    d = decide(cfg, snap)
+    assert d is not None and (d.action, d.from_role, d.to_role) == ("flip", "context",
+                                                                     "generation")
+    assert "wait for first bytes p90 900 ms > SLO 100 ms" in d.reason
+    assert d.details["generation_wait_p90_ms"] == 900.0
+    # The same waits under the TTFT SLO: nothing over SLO, no decision.
+    calm = ClusterSnapshot(snap.context, snapshot_side(1, [8.0] * 10, waits=[50.0] * 10), 2.0)
+    assert decide(cfg, calm) is None
+
+
+def test_load_windows_streamed_and_whole_generation_samples() -> None:
+    from disagg.router.load import LoadWindows
+
+    lw = LoadWindows()
+    # streamed: started at 100.0, first bytes at 100.3, ended at 101.3 with 11 tokens asked
+    lw.generation(1.3, 11, now=101.3, first_byte_at=100.3)
+    # whole answer: 2 s for 10 tokens, no first-byte time
+    lw.generation(2.0, 10, now=102.0)
+    assert [round(x, 6) for x in lw.latencies_ms("generation", 0.0)] == [100.0, 200.0]
+    assert [round(x, 6) for x in lw.waits_ms(0.0)] == [300.0]
+    assert lw.completed(0.0) == 2 and lw.waits_ms(101.5) == []

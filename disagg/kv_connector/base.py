@@ -15,6 +15,8 @@ Who calls what (every hook runs on the engine thread unless it says otherwise)::
     release_lease      AsyncLLM's engine thread (the router gave up on a context answer)
     release_remote     any thread (a generation-only request refused before it was queued)
     busy               the idle engine loop: how soon to come back without a wake-up
+    drain_pending      AsyncLLM's engine thread, each loop turn while a role switch drains
+    set_role           AsyncLLM's engine thread, once that drain is over
 
 Rules every implementation keeps:
 
@@ -142,6 +144,16 @@ class KVConnector(ABC):
     def busy(self) -> bool:
         """Whether something needs the engine loop back soon without a wake-up (lease expiry
         sweeps, reads in flight)."""
+
+    @abstractmethod
+    def set_role(self, role: str) -> None:
+        """Serve ``role`` from now on (a run-time role switch, once ``drain_pending`` is all
+        zero; engine thread)."""
+
+    @abstractmethod
+    def drain_pending(self) -> tuple[int, int]:
+        """(live leases, pulls in flight): what a role switch still waits for (engine
+        thread)."""
 
     @abstractmethod
     def info(self) -> dict[str, object]:

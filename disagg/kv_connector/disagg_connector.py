@@ -16,6 +16,10 @@ then confirmed (``release_remote``), and on every other path that ends the reque
 KV (abort, failure, refusal) as well, so the context worker frees the blocks at once instead of
 at expiry.
 
+Both halves exist on every context / generation worker, built at start on every rank: the
+worker can switch role at run time (``set_role``, once ``drain_pending`` is zero; the server's
+``role_switch`` drives it), and the role is only what rank 0 lets happen.
+
 Multi-rank workers: rank 0 drives ranks 1..N-1 (``rank.RankTransfer``) through ``RankPeers``
 (the parallel executor's pipes) with the messages of ``messages``; a lease's blocks are freed
 once it ended on every rank, a pull is done once every rank installed its slice.
@@ -132,36 +136,56 @@ class DisaggConnector(KVConnector):
         self._announced: set[str] = set()
         self._live_on: dict[str, set[int]] = {}
         self.reader_id = f"{self.worker_id}:0"
-        if self.role == Role.CONTEXT:
-            from disagg.transfer.service import KVTransferServer
+        # Both halves on every disaggregated worker, whatever its role at start: it can switch
+        # role at run time (``set_role``) without building anything on any rank then. An idle
+        # transfer server serves nothing: a read needs a live lease, and only a context-only
+        # request makes one.
+        from disagg.transfer.service import KVTransferServer
 
-            self.leases = LeaseTable(settings.lease_ttl_s, on_release=self._on_release)
-            # The engine loop sweeps expiries (sweep_interval_s=None): one owner of the clock.
-            self.server = KVTransferServer(kv_cache, self.leases, settings.cluster_token,
-                                           self.backend, settings.host, stats=self.stats,
-                                           advertise_host=settings.advertise_host,
-                                           sweep_interval_s=None).start()
+        self.leases = LeaseTable(settings.lease_ttl_s, on_release=self._on_release)
+        # The engine loop sweeps expiries (sweep_interval_s=None): one owner of the clock.
+        self.server = KVTransferServer(kv_cache, self.leases, settings.cluster_token,
+                                       self.backend, settings.host, stats=self.stats,
+                                       advertise_host=settings.advertise_host,
+                                       sweep_interval_s=None).start()
         if peers is not None:
-            if self.role == Role.CONTEXT and any(a is None for a in peers.transfer_addresses):
-                raise RuntimeError("a rank of this context worker has no KV transfer server")
+            if any(a is None for a in peers.transfer_addresses):
+                raise RuntimeError("a rank of this worker has no KV transfer server")
             peers.on_event(wake)
 
     # ---- introspection / lifecycle ------------------------------------------------------------
 
     @property
     def addresses(self) -> list[str]:
-        """Every rank's transfer address, rank order (context role)."""
+        """Every rank's transfer address, rank order (what a context answer's params name)."""
         if self.server is None:
             return []
         rest = list(self.peers.transfer_addresses) if self.peers is not None else []
         return [self.server.address, *rest]  # type: ignore[list-item]
 
+    def set_role(self, role: Role | str) -> None:
+        """The worker serves ``role`` from now on (engine thread, once the old role drained:
+        ``drain_pending`` is all zero). Nothing is built or torn down: both halves exist."""
+        if role not in (Role.CONTEXT, Role.GENERATION):
+            raise ValueError(f"role: {role!r} has no KV transfer")
+        logger.info("KV connector: role %s -> %s", self.role, role)
+        self.role = str(role)
+
+    def drain_pending(self) -> tuple[int, int]:
+        """(live leases, pulls in flight) on any rank: what a role switch waits for (engine
+        thread)."""
+        leases = 0 if self.leases is None else len(self.leases)
+        leases += sum(1 for lid in self._live_on if self.leases is None or lid not in self.leases)
+        return leases, len(self._fetches)
+
     def info(self) -> dict[str, object]:
+        context = self.role == Role.CONTEXT
         return {"role": self.role, "worker_id": self.worker_id,
                 "backend": self.backend.name.upper(),
-                "addresses": self.addresses,
+                # a generation worker's idle transfer server is not advertised
+                "addresses": self.addresses if context else [],
                 "layout": self.layout.to_dict(),
-                "lease_ttl_s": self.settings.lease_ttl_s if self.role == Role.CONTEXT else None,
+                "lease_ttl_s": self.settings.lease_ttl_s if context else None,
                 # UCX: profile, UCX_TLS and the transports its context runs (None for TCP)
                 "ucx": describe() if (describe := getattr(self.backend, "describe", None))
                 else None}

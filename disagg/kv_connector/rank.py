@@ -1,9 +1,13 @@
 """The KV connector's part on ranks 1..N-1 of a multi-rank worker (tp * pp > 1).
 
 Every rank holds its own slice of the KV cache (its layers, its kv heads), so every rank serves
-(context role) or pulls (generation role) its own slice. Rank 0's ``DisaggConnector`` drives this
-part with the control messages of ``disagg.kv_connector.messages``; this part answers with
-events. A generation worker confirms each lease once per context rank, for all its own ranks
+(context role) or pulls (generation role) its own slice. A rank builds both halves (a transfer
+server over a lease table, an installer) whatever the worker's role at start: the role lives on
+rank 0 only (it may change at run time), this part just answers rank 0's messages.
+
+Rank 0's ``DisaggConnector`` drives this part with the control messages of
+``disagg.kv_connector.messages``; this part answers with events. A generation worker confirms
+each lease once per context rank, for all its own ranks
 (one reader per lease and rank): the context side need not know the generation layout.
 """
 
@@ -43,7 +47,6 @@ from disagg.kv_connector.pull import (
 )
 from disagg.kv_connector.recv_pool import ReceivePool
 from disagg.kv_connector.settings import SWEEP_INTERVAL_S, DisaggSettings
-from disagg.roles import Role
 from disagg.transfer.backends import make_backend
 from disagg.transfer.lease import Lease, LeaseTable
 from disagg.transfer.params import ContextParams
@@ -87,17 +90,17 @@ class RankTransfer:
         self._lock = threading.Lock()  # the fetch table: main thread vs the installer
         self._installer: cf.ThreadPoolExecutor | None = None
         self._recv_pool = ReceivePool.from_env()
-        if settings.role == Role.CONTEXT:
-            from disagg.transfer.service import KVTransferServer
+        # Both halves whatever the role at start (the worker may switch role at run time; rank
+        # 0 decides what runs, this rank only answers its messages).
+        from disagg.transfer.service import KVTransferServer
 
-            self.leases = LeaseTable(settings.lease_ttl_s, on_release=self._on_release)
-            self.server = KVTransferServer(kv_cache, self.leases, settings.cluster_token,
-                                           self.backend, settings.host, stats=self.stats,
-                                           advertise_host=settings.advertise_host,
-                                           sweep_interval_s=SWEEP_INTERVAL_S).start()
-        else:
-            # Installs run here, not on the transport's thread (which must keep progressing).
-            self._installer = cf.ThreadPoolExecutor(1, thread_name_prefix=f"disagg-install{rank}")
+        self.leases = LeaseTable(settings.lease_ttl_s, on_release=self._on_release)
+        self.server = KVTransferServer(kv_cache, self.leases, settings.cluster_token,
+                                       self.backend, settings.host, stats=self.stats,
+                                       advertise_host=settings.advertise_host,
+                                       sweep_interval_s=SWEEP_INTERVAL_S).start()
+        # Installs run here, not on the transport's thread (which must keep progressing).
+        self._installer = cf.ThreadPoolExecutor(1, thread_name_prefix=f"disagg-install{rank}")
 
     @property
     def address(self) -> str | None:

@@ -63,7 +63,8 @@ class Loaded:
 
 @dataclass(frozen=True)
 class Ready:
-    """Serving steps; ``transfer_address``: the rank's KV transfer server (context role)."""
+    """Serving steps; ``transfer_address``: the rank's KV transfer server (context / generation
+    worker: every rank serves one, whatever its role at start)."""
 
     pid: int
     transfer_address: str | None

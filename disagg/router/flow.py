@@ -259,7 +259,8 @@ class RequestFlow:
             out = await self.relay.call_and_relay(request, st, w, path, lease.data, route,
                                                   lease.ctx_usage, signed=True)
             if out.status == 200:  # the planner's TPOT sample
-                self.membership.load.generation(time.monotonic() - t0, lease.max_tokens)
+                self.membership.load.generation(time.monotonic() - t0, lease.max_tokens,
+                                                first_byte_at=st.first_byte_at)
             # A refusal (4xx) reads no KV: free the lease now, not at its expiry
             # (idempotent should the worker have released it too).
             lease.taken = out.status < 400

@@ -19,6 +19,9 @@ class LoadWindows:
         self._samples: dict[str, deque[tuple[float, float | None]]] = {
             "context": deque(maxlen=MAX_SAMPLES), "generation": deque(maxlen=MAX_SAMPLES)}
         self._tokens: deque[tuple[float, int]] = deque(maxlen=MAX_SAMPLES)
+        # Streamed generation calls: call start -> first bytes (ms): the KV pull plus any
+        # wait for a decode slot, the generation side's part of the client's TTFT.
+        self._waits: deque[tuple[float, float]] = deque(maxlen=MAX_SAMPLES)
 
     def context(self, latency_s: float, now: float | None = None) -> None:
         """One context call answered after ``latency_s``."""
@@ -26,11 +29,22 @@ class LoadWindows:
                                          latency_s * 1000.0))
 
     def generation(self, duration_s: float, max_tokens: int | None,
-                   now: float | None = None) -> None:
+                   now: float | None = None, first_byte_at: float | None = None) -> None:
         """One generation call done after ``duration_s``; ``max_tokens`` requested (None:
-        unknown, the call counts towards the rate but gives no TPOT sample)."""
+        unknown, the call counts towards the rate but gives no TPOT sample).
+
+        A streamed answer (``first_byte_at``: when its first bytes came, monotonic) gives
+        (end - first byte) / (max_tokens - 1): the time per token after the first, as a client
+        measures TPOT, without the KV pull (which the context side's load slows) but with any
+        wait for a decode slot. A whole answer: duration / max_tokens, pull included."""
         t = time.monotonic() if now is None else now
-        per_token = duration_s * 1000.0 / max_tokens if max_tokens else None
+        per_token = None
+        if first_byte_at is not None:
+            self._waits.append((t, (first_byte_at - (t - duration_s)) * 1000.0))
+        if first_byte_at is not None and max_tokens is not None and max_tokens > 1:
+            per_token = (t - first_byte_at) * 1000.0 / (max_tokens - 1)
+        elif max_tokens:
+            per_token = duration_s * 1000.0 / max_tokens
         self._samples["generation"].append((t, per_token))
         if max_tokens:
             self._tokens.append((t, max_tokens))
@@ -42,6 +56,10 @@ class LoadWindows:
     def latencies_ms(self, side: str, since: float) -> list[float]:
         """``side``'s samples newer than ``since`` (monotonic)."""
         return [v for v in self._since(self._samples[side], since) if v is not None]  # type: ignore[misc]
+
+    def waits_ms(self, since: float) -> list[float]:
+        """Streamed generation calls' waits for their first bytes (ms) newer than ``since``."""
+        return self._since(self._waits, since)  # type: ignore[return-value]
 
     def completed(self, since: float) -> int:
         """Generation calls done since ``since``: the disaggregated requests served."""

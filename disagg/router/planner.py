@@ -5,9 +5,12 @@ Signals (per side, over the last ``window_s`` seconds, measured by the router it
 
 - context side: the latency of each context call (the router sends it, the context worker
   prefills and answers with the first token): the router's view of TTFT, in ms;
-- generation side: each generation call's duration divided by the output tokens the request
-  asked for (``max_tokens``): the router's view of TPOT, in ms (a request that stops early
-  makes it smaller, so the generation side is under-read, never over-read);
+- generation side: the router's view of TPOT, in ms: for a streamed answer, the time from its
+  first bytes to its end over the tokens after the first (``max_tokens - 1``), which leaves
+  out the KV pull (slowed by the context side's load, not the generation side's) and keeps any
+  wait for a decode slot; for a whole answer, the call's duration over ``max_tokens`` (pull
+  included). A request that stops early makes it smaller, so the generation side is
+  under-read, never over-read;
 - ``rate``: disaggregated requests completed per second over the window (the arrival rate in
   a steady state); the workers of each side in rotation; the router's requests in flight.
 
@@ -15,7 +18,10 @@ Definitions:
 
 - a side is **over SLO** when it has at least ``min_samples`` samples in the window and their
   ``percentile`` (p90 by default) exceeds its SLO (``ttft_slo_ms`` for context,
-  ``tpot_slo_ms`` for generation);
+  ``tpot_slo_ms`` for generation); the generation side is also over SLO when the wait of its
+  streamed calls for their first bytes (KV pull + a free decode slot: its own part of the
+  client's TTFT) alone exceeds ``ttft_slo_ms`` at that percentile: a generation worker at its
+  batch limit queues requests, which shows there and not in TPOT;
 - a side has **slack** when it can lose one worker and still serve the observed rate with
   ``headroom`` to spare: ``(n - 1) * capacity_per_worker >= rate * (1 + headroom)``, and the
   loss leaves it ``min_per_role`` workers. ``capacity_per_worker`` is the side's requests/s
@@ -146,14 +152,23 @@ class SideSnapshot:
     workers: int  # in rotation
     latencies_ms: tuple[float, ...]  # TTFT (context) or TPOT (generation) samples
     in_flight: int = 0  # the router's requests on the side's workers now
+    # Generation only: streamed calls' waits for their first bytes (KV pull + decode slot).
+    waits_ms: tuple[float, ...] = ()
+
+    def wait_percentile_ms(self, q: float) -> float | None:
+        return _nearest_rank(self.waits_ms, q)
 
     def percentile_ms(self, q: float) -> float | None:
         """Nearest-rank percentile of the samples (None without any)."""
-        if not self.latencies_ms:
-            return None
-        xs = sorted(self.latencies_ms)
-        # rank ceil(q/100 * n) in 1..n -> index rank - 1 in 0..n-1
-        return xs[max(0, math.ceil(q / 100.0 * len(xs)) - 1)]
+        return _nearest_rank(self.latencies_ms, q)
+
+
+def _nearest_rank(samples: Sequence[float], q: float) -> float | None:
+    if not samples:
+        return None
+    xs = sorted(samples)
+    # rank ceil(q/100 * n) in 1..n -> index rank - 1 in 0..n-1
+    return xs[max(0, math.ceil(q / 100.0 * len(xs)) - 1)]
 
 
 @dataclass(frozen=True)
@@ -201,12 +216,18 @@ def capacity_per_worker(config: PlannerConfig, snap: ClusterSnapshot, side: str
 
 
 def _over(config: PlannerConfig, snap: ClusterSnapshot) -> dict[str, float]:
-    """The sides over SLO -> their percentile (ms)."""
+    """The sides over SLO -> their percentile (ms): context when its calls' p > ttft_slo;
+    generation when its TPOT p > tpot_slo, or when its own part of the TTFT (the wait for the
+    first bytes: pull + a decode slot) alone has p > ttft_slo (requests queueing for decode
+    slots show there, not in TPOT)."""
     out = {}
     for side in SIDES:
         p = snap.side(side).percentile_ms(config.percentile)
         if p is not None and p > config.slo_ms(side):
             out[side] = p
+    w = snap.generation.wait_percentile_ms(config.percentile)
+    if GENERATION not in out and w is not None and w > config.ttft_slo_ms:
+        out[GENERATION] = w
     return out
 
 
@@ -245,6 +266,9 @@ def decide(config: PlannerConfig, snap: ClusterSnapshot) -> Decision | None:
     if not over:
         return None
     details: dict[str, Any] = {f"{s}_p{config.percentile:g}_ms": v for s, v in over.items()}
+    wait = snap.generation.wait_percentile_ms(config.percentile)
+    if wait is not None:
+        details[f"generation_wait_p{config.percentile:g}_ms"] = wait
     details["rate"] = snap.rate
     if len(over) == 2:
         return Decision("hold", "both sides are over their SLO: moving a worker would only "
@@ -254,9 +278,13 @@ def decide(config: PlannerConfig, snap: ClusterSnapshot) -> Decision | None:
     hold = _hold_reason(config, snap, donor, details)
     if hold is not None:
         return Decision("hold", hold, donor, target, details)
-    return Decision("flip", f"{target} is the bottleneck (p{config.percentile:g} "
-                    f"{over[target]:.3g} ms > SLO {config.slo_ms(target):g} ms) and {donor} has "
-                    f"slack", donor, target, details)
+    tpot = snap.generation.percentile_ms(config.percentile)
+    by_wait = target == GENERATION and not (tpot is not None and tpot > config.tpot_slo_ms)
+    what, slo = (("wait for first bytes ", config.ttft_slo_ms) if by_wait
+                 else ("", config.slo_ms(target)))
+    return Decision("flip", f"{target} is the bottleneck ({what}p{config.percentile:g} "
+                    f"{over[target]:.3g} ms > SLO {slo:g} ms) and {donor} has slack",
+                    donor, target, details)
 
 
 def _hold_reason(config: PlannerConfig, snap: ClusterSnapshot, donor: str,
@@ -281,6 +309,7 @@ def _hold_reason(config: PlannerConfig, snap: ClusterSnapshot, donor: str,
     return _prior_check(config, snap, donor)
 
 
-def snapshot_side(workers: int, samples: Sequence[float], in_flight: int = 0) -> SideSnapshot:
+def snapshot_side(workers: int, samples: Sequence[float], in_flight: int = 0,
+                  waits: Sequence[float] = ()) -> SideSnapshot:
     """A ``SideSnapshot`` from any sequence of samples."""
-    return SideSnapshot(workers, tuple(samples), in_flight)
+    return SideSnapshot(workers, tuple(samples), in_flight, tuple(waits))

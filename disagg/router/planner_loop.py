@@ -32,7 +32,8 @@ from disagg.router.role_switch import RoleSwitcher, SwitchBusy, SwitchRefused
 
 logger = logging.getLogger("disagg.router.planner")
 
-HISTORY = 20  # decisions kept for /cluster_info
+HISTORY = 20  # decisions kept for /cluster_info (and, apart, the flips: holds repeat each
+# interval while a side is over SLO and would push the flips out)
 
 
 class PlannerLoop:
@@ -43,6 +44,7 @@ class PlannerLoop:
         self.switcher = switcher
         self.on_decision = on_decision  # metrics
         self.decisions: deque[dict[str, Any]] = deque(maxlen=HISTORY)
+        self.flips: deque[dict[str, Any]] = deque(maxlen=HISTORY)
         self.last_snapshot: dict[str, Any] | None = None
         self.started = time.monotonic()
         self._task: asyncio.Task[None] | None = None
@@ -74,8 +76,9 @@ class PlannerLoop:
 
         def side(role: Role) -> SideSnapshot:
             ws = self.membership.candidates(role)
+            waits = load.waits_ms(since) if role is Role.GENERATION else []
             return SideSnapshot(len(ws), tuple(load.latencies_ms(role.value, since)),
-                                sum(w.active_requests for w in ws))
+                                sum(w.active_requests for w in ws), tuple(waits))
 
         span = max(now - since, 1e-9)
         return ClusterSnapshot(side(Role.CONTEXT), side(Role.GENERATION),
@@ -125,6 +128,8 @@ class PlannerLoop:
         entry = {"time": time.time(), **d.public(),
                  "worker": None if worker is None else worker.url}
         self.decisions.append(entry)
+        if d.action == "flip":
+            self.flips.append(entry)
         log = logger.warning if d.action == "flip" else logger.info
         log("planner: %s%s: %s", d.action,
             f" {worker.url} {d.from_role} -> {d.to_role}" if worker else "", d.reason)
@@ -135,7 +140,8 @@ class PlannerLoop:
         """``/cluster_info``'s ``planner``."""
         return {"config": self.config.public(), "state": self.last_snapshot,
                 "switch": self.switcher.public(),
-                "decisions": list(reversed(self.decisions))}
+                "decisions": list(reversed(self.decisions)),
+                "flips": list(reversed(self.flips))}
 
 
 def _public_snapshot(config: PlannerConfig, snap: ClusterSnapshot) -> dict[str, Any]:
@@ -143,7 +149,7 @@ def _public_snapshot(config: PlannerConfig, snap: ClusterSnapshot) -> dict[str, 
 
     def side(s: SideSnapshot) -> dict[str, Any]:
         return {"workers": s.workers, "samples": len(s.latencies_ms), "in_flight": s.in_flight,
-                f"p{q:g}_ms": s.percentile_ms(q)}
+                f"p{q:g}_ms": s.percentile_ms(q), f"wait_p{q:g}_ms": s.wait_percentile_ms(q)}
 
     return {"context": side(snap.context), "generation": side(snap.generation),
             "rate": snap.rate, "mean_max_tokens": snap.osl, "switching": snap.switching,

@@ -46,6 +46,9 @@ class RequestState:
     # cancellation after it (the client closing once it read [DONE] while the router still
     # waits for the worker's end of stream) is no failure.
     delivered: bool = False
+    # When the first streamed bytes of the answer came (monotonic; None: not streamed): the
+    # planner's TPOT sample starts there, after the KV pull and the first token.
+    first_byte_at: float | None = None
 
 
 @contextlib.contextmanager
@@ -125,7 +128,8 @@ class Relay:
                     events = fix_stream_usage(events, ctx_usage)
                 try:
                     if out is None:
-                        self.metrics.gen_first_byte.observe(time.monotonic() - t0)
+                        st.first_byte_at = time.monotonic()
+                        self.metrics.gen_first_byte.observe(st.first_byte_at - t0)
                         out = web.StreamResponse(status=200, headers=SSE_HEADERS)
                         await out.prepare(request)
                     await out.write(events)

@@ -14,6 +14,7 @@ modules named for what they do:
 - ``engine_errors``: an engine failure as the client's HTTP error;
 - ``cluster_routes``: ``/health``, ``/version``, ``/server_info``, ``/kv_events``,
   ``/kv_leases/release``, ``/metrics``;
+- ``role_switch``: ``POST /admin/role``, a context / generation worker's run-time role switch;
 - ``tokenize_routes``: ``/tokenize``, ``/detokenize`` (vLLM's shapes); ``chat_prompt``: the
   chat template's prompt (``continue_final_message``, ``chat_template_kwargs``);
 - ``http_guard``: HTTP limits below the routes.
@@ -42,6 +43,7 @@ from disagg.server import protocol as P
 from disagg.server.cluster_routes import ClusterRoutes
 from disagg.server.http_guard import HttpGuard
 from disagg.server.openai_routes import OpenAIRoutes
+from disagg.server.role_switch import RoleRoutes
 from disagg.server.state import ServerSettings, ServerState
 from disagg.server.tokenize_routes import TokenizeRoutes
 
@@ -52,7 +54,7 @@ logger = logging.getLogger(__name__)
 # Refusals counted by disagg_requests_rejected_total{reason}: client errors, and the 503s that
 # say this worker cannot take requests now.
 _REJECT_REASONS = {400: "invalid_request", 401: "unauthorized", 404: "model_not_found"}
-_UNAVAILABLE_CODES = ("queue_full", "draining", "engine_unavailable")
+_UNAVAILABLE_CODES = ("queue_full", "draining", "engine_unavailable", "role_switching")
 
 
 def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
@@ -68,6 +70,8 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
     _add_error_handlers(app, srv)
     OpenAIRoutes(srv).register(app)
     ClusterRoutes(srv).register(app)
+    app.state.role_routes = RoleRoutes(srv)  # (the CLI hooks its router registration in)
+    app.state.role_routes.register(app)
     TokenizeRoutes(srv).register(app)
     return app
 

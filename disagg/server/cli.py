@@ -208,7 +208,8 @@ def run_server(
                               public_metrics=bool(public_metrics),
                               benchmark_gen_only=bool(benchmark_gen_only),
                               tool_call_parser=tool_call_parser)
-    server = _uvicorn_server(build_app(engine, settings), engine, host=host, port=port,
+    app = build_app(engine, settings)
+    server = _uvicorn_server(app, engine, host=host, port=port,
                              log_level=log_level, drain_timeout=drain_timeout)
     logger.info("serving %s as %r (role %s) on %s:%d", model_dir, settings.model_name, role,
                 host, port)
@@ -222,6 +223,9 @@ def run_server(
 
         registration = RouterRegistration(router_url, engine, settings, http_host or host,
                                           cluster_token)
+        srv = app.state.server
+        registration.role_of = lambda: srv.serving_role.value
+        app.state.role_routes.on_switched.append(registration.register_now)
     return _serve(server, engine, registration)
 
 

@@ -51,7 +51,10 @@ class ClusterRoutes:
             kv_blocks = None
         B = cfg.cache.tokens_per_block
         return {
-            "role": settings.role,
+            "role": srv.role.value,  # the old role until a switch is done
+            "role_switch": (srv.roles.switch.to_dict(getattr(engine, "role_drain_now", None))
+                            if srv.roles.switch is not None else None),
+            "role_switches": srv.roles.switches,
             "worker_id": getattr(engine, "worker_id", None),
             "benchmark_gen_only": settings.benchmark_gen_only,
             "model": srv.model_name,
@@ -91,7 +94,7 @@ class ClusterRoutes:
         signature."""
         srv = self.srv
         rt = srv.transfer
-        if rt is None or rt.role != Role.CONTEXT:
+        if rt is None or rt.role != Role.CONTEXT:  # (a draining context worker: still context)
             raise P.APIError(404, f"no KV leases on a {srv.role.value!r} worker",
                              type="not_found_error")
         raw = await srv.read_body(request)

@@ -47,6 +47,7 @@ class OpenAIRoutes:
         whether this worker takes requests now); the request's response format."""
         srv = self.srv
         srv.access.check_api_key(request)
+        srv.check_not_switching()
         req = P.parse_request(fmt.request_model, await srv.read_body(request))
         if req.model_extra:
             logger.info("ignoring unknown request fields: %s", sorted(req.model_extra))

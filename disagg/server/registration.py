@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -34,15 +35,17 @@ RETRY_S = 1.0
 TIMEOUT_S = 5.0
 
 
-def worker_payload(engine: Any, settings: Any, url: str) -> dict[str, Any]:
-    """The registration body of the worker serving ``engine`` with ``settings``."""
+def worker_payload(engine: Any, settings: Any, url: str, role: str | None = None
+                   ) -> dict[str, Any]:
+    """The registration body of the worker serving ``engine`` with ``settings`` in ``role``
+    (default: the role at start)."""
     from disagg.kv_cache.hashing import BLOCK_HASH_SCHEME
     from disagg.layout import ParallelLayout
 
     cfg = engine.config
     transfer = getattr(engine, "transfer", None)
     return {
-        "role": settings.role,
+        "role": role or settings.role,
         "url": url,
         "model": settings.model_name,
         "model_dir": settings.model_dir,
@@ -71,6 +74,10 @@ class RouterRegistration:
         self.url: str | None = None  # host:port, once the server listens
         self.registered = False
         self._last_problem: str | None = None
+        # The role the engine serves now (it may switch at run time: ``role_switch``); set
+        # by the CLI to ``ServerState.serving_role``.
+        self.role_of: Callable[[], str] = lambda: str(settings.role)
+        self._client: Any = None
 
     async def run(self, server: Any) -> None:
         """Wait for ``server`` (a ``uvicorn.Server``) to listen, then register and heartbeat
@@ -83,15 +90,27 @@ class RouterRegistration:
             await asyncio.sleep(0.05)
         port = server.servers[0].sockets[0].getsockname()[1]
         self.url = host_port(self.host, port)
-        payload = worker_payload(self.engine, self.settings, self.url)
         async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
+            self._client = client
             try:
                 while not server.should_exit:
-                    interval = await self._register(client, payload)
+                    interval = await self._register(client, self._payload())
                     await _sleep_unless(server, interval)
             finally:
+                self._client = None
                 if self.registered:
                     await self.unregister(client)
+
+    def _payload(self) -> dict[str, Any]:
+        assert self.url is not None
+        return worker_payload(self.engine, self.settings, self.url, self.role_of())
+
+    async def register_now(self) -> None:
+        """Register again at once (the role switched): the router moves this worker to the
+        new role's pool. Nothing when not registering (no server yet, or shutting down)."""
+        if self._client is None or self.url is None:
+            return
+        await self._register(self._client, self._payload())
 
     async def _register(self, client: Any, payload: dict[str, Any]) -> float:
         import httpx
@@ -111,7 +130,7 @@ class RouterRegistration:
             return RETRY_S
         if not self.registered or self._last_problem is not None:
             logger.info("registered with router %s as %s (%s)", self.router_url, self.url,
-                        self.settings.role)
+                        self.role_of())
         self.registered = True
         self._last_problem = None
         try:

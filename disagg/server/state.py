@@ -25,6 +25,7 @@ from disagg.server.engine_errors import unavailable
 from disagg.server.http_guard import MAX_BODY_BYTES
 from disagg.server.metrics import ServerMetrics
 from disagg.server.options import check_role
+from disagg.server.role_switch import RoleSwitcher
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class ServerState:
         check_role(settings.role)
         self.engine = engine
         self.settings = settings
-        self.role = Role(settings.role)
+        self.roles = RoleSwitcher()  # a run-time role switch (role_switch.py)
         self.config = engine.config
         self.model_name = settings.model_name
         sched = self.config.scheduler
@@ -94,6 +95,19 @@ class ServerState:
     def transfer(self) -> Any:
         """The engine's KV transfer runtime (None on an aggregated worker)."""
         return getattr(self.engine, "transfer", None)
+
+    @property
+    def serving_role(self) -> Role:
+        """The role the engine serves: its KV connector's (the one owner of a context /
+        generation worker's role, which may switch at run time), else the role at start."""
+        rt = self.transfer
+        return Role(rt.role if rt is not None else self.settings.role)
+
+    @property
+    def role(self) -> Role:
+        """The role this worker reports and takes requests for: the old one until a role
+        switch is done (``role_switch``)."""
+        return self.roles.reported_role(self.serving_role)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Fire and forget, keeping a reference (the loop holds tasks only weakly)."""
@@ -124,6 +138,15 @@ class ServerState:
     def abort_all(self) -> None:
         for fan in {id(f): f for f in self.inflight.values()}.values():
             fan.abort()
+
+    def check_not_switching(self) -> None:
+        """503 ``role_switching`` while the worker switches role (before a request's body is
+        read: a generation_only request's lease is left for the worker it is sent to next)."""
+        sw = self.roles.switch
+        if sw is not None:
+            raise unavailable(f"the worker is switching role {sw.from_role.value} -> "
+                              f"{sw.to_role.value} ({sw.state}); retry on another worker",
+                              "role_switching")
 
     def check_accepting(self) -> None:
         if self.draining:
