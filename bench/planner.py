@@ -179,8 +179,9 @@ def _worker_cmd(model: str, role: str, port: int, args: argparse.Namespace) -> l
 
 
 def planner_yaml(args: argparse.Namespace) -> dict[str, Any]:
-    return {"ttft_slo_ms": args.ttft_slo, "tpot_slo_ms": args.tpot_slo,
-            "interval_s": args.interval, "min_per_role": 1,
+    return {"enabled": True, "ttft_slo_ms": args.ttft_slo, "tpot_slo_ms": args.tpot_slo,
+            "interval_s": args.interval, "window_s": args.planner_window,
+            "min_samples": args.min_samples, "min_per_role": 1,
             "hysteresis_s": args.hysteresis}
 
 
@@ -259,8 +260,8 @@ async def poll_timeline(url: str, stop: asyncio.Event, every_s: float,
 
 
 async def serve_trace(url: str, trace: Sequence[tuple[int, SampleRequest]],
-                      args: argparse.Namespace) -> tuple[list[RequestRecord],
-                                                        list[dict[str, Any]], float]:
+                      args: argparse.Namespace
+                      ) -> tuple[list[RequestRecord], list[dict[str, Any]], float, float]:
     """Replay ``trace`` against ``url`` (greedy, streamed); records, timeline, wall seconds."""
     cfg = BenchmarkConfig(base_url=url, model=NAME, ignore_eos=True, seed=args.seed,
                           extra_body={"temperature": 0.0},
@@ -269,12 +270,13 @@ async def serve_trace(url: str, trace: Sequence[tuple[int, SampleRequest]],
     stop = asyncio.Event()
     poller = asyncio.create_task(poll_timeline(url, stop, 0.5, timeline))
     t0 = time.perf_counter()
+    t0_unix = time.time()
     try:
         res = await run_benchmark(cfg, [r for _, r in trace])
     finally:
         stop.set()
         await poller
-    return res.records, timeline, time.perf_counter() - t0
+    return res.records, timeline, time.perf_counter() - t0, t0_unix
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -333,9 +335,10 @@ def run_on(model: str, num_ctx: int, args: argparse.Namespace, tmp: Path, label:
     try:
         for name, trace in traces.items():
             thr0 = [q.throttled_s() for q in cl.quotas]
-            recs, timeline, wall = asyncio.run(serve_trace(cl.url, trace, args))
+            recs, timeline, wall, t0_unix = asyncio.run(serve_trace(cl.url, trace, args))
             out["runs"][name] = {
                 "records": [r.to_json() for r in recs], "timeline": timeline, "wall_s": wall,
+                "t0_unix": t0_unix,
                 "phase": [k for k, _ in trace],
                 "throttled_s": [q.throttled_s() - t for q, t in zip(cl.quotas, thr0,
                                                                     strict=True)]}
@@ -473,6 +476,11 @@ def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
 
 def _report_static(data: dict[str, Any], args: argparse.Namespace) -> list[str]:
     st = data["static"]
+    if st.get("given"):
+        return ["## The static splits", "", f"Given by `--skip-static-choice` (not measured in "
+                f"this run): {st['best']['phase1']}+{args.workers - st['best']['phase1']} for "
+                f"phase 1, {st['best']['phase2']}+{args.workers - st['best']['phase2']} for "
+                "phase 2.", ""]
     lines = ["## Choosing the static splits (each phase alone, every split)", "",
              "| context + generation | phase 1 goodput req/s | phase 2 goodput req/s |",
              "|---|---|---|"]
@@ -513,8 +521,16 @@ def _report_decisions(data: dict[str, Any]) -> list[str]:
     if not runs:
         return []
     pl = (runs[-1].get("cluster_info") or {}).get("planner") or {}
-    lines = ["## The planner's decisions (last round, from the router's `/cluster_info`)", "",
-             "```", json.dumps(pl.get("decisions", pl), indent=1)[:4000], "```", ""]
+    lines = ["## The planner's flips (last round, from the router's `/cluster_info`)", "",
+             "| time in trace s | worker | from | to | reason |", "|---|---|---|---|---|"]
+    t0 = runs[-1]["runs"]["trace"].get("t0_unix")
+    for f in reversed(pl.get("flips", [])):
+        at = f"{f['time'] - t0:.1f}" if t0 else "-"
+        lines.append(f"| {at} | {f['worker']} | {f['from_role']} | {f['to_role']} | "
+                     f"{f['reason']} |")
+    last = (pl.get("decisions") or [None])[0]
+    lines += ["", "Its last decision: " + ("none" if last is None else
+                                           f"{last['action']}: {last['reason']}"), ""]
     if runs[-1].get("metrics"):
         lines += ["Its metrics at the end:", "", "```", *runs[-1]["metrics"], "```", ""]
     return lines
@@ -545,6 +561,7 @@ def plot(data: dict[str, Any], args: argparse.Namespace, png: str) -> None:
     for a in ax:
         a.axvline(args.phase_s, color="black", lw=0.8)
         a.grid(alpha=0.3)
+    ax[2].set_xlim(0, span * 1.1)  # the trace (the timeline goes on while the last answers drain)
     ax[1].set_yscale("log")
     ax[2].set_yscale("log")
     ax[2].set_xlabel(f"trace time (s); phase 2 from {args.phase_s:.0f} s; windows of "
@@ -565,16 +582,18 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     a("--workers", type=int, default=4)
     a("--device-cores", type=float, default=0.4, help="CPU quota of each worker (cores)")
     a("--phase-s", type=float, default=60.0, help="seconds of each of the two phases")
-    a("--rate1", type=float, default=2.0)
+    a("--rate1", type=float, default=6.0)
     a("--isl1", type=int, default=640)
     a("--osl1", type=int, default=4)
-    a("--rate2", type=float, default=2.0)
+    a("--rate2", type=float, default=2.5)
     a("--isl2", type=int, default=32)
-    a("--osl2", type=int, default=64)
+    a("--osl2", type=int, default=128)
     a("--ttft-slo", type=float, default=1000.0, help="ms")
-    a("--tpot-slo", type=float, default=100.0, help="ms")
+    a("--tpot-slo", type=float, default=60.0, help="ms")
     a("--interval", type=float, default=2.0, help="planner interval_s")
     a("--hysteresis", type=float, default=10.0, help="planner hysteresis_s")
+    a("--planner-window", type=float, default=10.0, help="planner window_s")
+    a("--min-samples", type=int, default=10, help="planner min_samples")
     a("--max-batch-size", type=int, default=4)
     a("--max-num-tokens", type=int, default=256)
     a("--kv-cache-tokens", type=int, default=16384)
