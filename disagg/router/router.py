@@ -34,6 +34,7 @@ from disagg.router.flow import RequestFlow
 from disagg.router.membership import ROLES, Membership, UpstreamAuth
 from disagg.router.metrics import RouterMetrics
 from disagg.router.policies import RouteRequest, RoutingPolicy, make_policy
+from disagg.router.processes import ProcessInfo, Siblings
 from disagg.router.prompt_tokens import PromptTokens
 from disagg.router.relay import Relay
 from disagg.router.upstream import UpstreamClient
@@ -74,8 +75,12 @@ class Router:
     """The router's parts for one cluster config (see the module docstring)."""
 
     def __init__(self, config: ClusterConfig, tokenizer: Any = None, *,
-                 cluster_token: str | None = None, insecure_membership: bool = False) -> None:
+                 cluster_token: str | None = None, insecure_membership: bool = False,
+                 process: ProcessInfo | None = None) -> None:
         self.config = config
+        # Which of the router's processes this is, and the channel to the others.
+        self.process = process or ProcessInfo()
+        self.siblings = Siblings(self.process)
         # The cluster secret (never sent): signs the calls to workers, verifies registrations.
         self.cluster_token = cluster_token_or_none(cluster_token)
         check_cluster_token(config, self.cluster_token, insecure_membership)
@@ -105,6 +110,12 @@ class Router:
         self._trim_task: asyncio.Task[None] | None = None
 
     @property
+    def primary(self) -> bool:
+        """Whether this process runs the router's once-per-cluster background work (the only
+        process, or process 0 of ``--processes N``)."""
+        return self.process.primary
+
+    @property
     def need_tokens(self) -> bool:
         """Does a policy (or conditional disaggregation) need the prompt's tokens?"""
         return self.tokens.need_tokens
@@ -126,6 +137,7 @@ class Router:
     async def startup(self, app: web.Application) -> None:
         session = await self.upstream.start()
         await self.membership.start(session)
+        await self.siblings.start()
         trim = _malloc_trim()
         if trim is not None:
             self._trim_task = asyncio.get_running_loop().create_task(_trim_loop(trim))
@@ -135,6 +147,7 @@ class Router:
             self._trim_task.cancel()
         await self.membership.stop()
         await self.upstream.close()
+        await self.siblings.close()
 
 
 def _malloc_trim() -> Any:
