@@ -9,7 +9,9 @@ calls and their retries; the pieces live in modules named for what they do:
 
 - ``router``: ``Router``, the parts assembled from the cluster config (cluster authentication);
 - ``handlers``: the HTTP endpoints; ``flow``: the request flow and its one retry helper;
-- ``upstream``: the client of the workers; ``relay``: their answers passed to the client;
+- ``upstream``: the client of the workers (``http1``: its lean HTTP/1.1 connections);
+  ``relay``: their answers passed to the client;
+- ``processes``: several router processes on one port (``processes: N``);
 - ``prompt_tokens``: the prompt's tokens for the policies; ``replies``: the router's own answers;
 - ``membership``, ``policies``, ``kv_index``, ``metrics``, ``config``, ``cli``.
 
