@@ -324,8 +324,9 @@ class Pool:
 
     async def _connect(self, key: tuple[str, int]) -> _Conn:
         try:
-            async with asyncio.timeout(self.connect_timeout_s):
-                _, conn = await self.loop.create_connection(lambda: _Conn(self, key), *key)
+            _, conn = await asyncio.wait_for(
+                self.loop.create_connection(lambda: _Conn(self, key), *key),
+                self.connect_timeout_s)
         except (OSError, asyncio.TimeoutError) as e:
             raise ConnectError(f"cannot connect to {key[0]}:{key[1]}: "
                                f"{type(e).__name__}: {e}") from None
