@@ -135,3 +135,19 @@ def test_process_info_checks_and_primary() -> None:
         ProcessInfo(2, 2, "/d")
     with pytest.raises(ValueError):
         ProcessInfo(0, 2)  # several processes need their private channel
+
+
+def test_processes_key_and_flag_are_checked(tmp_path: Path) -> None:
+    from disagg.router.config import RouterConfigError, parse_cluster_config
+
+    base = {"generation_servers": {"num_instances": 1, "urls": ["127.0.0.1:9"]}}
+    assert parse_cluster_config(base).processes == 1
+    assert parse_cluster_config({**base, "processes": 4}).processes == 4
+    for bad in (0, 257, "two"):
+        with pytest.raises(RouterConfigError, match="processes"):
+            parse_cluster_config({**base, "processes": bad})
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(base))
+    r = subprocess.run([sys.executable, "-m", "disagg.cli", "router", "-c", str(cfg),
+                        "--processes", "0"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--processes" in r.stderr
