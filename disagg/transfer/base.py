@@ -71,7 +71,7 @@ import logging
 import struct
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -331,6 +331,37 @@ class Connection(ABC):
         """Fill exactly ``out.nbytes`` bytes of a contiguous 1-D uint8 array (numpy, or a CUDA
         uint8 tensor where the backend supports device memory)."""
 
+    # True: a payload is one byte stream, split any way on either side (TCP: ``sendmsg`` /
+    # ``recvmsg_into`` over several buffers). False: a payload is a sequence of messages whose
+    # sizes both sides agree on beforehand (UCX: one tag message per part, the READ's
+    # ``parts``).
+    stream: ClassVar[bool] = True
+
+    async def send_payload_iov(self, views: Sequence[Any]) -> None:
+        """Send the concatenation of ``views`` (contiguous 1-D uint8 arrays), no copy on our
+        side. Stream connections only; message connections send parts
+        (``send_payload_parts``)."""
+        if not self.stream:
+            raise NotImplementedError(f"{type(self).__name__} sends payloads as parts")
+        for v in views:
+            await self.send_payload(v)
+
+    async def send_payload_parts(self, parts: AsyncIterator[Any], count: int) -> None:
+        """Send ``count`` parts, each a contiguous 1-D uint8 array, as they come (a part may
+        still be in flight while the next one is produced)."""
+        sent = 0
+        async for p in parts:
+            await self.send_payload(p)
+            sent += 1
+        if sent != count:
+            raise ProtocolError(f"{sent} payload parts produced, {count} announced")
+
+    async def recv_payload_iov(self, views: Sequence[Any]) -> None:
+        """Fill ``views`` in order: a stream connection reads the payload across all of them;
+        a message connection takes one part per view (the sizes announced in the READ)."""
+        for v in views:
+            await self.recv_payload_into(v)
+
     @property
     @abstractmethod
     def closed(self) -> bool: ...
@@ -406,6 +437,9 @@ class TransportBackend(ABC):
     """
 
     name: ClassVar[str]
+    # Its connections' ``Connection.stream``: payload bytes are one stream (True), or one
+    # message per part, the parts announced in the READ (False).
+    stream_payloads: ClassVar[bool] = True
 
     @abstractmethod
     def acquire_loop(self, role: str) -> LoopThread:
