@@ -59,7 +59,8 @@ class IovCursor:
         batch(): [v1[5:], v2, ..., v(1 + max_iov - 1)]
     """
 
-    def __init__(self, views: Sequence[Any], max_iov: int = IOV_MAX) -> None:
+    def __init__(self, views: Sequence[Any], max_iov: int | None = None) -> None:
+        max_iov = IOV_MAX if max_iov is None else max_iov
         if max_iov < 1:
             raise ValueError(f"max_iov must be >= 1, got {max_iov}")
         self._views = [mv for mv in (memoryview(v).cast("B") for v in views) if mv.nbytes]
