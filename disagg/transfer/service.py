@@ -50,22 +50,16 @@ from disagg.transfer.lease import LeaseError, LeaseTable
 from disagg.transfer.payload import (
     ReadPlan,
     StagingPool,
-    as_byte_array,
     as_payload,
-    block_views,
-    byte_views,
     dtype_name,
-    gather_into,
-    gather_into_from_device,
-    gather_views,
     plan_read,
     slice_views,
 )
+from disagg.transfer.sender import payload_source, send_parts
 from disagg.transfer.stats import TransferStats
 
 logger = logging.getLogger("disagg.transfer")
 
-GATHER_INLINE_MAX_BYTES = 1 << 20  # bigger gathers run on a worker thread, not the I/O loop
 REFUSAL_LOG_INTERVAL_S = 10.0  # at most one warning per interval about refused connections
 
 
@@ -496,7 +490,7 @@ class KVTransferServer:
                 if conn.stream:
                     await conn.send_payload_iov(source)
                 else:
-                    await self._send_parts(conn, pieces, staging, gathers)
+                    await send_parts(conn, pieces, staging, self._gather_pool, gathers)
             except ConnectionClosedError:
                 self.stats.record_failure(CONNECTION_FAILED)
                 raise
@@ -516,65 +510,9 @@ class KVTransferServer:
 
     async def _source(self, req: ReadRequest, plan: ReadPlan
                       ) -> tuple[list[Any], torch.Tensor | None]:
-        """The payload as contiguous byte views, in order, and the staging buffer they live in
-        (None: straight from the cache). A consecutive run is one view of the cache; with runs
-        on (CPU cache, ``"blocks"``, all kv heads) a scattered table is a view per run (or per
-        block, for a layer range), sent as they are (TCP) or gathered part by part while the
-        previous part is on the wire (UCX); anything else is gathered into staging first."""
-        if plan.zero_copy is not None:
-            # CPU cache, or a GPU cache over a transport that sends GPU memory (the prefill
-            # that wrote these blocks finished before the lease existed)
-            return [as_payload(plan.zero_copy)], None
-        if self.runs and not self._on_gpu and req.format == "blocks":
-            views = block_views(self.kv_cache, req.block_ids, req.layer_slice, req.head_slice)
-            if views is not None:
-                return byte_views(views), None
-        staging = self.staging.acquire(plan.nbytes)
-        try:
-            dst = staging[:plan.nbytes].view(self.kv_cache.dtype).view(plan.shape)
-            if self._stream is not None:  # GPU cache: gather there (into GPU or pinned)
-                await asyncio.get_running_loop().run_in_executor(
-                    self._gather_pool, gather_into_from_device, self.kv_cache, req, dst,
-                    self._stream)
-            elif plan.nbytes <= GATHER_INLINE_MAX_BYTES or self._gather_pool is None:
-                gather_into(self.kv_cache, req, dst)
-            else:  # numpy copies release the GIL: the loop keeps serving meanwhile
-                await asyncio.get_running_loop().run_in_executor(
-                    self._gather_pool, gather_into, self.kv_cache, req, dst)
-        except BaseException:
-            self.staging.release(staging)
-            raise
-        return [as_payload(staging[:plan.nbytes])], staging
-
-    async def _send_parts(self, conn: Connection, pieces: list[list[Any]],
-                          staging: torch.Tensor | None, gathers: list[asyncio.Future[Any]]
-                          ) -> None:
-        """One message per part: a part inside one view goes as that view; a part spanning
-        several is gathered into its bytes ``[a, b)`` of ``staging`` on the gather thread.
-        All gathers are queued at once (the thread runs them in order), so part k+1 is
-        gathered while part k is on the wire. ``gathers`` collects them for the caller."""
-        loop = asyncio.get_running_loop()
-        bounds = list(_ranges([sum(v.nbytes for v in p) for p in pieces]))
-        dsts: list[Any] = []
-        for p, (a, b) in zip(pieces, bounds, strict=True):
-            if len(p) == 1:
-                dsts.append(None)
-                continue
-            assert staging is not None
-            dst = as_byte_array(staging[a:b])
-            dsts.append(dst)
-            gathers.append(loop.run_in_executor(self._gather_pool, gather_views, p, dst))
-
-        async def produce() -> Any:
-            queued = iter(gathers)
-            for p, dst in zip(pieces, dsts, strict=True):
-                if dst is None:
-                    yield p[0]
-                else:
-                    await next(queued)
-                    yield dst
-
-        await conn.send_payload_parts(produce(), len(pieces))
+        return await payload_source(self.kv_cache, req, plan, self.staging,
+                                    self.runs and not self._on_gpu, self._gather_pool,
+                                    self._stream)
 
 
 class ReadFuture(cf.Future):  # type: ignore[type-arg]
