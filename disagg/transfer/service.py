@@ -51,6 +51,7 @@ from disagg.transfer.payload import (
     ReadPlan,
     StagingPool,
     as_payload,
+    consecutive_runs,
     dtype_name,
     plan_read,
     slice_views,
@@ -65,12 +66,13 @@ REFUSAL_LOG_INTERVAL_S = 10.0  # at most one warning per interval about refused 
 
 # A READ may split its payload into at most this many parts (UCX messages).
 MAX_PAYLOAD_PARTS = 4096
-# How a message transport's client splits a payload (``split_parts``): about
-# PARTS_PER_PAYLOAD parts of PART_MIN_BYTES..PART_MAX_BYTES, so that the server gathers part k+1
-# while part k is on the wire, at ~0.1 ms of ucxx overhead per message (measured here: one
-# 128 MiB message 15 ms, 8 parts 16 ms, 64 parts 23 ms, 512 parts 40 ms).
-PARTS_PER_PAYLOAD = 8
-PART_MIN_BYTES = 2 << 20
+# How a message transport's client splits the payload of a scattered table
+# (``split_parts``): about PARTS_PER_PAYLOAD parts of PART_MIN_BYTES..PART_MAX_BYTES, so that
+# the server gathers part k+1 while part k is on the wire, at ~0.1 ms of ucxx overhead per
+# message (measured here, quiet host, 128 MiB: one message 15 ms, 8 parts 16 ms, 64 parts
+# 23 ms, 512 parts 40 ms; on a loaded host every message costs more).
+PARTS_PER_PAYLOAD = 4
+PART_MIN_BYTES = 4 << 20
 PART_MAX_BYTES = 16 << 20
 # Receiving a message transport's payload straight into several buffers (one message each)
 # pays only when they average at least this much; smaller ones go to one buffer + a copy.
@@ -624,11 +626,13 @@ class KVTransferClient:
         views = [as_payload(t) for t in outs]  # views: the payload lands in `out` itself
         nbytes = sum(int(v.nbytes) for v in views)
         msg = request.to_wire(dtype_name(outs[0].dtype), nbytes)
+        # Message transport: one message per part. A scattered table (more than one run of
+        # block ids: the server gathers) is cut into parts, so the server sends part k while
+        # it gathers part k+1; a consecutive one goes whole (one message per buffer).
+        split = self.runs and len(consecutive_runs(request.block_ids)) > 1
         if not self.backend.stream_payloads and outs[0].device.type == "cpu" and (
-                self.runs or len(views) > 1):
-            # Message transport: one message per part, so the server can send part k while
-            # it gathers part k+1 (only the parts of a buffer list without runs).
-            cuts = (split_parts([int(v.nbytes) for v in views]) if self.runs
+                split or len(views) > 1):
+            cuts = (split_parts([int(v.nbytes) for v in views]) if split
                     else [(i, 0, int(v.nbytes)) for i, v in enumerate(views)])
             views = [views[i][a:b] for i, a, b in cuts]
             msg["parts"] = [b - a for _, a, b in cuts]
