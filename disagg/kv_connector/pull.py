@@ -3,7 +3,8 @@ and ranks 1..N-1 (``RankTransfer``) of a generation worker.
 
 For each context rank whose layers / kv heads overlap this rank's (``plan_pulls``), one coalesced
 read. Where the payload's bytes are runs of this rank's own blocks (a CPU cache, the same block
-size, all of this rank's kv heads: tp equal; pp may differ), the read lands straight in the
+size, a piece with all of this rank's kv heads: tp equal, or this rank holding fewer heads than
+the context rank; pp may differ), the read lands straight in the
 request's blocks (``payload.block_views``: one buffer per run of consecutive block ids, or per
 block for a layer range) and there is nothing to install. Otherwise it lands in a private
 receive buffer (never freed under a transfer in flight) and, once every read of the request is
@@ -148,7 +149,8 @@ def submit_reads(client: Any, params: ContextParams, dst: WorkerLayout, dst_rank
         # Payload block i is this rank's block block_ids[i] (same block size).
         views = (block_views(kv, block_ids[:n_src_blocks], piece.dst_layer_slice,
                              piece.dst_head_slice)
-                 if runs and len(block_ids) >= n_src_blocks else None)
+                 if runs and block_ids is not None and len(block_ids) >= n_src_blocks
+                 else None)
         if views is not None and client.accepts_segments([v.numel() * v.element_size()
                                                           for v in views]):
             fut = client.read(params.addresses[piece.src_rank], req, views)

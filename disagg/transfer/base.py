@@ -21,11 +21,13 @@ every request carries a proof bound to it::
       READ {op, lease_id, block_ids,           ──────►  1. proof of the next seq (else:
             layer_slice [l0,l1), head_slice                unauthorized, hang up)
             [h0,h1), num_tokens, format,                2. lease (unknown_/expired_lease)
-            dtype, nbytes, proof}                       3. validation (bad_request)
-                                                        4. gather (or zero-copy view)
+            dtype, nbytes[, parts], proof}              3. validation (bad_request)
+                                                        4. views of the cache's runs, or a
+                                                           gather into staging (sender.py)
                                                ◄──────  {ok: true, nbytes, zero_copy, device
                                                          [, staging]}
                                                ◄──────  payload: exactly nbytes raw bytes
+                                                        (UCX: one message per part)
       RELEASE {op, lease_id, reader_id, proof} ──────►
                                                ◄──────  {ok: true, released}
       PING {op, proof}                         ──────►
@@ -41,6 +43,12 @@ Fresh nonces on both sides make a proof captured on one connection useless on an
 sequence number makes it useless on its own. Answers and payloads are not signed: the protocol
 authenticates both ends, it does not encrypt or protect against an on-path attacker (keep
 cluster traffic on a private network).
+
+``parts`` (UCX only; absent: one part): the byte lengths, in order, of the messages the
+payload travels as, each received into its own buffer (the receiver's runs of blocks, or
+pieces of one buffer cut so that the server gathers part k+1 while part k is on the wire); at
+most 4096, summing to ``nbytes``. A TCP payload is one byte stream, whatever buffers either
+side reads or writes it with.
 
 Headers are length-prefixed JSON (4-byte big-endian length, then UTF-8 JSON). Until a
 connection has authenticated (HELLO and AUTH) the server reads headers of at most

@@ -146,6 +146,10 @@ class KVTransferServer:
     slots of authenticated ones) and ``max_connections_per_peer`` from one peer host; extra
     connections are closed unread. An authenticated connection without a request for
     ``idle_timeout_s`` (None: never) is closed; the client reconnects transparently.
+
+    ``runs`` (None: ``DISAGG_KV_RUNS``, default on): a scattered block table of a CPU cache
+    goes out as views of its runs (``sender.py``), not gathered into staging first; False
+    keeps the staged path (A/B benchmarks).
     """
 
     def __init__(
@@ -543,7 +547,11 @@ class KVTransferClient:
 
     A new connection first checks that the server proves the cluster token (base.py): a
     server that cannot gets nothing but a HELLO, and the request fails with
-    ``unauthorized``. Every request is then signed for that connection."""
+    ``unauthorized``. Every request is then signed for that connection.
+
+    ``runs`` (None: ``DISAGG_KV_RUNS``): over a message transport (UCX), cut the payload of a
+    scattered table into parts the server pipelines (``split_parts``); the pull code also
+    reads into the request's blocks only with it on."""
 
     def __init__(
         self,
