@@ -320,6 +320,7 @@ def test_pull_lands_in_the_request_blocks_and_installs_nothing(
     if backend == "ucx":
         # One message per run pays for runs of >= 1 MiB; these test blocks are 2 KiB.
         assert not r.client.accepts_segments([16 << 10, 10 << 10])
+        assert r.client.accepts_segments([26 << 10])  # one buffer: one message anyway
         monkeypatch.setattr(service, "DIRECT_PART_MIN_BYTES", 1 << 10)
     try:
         src = layout()

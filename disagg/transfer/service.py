@@ -505,10 +505,9 @@ class KVTransferServer:
                 zero_copy, device_direct=answer["device"],
                 staging_reason=answer.get("staging"))
         finally:
-            # A gather still queued or running writes into the staging buffer: wait for it
-            # before the buffer serves another read.
-            for g in gathers:
-                g.cancel()
+            # A gather still queued or running writes into the staging buffer: let it finish
+            # before the buffer serves another read (cancelling the asyncio future would not
+            # stop a copy already running on the gather thread).
             await asyncio.gather(*gathers, return_exceptions=True)
             if staging is not None:
                 self.staging.release(staging)
@@ -594,7 +593,8 @@ class KVTransferClient:
         large enough to beat one buffer plus a copy (``DIRECT_PART_MIN_BYTES``)."""
         if self.backend.stream_payloads:
             return True
-        return 0 < len(sizes) <= min(MAX_PAYLOAD_PARTS, sum(sizes) // DIRECT_PART_MIN_BYTES)
+        return 0 < len(sizes) <= min(MAX_PAYLOAD_PARTS,
+                                     max(1, sum(sizes) // DIRECT_PART_MIN_BYTES))
 
     def read(self, address: str, request: ReadRequest,
              out: torch.Tensor | Sequence[torch.Tensor]) -> ReadFuture:
