@@ -298,6 +298,26 @@ NOTES = [
     "request's own blocks (TCP: `recvmsg_into`; UCX: one message per run when the runs are "
     "few and large, else a buffer + install), so install is ~0. The micro reference of each "
     "row is the same path's micro read.",
+    "",
+    "Where a ratio above 1.3x comes from (profiled with py-spy at 2048 tokens over TCP, both "
+    "workers sampled during 12 requests, not part of this script): the transfer threads of "
+    "both workers spend nearly all of a read blocked in `select` (the generation side "
+    "waiting for the socket to turn readable, the context side for it to turn writable); the "
+    "Python work of the read (`recvmsg_into` / `sendmsg` calls, headers) is a few percent of "
+    "it; the engine thread only runs the decode steps after each pull (one request at a "
+    "time), so it does not contend with the read. So the remaining gap is the "
+    "loopback TCP path and when each process gets a core on this shared 2-core host (the "
+    "micro's two processes see the same host, at other moments), not GIL contention, "
+    "staging or the install; it moves between runs with the host load (compare the rows "
+    "of one size across runs).",
+    "",
+    "UCX and a reused block pool: a finished request's blocks return to the free queue tail "
+    "first (`disagg/kv_cache/manager.py`, so its last blocks are evicted first, as in vLLM) "
+    "and are handed out again in that order, so "
+    "after the first requests both tables are descending ids, i.e. runs of one block. TCP "
+    "moves those without a copy either way; UCX gathers them part by part on the context "
+    "side, and on the generation side receives into a buffer and installs (one message per "
+    "256 KiB block would cost more than the copy), which is the *install* left in UCX rows.",
 ]
 
 
