@@ -309,7 +309,13 @@ NOTES = [
     "loopback TCP path and when each process gets a core on this shared 2-core host (the "
     "micro's two processes see the same host, at other moments), not GIL contention, "
     "staging or the install; it moves between runs with the host load (compare the rows "
-    "of one size across runs).",
+    "of one size across runs). Over UCX the same profile shows every Python thread of both "
+    "workers idle during a read (the loop in `select`, ucxx's notifier waiting, the engine "
+    "waiting): the bytes move in ucxx's native progress thread and UCX's shared-memory "
+    "transport, which needs both processes on a core at the same moment and is the most "
+    "load-sensitive path here (its micro reads vary the most too, see "
+    "`bench/results/kv_transfer.md`); an e2e run has six transfer processes where the micro "
+    "has two.",
     "",
     "UCX and a reused block pool: a finished request's blocks return to the free queue tail "
     "first (`disagg/kv_cache/manager.py`, so its last blocks are evicted first, as in vLLM) "
