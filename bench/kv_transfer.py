@@ -12,7 +12,7 @@ block tables:
 - ``fragmented``: the same number of blocks scattered over the cache in random order (runs of
   one block) -> *staged*: the server gathers them into its staging buffer first (one copy),
   then sends one message; *runs*: TCP sends the blocks straight from the cache (``sendmsg``
-  over an iovec), UCX sends the payload as parts (up to 8 messages), gathering part k+1 while
+  over an iovec), UCX sends the payload as parts (2 to 8 messages), gathering part k+1 while
   part k is on the wire.
 
 Each read is timed from submit to the last byte in the caller's preallocated ``out``; beside
@@ -326,8 +326,8 @@ def report_body(rows: list[dict[str, Any]], idle: list[str], ttft_line: str | No
         "order (runs of one block). *staged (before)*: the server gathers a fragmented table "
         "into its staging buffer (one copy, inside the timed read) and sends one message "
         "(`DISAGG_KV_RUNS=0`). *runs*: TCP sends the blocks straight from the cache, one "
-        "`sendmsg` over up to IOV_MAX of them; UCX sends the payload as parts of 2-16 MiB "
-        "(up to 8 tag messages) and gathers part k+1 while part k is on the wire "
+        "`sendmsg` over up to IOV_MAX of them; UCX sends the payload as parts of 4-16 MiB "
+        "(2 to 8 tag messages here) and gathers part k+1 while part k is on the wire "
         "(`disagg/transfer/sender.py`). The paths and tables ran interleaved, read by read.",
         "",
         "Idle CPU after the transfers, connections still open (1 s, no traffic):",
