@@ -3,24 +3,25 @@
 Per backend (TCP, UCX) and prompt length (512 / 2048 / 8192 tokens), in one run:
 
 - *micro*: ``bench/kv_transfer.py``'s read of the same bytes (two bare processes, a
-  ``KVTransferServer`` and a ``KVTransferClient``, the client's ``out`` buffer preallocated and
-  reused), through both block tables it measures (consecutive, fragmented), one read per rep
-  interleaved with the requests so that both see the same host load;
-- *end to end*: real worker processes (``disagg serve --role context`` and two ``--role
-  generation`` workers over the same context worker: one with the receive-buffer pool, one
-  with ``DISAGG_KV_RECV_POOL=0``, the code before the pool), the router's two calls per rep,
-  alternating between the two generation workers. From the generation worker's ``/metrics``
-  deltas: *transfer* (``disagg_kv_transfer_seconds``: a read's submit -> last payload byte, the
+  ``KVTransferServer`` and a ``KVTransferClient`` per path, the client's ``out`` buffer
+  preallocated and reused), through both block tables it measures (consecutive, fragmented),
+  one read per rep interleaved with the requests so that both see the same host load;
+- *end to end*: real worker processes, two pairs: *before* (a context and a generation worker
+  started with ``DISAGG_KV_RUNS=0``: scattered tables gathered into a staging buffer, one UCX
+  message, a receive buffer then an install copy) and *after* (the default: runs of blocks
+  sent from the cache and received into the request's own blocks), the router's two calls per
+  rep, alternating between the pairs. From the generation worker's ``/metrics`` deltas:
+  *transfer* (``disagg_kv_transfer_seconds``: a read's submit -> last payload byte, the
   micro's definition), *install* (``disagg_kv_install_seconds``: copy into the request's
-  blocks), *pull* (``disagg_kv_pull_seconds``: reads submitted -> installed, wake-up of the
-  engine loop included). From this client: *gen first token* (context answer received -> the
-  generation worker's first streamed token: HTTP, admission, pull, install) and *first decode
-  step* (first -> second streamed token).
+  blocks, ~0 when the payload landed there), *pull* (``disagg_kv_pull_seconds``: reads
+  submitted -> installed, wake-up of the engine loop included). From this client: *gen first
+  token* (context answer received -> the generation worker's first streamed token: HTTP,
+  admission, pull, install) and *first decode step* (first -> second streamed token).
 
-The end-to-end read is compared with the micro read of the block-table kind the context worker
-actually handed out (its answer's ``block_ids``); *mixed* (consecutive for some requests, not
-for others) is compared with the consecutive read, the stricter reference. Medians of
-``--reps`` after ``--warmup``.
+The end-to-end read is compared with the micro read of the same path and of the block-table
+kind the context worker actually handed out (its answer's ``block_ids``); *mixed*
+(consecutive for some requests, not for others) is compared with the consecutive read, the
+stricter reference. Medians of ``--reps`` after ``--warmup``.
 
     python bench/kv_e2e.py [--backends TCP,UCX] [--tokens 512,2048,8192] [--reps 5]
                            [--out bench/results/kv_e2e.md]
@@ -65,10 +66,13 @@ METRICS = ("disagg_kv_transfer_seconds_sum", "disagg_kv_transfer_seconds_count",
            "disagg_kv_installs_total")
 
 
-def start(model: str, role: str, backend: str, log: str, pool: bool = True
+PATHS = kv_transfer.PATHS  # ("staged", "runs"): before, after
+
+
+def start(model: str, role: str, backend: str, log: str, runs: bool = True
           ) -> tuple[subprocess.Popen, str]:
     port = procs.free_port()
-    env = {**os.environ, "DISAGG_CLUSTER_TOKEN": TOKEN, "DISAGG_KV_RECV_POOL": str(int(pool))}
+    env = {**os.environ, "DISAGG_CLUSTER_TOKEN": TOKEN, "DISAGG_KV_RUNS": str(int(runs))}
     proc = procs.spawn(
         [sys.executable, "-m", "disagg.cli", "serve", model, "--port", str(port), "--role", role,
          "--kv-transfer-backend", backend, "--served-model-name", "m", "--log-level", "warning",
@@ -127,42 +131,49 @@ def one(client: httpx.Client, ctx: str, gen: str, prompt: list[int]) -> dict[str
             "install": d["disagg_kv_install_seconds_total"],
             "pull": d["disagg_kv_pull_seconds_total"],
             "first_token": tokens[0] - t0, "decode_step": tokens[1] - tokens[0],
+            # the rest of the first token's wait: HTTP, admission, engine wake-ups, streaming
+            "other": tokens[0] - t0 - d["disagg_kv_pull_seconds_total"],
             "consecutive": consecutive(dp["block_ids"][:-(-len(prompt) // 16)])}
 
 
 def e2e_backend(model: str, backend: str, args: argparse.Namespace, tmp: str
-                ) -> tuple[dict[tuple[int, str], list[float]],
-                           dict[tuple[int, bool], list[dict[str, Any]]]]:
-    """(tokens, table) -> micro read seconds, (tokens, pool) -> request samples."""
+                ) -> tuple[dict[tuple[int, str, str], list[float]],
+                           dict[tuple[int, str], list[dict[str, Any]]]]:
+    """(tokens, path, table) -> micro read seconds, (tokens, path) -> request samples."""
     rng = random.Random(0)
     started: list[subprocess.Popen] = []
     client = httpx.Client()
     micro = Micro(backend.lower(), max(args.tokens))
-    mic: dict[tuple[int, str], list[float]] = {}
-    out: dict[tuple[int, bool], list[dict[str, Any]]] = {}
+    mic: dict[tuple[int, str, str], list[float]] = {}
+    out: dict[tuple[int, str], list[dict[str, Any]]] = {}
     try:
-        c, ctx = start(model, "context", backend, os.path.join(tmp, f"ctx-{backend}.log"))
-        started.append(c)
-        gens = {}
-        for pool in (True, False):
-            g, gens[pool] = start(model, "generation", backend,
-                                  os.path.join(tmp, f"gen-{backend}-{pool}.log"), pool)
-            started.append(g)
+        pairs: dict[str, tuple[str, str]] = {}
+        for path in PATHS:
+            urls = []
+            for role in ("context", "generation"):
+                proc, url = start(model, role, backend,
+                                  os.path.join(tmp, f"{role}-{backend}-{path}.log"),
+                                  runs=path == "runs")
+                started.append(proc)
+                urls.append(url)
+            pairs[path] = (urls[0], urls[1])
         for tokens in args.tokens:
             micro.lease(tokens)
             for i in range(args.warmup + args.reps):
-                for table in ("consecutive", "fragmented"):
-                    for _ in range(2):  # the micro's warm-up: its first read after a wait
-                        dt = micro.read(tokens, table)
+                for path in PATHS:
+                    for table in kv_transfer.TABLES:
+                        for _ in range(2):  # the micro's warm-up: its first read after a wait
+                            dt = micro.read(tokens, path, table)
+                        if i >= args.warmup:
+                            mic.setdefault((tokens, path, table), []).append(dt)
+                for path in PATHS:  # alternating: both see the same host load
+                    prompt = [rng.randrange(3, 500) for _ in range(tokens)]
+                    s = one(client, *pairs[path], prompt)
                     if i >= args.warmup:
-                        mic.setdefault((tokens, table), []).append(dt)
-                for pool in (False, True):  # alternating: both see the same host load
-                    s = one(client, ctx, gens[pool], [rng.randrange(3, 500) for _ in range(tokens)])
-                    if i >= args.warmup:
-                        out.setdefault((tokens, pool), []).append(s)
+                        out.setdefault((tokens, path), []).append(s)
                 print(f"{backend} {tokens} rep {i}: " + ", ".join(
-                    f"pool={p} transfer {out[(tokens, p)][-1]['transfer'] * 1e3:.1f} ms"
-                    for p in (False, True) if (tokens, p) in out), flush=True)
+                    f"{p} transfer {out[(tokens, p)][-1]['transfer'] * 1e3:.1f} ms"
+                    for p in PATHS if (tokens, p) in out), flush=True)
     finally:
         client.close()
         micro.close()
@@ -184,32 +195,31 @@ class Micro:
         self.proc = ctx.Process(target=kv_transfer.context_main, daemon=True, args=(
             backend, self.shape, "float32", self.cmds, self.events))
         self.proc.start()
-        kind, self.address = self.events.get(timeout=120)
-        assert kind == "address", self.address
-        self.client = KVTransferClient(backend, kv_transfer.TOKEN, timeout_s=120.0)
+        kind, self.addresses = self.events.get(timeout=120)
+        assert kind == "address", self.addresses
+        self.clients = {path: KVTransferClient(backend, kv_transfer.TOKEN, timeout_s=120.0,
+                                               runs=path == "runs") for path in PATHS}
         self.rng = random.Random(0)
         self.reads: dict[tuple[int, str], tuple[ReadRequest, torch.Tensor]] = {}
 
     def lease(self, tokens: int) -> None:
         """Lease the two block tables of ``tokens`` (consecutive, fragmented); the receive
         buffer is allocated once and reused, as in ``bench/kv_transfer.py``."""
-        n = -(-tokens // 16)
-        tables = {"consecutive": list(range(8, 8 + n)),
-                  "fragmented": self.rng.sample(range(self.shape[0]), n)}
-        for table, ids in tables.items():
+        for table, ids in kv_transfer.tables_for(tokens, 16, self.shape[0], self.rng).items():
             self.cmds.put(("lease", f"{table}-{tokens}", ids))
             assert self.events.get(timeout=60) == ("ok",)
             req = ReadRequest(f"{table}-{tokens}", ids, (0, 8), (0, 4))
             self.reads[(tokens, table)] = (req, torch.empty(payload_shape(self.shape, req)))
 
-    def read(self, tokens: int, table: str) -> float:
+    def read(self, tokens: int, path: str, table: str) -> float:
         req, out = self.reads[(tokens, table)]
         t0 = time.perf_counter()
-        self.client.read(self.address, req, out).result(120)
+        self.clients[path].read(self.addresses[path], req, out).result(120)
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        self.client.close()
+        for client in self.clients.values():
+            client.close()
         self.cmds.put(("stop",))
         self.proc.join(30)
         if self.proc.is_alive():
@@ -220,22 +230,26 @@ def med(samples: list[dict[str, Any]], key: str) -> float:
     return statistics.median(s[key] for s in samples) * 1e3
 
 
-def rows_of(backend: str, mic: dict[tuple[int, str], list[float]],
-            e2e: dict[tuple[int, bool], list[dict[str, Any]]]) -> list[str]:
+def rows_of(backend: str, mic: dict[tuple[int, str, str], list[float]],
+            e2e: dict[tuple[int, str], list[dict[str, Any]]]) -> list[str]:
     rows = []
-    for (tokens, pool), samples in sorted(e2e.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+    for (tokens, path), samples in sorted(e2e.items(),
+                                          key=lambda kv: (kv[0][0], PATHS.index(kv[0][1]))):
         table = ("consecutive" if all(s["consecutive"] for s in samples) else
                  "fragmented" if not any(s["consecutive"] for s in samples) else "mixed")
-        ref = statistics.median(
-            mic[(tokens, "fragmented" if table == "fragmented" else "consecutive")]) * 1e3
+        ref = statistics.median(mic[(tokens, path, "fragmented" if table == "fragmented"
+                                     else "consecutive")]) * 1e3
         t = med(samples, "transfer")
         rows.append(
-            f"| {backend} | {tokens} | {tokens * 16 / 1024:.0f} | "
-            f"{'pool' if pool else 'fresh buffer (before)'} | {table} | {ref:.2f} | {t:.2f} | "
-            f"**{t / ref:.2f}x** | {med(samples, 'install'):.2f} | {med(samples, 'pull'):.2f} "
-            f"| {med(samples, 'pull') / ref:.2f}x | {med(samples, 'first_token'):.1f} "
+            f"| {backend} | {tokens} | {tokens * 16 / 1024:.0f} | {PATH_NAMES[path]} | {table} "
+            f"| {ref:.2f} | {t:.2f} | **{t / ref:.2f}x** | {med(samples, 'install'):.2f} "
+            f"| {med(samples, 'pull'):.2f} | {med(samples, 'pull') / ref:.2f}x "
+            f"| {med(samples, 'first_token'):.1f} | {med(samples, 'other'):.1f} "
             f"| {med(samples, 'decode_step'):.1f} |")
     return rows
+
+
+PATH_NAMES = {"staged": "before (`DISAGG_KV_RUNS=0`)", "runs": "after (runs)"}
 
 
 def report(args: argparse.Namespace, results: list[tuple[str, dict, dict]],
@@ -244,19 +258,19 @@ def report(args: argparse.Namespace, results: list[tuple[str, dict, dict]],
     lines += [f"- {m}" for m in kv_transfer.machine()]
     lines += [
         f"- host load average (1/5/15 min) before: {'/'.join(f'{x:.2f}' for x in load[0])}, "
-        f"after: {'/'.join(f'{x:.2f}' for x in load[1])}. The 2 cores were shared with two "
-        "other development sessions running their own work: absolute times are noisy; the "
+        f"after: {'/'.join(f'{x:.2f}' for x in load[1])}. The 2 cores were shared with other "
+        "development sessions running their own work: absolute times are noisy; the "
         "before/after pairs ran interleaved, request by request, under the same load.",
         "- model: random checkpoint, 8 layers x 4 kv heads x head_dim 64, float32, 16 tokens "
-        "per block (256 KiB per block, 16 KiB per token: 2048 tokens = 32 MiB), one context and "
-        "two generation worker processes, tp1/pp1 both sides",
+        "per block (256 KiB per block, 16 KiB per token: 2048 tokens = 32 MiB), two pairs of "
+        "a context and a generation worker process (before, after), tp1/pp1 both sides",
         f"- medians of {args.reps} requests after {args.warmup} warm-up(s) per row; micro: "
         f"one read per rep, interleaved with the requests (after one untimed read)",
         f"- command: `python bench/kv_e2e.py --reps {args.reps} --out {args.out}`", "",
-        "| backend | prompt tokens | MiB | receive buffer | context block table | micro read ms "
+        "| backend | prompt tokens | MiB | path | context block table | micro read ms "
         "| e2e transfer ms | e2e / micro | install ms | pull ms (submit -> installed) "
-        "| pull / micro | gen first token ms | first decode step ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| pull / micro | gen first token ms | of which not pull ms | first decode step ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for backend, mic, e2e in results:
         lines += rows_of(backend, mic, e2e)
@@ -270,14 +284,46 @@ NOTES = [
     "`disagg_kv_transfer_seconds` (submit -> last byte, the micro's definition). *pull* adds the "
     "engine loop's wake-up and the install. *gen first token*: context answer received by the "
     "router -> first token streamed by the generation worker (the context's token, sent once "
-    "the KV is installed: HTTP + admission + pull). *first decode step*: first -> second "
-    "streamed token.",
+    "the KV is installed: HTTP + admission + pull); *of which not pull*: that minus the pull "
+    "(HTTP, admission, engine wake-ups, streaming). The generation worker's added latency "
+    "is thus split into transfer, install, the rest of the pull, the rest of the first "
+    "token, and the *first decode step*: first -> second streamed token.",
     "",
-    "*fresh buffer (before)*: the generation worker started with `DISAGG_KV_RECV_POOL=0`, i.e. "
-    "a new `torch.empty` receive buffer per pull as before the pool: fresh anonymous memory "
-    "whose every 4 KiB page faults on the transport's first write (and is unmapped again when "
-    "freed). *pool*: the default, buffers of installed pulls are reused "
-    "(`disagg/kv_connector/recv_pool.py`).",
+    "*before*: both workers of the pair started with `DISAGG_KV_RUNS=0`: the context worker "
+    "gathers a scattered block table into a staging buffer and sends it as one message, the "
+    "generation worker receives into a pooled buffer and then copies it into the request's "
+    "blocks (the install). *after*: the default: the context worker sends the runs of its "
+    "table straight from the cache (TCP: `sendmsg`; UCX: parts gathered while the previous "
+    "part is on the wire), the generation worker receives straight into the runs of the "
+    "request's own blocks (TCP: `recvmsg_into`; UCX: one message per run when the runs are "
+    "few and large, else a buffer + install), so install is ~0. The micro reference of each "
+    "row is the same path's micro read.",
+    "",
+    "Where a ratio above 1.3x comes from (profiled with py-spy at 2048 tokens over TCP, both "
+    "workers sampled during 12 requests, not part of this script): the transfer threads of "
+    "both workers spend nearly all of a read blocked in `select` (the generation side "
+    "waiting for the socket to turn readable, the context side for it to turn writable); the "
+    "Python work of the read (`recvmsg_into` / `sendmsg` calls, headers) is a few percent of "
+    "it; the engine thread only runs the decode steps after each pull (one request at a "
+    "time), so it does not contend with the read. So the remaining gap is the "
+    "loopback TCP path and when each process gets a core on this shared 2-core host (the "
+    "micro's two processes see the same host, at other moments), not GIL contention, "
+    "staging or the install; it moves between runs with the host load (compare the rows "
+    "of one size across runs). Over UCX the same profile shows every Python thread of both "
+    "workers idle during a read (the loop in `select`, ucxx's notifier waiting, the engine "
+    "waiting): the bytes move in ucxx's native progress thread and UCX's shared-memory "
+    "transport, which needs both processes on a core at the same moment and is the most "
+    "load-sensitive path here (its micro reads vary the most too, see "
+    "`bench/results/kv_transfer.md`); an e2e run has six transfer processes where the micro "
+    "has two.",
+    "",
+    "UCX and a reused block pool: a finished request's blocks return to the free queue tail "
+    "first (`disagg/kv_cache/manager.py`, so its last blocks are evicted first, as in vLLM) "
+    "and are handed out again in that order, so "
+    "after the first requests both tables are descending ids, i.e. runs of one block. TCP "
+    "moves those without a copy either way; UCX gathers them part by part on the context "
+    "side, and on the generation side receives into a buffer and installs (one message per "
+    "256 KiB block would cost more than the copy), which is the *install* left in UCX rows.",
 ]
 
 

@@ -28,6 +28,9 @@ class Peer:
     version: str
     # (venv, worker URL, port, prometheus port) -> argv
     argv: Callable[[Path, str, int, int], list[str]]
+    # (venv, prefill URL, decode URL, port, prometheus port) -> argv of its disaggregated
+    # mode, when the bench's stub speaks its protocol
+    pd_argv: Callable[[Path, str, str, int, int], list[str]] | None = None
 
 
 def _sglang(venv: Path, worker: str, port: int, prom: int) -> list[str]:
@@ -43,8 +46,18 @@ def _vllm(venv: Path, worker: str, port: int, prom: int) -> list[str]:
             "127.0.0.1", "--prometheus-port", str(prom), "--log-level", "warning"]
 
 
+def _vllm_pd(venv: Path, prefill: str, decode: str, port: int, prom: int) -> list[str]:
+    """vllm-router --vllm-pd-disaggregation: a prefill call (``max_tokens`` 1, not streamed,
+    ``kv_transfer_params.do_remote_decode``) whose answer's ``kv_transfer_params`` go into the
+    decode call (vLLM's NixlConnector protocol, the default ``--kv-connector nixl``)."""
+    return [str(venv / "bin" / "vllm-router"), "--vllm-pd-disaggregation", "--prefill",
+            prefill, "--decode", decode, "--policy", "round_robin", "--host", "127.0.0.1",
+            "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port",
+            str(prom), "--log-level", "warning"]
+
+
 PEERS = (Peer("sglang-router", "sglang-router", "0.3.2", _sglang),
-         Peer("vllm-router", "vllm-router", "0.1.17", _vllm))
+         Peer("vllm-router", "vllm-router", "0.1.17", _vllm, _vllm_pd))
 
 
 def _installed_version(venv: Path, package: str) -> str | None:

@@ -30,6 +30,10 @@ DISAGG_KV_DEVICE_DIRECT    boolean         true                      false: neve
 DISAGG_KV_RECV_POOL        boolean         true                      false: a fresh host receive
                                                                      buffer per KV pull (no reuse;
                                                                      for A/B benchmarks)
+DISAGG_KV_RUNS             boolean         true                      false: KV payloads are
+                                                                     staged (gather, one UCX
+                                                                     message, receive buffer +
+                                                                     install; A/B only)
 CUDA_VISIBLE_DEVICES       list of ids     unset: all GPUs           GPUs ``disagg launch`` may
                                                                      give its workers
 UCX_TLS                    str             unset                     UCX's transports: read only
@@ -197,6 +201,10 @@ KV_DEVICE_DIRECT: EnvVar[bool] = EnvVar(
 KV_RECV_POOL: EnvVar[bool] = EnvVar(
     "DISAGG_KV_RECV_POOL", _bool_default_true, True,
     "false: a generation worker allocates a fresh host receive buffer for every KV pull")
+KV_RUNS: EnvVar[bool] = EnvVar(
+    "DISAGG_KV_RUNS", _bool_default_true, True,
+    "false: KV payloads are gathered into a staging buffer, sent as one UCX message and "
+    "received into a buffer then installed, as before runs were sent and received in place")
 CUDA_VISIBLE_DEVICES: EnvVar[list[str] | None] = EnvVar(
     "CUDA_VISIBLE_DEVICES", _csv, None,
     "GPUs disagg launch may give its workers (unset: every GPU nvidia-smi lists)")
@@ -212,7 +220,8 @@ ROUTER_UVLOOP: EnvVar[bool] = EnvVar(
 
 VARIABLES: tuple[EnvVar, ...] = (
     CLUSTER_TOKEN, CPU_KERNELS, CUDA_ATTENTION, KERNEL_CACHE_DIR, CACHE, XDG_CACHE_HOME,
-    DIST_TIMEOUT_S, STARTUP_TIMEOUT_S, KV_DEVICE_DIRECT, KV_RECV_POOL, CUDA_VISIBLE_DEVICES,
+    DIST_TIMEOUT_S, STARTUP_TIMEOUT_S, KV_DEVICE_DIRECT, KV_RECV_POOL, KV_RUNS,
+    CUDA_VISIBLE_DEVICES,
     UCX_TLS, OPENAI_API_KEY, ROUTER_UVLOOP)
 
 

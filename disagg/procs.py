@@ -67,20 +67,23 @@ def _preexec(die_with_parent: bool, cpus: frozenset[int] | None) -> Callable[[],
     return run
 
 
-def spawn(cmd: Sequence[str], log_path: str | Path, *, env: Mapping[str, str] | None = None,
-          cwd: str | Path | None = None, header: bool = False, new_session: bool = True,
+def spawn(cmd: Sequence[str], log_path: str | Path | None, *,
+          env: Mapping[str, str] | None = None, cwd: str | Path | None = None,
+          header: bool = False, new_session: bool = True,
           die_with_parent: bool = False, cpus: set[int] | None = None
           ) -> subprocess.Popen[bytes]:
     """Start ``cmd`` with its output in ``log_path`` (created or truncated; ``header``: the
     command line first, as ``$ cmd``). ``env``: the child's whole environment (None: this
-    one's); ``cpus``: pin the child to those cores. See the module docstring for the rest."""
-    with open(log_path, "wb") as log:
-        if header:
+    one's); ``cpus``: pin the child to those cores; ``log_path`` None: the child writes
+    where this process does. See the module docstring for the rest."""
+    with (open(log_path, "wb") if log_path is not None else contextlib.nullcontext()) as log:
+        if header and log is not None:
             log.write(f"$ {' '.join(cmd)}\n".encode())
             log.flush()
         need_preexec = die_with_parent or cpus is not None
         return subprocess.Popen(
-            list(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            list(cmd), stdout=log, stderr=subprocess.STDOUT if log is not None else None,
+            stdin=subprocess.DEVNULL,
             env=None if env is None else dict(env), cwd=cwd, start_new_session=new_session,
             preexec_fn=(_preexec(die_with_parent, None if cpus is None else frozenset(cpus))
                         if need_preexec else None))

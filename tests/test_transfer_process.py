@@ -65,16 +65,17 @@ def _context_main(backend: str, seed: int, dtype: str, port: int,
             from disagg.transfer.tcp import TcpConnection
             from disagg.transfer.ucx import UcxConnection
 
-            async def die(self: Any, data: Any) -> None:
+            async def die(self: Any, views: Any, *_count: int) -> None:
                 if isinstance(self, TcpConnection):  # a part of the bytes, then gone
+                    data = views[0]
                     await self._send(memoryview(data).cast("B")[: data.nbytes // 3])
                 # UCX: the header went out and the client waits for the payload when the
                 # process vanishes. (Sending a part first is a race: over shared memory the
                 # client may pull the whole message before the exit.)
                 os._exit(17)
 
-            TcpConnection.send_payload = die  # type: ignore[method-assign]
-            UcxConnection.send_payload = die  # type: ignore[method-assign]
+            TcpConnection.send_payload_iov = die  # type: ignore[method-assign]
+            UcxConnection.send_payload_parts = die  # type: ignore[method-assign]
         elif cmd[0] == "stop":
             break
         events.put(("ok", cmd[0]))

@@ -280,18 +280,22 @@ def test_server_dying_mid_transfer_fails_the_read(
         if backend == "tcp":
             from disagg.transfer.tcp import TcpConnection as Conn
 
-            async def die(self, data):  # half the payload, then the peer is gone
-                await self._send(memoryview(data).cast("B")[: data.nbytes // 2])
+            async def die(self, views):  # part of the payload, then the peer is gone
+                await self._send(memoryview(views[0]).cast("B")[: views[0].nbytes // 2])
                 await self.close()
                 raise ConnectionClosedError("injected death")
+
+            method = "send_payload_iov"  # a scattered table goes out as views of its runs
         else:
             from disagg.transfer.ucx import UcxConnection as Conn
 
-            async def die(self, data):  # the endpoint dies before the payload message
+            async def die(self, parts, count):  # the endpoint dies before the payload
                 await self.close()
                 raise ConnectionClosedError("injected death")
 
-        monkeypatch.setattr(Conn, "send_payload", die)
+            method = "send_payload_parts"
+
+        monkeypatch.setattr(Conn, method, die)
         t0 = time.monotonic()
         with pytest.raises(TransferError) as e:
             r.client.read(r.address, req, out_for(r.kv, req)).result(WAIT)

@@ -52,6 +52,7 @@ from disagg.kv_connector.messages import (
 )
 from disagg.kv_connector.pull import (
     Read,
+    cancel_reads,
     describe_failure,
     first_error,
     give_back,
@@ -271,7 +272,7 @@ class DisaggConnector(KVConnector):
         client = self._client(params.backend)
         f = _Fetch(rid, params, list(fetch.block_ids))  # t0: now
         f.reads = submit_reads(client, params, self.layout, 0, self.kv_cache,
-                               lambda _f: self._wake(), self._recv_pool)
+                               lambda _f: self._wake(), self._recv_pool, f.block_ids)
         if self.peers is not None:
             f.remote_pending = set(range(1, self.world_size))
             self.peers.send_all(StartFetch(rid, params, tuple(fetch.block_ids)))
@@ -316,12 +317,12 @@ class DisaggConnector(KVConnector):
         return loaded, failed
 
     def _cancel_fetch(self, request_id: str) -> None:
-        """Forget a request's reads (it ended); they finish into private buffers, unread. The
-        other ranks drop theirs before the next step reaches them."""
+        """Forget a request's reads (it ended): returns once none can write into its blocks
+        (``cancel_reads``); reads into private buffers finish there, unread. The other ranks
+        drop theirs before the next step reaches them."""
         fetch = self._fetches.pop(request_id, None)
         if fetch is not None:
-            for r in fetch.reads:
-                r.future.cancel()
+            cancel_reads(fetch.reads)
             if self.peers is not None and fetch.remote_pending:
                 self.peers.send_all(CancelFetch(request_id))
 

@@ -2,10 +2,21 @@
 and ranks 1..N-1 (``RankTransfer``) of a generation worker.
 
 For each context rank whose layers / kv heads overlap this rank's (``plan_pulls``), one coalesced
-read lands in a private receive buffer (never freed under a transfer in flight); once every read
-of the request is done, ``install`` copies the payloads into the request's own blocks of this
-rank's cache. Installing only then, on the thread that owns the cache, is what keeps an abort
-mid-transfer from letting a late write land in blocks that were reused since.
+read. Where the payload's bytes are runs of this rank's own blocks (a CPU cache, the same block
+size, a piece with all of this rank's kv heads: tp equal, or this rank holding fewer heads than
+the context rank; pp may differ), the read lands straight in the
+request's blocks (``payload.block_views``: one buffer per run of consecutive block ids, or per
+block for a layer range) and there is nothing to install. Otherwise it lands in a private
+receive buffer (never freed under a transfer in flight) and, once every read of the request is
+done, ``install`` copies (and converts) it into the request's blocks.
+
+Receiving into the blocks is safe because they are the request's own (fresh blocks, never a
+prefix hit: nobody reads them until the pull is reported loaded) and because a pull that ends
+early is cancelled with ``cancel_reads``, which returns only once the transport has stopped
+writing (``ReadFuture.quiet``): the engine frees the blocks of an aborted or failed request
+before its next step, and nothing can write into them after that. A failed pull's blocks were
+never registered in the prefix cache (that happens when the pull is reported loaded), so a
+half-written block is never served as a hit.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ from disagg.transfer.backends import make_backend
 from disagg.transfer.base import ReadRequest, TransferError
 from disagg.transfer.kvcopy import scatter_tokens
 from disagg.transfer.params import ContextParams
+from disagg.transfer.payload import block_views
 from disagg.transfer.stats import TransferStats
 
 logger = logging.getLogger("disagg.kv_connector")
@@ -47,15 +59,24 @@ def worker_layout(config: EngineConfig) -> WorkerLayout:
     )
 
 
+# How long cancelling a pull waits for its reads to stop writing (a UCX endpoint abort may
+# take up to 2 s; a TCP read stops at the loop's next turn).
+CANCEL_WAIT_S = 10.0
+
+
 @dataclass
 class Read:
-    """One read in flight: a piece of the plan, its request, its private receive buffer."""
+    """One read in flight: a piece of the plan, its request, where its payload lands."""
 
     piece: TransferPiece
     request: ReadRequest
-    out: torch.Tensor
+    out: torch.Tensor | None  # the private receive buffer; None: straight into the blocks
     future: cf.Future
     base: torch.Tensor | None = None  # ``out``'s pooled buffer (CPU cache), see give_back
+
+    @property
+    def direct(self) -> bool:
+        return self.out is None
 
 
 _RECEIVE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -96,10 +117,13 @@ def log_kv_path(client: Any, kv: torch.Tensor, where: str) -> None:
 
 def submit_reads(client: Any, params: ContextParams, dst: WorkerLayout, dst_rank: int,
                   kv: torch.Tensor, on_done: Callable[[cf.Future], None],
-                  pool: ReceivePool | None = None) -> list[Read]:
-    """Start rank ``dst_rank``'s reads of a request: one per context rank it needs. Payloads
-    land in GPU memory when ``kv``, this rank's cache, is on a GPU and the client's transport
-    moves GPU memory; else in host memory (pinned for a GPU cache; for a CPU cache a buffer of
+                  pool: ReceivePool | None = None, block_ids: list[int] | None = None
+                  ) -> list[Read]:
+    """Start rank ``dst_rank``'s reads of a request: one per context rank it needs. With the
+    request's ``block_ids`` (this rank's cache ``kv`` on the CPU, the client's ``runs`` on), a
+    payload whose bytes are runs of those blocks lands in them (module docstring). Else
+    payloads land in GPU memory when ``kv`` is on a GPU and the client's transport moves GPU
+    memory; else in host memory (pinned for a GPU cache; for a CPU cache a buffer of
     ``pool``, whose pages are mapped already, when given)."""
     device_direct = kv.device.type == "cuda" and bool(getattr(client, "device_payloads",
                                                               False))
@@ -111,6 +135,7 @@ def submit_reads(client: Any, params: ContextParams, dst: WorkerLayout, dst_rank
     # ceil(num_tokens / B_src) blocks; a piece is layers [l0, l1) x kv heads [h0, h1) of them.
     n_src_blocks = math.ceil(params.num_tokens / src.tokens_per_block)
     src_blocks = tuple(params.block_ids[:n_src_blocks])
+    runs = bool(getattr(client, "runs", False)) and fmt == "blocks" and kv.device.type == "cpu"
     reads: list[Read] = []
     for piece in plan_pulls(src, dst, dst_rank):
         req = ReadRequest(lease_id=params.ctx_request_id, block_ids=src_blocks,
@@ -121,6 +146,17 @@ def submit_reads(client: Any, params: ContextParams, dst: WorkerLayout, dst_rank
         nh = piece.heads[1] - piece.heads[0]
         shape = ((len(src_blocks), nl, 2, nh, src.tokens_per_block, src.head_dim)
                  if fmt == "blocks" else (nl, 2, nh, params.num_tokens, src.head_dim))
+        # Payload block i is this rank's block block_ids[i] (same block size).
+        views = (block_views(kv, block_ids[:n_src_blocks], piece.dst_layer_slice,
+                             piece.dst_head_slice)
+                 if runs and block_ids is not None and len(block_ids) >= n_src_blocks
+                 else None)
+        if views is not None and client.accepts_segments([v.numel() * v.element_size()
+                                                          for v in views]):
+            fut = client.read(params.addresses[piece.src_rank], req, views)
+            fut.add_done_callback(on_done)
+            reads.append(Read(piece, req, None, fut))
+            continue
         base = None
         if pool is not None and kv.device.type == "cpu":
             out, base = pool.take(shape, kv.dtype)  # private until given back after install
@@ -150,6 +186,8 @@ def install(kv: torch.Tensor, block_ids: list[int], reads: list[Read], num_token
     B = kv.shape[4]
     for r in reads:
         p = r.piece
+        if r.out is None:  # landed in the blocks already
+            continue
         if r.out.device == kv.device:
             payload = r.out
             if kv.device.type == "cuda":
@@ -172,6 +210,19 @@ def install(kv: torch.Tensor, block_ids: list[int], reads: list[Read], num_token
         else:
             view = kv[:, l0:l1, :, h0:h1]
             view[blocks] = payload
+
+
+def cancel_reads(reads: list[Read], timeout_s: float = CANCEL_WAIT_S) -> None:
+    """Cancel a pull's reads; returns once none of them can write into the request's blocks
+    any more (the caller frees those blocks). Reads into private buffers are not waited
+    for: their buffers are dropped, never reused."""
+    for r in reads:
+        r.future.cancel()
+    for r in reads:
+        quiet = getattr(r.future, "quiet", None)
+        if r.direct and quiet is not None and not quiet.wait(timeout_s):
+            logger.error("a cancelled KV read did not stop within %.0fs: its blocks may still "
+                         "be written", timeout_s)
 
 
 def first_error(reads: list[Read]) -> BaseException | None:

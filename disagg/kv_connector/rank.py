@@ -37,6 +37,7 @@ from disagg.kv_connector.messages import (
 )
 from disagg.kv_connector.pull import (
     Read,
+    cancel_reads,
     describe_failure,
     first_error,
     give_back,
@@ -126,9 +127,8 @@ class RankTransfer:
                 fetch = self._fetches.pop(msg.request_id, None)
                 if fetch is not None:
                     fetch.cancelled = True
-            if fetch is not None:
-                for r in fetch.reads:
-                    r.future.cancel()
+            if fetch is not None:  # before the next step can reuse its blocks
+                cancel_reads(fetch.reads)
         else:
             raise RuntimeError(f"unknown transfer message {msg!r}")
 
@@ -150,7 +150,8 @@ class RankTransfer:
             self._fetches[request_id] = fetch
             try:
                 fetch.reads = submit_reads(client, params, self.layout, self.rank,
-                                           self.kv_cache, lambda _f: None, self._recv_pool)
+                                           self.kv_cache, lambda _f: None, self._recv_pool,
+                                           block_ids)
             except Exception as e:
                 del self._fetches[request_id]
                 self._fetched(request_id, KVTransferError.because(f" on rank {self.rank}: {e!r}"))

@@ -9,7 +9,9 @@ calls and their retries; the pieces live in modules named for what they do:
 
 - ``router``: ``Router``, the parts assembled from the cluster config (cluster authentication);
 - ``handlers``: the HTTP endpoints; ``flow``: the request flow and its one retry helper;
-- ``upstream``: the client of the workers; ``relay``: their answers passed to the client;
+- ``upstream``: the client of the workers (``http1``: its lean HTTP/1.1 connections);
+  ``relay``: their answers passed to the client;
+- ``processes``: several router processes on one port (``processes: N``);
 - ``prompt_tokens``: the prompt's tokens for the policies; ``replies``: the router's own answers;
 - ``membership``, ``policies``, ``kv_index``, ``metrics``, ``config``, ``cli``.
 
@@ -27,6 +29,7 @@ from aiohttp import web
 
 from disagg.router.config import ClusterConfig
 from disagg.router.handlers import MAX_BODY_BYTES, Handlers
+from disagg.router.processes import ProcessInfo
 from disagg.router.replies import Reply
 from disagg.router.router import Router, check_cluster_token
 from disagg.router.upstream import UPSTREAM_KEEP_ALIVE_S
@@ -82,14 +85,15 @@ async def _guard(request: web.Request, handler: Any) -> web.StreamResponse:
 
 
 def build_router_app(config: ClusterConfig, *, tokenizer: Any = None,
-                     cluster_token: str | None = None, insecure_membership: bool = False
-                     ) -> web.Application:
+                     cluster_token: str | None = None, insecure_membership: bool = False,
+                     process: ProcessInfo | None = None) -> web.Application:
     """The router as an aiohttp app (its startup connects to the workers). Run it with
     ``handler_cancellation=True`` (``start_router`` does) so that a client disconnect
     cancels the upstream requests. ``cluster_token``: default ``$DISAGG_CLUSTER_TOKEN``;
-    RouterConfigError when there is none and the config needs one (``check_cluster_token``)."""
+    RouterConfigError when there is none and the config needs one (``check_cluster_token``).
+    ``process``: which of several router processes this is (``processes``)."""
     router = Router(config, tokenizer=tokenizer, cluster_token=cluster_token,
-                    insecure_membership=insecure_membership)
+                    insecure_membership=insecure_membership, process=process)
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_guard])
     app[ROUTER_KEY] = router
     app.on_startup.append(router.startup)
@@ -99,16 +103,21 @@ def build_router_app(config: ClusterConfig, *, tokenizer: Any = None,
 
 
 async def start_router(app: web.Application, host: str, port: int, *,
-                       keep_alive_s: float = KEEP_ALIVE_S) -> tuple[web.AppRunner, int]:
+                       keep_alive_s: float = KEEP_ALIVE_S, reuse_port: bool = False,
+                       private_socket: str | None = None) -> tuple[web.AppRunner, int]:
     """Serve ``app`` on ``host:port`` (0: a free port); returns the runner and the port.
-    ``keep_alive_s``: idle keep-alive, and the time a request head has to arrive in."""
+    ``keep_alive_s``: idle keep-alive, and the time a request head has to arrive in.
+    ``reuse_port``: bind with SO_REUSEPORT (one of several router processes);
+    ``private_socket``: also serve on this Unix socket (the channel of those processes)."""
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            keepalive_timeout=keep_alive_s, max_line_size=MAX_LINE_BYTES,
                            max_field_size=MAX_FIELD_BYTES, max_headers=MAX_HEADERS,
                            lingering_time=LINGER_S,
                            auto_decompress=False)  # bodies are plain JSON (else 415)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=1024)
+    site = web.TCPSite(runner, host, port, backlog=1024, reuse_port=reuse_port or None)
     await site.start()
+    if private_socket is not None:
+        await web.UnixSite(runner, private_socket).start()
     addresses = runner.addresses  # the bound sockets' names: the port the OS picked
     return runner, int(addresses[0][1]) if addresses else port

@@ -5,6 +5,10 @@ so a supervisor that asked for port 0 learns the port. SIGTERM / SIGINT stop it 
 The cluster token comes from ``$DISAGG_CLUSTER_TOKEN``; without one a router with context
 servers, or with ``disagg_cluster`` (unless ``--insecure-membership``), exits 2 at once.
 
+``--processes N`` (YAML ``processes``) runs N router processes on the port (SO_REUSEPORT,
+one a core: ``disagg.router.processes``); this process then only supervises them, and prints
+the listening line once all of them serve.
+
 The event loop is asyncio's; ``DISAGG_ROUTER_UVLOOP=1`` runs it on uvloop (installed
 separately; in ``bench/router_overhead.py``'s side by side its gain was within the run-to-run
 noise of a shared host, so it is opt-in).
@@ -17,13 +21,20 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from disagg import env
-from disagg.router.config import ClusterConfig, RouterConfigError, load_cluster_config
+from disagg.router.config import (
+    MAX_PROCESSES,
+    ClusterConfig,
+    RouterConfigError,
+    load_cluster_config,
+)
+from disagg.router.processes import ProcessInfo, own_path, supervise
 
 
 def add_cli(subparsers: Any) -> None:
@@ -47,6 +58,12 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--planner", action="store_true",
                    help="run the planner: move workers between the context and generation "
                    "pools as the load shifts (settings: the YAML's planner: section)")
+    p.add_argument("--processes", type=int, default=None, metavar="N",
+                   help="router processes sharing the port (SO_REUSEPORT; one a core; "
+                   "default: the YAML's processes, 1)")
+    # Set by the supervising parent for each of its router processes (not for users).
+    p.add_argument("--process-index", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--process-dir", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_router)
 
 
@@ -67,15 +84,37 @@ def _cmd_router(args: argparse.Namespace) -> int:
                 config, planner=dataclasses.replace(config.planner, enabled=True))
         host = args.host or config.hostname
         port = config.port if args.port is None else args.port
+        count = config.processes if args.processes is None else args.processes
+        if not 1 <= count <= MAX_PROCESSES:
+            raise RouterConfigError(f"--processes: {count} (1..{MAX_PROCESSES})")
+        if count > 1 and args.process_index is None:
+            return supervise(_child_argv(args, host), count, host, port)
+        process = ProcessInfo(args.process_index or 0, count, args.process_dir)
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
             return runner.run(serve(config, host, port,
-                                    insecure_membership=args.insecure_membership))
+                                    insecure_membership=args.insecure_membership,
+                                    process=process))
     except RouterConfigError as e:
+        print(f"disagg router: error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # a bad --process-index / --process-dir (from the parent)
         print(f"disagg router: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # the address is taken, etc.
         print(f"disagg router: error: cannot listen: {e}", file=sys.stderr)
         return 1
+
+
+def _child_argv(args: argparse.Namespace, host: str) -> list[str]:
+    """The command line of one of the router processes (the parent adds the port and which
+    process it is)."""
+    argv = [sys.executable, "-m", "disagg.cli", "router", "-c", os.path.abspath(args.config),
+            "--host", host, "--log-level", args.log_level]
+    if args.public_metrics:
+        argv.append("--public-metrics")
+    if args.insecure_membership:
+        argv.append("--insecure-membership")
+    return argv
 
 
 def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -98,12 +137,16 @@ def event_loop_name() -> str:
 
 
 async def serve(config: ClusterConfig, host: str, port: int,
-                insecure_membership: bool = False) -> int:
-    """Run until SIGTERM / SIGINT."""
+                insecure_membership: bool = False, process: ProcessInfo | None = None) -> int:
+    """Run until SIGTERM / SIGINT. ``process``: one of several router processes (it binds
+    with SO_REUSEPORT, serves its private socket too, and leaves the listening line to the
+    parent)."""
     from disagg.router.app import build_router_app, start_router
 
-    app = build_router_app(config, insecure_membership=insecure_membership)
-    runner, bound = await start_router(app, host, port)
+    process = process or ProcessInfo()
+    app = build_router_app(config, insecure_membership=insecure_membership, process=process)
+    runner, bound = await start_router(app, host, port, reuse_port=process.count > 1,
+                                       private_socket=own_path(process))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -111,7 +154,8 @@ async def serve(config: ClusterConfig, host: str, port: int,
             loop.add_signal_handler(sig, stop.set)
     shown = f"[{host}]" if ":" in host else host
     logging.getLogger("disagg.router").info("event loop: %s", event_loop_name())
-    print(f"disagg router listening on http://{shown}:{bound}", flush=True)
+    if process.count == 1:
+        print(f"disagg router listening on http://{shown}:{bound}", flush=True)
     try:
         await stop.wait()
     finally:

@@ -11,6 +11,7 @@ Shape::
     public_metrics: false         # true: the router's /metrics is open even with api_key
     health_check_interval_sec: 2  # router's /health polling of every worker
     upstream_timeout_sec: 300     # longest wait for the next byte from a worker
+    processes: 1                  # router processes sharing the port (one a core; SO_REUSEPORT)
     model: /path/to/checkpoint    # any worker key at the top level is inherited by both sections
     context_servers:              # optional: without it the cluster is aggregated
       num_instances: 2            # must equal len(urls)
@@ -54,6 +55,7 @@ from disagg.server.options import (
     worker_yaml_keys,
 )
 
+MAX_PROCESSES = 256  # router processes (``processes``)
 POLICY_TYPES = ("round_robin", "load_balancing", "kv_cache_aware")
 SECTIONS = ("context_servers", "generation_servers")
 ROLE_OF_SECTION = {"context_servers": "context", "generation_servers": "generation"}
@@ -73,6 +75,8 @@ CLUSTER_OPTIONS: dict[str, Opt] = {
                                      default=2.0, gt=0),
     "upstream_timeout_sec": Opt(float, "longest wait for the next byte from a worker",
                                 default=300.0, gt=0),
+    "processes": Opt(int, "router processes sharing its port (SO_REUSEPORT); one a core",
+                     default=1, ge=1),
 }
 SECTION_OPTIONS: dict[str, Opt] = {
     "num_instances": Opt(int, "workers in the section; must equal len(urls)", ge=0),
@@ -199,6 +203,7 @@ class ClusterConfig:
     # The router's /metrics without the API key (the workers' is a section key, like api_key).
     public_metrics: bool = False
     planner: PlannerConfig | None = None  # the planner: section (run when enabled)
+    processes: int = 1  # router processes sharing the port (router/processes.py)
 
     @property
     def aggregated(self) -> bool:
@@ -235,6 +240,8 @@ def parse_cluster_config(data: Mapping[str, Any] | Any, source: str = "<config>"
         inherited[key] = _worker_value(err, key, key, value, worker_keys, top=True)
 
     top = {key: _get(err, data, key, opt) for key, opt in CLUSTER_OPTIONS.items()}
+    if top["processes"] > MAX_PROCESSES:
+        raise err("processes", f"{top['processes']}: at most {MAX_PROCESSES}")
     if not 0 <= top["port"] <= 65535:
         raise err("port", f"{top['port']} is not a port number (0..65535; 0 picks a free one)")
 
@@ -278,7 +285,7 @@ def parse_cluster_config(data: Mapping[str, Any] | Any, source: str = "<config>"
         conditional_disagg=conditional, disagg_cluster=cluster, api_key=top["api_key"],
         source=source, health_check_interval_sec=top["health_check_interval_sec"],
         upstream_timeout_sec=top["upstream_timeout_sec"], public_metrics=top["public_metrics"],
-        planner=planner)
+        planner=planner, processes=top["processes"])
 
 
 def parse_planner(err: _Errors, raw: Any) -> PlannerConfig:

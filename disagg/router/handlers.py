@@ -20,6 +20,7 @@ the upstream connection is closed, so the worker aborts the request and frees it
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -33,6 +34,7 @@ from disagg.router.config import normalize_worker_url
 from disagg.router.flow import Tries
 from disagg.router.membership import Worker
 from disagg.router.policies import RouteRequest
+from disagg.router.processes import from_sibling, merge_metrics
 from disagg.router.prompt_tokens import COMPLETIONS
 from disagg.router.relay import RequestState
 from disagg.router.replies import Reply
@@ -198,7 +200,10 @@ class Handlers:
                                  status=200 if ready else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        if (self.config.api_key and not self.config.public_metrics
+        """The router's metrics; of every process, each sample labelled ``process``, when
+        there are several (``processes``)."""
+        sibling = from_sibling(request)
+        if (self.config.api_key and not self.config.public_metrics and not sibling
                 and not self._api_key_ok(request)):
             why = self._signature_error(request, b"")
             if why is not None:
@@ -206,13 +211,35 @@ class Handlers:
                                    f"<key>') or a cluster signature ({AUTH_HEADER}): {why}",
                                    "authentication_error", code="unauthorized").response()
         body, content_type = self.router.metrics.render()
+        process = self.router.process
+        if process.count > 1 and not sibling:
+            texts = {i: b for i, b in (await self.router.siblings.gather("/metrics")).items()
+                     if b is not None}
+            texts[process.index] = body
+            body = merge_metrics(texts)
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def cluster_info(self, request: web.Request) -> web.Response:
+        """The cluster as this process sees it; with several processes (``processes``) also
+        ``process``, ``processes`` and ``per_process`` (every process's workers)."""
+        sibling = from_sibling(request)
         try:
-            self.check_api_key(request)
+            if not sibling:
+                self.check_api_key(request)
         except Reply as r:
             return r.response()
+        info = self._own_cluster_info()
+        process = self.router.process
+        if process.count > 1 and not sibling:
+            views = await self.router.siblings.gather("/cluster_info")
+            per = {i: None if b is None else json.loads(b).get("workers")
+                   for i, b in views.items()}
+            per[process.index] = info.get("workers")
+            info["process"], info["processes"] = process.index, process.count
+            info["per_process"] = [{"process": i, "workers": per[i]} for i in sorted(per)]
+        return web.json_response(info)
+
+    def _own_cluster_info(self) -> dict[str, Any]:
         router = self.router
         info = router.membership.cluster_info()
         info["policies"] = {role: {"type": p.type, "use_tokens": p.use_tokens,
@@ -227,7 +254,7 @@ class Handlers:
         if router.planner is None and self.config.planner is not None:
             info["planner"] = {"config": self.config.planner.public(), "state": None,
                                "decisions": []}
-        return web.json_response(info)
+        return info
 
     async def admin_role(self, request: web.Request) -> web.Response:
         """``POST /admin/role {"url", "role"[, "timeout_s"]}``: switch a worker's role."""
@@ -286,6 +313,7 @@ class Handlers:
                 raise Reply.error(400, str(e), param=str(e).partition(":")[0]) from None
         except Reply as r:
             return r.response()
+        await self.router.siblings.forward(request)  # every router process (processes)
         dc = self.config.disagg_cluster
         assert dc is not None
         return web.json_response({"status": "registered", "url": w.url, "pool": w.pool,
@@ -301,6 +329,7 @@ class Handlers:
         except Reply as r:
             return r.response()
         removed = self.router.membership.unregister(url)
+        await self.router.siblings.forward(request)
         return web.json_response({"status": "unregistered" if removed else "unknown"})
 
     async def not_found(self, request: web.Request) -> web.Response:

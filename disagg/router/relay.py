@@ -19,9 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
+from disagg.router import http1
 from disagg.router.membership import Membership, Worker
 from disagg.router.metrics import RouterMetrics
 from disagg.router.policies import RouteRequest
@@ -81,7 +81,7 @@ class Relay:
         """One try on ``w``: relay its answer to the client. ``Failed`` if it fails before
         the first byte reaches the client."""
         t0 = time.monotonic()
-        resp: aiohttp.ClientResponse | None = None
+        resp: http1.Response | None = None
         with counted(w, route):
             try:
                 resp = await self.upstream.post(w, path, data, signed)
@@ -94,7 +94,7 @@ class Relay:
                 if resp is not None:
                     resp.close()  # a no-op when fully read; else drops the connection (aborts)
 
-    async def _relay_whole(self, st: RequestState, w: Worker, resp: aiohttp.ClientResponse,
+    async def _relay_whole(self, st: RequestState, w: Worker, resp: http1.Response,
                            t0: float, ctx_usage: Mapping[str, Any] | None) -> web.Response:
         body = await self.upstream.read(w, resp)
         now = time.monotonic()
@@ -111,13 +111,13 @@ class Relay:
         return web.Response(body=body, content_type="application/json")
 
     async def _relay_stream(self, request: web.Request, st: RequestState, w: Worker,
-                            resp: aiohttp.ClientResponse, t0: float,
+                            resp: http1.Response, t0: float,
                             ctx_usage: Mapping[str, Any] | None) -> web.StreamResponse:
         out: web.StreamResponse | None = None
         pending = b""
         done = False
         try:
-            async for chunk in resp.content.iter_any():
+            async for chunk in resp.iter_any():
                 data = pending + chunk if pending else chunk
                 cut = data.rfind(b"\n\n")
                 if cut < 0:  # no whole event yet
@@ -139,8 +139,8 @@ class Relay:
                 done = events.endswith(DONE)
                 st.delivered = done
             if not done:
-                raise aiohttp.ClientPayloadError("the stream ended without [DONE]")
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                raise http1.UpstreamError("the stream ended without [DONE]")
+        except (http1.UpstreamError, asyncio.TimeoutError) as e:
             why = f"generation worker {w.url} failed mid-stream: {type(e).__name__}: {e}"
             self.membership.request_failed(w, why)
             if out is None:  # nothing sent yet: another worker may still serve it

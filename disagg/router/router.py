@@ -37,6 +37,7 @@ from disagg.router.membership import ROLES, Membership, UpstreamAuth, Worker
 from disagg.router.metrics import RouterMetrics
 from disagg.router.planner_loop import PlannerLoop
 from disagg.router.policies import RouteRequest, RoutingPolicy, make_policy
+from disagg.router.processes import ProcessInfo, Siblings
 from disagg.router.prompt_tokens import PromptTokens
 from disagg.router.relay import Relay
 from disagg.router.role_switch import RoleSwitcher, SwitchResult
@@ -78,8 +79,12 @@ class Router:
     """The router's parts for one cluster config (see the module docstring)."""
 
     def __init__(self, config: ClusterConfig, tokenizer: Any = None, *,
-                 cluster_token: str | None = None, insecure_membership: bool = False) -> None:
+                 cluster_token: str | None = None, insecure_membership: bool = False,
+                 process: ProcessInfo | None = None) -> None:
         self.config = config
+        # Which of the router's processes this is, and the channel to the others.
+        self.process = process or ProcessInfo()
+        self.siblings = Siblings(self.process)
         # The cluster secret (never sent): signs the calls to workers, verifies registrations.
         self.cluster_token = cluster_token_or_none(cluster_token)
         check_cluster_token(config, self.cluster_token, insecure_membership)
@@ -115,6 +120,12 @@ class Router:
                                        .labels(d.action, d.from_role or "", d.to_role or "")
                                        .inc())
         self._trim_task: asyncio.Task[None] | None = None
+
+    @property
+    def primary(self) -> bool:
+        """Whether this process runs the router's once-per-cluster background work (the only
+        process, or process 0 of ``--processes N``)."""
+        return self.process.primary
 
     @property
     def need_tokens(self) -> bool:
@@ -155,7 +166,8 @@ class Router:
     async def startup(self, app: web.Application) -> None:
         session = await self.upstream.start()
         await self.membership.start(session)
-        if self.planner is not None:
+        await self.siblings.start()
+        if self.planner is not None and self.primary:  # one planner per cluster
             self.planner.start()
         trim = _malloc_trim()
         if trim is not None:
@@ -171,6 +183,7 @@ class Router:
         await asyncio.gather(*self._switch_tasks, return_exceptions=True)
         await self.membership.stop()
         await self.upstream.close()
+        await self.siblings.close()
 
 
 def _malloc_trim() -> Any:

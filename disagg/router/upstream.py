@@ -1,6 +1,11 @@
-"""The router's client of its workers: keep-alive sessions, per-pool headers (the workers' API
+"""The router's client of its workers: keep-alive connections, per-pool headers (the workers' API
 key, cluster signatures), one send with the stale-connection rule, a worker's error answer as a
 typed failure, and fire-and-forget lease releases.
+
+The requests of the hot path (the OpenAI calls, ``/tokenize``) go through the lean HTTP/1.1
+client (``http1``): their request heads are prepared once per worker and path, the answers
+come back as bytes. Health checks, KV event polls, ``/v1/models`` and lease releases use an
+aiohttp session (a few a second, where its generality costs nothing).
 
 Failures feed the membership's health rules: a worker that refuses the connection is taken out
 of rotation at once; other failures count towards ``REQUEST_FAILURE_THRESHOLD``; a 503 saying
@@ -10,17 +15,15 @@ the worker drains or its engine is down takes it out too (its /health says the s
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import functools
 import json
 import logging
-import weakref
 from typing import Any
 
 import aiohttp
-import yarl
 
 from disagg.roles import Role
+from disagg.router import http1
 from disagg.router.config import ClusterConfig
 from disagg.router.membership import Membership, UpstreamAuth, Worker
 from disagg.router.metrics import RouterMetrics
@@ -68,42 +71,11 @@ def error_code(body: bytes) -> str | None:
     return code if isinstance(code, str) else None
 
 
-# What a stale pooled connection raises when the request is sent on it (the worker closed it
-# or reset it before sending any response byte).
-_STALE_CONNECTION = tuple(e for e in (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
-                                      getattr(aiohttp, "ClientConnectionResetError", None))
-                          if e is not None)
-
-# Whether this task's latest upstream send got a pooled connection that had carried a request
-# before (set by _Connector.connect, read by UpstreamClient.post after a failure: the send runs
-# in the caller's task, so in its context). aiohttp's trace hooks tell the same at ~25 us a
-# request; this costs ~1 us.
-_SENT_ON_USED: contextvars.ContextVar[bool] = contextvars.ContextVar("sent_on_used",
-                                                                    default=False)
-
-
 @functools.lru_cache(maxsize=1024)
-def _url(base: str, path: str) -> yarl.URL:
-    """A worker endpoint's URL, parsed once (aiohttp parses a str URL on every request)."""
-    return yarl.URL(base + path)
-
-
-class _Connector(aiohttp.TCPConnector):
-    """A TCPConnector that notes, per sending task, whether a connection was used before."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._used: weakref.WeakSet[Any] = weakref.WeakSet()  # protocols that sent a request
-
-    async def connect(self, req: Any, traces: Any, timeout: Any) -> Any:
-        conn = await super().connect(req, traces, timeout)
-        proto = conn.protocol
-        try:
-            _SENT_ON_USED.set(proto in self._used)
-            self._used.add(proto)
-        except TypeError:  # not weak-referenceable (another aiohttp): never retried
-            _SENT_ON_USED.set(False)
-        return conn
+def _address(url: str) -> tuple[str, int]:
+    """A worker's ``host:port`` as the socket address to connect to (IPv6 without brackets)."""
+    host, _, port = url.rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 class UpstreamClient:
@@ -123,81 +95,88 @@ class UpstreamClient:
             if key:  # the workers' own key; the client's (the router's) is not forwarded
                 headers["Authorization"] = f"Bearer {key}"
             self.headers[role] = headers
-        self.session: aiohttp.ClientSession | None = None
-        # New connections only: the retry of a send whose pooled connection turned out stale.
-        self.fresh_session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | None = None  # health checks, polls, releases
+        self.pool: http1.Pool | None = None  # the hot path
+        self._heads: dict[tuple[str, str, str], bytes] = {}  # (worker, pool, path) -> head
         self.background: set[asyncio.Task[None]] = set()  # lease releases in flight
 
     async def start(self) -> aiohttp.ClientSession:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S,
                                         sock_read=self.config.upstream_timeout_sec)
-        # One session, keep-alive connections, no pool limit (long streams must not starve
-        # the others of connections).
+        # Keep-alive connections, no pool limit (long streams must not starve the others).
         self.session = aiohttp.ClientSession(
-            connector=_Connector(limit=0, limit_per_host=0, ttl_dns_cache=300,
-                                 keepalive_timeout=UPSTREAM_KEEP_ALIVE_S),
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300,
+                                           keepalive_timeout=UPSTREAM_KEEP_ALIVE_S),
             timeout=timeout, auto_decompress=False)
-        self.fresh_session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=True),
-            timeout=timeout, auto_decompress=False)
+        self.pool = http1.Pool(connect_timeout_s=CONNECT_TIMEOUT_S,
+                               read_timeout_s=self.config.upstream_timeout_sec,
+                               keep_alive_s=UPSTREAM_KEEP_ALIVE_S)
         return self.session
 
     async def close(self) -> None:
-        for session in (self.session, self.fresh_session):
-            if session is not None:
-                await session.close()
+        if self.pool is not None:
+            self.pool.close()
+        if self.session is not None:
+            await self.session.close()
 
     async def post(self, w: Worker, path: str, data: bytes, signed: bool = False
-                   ) -> aiohttp.ClientResponse:
+                   ) -> http1.Response:
         """Send (``signed``: with the cluster signature over ``data``); a failure to get
-        response headers is ``Failed``. A pooled keep-alive connection that the worker had
+        the answer's head is ``Failed``. A pooled keep-alive connection that the worker had
         already closed (reset or closed before any response byte: the worker never saw the
         request) is no failure: the send is repeated at once on a new connection (with a new
         signature: a nonce is accepted once)."""
         try:
             resp = await self._send(w, path, data, signed)
-        except aiohttp.ClientConnectorError as e:  # never connected: it saw nothing
+        except http1.ConnectError as e:  # never connected: it saw nothing
             self.membership.mark_failed(w, f"unreachable: {e}")
             raise Failed(f"{w.url}: {e}", reached=False) from None
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (http1.UpstreamError, asyncio.TimeoutError) as e:
             self.membership.request_failed(w, f"failed: {type(e).__name__}: {e}")
             raise Failed(f"{w.url}: {type(e).__name__}: {e}") from None
         w.request_failures = 0  # it answered
         return resp
 
-    async def _send(self, w: Worker, path: str, data: bytes, signed: bool
-                    ) -> aiohttp.ClientResponse:
-        assert self.session is not None and self.fresh_session is not None
-        url, base = _url(w.base, path), self.headers[w.pool]
-        headers = {**base, **self.auth.signature("POST", path, data)} if signed else base
-        _SENT_ON_USED.set(False)
-        try:
-            return await self.session.post(url, data=data, headers=headers)
-        except aiohttp.ClientConnectorError:
-            raise
-        except _STALE_CONNECTION:
-            if not _SENT_ON_USED.get():
-                raise
-        logger.debug("%s: pooled connection was stale; sending again", w.url)
-        if signed:
-            headers = {**base, **self.auth.signature("POST", path, data)}
-        return await self.fresh_session.post(url, data=data, headers=headers)
+    def _head(self, w: Worker, path: str) -> bytes:
+        """The request head of a POST to ``w``'s ``path`` without a signature (prepared once)."""
+        key = (w.url, w.pool, path)
+        head = self._heads.get(key)
+        if head is None:
+            if len(self._heads) > 4096:  # workers came and went: start again
+                self._heads.clear()
+            head = self._heads[key] = http1.request_head("POST", w.url, path,
+                                                         self.headers[w.pool])
+        return head
 
-    async def read(self, w: Worker, resp: aiohttp.ClientResponse) -> bytes:
+    async def _send(self, w: Worker, path: str, data: bytes, signed: bool) -> http1.Response:
+        assert self.pool is not None
+        host, port = _address(w.url)
+        head = self._head(w, path)
+        sign = self.auth.signature
+        try:
+            return await self.pool.post(
+                host, port, head + _lines(sign("POST", path, data)) if signed else head, data)
+        except http1.StaleConnection:
+            logger.debug("%s: pooled connection was stale; sending again", w.url)
+        return await self.pool.post(
+            host, port, head + _lines(sign("POST", path, data)) if signed else head, data,
+            fresh=True)
+
+    async def read(self, w: Worker, resp: http1.Response) -> bytes:
         """The whole answer; a connection that fails mid-answer is ``Failed``."""
         try:
             return await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (http1.UpstreamError, asyncio.TimeoutError) as e:
             self.membership.request_failed(w, f"failed mid-answer: {type(e).__name__}")
             raise Failed(f"{w.url}: {type(e).__name__}: {e}") from None
 
-    async def error_answer(self, w: Worker, resp: aiohttp.ClientResponse) -> Failed:
+    async def error_answer(self, w: Worker, resp: http1.Response) -> Failed:
         """A worker's 5xx answer, as a retryable failure carrying it (for pass-through). A
         generation worker's failed KV pull is told by its error code (``kv_transfer_failed``),
         so the caller prefills again instead of blaming that worker."""
         try:
             body = await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (http1.UpstreamError, asyncio.TimeoutError):
             body = dumps(P.error_body(f"{w.url} answered {resp.status}", "upstream_error"))
         finally:
             resp.release()
@@ -224,6 +203,10 @@ class UpstreamClient:
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             self.membership.request_failed(w, f"failed: {type(e).__name__}: {e}")
             raise Failed(f"{w.url}: {type(e).__name__}: {e}") from None
+
+    def idle_connections(self, w: Worker) -> int:
+        """Idle keep-alive connections of the hot path to ``w``."""
+        return 0 if self.pool is None else self.pool.idle_count(*_address(w.url))
 
     # -- lease releases -------------------------------------------------------------------------
 
@@ -252,3 +235,8 @@ class UpstreamClient:
                             body[:200])
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             logger.info("lease %s on %s not released: %r", lease_id, w.url, e)
+
+
+def _lines(headers: dict[str, str]) -> bytes:
+    """Header lines, each ending with CRLF."""
+    return "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode("latin-1")

@@ -21,11 +21,13 @@ every request carries a proof bound to it::
       READ {op, lease_id, block_ids,           ──────►  1. proof of the next seq (else:
             layer_slice [l0,l1), head_slice                unauthorized, hang up)
             [h0,h1), num_tokens, format,                2. lease (unknown_/expired_lease)
-            dtype, nbytes, proof}                       3. validation (bad_request)
-                                                        4. gather (or zero-copy view)
+            dtype, nbytes[, parts], proof}              3. validation (bad_request)
+                                                        4. views of the cache's runs, or a
+                                                           gather into staging (sender.py)
                                                ◄──────  {ok: true, nbytes, zero_copy, device
                                                          [, staging]}
                                                ◄──────  payload: exactly nbytes raw bytes
+                                                        (UCX: one message per part)
       RELEASE {op, lease_id, reader_id, proof} ──────►
                                                ◄──────  {ok: true, released}
       PING {op, proof}                         ──────►
@@ -41,6 +43,12 @@ Fresh nonces on both sides make a proof captured on one connection useless on an
 sequence number makes it useless on its own. Answers and payloads are not signed: the protocol
 authenticates both ends, it does not encrypt or protect against an on-path attacker (keep
 cluster traffic on a private network).
+
+``parts`` (UCX only; absent: one part): the byte lengths, in order, of the messages the
+payload travels as, each received into its own buffer (the receiver's runs of blocks, or
+pieces of one buffer cut so that the server gathers part k+1 while part k is on the wire); at
+most 4096, summing to ``nbytes``. A TCP payload is one byte stream, whatever buffers either
+side reads or writes it with.
 
 Headers are length-prefixed JSON (4-byte big-endian length, then UTF-8 JSON). Until a
 connection has authenticated (HELLO and AUTH) the server reads headers of at most
@@ -71,7 +79,7 @@ import logging
 import struct
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -331,6 +339,37 @@ class Connection(ABC):
         """Fill exactly ``out.nbytes`` bytes of a contiguous 1-D uint8 array (numpy, or a CUDA
         uint8 tensor where the backend supports device memory)."""
 
+    # True: a payload is one byte stream, split any way on either side (TCP: ``sendmsg`` /
+    # ``recvmsg_into`` over several buffers). False: a payload is a sequence of messages whose
+    # sizes both sides agree on beforehand (UCX: one tag message per part, the READ's
+    # ``parts``).
+    stream: ClassVar[bool] = True
+
+    async def send_payload_iov(self, views: Sequence[Any]) -> None:
+        """Send the concatenation of ``views`` (contiguous 1-D uint8 arrays), no copy on our
+        side. Stream connections only; message connections send parts
+        (``send_payload_parts``)."""
+        if not self.stream:
+            raise NotImplementedError(f"{type(self).__name__} sends payloads as parts")
+        for v in views:
+            await self.send_payload(v)
+
+    async def send_payload_parts(self, parts: AsyncIterator[Any], count: int) -> None:
+        """Send ``count`` parts, each a contiguous 1-D uint8 array, as they come (a part may
+        still be in flight while the next one is produced)."""
+        sent = 0
+        async for p in parts:
+            await self.send_payload(p)
+            sent += 1
+        if sent != count:
+            raise ProtocolError(f"{sent} payload parts produced, {count} announced")
+
+    async def recv_payload_iov(self, views: Sequence[Any]) -> None:
+        """Fill ``views`` in order: a stream connection reads the payload across all of them;
+        a message connection takes one part per view (the sizes announced in the READ)."""
+        for v in views:
+            await self.recv_payload_into(v)
+
     @property
     @abstractmethod
     def closed(self) -> bool: ...
@@ -406,6 +445,9 @@ class TransportBackend(ABC):
     """
 
     name: ClassVar[str]
+    # Its connections' ``Connection.stream``: payload bytes are one stream (True), or one
+    # message per part, the parts announced in the READ (False).
+    stream_payloads: ClassVar[bool] = True
 
     @abstractmethod
     def acquire_loop(self, role: str) -> LoopThread:

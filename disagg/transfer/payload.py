@@ -61,6 +61,70 @@ def consecutive_runs(ids: tuple[int, ...]) -> list[tuple[int, int, int]]:
     return runs
 
 
+# At most this many views describe one payload in place (a 512-block table with partial
+# layers is 512 views); beyond it a gather into one buffer is cheaper than the bookkeeping.
+MAX_PAYLOAD_VIEWS = 1 << 14
+
+
+def block_views(kv: torch.Tensor, ids: tuple[int, ...] | list[int], layers: tuple[int, int],
+                heads: tuple[int, int]) -> list[torch.Tensor] | None:
+    """Contiguous views of ``kv`` whose concatenation, in order, is the ``"blocks"`` payload
+    ``kv[ids][:, l0:l1, :, h0:h1]`` (no copy), or None where it has no such form.
+
+    Block ``ids[i]`` is payload block ``i``. A run ``ids[i:i+r] = b, b+1, .., b+r-1`` is one
+    view ``kv[b:b+r, l0:l1, :, h0:h1]`` when that slice is contiguous (all layers and heads);
+    otherwise each of its blocks ``kv[b+j, l0:l1, :, h0:h1]`` is one view (contiguous when the
+    heads are all of them: a layer range of one block is one stretch of memory). A strict
+    subset of heads splits K from V inside every layer: None (the caller gathers)."""
+    (l0, l1), (h0, h1) = layers, heads
+    views: list[torch.Tensor] = []
+    for _, b, r in consecutive_runs(tuple(ids)):
+        run = kv[b:b + r, l0:l1, :, h0:h1]
+        if run.is_contiguous():
+            views.append(run)
+            continue
+        for j in range(r):
+            one = kv[b + j, l0:l1, :, h0:h1]
+            if not one.is_contiguous():
+                return None
+            views.append(one)
+        if len(views) > MAX_PAYLOAD_VIEWS:
+            return None
+    return views
+
+
+def byte_views(views: list[torch.Tensor]) -> list[np.ndarray]:
+    """Each (contiguous CPU) tensor's memory as a 1-D uint8 numpy view."""
+    return [as_byte_array(v) for v in views]
+
+
+def slice_views(views: list[np.ndarray], a: int, b: int) -> list[np.ndarray]:
+    """The pieces of ``views`` (one byte stream, in order) that hold its bytes ``[a, b)``::
+
+        views:  |---- v0 ----|-- v1 --|------ v2 ------|
+        [a, b):        [=====+========+===)
+        result:        v0[a-0:]  v1[:]  v2[:b-s2]      (s_k: where v_k starts)
+    """
+    out: list[np.ndarray] = []
+    start = 0
+    for v in views:
+        end = start + v.nbytes
+        if end > a and start < b:
+            out.append(v[max(a, start) - start:min(b, end) - start])
+        if end >= b:
+            break
+        start = end
+    return out
+
+
+def gather_views(pieces: list[np.ndarray], dst: np.ndarray) -> None:
+    """Copy ``pieces`` back to back into ``dst`` (numpy: one thread, GIL released)."""
+    pos = 0
+    for p in pieces:
+        np.copyto(dst[pos:pos + p.nbytes], p)
+        pos += p.nbytes
+
+
 def payload_shape(kv_shape: tuple[int, ...], req: ReadRequest) -> tuple[int, ...]:
     _, _, _, _, block, head_dim = kv_shape
     nl = req.layer_slice[1] - req.layer_slice[0]

@@ -11,10 +11,11 @@ import asyncio
 import concurrent.futures as cf
 import contextlib
 import logging
+import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 
 from disagg.addresses import host_port
+from disagg.env import KV_RUNS
 from disagg.transfer.backends import make_backend
 from disagg.transfer.base import (
     BAD_REQUEST,
@@ -46,23 +48,82 @@ from disagg.transfer.base import (
 from disagg.transfer.handshake import ClientSession, HandshakeError, ServerSession
 from disagg.transfer.lease import LeaseError, LeaseTable
 from disagg.transfer.payload import (
+    ReadPlan,
     StagingPool,
     as_payload,
+    consecutive_runs,
     dtype_name,
-    gather_into,
-    gather_into_from_device,
     plan_read,
+    slice_views,
 )
+from disagg.transfer.sender import payload_source, send_parts
 from disagg.transfer.stats import TransferStats
 
 logger = logging.getLogger("disagg.transfer")
 
-GATHER_INLINE_MAX_BYTES = 1 << 20  # bigger gathers run on a worker thread, not the I/O loop
 REFUSAL_LOG_INTERVAL_S = 10.0  # at most one warning per interval about refused connections
+
+
+# A READ may split its payload into at most this many parts (UCX messages).
+MAX_PAYLOAD_PARTS = 4096
+# How a message transport's client splits the payload of a scattered table
+# (``split_parts``): about PARTS_PER_PAYLOAD parts of PART_MIN_BYTES..PART_MAX_BYTES, so that
+# the server gathers part k+1 while part k is on the wire, at ~0.1 ms of ucxx overhead per
+# message (measured here, quiet host, 128 MiB: one message 15 ms, 8 parts 16 ms, 64 parts
+# 23 ms, 512 parts 40 ms; on a loaded host every message costs more).
+PARTS_PER_PAYLOAD = 4
+PART_MIN_BYTES = 4 << 20
+PART_MAX_BYTES = 16 << 20
+# Receiving a message transport's payload straight into several buffers (one message each)
+# pays only when they average at least this much; smaller ones go to one buffer + a copy.
+DIRECT_PART_MIN_BYTES = 1 << 20
 
 
 def _error(code: str, message: str) -> dict[str, Any]:
     return {"ok": False, "code": code, "message": message}
+
+
+def parse_parts(value: Any, nbytes: int) -> list[int]:
+    """A READ's ``parts`` (byte lengths of its payload's messages, in order; absent: one
+    part); raises ``TransferError(bad_request)``."""
+    if value is None:
+        return [nbytes]
+    if (not isinstance(value, list) or not 0 < len(value) <= MAX_PAYLOAD_PARTS
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0
+                       for n in value)):
+        raise TransferError(BAD_REQUEST, f"parts must be a list of 1..{MAX_PAYLOAD_PARTS} "
+                                         f"positive ints")
+    if sum(value) != nbytes:
+        raise TransferError(BAD_REQUEST, f"parts add up to {sum(value)} bytes, payload is "
+                                         f"{nbytes}")
+    return value
+
+
+def _ranges(sizes: list[int]) -> list[tuple[int, int]]:
+    """Back-to-back byte ranges ``[a, b)`` of the given sizes, from 0."""
+    out, a = [], 0
+    for n in sizes:
+        out.append((a, a + n))
+        a += n
+    return out
+
+
+def split_parts(sizes: list[int]) -> list[tuple[int, int, int]]:
+    """How a client cuts its receive buffers into parts: ``(buffer, start, stop)`` byte
+    ranges, each buffer into near-equal pieces of at most the part size (a part never spans
+    two buffers)::
+
+        buffers: |-------- 0 --------|--- 1 ---|
+        parts:   [ 0:0,a )[ 0:a,end )[ 1:0,end )
+    """
+    total = sum(sizes)
+    part = min(PART_MAX_BYTES, max(PART_MIN_BYTES, -(-total // PARTS_PER_PAYLOAD)))
+    out = []
+    for i, n in enumerate(sizes):
+        k = max(1, -(-n // part))
+        cuts = [n * j // k for j in range(k + 1)]
+        out += [(i, a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+    return out
 
 
 class KVTransferServer:
@@ -85,6 +146,10 @@ class KVTransferServer:
     slots of authenticated ones) and ``max_connections_per_peer`` from one peer host; extra
     connections are closed unread. An authenticated connection without a request for
     ``idle_timeout_s`` (None: never) is closed; the client reconnects transparently.
+
+    ``runs`` (None: ``DISAGG_KV_RUNS``, default on): a scattered block table of a CPU cache
+    goes out as views of its runs (``sender.py``), not gathered into staging first; False
+    keeps the staged path (A/B benchmarks).
     """
 
     def __init__(
@@ -105,6 +170,7 @@ class KVTransferServer:
         max_connections: int = 512,
         max_connections_per_peer: int = 64,
         max_pending_connections: int = 128,
+        runs: bool | None = None,
     ) -> None:
         if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
             raise ValueError(f"kv_cache must be [N, L, 2, H, B, D], got {tuple(kv_cache.shape)}")
@@ -122,6 +188,9 @@ class KVTransferServer:
                             ("max_pending_connections", max_pending_connections)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        # Scattered block tables go out as views of their runs, not a staging copy (None:
+        # DISAGG_KV_RUNS; False: the path before, for A/B runs).
+        self.runs = KV_RUNS.get() if runs is None else runs
         self.handshake_timeout_s = handshake_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.max_connections = max_connections
@@ -395,7 +464,8 @@ class KVTransferServer:
             self.stats.record_failure(e.code)
             await conn.send_header(_error(e.code, str(e)))
             return
-        staging = None
+        staging: torch.Tensor | None = None
+        gathers: list[asyncio.Future[Any]] = []
         try:
             try:
                 plan = plan_read(self.kv_cache, req, lease.block_set, self.device_direct)
@@ -405,46 +475,58 @@ class KVTransferServer:
                 if msg.get("nbytes") != plan.nbytes:
                     raise TransferError(BAD_REQUEST, f"receiver buffer of {msg.get('nbytes')} "
                                                      f"bytes, payload is {plan.nbytes}")
+                parts = parse_parts(msg.get("parts"), plan.nbytes)
             except TransferError as e:
                 self.stats.record_failure(e.code)
                 await conn.send_header(_error(e.code, e.message))
                 return
-            if plan.zero_copy is not None:
-                # CPU cache, or a GPU cache over a transport that sends GPU memory (the
-                # prefill that wrote these blocks finished before the lease existed)
-                data = as_payload(plan.zero_copy)
-            else:
-                staging = self.staging.acquire(plan.nbytes)
-                dst = staging[:plan.nbytes].view(self.kv_cache.dtype).view(plan.shape)
-                if self._stream is not None:  # GPU cache: gather there (into GPU or pinned)
-                    await asyncio.get_running_loop().run_in_executor(
-                        self._gather_pool, gather_into_from_device, self.kv_cache, req, dst,
-                        self._stream)
-                elif plan.nbytes <= GATHER_INLINE_MAX_BYTES or self._gather_pool is None:
-                    gather_into(self.kv_cache, req, dst)
-                else:  # torch copies release the GIL: the loop keeps serving meanwhile
-                    await asyncio.get_running_loop().run_in_executor(
-                        self._gather_pool, gather_into, self.kv_cache, req, dst)
-                data = as_payload(staging[:plan.nbytes])
+            source, staging = await self._source(req, plan)
+            pieces = [] if conn.stream else [slice_views(source, a, b)
+                                             for a, b in _ranges(parts)]
+            zero_copy = staging is None and all(len(p) == 1 for p in pieces)
             answer: dict[str, Any] = {"ok": True, "nbytes": plan.nbytes,
-                                      "zero_copy": plan.zero_copy is not None,
+                                      "zero_copy": zero_copy,
                                       "device": self._on_gpu and self.device_direct}
             if self._on_gpu and not self.device_direct:
                 answer["staging"] = self.staging_reason
+            if staging is None and not zero_copy:  # parts that span runs: gathered below
+                staging = self.staging.acquire(plan.nbytes)
             await conn.send_header(answer)
             try:
-                await conn.send_payload(data)
+                if conn.stream:
+                    await conn.send_payload_iov(source)
+                else:
+                    await send_parts(conn, pieces, staging, self._gather_pool, gathers)
             except ConnectionClosedError:
                 self.stats.record_failure(CONNECTION_FAILED)
                 raise
             self.stats.record_transfer(
                 plan.nbytes, len(req.block_ids), time.perf_counter() - t0,
-                plan.zero_copy is not None, device_direct=answer["device"],
+                zero_copy, device_direct=answer["device"],
                 staging_reason=answer.get("staging"))
         finally:
+            # A gather still queued or running writes into the staging buffer: let it finish
+            # before the buffer serves another read (cancelling the asyncio future would not
+            # stop a copy already running on the gather thread).
+            await asyncio.gather(*gathers, return_exceptions=True)
             if staging is not None:
                 self.staging.release(staging)
             self.leases.unpin(req.lease_id)
+
+    async def _source(self, req: ReadRequest, plan: ReadPlan
+                      ) -> tuple[list[Any], torch.Tensor | None]:
+        return await payload_source(self.kv_cache, req, plan, self.staging,
+                                    self.runs and not self._on_gpu, self._gather_pool,
+                                    self._stream)
+
+
+class ReadFuture(cf.Future):  # type: ignore[type-arg]
+    """``KVTransferClient.read``'s future. ``quiet``: set once the transport can no longer
+    write into the read's ``out`` (it finished, failed, or its cancellation has unwound)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.quiet = threading.Event()
 
 
 @dataclass
@@ -464,7 +546,11 @@ class KVTransferClient:
 
     A new connection first checks that the server proves the cluster token (base.py): a
     server that cannot gets nothing but a HELLO, and the request fails with
-    ``unauthorized``. Every request is then signed for that connection."""
+    ``unauthorized``. Every request is then signed for that connection.
+
+    ``runs`` (None: ``DISAGG_KV_RUNS``): over a message transport (UCX), cut the payload of a
+    scattered table into parts the server pipelines (``split_parts``); the pull code also
+    reads into the request's blocks only with it on."""
 
     def __init__(
         self,
@@ -474,10 +560,14 @@ class KVTransferClient:
         timeout_s: float = 30.0,
         connect_timeout_s: float = 5.0,
         stats: TransferStats | None = None,
+        runs: bool | None = None,
     ) -> None:
         if not token:
             raise ValueError("a non-empty cluster token is required")
         self.backend = make_backend(backend)
+        # Over a message transport, split payloads into parts the server can pipeline
+        # (None: DISAGG_KV_RUNS; False: one message a payload, the path before).
+        self.runs = KV_RUNS.get() if runs is None else runs
         self.stats = stats if stats is not None else TransferStats()
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
@@ -496,32 +586,73 @@ class KVTransferClient:
         transports); ``device_support[1]`` says how, or why not."""
         return self.device_support[0]
 
-    def read(self, address: str, request: ReadRequest, out: torch.Tensor) -> cf.Future[ReadResult]:
+    def accepts_segments(self, sizes: list[int]) -> bool:
+        """Whether a read into several buffers of these byte sizes lands in them directly at
+        no extra cost: always over a stream transport (TCP: one ``recvmsg_into`` across
+        them); over a message transport (UCX: one message each) only when they are few and
+        large enough to beat one buffer plus a copy (``DIRECT_PART_MIN_BYTES``)."""
+        if self.backend.stream_payloads:
+            return True
+        return 0 < len(sizes) <= min(MAX_PAYLOAD_PARTS,
+                                     max(1, sum(sizes) // DIRECT_PART_MIN_BYTES))
+
+    def read(self, address: str, request: ReadRequest,
+             out: torch.Tensor | Sequence[torch.Tensor]) -> ReadFuture:
         """Pull ``request`` from the server at ``address`` into ``out``: a preallocated,
         contiguous tensor of the payload's exact shape (see ``payload.payload_shape``) and the
-        server cache's dtype, in host memory, or in GPU memory when ``device_payloads``.
-        ``out`` is untouched on an error answer; on a failure mid-transfer its contents are
-        undefined. A pinned host ``out`` counts as host staging for a GPU cache in ``stats``.
+        server cache's dtype, in host memory, or in GPU memory when ``device_payloads``. Or a
+        list of contiguous host tensors of that dtype whose concatenation is the payload
+        (e.g. the runs of the receiver's own KV blocks, ``payload.block_views``): the payload
+        lands in them directly. ``out`` is untouched on an error answer; on a failure
+        mid-transfer its contents are undefined. A pinned host ``out`` counts as host staging
+        for a GPU cache in ``stats``.
+
+        The returned future's ``quiet`` event is set once the transport can no longer write
+        into ``out``: cancelling the future only asks (``cancel_and_wait``).
 
         GPU ``out``: the transport writes it outside any CUDA stream, so it must not be in use
         by queued GPU work (allocate it under a stream nothing else runs on, e.g.
         ``kv_connector.pull.submit_reads``); its bytes are in place when the future is done."""
-        if not out.is_contiguous() or out.device.type not in ("cpu", "cuda"):
-            raise ValueError("out must be a contiguous CPU or CUDA tensor")
+        outs = [out] if isinstance(out, torch.Tensor) else list(out)
+        if not outs or any(not t.is_contiguous() or t.device.type not in ("cpu", "cuda")
+                           for t in outs):
+            raise ValueError("out must be a contiguous CPU or CUDA tensor, or a non-empty "
+                             "list of contiguous CPU tensors")
+        if len(outs) > 1 and any(t.device.type != "cpu" or t.dtype != outs[0].dtype
+                                 for t in outs):
+            raise ValueError("a list out must be CPU tensors of one dtype")
         staged: str | None = None
-        if out.device.type == "cuda":
+        if outs[0].device.type == "cuda":
             if not self.device_payloads:
-                raise ValueError(f"out is on {out.device}, but this client cannot receive "
+                raise ValueError(f"out is on {outs[0].device}, but this client cannot receive "
                                  f"into GPU memory ({self.device_support[1]}): pass pinned "
                                  f"host memory")
-        elif out.is_pinned():  # host memory standing in for a GPU cache
+        elif outs[0].is_pinned():  # host memory standing in for a GPU cache
             staged = "" if self.device_payloads else self.device_support[1]
             staged = staged or "the caller chose host memory"
         parse_address(address)  # a malformed address is the caller's bug: raise here
-        buf = as_payload(out)  # a view: the payload lands in `out` itself
-        msg = request.to_wire(dtype_name(out.dtype), int(buf.nbytes))
-        return self._submit(self._read(address, msg, buf, len(request.block_ids), staged),
-                            read=True)
+        views = [as_payload(t) for t in outs]  # views: the payload lands in `out` itself
+        nbytes = sum(int(v.nbytes) for v in views)
+        msg = request.to_wire(dtype_name(outs[0].dtype), nbytes)
+        # Message transport: one message per part. A scattered table (more than one run of
+        # block ids: the server gathers) is cut into parts, so the server sends part k while
+        # it gathers part k+1; a consecutive one goes whole (one message per buffer).
+        split = self.runs and len(consecutive_runs(request.block_ids)) > 1
+        if not self.backend.stream_payloads and outs[0].device.type == "cpu" and (
+                split or len(views) > 1):
+            cuts = (split_parts([int(v.nbytes) for v in views]) if split
+                    else [(i, 0, int(v.nbytes)) for i, v in enumerate(views)])
+            views = [views[i][a:b] for i, a, b in cuts]
+            msg["parts"] = [b - a for _, a, b in cuts]
+        return self._submit_read(self._read(address, msg, views, len(request.block_ids),
+                                            staged))
+
+    def cancel_and_wait(self, fut: ReadFuture, timeout_s: float) -> bool:
+        """Cancel a read and wait until the transport has stopped writing into its ``out``
+        (True), or ``timeout_s`` passed (False: ``out`` may still be written). Any thread
+        but the client's loop."""
+        fut.cancel()
+        return fut.quiet.wait(timeout_s)
 
     def release(self, address: str, lease_id: str, reader_id: str | int) -> cf.Future[bool]:
         """Confirm that reader ``reader_id`` has its data; True when that released the lease."""
@@ -566,6 +697,51 @@ class KVTransferClient:
             return fut
         return loop.submit(self._bounded(coro, read))
 
+    def _submit_read(self, coro: Any) -> ReadFuture:
+        """Like ``_submit``, with a ``ReadFuture`` whose ``quiet`` is set when the read's
+        task has ended (or was cancelled before it started): only then has its I/O into
+        the caller's memory stopped (a cancel of the future alone only asks the loop)."""
+        fut = ReadFuture()
+        lt = self._loop
+        if self._closed or lt is None:
+            coro.close()
+            fut.quiet.set()
+            fut.set_exception(TransferError(CLOSED, "client is closed"))
+            return fut
+        loop = lt.loop
+
+        def finished(task: asyncio.Task[Any]) -> None:
+            fut.quiet.set()  # first: whoever sees the outcome sees quiet too
+            with contextlib.suppress(cf.InvalidStateError):  # the caller cancelled
+                if task.cancelled():
+                    fut.cancel()
+                elif task.exception() is not None:
+                    fut.set_exception(task.exception())
+                else:
+                    fut.set_result(task.result())
+
+        def cancel_task(task: asyncio.Task[Any]) -> None:
+            if fut.cancelled():
+                with contextlib.suppress(RuntimeError):  # the loop is closed: task is over
+                    loop.call_soon_threadsafe(task.cancel)
+
+        def start() -> None:  # on the loop
+            if fut.cancelled():  # cancelled before it started: it never touches `out`
+                coro.close()
+                fut.quiet.set()
+                return
+            task = loop.create_task(self._bounded(coro, True))
+            task.add_done_callback(finished)
+            fut.add_done_callback(lambda _f: cancel_task(task))
+
+        try:
+            loop.call_soon_threadsafe(start)
+        except RuntimeError:  # the loop is closed
+            coro.close()
+            fut.quiet.set()
+            fut.set_exception(TransferError(CLOSED, "client is closed"))
+        return fut
+
     async def _bounded(self, coro: Any, read: bool) -> Any:
         try:
             return await asyncio.wait_for(coro, self.timeout_s)
@@ -578,22 +754,23 @@ class KVTransferClient:
                 raise TransferError(CLOSED, "client closed") from None
             raise
 
-    async def _read(self, address: str, msg: dict[str, Any], buf: Any,
+    async def _read(self, address: str, msg: dict[str, Any], views: list[Any],
                     num_blocks: int, staged: str | None) -> ReadResult:
         t0 = time.perf_counter()
         try:
-            resp = await self._request(address, msg, payload=buf)
+            resp = await self._request(address, msg, payload=views)
         except TransferError as e:
             self.stats.record_failure(e.code)
             raise
         dt = time.perf_counter() - t0
         zero_copy = bool(resp.get("zero_copy", False))
-        into_device = not isinstance(buf, np.ndarray)
+        into_device = not isinstance(views[0], np.ndarray)
         server_staging = resp.get("staging")
         reason = str(server_staging) if server_staging else (staged or "")
-        self.stats.record_transfer(int(buf.nbytes), num_blocks, dt, zero_copy,
+        nbytes = int(msg["nbytes"])
+        self.stats.record_transfer(nbytes, num_blocks, dt, zero_copy,
                                    device_direct=into_device, staging_reason=staged)
-        return ReadResult(int(buf.nbytes), num_blocks, dt, zero_copy,
+        return ReadResult(nbytes, num_blocks, dt, zero_copy,
                           device_direct=into_device and resp.get("device") is True,
                           staging_reason=reason)
 
@@ -655,10 +832,11 @@ class KVTransferClient:
         await conn.attach_complete(answer)
 
     async def _request(
-        self, address: str, msg: dict[str, Any], payload: Any = None
+        self, address: str, msg: dict[str, Any], payload: list[Any] | None = None
     ) -> dict[str, Any]:
         """Send ``msg`` on the peer's cached connection (opened lazily), read the answer and
-        then, for an ok READ, the payload into ``payload``."""
+        then, for an ok READ, the payload into ``payload`` (its views, in order; one per part
+        over a message transport)."""
         peer = self._peers.get(address)
         if peer is None:
             peer = self._peers[address] = _Peer()
@@ -696,12 +874,12 @@ class KVTransferClient:
                     settled = code in SERVER_CODES and code != UNAUTHORIZED
                     _raise_if_error(resp)
                 if payload is not None:
-                    if resp.get("nbytes") != payload.nbytes:
+                    if resp.get("nbytes") != msg["nbytes"]:
                         raise TransferError(PROTOCOL_ERROR, f"server announced "
                                             f"{resp.get('nbytes')} bytes, expected "
-                                            f"{payload.nbytes}")
+                                            f"{msg['nbytes']}")
                     try:
-                        await conn.recv_payload_into(payload)
+                        await conn.recv_payload_iov(payload)
                     except ConnectionClosedError as e:
                         raise TransferError(CONNECTION_FAILED,
                                             f"peer failed mid-transfer: {e}") from None

@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -35,6 +36,59 @@ from disagg.transfer.base import (
 )
 
 logger = logging.getLogger("disagg.transfer")
+
+
+def _iov_max() -> int:
+    try:
+        n = os.sysconf("SC_IOV_MAX")
+    except (ValueError, OSError):
+        n = -1
+    return n if n > 0 else 1024  # Linux: 1024
+
+
+IOV_MAX = _iov_max()
+
+
+class IovCursor:
+    """Where a ``sendmsg`` / ``recvmsg_into`` over many buffers stands: the next batch is at
+    most ``max_iov`` buffers from the current position, the first one cut at the offset
+    already done::
+
+        views:   |--- v0 ---|--- v1 ---|--- v2 ---| ... |--- vk ---|
+        done:    [=========[====)                      (index 1, offset 5 of v1)
+        batch(): [v1[5:], v2, ..., v(1 + max_iov - 1)]
+    """
+
+    def __init__(self, views: Sequence[Any], max_iov: int | None = None) -> None:
+        max_iov = IOV_MAX if max_iov is None else max_iov
+        if max_iov < 1:
+            raise ValueError(f"max_iov must be >= 1, got {max_iov}")
+        self._views = [mv for mv in (memoryview(v).cast("B") for v in views) if mv.nbytes]
+        self._max = max_iov
+        self._index = 0
+        self._offset = 0
+        self.total = sum(v.nbytes for v in self._views)
+        self.position = 0
+
+    @property
+    def done(self) -> bool:
+        return self._index >= len(self._views)
+
+    def batch(self) -> list[memoryview]:
+        i = self._index
+        return [self._views[i][self._offset:], *self._views[i + 1:i + self._max]]
+
+    def advance(self, n: int) -> None:
+        """``n`` more bytes were moved (what the last call returned)."""
+        self.position += n
+        while n:
+            left = self._views[self._index].nbytes - self._offset
+            if n < left:
+                self._offset += n
+                return
+            n -= left
+            self._index += 1
+            self._offset = 0
 
 
 def _tune(sock: socket.socket) -> None:
@@ -137,6 +191,58 @@ class TcpConnection(Connection):
         if self._closed:
             raise ConnectionClosedError(f"{self.peer}: connection closed")
         await self._recv_exact(memoryview(out).cast("B"))
+
+    async def send_payload_iov(self, views: Sequence[np.ndarray]) -> None:
+        """``sendmsg`` over the views, at most ``IOV_MAX`` of them per call: runs of KV
+        blocks go out straight from the cache, no gather."""
+        cursor = IovCursor(views)
+        while not cursor.done:
+            if self._closed:
+                raise ConnectionClosedError(f"{self.peer}: connection closed")
+            try:
+                n = self._sock.sendmsg(cursor.batch())
+            except (BlockingIOError, InterruptedError):
+                await self._ready(self._loop.add_writer, self._loop.remove_writer)
+                continue
+            except OSError as e:
+                raise ConnectionClosedError(f"{self.peer}: {e}") from e
+            cursor.advance(n)
+
+    async def recv_payload_iov(self, views: Sequence[np.ndarray]) -> None:
+        """``recvmsg_into`` across the views (e.g. runs of the request's own KV blocks)."""
+        cursor = IovCursor(views)
+        while not cursor.done:
+            if self._closed:
+                raise ConnectionClosedError(f"{self.peer}: connection closed")
+            try:
+                n = self._sock.recvmsg_into(cursor.batch())[0]
+            except (BlockingIOError, InterruptedError):
+                await self._ready(self._loop.add_reader, self._loop.remove_reader)
+                continue
+            except OSError as e:
+                raise ConnectionClosedError(f"{self.peer}: {e}") from e
+            if n == 0:
+                raise ConnectionClosedError(f"{self.peer}: connection closed by peer "
+                                            f"({cursor.position}/{cursor.total} bytes "
+                                            f"received)")
+            cursor.advance(n)
+
+    async def _ready(self, add: Callable[..., Any], remove: Callable[[int], Any]) -> None:
+        """Until the socket is writable (``add_writer``) or readable (``add_reader``)."""
+        fut: asyncio.Future[None] = self._loop.create_future()
+        fd = self._sock.fileno()
+
+        def ready() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        add(fd, ready)
+        try:
+            await fut
+        finally:
+            if not self._closed:
+                with contextlib.suppress(OSError, ValueError):
+                    remove(fd)
 
     async def close(self) -> None:
         if not self._closed:

@@ -368,8 +368,9 @@ class UcxConnection(Connection):
 
     The endpoints are created from worker addresses exchanged in AUTH, i.e. only once the
     client has proven the token: an unauthenticated peer never costs a UCX endpoint or a
-    posted receive. Payload ``n`` of a connection travels with tag ``(ucx_tag + n) mod 2**64``
-    (``ucx_tag``: random, chosen by the client), so a payload left over from a failed request
+    posted receive. A payload travels as one tag message per part (the READ's ``parts``, one
+    part when it has none); message ``n`` of a connection has tag ``(ucx_tag + n) mod 2**64``
+    (``ucx_tag``: random, chosen by the client), so a message left over from a failed request
     can never match a later receive. While a payload is in flight the TCP connection is
     watched: the peer's process dying closes it, and the UCX operation is cancelled then (a
     receive into the caller's buffer never outlives the request)."""
@@ -379,7 +380,7 @@ class UcxConnection(Connection):
         self.peer = ctl.peer
         self._ep: Any = None
         self._tag_base: int | None = None
-        self._payloads = 0  # payloads sent / received so far on this connection
+        self._payloads = 0  # payload messages (parts) sent / received so far here
         self._closed = False
         self._broken = False  # the endpoint was aborted: this connection is done
 
@@ -417,53 +418,98 @@ class UcxConnection(Connection):
 
     # ---- payloads -------------------------------------------------------------------------
 
-    def _next_tag(self) -> int:
+    stream: ClassVar[bool] = False  # one tag message per payload part
+
+    def _next_tags(self, count: int) -> list[int]:
+        """Tags of the next ``count`` messages: ``ucx_tag + n, .., ucx_tag + n + count - 1``
+        (mod 2**64), n = messages so far on this connection, the same count on both sides."""
         if self._ep is None or self._tag_base is None:
             raise ProtocolError(f"{self.peer}: no UCX endpoint (AUTH did not set one up)")
-        tag = (self._tag_base + self._payloads) & _TAG_MASK
-        self._payloads += 1
-        return tag
+        first = self._tag_base + self._payloads
+        self._payloads += count
+        return [(first + j) & _TAG_MASK for j in range(count)]
 
     async def send_payload(self, data: Any) -> None:
         # numpy, or a CUDA uint8 tensor (ucxx reads its __cuda_array_interface__; UCX moves it
         # with cuda_ipc / cuda_copy). The caller has synchronised whatever wrote it.
-        tag = self._next_tag()
-        await self._io(self._ep.send(data, tag=tag, force_tag=True))
+        await self._io_start(lambda: [self._ep.send(data, tag=self._next_tags(1)[0],
+                                                    force_tag=True)])
 
     async def recv_payload_into(self, out: Any) -> None:
-        tag = self._next_tag()
-        await self._io(self._ep.recv(out, tag=tag, force_tag=True))
+        await self.recv_payload_iov([out])
 
-    async def _io(self, coro: Any) -> None:
-        """Run one UCX operation until it completes or the peer's TCP connection closes."""
+    async def recv_payload_iov(self, views: Any) -> None:
+        """One receive per view (part), all posted at once."""
+        def post() -> list[Any]:
+            tags = self._next_tags(len(views))
+            return [self._ep.recv(v, tag=t, force_tag=True) for v, t in zip(views, tags,
+                                                                             strict=True)]
+        await self._io_start(post)
+
+    async def send_payload_parts(self, parts: Any, count: int) -> None:
+        """Post each part's send as soon as it is produced: the next part is gathered while
+        this one is on the wire."""
         if self.closed:
-            coro.close()
             raise ConnectionClosedError(f"{self.peer}: connection closed")
-        op = asyncio.ensure_future(coro)
+        tags = self._next_tags(count)
+        ops: list[asyncio.Future[Any]] = []
+        try:
+            async for p in parts:
+                if len(ops) == count:
+                    raise ProtocolError(f"more than the {count} payload parts announced")
+                if self._ep is None:  # aborted meanwhile
+                    raise ConnectionClosedError(f"{self.peer}: connection closed")
+                ops.append(asyncio.ensure_future(self._ep.send(p, tag=tags[len(ops)],
+                                                               force_tag=True)))
+            if len(ops) != count:
+                raise ProtocolError(f"{len(ops)} payload parts produced, {count} announced")
+        except BaseException:
+            self._abort()
+            await asyncio.gather(*ops, return_exceptions=True)
+            raise
+        await self._io(ops)
+
+    async def _io_start(self, post: Any) -> None:
+        if self.closed:
+            raise ConnectionClosedError(f"{self.peer}: connection closed")
+        await self._io([asyncio.ensure_future(c) for c in post()])
+
+    async def _io(self, ops: list[asyncio.Future[Any]]) -> None:
+        """Wait for UCX operations until all complete or the peer's TCP connection closes."""
         watch = self._ctl.watch_peer_close()
         try:
-            while not op.done():
-                await asyncio.wait({op, watch}, return_when=asyncio.FIRST_COMPLETED)
-                if watch.done() and not op.done():
-                    if watch.result():  # the peer's process is gone: this op never completes
+            pending = set(ops)
+            while pending:
+                done, pending = await asyncio.wait({*pending, watch},
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                pending.discard(watch)
+                if any(o is not watch and (o.cancelled() or o.exception() is not None)
+                       for o in done):
+                    break  # one failed: the rest are aborted below
+                if watch.done() and pending:
+                    if watch.result():  # the peer's process is gone: these never complete
                         raise ConnectionClosedError(f"{self.peer}: connection closed by peer")
-                    # Bytes arrived (the peer is alive): wait for the op alone.
-                    await asyncio.wait({op})
+                    # Bytes arrived (the peer is alive): wait for the ops alone.
+                    await asyncio.wait(pending)
+                    pending = set()
         except BaseException:
-            # Cancelled (client timeout), or the peer died: cancel the UCX request now, so no
-            # late write lands in the caller's buffer.
+            # Cancelled (client timeout), or the peer died: cancel the UCX requests now, so no
+            # late write lands in the caller's buffers.
             self._abort()
             self._ctl.stop_watching()
-            with contextlib.suppress(BaseException):
-                await op
+            await asyncio.gather(*ops, return_exceptions=True)
             raise
         self._ctl.stop_watching()
-        try:
-            op.result()
-        except asyncio.CancelledError:
-            raise ConnectionClosedError(f"{self.peer}: UCX operation cancelled") from None
-        except Exception as e:  # ucxx errors: canceled, connection reset, truncated, ...
-            raise _closed_error(self.peer, e) from e
+        failed = next((o for o in ops if o.done() and (o.cancelled()
+                                                       or o.exception() is not None)), None)
+        if failed is None:
+            return
+        self._abort()  # the others would wait for a peer that gave up
+        await asyncio.gather(*ops, return_exceptions=True)
+        if failed.cancelled():
+            raise ConnectionClosedError(f"{self.peer}: UCX operation cancelled")
+        e = failed.exception()
+        raise _closed_error(self.peer, e) from e  # ucxx: canceled, reset, truncated, ...
 
     def _abort(self) -> None:
         self._broken = True
@@ -484,6 +530,7 @@ class UcxConnection(Connection):
 
 class UcxBackend(TransportBackend):
     name: ClassVar[str] = "ucx"
+    stream_payloads: ClassVar[bool] = False
 
     def __init__(self, profile: str = "same_host") -> None:
         if profile not in UCX_PROFILES:
