@@ -23,7 +23,8 @@ requests sent in them. Target (issue 21): the planner's goodput >= the better st
 
     python bench/planner.py [--out bench/results/planner.md]
 
-Writes the markdown (``--out``), the PNG beside it and the JSON of everything measured.
+Writes the markdown (``--out``) and the PNG beside it (``--json PATH``: also every request's
+record).
 Exactness across role flips is the integration test's job (``tests/test_planner_cluster.py``);
 this script measures speed only.
 """
@@ -579,6 +580,7 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     a = ap.add_argument
     a("--out", default="bench/results/planner.md")
+    a("--json", default=None, help="also write everything measured (every request) here")
     a("--workers", type=int, default=4)
     a("--device-cores", type=float, default=0.4, help="CPU quota of each worker (cores)")
     a("--phase-s", type=float, default=60.0, help="seconds of each of the two phases")
@@ -647,8 +649,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     png = str(out.with_suffix(".png"))
     plot(data, args, png)
     out.write_text(report(data, args, png))
-    out.with_suffix(".json").write_text(json.dumps(data, default=_json_default))
-    print(f"wrote {out}, {png}, {out.with_suffix('.json')}")
+    if args.json:  # every request's record: megabytes, so only on request
+        Path(args.json).write_text(json.dumps(data, default=_json_default))
+    print(f"wrote {out}, {png}" + (f", {args.json}" if args.json else ""))
     return 0
 
 
