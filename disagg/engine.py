@@ -164,7 +164,8 @@ class _State:
             if logprobs is not None:
                 logprobs = [{}]
         if remote is not None:
-            # The context worker's first token is already an output; only its KV is missing.
+            # The context worker's first token is already an output; only its KV is missing
+            # (streamed: no token yet, the last prompt token is computed here).
             req.output_token_ids = list(remote.first_gen_tokens)
             req.status = RequestStatus.WAITING_FOR_REMOTE_KV
             if logprobs is not None:
@@ -378,9 +379,13 @@ def _make_connector(disagg: DisaggSettings, config: EngineConfig,
     """Rank 0's connector over rank 0's KV cache; the executor is its line to the other ranks
     (they built their part, ``RankTransfer``, when they started)."""
     from disagg.kv_connector.disagg_connector import make_connector
+    from disagg.kv_connector.stream import install_hook
 
     peers = runner if isinstance(runner, DistributedExecutor) else None
-    return make_connector(disagg, config, runner.kv_cache, wake, peers=peers)
+    connector = make_connector(disagg, config, runner.kv_cache, wake, peers=peers)
+    model = runner.runner.model if isinstance(runner, DistributedExecutor) else runner.model
+    install_hook(model, connector.streams.progress)  # type: ignore[attr-defined]
+    return connector
 
 
 _StepResult = tuple[list[str], SamplerOutput | None]  # (sampling request ids, their draws)
@@ -486,6 +491,7 @@ class LLMEngine:
         remote: ContextParams | None = None,
         dummy_kv: bool = False,
         cache_remote_kv: bool = False,
+        kv_stream: tuple[int, str] | None = None,
     ) -> None:
         """Queue a request. ``context_only``: prefill and sample one token only; unless that
         token ends the request its blocks are leased to a generation worker. ``remote``: a
@@ -496,7 +502,7 @@ class LLMEngine:
         ``cache_remote_kv``: the pulled KV may enter the prefix cache (only when the caller
         trusts that it is the KV of ``prompt_token_ids``: a forged request could otherwise
         plant blocks that later requests reuse); by default it serves this request only.
-        """
+        ``kv_stream``: its KV is streamed as computed (``RequestKV.stream``)."""
         if request_id in self._states:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         ctx_params = params if context_only else None
@@ -529,7 +535,7 @@ class LLMEngine:
             return
         # Only a request that may go on keeps its blocks: real max_tokens 1 is final anyway.
         kv = RequestKV(lease=ctx_params is not None and ctx_params.max_tokens > 1,
-                       remote=remote)
+                       remote=remote, stream=kv_stream)
         if self.connector.add_request(request_id, kv) and not req.is_finished():
             self.scheduler.hold_blocks_on_finish(request_id)
 
@@ -569,19 +575,21 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         for rid in done.loaded:
             st = self._states.get(rid)
-            if st is not None:
-                outputs.append(self._kv_in_place(st))
+            if st is not None and (out := self._kv_in_place(st)) is not None:
+                outputs.append(out)
         for rid, error in done.failed:
             logger.warning("request %s: %s", rid, error)
             outputs.extend(self._fail_requests([rid], error))
         return self._collect_finished_without_step(outputs) if outputs else outputs
 
-    def _kv_in_place(self, st: _State) -> RequestOutput:
+    def _kv_in_place(self, st: _State) -> RequestOutput | None:
         """A request's prompt KV is in its blocks (pulled, or dummy): it decodes from the next
-        step; its first output carries the context worker's token(s)."""
-        rid = st.request.request_id
-        now = time.monotonic()
-        self.scheduler.remote_kv_ready(rid, cache=not st.dummy_kv and st.cache_remote_kv)
+        step; its first output carries the context worker's token(s). Streamed (no token):
+        positions [0, n - 1) are in place, the next step computes the last one and samples."""
+        rid, now, cache = st.request.request_id, time.monotonic(), st.cache_remote_kv
+        if not st.request.output_token_ids:
+            return self.scheduler.remote_kv_ready(rid, cache, st.request.num_prompt_tokens - 1)
+        self.scheduler.remote_kv_ready(rid, cache=cache and not st.dummy_kv)
         st.metrics.first_scheduled_time = st.metrics.first_scheduled_time or now
         st.metrics.first_token_time = now
         st.metrics.last_token_time = now
@@ -855,6 +863,7 @@ class _Add:
     remote: ContextParams | None
     dummy_kv: bool
     cache_remote_kv: bool
+    kv_stream: tuple[int, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -970,6 +979,7 @@ class AsyncLLM:
         remote: ContextParams | None = None,
         dummy_kv: bool = False,
         cache_remote_kv: bool = False,
+        kv_stream: tuple[int, str] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         try:
             if not self.is_healthy():
@@ -995,7 +1005,8 @@ class AsyncLLM:
             self._sinks[request_id] = (loop, sink)
             self._pending_adds += 1
         self._cmds.put(_Add(request_id, list(prompt_token_ids), params, prompt,
-                            time.monotonic(), context_only, remote, dummy_kv, cache_remote_kv))
+                            time.monotonic(), context_only, remote, dummy_kv, cache_remote_kv,
+                            kv_stream))
         self._wake.set()
         finished = False
         try:
@@ -1090,7 +1101,8 @@ class AsyncLLM:
                     self.engine.add_request(
                         cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.prompt,
                         cmd.arrival_time, context_only=cmd.context_only, remote=cmd.remote,
-                        dummy_kv=cmd.dummy_kv, cache_remote_kv=cmd.cache_remote_kv)
+                        dummy_kv=cmd.dummy_kv, cache_remote_kv=cmd.cache_remote_kv,
+                        kv_stream=cmd.kv_stream)
                 except Exception as e:  # validation raced with a config change, queue full, ...
                     if cmd.remote is not None:
                         self.release_remote(cmd.remote)

@@ -237,13 +237,14 @@ class Scheduler:
 
     # -- KV that crosses workers -------------------------------------------------------------
 
-    def remote_kv_ready(self, request_id: str, cache: bool = True) -> None:
-        """The prompt KV of a fetching request is in its blocks: it decodes from the next step
-        (its last sampled token, from the context worker, is the one token left to compute).
-        ``cache=False``: the blocks' contents are not the prompt's (benchmark gen-only), so
-        they must never serve a prefix hit."""
+    def remote_kv_ready(self, request_id: str, cache: bool = True,
+                        num_computed: int | None = None) -> None:
+        """A fetching request's prompt KV is in its blocks: it decodes from the next step (its
+        token from the context worker is the one left to compute). ``cache=False``: not the
+        prompt's KV (benchmark gen-only), never a prefix hit. ``num_computed``: KV of
+        [0, num_computed) only (KV streaming: the rest of the prompt is a prefill here)."""
         req = self.fetching.pop(request_id)
-        req.num_computed_tokens = req.num_prompt_tokens
+        req.num_computed_tokens = req.num_prompt_tokens if num_computed is None else num_computed
         if cache:
             self.kv.cache_blocks(req, req.num_computed_tokens)
         else:

@@ -10,8 +10,10 @@ worker trusts their context addresses only when allow-listed, and never caches t
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import re
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from server_fixtures import (
     start_worker_proc,
     stop_all,
     wait_all_healthy,
+    wait_for,
 )
 
 from disagg.transfer.ucx import ucx_available
@@ -393,3 +396,134 @@ def test_signed_generation_request_fills_the_prefix_cache(tcp: dict[str, Worker]
     assert _cached_tokens(r.json()) == 3 * 16
     ctx.wait_blocks(0)
     gen.wait_blocks(0)
+
+
+# ---- KV streaming: both calls at once ---------------------------------------------------------
+
+LONG = " ".join(["Blocks of tokens move between workers while the prefill runs."] * 30)
+
+
+def stream_params(ctx: Worker, stream_id: str) -> dict[str, Any]:
+    """The generation call's ``kv_stream`` (what the router takes from /server_info)."""
+    info = ctx.info()["kv_transfer"]
+    return {"ctx_request_id": stream_id,
+            **{k: info[k] for k in ("worker_id", "backend", "addresses", "layout")}}
+
+
+def stream_bodies(ctx: Worker, path: str, body: dict[str, Any], stream_id: str | None = None
+                  ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(context body, generation body) of one streamed request."""
+    sid = stream_id or uuid.uuid4().hex
+    cbody = {**body, "stream": False,
+             "disaggregated_params": {"request_type": "context_only", "kv_stream_id": sid}}
+    gbody = {**body, "disaggregated_params": {"request_type": "generation_only",
+                                              "kv_stream": stream_params(ctx, sid)}}
+    return cbody, gbody
+
+
+def streamed_text(ctx: Worker, gen: Worker, path: str, body: dict[str, Any]) -> str:
+    """Play the router's streaming flow: the generation call first (its reads wait for the
+    context worker), the context call at the same time."""
+    cbody, gbody = stream_bodies(ctx, path, body)
+    with cf.ThreadPoolExecutor(2) as ex:
+        if body.get("stream"):
+            g = ex.submit(_stream, gen.url, path, gbody)
+        else:
+            g = ex.submit(_post, gen.url, path, gbody)
+        c = ex.submit(_post, ctx.url, path, cbody)
+        r = c.result(timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["disaggregated_params"]["kv_stream_id"] == (
+            cbody["disaggregated_params"]["kv_stream_id"])
+        out = g.result(timeout=60)
+    if body.get("stream"):
+        return out[0]
+    assert out.status_code == 200, out.text
+    return _text_of(path, out.json())
+
+
+def _stream_bodies() -> list[tuple[str, dict[str, Any]]]:
+    base = {"model": NAME, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    chat = {**base, "messages": CHAT}
+    # LONG: more than max_num_tokens (256): the context worker prefills it in two chunks.
+    return [(C, {**base, "prompt": PROMPTS[1]}), (C, {**base, "prompt": LONG, "stream": True}),
+            (CHAT_PATH, chat), (CHAT_PATH, {**chat, "stream": True}),
+            (C, {**base, "prompt": PROMPTS[0], "response_format": {"type": "json_object"},
+                 "max_tokens": 20})]
+
+
+def _check_streamed(ctx: Worker, gen: Worker, ref: str) -> None:
+    for path, body in _stream_bodies():
+        assert streamed_text(ctx, gen, path, body) == ref_text(ref, path, body), (path, body)
+    ctx.wait_blocks(0)
+    gen.wait_blocks(0)
+
+
+def test_tcp_streamed_kv_matches_aggregated(tcp: dict[str, Worker], reference: str) -> None:
+    _check_streamed(tcp["ctx"], tcp["gen"], reference)
+    _check_streamed(tcp["ctx"], tcp["gen8"], reference)  # another block size: "tokens" reads
+
+
+def test_ucx_streamed_kv_matches_aggregated(ucx: dict[str, Worker], reference: str) -> None:
+    _check_streamed(ucx["ctx"], ucx["gen"], reference)
+
+
+def test_streamed_generation_waits_for_a_context_call_that_comes_later(
+        tcp: dict[str, Worker], reference: str) -> None:
+    """The generation worker's reads wait for a lease that does not exist yet."""
+    ctx, gen = tcp["ctx"], tcp["gen"]
+    body = {"model": NAME, "prompt": PROMPTS[2], "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True}
+    cbody, gbody = stream_bodies(ctx, C, body)
+    with cf.ThreadPoolExecutor(1) as ex:
+        g = ex.submit(_post, gen.url, C, gbody)
+        wait_for(lambda: _fetching(gen), 10, 0.02, what="the generation worker pulling")
+        assert _post(ctx.url, C, cbody).status_code == 200
+        r = g.result(timeout=60)
+    assert r.status_code == 200 and _text_of(C, r.json()) == ref_text(reference, C, body)
+    ctx.wait_blocks(0)
+    gen.wait_blocks(0)
+
+
+def _fetching(w: Worker) -> bool:
+    """A generation worker holds blocks only for requests it pulls or decodes."""
+    return w.blocks_used() > 0
+
+
+def test_streamed_failures_end_cleanly(tcp: dict[str, Worker]) -> None:
+    ctx, gen = tcp["ctx"], tcp["gen"]
+    body = {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0}
+    # A one-token prompt has nothing to stream (the router then takes the two-call flow).
+    r = _post(ctx.url, C, stream_bodies(ctx, C, {**body, "prompt": [5]})[0])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    bad_id = stream_bodies(ctx, C, body, stream_id="no spaces")[0]
+    r = _post(ctx.url, C, bad_id)
+    assert r.status_code == 400 and "kv_stream_id" in r.json()["error"]["param"]
+    # Another prompt on the generation side than the context side prefilled: the hash of the
+    # token ids differs, the read is refused, the request fails with 502 (never wrong KV).
+    cbody, gbody = stream_bodies(ctx, C, body)
+    gbody["prompt"] = PROMPTS[0]
+    with cf.ThreadPoolExecutor(1) as ex:
+        g = ex.submit(_post, gen.url, C, gbody)
+        assert _post(ctx.url, C, cbody).status_code == 200
+        r = g.result(timeout=60)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "kv_transfer_failed", r.text
+    ctx.wait_blocks(0)
+    gen.wait_blocks(0)
+
+
+def test_streamed_generation_abort_releases_the_context_side(tcp: dict[str, Worker]) -> None:
+    """The client leaves while the generation worker waits for KV: it gives the context
+    worker's lease back, so the context answer holds none and its blocks are freed."""
+    ctx, gen = tcp["ctx"], tcp["gen"]
+    body = {"model": NAME, "prompt": LONG, "max_tokens": 6, "temperature": 0, "stream": True}
+    cbody, gbody = stream_bodies(ctx, C, body)
+    with cf.ThreadPoolExecutor(1) as ex:
+        c = ex.submit(_post, ctx.url, C, cbody)
+        wait_for(lambda: ctx.blocks_used() > 0, 10, 0.01, what="the context lease")
+        with httpx.stream("POST", gen.url + C, timeout=60, **signed(TOKEN, "POST", C, gbody)):
+            wait_for(lambda: _fetching(gen), 10, 0.02, what="the generation worker pulling")
+        r = c.result(timeout=60)
+    assert r.status_code == 200
+    gen.wait_blocks(0)
+    ctx.wait_blocks(0)

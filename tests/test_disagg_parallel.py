@@ -34,6 +34,7 @@ from test_disagg_e2e import (
     disagg_text,
     generation_body,
     ref_text,
+    streamed_text,
 )
 
 from disagg.layout import WorkerLayout, plan_pulls
@@ -104,6 +105,22 @@ def test_every_layout_pair_matches_aggregated(cluster: dict[str, Worker],
         assert disagg_text(ctx, gen, path, body) == ref_text(cluster["agg"].url, path, body), (
             path, body)
     ctx.wait_blocks(0)  # every rank's lease confirmed: the blocks are free
+    gen.wait_blocks(0)
+
+
+@pytest.mark.parametrize("gen_layout", LAYOUTS, ids=lambda x: f"gen-tp{x[0]}pp{x[1]}")
+@pytest.mark.parametrize("ctx_layout", LAYOUTS, ids=lambda x: f"ctx-tp{x[0]}pp{x[1]}")
+def test_every_layout_pair_streamed_matches_aggregated(cluster: dict[str, Worker],
+                                                       ctx_layout: tuple[int, int],
+                                                       gen_layout: tuple[int, int]) -> None:
+    """KV streaming: every context rank publishes its layers as it computes them, every
+    generation rank pulls its slices layer group by layer group, converting the layout."""
+    ctx = cluster["ctx{}{}".format(*ctx_layout)]
+    gen = cluster["gen{}{}".format(*gen_layout)]
+    for path, body in _bodies()[:2]:
+        assert streamed_text(ctx, gen, path, body) == ref_text(cluster["agg"].url, path, body), (
+            path, body)
+    ctx.wait_blocks(0)
     gen.wait_blocks(0)
 
 

@@ -67,6 +67,9 @@ class RequestKV:
     lease: bool = False
     # A generation-only request: its prompt KV is pulled from the context worker named here.
     remote: ContextParams | None = None
+    # A streaming context-only request (KV streaming): (tokens whose KV it publishes, the
+    # hash of their ids). Leased from the moment it is queued.
+    stream: tuple[int, str] | None = None
 
 
 @dataclass(frozen=True)

@@ -44,9 +44,12 @@ from disagg.kv_connector.messages import (
     AnnounceLeases,
     CancelFetch,
     FetchDone,
+    FinishStreams,
     LeaseEnded,
+    OpenStreams,
     ReleaseLeases,
     StartFetch,
+    StreamStep,
     TransferEvent,
     TransferMessage,
 )
@@ -64,6 +67,7 @@ from disagg.kv_connector.pull import (
 )
 from disagg.kv_connector.recv_pool import ReceivePool
 from disagg.kv_connector.settings import SWEEP_INTERVAL_S, DisaggSettings
+from disagg.kv_connector.stream import StreamPublisher, stream_items
 from disagg.request import Request, RequestStatus
 from disagg.roles import Role
 from disagg.scheduler import KVFetch, SchedulerOutput
@@ -144,11 +148,14 @@ class DisaggConnector(KVConnector):
         from disagg.transfer.service import KVTransferServer
 
         self.leases = LeaseTable(settings.lease_ttl_s, on_release=self._on_release)
+        self.streams = StreamPublisher(self.leases, kv_cache, settings.stream_wait_s,
+                                       settings.lease_ttl_s)
         # The engine loop sweeps expiries (sweep_interval_s=None): one owner of the clock.
         self.server = KVTransferServer(kv_cache, self.leases, settings.cluster_token,
                                        self.backend, settings.host, stats=self.stats,
                                        advertise_host=settings.advertise_host,
-                                       sweep_interval_s=None).start()
+                                       sweep_interval_s=None,
+                                       progress=self.streams.progress).start()
         if peers is not None:
             if any(a is None for a in peers.transfer_addresses):
                 raise RuntimeError("a rank of this worker has no KV transfer server")
@@ -211,6 +218,13 @@ class DisaggConnector(KVConnector):
     def add_request(self, request_id: str, kv: RequestKV) -> bool:
         if kv.remote is not None:
             self._remote[request_id] = kv.remote
+        if kv.stream is not None:  # its lease exists from now on, on every rank
+            num_tokens, tokens_hash = kv.stream
+            self.streams.open(request_id, num_tokens, tokens_hash)
+            if self.peers is not None:
+                self._live_on[request_id] = set(range(self.world_size))
+                self.peers.send_all(OpenStreams(((request_id, num_tokens, tokens_hash),)))
+            return True
         if kv.lease:
             self._may_lease.add(request_id)
         return kv.lease
@@ -223,6 +237,8 @@ class DisaggConnector(KVConnector):
         if remote is not None:  # ended before its KV was in place: the context side frees
             self._cancel_fetch(rid)
             self.release_remote(remote)
+        if rid in self.streams:
+            return self._finish_stream(request, held_blocks, logprobs)
         if held_blocks is not None and request.status == RequestStatus.FINISHED_LENGTH:
             return self._create_lease(rid, held_blocks, request, logprobs)
         if rid in self._announced:  # ended without a lease: the other ranks drop theirs
@@ -244,20 +260,46 @@ class DisaggConnector(KVConnector):
             self._live_on.pop(request_id, None)
             self._send(ReleaseLeases((request_id,)))
             raise
+        return self._params(request, block_ids, lease, logprobs)
+
+    def _params(self, request: Request, block_ids: list[int], lease: Lease,
+                logprobs: list[dict[int, float]] | None, stream: bool = False
+                ) -> ContextParams:
         return ContextParams(
-            ctx_request_id=request_id, first_gen_tokens=list(request.output_token_ids),
+            ctx_request_id=request.request_id, first_gen_tokens=list(request.output_token_ids),
             prompt_token_ids=list(request.prompt_token_ids), worker_id=self.worker_id,
             backend=self.backend.name.upper(), addresses=self.addresses,
             block_ids=list(block_ids), num_tokens=request.num_prompt_tokens,
-            layout=self.layout, lease_expiry=time.time() + (lease.expires_at - lease.created_at),
-            first_gen_logprobs=logprobs,
+            layout=self.layout, lease_expiry=time.time() + (lease.expires_at - time.monotonic()),
+            first_gen_logprobs=logprobs, stream=stream,
         )
+
+    def _finish_stream(self, request: Request, held_blocks: list[int] | None,
+                       logprobs: list[dict[int, float]] | None) -> ContextParams | None:
+        """A streaming request's prefill ended: by length, its lease keeps the blocks (the
+        generation worker may still be reading); else (or when the reader gave up already)
+        the lease is dropped on every rank and the engine frees the blocks."""
+        rid = request.request_id
+        keep = held_blocks if request.status == RequestStatus.FINISHED_LENGTH else None
+        alive = self.streams.finish(rid, keep)
+        lease = self.leases.get(rid) if alive and self.leases is not None else None
+        kept = tuple(keep) if lease is not None and keep is not None else None
+        self._send(FinishStreams(((rid, kept),)))
+        if lease is None:
+            self._live_on.pop(rid, None)
+            return None
+        return self._params(request, list(kept or ()), lease, logprobs, stream=True)
 
     # ---- worker side --------------------------------------------------------------------------
 
     def start_step(self, sched: SchedulerOutput) -> None:
         """Context-only prefills completing in this step: every other rank creates the lease
-        now, so it exists before rank 0 can answer."""
+        now, so it exists before rank 0 can answer. Streaming requests' chunks: every rank's
+        progress learns them (the model then reports each layer)."""
+        if self.streams.active:
+            items = stream_items(sched, self.streams)
+            self.streams.step(items)
+            self._send(StreamStep(tuple(items)))
         if self.peers is None:
             return
         items = tuple((r.request_id, tuple(r.block_ids)) for r in sched.scheduled
@@ -272,7 +314,8 @@ class DisaggConnector(KVConnector):
         client = self._client(params.backend)
         f = _Fetch(rid, params, list(fetch.block_ids))  # t0: now
         f.reads = submit_reads(client, params, self.layout, 0, self.kv_cache,
-                               lambda _f: self._wake(), self._recv_pool, f.block_ids)
+                               lambda _f: self._wake(), self._recv_pool, f.block_ids,
+                               wait_s=self.settings.stream_wait_s)
         if self.peers is not None:
             f.remote_pending = set(range(1, self.world_size))
             self.peers.send_all(StartFetch(rid, params, tuple(fetch.block_ids)))
@@ -341,6 +384,7 @@ class DisaggConnector(KVConnector):
     def _on_release(self, lease: Lease, reason: str) -> None:
         # Any thread: only enqueue; the engine thread frees the blocks.
         logger.debug("lease %s ended (%s)", lease.lease_id, reason)
+        self.streams.lease_ended(lease.lease_id)
         self._released.put(lease.lease_id)
         self._wake()
 
@@ -404,6 +448,8 @@ class DisaggConnector(KVConnector):
         """Tell every context rank that this worker is done (or gave up): the context worker
         frees the blocks now. Fire and forget; a dead peer just fails the future. Any thread
         (the client only submits to its own loop)."""
+        if params.stream and params.num_tokens == 0:
+            return  # a streamed one-token prompt: the context worker holds nothing
         try:
             client = self._client(params.backend)
         except Exception:

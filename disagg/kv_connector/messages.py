@@ -10,6 +10,11 @@ separate event pipe, from whatever thread of rank r noticed them.
                 LeaseEnded (ev)  rank r's lease was confirmed by the reader, expired (after its
                                  in-flight reads) or released; rank 0 frees the blocks once the
                                  lease ended on every rank
+                OpenStreams      streaming context-only requests were queued: every rank
+                                 makes their lease and lets reads wait on them
+                StreamStep       before every step while streams are open: the streaming
+                                 requests of this step, their blocks and token ranges
+                FinishStreams    their prefill ended: keep the lease (blocks) or drop it
     generation  StartFetch       rank r pulls its own slice and installs it into its cache
                 FetchDone (ev)   rank r's slice is in place (or failed); the request decodes
                                  once every rank, rank 0 included, has its slice
@@ -40,6 +45,23 @@ class AnnounceLeases(TransferMessage):
 @dataclass(frozen=True)
 class ReleaseLeases(TransferMessage):
     lease_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class OpenStreams(TransferMessage):
+    streams: tuple[tuple[str, int, str], ...]  # (stream id, tokens to publish, tokens hash)
+
+
+@dataclass(frozen=True)
+class StreamStep(TransferMessage):
+    # (stream id, block ids, first position computed in this step, end of this step's chunk)
+    items: tuple[tuple[str, tuple[int, ...], int, int], ...]
+
+
+@dataclass(frozen=True)
+class FinishStreams(TransferMessage):
+    # (stream id, its block ids to keep under the lease, or None: the prefill failed)
+    streams: tuple[tuple[str, tuple[int, ...] | None], ...]
 
 
 @dataclass(frozen=True)

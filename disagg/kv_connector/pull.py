@@ -26,7 +26,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ from disagg.transfer.base import ReadRequest, TransferError
 from disagg.transfer.kvcopy import scatter_tokens
 from disagg.transfer.params import ContextParams
 from disagg.transfer.payload import block_views
+from disagg.transfer.progress import token_ids_hash
 from disagg.transfer.stats import TransferStats
 
 logger = logging.getLogger("disagg.kv_connector")
@@ -117,14 +118,18 @@ def log_kv_path(client: Any, kv: torch.Tensor, where: str) -> None:
 
 def submit_reads(client: Any, params: ContextParams, dst: WorkerLayout, dst_rank: int,
                   kv: torch.Tensor, on_done: Callable[[cf.Future], None],
-                  pool: ReceivePool | None = None, block_ids: list[int] | None = None
-                  ) -> list[Read]:
-    """Start rank ``dst_rank``'s reads of a request: one per context rank it needs. With the
+                  pool: ReceivePool | None = None, block_ids: list[int] | None = None,
+                  wait_s: float = 600.0) -> list[Read]:
+    """Start rank ``dst_rank``'s reads of a request: one per context rank it needs (streamed
+    params: one per group of its layers, each answered once the context worker computed
+    those layers, waiting at most ``wait_s``). With the
     request's ``block_ids`` (this rank's cache ``kv`` on the CPU, the client's ``runs`` on), a
     payload whose bytes are runs of those blocks lands in them (module docstring). Else
     payloads land in GPU memory when ``kv`` is on a GPU and the client's transport moves GPU
     memory; else in host memory (pinned for a GPU cache; for a CPU cache a buffer of
     ``pool``, whose pages are mapped already, when given)."""
+    if params.num_tokens == 0:
+        return []  # a streamed one-token prompt: nothing was computed elsewhere
     device_direct = kv.device.type == "cuda" and bool(getattr(client, "device_payloads",
                                                               False))
     src = params.layout
@@ -134,14 +139,16 @@ def submit_reads(client: Any, params: ContextParams, dst: WorkerLayout, dst_rank
     # Prompt positions [0, num_tokens) live in the context table's first
     # ceil(num_tokens / B_src) blocks; a piece is layers [l0, l1) x kv heads [h0, h1) of them.
     n_src_blocks = math.ceil(params.num_tokens / src.tokens_per_block)
+    # Streamed: the context worker's blocks are its own business (it fills them in).
     src_blocks = tuple(params.block_ids[:n_src_blocks])
     runs = bool(getattr(client, "runs", False)) and fmt == "blocks" and kv.device.type == "cpu"
+    stream = _stream_fields(params, wait_s)
     reads: list[Read] = []
-    for piece in plan_pulls(src, dst, dst_rank):
+    for piece in stream_pieces(plan_pulls(src, dst, dst_rank), params.stream):
         req = ReadRequest(lease_id=params.ctx_request_id, block_ids=src_blocks,
                           layer_slice=piece.src_layer_slice,
                           head_slice=piece.src_head_slice, num_tokens=params.num_tokens,
-                          format=fmt)
+                          format=fmt, **stream)
         nl = piece.layers[1] - piece.layers[0]
         nh = piece.heads[1] - piece.heads[0]
         shape = ((len(src_blocks), nl, 2, nh, src.tokens_per_block, src.head_dim)
@@ -166,6 +173,40 @@ def submit_reads(client: Any, params: ContextParams, dst: WorkerLayout, dst_rank
         fut.add_done_callback(on_done)
         reads.append(Read(piece, req, out, fut, base))
     return reads
+
+
+# A streamed pull reads each context rank's layers in about this many groups: the first ones
+# move while the context worker computes the later ones; the last group is the tail left after
+# its prefill (more groups: a shorter tail, more requests).
+STREAM_LAYER_GROUPS = 8
+
+
+def stream_pieces(pieces: list[TransferPiece], stream: bool) -> list[TransferPiece]:
+    """Each piece as it is (not streamed), or cut into layer groups in layer order::
+
+        piece layers [a, b) -> [a, a+g) [a+g, a+2g) ... [.., b),  g = ceil((b - a) / 8)
+        local slices move with them: src [s0 + (x - a), s0 + (y - a)) for group [x, y)
+    """
+    if not stream:
+        return pieces
+    out = []
+    for p in pieces:
+        a, b = p.layers
+        g = math.ceil((b - a) / min(b - a, STREAM_LAYER_GROUPS))
+        for x in range(a, b, g):
+            y = min(b, x + g)
+            s0, d0 = p.src_layer_slice[0], p.dst_layer_slice[0]
+            out.append(replace(p, layers=(x, y), src_layer_slice=(s0 + x - a, s0 + y - a),
+                               dst_layer_slice=(d0 + x - a, d0 + y - a)))
+    return out
+
+
+def _stream_fields(params: ContextParams, wait_s: float) -> dict[str, Any]:
+    """The READ fields of a streamed pull: wait for the KV, and name the tokens it is of."""
+    if not params.stream:
+        return {}
+    ids = params.prompt_token_ids[:params.num_tokens]
+    return {"wait_s": wait_s, "tokens_hash": token_ids_hash(ids)}
 
 
 def give_back(pool: ReceivePool | None, reads: list[Read]) -> None:

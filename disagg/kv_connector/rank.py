@@ -29,9 +29,12 @@ from disagg.kv_connector.messages import (
     AnnounceLeases,
     CancelFetch,
     FetchDone,
+    FinishStreams,
     LeaseEnded,
+    OpenStreams,
     ReleaseLeases,
     StartFetch,
+    StreamStep,
     TransferEvent,
     TransferMessage,
 )
@@ -48,6 +51,7 @@ from disagg.kv_connector.pull import (
 )
 from disagg.kv_connector.recv_pool import ReceivePool
 from disagg.kv_connector.settings import SWEEP_INTERVAL_S, DisaggSettings
+from disagg.kv_connector.stream import StreamPublisher, install_hook
 from disagg.transfer.backends import make_backend
 from disagg.transfer.lease import Lease, LeaseTable
 from disagg.transfer.params import ContextParams
@@ -74,7 +78,8 @@ class RankTransfer:
     """
 
     def __init__(self, settings: DisaggSettings, config: EngineConfig, rank: int,
-                 kv_cache: torch.Tensor, emit: Callable[[TransferEvent], None]) -> None:
+                 kv_cache: torch.Tensor, emit: Callable[[TransferEvent], None],
+                 model: torch.nn.Module | None = None) -> None:
         self.settings = settings
         self.rank = rank
         self.layout = worker_layout(config)
@@ -96,10 +101,15 @@ class RankTransfer:
         from disagg.transfer.service import KVTransferServer
 
         self.leases = LeaseTable(settings.lease_ttl_s, on_release=self._on_release)
+        self.streams = StreamPublisher(self.leases, kv_cache, settings.stream_wait_s,
+                                       settings.lease_ttl_s)
+        if model is not None:  # this rank's layers report to its own progress
+            install_hook(model, self.streams.progress)
         self.server = KVTransferServer(kv_cache, self.leases, settings.cluster_token,
                                        self.backend, settings.host, stats=self.stats,
                                        advertise_host=settings.advertise_host,
-                                       sweep_interval_s=SWEEP_INTERVAL_S).start()
+                                       sweep_interval_s=SWEEP_INTERVAL_S,
+                                       progress=self.streams.progress).start()
         # Installs run here, not on the transport's thread (which must keep progressing).
         self._installer = cf.ThreadPoolExecutor(1, thread_name_prefix=f"disagg-install{rank}")
 
@@ -120,6 +130,17 @@ class RankTransfer:
             assert self.leases is not None
             for lease_id in msg.lease_ids:
                 self.leases.release(lease_id)
+        elif isinstance(msg, StreamStep):
+            self.streams.step(msg.items)
+        elif isinstance(msg, OpenStreams):
+            for stream_id, num_tokens, tokens_hash in msg.streams:
+                try:
+                    self.streams.open(stream_id, num_tokens, tokens_hash)
+                except ValueError:  # a duplicate id: keep the live one
+                    logger.warning("rank %d: stream %s exists already", self.rank, stream_id)
+        elif isinstance(msg, FinishStreams):
+            for stream_id, block_ids in msg.streams:
+                self.streams.finish(stream_id, block_ids)
         elif isinstance(msg, StartFetch):
             self._start_fetch(msg.request_id, msg.params, list(msg.block_ids))
         elif isinstance(msg, CancelFetch):
@@ -134,6 +155,7 @@ class RankTransfer:
 
     def _on_release(self, lease: Lease, reason: str) -> None:
         # Any thread (reader confirm, sweep, release): rank 0 frees once every rank said so.
+        self.streams.lease_ended(lease.lease_id)
         self._emit(LeaseEnded(self.rank, lease.lease_id, reason, self.stats.snapshot()))
 
     def _fetched(self, request_id: str, error: KVTransferError | None) -> None:
@@ -151,7 +173,7 @@ class RankTransfer:
             try:
                 fetch.reads = submit_reads(client, params, self.layout, self.rank,
                                            self.kv_cache, lambda _f: None, self._recv_pool,
-                                           block_ids)
+                                           block_ids, wait_s=self.settings.stream_wait_s)
             except Exception as e:
                 del self._fetches[request_id]
                 self._fetched(request_id, KVTransferError.because(f" on rank {self.rank}: {e!r}"))

@@ -22,6 +22,10 @@ class DisaggSettings:
     lease_ttl_s: float = 30.0
     ucx_profile: str = "same_host"
     read_timeout_s: float = 30.0
+    # KV streaming: how long a streaming read may wait for the context worker to queue and
+    # prefill the request (generation side), and how long a streaming lease lives before its
+    # prefill ends (context side).
+    stream_wait_s: float = 600.0
     # Generation role: context workers that requests not signed by the cluster may name.
     kv_peer_allowlist: PeerAllowlist = field(default_factory=PeerAllowlist)
 

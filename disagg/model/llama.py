@@ -240,6 +240,9 @@ class LlamaForCausalLM(nn.Module):
         # Sum of the row-parallel partial outputs across TP ranks; identity at tp_size == 1.
         # The TP issue sets this (e.g. to a torch.distributed all-reduce).
         self.tp_all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # Called with local layer i once layer i wrote this step's KV (KV streaming: a context
+        # worker's transfer server may send that layer while the next ones compute).
+        self.layer_hook: Callable[[int], None] | None = None
         self.num_local_layers = end - start
         # Global kv heads [lo, hi) of this rank (see disagg/layout.py for the drawing).
         self.kv_head_range = tp_kv_head_range(config.num_key_value_heads, tp_size, tp_rank)
@@ -332,8 +335,11 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"kv_cache holds {kv_cache.shape[1]} layers, this stage has "
                              f"{self.num_local_layers}")
         cos, sin = self.rotary(positions, x.dtype)
+        hook = self.layer_hook
         for i, layer in enumerate(self.model.layers.values()):
             x = layer(x, cos, sin, kv_cache[:, i], meta, self.workspace)
+            if hook is not None:
+                hook(i)
         if self.model.norm is not None:
             x = self.model.norm(x)
         return x

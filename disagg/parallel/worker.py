@@ -341,7 +341,8 @@ def _start_rank(config: EngineConfig, layout: ParallelLayout, store_host: str, s
                 except OSError:  # rank 0 is gone; the main loop will notice
                     pass
 
-        transfer = RankTransfer(disagg, config, layout.rank, runner.kv_cache, emit)
+        transfer = RankTransfer(disagg, config, layout.rank, runner.kv_cache, emit,
+                                model=runner.model)
     conn.send(Ready(os.getpid(), transfer.address if transfer is not None else None))
     logger.debug("rank %d ready: layers %s, kv heads %s, %d blocks", layout.rank,
                  layout.layer_range, layout.kv_head_range, runner.num_blocks)

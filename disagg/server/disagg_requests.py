@@ -6,6 +6,12 @@ KV (``disaggregated_params``) and the prompt's token ids. A generation worker ta
 request with those params as a ``generation_only`` request, pulls the KV and decodes. Both carry
 exactly one prompt and one choice.
 
+KV streaming (``transfer/params.py``): the router sends both at once. The context worker runs
+a ``kv_stream_id`` request as the prompt but its last token, under that id (request and lease),
+greedy, one token that always ends by length (its answer's text means nothing); the generation
+worker gets ``kv_stream`` (how to reach the context ranks), tokenizes the prompt itself, pulls
+positions [0, n - 1) as they are computed and computes the last one.
+
 Lease rule: once a generation_only request's body was read, the lease it names is released on
 every path. The engine does it for a request it took; a request refused before that (bad field,
 wrong model, queue full...) releases it here at once instead of at lease expiry, but only toward
@@ -27,12 +33,14 @@ from fastapi.responses import Response
 
 from disagg.cluster_auth import AUTH_HEADER
 from disagg.layout import check_compatible
+from disagg.request import SamplingParams
 from disagg.roles import RequestType, Role
 from disagg.server import protocol as P
 from disagg.server.fanout import Choice
 from disagg.server.formats import ChatFormat, Format
 from disagg.server.state import ServerState
-from disagg.transfer.params import ContextParams
+from disagg.transfer.params import ContextParams, valid_stream_id
+from disagg.transfer.progress import token_ids_hash
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +80,12 @@ def remote_params(srv: ServerState, req: Any, prompt_ids: list[int] | None, sign
     refusal releases the lease through ``release_refused``."""
     d = dict(req.disaggregated_params)
     try:
-        params = ContextParams.from_dict(
-            d, prompt_token_ids=None if "prompt_token_ids" in d else prompt_ids)
+        if "kv_stream" in d:
+            assert prompt_ids is not None
+            params = ContextParams.from_stream(d["kv_stream"], prompt_ids)
+        else:
+            params = ContextParams.from_dict(
+                d, prompt_token_ids=None if "prompt_token_ids" in d else prompt_ids)
     except ValueError as e:
         raise P.bad_request(str(e), param="disaggregated_params") from None
     denied = None if signed else srv.access.peer_allowlist.first_denied(params.addresses)
@@ -122,6 +134,11 @@ def disagg_choice(srv: ServerState, request: Request, fmt: Format,
         params = req.to_sampling_params(len(ids), srv.max_model_len, srv.kv_capacity_tokens())
     else:
         params = req.to_sampling_params(len(ids), srv.max_model_len)
+    if not generation and "kv_stream_id" in dp:
+        return _stream_context_choice(srv, dp["kv_stream_id"], ids, text)
+    if remote is not None and remote.stream and params.prompt_logprobs is not None:
+        raise P.bad_request("prompt_logprobs: not with kv_stream (the context worker scores "
+                            "the prompt: use the two-call flow)", param="prompt_logprobs")
     if remote is not None and params.max_tokens <= len(remote.first_gen_tokens):
         raise P.bad_request("max_tokens: the context worker's answer already holds "
                             "every token asked for (it was final)", param="max_tokens")
@@ -130,6 +147,26 @@ def disagg_choice(srv: ServerState, request: Request, fmt: Format,
     # KV that does not belong to prompt_token_ids.
     return Choice(0, fmt.rid, 0, ids, text, params, context_only=not generation,
                   remote=remote, dummy_kv=dummy, cache_remote_kv=signed)
+
+
+def _stream_context_choice(srv: ServerState, stream_id: Any, ids: list[int], text: str | None
+                           ) -> Choice:
+    """A streaming context_only request (module docstring): prompt positions [0, n - 1) under
+    request and lease id ``stream_id``; the client's sampling does not matter here (it was
+    validated above: the generation worker runs it)."""
+    if not valid_stream_id(stream_id):
+        raise P.bad_request("disaggregated_params.kv_stream_id: 1-128 of A-Z a-z 0-9 _ . : -",
+                            param="disaggregated_params.kv_stream_id")
+    if srv.transfer.lease_is_live(stream_id) or stream_id in srv.inflight:
+        raise P.APIError(409, f"disaggregated_params.kv_stream_id: {stream_id!r} is in use",
+                         param="disaggregated_params.kv_stream_id", code="conflict")
+    if len(ids) < 2:
+        raise P.bad_request("prompt: a streamed context needs at least 2 prompt tokens (the "
+                            "generation worker computes the last one)", param="prompt")
+    head = ids[:-1]
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    return Choice(0, stream_id, 0, head, text, params, context_only=True,
+                  kv_stream=(len(head), token_ids_hash(head)))
 
 
 def _token_ids(raw: Any) -> list[int]:

@@ -52,6 +52,8 @@ class Choice:
     remote: ContextParams | None = None  # generation_only: where the prompt KV is pulled from
     cache_remote_kv: bool = False  # the pulled KV may enter the prefix cache (signed request)
     dummy_kv: bool = False  # benchmark gen-only: decode without the prompt's KV
+    # KV streaming, context side: (tokens whose KV is published, hash of their ids)
+    kv_stream: tuple[int, str] | None = None
 
     def engine_kwargs(self) -> dict[str, Any]:
         """The disaggregated arguments of ``engine.generate`` (none for ordinary requests:
@@ -63,6 +65,8 @@ class Choice:
             kw["cache_remote_kv"] = self.cache_remote_kv
         if self.dummy_kv:
             kw["dummy_kv"] = True
+        if self.kv_stream is not None:
+            kw["kv_stream"] = self.kv_stream
         return kw
 
 

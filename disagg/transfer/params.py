@@ -20,10 +20,23 @@ Context answer (worker -> router), the fields of ``ContextParams``::
     layout              WorkerLayout.to_dict(): tp, pp, layer and kv-head ranges per rank,
                         head_dim, tokens_per_block, dtype
     lease_expiry        wall-clock time (seconds since the epoch) after which reads fail
+
+KV streaming (the router calls both workers at once; README "KV streaming")::
+
+    context:    {"request_type": "context_only", "kv_stream_id": "<id>"}
+    generation: {"request_type": "generation_only",
+                 "kv_stream": {"ctx_request_id": "<id>", "worker_id", "backend", "addresses",
+                               "layout"}}
+
+The context worker prefills the prompt but its last token, under lease ``<id>``, and publishes
+each layer's KV as it is computed; the generation worker tokenizes the prompt itself, pulls the
+KV of positions [0, n - 1) as it appears (``ContextParams.stream``: no block ids, no first
+token) and computes the last prompt token itself.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +64,27 @@ class ContextParams:
     # worker's answer; None when the request did not ask.
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprob_ranks: list[int | None] | None = None  # with prompt_logprobs
+    # KV streaming: the KV of positions [0, num_tokens) = the prompt but its last token is
+    # pulled while the context worker computes it (no block ids, no first token yet).
+    stream: bool = False
+
+    @classmethod
+    def from_stream(cls, d: Any, prompt_token_ids: list[int]) -> ContextParams:
+        """A generation_only request's ``kv_stream`` object (module docstring), for the prompt
+        as this worker tokenized it. ``DisaggParamsError`` names the field."""
+        if not isinstance(d, dict):
+            raise DisaggParamsError("disaggregated_params.kv_stream: must be an object")
+        f = {name: _field(d, name, kind, "kv_stream.")
+             for name, kind in STREAM_FIELD_TYPES.items()}
+        backend, layout, addresses = _transport(f, "kv_stream.")
+        if not _STREAM_ID.fullmatch(f["ctx_request_id"]):
+            raise DisaggParamsError("disaggregated_params.kv_stream.ctx_request_id: 1-128 of "
+                                    "A-Z a-z 0-9 _ . : -")
+        ids = _int_list("prompt_token_ids", prompt_token_ids)
+        return cls(ctx_request_id=f["ctx_request_id"], first_gen_tokens=[],
+                   prompt_token_ids=ids, worker_id=f["worker_id"], backend=backend,
+                   addresses=addresses, block_ids=[], num_tokens=max(0, len(ids) - 1),
+                   layout=layout, lease_expiry=0.0, stream=True)
 
     def to_dict(self) -> dict[str, Any]:
         out = self._required_dict()
@@ -58,6 +92,8 @@ class ContextParams:
             out["prompt_logprobs"] = [None if lp is None else {str(k): v for k, v in lp.items()}
                                       for lp in self.prompt_logprobs]
             out["prompt_logprob_ranks"] = self.prompt_logprob_ranks
+        if self.stream:
+            out["kv_stream_id"] = self.ctx_request_id
         return out
 
     def _required_dict(self) -> dict[str, Any]:
@@ -86,16 +122,7 @@ class ContextParams:
         first = _int_list("first_gen_tokens", f["first_gen_tokens"])
         if not first:
             raise DisaggParamsError("disaggregated_params.first_gen_tokens: must not be empty")
-        backend = f["backend"].upper()
-        if backend not in ("UCX", "TCP"):
-            raise DisaggParamsError("disaggregated_params.backend: must be UCX or TCP")
-        try:
-            layout = WorkerLayout.from_dict(f["layout"])
-        except ValueError as e:
-            raise DisaggParamsError(f"disaggregated_params.layout: {e}") from None
-        addresses = f["addresses"]
-        if len(addresses) != len(layout.ranks) or not all(isinstance(a, str) for a in addresses):
-            raise DisaggParamsError("disaggregated_params.addresses: one host:port per rank")
+        backend, layout, addresses = _transport(f, "")
         prompt = prompt_token_ids if prompt_token_ids is not None else d.get("prompt_token_ids")
         prompt_ids = _int_list("prompt_token_ids", prompt)
         num_tokens = f["num_tokens"]
@@ -109,7 +136,7 @@ class ContextParams:
         return cls(
             ctx_request_id=f["ctx_request_id"], first_gen_tokens=first,
             prompt_token_ids=prompt_ids, worker_id=f["worker_id"], backend=backend,
-            addresses=list(addresses), block_ids=block_ids, num_tokens=num_tokens,
+            addresses=addresses, block_ids=block_ids, num_tokens=num_tokens,
             layout=layout, lease_expiry=float(f["lease_expiry"]),
             first_gen_logprobs=_logprobs(d.get("first_gen_logprobs")),
             prompt_logprobs=_prompt_logprobs(d.get("prompt_logprobs"), num_tokens),
@@ -132,13 +159,45 @@ FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
 }
 
 
-def _field(d: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+STREAM_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "ctx_request_id": str,
+    "worker_id": str,
+    "backend": str,
+    "addresses": list,
+    "layout": dict,
+}
+# A stream id becomes the context worker's request and lease id.
+_STREAM_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+
+
+def valid_stream_id(value: Any) -> bool:
+    return isinstance(value, str) and _STREAM_ID.fullmatch(value) is not None
+
+
+def _field(d: dict[str, Any], name: str, kind: type | tuple[type, ...], where: str = ""
+           ) -> Any:
     if name not in d:
-        raise DisaggParamsError(f"disaggregated_params.{name}: missing")
+        raise DisaggParamsError(f"disaggregated_params.{where}{name}: missing")
     v = d[name]
     if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool:
-        raise DisaggParamsError(f"disaggregated_params.{name}: wrong type")
+        raise DisaggParamsError(f"disaggregated_params.{where}{name}: wrong type")
     return v
+
+
+def _transport(f: dict[str, Any], where: str) -> tuple[str, WorkerLayout, list[str]]:
+    """(backend, layout, addresses) of validated fields: how to reach the context ranks."""
+    backend = f["backend"].upper()
+    if backend not in ("UCX", "TCP"):
+        raise DisaggParamsError(f"disaggregated_params.{where}backend: must be UCX or TCP")
+    try:
+        layout = WorkerLayout.from_dict(f["layout"])
+    except ValueError as e:
+        raise DisaggParamsError(f"disaggregated_params.{where}layout: {e}") from None
+    addresses = f["addresses"]
+    if len(addresses) != len(layout.ranks) or not all(isinstance(a, str) for a in addresses):
+        raise DisaggParamsError(f"disaggregated_params.{where}addresses: one host:port per "
+                                f"rank")
+    return backend, layout, list(addresses)
 
 
 def _int_list(name: str, v: Any) -> list[int]:

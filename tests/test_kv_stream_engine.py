@@ -1,0 +1,179 @@
+"""KV streaming between two engines in this process (context and generation, TCP): the
+generation side's reads are answered layer group by layer group while the context worker's
+forward is still running, its greedy tokens equal an aggregated engine's, and every way a
+stream can end frees the blocks on both sides."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from disagg.config import build_engine_config
+from disagg.engine import LLMEngine
+from disagg.kv_connector.settings import DisaggSettings
+from disagg.request import SamplingParams
+from disagg.roles import Role
+from disagg.transfer.params import ContextParams
+from disagg.transfer.progress import token_ids_hash
+
+TOKEN = "stream-secret"
+WAIT = 20.0
+# Chunks of 32 tokens on the context side: a 70-token prompt is prefilled in three steps.
+OPTS = dict(tokens_per_block=8, kv_cache_tokens=1024, max_num_tokens=32)
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def _engine(model: str, role: Role | None, **opts: Any) -> LLMEngine:
+    cfg = build_engine_config(model, **{**OPTS, **opts})
+    return LLMEngine(cfg, DisaggSettings(role, TOKEN, backend="TCP", stream_wait_s=WAIT)
+                     if role is not None else None)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint: Callable[..., str]) -> str:
+    return tiny_checkpoint("stream4", num_hidden_layers=4)  # one layer per read group
+
+
+@pytest.fixture
+def pair(model: str) -> Iterator[tuple[LLMEngine, LLMEngine]]:
+    ctx, gen = _engine(model, Role.CONTEXT), _engine(model, Role.GENERATION)
+    try:
+        yield ctx, gen
+    finally:
+        ctx.shutdown()
+        gen.shutdown()
+
+
+def _stream(ctx: LLMEngine, prompt: list[int]) -> tuple[str, ContextParams]:
+    """A stream id and the generation side's params for ``prompt`` (as the router makes them)."""
+    sid = uuid.uuid4().hex
+    info = ctx.connector.info()  # type: ignore[union-attr]
+    d = {"ctx_request_id": sid, **{k: info[k] for k in ("worker_id", "backend", "layout")},
+         "addresses": ctx.connector.addresses}  # type: ignore[union-attr]
+    return sid, ContextParams.from_stream(d, prompt)
+
+
+def _add_context(ctx: LLMEngine, sid: str, prompt: list[int]) -> None:
+    head = prompt[:-1]
+    ctx.add_request(sid, head, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
+                    context_only=True, kv_stream=(len(head), token_ids_hash(head)))
+
+
+def _pump(eng: LLMEngine, until: Callable[[list[Any]], bool], what: str) -> list[Any]:
+    """Run ``eng``'s loop (transfers, steps) until ``until(outputs so far)``; bounded."""
+    outs: list[Any] = []
+    deadline = time.monotonic() + WAIT
+    while not until(outs):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        outs += eng.service_transfers()
+        if eng.has_schedulable():
+            outs += eng.step()
+        else:
+            time.sleep(0.002)  # waiting on transport threads
+    return outs
+
+
+def _finished(rid: str) -> Callable[[list[Any]], bool]:
+    return lambda outs: any(o.request_id == rid and o.finished for o in outs)
+
+
+def _tokens(outs: list[Any], rid: str) -> list[int]:
+    return [t for o in outs if o.request_id == rid for t in o.outputs[0].delta_token_ids]
+
+
+def _reference(model: str, prompt: list[int]) -> list[int]:
+    agg = _engine(model, None)
+    try:
+        agg.add_request("r", prompt, GREEDY)
+        return _tokens(_pump(agg, _finished("r"), "the aggregated answer"), "r")
+    finally:
+        agg.shutdown()
+
+
+def test_reads_are_answered_layer_by_layer_during_the_last_prefill_step(
+        pair: tuple[LLMEngine, LLMEngine], model: str) -> None:
+    ctx, gen = pair
+    prompt = [3 + (7 * i) % 400 for i in range(70)]
+    sid, params = _stream(ctx, prompt)
+    gen.add_request("g", prompt, GREEDY, remote=params)
+    gen.step()  # allocates the blocks; the reads go out and wait for a lease not made yet
+    reads = gen.connector._fetches["g"].reads  # type: ignore[attr-defined]
+    assert [r.piece.layers for r in reads] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    _add_context(ctx, sid, prompt)
+
+    seen: list[list[bool]] = []
+    hook = ctx.runner.model.layer_hook
+    assert hook is not None
+
+    def pausing_hook(i: int) -> None:
+        hook(i)
+        last_step = ctx._last_sched.scheduled[0].start_pos + len(
+            ctx._last_sched.scheduled[0].token_ids) == len(prompt) - 1
+        if last_step and i == 1:  # layers 0 and 1 of the last chunk are done: their reads go
+            cf.wait([r.future for r in reads[:2]], timeout=WAIT)
+            seen.append([r.future.done() and r.future.exception() is None for r in reads])
+
+    ctx.runner.model.layer_hook = pausing_hook
+    try:
+        outs = _pump(ctx, _finished(sid), "the context prefill")
+    finally:
+        ctx.runner.model.layer_hook = hook
+    assert seen == [[True, True, False, False]]  # mid-forward: the first two groups moved
+    assert outs[-1].disaggregated_params["kv_stream_id"] == sid
+    g = _pump(gen, _finished("g"), "the generation answer")
+    assert _tokens(g, "g") == _reference(model, prompt)
+    assert gen.stats().kv_blocks_used == 0
+    _pump(ctx, lambda _o: ctx.stats().kv_blocks_used == 0, "the lease to be confirmed")
+
+
+def test_context_abort_fails_the_generation_request_cleanly(
+        pair: tuple[LLMEngine, LLMEngine]) -> None:
+    ctx, gen = pair
+    prompt = list(range(3, 60))
+    sid, params = _stream(ctx, prompt)
+    _add_context(ctx, sid, prompt)
+    gen.add_request("g", prompt, GREEDY, remote=params)
+    gen.step()
+    ctx.step()  # the first chunk only
+    ctx.abort_request(sid)  # the stream is dropped: waiting reads fail at once
+    outs = _pump(gen, _finished("g"), "the generation failure")
+    assert outs[-1].outputs[0].finish_reason == "error"
+    assert outs[-1].kv_transfer_error is not None
+    assert "unknown_lease" in outs[-1].error
+    assert gen.stats().kv_blocks_used == 0 and ctx.stats().kv_blocks_used == 0
+
+
+def test_generation_abort_releases_the_stream_lease(pair: tuple[LLMEngine, LLMEngine]) -> None:
+    ctx, gen = pair
+    prompt = list(range(3, 60))
+    sid, params = _stream(ctx, prompt)
+    _add_context(ctx, sid, prompt)
+    gen.add_request("g", prompt, GREEDY, remote=params)
+    gen.step()
+    ctx.step()
+    gen.abort_request("g")  # gives the lease back to the context worker
+    deadline = time.monotonic() + WAIT  # the release arrives on the transfer server's thread
+    while ctx.connector.lease_is_live(sid):  # type: ignore[union-attr]
+        assert time.monotonic() < deadline, "the release did not arrive"
+        time.sleep(0.005)
+    outs = _pump(ctx, _finished(sid), "the context prefill")
+    assert outs[-1].disaggregated_params is None  # nobody will read it: not leased
+    _pump(ctx, lambda _o: ctx.stats().kv_blocks_used == 0, "the blocks to be freed")
+    assert gen.stats().kv_blocks_used == 0
+
+
+def test_mismatched_prompt_is_refused_not_decoded(pair: tuple[LLMEngine, LLMEngine]) -> None:
+    ctx, gen = pair
+    prompt = list(range(3, 40))
+    sid, params = _stream(ctx, prompt)
+    _add_context(ctx, sid, [5, *prompt[1:]])  # the context side tokenized another prompt
+    _pump(ctx, _finished(sid), "the context prefill")
+    gen.add_request("g", prompt, GREEDY, remote=params)
+    outs = _pump(gen, _finished("g"), "the generation failure")
+    assert outs[-1].outputs[0].finish_reason == "error" and "bad_request" in outs[-1].error
+    _pump(ctx, lambda _o: ctx.stats().kv_blocks_used == 0, "the lease to end")
