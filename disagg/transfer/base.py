@@ -28,6 +28,16 @@ every request carries a proof bound to it::
                                                          [, staging]}
                                                ◄──────  payload: exactly nbytes raw bytes
                                                         (UCX: one message per part)
+      READ {... block_ids: [], num_tokens,     ──────►  streaming (progress.py): 1. proof
+            wait_s, tokens_hash, proof}                 2. wait until tokens [0, num_tokens)
+                                                           exist on layers [l0, l1) (at most
+                                                           wait_s; unknown_lease: never opened
+                                                           or closed, bad_request: hash or
+                                                           num_tokens differ, timeout)
+                                                        3. block_ids = the stream's first
+                                                           ceil(num_tokens / B), then as READ
+                                                           above from step 2 (lease, ...)
+                                               ◄──────  {ok: true, ...} + payload, as above
       RELEASE {op, lease_id, reader_id, proof} ──────►
                                                ◄──────  {ok: true, released}
       PING {op, proof}                         ──────►
@@ -43,6 +53,11 @@ Fresh nonces on both sides make a proof captured on one connection useless on an
 sequence number makes it useless on its own. Answers and payloads are not signed: the protocol
 authenticates both ends, it does not encrypt or protect against an on-path attacker (keep
 cluster traffic on a private network).
+
+``wait_s`` / ``tokens_hash`` (layer-wise streaming, docs/DESIGN.md 8.2): the lease may not
+exist yet when such a READ arrives (the context request is still queued) and its blocks are
+not known to the reader; the server waits on its ``StreamProgress`` first. Its connection
+serves nothing else meanwhile, so the client gives each streamed request its own connection.
 
 ``parts`` (UCX only; absent: one part): the byte lengths, in order, of the messages the
 payload travels as, each received into its own buffer (the receiver's runs of blocks, or
@@ -76,6 +91,8 @@ import asyncio
 import concurrent.futures as cf
 import json
 import logging
+import math
+import re
 import struct
 import threading
 from abc import ABC, abstractmethod
@@ -102,14 +119,19 @@ _LEN = struct.Struct("!I")
 # lease table's own (lease.py).
 UNAUTHORIZED = "unauthorized"
 BAD_REQUEST = "bad_request"
-SERVER_CODES = frozenset({UNKNOWN_LEASE, EXPIRED_LEASE, UNAUTHORIZED, BAD_REQUEST})
-# Error codes raised on the client side.
+# Error codes raised on the client side; TIMEOUT is also a server's answer to a streaming
+# READ whose KV was not ready within its wait_s.
 CONNECTION_FAILED = "connection_failed"  # connect refused, peer died (also mid-transfer)
 TIMEOUT = "timeout"
+SERVER_CODES = frozenset({UNKNOWN_LEASE, EXPIRED_LEASE, UNAUTHORIZED, BAD_REQUEST, TIMEOUT})
 CLOSED = "closed"  # the client was closed
 PROTOCOL_ERROR = "protocol_error"  # malformed or inconsistent answer
 
 FORMATS = ("blocks", "tokens")
+# A streaming READ waits at most this long on the server (a prefill queued longer than an
+# hour is a stuck cluster, not a slow one).
+MAX_WAIT_S = 3600.0
+_HASH_RE = re.compile(r"[0-9a-f]{8,128}")
 
 
 class TransferError(Exception):
@@ -154,6 +176,11 @@ class ReadRequest:
     ``layer_slice`` / ``head_slice`` are ``[start, stop)`` in the server rank's **local** layer
     and kv-head indices. ``num_tokens`` is required by the ``"tokens"`` format (then
     ``ceil(num_tokens / B) == len(block_ids)``) and informational for ``"blocks"``.
+
+    Streaming (``wait_s`` set): ``block_ids`` is empty, ``num_tokens`` > 0 and
+    ``tokens_hash`` (``progress.token_ids_hash`` of the reader's token ids) required; the
+    server waits up to ``wait_s`` for those tokens on those layers and reads the first
+    ``ceil(num_tokens / B)`` blocks of the stream's table.
     """
 
     lease_id: str
@@ -162,33 +189,61 @@ class ReadRequest:
     head_slice: tuple[int, int]
     num_tokens: int = 0
     format: str = "blocks"
+    wait_s: float | None = None
+    tokens_hash: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.lease_id, str) or not self.lease_id:
             raise ValueError("lease_id must be a non-empty string")
         ids = tuple(self.block_ids)
-        if not ids or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0
-                              for b in ids):
-            raise ValueError("block_ids must be a non-empty list of non-negative ints")
+        if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids):
+            raise ValueError("block_ids must be non-negative ints")
         object.__setattr__(self, "block_ids", ids)
         object.__setattr__(self, "layer_slice", _slice_pair(self.layer_slice, "layer_slice"))
         object.__setattr__(self, "head_slice", _slice_pair(self.head_slice, "head_slice"))
-        if not isinstance(self.num_tokens, int) or self.num_tokens < 0:
+        if (not isinstance(self.num_tokens, int) or isinstance(self.num_tokens, bool)
+                or self.num_tokens < 0):
             raise ValueError("num_tokens must be a non-negative int")
         if self.format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {self.format!r}")
         if self.format == "tokens" and self.num_tokens == 0:
             raise ValueError("format 'tokens' needs num_tokens > 0")
+        if self.wait_s is None:
+            if self.tokens_hash is not None:
+                raise ValueError("tokens_hash goes with wait_s (a streaming read)")
+            if not ids:
+                raise ValueError("block_ids must be a non-empty list of non-negative ints")
+            return
+        self._check_streaming(ids)
+
+    def _check_streaming(self, ids: tuple[int, ...]) -> None:
+        wait = self.wait_s
+        if (not isinstance(wait, (int, float)) or isinstance(wait, bool)
+                or not math.isfinite(wait) or not 0 < wait <= MAX_WAIT_S):
+            raise ValueError(f"wait_s must be a number in (0, {MAX_WAIT_S:g}], got {wait!r}")
+        object.__setattr__(self, "wait_s", float(wait))
+        if ids:
+            raise ValueError("a streaming read (wait_s) carries no block_ids: the server "
+                             "takes the stream's")
+        if self.num_tokens == 0:
+            raise ValueError("a streaming read (wait_s) needs num_tokens > 0")
+        if not isinstance(self.tokens_hash, str) or not _HASH_RE.fullmatch(self.tokens_hash):
+            raise ValueError(f"a streaming read (wait_s) needs tokens_hash, 8-128 lowercase "
+                             f"hex digits, got {self.tokens_hash!r}")
 
     def to_wire(self, dtype: str, nbytes: int) -> dict[str, Any]:
         """The READ header (unsigned). ``dtype``/``nbytes`` describe the receiver's buffer: the
         server refuses (bad_request) when its payload would not match them exactly."""
-        return {
+        msg: dict[str, Any] = {
             "op": "READ", "lease_id": self.lease_id,
             "block_ids": list(self.block_ids), "layer_slice": list(self.layer_slice),
             "head_slice": list(self.head_slice), "num_tokens": self.num_tokens,
             "format": self.format, "dtype": dtype, "nbytes": nbytes,
         }
+        if self.wait_s is not None:
+            msg["wait_s"] = self.wait_s
+            msg["tokens_hash"] = self.tokens_hash
+        return msg
 
     @classmethod
     def from_wire(cls, msg: Mapping[str, Any]) -> ReadRequest:
@@ -198,6 +253,7 @@ class ReadRequest:
                 lease_id=msg["lease_id"], block_ids=tuple(msg["block_ids"]),
                 layer_slice=tuple(msg["layer_slice"]), head_slice=tuple(msg["head_slice"]),
                 num_tokens=msg.get("num_tokens", 0), format=msg.get("format", "blocks"),
+                wait_s=msg.get("wait_s"), tokens_hash=msg.get("tokens_hash"),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise TransferError(BAD_REQUEST, f"malformed READ: {e}") from None

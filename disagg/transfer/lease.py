@@ -126,6 +126,26 @@ class LeaseTable:
             self._held_blocks += len(ids)
         return lease
 
+    def extend(self, lease_id: str, block_ids: Iterable[int], ttl_s: float) -> bool:
+        """A live lease gets new block ids (the held-block count follows) and expires
+        ``ttl_s`` from now; its ``created_at`` becomes now (so ``expires_at - created_at`` is
+        the TTL just given). False (and nothing happens) if it is not live. Streaming: a
+        lease created when its request is queued, with a long TTL and the blocks known so
+        far, gets each step's block table and, once the prefill is done, the normal TTL."""
+        ids = tuple(int(b) for b in block_ids)
+        if not ttl_s > 0:
+            raise ValueError("ttl_s must be > 0")
+        with self._lock:
+            rec, fire, _ = self._live_locked(lease_id)  # an expired one is ended here
+            if rec is not None:
+                old = rec.lease
+                now = self._clock()
+                # Lease is frozen (readers hold it): replace the record's lease.
+                rec.lease = Lease(lease_id, ids, old.readers, now, now + ttl_s, frozenset(ids))
+                self._held_blocks += len(ids) - len(old.block_ids)
+        self._fire(fire)
+        return rec is not None
+
     def release(self, lease_id: str) -> bool:
         """Abort path: end the lease now. False (and nothing happens) if it is not live."""
         with self._lock:

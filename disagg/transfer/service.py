@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -56,6 +57,7 @@ from disagg.transfer.payload import (
     plan_read,
     slice_views,
 )
+from disagg.transfer.progress import StreamNotReady, StreamProgress
 from disagg.transfer.sender import payload_source, send_parts
 from disagg.transfer.stats import TransferStats
 
@@ -126,6 +128,36 @@ def split_parts(sizes: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
+async def await_stream(progress: StreamProgress | None, req: ReadRequest,
+                       tokens_per_block: int) -> ReadRequest:
+    """Wait until a streaming READ's tokens exist on its layers; the READ it becomes: the
+    stream's first ceil(num_tokens / B) block ids, no wait. Raises ``TransferError``."""
+    if progress is None:
+        raise TransferError(BAD_REQUEST, "this server streams no KV (a READ with wait_s "
+                                         "needs a context worker with streaming on)")
+    assert req.wait_s is not None and req.tokens_hash is not None
+    try:
+        ids = await progress.wait_ready(req.lease_id, req.num_tokens, req.layer_slice,
+                                        req.tokens_hash, req.wait_s)
+    except StreamNotReady as e:
+        # progress's codes are named as the server's own (unknown_lease, bad_request,
+        # timeout): the client raises TransferError with the same code
+        raise TransferError(e.code, e.message) from None
+    need = -(-req.num_tokens // tokens_per_block)  # ceil(num_tokens / B)
+    if len(ids) < need:
+        raise TransferError(BAD_REQUEST, f"stream {req.lease_id!r} holds {len(ids)} blocks, "
+                                         f"{req.num_tokens} tokens need {need}")
+    return dataclasses.replace(req, block_ids=tuple(ids[:need]), wait_s=None, tokens_hash=None)
+
+
+def _checked_progress(progress: StreamProgress | None, kv_cache: torch.Tensor
+                      ) -> StreamProgress | None:
+    if progress is not None and progress.num_local_layers != kv_cache.shape[1]:
+        raise ValueError(f"progress tracks {progress.num_local_layers} layers, the cache has "
+                         f"{kv_cache.shape[1]}")
+    return progress
+
+
 class KVTransferServer:
     """Serves one rank's KV cache to generation ranks that prove they hold the cluster token
     (the handshake in base.py; the token itself never crosses the wire).
@@ -150,6 +182,8 @@ class KVTransferServer:
     ``runs`` (None: ``DISAGG_KV_RUNS``, default on): a scattered block table of a CPU cache
     goes out as views of its runs (``sender.py``), not gathered into staging first; False
     keeps the staged path (A/B benchmarks).
+
+    ``progress``: streaming READs (``wait_s``) wait there first (``await_stream``).
     """
 
     def __init__(
@@ -171,6 +205,7 @@ class KVTransferServer:
         max_connections_per_peer: int = 64,
         max_pending_connections: int = 128,
         runs: bool | None = None,
+        progress: StreamProgress | None = None,
     ) -> None:
         if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
             raise ValueError(f"kv_cache must be [N, L, 2, H, B, D], got {tuple(kv_cache.shape)}")
@@ -200,6 +235,7 @@ class KVTransferServer:
         self.handshake_timeouts = 0  # dropped: no proven AUTH within handshake_timeout_s
         self.kv_cache = kv_cache
         self.leases = leases
+        self.progress = _checked_progress(progress, kv_cache)
         self.backend = make_backend(backend)
         self.host = host
         self.stats = stats if stats is not None else TransferStats()
@@ -459,6 +495,9 @@ class KVTransferServer:
         t0 = time.perf_counter()
         try:
             req = ReadRequest.from_wire(msg)
+            if req.wait_s is not None:  # streaming: the lease may not exist yet
+                req = await await_stream(self.progress, req, self.kv_cache.shape[4])
+                t0 = time.perf_counter()  # the transfer's time, not the prefill's
             lease = self.leases.pin(req.lease_id)
         except (TransferError, LeaseError) as e:
             self.stats.record_failure(e.code)
@@ -485,7 +524,7 @@ class KVTransferServer:
                                              for a, b in _ranges(parts)]
             zero_copy = staging is None and all(len(p) == 1 for p in pieces)
             answer: dict[str, Any] = {"ok": True, "nbytes": plan.nbytes,
-                                      "zero_copy": zero_copy,
+                                      "num_blocks": len(req.block_ids), "zero_copy": zero_copy,
                                       "device": self._on_gpu and self.device_direct}
             if self._on_gpu and not self.device_direct:
                 answer["staging"] = self.staging_reason
@@ -534,6 +573,7 @@ class _Peer:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     conn: Connection | None = None
     session: ClientSession | None = None  # the handshake state of ``conn``
+    users: int = 0  # requests queued on or using it (a streaming lane closes at 0)
 
 
 class KVTransferClient:
@@ -572,7 +612,9 @@ class KVTransferClient:
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._token = token
-        self._peers: dict[str, _Peer] = {}  # touched on the loop thread only
+        # (address, lane) -> connection; lane "" for all requests but streaming reads (their
+        # lease id). Touched on the loop thread only.
+        self._peers: dict[tuple[str, str], _Peer] = {}
         self._closed = False
         self._loop: LoopThread | None = self.backend.acquire_loop("client")
         # Known once the loop runs (UCX decides when its context starts).
@@ -636,16 +678,22 @@ class KVTransferClient:
         msg = request.to_wire(dtype_name(outs[0].dtype), nbytes)
         # Message transport: one message per part. A scattered table (more than one run of
         # block ids: the server gathers) is cut into parts, so the server sends part k while
-        # it gathers part k+1; a consecutive one goes whole (one message per buffer).
-        split = self.runs and len(consecutive_runs(request.block_ids)) > 1
+        # it gathers part k+1; a consecutive one goes whole (one message per buffer). A
+        # streaming read does not know the table: cut (a part inside one run costs no gather).
+        streaming = request.wait_s is not None
+        split = self.runs and (streaming or len(consecutive_runs(request.block_ids)) > 1)
         if not self.backend.stream_payloads and outs[0].device.type == "cpu" and (
                 split or len(views) > 1):
             cuts = (split_parts([int(v.nbytes) for v in views]) if split
                     else [(i, 0, int(v.nbytes)) for i, v in enumerate(views)])
             views = [views[i][a:b] for i, a, b in cuts]
             msg["parts"] = [b - a for _, a, b in cuts]
+        # A streaming read waits on the server (wait_s) before its answer, on a connection
+        # of its own request (lane: the lease id), so that it holds up no other request.
+        lane = request.lease_id if streaming else ""
         return self._submit_read(self._read(address, msg, views, len(request.block_ids),
-                                            staged))
+                                            staged, lane),
+                                 extra_s=request.wait_s or 0.0)
 
     def cancel_and_wait(self, fut: ReadFuture, timeout_s: float) -> bool:
         """Cancel a read and wait until the transport has stopped writing into its ``out``
@@ -697,10 +745,11 @@ class KVTransferClient:
             return fut
         return loop.submit(self._bounded(coro, read))
 
-    def _submit_read(self, coro: Any) -> ReadFuture:
+    def _submit_read(self, coro: Any, extra_s: float = 0.0) -> ReadFuture:
         """Like ``_submit``, with a ``ReadFuture`` whose ``quiet`` is set when the read's
         task has ended (or was cancelled before it started): only then has its I/O into
-        the caller's memory stopped (a cancel of the future alone only asks the loop)."""
+        the caller's memory stopped (a cancel of the future alone only asks the loop).
+        ``extra_s``: added to the timeout (a streaming read's wait on the server)."""
         fut = ReadFuture()
         lt = self._loop
         if self._closed or lt is None:
@@ -730,7 +779,7 @@ class KVTransferClient:
                 coro.close()
                 fut.quiet.set()
                 return
-            task = loop.create_task(self._bounded(coro, True))
+            task = loop.create_task(self._bounded(coro, True, extra_s))
             task.add_done_callback(finished)
             fut.add_done_callback(lambda _f: cancel_task(task))
 
@@ -742,27 +791,31 @@ class KVTransferClient:
             fut.set_exception(TransferError(CLOSED, "client is closed"))
         return fut
 
-    async def _bounded(self, coro: Any, read: bool) -> Any:
+    async def _bounded(self, coro: Any, read: bool, extra_s: float = 0.0) -> Any:
+        limit = self.timeout_s + extra_s
         try:
-            return await asyncio.wait_for(coro, self.timeout_s)
+            return await asyncio.wait_for(coro, limit)
         except asyncio.TimeoutError:
             if read:  # failed transfers count reads only (as _read does)
                 self.stats.record_failure(TIMEOUT)
-            raise TransferError(TIMEOUT, f"no complete answer within {self.timeout_s}s") from None
+            raise TransferError(TIMEOUT, f"no complete answer within {limit:g}s") from None
         except asyncio.CancelledError:
             if self._closed:
                 raise TransferError(CLOSED, "client closed") from None
             raise
 
     async def _read(self, address: str, msg: dict[str, Any], views: list[Any],
-                    num_blocks: int, staged: str | None) -> ReadResult:
+                    num_blocks: int, staged: str | None, lane: str = "") -> ReadResult:
         t0 = time.perf_counter()
         try:
-            resp = await self._request(address, msg, payload=views)
+            resp = await self._request(address, msg, payload=views, lane=lane)
         except TransferError as e:
             self.stats.record_failure(e.code)
             raise
-        dt = time.perf_counter() - t0
+        dt = time.perf_counter() - t0  # a streaming read's includes its wait on the server
+        answered = resp.get("num_blocks")  # a streaming read learns its table's size here
+        if isinstance(answered, int) and not isinstance(answered, bool) and answered >= 0:
+            num_blocks = answered
         zero_copy = bool(resp.get("zero_copy", False))
         into_device = not isinstance(views[0], np.ndarray)
         server_staging = resp.get("staging")
@@ -832,16 +885,27 @@ class KVTransferClient:
         await conn.attach_complete(answer)
 
     async def _request(
-        self, address: str, msg: dict[str, Any], payload: list[Any] | None = None
+        self, address: str, msg: dict[str, Any], payload: list[Any] | None = None,
+        lane: str = "",
     ) -> dict[str, Any]:
         """Send ``msg`` on the peer's cached connection (opened lazily), read the answer and
         then, for an ok READ, the payload into ``payload`` (its views, in order; one per part
-        over a message transport)."""
-        peer = self._peers.get(address)
+        over a message transport). ``lane`` (a streaming read's lease id) picks a connection
+        of its own, closed when no request of that lane is left."""
+        key = (address, lane)
+        peer = self._peers.get(key)
         if peer is None:
-            peer = self._peers[address] = _Peer()
-        async with peer.lock:  # one request at a time per connection
-            return await self._exchange(address, peer, msg, payload)
+            peer = self._peers[key] = _Peer()
+        peer.users += 1
+        try:
+            async with peer.lock:  # one request at a time per connection
+                return await self._exchange(address, peer, msg, payload)
+        finally:
+            peer.users -= 1
+            if lane and peer.users == 0:
+                if self._peers.get(key) is peer:
+                    del self._peers[key]
+                await self._drop(peer)
 
     async def _exchange(
         self, address: str, peer: _Peer, msg: dict[str, Any], payload: Any
