@@ -151,7 +151,7 @@ def submit_reads(client: Any, params: ContextParams, dst: WorkerLayout, dst_rank
                           format=fmt, **stream)
         nl = piece.layers[1] - piece.layers[0]
         nh = piece.heads[1] - piece.heads[0]
-        shape = ((len(src_blocks), nl, 2, nh, src.tokens_per_block, src.head_dim)
+        shape = ((n_src_blocks, nl, 2, nh, src.tokens_per_block, src.head_dim)
                  if fmt == "blocks" else (nl, 2, nh, params.num_tokens, src.head_dim))
         # Payload block i is this rank's block block_ids[i] (same block size).
         views = (block_views(kv, block_ids[:n_src_blocks], piece.dst_layer_slice,
