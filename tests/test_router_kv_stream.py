@@ -42,10 +42,11 @@ class Pair:
     """A context and a generation stub sharing the events of each stream (one loop).
 
     Knobs: ``kv_info`` (the context worker's /server_info ``kv_transfer``), ``ctx_mode`` for
-    streaming context calls (ok | fail: 500 | refuse: 409 | late: answers 0.3 s after the
-    generation call may go on), ``gen_mode`` for streaming generation calls (ok | kv_fail: 502
-    kv_transfer_failed | refuse_param: 400 naming disaggregated_params), ``hold``: a streamed
-    answer waits for ``release`` after its first event."""
+    streaming context calls (ok | fail: 500 | refuse: 409 | late: lets the generation call
+    go on but answers only once ``ctx_hold`` is set), ``gen_mode`` for streaming generation
+    calls (ok | kv_fail: 502 kv_transfer_failed | drop: connection closed unanswered |
+    refuse_param: 400 naming disaggregated_params), ``hold``: a streamed answer waits for
+    ``release`` after its first event."""
 
     def __init__(self) -> None:
         self.verifier = HttpVerifier(ROUTER_TOKEN)
@@ -63,6 +64,7 @@ class Pair:
         self.events: dict[tuple[str, str], asyncio.Event] = {}
         self.notes: list[str] = []  # what the stubs saw: "ctx saw gen", "gen cancelled", ...
         self.release: asyncio.Event | None = None
+        self.ctx_hold: asyncio.Event | None = None
         self.ctx_transports: list[Any] = []
 
     def event(self, what: str, stream_id: str) -> asyncio.Event:
@@ -128,8 +130,12 @@ class Pair:
         if self.ctx_mode == "refuse":
             return _error(409, "kv_stream_id in use", "conflict")
         self.event("ctx", sid).set()
-        if self.ctx_mode == "late":
-            await asyncio.sleep(0.3)
+        if self.ctx_mode == "late":  # G goes on; C's answer waits for the test
+            self.ctx_hold = asyncio.Event()
+            try:
+                await asyncio.wait_for(self.ctx_hold.wait(), DEADLINE_S)
+            except asyncio.TimeoutError:
+                self.notes.append("ctx hold timed out")
         return web.json_response({**_answer(call["path"], " ignored", False),
                                   "disaggregated_params": {"ctx_request_id": sid,
                                                            "kv_stream_id": sid}})
@@ -143,6 +149,10 @@ class Pair:
         self.event("gen", sid).set()
         if self.gen_mode == "kv_fail":
             return _error(502, "kv transfer failed: unknown_lease", "kv_transfer_failed")
+        if self.gen_mode == "drop":  # died before answering
+            assert request.transport is not None
+            request.transport.abort()
+            return web.Response()
         if self.gen_mode == "refuse_param":
             return _error(400, "unknown field", "bad", "disaggregated_params.kv_stream")
         try:
@@ -316,22 +326,24 @@ def test_a_stream_is_relayed_as_it_comes(router: SimpleNamespace, loop: LoopThre
 
 
 def test_a_context_answer_after_the_generation_answer_is_still_read(
-        router: SimpleNamespace) -> None:
+        router: SimpleNamespace, loop: LoopThread) -> None:
     """G answered while C's answer was still on its way: the client is not kept waiting, the
     router reads C's answer to its end and reuses the connection for the next stream."""
     url, pair = router.url, router.pair
     pair.ctx_mode = "late"
     for i in (1, 2):
-        t0 = time.monotonic()
         r = httpx.post(url + C, json={"model": "m", "prompt": "x", "max_tokens": 2},
                        timeout=30)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == " streamed"
+        # the client has its answer while C's is still held
         assert metric(url, "disagg_router_ctx_latency_seconds_count") == i - 1
-        assert time.monotonic() - t0 < 0.3 + 0.25  # not the whole of C's delay on top
+        assert pair.ctx_hold is not None
+        loop.loop.call_soon_threadsafe(pair.ctx_hold.set)
         wait_for(lambda n=i: metric(url, "disagg_router_ctx_latency_seconds_count") == n,
                  10, what="the context answer read")
     assert pair.ctx_transports[0] is pair.ctx_transports[1]  # one keep-alive connection
     assert pair.releases == [] and metric(url, STREAM_METRIC, outcome="streamed") == 2
+    assert "ctx hold timed out" not in pair.notes
 
 
 # ---- fallbacks -------------------------------------------------------------------------------
@@ -363,9 +375,12 @@ def test_a_failed_context_call_closes_the_generation_call_and_falls_back(
                   reason="status_500") == 1
 
 
-def test_a_failed_kv_pull_falls_back(router: SimpleNamespace) -> None:
+@pytest.mark.parametrize(("gen_mode", "role", "reason"), [
+    ("kv_fail", "context", "kv_transfer_failed"), ("drop", "generation", "connection_failed")])
+def test_a_failed_generation_call_falls_back(router: SimpleNamespace, gen_mode: str,
+                                             role: str, reason: str) -> None:
     url, pair = router.url, router.pair
-    pair.gen_mode = "kv_fail"
+    pair.gen_mode = gen_mode
     r = httpx.post(url + C, json={"model": "m", "prompt": "hello", "max_tokens": 2,
                                   "stream": True}, timeout=30)
     assert r.status_code == 200 and _sse_texts(r.text)[0] == " two-call"
@@ -373,9 +388,10 @@ def test_a_failed_kv_pull_falls_back(router: SimpleNamespace) -> None:
     sid = _streaming_calls(pair)[0]["body"]["disaggregated_params"]["kv_stream_id"]
     wait_for(lambda: sid in pair.releases, 10, what="the stream's lease released")
     assert metric(url, STREAM_METRIC, outcome="fell_back") == 1
-    # the context side's fault, as in the two calls: a new prefill is the retry
-    assert metric(url, "disagg_router_retries_total", role="context",
-                  reason="kv_transfer_failed") == 1
+    # a failed pull is the context side's fault, as in the two calls: a new prefill is the
+    # retry; a lost generation call is the generation side's
+    assert metric(url, "disagg_router_retries_total", role=role, reason=reason) == 1
+    assert metric(url, "disagg_router_retries_total") == 1
 
 
 def test_refusals_of_streaming_fall_back_without_spending_retries(pair: Pair,
