@@ -512,3 +512,17 @@ def test_the_command_line_overrides_the_yaml(tmp_path: Path) -> None:
     agg.write_text(yaml.safe_dump({"generation_servers": {"urls": ["127.0.0.1:9002"]}}))
     with pytest.raises(RouterConfigError, match="^--kv-streaming: .*no context_servers"):
         router_cli.configured(_args(agg, "--kv-streaming"))
+
+
+def test_disagg_launch_hands_the_option_to_the_router(tmp_path: Path, tiny_llama: str) -> None:
+    """`disagg launch` starts the router on its resolved copy of the YAML: the option is there."""
+    from disagg.launch import build_plan
+
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump({
+        "hostname": "127.0.0.1", "port": 0, "model": "tiny", "kv_streaming": True,
+        "context_servers": {"urls": ["127.0.0.1:18101"]},
+        "generation_servers": {"urls": ["127.0.0.1:18102"]}}))
+    plan = build_plan(str(path), tmp_path / "logs", model_override=tiny_llama)
+    assert str(plan.cluster_yaml) in plan.router.cmd
+    assert parse_cluster_config(yaml.safe_load(plan.cluster_yaml.read_text())).kv_streaming
