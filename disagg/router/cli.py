@@ -58,6 +58,10 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--planner", action="store_true",
                    help="run the planner: move workers between the context and generation "
                    "pools as the load shifts (settings: the YAML's planner: section)")
+    p.add_argument("--kv-streaming", action=argparse.BooleanOptionalAction, default=None,
+                   help="send a disaggregated request's context and generation calls at once "
+                   "and stream the prompt's KV layer by layer (default: the YAML's "
+                   "kv_streaming, false)")
     p.add_argument("--processes", type=int, default=None, metavar="N",
                    help="router processes sharing the port (SO_REUSEPORT; one a core; "
                    "default: the YAML's processes, 1)")
@@ -71,17 +75,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = load_cluster_config(args.config)
-        if args.port is not None and not 0 <= args.port <= 65535:
-            raise RouterConfigError(f"--port: {args.port} is not a port number")
-        if args.public_metrics:
-            config = dataclasses.replace(config, public_metrics=True)
-        if args.planner:
-            if config.planner is None:
-                raise RouterConfigError(f"{config.source}: planner: missing: --planner needs a "
-                                        "planner: section with ttft_slo_ms and tpot_slo_ms")
-            config = dataclasses.replace(
-                config, planner=dataclasses.replace(config.planner, enabled=True))
+        config = configured(args)
         host = args.host or config.hostname
         port = config.port if args.port is None else args.port
         count = config.processes if args.processes is None else args.processes
@@ -105,6 +99,28 @@ def _cmd_router(args: argparse.Namespace) -> int:
         return 1
 
 
+def configured(args: argparse.Namespace) -> ClusterConfig:
+    """The cluster YAML with the command line's overrides (RouterConfigError naming the
+    option when one cannot apply)."""
+    config = load_cluster_config(args.config)
+    if args.port is not None and not 0 <= args.port <= 65535:
+        raise RouterConfigError(f"--port: {args.port} is not a port number")
+    if args.public_metrics:
+        config = dataclasses.replace(config, public_metrics=True)
+    if args.planner:
+        if config.planner is None:
+            raise RouterConfigError(f"{config.source}: planner: missing: --planner needs a "
+                                    "planner: section with ttft_slo_ms and tpot_slo_ms")
+        config = dataclasses.replace(
+            config, planner=dataclasses.replace(config.planner, enabled=True))
+    if args.kv_streaming is not None:
+        if args.kv_streaming and config.aggregated and config.disagg_cluster is None:
+            raise RouterConfigError(f"--kv-streaming: {config.source} has no context_servers "
+                                    "(nor disagg_cluster): nothing to stream KV from")
+        config = dataclasses.replace(config, kv_streaming=args.kv_streaming)
+    return config
+
+
 def _child_argv(args: argparse.Namespace, host: str) -> list[str]:
     """The command line of one of the router processes (the parent adds the port and which
     process it is)."""
@@ -114,6 +130,10 @@ def _child_argv(args: argparse.Namespace, host: str) -> list[str]:
         argv.append("--public-metrics")
     if args.insecure_membership:
         argv.append("--insecure-membership")
+    if args.kv_streaming is not None:
+        argv.append("--kv-streaming" if args.kv_streaming else "--no-kv-streaming")
+    if args.planner:  # (only process 0 runs it)
+        argv.append("--planner")
     return argv
 
 

@@ -12,6 +12,7 @@ Shape::
     health_check_interval_sec: 2  # router's /health polling of every worker
     upstream_timeout_sec: 300     # longest wait for the next byte from a worker
     processes: 1                  # router processes sharing the port (one a core; SO_REUSEPORT)
+    kv_streaming: false           # true: context and generation calls at once, KV streamed by layer
     model: /path/to/checkpoint    # any worker key at the top level is inherited by both sections
     context_servers:              # optional: without it the cluster is aggregated
       num_instances: 2            # must equal len(urls)
@@ -77,6 +78,9 @@ CLUSTER_OPTIONS: dict[str, Opt] = {
                                 default=300.0, gt=0),
     "processes": Opt(int, "router processes sharing its port (SO_REUSEPORT); one a core",
                      default=1, ge=1),
+    "kv_streaming": Opt(bool, "send a disaggregated request's context and generation calls at "
+                        "once; the generation worker streams the prompt's KV layer by layer "
+                        "(router.stream_flow)", default=False),
 }
 SECTION_OPTIONS: dict[str, Opt] = {
     "num_instances": Opt(int, "workers in the section; must equal len(urls)", ge=0),
@@ -204,6 +208,7 @@ class ClusterConfig:
     public_metrics: bool = False
     planner: PlannerConfig | None = None  # the planner: section (run when enabled)
     processes: int = 1  # router processes sharing the port (router/processes.py)
+    kv_streaming: bool = False  # both calls at once, KV streamed by layer (stream_flow)
 
     @property
     def aggregated(self) -> bool:
@@ -267,6 +272,10 @@ def parse_cluster_config(data: Mapping[str, Any] | Any, source: str = "<config>"
                 raise err(f"{section}.urls[{i}]", f"{url} is also listed in {seen[url]}")
             seen[url] = section
 
+    if top["kv_streaming"] and groups["context_servers"] is None and cluster is None:
+        raise err("kv_streaming", "streams KV from context to generation workers: add "
+                  "context_servers (or disagg_cluster)")
+
     conditional = None
     if data.get("conditional_disagg_config") is not None:
         conditional = _parse_conditional(err, data["conditional_disagg_config"])
@@ -285,7 +294,7 @@ def parse_cluster_config(data: Mapping[str, Any] | Any, source: str = "<config>"
         conditional_disagg=conditional, disagg_cluster=cluster, api_key=top["api_key"],
         source=source, health_check_interval_sec=top["health_check_interval_sec"],
         upstream_timeout_sec=top["upstream_timeout_sec"], public_metrics=top["public_metrics"],
-        planner=planner, processes=top["processes"])
+        planner=planner, processes=top["processes"], kv_streaming=top["kv_streaming"])
 
 
 def parse_planner(err: _Errors, raw: Any) -> PlannerConfig:

@@ -23,6 +23,10 @@ lease now (``/kv_leases/release``).
 
 A request sent whole (aggregated cluster, several prompts, ``n > 1``, or conditional
 disaggregation's local prefill) takes the generation side's retries alone.
+
+With ``kv_streaming`` the router's flow is ``stream_flow.StreamingFlow``: its ``first_try``
+sends both calls at once (the generation worker streams the KV layer by layer) and, when that
+fails before the client got anything, hands the request to the two calls here.
 """
 
 from __future__ import annotations
@@ -122,7 +126,7 @@ class RequestFlow:
         return Reply.error(503, f"no healthy {role} worker", "service_unavailable",
                            code="no_healthy_worker", outcome="no_worker")
 
-    def _next_worker(self, tries: Tries, route: RouteRequest) -> Worker:
+    def next_worker(self, tries: Tries, route: RouteRequest) -> Worker:
         """The worker of the side's next try (``Reply`` when none is left)."""
         w = tries.first
         if w is None or not w.healthy or tries.tried:
@@ -144,7 +148,7 @@ class RequestFlow:
         must take over (the failure is raised on); by default the worker is excluded and the
         next one tried. ``Reply`` when the budget is spent or no worker is left."""
         while True:
-            w = self._next_worker(tries, route)
+            w = self.next_worker(tries, route)
             try:
                 return await call(w)
             except Failed as f:
@@ -172,13 +176,35 @@ class RequestFlow:
     async def disaggregated(self, request: web.Request, st: RequestState, path: str,
                             body: dict[str, Any], route: RouteRequest,
                             first_gen: Worker | None) -> web.StreamResponse:
+        """A disaggregated request: ``first_try`` (a subclass's other way), else (or when it
+        fell back) the two calls, with the tries that ``first_try`` recorded."""
+        ctx = Tries(Role.CONTEXT, self.max_retries)
+        gen = Tries(Role.GENERATION, self.max_retries, first_gen)
+        out = await self.first_try(request, st, path, body, route, ctx, gen)
+        if out is not None:
+            return out
+        return await self.two_calls(request, st, path, body, route, ctx, gen)
+
+    async def first_try(self, request: web.Request, st: RequestState, path: str,
+                        body: dict[str, Any], route: RouteRequest, ctx: Tries, gen: Tries
+                        ) -> web.StreamResponse | None:
+        """A subclass's way to serve a disaggregated request before the two calls
+        (``stream_flow``); None: the two calls serve it, with the failures, retries and picks
+        recorded on ``ctx`` and ``gen``."""
+        return None
+
+    async def close(self) -> None:
+        """Stop the flow's own background work (a subclass's; none here)."""
+
+    async def two_calls(self, request: web.Request, st: RequestState, path: str,
+                        body: dict[str, Any], route: RouteRequest, ctx: Tries, gen: Tries
+                        ) -> web.StreamResponse:
+        """The context call, then the generation call with its answer (module docstring)."""
         ctx_body = dict(body)
         ctx_body["stream"] = False
         ctx_body.pop("stream_options", None)  # only valid with stream: true
         ctx_body["disaggregated_params"] = {"request_type": RequestType.CONTEXT_ONLY.value}
         ctx_data = dumps(ctx_body)
-        ctx = Tries(Role.CONTEXT, self.max_retries)
-        gen = Tries(Role.GENERATION, self.max_retries, first_gen)
         while True:
             ctx_worker, answer = await self.retrying(
                 ctx, route, lambda w: self._context_call(w, path, ctx_data, route))
@@ -193,7 +219,7 @@ class RequestFlow:
                 # No second tokenization on the worker (an echo answer needs the text).
                 gen_body["prompt"] = prompt_ids
             lease = _Lease(ctx_worker, dp, dumps(gen_body), answer.get("usage") or {},
-                           _max_tokens(path, body))
+                           requested_tokens(path, body))
             try:
                 return await self._generation(request, st, path, route, gen, ctx, lease)
             except Failed:
@@ -281,7 +307,7 @@ class _Lease:
     taken: bool = False  # a generation worker took it (and releases it on every path)
 
 
-def _max_tokens(path: str, body: Mapping[str, Any]) -> int | None:
+def requested_tokens(path: str, body: Mapping[str, Any]) -> int | None:
     """The output tokens the request asks for (completions' default 16; None: unbounded)."""
     n = body.get("max_completion_tokens", body.get("max_tokens"))
     if n is None and path == COMPLETIONS:

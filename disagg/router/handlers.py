@@ -248,6 +248,7 @@ class Handlers:
         info["conditional_disagg"] = (None if self.config.conditional_disagg is None else
                                       {"max_local_prefill_length":
                                        self.config.conditional_disagg.max_local_prefill_length})
+        info["kv_streaming"] = self.config.kv_streaming
         info["tokenizer"] = router.tokens.source
         info["role_switches"] = router.switcher.public()
         info["planner"] = None if router.planner is None else router.planner.public()

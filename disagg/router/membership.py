@@ -7,8 +7,8 @@ again; it is dropped when no heartbeat came for ``inactive_timeout_sec``, or whe
 checks have failed for that long, or when it unregisters (on drain).
 
 Health: every ``health_check_interval_sec`` the router GETs each worker's ``/health`` and
-``/server_info`` (role, tokens_per_block, worker_id, model_dir), signed with the cluster token
-and with the pool's API key (``UpstreamAuth``); a worker out of rotation is
+``/server_info`` (role, tokens_per_block, worker_id, model_dir, kv_transfer), signed with the
+cluster token and with the pool's API key (``UpstreamAuth``); a worker out of rotation is
 probed every 0.5 s (or the interval, if shorter). A worker is in rotation only
 while healthy. Health comes from these checks, not from one request: a refused connection, or
 a 503 saying the worker drains or its engine is down, takes it out at once (the same as a
@@ -102,6 +102,10 @@ class Worker:
     request_failures: int = 0  # consecutive failed requests (reset by any answer)
     switching: str | None = None  # the role the router is switching it to
     remote_switch: dict[str, Any] | None = None  # its /server_info role_switch (None: none)
+    # Its last /server_info ``kv_transfer`` (worker_id, backend, addresses, layout): where a
+    # generation worker streams a context worker's KV from (``stream_flow``); kept while a
+    # check fails (a worker that restarted elsewhere fails the pull, and the router falls back).
+    kv_transfer: dict[str, Any] | None = None
 
     @property
     def base(self) -> str:
@@ -116,6 +120,8 @@ class Worker:
             "requests_total": self.requests_total, "worker_id": self.worker_id,
             "tokens_per_block": self.tokens_per_block, "kv_blocks_used": self.kv_blocks_used,
             "switching_to": self.switching, "role_switch": self.remote_switch,
+            "kv_transfer": None if self.kv_transfer is None else {
+                k: self.kv_transfer.get(k) for k in ("backend", "addresses")},
             "kv_index": None if self.kv is None else {
                 "synced": self.kv.synced, "blocks": len(self.kv.blocks),
                 "tokens_per_block": self.kv.tokens_per_block, "next_seq": self.kv.next_seq,
@@ -415,6 +421,8 @@ class Membership:
             logger.info("worker %s restarted (worker_id %s -> %s)", w.url, w.worker_id,
                         worker_id)
         w.role, w.worker_id = role, worker_id
+        kt = info.get("kv_transfer")
+        w.kv_transfer = dict(kt) if isinstance(kt, Mapping) else None
         rs = info.get("role_switch")
         w.remote_switch = dict(rs) if isinstance(rs, Mapping) else None
         tpb = info.get("tokens_per_block")

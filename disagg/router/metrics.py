@@ -15,6 +15,8 @@
 - ``disagg_router_kv_matched_tokens_total{role, worker}`` and
   ``disagg_router_kv_prompt_tokens_total{role}``: prompt tokens found in the chosen worker's
   cache by kv_cache_aware routing, of all prompt tokens it routed;
+- ``disagg_router_kv_stream_requests_total{outcome}`` (``kv_streaming`` only): streamed |
+  fell_back | failed | not_streamable (``stream_flow``);
 - the planner and role switches: ``disagg_router_planner_decisions_total{action, from_role,
   to_role}`` (action = flip | hold; the roles empty when a hold names none),
   ``disagg_router_role_switches_total{outcome}`` (done | failed | timeout),
@@ -81,6 +83,11 @@ class RouterMetrics:
         self.role_switch_seconds = Histogram(P + "role_switch_seconds", "Role switch: start "
                                              "-> back in rotation in the new pool.",
                                              buckets=LATENCY_BUCKETS, registry=r)
+        self.kv_stream = Counter(P + "kv_stream_requests", "Disaggregated requests with "
+                                 "kv_streaming on, by outcome: streamed, fell_back (the two "
+                                 "calls after a failed streaming try), failed (no fallback "
+                                 "left, or the client left), not_streamable (the two calls).",
+                                 ["outcome"], registry=r)
         r.register(_WorkerCollector(membership))
         # Labelled children resolved once: prometheus_client's labels() checks and joins the
         # values under a lock on every call (~1.5% of the router's time under load).

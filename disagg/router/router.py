@@ -3,18 +3,19 @@
 Parts: the sides' routing policies (``policies``), the workers (``membership``), the prompt's
 tokens for the policies that need them (``prompt_tokens``), the client of the workers
 (``upstream``), the relay of their answers (``relay``), the request flow with its retries
-(``flow``), the Prometheus metrics (``metrics``), role switches (``role_switch``) and, with
-``planner.enabled`` / ``--planner``, the planner (``planner_loop`` over ``planner``). The HTTP
-handlers (``handlers``) use them.
+(``flow``; ``stream_flow`` with ``kv_streaming``), the Prometheus metrics (``metrics``),
+role switches (``role_switch``) and, with ``planner.enabled`` / ``--planner``, the planner
+(``planner_loop`` over ``planner``). The HTTP handlers (``handlers``) use them.
 
 Cluster authentication: the router signs (``cluster_auth.HttpSigner``, with the token from
 ``$DISAGG_CLUSTER_TOKEN``) the calls whose handling depends on it: the generation_only call (a
 generation worker trusts the context addresses of a signed request and caches its pulled KV),
 health / server-info checks, KV event polls, lease releases and ``/v1/models``. The
 context_only call and requests sent whole carry no signature: the worker decides nothing on
-it, and the hot path pays for one signature per request, not three. It verifies the
-signatures of ``/cluster/register`` and ``/cluster/unregister``. Without a token it refuses to
-start when it could not sign (context servers) or would let anyone register
+it, and the hot path pays for one signature per request, not three. With ``kv_streaming``
+(``stream_flow``) both calls are signed: the context call names the lease (the stream id).
+It verifies the signatures of ``/cluster/register`` and ``/cluster/unregister``. Without a
+token it refuses to start when it could not sign (context servers) or would let anyone register
 (``disagg_cluster``, unless ``insecure_membership``).
 """
 
@@ -41,6 +42,7 @@ from disagg.router.processes import ProcessInfo, Siblings
 from disagg.router.prompt_tokens import PromptTokens
 from disagg.router.relay import Relay
 from disagg.router.role_switch import RoleSwitcher, SwitchResult
+from disagg.router.stream_flow import StreamingFlow
 from disagg.router.upstream import UpstreamClient
 from disagg.server import protocol as P
 
@@ -108,8 +110,9 @@ class Router:
             w.pool, self.policies[w.pool].name, w.url)
         self.upstream = UpstreamClient(config, self.auth, self.membership, self.metrics)
         self.relay = Relay(self.upstream, self.membership, self.metrics)
-        self.flow = RequestFlow(self.policies, self.membership, self.metrics, self.upstream,
-                                self.relay, config.max_retries)
+        flow = StreamingFlow if config.kv_streaming else RequestFlow
+        self.flow = flow(self.policies, self.membership, self.metrics, self.upstream,
+                         self.relay, config.max_retries)
         self.body_timeout_s = P.BODY_TIMEOUT_S  # then 408 (tests shorten it)
         self.switcher = RoleSwitcher(self.membership, on_done=self._switch_done)
         self._switch_tasks: set[asyncio.Task[SwitchResult]] = set()
@@ -182,6 +185,7 @@ class Router:
             t.cancel()
         await asyncio.gather(*self._switch_tasks, return_exceptions=True)
         await self.membership.stop()
+        await self.flow.close()
         await self.upstream.close()
         await self.siblings.close()
 

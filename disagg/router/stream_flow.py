@@ -1,0 +1,315 @@
+"""KV streaming (``kv_streaming: true``): a disaggregated request's context and generation
+calls at once, the prompt's KV streamed layer by layer between them.
+
+The router names the stream (``uuid4().hex``) and sends concurrently, both calls signed with
+the cluster token:
+
+- to the context worker C, the request non-streamed with ``disaggregated_params:
+  {request_type: context_only, kv_stream_id: ID}``: C prefills the prompt but its last token
+  and publishes the KV of each layer as its forward writes it. Its answer (a choice whose text
+  means nothing) is read whole and dropped: the connection is reused;
+- to the generation worker G, the client's request as sent (prompt or messages, ``stream`` as
+  asked) with ``disaggregated_params: {request_type: generation_only, kv_stream:
+  {ctx_request_id: ID, worker_id, backend, addresses, layout}}`` (C's ``kv_transfer`` from its
+  last ``/server_info``): G pulls the KV layer group by layer group while C computes it,
+  computes the last prompt token itself and answers. Its answer is relayed as in the two calls
+  (a stream's first bytes as soon as they come).
+
+Streamed when the request would take the two calls (one prompt, one choice, no local prefill)
+and also: no ``prompt_logprobs`` (nor completions' ``echo`` with logprobs or ``max_tokens: 0``:
+G never computes the prompt's logits), and C's ``kv_transfer`` is known with addresses and a
+layout. Else the two calls serve it (``disagg_router_kv_stream_requests_total{outcome=
+"not_streamable"}``).
+
+Fallback to the two calls (``flow``), only before any byte reached the client:
+
+- C fails (connection, 5xx): G's call is closed; C counts one failure of the context side's
+  retry budget and is avoided (picked again only when no other context worker is left: the
+  failure may be streaming's alone);
+- G fails (connection, 5xx): C's call is closed; G counts one failure and is avoided. A 502
+  ``kv_transfer_failed`` is the context side's fault, as in the two calls: C is avoided, G
+  stays first;
+- C refuses (a 4xx), or G refuses ``disaggregated_params`` (a 4xx naming it: clients cannot set
+  it, so it is a worker without streaming): no failure counted, the same workers serve the
+  two calls.
+
+Any other answer of G's (a 4xx) is the client's. Once bytes reached the client nothing is
+retried, and a C that fails then is ignored: G streams its answer only after its first token,
+which needs all of the prompt's KV. When G did not take the stream (it failed, refused, or the
+client left), C is asked to free the stream's lease (``/kv_leases/release``, idempotent there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from disagg.roles import RequestType, Role
+from disagg.router.flow import RequestFlow, Tries, requested_tokens
+from disagg.router.membership import Worker
+from disagg.router.policies import RouteRequest
+from disagg.router.prompt_tokens import COMPLETIONS
+from disagg.router.relay import RequestState, counted
+from disagg.router.replies import dumps
+from disagg.router.upstream import Failed
+
+logger = logging.getLogger("disagg.router")
+
+# disagg_router_kv_stream_requests_total{outcome}
+STREAMED = "streamed"  # G's answer (or its 4xx) is the client's
+FELL_BACK = "fell_back"  # the streaming try failed; the two calls took over
+FAILED = "failed"  # the streaming try failed with the retry budget spent, or the client left
+NOT_STREAMABLE = "not_streamable"  # the two calls at once (module docstring)
+KV_STREAM_FIELDS = ("worker_id", "backend", "addresses", "layout")  # of C's kv_transfer
+
+
+class _Refused(Exception):
+    """C answered a 4xx: no worker failure, the two calls ask it again."""
+
+
+@dataclass
+class _Stream:
+    """One streaming try."""
+
+    ctx_worker: Worker
+    gen_worker: Worker
+    id: str  # the stream id: C's lease id, G's ctx_request_id
+    ctx_answered_at: float | None = None  # C's 2xx answer came (monotonic)
+    lease_possible: bool = True  # C may hold a lease (False: it refused or never connected)
+    taken: bool = False  # G answered (< 400): G releases C's lease, as in the two calls
+
+
+def stream_source(w: Worker) -> dict[str, Any] | None:
+    """What G needs to stream ``w``'s KV (its last /server_info ``kv_transfer``); None when
+    that is unknown or has no addresses (a worker without a transfer server)."""
+    kt = w.kv_transfer
+    if not kt:
+        return None
+    addresses = kt.get("addresses")
+    if not isinstance(addresses, list) or not addresses or not isinstance(
+            kt.get("layout"), Mapping):
+        return None
+    return {k: kt.get(k) for k in KV_STREAM_FIELDS}
+
+
+def streamable_request(path: str, body: Mapping[str, Any]) -> bool:
+    """False when the answer needs the prompt's logits (which only C computes)."""
+    if body.get("prompt_logprobs") is not None:
+        return False
+    return not (path == COMPLETIONS and body.get("echo") and (
+        body.get("logprobs") is not None or body.get("max_tokens") == 0))
+
+
+def stream_bodies(body: Mapping[str, Any], stream_id: str, source: Mapping[str, Any]
+                  ) -> tuple[bytes, bytes]:
+    """The context_only and generation_only requests of one stream (module docstring)."""
+    ctx_body = dict(body)
+    ctx_body["stream"] = False
+    ctx_body.pop("stream_options", None)  # only valid with stream: true
+    ctx_body["disaggregated_params"] = {"request_type": RequestType.CONTEXT_ONLY.value,
+                                        "kv_stream_id": stream_id}
+    gen_body = dict(body)
+    gen_body["disaggregated_params"] = {"request_type": RequestType.GENERATION_ONLY.value,
+                                        "kv_stream": {"ctx_request_id": stream_id, **source}}
+    return dumps(ctx_body), dumps(gen_body)
+
+
+class StreamingFlow(RequestFlow):
+    """``RequestFlow`` whose disaggregated requests try the streaming way first."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        # C calls still being read after G's answer was relayed (they end at C's answer).
+        self.background: set[asyncio.Task[None]] = set()
+
+    async def close(self) -> None:
+        for t in list(self.background):
+            t.cancel()
+        await asyncio.gather(*self.background, return_exceptions=True)
+
+    def _count(self, outcome: str) -> None:
+        self.metrics.child(self.metrics.kv_stream, outcome).inc()
+
+    async def first_try(self, request: web.Request, st: RequestState, path: str,
+                        body: dict[str, Any], route: RouteRequest, ctx: Tries, gen: Tries
+                        ) -> web.StreamResponse | None:
+        if not streamable_request(path, body):
+            self._count(NOT_STREAMABLE)
+            return None
+        ctx_w = self.next_worker(ctx, route)
+        source = stream_source(ctx_w)
+        if source is None:
+            ctx.first = ctx_w  # the policy's pick stands for the two calls (counted once)
+            self._count(NOT_STREAMABLE)
+            return None
+        s = _Stream(ctx_w, self.next_worker(gen, route), uuid.uuid4().hex)
+        outcome = FAILED
+        try:
+            out = await self._stream(request, st, path, body, route, s, source, ctx, gen)
+            outcome = FELL_BACK if out is None else STREAMED
+            return out
+        finally:
+            self._count(outcome)
+
+    async def _stream(self, request: web.Request, st: RequestState, path: str,
+                      body: dict[str, Any], route: RouteRequest, s: _Stream,
+                      source: Mapping[str, Any], ctx: Tries, gen: Tries
+                      ) -> web.StreamResponse | None:
+        """Both calls at once: G's answer, or None to fall back (module docstring)."""
+        ctx_data, gen_data = stream_bodies(body, s.id, source)
+        loop = asyncio.get_running_loop()
+        c_task = loop.create_task(self._ctx_call(s, path, ctx_data, route))
+        g_task = loop.create_task(self._gen_call(request, st, s, path, gen_data, route,
+                                                   requested_tokens(path, body)))
+        for t in (c_task, g_task):
+            t.add_done_callback(_retrieve)
+        try:
+            done, _ = await asyncio.wait((c_task, g_task), return_when=asyncio.FIRST_COMPLETED)
+            if g_task not in done:
+                failure = _failure(c_task)
+                if failure is not None and st.first_byte_at is None:
+                    self._context_failed(failure, s, ctx, gen)
+                    return None
+                if failure is not None:  # G is answering: it has all the KV already
+                    logger.info("stream %s: context worker %s failed after the generation "
+                                "worker's answer began: %s", s.id, s.ctx_worker.url, failure)
+                await asyncio.wait((g_task,))
+            return self._generation_ended(g_task, st, s, ctx, gen)
+        finally:
+            g_task.cancel()  # a no-op when done; else nothing of it reached the client
+            if s.taken and not c_task.done():
+                self.background.add(c_task)  # read C's answer to its end (its connection)
+                c_task.add_done_callback(self.background.discard)
+            else:
+                c_task.cancel()  # nobody reads this stream: C aborts its prefill
+            if not s.taken and s.lease_possible:
+                self.upstream.release_lease(s.ctx_worker, s.id)
+
+    async def _ctx_call(self, s: _Stream, path: str, data: bytes, route: RouteRequest) -> None:
+        """C's call: read its answer whole and drop it (``Failed``: connection or 5xx;
+        ``_Refused``: a 4xx)."""
+        w = s.ctx_worker
+        t0 = time.monotonic()
+        resp = None
+        with counted(w, route):
+            try:
+                resp = await self.upstream.post(w, path, data, signed=True)
+                if resp.status >= 500:
+                    raise await self.upstream.error_answer(w, resp)
+                answer = await self.upstream.read(w, resp)
+                if not 200 <= resp.status < 300:
+                    s.lease_possible = False
+                    raise _Refused(f"{w.url} answered {resp.status}: "
+                                   f"{answer[:300].decode(errors='replace')}")
+                s.ctx_answered_at = now = time.monotonic()
+                self.metrics.ctx_latency.observe(now - t0)
+                self.membership.load.context(now - t0)  # the planner's TTFT sample
+            except Failed as f:
+                s.lease_possible = s.lease_possible and f.reached
+                raise
+            finally:
+                if resp is not None:
+                    resp.close()
+
+    async def _gen_call(self, request: web.Request, st: RequestState, s: _Stream,
+                          path: str, data: bytes, route: RouteRequest,
+                          max_tokens: int | None) -> web.StreamResponse:
+        """G's call, its answer relayed to the client (``Failed`` before the first byte)."""
+        t0 = time.monotonic()
+        out = await self.relay.call_and_relay(request, st, s.gen_worker, path, data, route,
+                                              signed=True)
+        if out.status == 200:
+            # The planner's generation sample starts where C's prefill ended (its answer,
+            # or G's first bytes if those came first), as after the context call: G's wait
+            # for the KV is the context side's time.
+            start = t0
+            if s.ctx_answered_at is not None:
+                start = max(t0, min(s.ctx_answered_at, st.first_byte_at or s.ctx_answered_at))
+            self.membership.load.generation(time.monotonic() - start, max_tokens,
+                                            first_byte_at=st.first_byte_at)
+        return out
+
+    def _context_failed(self, failure: Exception, s: _Stream, ctx: Tries, gen: Tries) -> None:
+        """C failed before G's answer began: the two calls take over (``Reply`` when the
+        context side's budget is spent)."""
+        gen.first = s.gen_worker  # its call was closed, not failed: it serves the two calls
+        if isinstance(failure, _Refused):
+            logger.info("stream %s: %s; falling back to the two calls", s.id, failure)
+            ctx.first = s.ctx_worker
+            return
+        assert isinstance(failure, Failed)
+        logger.info("stream %s: context worker failed: %s; falling back to the two calls",
+                    s.id, failure.why)
+        ctx.failed(s.ctx_worker, failure, exclude=False)
+        ctx.avoid.add(s.ctx_worker.url)
+        if ctx.exhausted:
+            raise self.no_worker(Role.CONTEXT, ctx.last)
+
+    def _generation_ended(self, g_task: asyncio.Task[web.StreamResponse], st: RequestState,
+                          s: _Stream, ctx: Tries, gen: Tries) -> web.StreamResponse | None:
+        """G's answer for the client, or None to fall back (``Reply`` when the budget of the
+        side at fault is spent)."""
+        exc = g_task.exception()
+        if exc is None:
+            out = g_task.result()
+            if _refuses_streaming(out):
+                logger.info("stream %s: generation worker %s refused kv_stream (%d): falling "
+                            "back to the two calls", s.id, s.gen_worker.url, out.status)
+                st.outcome = "success"  # (the relay counted the refusal as the client's)
+                ctx.first, gen.first = s.ctx_worker, s.gen_worker
+                return None
+            s.taken = out.status < 400
+            return out
+        if not isinstance(exc, Failed):
+            raise exc
+        logger.info("stream %s: generation worker failed: %s; falling back to the two calls",
+                    s.id, exc.why)
+        gen.failed(s.gen_worker, exc, exclude=False)
+        if exc.kv_transfer:  # the context side's fault (as in the two calls): prefill elsewhere
+            gen.retry_reason = None
+            gen.first = s.gen_worker
+            ctx.avoid.add(s.ctx_worker.url)
+            ctx.retry_reason = (Role.CONTEXT.value, exc.reason)
+        else:
+            gen.avoid.add(s.gen_worker.url)
+            ctx.first = s.ctx_worker
+        if gen.exhausted:
+            raise self.no_worker(Role.GENERATION, gen.last)
+        return None
+
+
+def _failure(c_task: asyncio.Task[None]) -> Exception | None:
+    """How C's call ended: None (it answered), ``Failed`` or ``_Refused``; anything else (a
+    bug) is raised."""
+    exc = c_task.exception()
+    if exc is None or isinstance(exc, Failed | _Refused):
+        return exc
+    raise exc
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """Mark a call's exception as seen (it is handled, or moot once the other call decided)."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _refuses_streaming(out: web.StreamResponse) -> bool:
+    """G's 4xx naming ``disaggregated_params``: a worker that does not stream KV (clients
+    cannot set that field: the router refuses it)."""
+    if not isinstance(out, web.Response) or not 400 <= out.status < 500:
+        return False
+    body = out.body
+    try:
+        error = json.loads(body).get("error") if isinstance(body, bytes) else None
+    except (ValueError, AttributeError, RecursionError):
+        return False
+    param = error.get("param") if isinstance(error, dict) else None
+    return isinstance(param, str) and param.startswith("disaggregated_params")
