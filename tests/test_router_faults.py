@@ -494,6 +494,41 @@ def test_malformed_requests_hold_no_context_kv(pair: SimpleNamespace, loop: Loop
     pair.gen.wait_blocks(0)
 
 
+def _texts(rt_url: str) -> list[str]:
+    """Greedy answers to a long prompt (two context chunks), streamed and not, and a chat."""
+    out = []
+    for body, path in [({"prompt": PROMPT_IDS}, C), ({"prompt": PROMPT_IDS, "stream": True}, C),
+                       ({"messages": [{"role": "user", "content": "Hi there"}]}, CHAT)]:
+        body = {"model": NAME, "max_tokens": 8, "temperature": 0, "ignore_eos": True, **body}
+        if not body.get("stream"):
+            r = httpx.post(rt_url + path, json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            ch = r.json()["choices"][0]
+            out.append(ch["text"] if path == C else ch["message"]["content"])
+            continue
+        with httpx.stream("POST", rt_url + path, json=body, timeout=60) as r:
+            assert r.status_code == 200
+            out.append("".join(json.loads(line[6:])["choices"][0]["text"]
+                               for line in r.iter_lines()
+                               if line.startswith("data: {") and '"choices":[{' in line))
+    return out
+
+
+def test_kv_streaming_through_the_router_answers_as_the_two_calls_do(
+        pair: SimpleNamespace, loop: LoopThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real workers: with kv_streaming the router calls both at once and every answer is
+    the two-call flow's; nothing stays held on either side."""
+    monkeypatch.setenv("DISAGG_CLUSTER_TOKEN", TOKEN)
+    with router(loop, pair_config(pair)) as rt:
+        two_calls = _texts(rt.url)
+    with router(loop, {**pair_config(pair), "kv_streaming": True}) as rt:
+        assert _texts(rt.url) == two_calls
+        assert metric(rt.url, "disagg_router_kv_stream_requests_total",
+                      outcome="streamed") == 3
+    pair.ctx.wait_blocks(0)
+    pair.gen.wait_blocks(0)
+
+
 def _bad_traffic(rt_url: str, rt_port: int, pair: SimpleNamespace) -> list[Any]:
     """One round of bad requests: through the router and straight to the workers."""
     direct = [pair.ctx.url, pair.gen.url]
