@@ -495,8 +495,7 @@ class KVTransferServer:
         t0 = time.perf_counter()
         try:
             req = ReadRequest.from_wire(msg)
-            streamed = req.wait_s is not None
-            if streamed:  # streaming: the lease may not exist yet
+            if streamed := req.wait_s is not None:  # streaming: the lease may not exist yet
                 req = await await_stream(self.progress, req, self.kv_cache.shape[4])
                 t0 = time.perf_counter()  # the transfer's time, not the prefill's
             lease = self.leases.pin(req.lease_id)
@@ -508,10 +507,8 @@ class KVTransferServer:
         gathers: list[asyncio.Future[Any]] = []
         try:
             try:
-                # A streamed read's blocks come from the engine's own table (the progress):
-                # its lease takes them only when the prefill ends.
-                plan = plan_read(self.kv_cache, req, None if streamed else lease.block_set,
-                                 self.device_direct)
+                leased = None if streamed else lease.block_set  # streamed: the engine's table
+                plan = plan_read(self.kv_cache, req, leased, self.device_direct)
                 if msg.get("dtype") != self._dtype:
                     raise TransferError(BAD_REQUEST, f"dtype {msg.get('dtype')!r} != server "
                                                      f"cache dtype {self._dtype!r}")
