@@ -131,15 +131,22 @@ def test_reads_are_answered_layer_by_layer_during_the_last_prefill_step(
     _pump(ctx, lambda _o: ctx.stats().kv_blocks_used == 0, "the lease to be confirmed")
 
 
-def test_context_abort_fails_the_generation_request_cleanly(
-        pair: tuple[LLMEngine, LLMEngine]) -> None:
-    ctx, gen = pair
+def _first_chunk_done(ctx: LLMEngine, gen: LLMEngine) -> str:
+    """A 57-token prompt streamed as "g": its reads wait, the context side computed its
+    first chunk (of two). Returns the stream id."""
     prompt = list(range(3, 60))
     sid, params = _stream(ctx, prompt)
     _add_context(ctx, sid, prompt)
     gen.add_request("g", prompt, GREEDY, remote=params)
     gen.step()
-    ctx.step()  # the first chunk only
+    ctx.step()
+    return sid
+
+
+def test_context_abort_fails_the_generation_request_cleanly(
+        pair: tuple[LLMEngine, LLMEngine]) -> None:
+    ctx, gen = pair
+    sid = _first_chunk_done(ctx, gen)
     ctx.abort_request(sid)  # the stream is dropped: waiting reads fail at once
     outs = _pump(gen, _finished("g"), "the generation failure")
     assert outs[-1].outputs[0].finish_reason == "error"
@@ -150,12 +157,7 @@ def test_context_abort_fails_the_generation_request_cleanly(
 
 def test_generation_abort_releases_the_stream_lease(pair: tuple[LLMEngine, LLMEngine]) -> None:
     ctx, gen = pair
-    prompt = list(range(3, 60))
-    sid, params = _stream(ctx, prompt)
-    _add_context(ctx, sid, prompt)
-    gen.add_request("g", prompt, GREEDY, remote=params)
-    gen.step()
-    ctx.step()
+    sid = _first_chunk_done(ctx, gen)
     gen.abort_request("g")  # gives the lease back to the context worker
     deadline = time.monotonic() + WAIT  # the release arrives on the transfer server's thread
     while ctx.connector.lease_is_live(sid):  # type: ignore[union-attr]
