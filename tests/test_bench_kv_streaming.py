@@ -71,6 +71,8 @@ def test_target_arithmetic_and_verdicts() -> None:
     assert vs[(512, "on")].met  # gap 0.15 <= 0.205
     assert vs[(2048, "on")].met and vs[(2048, "on")].reps == 1  # 0.7 <= 0.5 + 0.2, at the edge
     assert (2048, "off") not in vs  # not measured there
+    # within each rep: 0.5, 0.2, 0.5 -> 0.5 (the gap of the medians is 0.4)
+    assert ks.paired_gap_s(samples, 512, "off") == pytest.approx(0.5)
     with pytest.raises(ValueError, match="no aggregated"):
         ks.decode_step_s(samples, 8192)
 
@@ -144,12 +146,30 @@ def test_report_partial_run() -> None:
     assert "**Headline:** disagg, streaming off: target missed at 2048 tokens " \
            "(gap vs aggregated TTFT 512: -1.2%, 2048: +10.0%)." in text
     assert "**Partial run:** streaming on was not measured" in text
-    assert "| 512 | disagg, streaming off | 2 | 2075 | -25 | -1.2% | 205 | **met** |" in text
-    assert "| 2048 | disagg, streaming off | 1 | 11000 | +1000 | +10.0% | 600 | **missed** |" \
-        in text
+    assert "| 512 | disagg, streaming off | 2 | 2075 | 2050-2100 | -25 | -1.2% | -25 | 205 " \
+           "| **met** |" in text
+    assert "| 2048 | disagg, streaming off | 1 | 11000 | 11000-11000 | +1000 | +10.0% | +1000 " \
+           "| 600 | **missed** |" in text
     assert "| 2048 | disagg, streaming off | 11000.0 | 2000.0 | 1900.0 | 30.0 | 30.0 " \
            "| 10.0 (1) | 0.0 | 12.0 | 4.0 | 100.0 |" in text
     assert "identical across the modes for 2 of 3 prompts" in text
     assert "1 prompt(s) replaced" in text and "a median of 1 is one request" in text
     assert "`python bench/kv_streaming.py --modes agg,off --tokens 512,2048 --reps 2,1`" \
         in text
+
+
+def test_rewrite_renders_a_runs_json_with_its_own_settings(tmp_path: Path) -> None:
+    import json
+    from dataclasses import asdict
+
+    s = ks.parse_args(["--modes", "agg,off", "--tokens", "512", "--reps", "1"])
+    info = {**_info(s), "argv": list(s.argv)}
+    samples = [_sample(512, "agg", 2.0), _sample(512, "off", 2.05)]
+    src = tmp_path / "run.json"
+    src.write_text(json.dumps({"info": info, "samples": [asdict(x) for x in samples]}))
+    out = tmp_path / "report.md"
+    assert ks.main(["--rewrite", str(src), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text == ks.report(samples, s, info)
+    assert "| 512 | disagg, streaming off | 1 | 2050 | 2050-2050 | +50 | +2.5% | +50 | 200 " \
+           "| **met** |" in text
