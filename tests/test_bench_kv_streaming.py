@@ -130,7 +130,7 @@ def _info(s: ks.Settings) -> dict[str, object]:
             "cores": (0, 1), "backend": "TCP", "step_tokens": s.step_tokens,
             "max_len": s.max_len, "max_tokens": 4, "warmup": 1, "command": s.command,
             "load": ((0.1, 0.2, 0.3), (0.4, 0.5, 0.6)), "wall_s": 90.0,
-            "streaming": "not started", "notes": ks.run_notes({}, 1, s)}
+            "streaming": "not started", "notes": ks.run_notes(ks.RunLog(replaced=1), s)}
 
 
 def test_report_partial_run() -> None:
@@ -173,3 +173,19 @@ def test_rewrite_renders_a_runs_json_with_its_own_settings(tmp_path: Path) -> No
     assert text == ks.report(samples, s, info)
     assert "| 512 | disagg, streaming off | 1 | 2050 | 2050-2050 | +50 | +2.5% | +50 | 200 " \
            "| **met** |" in text
+
+
+def test_headline_and_notes_name_what_is_missing() -> None:
+    s = ks.parse_args(["--tokens", "512,2048", "--reps", "1"])
+    samples = [_sample(512, "agg", 2.0), _sample(512, "off", 2.05), _sample(512, "on", 2.5),
+               _sample(2048, "agg", 10.0), _sample(2048, "off", 10.1)]
+    head = ks.headline(ks.verdicts(samples, s), s)
+    assert head == ("disagg, streaming off: target met at every length (gap vs aggregated TTFT "
+                    "512: +2.5%, 2048: +1.0%); disagg, streaming on: target missed at 512 "
+                    "tokens, **no result at 2048 tokens** (gap vs aggregated TTFT 512: "
+                    "+25.0%).")
+    log = ks.RunLog(counters={"on: x{mode=\"streamed\"}": 1.0},
+                    failures=["2048 tokens, rep 0, on: HTTPStatusError: 502"])
+    notes = "\n".join(ks.run_notes(log, s))
+    assert "`on: x{mode=\"streamed\"}` 1" in notes
+    assert "**1 request(s) failed**" in notes and "- 2048 tokens, rep 0, on: HTTP" in notes
