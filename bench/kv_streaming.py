@@ -113,6 +113,8 @@ class Settings:
     out: str | None = None
     json_path: str | None = None
     seed: int = 0
+    quiet_wait_s: float = 60.0  # before each rep: wait up to this long for a quiet host
+    max_other: float = 0.3  # ... quiet: other processes use at most this many cores
     rewrite: str | None = None  # a --json file to render again instead of measuring
     argv: tuple[str, ...] = ()
 
@@ -138,6 +140,8 @@ class Settings:
             raise ValueError(f"--backend: TCP or UCX, got {self.backend}")
         if self.max_num_tokens is not None and self.max_num_tokens < 1:
             raise ValueError("--max-num-tokens: >= 1")
+        if self.quiet_wait_s < 0 or self.max_other < 0:
+            raise ValueError("--quiet-wait / --max-other: >= 0")
 
     @property
     def max_len(self) -> int:
@@ -180,6 +184,10 @@ def parse_args(argv: Sequence[str]) -> Settings:
     p.add_argument("--out", default=None, help="markdown report to write")
     p.add_argument("--json", dest="json_path", default=None, help="every request's record")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet-wait", type=float, default=60.0, metavar="S",
+                   help="before each rep, wait up to S s for a 2 s window in which other "
+                        "processes use at most --max-other cores (0: never wait)")
+    p.add_argument("--max-other", type=float, default=0.3, metavar="CORES")
     p.add_argument("--rewrite", default=None, metavar="JSON",
                    help="write the report of a --json file again (nothing is measured)")
     a = p.parse_args(list(argv))
@@ -191,7 +199,8 @@ def parse_args(argv: Sequence[str]) -> Settings:
             reps=reps * len(tokens) if len(reps) == 1 else reps, warmup=a.warmup,
             max_tokens=a.max_tokens, backend=a.backend.upper(),
             max_num_tokens=a.max_num_tokens, model=a.model, out=a.out,
-            json_path=a.json_path, seed=a.seed, rewrite=a.rewrite, argv=tuple(argv))
+            json_path=a.json_path, seed=a.seed, quiet_wait_s=a.quiet_wait,
+            max_other=a.max_other, rewrite=a.rewrite, argv=tuple(argv))
     except ValueError as e:
         p.error(str(e))
         raise  # unreachable: p.error exits
@@ -653,6 +662,19 @@ def prompt_for(tok: Any, tokens: int, seed: int) -> list[int]:
     return list(sample_random(tok, 1, tokens, 1, seed=seed, as_token_ids=True)[0].prompt)
 
 
+def wait_quiet(s: Settings) -> tuple[float, bool]:
+    """Up to ``s.quiet_wait_s``: until a 2 s window in which the host (our processes idle
+    between requests) used at most ``s.max_other`` cores. The seconds waited, and whether
+    such a window came (True too when not waiting at all)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < s.quiet_wait_s:
+        b0 = dva.machine_busy_s()
+        time.sleep(2.0)  # a measurement window, not a wait for an event
+        if (dva.machine_busy_s() - b0) / 2.0 <= s.max_other:
+            return time.monotonic() - t0, True
+    return time.monotonic() - t0, s.quiet_wait_s == 0
+
+
 @dataclass
 class RunLog:
     """What went differently from plan, for the report."""
@@ -660,6 +682,8 @@ class RunLog:
     counters: dict[str, float] = field(default_factory=dict)  # router streaming samples
     replaced: int = 0  # prompts replaced: a token decoded to no text
     failures: list[str] = field(default_factory=list)  # requests that failed, and why
+    # per rep: seconds waited for a quiet host, and whether it came
+    waits: list[tuple[float, bool]] = field(default_factory=list)
 
 
 def sample_one(client: httpx.Client, cl: Cluster, s: Settings, tok: Any, mode: str,
@@ -698,6 +722,7 @@ def run_all(client: httpx.Client, cl: Cluster, s: Settings, tok: Any, log: RunLo
     samples: list[Sample] = []
     for li, n in enumerate(s.tokens):
         for rep in range(s.reps[li]):
+            log.waits.append(wait_quiet(s))
             k = rep % len(s.modes)  # rotate the order: no mode always first after a pause
             for mode in s.modes[k:] + s.modes[:k]:
                 x = sample_one(client, cl, s, tok, mode, n, rep,
@@ -789,6 +814,11 @@ def run_notes(log: RunLog, s: Settings) -> list[str]:
     elif set(DISAGG_MODES) & set(s.modes):
         out.append("No router sample mentioning streaming changed during the measured "
                    "requests.")
+    if log.waits and s.quiet_wait_s > 0:
+        out.append(f"Before each rep the run waited for a quiet host (other processes <= "
+                   f"{s.max_other} cores over 2 s, at most {s.quiet_wait_s:.0f} s): "
+                   f"{sum(w for w, _ in log.waits):.0f} s in all; "
+                   f"{sum(not q for _, q in log.waits)} of {len(log.waits)} waits gave up.")
     if log.replaced:
         out.append(f"{log.replaced} prompt(s) replaced by a new random one: a streamed token "
                    "decoded to no text, so its time could not be read off the stream.")

@@ -185,7 +185,9 @@ def test_headline_and_notes_name_what_is_missing() -> None:
                     "tokens, **no result at 2048 tokens** (gap vs aggregated TTFT 512: "
                     "+25.0%).")
     log = ks.RunLog(counters={"on: x{mode=\"streamed\"}": 1.0},
-                    failures=["2048 tokens, rep 0, on: HTTPStatusError: 502"])
+                    failures=["2048 tokens, rep 0, on: HTTPStatusError: 502"],
+                    waits=[(3.2, True), (60.5, False)])
     notes = "\n".join(ks.run_notes(log, s))
     assert "`on: x{mode=\"streamed\"}` 1" in notes
+    assert "at most 60 s): 64 s in all; 1 of 2 waits gave up." in notes
     assert "**1 request(s) failed**" in notes and "- 2048 tokens, rep 0, on: HTTP" in notes
