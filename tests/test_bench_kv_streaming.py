@@ -69,6 +69,9 @@ def test_target_arithmetic_and_verdicts() -> None:
     assert off.gap_s == pytest.approx(0.4) and off.target_s == pytest.approx(0.205)
     assert not off.met and off.gap_share == pytest.approx(0.4 / 2.1)
     assert vs[(512, "on")].met  # gap 0.15 <= 0.205
+    assert off.added_s is None and off.added_met is None  # no phases in these samples
+    late = ks.Verdict(512, "on", 1, 2.2, 2.1, 0.1, added_s=0.3)
+    assert late.met and late.added_met is False  # 0.3 > 0.205
     assert vs[(2048, "on")].met and vs[(2048, "on")].reps == 1  # 0.7 <= 0.5 + 0.2, at the edge
     assert (2048, "off") not in vs  # not measured there
     # within each rep: 0.5, 0.2, 0.5 -> 0.5 (the gap of the medians is 0.4)
@@ -144,12 +147,14 @@ def test_report_partial_run() -> None:
                _sample(2048, "agg", 10.0), _sample(2048, "off", 11.0, phases=ph)]
     text = ks.report(samples, s, _info(s))
     assert "**Headline:** disagg, streaming off: target missed at 2048 tokens " \
-           "(gap vs aggregated TTFT 512: -1.2%, 2048: +10.0%)." in text
+           "(gap vs aggregated TTFT 512: -1.2%, 2048: +10.0%); G's added latency within the " \
+           "target at every length measured (512: 30 ms, 2048: 30 ms)." in text
     assert "**Partial run:** streaming on was not measured" in text
+    assert "Cost of the host" not in text  # 0.1 cores of others: within --max-other
     assert "| 512 | disagg, streaming off | 2 | 2075 | 2050-2100 | -25 | -1.2% | -25 | 205 " \
-           "| **met** |" in text
+           "| **met** | 30 | yes |" in text
     assert "| 2048 | disagg, streaming off | 1 | 11000 | 11000-11000 | +1000 | +10.0% | +1000 " \
-           "| 600 | **missed** |" in text
+           "| 600 | **missed** | 30 | yes |" in text
     assert "| 2048 | disagg, streaming off | 11000.0 | 2000.0 | 1900.0 | 30.0 | 30.0 " \
            "| 10.0 (1) | 0.0 | 12.0 | 4.0 | 100.0 |" in text
     assert "identical across the modes for 2 of 3 prompts" in text
@@ -162,17 +167,20 @@ def test_rewrite_renders_a_runs_json_with_its_own_settings(tmp_path: Path) -> No
     import json
     from dataclasses import asdict
 
-    s = ks.parse_args(["--modes", "agg,off", "--tokens", "512", "--reps", "1"])
-    info = {**_info(s), "argv": list(s.argv)}
+    s = ks.parse_args(["--modes", "agg,off", "--tokens", "512", "--reps", "1",
+                       "--quiet-wait", "7"])
+    info = {**_info(s), "settings": asdict(s)}
     samples = [_sample(512, "agg", 2.0), _sample(512, "off", 2.05)]
     src = tmp_path / "run.json"
     src.write_text(json.dumps({"info": info, "samples": [asdict(x) for x in samples]}))
     out = tmp_path / "report.md"
     assert ks.main(["--rewrite", str(src), "--out", str(out)]) == 0
     text = out.read_text()
-    assert text == ks.report(samples, s, info)
+    assert text.startswith(ks.report(samples, s, info).rstrip("\n"))
+    assert f"Rendered again from `{src}`" in text
+    assert ks.settings_from(json.loads(json.dumps(asdict(s)))) == s  # not today's defaults
     assert "| 512 | disagg, streaming off | 1 | 2050 | 2050-2050 | +50 | +2.5% | +50 | 200 " \
-           "| **met** |" in text
+           "| **met** | n/a | n/a |" in text
 
 
 def test_headline_and_notes_name_what_is_missing() -> None:
@@ -189,5 +197,18 @@ def test_headline_and_notes_name_what_is_missing() -> None:
                     waits=[(3.2, True), (60.5, False)])
     notes = "\n".join(ks.run_notes(log, s))
     assert "`on: x{mode=\"streamed\"}` 1" in notes
-    assert "at most 60 s): 64 s in all; 1 of 2 waits gave up." in notes
+    assert "at most 20 s): 64 s in all; 1 of 2 waits gave up." in notes
     assert "**1 request(s) failed**" in notes and "- 2048 tokens, rep 0, on: HTTP" in notes
+
+
+def test_report_states_the_hosts_load_when_others_were_busy() -> None:
+    import dataclasses
+
+    s = ks.parse_args(["--modes", "agg,off", "--tokens", "512", "--reps", "2"])
+    samples = [dataclasses.replace(_sample(512, m, t, rep=r), other_cores=1.0)
+               for m, r, t in (("agg", 0, 2.0), ("agg", 1, 3.0), ("off", 0, 2.1),
+                               ("off", 1, 2.2))]
+    text = ks.report(samples, s, _info(s))
+    # agg: (3.0 - 2.0) / 2.5 = 40%, the widest cell
+    assert "other processes used a median 1.00 of its" in text
+    assert "the TTFT spread within a cell reached 40% of its median" in text
