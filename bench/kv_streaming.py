@@ -524,8 +524,53 @@ def report(samples: Sequence[Sample], settings: Settings, info: Mapping[str, Any
     lines += ["", "## TTFT", ""] + ttft_table(vs, samples)
     lines += ["", "## Per-phase split of the disaggregated requests", ""]
     lines += phase_table(samples, settings)
+    if overlap := overlap_table(samples, settings):
+        lines += ["", "## Streaming on vs off", "", *overlap]
     lines += ["", *NOTES, "", *_agreement(samples, settings), *info.get("notes", [])]
     return "\n".join(lines) + "\n"
+
+
+def overlap_table(samples: Sequence[Sample], settings: Settings) -> list[str]:
+    """Streaming on against off, per length. Won = a smaller *G added latency* (measured
+    inside each request, so the host's prefill spread is not in it); the TTFT differences
+    are shown beside it (they carry that spread). The router's default follows: on only where
+    it wins at every length."""
+    if not {"on", "off"} <= set(settings.modes):
+        return []
+    lines = ["| prompt tokens | G added latency on / off ms | G first token after pull on / off "
+             "ms | transfer hidden (off's transfer) ms | TTFT on - off ms (medians; paired) "
+             "| on wins |", "|---|---|---|---|---|---|"]
+    wins = []
+    for n in settings.tokens:
+        on, off = cell(samples, n, "on"), cell(samples, n, "off")
+        if not on or not off:
+            continue
+
+        def med(c: list[Sample], key: str) -> float | None:
+            return _median(x.phases.get(key) for x in c)
+
+        a_on, a_off = med(on, "added"), med(off, "added")
+        if a_on is None or a_off is None:
+            continue
+        wins.append(a_on < a_off)
+        gap = statistics.median(x.ttft_s for x in on) - statistics.median(x.ttft_s for x in off)
+        paired = paired_gap_s(samples, n, "on") - paired_gap_s(samples, n, "off")
+        lines.append(f"| {n} | {_ms(a_on)} / {_ms(a_off)} | {_ms(med(on, 'gen_after_pull'))} "
+                     f"/ {_ms(med(off, 'gen_after_pull'))} | {_ms(med(off, 'transfer'))} "
+                     f"| {gap * 1e3:+.0f}; {paired * 1e3:+.0f} | {_yes(wins[-1])} |")
+    won = bool(wins) and all(wins)
+    verdict = (f"streaming on won at {sum(wins)} of {len(wins)} lengths measured "
+               f"({'on' if won else 'off'} is the better default on this host)")
+    why = ("" if won else " Where on lost, the step for the last prompt token cost more than "
+           "the transfer it hid (the two middle columns); that step is a decode-sized "
+           "forward, milliseconds on a GPU (not measured here).")
+    return [f"**On vs off:** {verdict}. *G added latency* (per-phase split): what each path "
+            "adds after the context side's prefill. Streaming on it holds the step that "
+            "computes the last prompt token (*G first token after pull*: one token over the "
+            "prompt's KV) and the tail of the pull; off, the whole transfer (*transfer "
+            "hidden*, which on overlaps with the forward) and the relay of C's token." + why
+            + " The TTFT differences carry the prefill's run-to-run spread (see the min-max "
+            "column above).", "", *lines]
 
 
 def _agreement(samples: Sequence[Sample], settings: Settings) -> list[str]:
