@@ -20,9 +20,9 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -231,6 +231,22 @@ class _State:
             prompt_logprobs=self.prompt_lps,
             prompt_logprob_ranks=self.prompt_ranks,
         )
+
+
+def _take_first(st: _State, first: Mapping[str, Any], scheduler: Scheduler
+                ) -> RequestStatus | None:
+    """A streamed request's first token(s), sampled by the context worker under the same
+    params (the connector checked their shape): its outputs from here on, as a two-call
+    request's are from the start. Returns how they end it (EOS, a stop token, max_tokens)."""
+    req = st.request
+    req.output_token_ids = list(first["tokens"])
+    if st.logprobs is not None:
+        st.logprobs = list(first.get("logprobs") or [{} for _ in req.output_token_ids])
+    if st.matcher is not None and not st.matcher.replay(req.output_token_ids):
+        # sampled under the same grammar: only a context worker of another model gets here
+        req.error = "the context worker's first token does not match the grammar"
+        return RequestStatus.FINISHED_ERROR
+    return scheduler.check_stop(req)
 
 
 def _new_matcher(grammars: GrammarCache, req: Request, replay: bool) -> Matcher:
@@ -575,31 +591,34 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         for rid in done.loaded:
             st = self._states.get(rid)
-            if st is not None and (out := self._kv_in_place(st)) is not None:
-                outputs.append(out)
+            if st is not None:
+                outputs.append(self._kv_in_place(st, done.first.get(rid)))
         for rid, error in done.failed:
             logger.warning("request %s: %s", rid, error)
             outputs.extend(self._fail_requests([rid], error))
         return self._collect_finished_without_step(outputs) if outputs else outputs
 
-    def _kv_in_place(self, st: _State) -> RequestOutput | None:
+    def _kv_in_place(self, st: _State, first: Mapping[str, Any] | None = None
+                     ) -> RequestOutput:
         """A request's prompt KV is in its blocks (pulled, or dummy): it decodes from the next
-        step; its first output carries the context worker's token(s). Streamed (no token):
-        positions [0, n - 1) are in place, the next step computes the last one and samples."""
-        rid, now, cache = st.request.request_id, time.monotonic(), st.cache_remote_kv
-        if not st.request.output_token_ids:
-            return self.scheduler.remote_kv_ready(rid, cache, st.request.num_prompt_tokens - 1)
-        self.scheduler.remote_kv_ready(rid, cache=cache and not st.dummy_kv)
+        step; its first output carries the context worker's token(s) (streamed: ``first``,
+        which came with the last read, so they may also end it: a stop, max_tokens)."""
+        rid, now = st.request.request_id, time.monotonic()
+        end = _take_first(st, first, self.scheduler) if first is not None else None
         st.metrics.first_scheduled_time = st.metrics.first_scheduled_time or now
         st.metrics.first_token_time = now
         st.metrics.last_token_time = now
         delta = "".join(st.detok.update(t) for t in st.request.output_token_ids)
-        finished = False
         if st.detok.stopped or (st.matcher is not None and st.matcher.done):
             st.request.stop_reason = st.detok.stop_reason
-            self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-            finished = True
-        return self._make_output(st, delta, finished=finished)
+            end = RequestStatus.FINISHED_STOPPED
+        # A streamed answer that ends here may have read blocks its context worker freed at
+        # once (a stop is final there): such KV is never used, and never cached.
+        cache = not st.dummy_kv and st.cache_remote_kv and (first is None or end is None)
+        self.scheduler.remote_kv_ready(rid, cache=cache)
+        if end is not None:
+            self.scheduler.finish_request(rid, end)
+        return self._make_output(st, delta, finished=end is not None)
 
     def _start_loads(self, sched: SchedulerOutput) -> list[RequestOutput]:
         """The plan allocated blocks for requests whose KV arrives from elsewhere: start their

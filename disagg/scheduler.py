@@ -237,14 +237,13 @@ class Scheduler:
 
     # -- KV that crosses workers -------------------------------------------------------------
 
-    def remote_kv_ready(self, request_id: str, cache: bool = True,
-                        num_computed: int | None = None) -> None:
-        """A fetching request's prompt KV is in its blocks: it decodes from the next step (its
-        token from the context worker is the one left to compute). ``cache=False``: not the
-        prompt's KV (benchmark gen-only), never a prefix hit. ``num_computed``: KV of
-        [0, num_computed) only (KV streaming: the rest of the prompt is a prefill here)."""
+    def remote_kv_ready(self, request_id: str, cache: bool = True) -> None:
+        """The prompt KV of a fetching request is in its blocks: it decodes from the next step
+        (its last sampled token, from the context worker, is the one token left to compute).
+        ``cache=False``: the blocks' contents are not the prompt's (benchmark gen-only), so
+        they must never serve a prefix hit."""
         req = self.fetching.pop(request_id)
-        req.num_computed_tokens = req.num_prompt_tokens if num_computed is None else num_computed
+        req.num_computed_tokens = req.num_prompt_tokens
         if cache:
             self.kv.cache_blocks(req, req.num_computed_tokens)
         else:
@@ -476,7 +475,7 @@ class Scheduler:
             if not sr.sample:
                 continue
             req.output_token_ids.append(sampled[sr.request_id])
-            status = self._check_stop(req)
+            status = self.check_stop(req)
             if status is not None:
                 req.status = status  # before kv.free: a finished request's chain is dropped
                 if req.request_id in self._hold and status == RequestStatus.FINISHED_LENGTH:
@@ -490,7 +489,7 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished()]
         return finished
 
-    def _check_stop(self, req: Request) -> RequestStatus | None:
+    def check_stop(self, req: Request) -> RequestStatus | None:
         """Stop conditions after appending a token. Stops (EOS, stop tokens) win over length
         when both hold; min_tokens only suppresses stops, never the length limits."""
         sp = req.sampling_params

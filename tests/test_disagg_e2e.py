@@ -452,7 +452,10 @@ def _stream_bodies() -> list[tuple[str, dict[str, Any]]]:
     return [(C, {**base, "prompt": PROMPTS[1]}), (C, {**base, "prompt": LONG, "stream": True}),
             (CHAT_PATH, chat), (CHAT_PATH, {**chat, "stream": True}),
             (C, {**base, "prompt": PROMPTS[0], "response_format": {"type": "json_object"},
-                 "max_tokens": 20})]
+                 "max_tokens": 20}),
+            # seeded: the generation worker goes on from the context worker's first draw
+            (C, {**base, "prompt": PROMPTS[1], "temperature": 2.0, "top_p": 0.95, "seed": 11,
+                 "stream": True})]
 
 
 def _check_streamed(ctx: Worker, gen: Worker, ref: str) -> None:
@@ -496,9 +499,6 @@ def _fetching(w: Worker) -> bool:
 def test_streamed_failures_end_cleanly(tcp: dict[str, Worker]) -> None:
     ctx, gen = tcp["ctx"], tcp["gen"]
     body = {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0}
-    # A one-token prompt has nothing to stream (the router then takes the two-call flow).
-    r = _post(ctx.url, C, stream_bodies(ctx, C, {**body, "prompt": [5]})[0])
-    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     bad_id = stream_bodies(ctx, C, body, stream_id="no spaces")[0]
     r = _post(ctx.url, C, bad_id)
     assert r.status_code == 400 and "kv_stream_id" in r.json()["error"]["param"]

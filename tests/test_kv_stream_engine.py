@@ -58,10 +58,10 @@ def _stream(ctx: LLMEngine, prompt: list[int]) -> tuple[str, ContextParams]:
     return sid, ContextParams.from_stream(d, prompt)
 
 
-def _add_context(ctx: LLMEngine, sid: str, prompt: list[int]) -> None:
-    head = prompt[:-1]
-    ctx.add_request(sid, head, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
-                    context_only=True, kv_stream=(len(head), token_ids_hash(head)))
+def _add_context(ctx: LLMEngine, sid: str, prompt: list[int],
+                 params: SamplingParams = GREEDY) -> None:
+    ctx.add_request(sid, prompt, params, context_only=True,
+                    kv_stream=(len(prompt), token_ids_hash(prompt)))
 
 
 def _pump(eng: LLMEngine, until: Callable[[list[Any]], bool], what: str) -> list[Any]:
@@ -113,7 +113,7 @@ def test_reads_are_answered_layer_by_layer_during_the_last_prefill_step(
     def pausing_hook(i: int) -> None:
         hook(i)
         last_step = ctx._last_sched.scheduled[0].start_pos + len(
-            ctx._last_sched.scheduled[0].token_ids) == len(prompt) - 1
+            ctx._last_sched.scheduled[0].token_ids) == len(prompt)
         if last_step and i == 1:  # layers 0 and 1 of the last chunk are done: their reads go
             cf.wait([r.future for r in reads[:2]], timeout=WAIT)
             seen.append([r.future.done() and r.future.exception() is None for r in reads])
@@ -123,7 +123,9 @@ def test_reads_are_answered_layer_by_layer_during_the_last_prefill_step(
         outs = _pump(ctx, _finished(sid), "the context prefill")
     finally:
         ctx.runner.model.layer_hook = hook
-    assert seen == [[True, True, False, False]]  # mid-forward: the first two groups moved
+    # mid-forward: the first two groups moved; the last one waits for the first token too
+    assert seen == [[True, True, False, False]]
+    assert reads[3].request.first_token and not any(r.request.first_token for r in reads[:3])
     assert outs[-1].disaggregated_params["kv_stream_id"] == sid
     g = _pump(gen, _finished("g"), "the generation answer")
     assert _tokens(g, "g") == _reference(model, prompt)
@@ -178,4 +180,43 @@ def test_mismatched_prompt_is_refused_not_decoded(pair: tuple[LLMEngine, LLMEngi
     gen.add_request("g", prompt, GREEDY, remote=params)
     outs = _pump(gen, _finished("g"), "the generation failure")
     assert outs[-1].outputs[0].finish_reason == "error" and "bad_request" in outs[-1].error
+    _pump(ctx, lambda _o: ctx.stats().kv_blocks_used == 0, "the lease to end")
+
+
+@pytest.mark.parametrize("case", ["eos", "max_tokens_1", "logprobs"])
+def test_the_first_token_comes_with_the_kv(pair: tuple[LLMEngine, LLMEngine], model: str,
+                                           case: str) -> None:
+    """The generation side goes on from the context worker's first token as after the two
+    calls: a first token that ends the request ends it there (nothing cached from KV its
+    context worker may have freed), and logprobs travel with it."""
+    ctx, gen = pair
+    prompt = list(range(3, 40))
+    eos = ctx.eos_token_ids[0]
+    params = {"eos": SamplingParams(temperature=0, max_tokens=5, logit_bias=((eos, 100.0),)),
+              "max_tokens_1": SamplingParams(temperature=0, max_tokens=1),
+              "logprobs": SamplingParams(temperature=0, max_tokens=4, logprobs=2,
+                                         ignore_eos=True)}[case]
+    sid, remote = _stream(ctx, prompt)
+    gen.add_request("g", prompt, params, remote=remote, cache_remote_kv=True)
+    gen.step()
+    _add_context(ctx, sid, prompt, params)
+    _pump(ctx, _finished(sid), "the context prefill")
+    outs = _pump(gen, _finished("g"), "the generation answer")
+    agg = _engine(model, None)
+    try:
+        agg.add_request("r", prompt, params)
+        ref = _pump(agg, _finished("r"), "the aggregated answer")
+    finally:
+        agg.shutdown()
+    assert _tokens(outs, "g") == _tokens(ref, "r")
+    assert outs[-1].outputs[0].finish_reason == ref[-1].outputs[0].finish_reason
+    if case == "eos":
+        assert _tokens(outs, "g") == [eos] and gen.stats().kv_blocks_cached == 0
+    if case == "logprobs":
+        got = outs[-1].outputs[0].logprobs
+        want = ref[-1].outputs[0].logprobs
+        assert len(got) == len(want) == 4
+        for d, w in zip(got, want, strict=True):
+            assert d == pytest.approx(w, abs=1e-4)
+    assert gen.stats().kv_blocks_used == 0
     _pump(ctx, lambda _o: ctx.stats().kv_blocks_used == 0, "the lease to end")

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any
 
 from disagg.kv_connector.errors import KVTransferError
 from disagg.request import Request
@@ -82,6 +83,9 @@ class FinishedTransfers:
     loaded: list[str] = field(default_factory=list)
     # Requests whose pull failed: the engine fails them (their blocks are freed then).
     failed: list[tuple[str, KVTransferError]] = field(default_factory=list)
+    # Streamed requests among ``loaded``: the context worker's first token(s), which came with
+    # the KV ({"tokens": [ids], "logprobs": [{id: logprob}] | None}).
+    first: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.leases_ended or self.loaded or self.failed)

@@ -58,6 +58,7 @@ from disagg.kv_connector.pull import (
     cancel_reads,
     describe_failure,
     first_error,
+    first_token,
     give_back,
     install,
     log_release_failure,
@@ -276,11 +277,21 @@ class DisaggConnector(KVConnector):
 
     def _finish_stream(self, request: Request, held_blocks: list[int] | None,
                        logprobs: list[dict[int, float]] | None) -> ContextParams | None:
-        """A streaming request's prefill ended: by length, its lease keeps the blocks (the
-        generation worker may still be reading); else (or when the reader gave up already)
-        the lease is dropped on every rank and the engine frees the blocks."""
+        """A streaming request's prefill ended. With its first token sampled, that token goes
+        to the reader (with its last read) and the lease lives on: by length it keeps the
+        blocks, after a stop (the token ends the request: the reader needs no KV) none. Else
+        (an abort, an error; or when the reader gave up already) the lease is dropped on every
+        rank and the engine frees the blocks."""
         rid = request.request_id
-        keep = held_blocks if request.status == RequestStatus.FINISHED_LENGTH else None
+        sampled = request.status in (RequestStatus.FINISHED_LENGTH,
+                                     RequestStatus.FINISHED_STOPPED)
+        if sampled:
+            self.streams.progress.set_first(rid, {
+                "tokens": list(request.output_token_ids),
+                "logprobs": None if logprobs is None else [
+                    {str(k): v for k, v in lp.items()} for lp in logprobs]})
+        keep = ((held_blocks or []) if request.status == RequestStatus.FINISHED_LENGTH
+                else [] if sampled else None)
         alive = self.streams.finish(rid, keep)
         lease = self.leases.get(rid) if alive and self.leases is not None else None
         kept = tuple(keep) if lease is not None and keep is not None else None
@@ -323,18 +334,18 @@ class DisaggConnector(KVConnector):
 
     def get_finished(self) -> FinishedTransfers:
         leases_ended = self._drain_released()
-        loaded, failed = self._poll_fetches()
-        for rid in loaded:  # the data is here: the context side may free its blocks
+        done = FinishedTransfers(leases_ended)
+        self._poll_fetches(done)
+        for rid in done.loaded:  # the data is here: the context side may free its blocks
             remote = self._remote.pop(rid, None)
             if remote is not None:
                 self.release_remote(remote)
-        return FinishedTransfers(leases_ended, loaded, failed)
+        return done
 
-    def _poll_fetches(self) -> tuple[list[str], list[tuple[str, KVTransferError]]]:
+    def _poll_fetches(self, done: FinishedTransfers) -> None:
         """Pulls done on every rank: installed (rank 0's slice) or failed."""
         self._take_events()
-        loaded: list[str] = []
-        failed: list[tuple[str, KVTransferError]] = []
+        loaded, failed = done.loaded, done.failed
         for rid, fetch in list(self._fetches.items()):
             if fetch.remote_pending or not all(r.future.done() for r in fetch.reads):
                 continue
@@ -346,6 +357,12 @@ class DisaggConnector(KVConnector):
             if fetch.remote_error is not None:
                 failed.append((rid, fetch.remote_error))
                 continue
+            if fetch.params.stream:
+                try:
+                    done.first[rid] = first_token(fetch.reads)
+                except ValueError as e:
+                    failed.append((rid, KVTransferError.because(f": {e}")))
+                    continue
             t0 = time.perf_counter()
             try:
                 install(self.kv_cache, fetch.block_ids, fetch.reads, fetch.params.num_tokens)
@@ -357,7 +374,6 @@ class DisaggConnector(KVConnector):
             self.stats.record_install(t1 - t0, t1 - fetch.t0)
             give_back(self._recv_pool, fetch.reads)
             loaded.append(rid)
-        return loaded, failed
 
     def _cancel_fetch(self, request_id: str) -> None:
         """Forget a request's reads (it ended): returns once none can write into its blocks
@@ -448,8 +464,6 @@ class DisaggConnector(KVConnector):
         """Tell every context rank that this worker is done (or gave up): the context worker
         frees the blocks now. Fire and forget; a dead peer just fails the future. Any thread
         (the client only submits to its own loop)."""
-        if params.stream and params.num_tokens == 0:
-            return  # a streamed one-token prompt: the context worker holds nothing
         try:
             client = self._client(params.backend)
         except Exception:

@@ -128,8 +128,6 @@ def submit_reads(client: Any, params: ContextParams, dst: WorkerLayout, dst_rank
     payloads land in GPU memory when ``kv`` is on a GPU and the client's transport moves GPU
     memory; else in host memory (pinned for a GPU cache; for a CPU cache a buffer of
     ``pool``, whose pages are mapped already, when given)."""
-    if params.num_tokens == 0:
-        return []  # a streamed one-token prompt: nothing was computed elsewhere
     device_direct = kv.device.type == "cuda" and bool(getattr(client, "device_payloads",
                                                               False))
     src = params.layout
@@ -143,12 +141,16 @@ def submit_reads(client: Any, params: ContextParams, dst: WorkerLayout, dst_rank
     src_blocks = tuple(params.block_ids[:n_src_blocks])
     runs = bool(getattr(client, "runs", False)) and fmt == "blocks" and kv.device.type == "cpu"
     stream = _stream_fields(params, wait_s)
+    pieces = stream_pieces(plan_pulls(src, dst, dst_rank), params.stream)
+    # Streamed, rank 0: its last read from context rank 0 also brings the first token.
+    first = (max(i for i, p in enumerate(pieces) if p.src_rank == 0)
+             if params.stream and dst_rank == 0 else -1)
     reads: list[Read] = []
-    for piece in stream_pieces(plan_pulls(src, dst, dst_rank), params.stream):
+    for i, piece in enumerate(pieces):
         req = ReadRequest(lease_id=params.ctx_request_id, block_ids=src_blocks,
                           layer_slice=piece.src_layer_slice,
                           head_slice=piece.src_head_slice, num_tokens=params.num_tokens,
-                          format=fmt, **stream)
+                          format=fmt, first_token=i == first, **stream)
         nl = piece.layers[1] - piece.layers[0]
         nh = piece.heads[1] - piece.heads[0]
         shape = ((n_src_blocks, nl, 2, nh, src.tokens_per_block, src.head_dim)
@@ -264,6 +266,25 @@ def cancel_reads(reads: list[Read], timeout_s: float = CANCEL_WAIT_S) -> None:
         if r.direct and quiet is not None and not quiet.wait(timeout_s):
             logger.error("a cancelled KV read did not stop within %.0fs: its blocks may still "
                          "be written", timeout_s)
+
+
+def first_token(reads: list[Read]) -> dict[str, Any]:
+    """A streamed pull's first token(s), from the read that asked for them; ValueError when
+    they are missing or malformed (a context worker that does not stream this way)."""
+    got = next((r.future.result().first for r in reads if r.request.first_token), None)
+    tokens = got.get("tokens") if isinstance(got, dict) else None
+    if not (isinstance(tokens, list) and tokens and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens)):
+        raise ValueError("the context worker sent no valid first token with the KV")
+    lps = got.get("logprobs")  # type: ignore[union-attr]
+    try:
+        if lps is not None:  # JSON keys are strings: {token id: logprob} again
+            if not (isinstance(lps, list) and len(lps) == len(tokens)):
+                raise TypeError
+            lps = [{int(k): float(v) for k, v in lp.items()} for lp in lps]
+    except (AttributeError, TypeError, ValueError):
+        raise ValueError("the context worker's first-token logprobs are malformed") from None
+    return {"tokens": tokens, "logprobs": lps}
 
 
 def first_error(reads: list[Read]) -> BaseException | None:

@@ -7,10 +7,10 @@ request with those params as a ``generation_only`` request, pulls the KV and dec
 exactly one prompt and one choice.
 
 KV streaming (``transfer/params.py``): the router sends both at once. The context worker runs
-a ``kv_stream_id`` request as the prompt but its last token, under that id (request and lease),
-greedy, one token that always ends by length (its answer's text means nothing); the generation
-worker gets ``kv_stream`` (how to reach the context ranks), tokenizes the prompt itself, pulls
-positions [0, n - 1) as they are computed and computes the last one.
+a ``kv_stream_id`` request as a context_only one, under that id (request and lease), and
+publishes the KV layer by layer and then its first token; the generation worker gets
+``kv_stream`` (how to reach the context ranks), tokenizes the prompt itself, pulls the KV as
+it is computed, the first token with the last read, and goes on as after the two calls.
 
 Lease rule: once a generation_only request's body was read, the lease it names is released on
 every path. The engine does it for a request it took; a request refused before that (bad field,
@@ -135,7 +135,7 @@ def disagg_choice(srv: ServerState, request: Request, fmt: Format,
     else:
         params = req.to_sampling_params(len(ids), srv.max_model_len)
     if not generation and "kv_stream_id" in dp:
-        return _stream_context_choice(srv, dp["kv_stream_id"], ids, text)
+        return _stream_context_choice(srv, dp["kv_stream_id"], ids, text, params)
     if remote is not None and remote.stream and params.prompt_logprobs is not None:
         raise P.bad_request("prompt_logprobs: not with kv_stream (the context worker scores "
                             "the prompt: use the two-call flow)", param="prompt_logprobs")
@@ -149,24 +149,19 @@ def disagg_choice(srv: ServerState, request: Request, fmt: Format,
                   remote=remote, dummy_kv=dummy, cache_remote_kv=signed)
 
 
-def _stream_context_choice(srv: ServerState, stream_id: Any, ids: list[int], text: str | None
-                           ) -> Choice:
-    """A streaming context_only request (module docstring): prompt positions [0, n - 1) under
-    request and lease id ``stream_id``; the client's sampling does not matter here (it was
-    validated above: the generation worker runs it)."""
+def _stream_context_choice(srv: ServerState, stream_id: Any, ids: list[int], text: str | None,
+                           params: SamplingParams) -> Choice:
+    """A streaming context_only request (module docstring) under request and lease id
+    ``stream_id``: prefill, the first token sampled with the client's params, as a two-call
+    context request (the engine makes it max_tokens 1)."""
     if not valid_stream_id(stream_id):
         raise P.bad_request("disaggregated_params.kv_stream_id: 1-128 of A-Z a-z 0-9 _ . : -",
                             param="disaggregated_params.kv_stream_id")
     if srv.transfer.lease_is_live(stream_id) or stream_id in srv.inflight:
         raise P.APIError(409, f"disaggregated_params.kv_stream_id: {stream_id!r} is in use",
                          param="disaggregated_params.kv_stream_id", code="conflict")
-    if len(ids) < 2:
-        raise P.bad_request("prompt: a streamed context needs at least 2 prompt tokens (the "
-                            "generation worker computes the last one)", param="prompt")
-    head = ids[:-1]
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    return Choice(0, stream_id, 0, head, text, params, context_only=True,
-                  kv_stream=(len(head), token_ids_hash(head)))
+    return Choice(0, stream_id, 0, ids, text, params, context_only=True,
+                  kv_stream=(len(ids), token_ids_hash(ids)))
 
 
 def _token_ids(raw: Any) -> list[int]:

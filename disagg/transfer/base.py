@@ -29,15 +29,18 @@ every request carries a proof bound to it::
                                                ◄──────  payload: exactly nbytes raw bytes
                                                         (UCX: one message per part)
       READ {... block_ids: [], num_tokens,     ──────►  streaming (progress.py): 1. proof
-            wait_s, tokens_hash, proof}                 2. wait until tokens [0, num_tokens)
-                                                           exist on layers [l0, l1) (at most
+            wait_s, tokens_hash[, first_token],         2. wait until tokens [0, num_tokens)
+            proof}                                         exist on layers [l0, l1) (at most
                                                            wait_s; unknown_lease: never opened
                                                            or closed, bad_request: hash or
-                                                           num_tokens differ, timeout)
+                                                           num_tokens differ, timeout), and
+                                                           with first_token until the first
+                                                           token was sampled
                                                         3. block_ids = the stream's first
                                                            ceil(num_tokens / B), then as READ
                                                            above from step 2 (lease, ...)
-                                               ◄──────  {ok: true, ...} + payload, as above
+                                               ◄──────  {ok: true, ...[, first: {tokens,
+                                                         logprobs}]} + payload, as above
       RELEASE {op, lease_id, reader_id, proof} ──────►
                                                ◄──────  {ok: true, released}
       PING {op, proof}                         ──────►
@@ -191,6 +194,7 @@ class ReadRequest:
     format: str = "blocks"
     wait_s: float | None = None
     tokens_hash: str | None = None
+    first_token: bool = False  # streaming: answer once the first token exists, with it
 
     def __post_init__(self) -> None:
         if not isinstance(self.lease_id, str) or not self.lease_id:
@@ -208,6 +212,9 @@ class ReadRequest:
             raise ValueError(f"format must be one of {FORMATS}, got {self.format!r}")
         if self.format == "tokens" and self.num_tokens == 0:
             raise ValueError("format 'tokens' needs num_tokens > 0")
+        if self.first_token is not False and (self.first_token is not True
+                                              or self.wait_s is None):
+            raise ValueError("first_token: true only on a streaming read (wait_s)")
         if self.wait_s is None:
             if self.tokens_hash is not None:
                 raise ValueError("tokens_hash goes with wait_s (a streaming read)")
@@ -243,6 +250,8 @@ class ReadRequest:
         if self.wait_s is not None:
             msg["wait_s"] = self.wait_s
             msg["tokens_hash"] = self.tokens_hash
+        if self.first_token:
+            msg["first_token"] = True
         return msg
 
     @classmethod
@@ -254,6 +263,7 @@ class ReadRequest:
                 layer_slice=tuple(msg["layer_slice"]), head_slice=tuple(msg["head_slice"]),
                 num_tokens=msg.get("num_tokens", 0), format=msg.get("format", "blocks"),
                 wait_s=msg.get("wait_s"), tokens_hash=msg.get("tokens_hash"),
+                first_token=msg.get("first_token", False),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise TransferError(BAD_REQUEST, f"malformed READ: {e}") from None
@@ -273,6 +283,9 @@ class ReadResult:
     # Why a payload of a GPU cache crossed pinned host memory ("" when it did not, or when no
     # GPU is involved): the first reason, server's or client's.
     staging_reason: str = ""
+    # A streaming read with ``first_token``: the context worker's first token(s) and their
+    # logprobs, {"tokens": [...], "logprobs": ...} (None otherwise).
+    first: dict[str, Any] | None = None
 
 
 def encode_header(obj: Mapping[str, Any]) -> bytes:

@@ -28,10 +28,10 @@ KV streaming (the router calls both workers at once; README "KV streaming")::
                  "kv_stream": {"ctx_request_id": "<id>", "worker_id", "backend", "addresses",
                                "layout"}}
 
-The context worker prefills the prompt but its last token, under lease ``<id>``, and publishes
-each layer's KV as it is computed; the generation worker tokenizes the prompt itself, pulls the
-KV of positions [0, n - 1) as it appears (``ContextParams.stream``: no block ids, no first
-token) and computes the last prompt token itself.
+The context worker prefills the prompt under lease ``<id>``, publishes each layer's KV as it
+is computed and then its first token; the generation worker tokenizes the prompt itself, pulls
+the KV as it appears (``ContextParams.stream``: no block ids, no first token yet) and gets the
+first token with its last read.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ class ContextParams:
     # worker's answer; None when the request did not ask.
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprob_ranks: list[int | None] | None = None  # with prompt_logprobs
-    # KV streaming: the KV of positions [0, num_tokens) = the prompt but its last token is
-    # pulled while the context worker computes it (no block ids, no first token yet).
+    # KV streaming: the prompt's KV is pulled while the context worker computes it, its first
+    # token with the last read (no block ids, no first token yet).
     stream: bool = False
 
     @classmethod
@@ -83,7 +83,7 @@ class ContextParams:
         ids = _int_list("prompt_token_ids", prompt_token_ids)
         return cls(ctx_request_id=f["ctx_request_id"], first_gen_tokens=[],
                    prompt_token_ids=ids, worker_id=f["worker_id"], backend=backend,
-                   addresses=addresses, block_ids=[], num_tokens=max(0, len(ids) - 1),
+                   addresses=addresses, block_ids=[], num_tokens=len(ids),
                    layout=layout, lease_expiry=0.0, stream=True)
 
     def to_dict(self) -> dict[str, Any]:

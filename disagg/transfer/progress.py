@@ -70,6 +70,9 @@ class _Stream:
     step_end: int | None = None  # in the current step: it computes tokens up to here
     # the CUDA event after which ``committed`` tokens are in memory (None: CPU, or none yet)
     committed_event: torch.cuda.Event | None = None
+    # what the context worker sampled after the prefill ({"tokens": [...], "logprobs": ...}),
+    # for the read that asks for it (``want_first``); None until then
+    first: dict[str, Any] | None = None
 
 
 @dataclass(eq=False)
@@ -81,6 +84,7 @@ class _Waiter:
     layer_end: int
     tokens_hash: str
     loop: asyncio.AbstractEventLoop
+    want_first: bool = False
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     seen_open: bool = False
 
@@ -132,6 +136,21 @@ class StreamProgress:
             while len(self._closed) > MAX_CLOSED_IDS:
                 self._closed.popitem(last=False)
             self._wake_locked(self._waiters.get(stream_id, ()))
+
+    def set_first(self, stream_id: str, first: dict[str, Any]) -> None:
+        """The context worker sampled the request's first token(s) (``first``: JSON-able):
+        the read that waits for them (``want_first``) gets them with its answer."""
+        with self._lock:
+            s = self._streams.get(stream_id)
+            if s is not None:
+                s.first = dict(first)
+                self._wake_locked(self._waiters.get(stream_id, ()))
+
+    def first_of(self, stream_id: str) -> dict[str, Any] | None:
+        """What ``set_first`` published for ``stream_id`` (None: nothing yet, or closed)."""
+        with self._lock:
+            s = self._streams.get(stream_id)
+            return None if s is None else s.first
 
     def begin_step(self, items: Sequence[tuple[str, Sequence[int], int, int]]) -> None:
         """Before the forward of every step while any stream is open. Commits the previous
@@ -187,18 +206,21 @@ class StreamProgress:
     # ---- reader side ----------------------------------------------------------------------
 
     async def wait_ready(self, stream_id: str, num_tokens: int, layer_slice: tuple[int, int],
-                         tokens_hash: str, timeout_s: float) -> list[int]:
+                         tokens_hash: str, timeout_s: float, want_first: bool = False
+                         ) -> list[int]:
         """The block ids (the stream's whole table) holding tokens [0, num_tokens) once those
         tokens exist on local layers ``layer_slice`` [l0, l1) (CUDA: their kernels have
-        finished). Raises ``StreamNotReady``: unknown_lease (never opened within timeout_s,
-        or closed), bad_request (num_tokens / hash / layers do not match), timeout."""
+        finished), and with ``want_first`` once ``set_first`` published the first token
+        (``first_of``). Raises ``StreamNotReady``: unknown_lease (never opened within
+        timeout_s, or closed), bad_request (num_tokens / hash / layers do not match),
+        timeout."""
         l0, l1 = layer_slice
         if not 0 <= l0 < l1 <= self.num_local_layers:
             raise StreamNotReady(BAD_REQUEST, f"layer_slice {list(layer_slice)} outside the "
                                               f"{self.num_local_layers} local layers")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        w = _Waiter(stream_id, num_tokens, l1, tokens_hash, loop)
+        w = _Waiter(stream_id, num_tokens, l1, tokens_hash, loop, want_first)
         with self._lock:
             self._waiters.setdefault(stream_id, set()).add(w)
         try:
@@ -249,6 +271,8 @@ class StreamProgress:
             raise StreamNotReady(BAD_REQUEST, f"stream {w.stream_id!r}: token ids differ "
                                               f"(tokens_hash mismatch: another tokenizer or "
                                               f"chat template?)")
+        if w.want_first and s.first is None:
+            return None
         if s.committed >= w.num_tokens:
             return s.block_ids, s.committed_event
         if (s.step_end is not None and s.step_end >= w.num_tokens

@@ -129,16 +129,17 @@ def split_parts(sizes: list[int]) -> list[tuple[int, int, int]]:
 
 
 async def await_stream(progress: StreamProgress | None, req: ReadRequest,
-                       tokens_per_block: int) -> ReadRequest:
-    """Wait until a streaming READ's tokens exist on its layers; the READ it becomes: the
-    stream's first ceil(num_tokens / B) block ids, no wait. Raises ``TransferError``."""
+                       tokens_per_block: int) -> tuple[ReadRequest, dict[str, Any] | None]:
+    """Wait until a streaming READ's tokens exist on its layers (and, ``first_token``, the
+    first token was sampled); the READ it becomes (the stream's first ceil(num_tokens / B)
+    block ids, no wait) and that first token. Raises ``TransferError``."""
     if progress is None:
         raise TransferError(BAD_REQUEST, "this server streams no KV (a READ with wait_s "
                                          "needs a context worker with streaming on)")
     assert req.wait_s is not None and req.tokens_hash is not None
     try:
         ids = await progress.wait_ready(req.lease_id, req.num_tokens, req.layer_slice,
-                                        req.tokens_hash, req.wait_s)
+                                        req.tokens_hash, req.wait_s, req.first_token)
     except StreamNotReady as e:
         # progress's codes are named as the server's own (unknown_lease, bad_request,
         # timeout): the client raises TransferError with the same code
@@ -147,7 +148,22 @@ async def await_stream(progress: StreamProgress | None, req: ReadRequest,
     if len(ids) < need:
         raise TransferError(BAD_REQUEST, f"stream {req.lease_id!r} holds {len(ids)} blocks, "
                                          f"{req.num_tokens} tokens need {need}")
-    return dataclasses.replace(req, block_ids=tuple(ids[:need]), wait_s=None, tokens_hash=None)
+    first = progress.first_of(req.lease_id) if req.first_token else None
+    return dataclasses.replace(req, block_ids=tuple(ids[:need]), wait_s=None, tokens_hash=None,
+                               first_token=False), first
+
+
+def _read_answer(nbytes: int, num_blocks: int, zero_copy: bool, first: dict[str, Any] | None,
+                 device: bool, staging: str | None) -> dict[str, Any]:
+    """A READ's ok answer (base.py draws it). ``staging``: a GPU cache's reason for pinned
+    host memory (None for a CPU cache)."""
+    answer: dict[str, Any] = {"ok": True, "nbytes": nbytes, "num_blocks": num_blocks,
+                              "zero_copy": zero_copy, "device": device}
+    if staging is not None and not device:
+        answer["staging"] = staging
+    if first is not None:
+        answer["first"] = first
+    return answer
 
 
 def _checked_progress(progress: StreamProgress | None, kv_cache: torch.Tensor
@@ -495,8 +511,9 @@ class KVTransferServer:
         t0 = time.perf_counter()
         try:
             req = ReadRequest.from_wire(msg)
+            first = None
             if streamed := req.wait_s is not None:  # streaming: the lease may not exist yet
-                req = await await_stream(self.progress, req, self.kv_cache.shape[4])
+                req, first = await await_stream(self.progress, req, self.kv_cache.shape[4])
                 t0 = time.perf_counter()  # the transfer's time, not the prefill's
             lease = self.leases.pin(req.lease_id)
         except (TransferError, LeaseError) as e:
@@ -524,11 +541,9 @@ class KVTransferServer:
             pieces = [] if conn.stream else [slice_views(source, a, b)
                                              for a, b in _ranges(parts)]
             zero_copy = staging is None and all(len(p) == 1 for p in pieces)
-            answer: dict[str, Any] = {"ok": True, "nbytes": plan.nbytes,
-                                      "num_blocks": len(req.block_ids), "zero_copy": zero_copy,
-                                      "device": self._on_gpu and self.device_direct}
-            if self._on_gpu and not self.device_direct:
-                answer["staging"] = self.staging_reason
+            answer = _read_answer(plan.nbytes, len(req.block_ids), zero_copy, first,
+                                  self._on_gpu and self.device_direct,
+                                  self.staging_reason if self._on_gpu else None)
             if staging is None and not zero_copy:  # parts that span runs: gathered below
                 staging = self.staging.acquire(plan.nbytes)
             await conn.send_header(answer)
@@ -824,9 +839,10 @@ class KVTransferClient:
         nbytes = int(msg["nbytes"])
         self.stats.record_transfer(nbytes, num_blocks, dt, zero_copy,
                                    device_direct=into_device, staging_reason=staged)
+        first = resp.get("first")
         return ReadResult(nbytes, num_blocks, dt, zero_copy,
                           device_direct=into_device and resp.get("device") is True,
-                          staging_reason=reason)
+                          staging_reason=reason, first=first if isinstance(first, dict) else None)
 
     async def _release(self, address: str, msg: dict[str, Any]) -> bool:
         resp = await self._request(address, msg)
