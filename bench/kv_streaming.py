@@ -10,7 +10,7 @@ One run, three ways of serving the same model on this host's cores, every reques
   that pulls the KV);
 - ``on``: the same two workers behind a second router with ``kv_streaming: true`` (both calls
   at once; the generation worker pulls the KV layer group by layer group as the context
-  worker's forward produces it, then computes the last prompt token itself).
+  worker's forward produces it, and C's first token with its last read).
 
 Every worker has one torch thread (``OMP_NUM_THREADS=1``), prefix caching off, 16-token blocks,
 and ``--max-num-tokens`` >= the longest prompt (each prefill is one forward). Per prompt length
@@ -128,8 +128,8 @@ class Settings:
             raise ValueError("--modes: must include agg (the target is relative to it)")
         if not set(self.modes) & set(DISAGG_MODES):
             raise ValueError("--modes: name off and/or on beside agg")
-        if not self.tokens or any(n < 2 for n in self.tokens):
-            raise ValueError("--tokens: prompt lengths >= 2 (streaming leaves C n-1 of them)")
+        if not self.tokens or any(n < 1 for n in self.tokens):
+            raise ValueError("--tokens: prompt lengths >= 1")
         if len(self.reps) != len(self.tokens) or any(r < 1 for r in self.reps):
             raise ValueError(f"--reps: one count >= 1, or one per --tokens entry "
                              f"({len(self.tokens)}), got {','.join(map(str, self.reps))}")
@@ -454,10 +454,9 @@ NOTES = [
     "*G: install* `disagg_kv_install_seconds` (copy into G's blocks, ~0 when the payload "
     "lands in them); *G: pull* `disagg_kv_pull_seconds` (reads submitted -> KV installed); "
     "*G: first token after pull* G's `disagg_time_to_first_token_seconds` minus the pull: "
-    "admission, engine wake-ups and streaming, and, streaming on, the step that computes the "
-    "last prompt token and samples the first token; *G: first decode step*: the client's gap "
-    "between tokens 1 and 2 (streaming off, token 1 is C's, relayed by G, so this is G's first "
-    "own step and not part of TTFT; streaming on, it is G's second step).",
+    "admission, engine wake-ups and streaming of C's token; *G: first decode step*: the "
+    "client's gap between tokens 1 and 2 (token 1 is C's, relayed by G, so this is G's first "
+    "own step and not part of TTFT).",
     "",
     "Target arithmetic: gap = TTFT(disagg) - TTFT(aggregated), medians over the reps; target "
     "= 5% of TTFT(aggregated) + one decode step, the median inter-token gap of the aggregated "
@@ -470,7 +469,7 @@ NOTES = [
     "disaggregated path adds after the context answer, measured inside each request, so it "
     "does not see that spread; *added <= target* checks it against the same target. It "
     "stands for the gap as far as C's prefill costs what the aggregated worker's does (same "
-    "work on the same core; streaming on, C prefills one token fewer) and the router's "
+    "work on the same core) and the router's "
     "extra call costs little (the *router: context call* minus *C: prefill* column).",
 ]
 
@@ -561,16 +560,12 @@ def overlap_table(samples: Sequence[Sample], settings: Settings) -> list[str]:
     won = bool(wins) and all(wins)
     verdict = (f"streaming on won at {sum(wins)} of {len(wins)} lengths measured "
                f"({'on' if won else 'off'} is the better default on this host)")
-    why = ("" if won else " Where on lost, the step for the last prompt token cost more than "
-           "the transfer it hid (the two middle columns); that step is a decode-sized "
-           "forward, milliseconds on a GPU (not measured here).")
     return [f"**On vs off:** {verdict}. *G added latency* (per-phase split): what each path "
-            "adds after the context side's prefill. Streaming on it holds the step that "
-            "computes the last prompt token (*G first token after pull*: one token over the "
-            "prompt's KV) and the tail of the pull; off, the whole transfer (*transfer "
-            "hidden*, which on overlaps with the forward) and the relay of C's token." + why
-            + " The TTFT differences carry the prefill's run-to-run spread (see the min-max "
-            "column above).", "", *lines]
+            "adds after the context side's prefill: streaming on, the tail of the pull (the "
+            "last layer group, read once C's token exists) and the relay of C's token; off, "
+            "the whole transfer (*transfer hidden*, which on overlaps with the forward) and "
+            "that relay. The TTFT differences carry the prefill's run-to-run spread (see the "
+            "min-max column above).", "", *lines]
 
 
 def _agreement(samples: Sequence[Sample], settings: Settings) -> list[str]:
@@ -580,9 +575,7 @@ def _agreement(samples: Sequence[Sample], settings: Settings) -> list[str]:
         by_prompt.setdefault((s.tokens, s.prompt_seed), {})[s.mode] = s.text
     full = [t for t in by_prompt.values() if len(t) == len(settings.modes)]
     same = sum(1 for t in full if len(set(t.values())) == 1)
-    return [f"Greedy answers identical across the modes for {same} of {len(full)} prompts "
-            "(streaming computes the last prompt token as a decode step on G, a different "
-            "float summation order than a prefill, which may flip a near tie)."]
+    return [f"Greedy answers identical across the modes for {same} of {len(full)} prompts."]
 
 
 # ------------------------------------------------------------------------------ the cluster
