@@ -15,23 +15,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_transfer_service import expected as _expected
-from test_transfer_service import same_bytes as _bytes_equal
+from transfer_fixtures import BACKENDS, UCX_OK, UCX_WHY
+from transfer_fixtures import expected as _expected
+from transfer_fixtures import same_bytes as _bytes_equal
 
 from disagg import LLM, SamplingParams
 from disagg.kv_connector.pull import Read, alloc_out, install
 from disagg.layout import TransferPiece
 from disagg.transfer import KVTransferClient, KVTransferServer, LeaseTable, ReadRequest
 from disagg.transfer.payload import payload_shape
-from disagg.transfer.ucx import ucx_available
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-UCX_OK, UCX_WHY = ucx_available()
-BACKENDS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(not UCX_OK, reason=UCX_WHY))]
 TOKEN = "gpu-secret"
 N, L, H, B, D = 24, 4, 4, 8, 16
 

@@ -14,11 +14,10 @@ from typing import Any
 
 import pytest
 import torch
-from transfer_fixtures import expected, same_bytes
+from transfer_fixtures import BACKENDS, expected, same_bytes
 
 from disagg.transfer import KVTransferClient, ReadRequest, TransferError
 from disagg.transfer.payload import payload_shape
-from disagg.transfer.ucx import ucx_available
 
 pytestmark = pytest.mark.slow
 
@@ -26,11 +25,6 @@ N, L, H, B, D = 64, 4, 4, 16, 64  # 128 KiB per float32 block: a real multi-MiB 
 TOKEN = "proc-secret"
 WAIT = 20.0
 
-UCX_OK, UCX_WHY = ucx_available()
-BACKENDS = [
-    "tcp",
-    pytest.param("ucx", marks=pytest.mark.skipif(not UCX_OK, reason=UCX_WHY)),
-]
 
 
 def make_kv(seed: int, dtype: torch.dtype) -> torch.Tensor:

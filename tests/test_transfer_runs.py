@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from transfer_fixtures import expected, same_bytes
+from transfer_fixtures import BACKENDS, expected, same_bytes
 
 from disagg.kv_connector.pull import Read, cancel_reads, install, submit_reads
 from disagg.layout import RankLayout, WorkerLayout, plan_pulls
@@ -31,13 +31,10 @@ from disagg.transfer.service import (
     split_parts,
 )
 from disagg.transfer.tcp import IovCursor
-from disagg.transfer.ucx import ucx_available
 
 N, L, H, B, D = 40, 4, 2, 4, 8
 TOKEN = "runs-secret"
 WAIT = 10.0
-UCX_OK, UCX_WHY = ucx_available()
-BACKENDS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(not UCX_OK, reason=UCX_WHY))]
 # Runs of 3, 2, 1, 2, 1 and 4 blocks, out of order: several non-contiguous runs.
 SCATTERED = [5, 6, 7, 2, 3, 11, 0, 1, 20, 30, 31, 32, 33]
 

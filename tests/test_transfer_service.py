@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from transfer_fixtures import expected, same_bytes
+from transfer_fixtures import BACKENDS, expected, same_bytes
 
 from disagg.transfer import (
     KVTransferClient,
@@ -23,17 +23,11 @@ from disagg.transfer import (
 )
 from disagg.transfer.base import ConnectionClosedError
 from disagg.transfer.payload import payload_shape
-from disagg.transfer.ucx import ucx_available
 
 N, L, H, B, D = 24, 4, 4, 8, 16
 TOKEN = "cluster-secret"
 WAIT = 10.0  # seconds: every future in these tests resolves far sooner
 
-UCX_OK, UCX_WHY = ucx_available()
-BACKENDS = [
-    "tcp",
-    pytest.param("ucx", marks=pytest.mark.skipif(not UCX_OK, reason=UCX_WHY)),
-]
 
 
 def make_kv(seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

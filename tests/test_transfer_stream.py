@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from transfer_fixtures import expected, same_bytes
+from transfer_fixtures import BACKENDS, expected, same_bytes
 
 from disagg.transfer import (
     KVTransferClient,
@@ -27,18 +27,12 @@ from disagg.transfer import (
 from disagg.transfer.base import MAX_WAIT_S, LoopThread
 from disagg.transfer.payload import payload_shape
 from disagg.transfer.progress import StreamNotReady, StreamProgress, token_ids_hash
-from disagg.transfer.ucx import ucx_available
 
 N, L, H, B, D = 16, 4, 2, 8, 4
 TOKEN = "cluster-secret"
 WAIT = 10.0  # seconds: every future here resolves far sooner
 CPU = torch.device("cpu")
 
-UCX_OK, UCX_WHY = ucx_available()
-BACKENDS = [
-    "tcp",
-    pytest.param("ucx", marks=pytest.mark.skipif(not UCX_OK, reason=UCX_WHY)),
-]
 
 
 def until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:

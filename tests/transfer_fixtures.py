@@ -12,12 +12,19 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+import pytest
 import torch
+
+from disagg.transfer.ucx import ucx_available
 
 if TYPE_CHECKING:
     from disagg.transfer import ReadRequest
 
 LEN = struct.Struct("!I")
+
+# Every transfer test runs over both backends; UCX skips with the reason when ucxx is absent.
+UCX_OK, UCX_WHY = ucx_available()
+BACKENDS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(not UCX_OK, reason=UCX_WHY))]
 
 
 def expected(kv: torch.Tensor, req: ReadRequest) -> torch.Tensor:
