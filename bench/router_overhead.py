@@ -419,6 +419,9 @@ def router_config(port: int, ctx_port: int | None, gen_port: int, processes: int
 # processes (``processes: 2``, one a core): (name, environment, processes).
 DISAGG_VARIANTS = (("disagg", {}, 1), ("disagg (uvloop)", {"DISAGG_ROUTER_UVLOOP": "1"}, 1),
                    ("disagg, 2 processes", {}, 2))
+# bench/router_floor.py: bytes relayed by hand-written asyncio protocols and httptools, no
+# router logic: the floor of any Python router on that loop.
+FLOORS = (("Python floor", []), ("Python floor (uvloop)", ["--uvloop"]))
 MODES = ((False, "non-streaming"), (True, "streaming"))
 AGG, PD = "aggregated", "disaggregated"  # the side by side's two tables
 DISAGG_PD, VLLM_PD = "disagg (context + generation)", "vllm-router --vllm-pd-disaggregation"
@@ -527,6 +530,14 @@ async def _start_routers(args: argparse.Namespace, ports: dict[str, int], router
         routers[name] = await router_for(None, ports["agg"], extra_env=extra_env,
                                          processes=processes)
         routers[name].direct_port = ports["agg"]  # type: ignore[attr-defined]
+    for name, loop_args in FLOORS:
+        if "--uvloop" in loop_args and not importlib.util.find_spec("uvloop"):
+            continue
+        port = procs.free_ports(1)[0]
+        routers[name] = await start_peer(
+            [sys.executable, str(ROOT / "bench" / "router_floor.py"), "--port", str(port),
+             "--upstream", f"127.0.0.1:{ports['agg']}", *loop_args], name, args.core, log_dir,
+            ports["agg"])
     for peer in peers:
         port, prom = procs.free_ports(2)
         try:
@@ -628,7 +639,10 @@ def side_report(args: argparse.Namespace, res: SideBySide, share: float | None
               f"latency: router p50 minus the stub's direct p50 measured just before it "
               f"({args.side_latency_requests} requests each); throughput: "
               f"{args.side_duration:g} s runs after a 1 s warm-up; *router CPU*: cores its "
-              f"process(es) used (100% = one core)."]
+              f"process(es) used (100% = one core). *Python floor*: `bench/router_floor.py`, "
+              f"not a router: it relays the bytes over keep-alive connections with hand-written "
+              f"asyncio protocols and httptools, reading no JSON and building no header, on "
+              f"asyncio's loop (or uvloop): what every Python router costs at least."]
     if PD in res.tables:
         lines += ["", "### Disaggregated: a context (prefill) call, then a generation (decode) "
                   "call, one router core each", "", *_table(args, res, res.tables[PD]), "",
@@ -669,6 +683,35 @@ def _versus(res: SideBySide, ours: str, theirs: str, where: str) -> list[str]:
     return lines
 
 
+def _floor_lines(res: SideBySide) -> list[str]:
+    """How far a Python router could go on this host: the floors per CPU-second against
+    vllm-router and against the disagg router."""
+    floors = [n for n, _ in FLOORS if n in res.names]
+    if not floors or "vllm-router" not in res.names or "disagg" not in res.names:
+        return []
+    lines = ["", "The floor of a Python router (same run, req/s per router CPU-second):", ""]
+    for _, mode in MODES:
+        vllm, ours = res.per_core("vllm-router", mode), res.per_core("disagg", mode)
+        parts = [f"{n} {res.per_core(n, mode):,.0f} (x{res.per_core(n, mode) / vllm:.2f} of "
+                 f"vllm-router's)" for n in floors]
+        lines.append(f"- {mode}: vllm-router {vllm:,.0f}; " + "; ".join(parts)
+                     + f"; disagg {ours:,.0f} is x{ours / res.per_core(floors[0], mode):.2f}"
+                     f" of the {floors[0]}")
+    for _, mode in MODES:
+        vllm = res.per_core("vllm-router", mode)
+        below = [n for n in floors if res.per_core(n, mode) < vllm]
+        if len(below) == len(floors):
+            lines.append(f"- {mode}: every floor is below vllm-router per CPU-second: no "
+                         f"router written in Python on these loops can meet that target here, "
+                         f"whatever its code")
+        else:
+            reach = [n for n in floors if n not in below]
+            lines.append(f"- {mode}: {', '.join(reach)} reaches vllm-router per CPU-second: a "
+                         f"hand-written data plane on that loop could meet the target if the "
+                         f"router logic cost no more than the difference")
+    return lines
+
+
 def _side_targets(res: SideBySide) -> list[str]:
     """The issue's targets against vllm-router, the scaling of two processes, and the
     before/after ratios."""
@@ -684,6 +727,7 @@ def _side_targets(res: SideBySide) -> list[str]:
                   "same run):", "", *_versus(res, "disagg", "vllm-router", "")]
     if VLLM_PD in res.names:
         lines += _versus(res, DISAGG_PD, VLLM_PD, "disaggregated: ")
+    lines += _floor_lines(res)
     two = "disagg, 2 processes"
     if two in res.names:
         lines += ["", "Scaling (issue 20: N processes give >= 0.8 N times one's throughput on "

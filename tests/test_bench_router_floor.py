@@ -1,0 +1,57 @@
+"""bench/router_floor.py relays answers byte for byte (non-streamed and streamed, several
+connections, a new back connection when none is idle), and router_overhead.py's report says
+from the measured floors whether a Python router can reach vllm-router per CPU-second."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import router_floor  # noqa: E402
+import router_overhead as ro  # noqa: E402
+
+
+async def _through_the_floor() -> tuple[int, int]:
+    loop = asyncio.get_running_loop()
+    stub = ro.Stub("aggregated", "w0")
+    upstream = await loop.create_server(lambda: ro.StubProtocol(stub), "127.0.0.1", 0)
+    relay = router_floor.Relay("127.0.0.1", upstream.sockets[0].getsockname()[1])
+    front = await loop.create_server(lambda: router_floor.Front(relay), "127.0.0.1", 0)
+    port = front.sockets[0].getsockname()[1]
+    try:
+        for stream in (False, True):  # closed_loop checks every status and whole body
+            r = await asyncio.wait_for(
+                ro.closed_loop(port, stream, 4, requests=40, warmup_s=0.0), 30)
+            assert len(r.latencies_s) >= 40  # (those in flight at the start count too)
+        return stub.requests, len(relay.idle)
+    finally:
+        front.close()
+        upstream.close()
+
+
+def test_the_floor_relays_every_answer_unchanged() -> None:
+    requests, idle = asyncio.run(_through_the_floor())
+    assert requests >= 80  # each one reached the upstream
+    assert 1 <= idle <= 8  # back connections were kept and reused, one per client at most
+
+
+def _res(per_core: dict[str, float]) -> ro.SideBySide:
+    run = {name: ro.RunResult([0.001] * int(v), 1.0, 1.0) for name, v in per_core.items()}
+    names = list(per_core)
+    return ro.SideBySide({ro.AGG: names}, {}, 1, {},
+                         {(n, mode): [run[n]] for n in names for _, mode in ro.MODES})
+
+
+def test_floor_lines_say_whether_any_python_router_can_reach_the_target() -> None:
+    lines = ro._floor_lines(_res({"disagg": 5000, "Python floor": 8000,
+                                  "Python floor (uvloop)": 12000, "vllm-router": 10000}))
+    assert lines[3] == ("- non-streaming: vllm-router 10,000; Python floor 8,000 (x0.80 of "
+                        "vllm-router's); Python floor (uvloop) 12,000 (x1.20 of vllm-router's);"
+                        " disagg 5,000 is x0.62 of the Python floor")
+    assert lines[5].startswith("- non-streaming: Python floor (uvloop) reaches vllm-router")
+    lines = ro._floor_lines(_res({"disagg": 5000, "Python floor": 8000, "vllm-router": 10000}))
+    assert lines[-1].startswith("- streaming: every floor is below vllm-router per CPU-second")
+    assert ro._floor_lines(_res({"disagg": 5000, "vllm-router": 10000})) == []
