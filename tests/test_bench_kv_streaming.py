@@ -230,6 +230,6 @@ def test_on_vs_off_is_judged_by_the_paired_ttft() -> None:
                _sample(2048, "on", 20.0, rep=1, phases={**ph, "added": 0.01})]
     lines = ks.overlap_table(samples, s)
     assert "lower TTFT at 1 of 2 lengths measured (off is the better default" in lines[0]
-    assert lines[-2] == "| 512 | 2 | +50 | +90 | 1 / 20 | 10 | **no** |"
-    assert lines[-1] == "| 2048 | 1 | -200 | +0 | 10 / 200 | 150 | yes |"
+    assert lines[-2] == "| 512 | 2 | +50 | +50..+50 | +90 | 1 / 20 | 10 | **no** |"
+    assert lines[-1] == "| 2048 | 1 | -200 | -200..-200 | +0 | 10 / 200 | 150 | yes |"
     assert ks.overlap_table(samples, ks.parse_args(["--modes", "agg,off"])) == []
