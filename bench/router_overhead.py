@@ -17,6 +17,11 @@ For each of non-streaming and streaming requests, the same closed-loop clients c
 - throughput: ``--throughput-concurrency`` requests in flight for ``--duration`` seconds
   after a warm-up: requests/s (the router's maximum on one core when its CPU is ~100%).
 
+``--peers`` adds interleaved rounds side by side with sglang-router and vllm-router (installed
+into a virtualenv of their own), the router's variants (uvloop, two processes, ``--baseline``
+REV) and *Python floor* (``router_floor.py``: bytes relayed with no router logic, the least a
+Python router costs per request on that loop).
+
 Every answer is checked (status 200 and the stub's whole body, ``[DONE]`` for streams); a
 wrong answer aborts the run. The markdown result (machine, command, tables, whether the
 targets were met) is written to ``--out``.
