@@ -227,7 +227,27 @@ def target_line(rows: list[dict[str, Any]]) -> str:
             if r["backend"] == "UCX":
                 parts.append(f"UCX consecutive {r['gbps']['consecutive']:.2f} GB/s ("
                              f"{'met' if r['gbps']['consecutive'] >= 5 else 'not met'})")
-    return f"This run at {top} tokens: " + ", ".join(parts) + "."
+    line = f"This run at {top} tokens: " + ", ".join(parts) + "."
+    staged = {r["backend"]: ratio(r) for r in rows
+              if r["tokens"] == top and r["path"] != "runs"}
+    for r in rows:
+        if (r["tokens"] == top and r["path"] == "runs" and r["backend"] == "UCX"
+                and ratio(r) < 0.8):
+            # Consecutive: the bytes leave the cache as they are. Fragmented: the same bytes
+            # plus a copy of them (gathered on the sender), which on a 2-core host barely
+            # overlaps the transfer's own copies (UCX's shared memory copies in and out on
+            # both processes' cores): t_frag ~ t_cons + t_memcpy.
+            model = 1 / (1 + r["gbps"]["consecutive"] / r["memcpy_gbps"])
+            line += (f" Why UCX fragmented misses 80% here: ucxx's Python API sends one "
+                     f"contiguous buffer per tag message (no iov datatype), so a scattered "
+                     f"table costs either a message per run (a fixed cost each, see the 128-"
+                     f"token rows) or a gather copy of the payload, and on this 2-core host "
+                     f"that copy hardly overlaps the transfer's own shared-memory copies: "
+                     f"fragmented / consecutive ~ 1 / (1 + consecutive GB/s / memcpy GB/s) = "
+                     f"{model:.0%} at {top} tokens in this run (measured: {ratio(r):.0%}"
+                     + (f"; the staged path, one gather: {staged['UCX']:.0%}"
+                        if "UCX" in staged else "") + ").")
+    return line
 
 
 def table(rows: list[dict[str, Any]]) -> str:
