@@ -711,7 +711,8 @@ def _floor_lines(res: SideBySide) -> list[str]:
                          f"whatever its code")
         else:
             reach = [n for n in floors if n not in below]
-            lines.append(f"- {mode}: {', '.join(reach)} reaches vllm-router per CPU-second: a "
+            lines.append(f"- {mode}: {', '.join(reach)} {'reach' if len(reach) > 1 else 'reaches'}"
+                         f" vllm-router per CPU-second: a "
                          f"hand-written data plane on that loop could meet the target if the "
                          f"router logic cost no more than the difference")
     return lines
