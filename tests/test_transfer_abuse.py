@@ -18,21 +18,21 @@ from typing import Any
 import pytest
 import torch
 from test_transfer_service import (
-    BACKENDS,
     TOKEN,
-    UCX_OK,
-    UCX_WHY,
     WAIT,
-    expected,
     make_kv,
     no_leaked_threads,  # noqa: F401 (autouse fixture)
     out_for,
-    same_bytes,
 )
 from transfer_fixtures import (
+    BACKENDS,
+    UCX_OK,
+    UCX_WHY,
+    expected,
     frame,
     read_until_eof,
     recv_header,
+    same_bytes,
     split_address,
     split_headers,
 )

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_transfer_service import BACKENDS, Rig, expected, same_bytes
+from test_transfer_service import Rig
+from transfer_fixtures import BACKENDS, expected, same_bytes
 
 from disagg.transfer import ReadRequest, TransferStats
 from disagg.transfer.payload import _device_gather_views, payload_shape, plan_read

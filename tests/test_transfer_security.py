@@ -17,25 +17,25 @@ from collections.abc import Iterator
 import pytest
 import torch
 from test_transfer_service import (
-    BACKENDS,
     TOKEN,
-    UCX_OK,
-    UCX_WHY,
     WAIT,
     Rig,
-    expected,
     make_kv,
     no_leaked_threads,  # noqa: F401 (autouse fixture)
     out_for,
-    same_bytes,
 )
 from transfer_fixtures import (
+    BACKENDS,
+    UCX_OK,
+    UCX_WHY,
     FakeServer,
     RecordingProxy,
+    expected,
     frame,
     listening_addresses,
     read_until_eof,
     recv_header,
+    same_bytes,
     split_address,
     split_headers,
 )
