@@ -165,7 +165,7 @@ class _State:
                 logprobs = [{}]
         if remote is not None:
             # The context worker's first token is already an output; only its KV is missing
-            # (streamed: no token yet, the last prompt token is computed here).
+            # (streamed: none yet, they come with the last read: ``_take_first``).
             req.output_token_ids = list(remote.first_gen_tokens)
             req.status = RequestStatus.WAITING_FOR_REMOTE_KV
             if logprobs is not None:

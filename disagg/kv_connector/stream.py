@@ -13,7 +13,7 @@ Per step (engine thread, before the forward): ``step`` hands the progress the st
 requests of the plan; the model calls ``progress.layer_done(i)`` after each local layer (the
 hook ``install_hook`` sets). Ranges::
 
-    request's prompt (minus its last token): [0 ............................. num_tokens)
+    request's prompt:                        [0 ............................. num_tokens)
     committed before this step (all layers): [0, start)
     this step's chunk:                                  [start, end)  layer 0, 1, ... done
     a READ of tokens [0, num_tokens) x layers [l0, l1) is answered once end >= num_tokens

@@ -5,15 +5,16 @@ The router names the stream (``uuid4().hex``) and sends concurrently, both calls
 the cluster token:
 
 - to the context worker C, the request non-streamed with ``disaggregated_params:
-  {request_type: context_only, kv_stream_id: ID}``: C prefills the prompt but its last token
-  and publishes the KV of each layer as its forward writes it. Its answer (a choice whose text
-  means nothing) is read whole and dropped: the connection is reused;
+  {request_type: context_only, kv_stream_id: ID}``: C serves it as a two-call context request
+  (the prompt prefilled, the first token sampled with the client's parameters), publishing the
+  KV of each layer as its forward writes it, then the first token. Its answer is read whole
+  and dropped: the connection is reused;
 - to the generation worker G, the client's request as sent (prompt or messages, ``stream`` as
   asked) with ``disaggregated_params: {request_type: generation_only, kv_stream:
   {ctx_request_id: ID, worker_id, backend, addresses, layout}}`` (C's ``kv_transfer`` from its
-  last ``/server_info``): G pulls the KV layer group by layer group while C computes it,
-  computes the last prompt token itself and answers. Its answer is relayed as in the two calls
-  (a stream's first bytes as soon as they come).
+  last ``/server_info``): G pulls the KV layer group by layer group while C computes it, gets
+  C's first token with its last read and decodes from there. Its answer is relayed as in the
+  two calls (a stream's first bytes as soon as they come).
 
 Streamed when the request would take the two calls (one prompt, one choice, no local prefill)
 and also: no ``prompt_logprobs`` (nor completions' ``echo`` with logprobs or ``max_tokens: 0``:

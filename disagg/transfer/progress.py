@@ -116,8 +116,9 @@ class StreamProgress:
     # ---- writer side ----------------------------------------------------------------------
 
     def open(self, stream_id: str, num_tokens: int, tokens_hash: str) -> None:
-        """A streaming request exists (queued): reads may wait on it. ``num_tokens``: what the
-        context worker prefills (n-1), ``tokens_hash``: ``token_ids_hash`` of those ids."""
+        """A streaming request exists (queued): reads may wait on it. ``num_tokens``: the
+        prompt's length (what the context worker prefills), ``tokens_hash``:
+        ``token_ids_hash`` of those ids."""
         if not isinstance(num_tokens, int) or num_tokens < 1:
             raise ValueError(f"num_tokens must be an int >= 1, got {num_tokens!r}")
         with self._lock:
