@@ -250,6 +250,18 @@ def test_gpu_context_and_generation_workers_match_aggregated(
         _check_same(ctx, gen, gpu_workers["ref"])  # type: ignore[arg-type]
 
 
+def test_gpu_streamed_kv_matches_aggregated(gpu_workers: dict[str, object]) -> None:
+    """Layer-wise KV streaming with CUDA caches: the context worker's layer hook records a
+    CUDA event per layer and a ready read waits for its event before sending
+    (``transfer/progress.py``); the prompts of the CPU streaming tests (one in two chunks,
+    chat, JSON mode, seeded sampling), over each backend."""
+    from test_disagg_e2e import _check_streamed
+
+    ws = gpu_workers["workers"]
+    for b in gpu_workers["backends"]:  # type: ignore[attr-defined]
+        _check_streamed(ws[f"ctx_{b}"], ws[f"gen_{b}"], gpu_workers["ref"])  # type: ignore
+
+
 # ---- bf16 agreement with transformers (measured; bench/gpu/bench.py records it too) --------
 
 
