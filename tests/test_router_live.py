@@ -51,11 +51,11 @@ Worker = WorkerProc
 
 
 def start_worker(tmp: Path, model_dir: str, name: str, role: str, *flags: str,
-                 port: int | None = None) -> Worker:
+                 port: int | None = None, env: dict[str, str] | None = None) -> Worker:
     backend = ["--kv-transfer-backend", "TCP"] if role != "aggregated" else []
     return start_worker_proc(tmp, model_dir, name, [
         "--role", role, "--served-model-name", NAME, "--log-level", "warning", *COMMON,
-        *backend, *flags], {"DISAGG_CLUSTER_TOKEN": TOKEN}, port=port)
+        *backend, *flags], {"DISAGG_CLUSTER_TOKEN": TOKEN, **(env or {})}, port=port)
 
 
 def wait_healthy(workers: list[Worker]) -> None:

@@ -6,8 +6,12 @@ unsigned ones are refused)."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import socket
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,11 +95,50 @@ def test_registration_needs_disagg_cluster(loop: LoopThread) -> None:
         assert httpx.get(url + "/health").status_code == 503  # its only worker is down
 
 
+@contextlib.contextmanager
+def _refusing_proxy() -> Iterator[tuple[str, list[int]]]:
+    """An HTTP proxy that answers 502 to everything; yields its URL and a list that gets an
+    item per connection it accepted."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(0.2)
+    hits: list[int] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            hits.append(1)
+            with conn:
+                conn.settimeout(2)
+                with contextlib.suppress(OSError):
+                    conn.recv(65536)
+                    conn.sendall(b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\n"
+                                 b"Connection: close\r\n\r\n")
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{srv.getsockname()[1]}", hits
+    finally:
+        stop.set()
+        t.join(5)
+        srv.close()
+
+
 def test_worker_with_router_url_registers_serves_and_unregisters(
         loop: LoopThread, tiny_llama: str, tmp_path: Path) -> None:
-    with running_router(DYNAMIC, loop) as url:
+    """With an http_proxy in its environment (as pods often have for outbound traffic) the
+    worker still calls the router directly, as the router calls it."""
+    with running_router(DYNAMIC, loop) as url, _refusing_proxy() as (proxy, proxy_hits):
+        proxies = {k: proxy for k in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")}
         w = start_worker(tmp_path, tiny_llama, "dyn", "aggregated", "--router-url", url,
-                         "--tokens-per-block", "8")
+                         "--tokens-per-block", "8",
+                         env={**proxies, "NO_PROXY": "", "no_proxy": ""})
         try:
             wait_healthy([w])
             wait_for(lambda: httpx.get(url + "/health").status_code == 200, 30,
@@ -116,5 +159,6 @@ def test_worker_with_router_url_registers_serves_and_unregisters(
                      what="unregistered on SIGTERM")
             assert w.proc.wait(30) == 0
             assert httpx.get(url + "/health").status_code == 503
+            assert proxy_hits == []  # registration and unregistration went direct
         finally:
             stop_workers([w])

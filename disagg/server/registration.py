@@ -90,7 +90,9 @@ class RouterRegistration:
             await asyncio.sleep(0.05)
         port = server.servers[0].sockets[0].getsockname()[1]
         self.url = host_port(self.host, port)
-        async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:
+        # trust_env=False: the router is a cluster peer, called directly as the router calls
+        # its workers (an http_proxy set for the pod's outbound traffic must not take it).
+        async with httpx.AsyncClient(timeout=TIMEOUT_S, trust_env=False) as client:
             self._client = client
             try:
                 while not server.should_exit:
