@@ -360,6 +360,27 @@ def test_close_or_release_while_waiting(rig: Rig) -> None:
     rig.progress.close("gone")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_client_close_ends_its_reads_at_once(backend: str) -> None:
+    """A read waiting at the server and one submitted just before ``close`` (its start may
+    run while the client closes) both end as ``closed`` with ``quiet`` set, long before their
+    wait. (The server's side of the waiting read waits on until its ``wait_s``: the server
+    does not watch the connection of a read it has not answered.)"""
+    r = Rig(backend)
+    try:
+        waiting, _, _ = r.read("never", 8, (0, L), [1], wait_s=30.0)
+        until(lambda: r.progress.num_waiting("never") == 1)
+        racing, _, _ = r.read("never-either", 8, (0, L), [1], wait_s=30.0)
+        t0 = time.monotonic()
+        r.client.close()
+        for fut in (waiting, racing):
+            e = remote_error(fut)
+            assert e.code == "closed" and fut.quiet.is_set(), e
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        r.close()
+
+
 def test_errors_answered_by_the_server(rig: Rig) -> None:
     fut, _, _ = rig.read("nobody", 8, (0, L), [1], wait_s=0.2)
     assert remote_error(fut).code == "unknown_lease"  # never opened

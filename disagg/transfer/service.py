@@ -631,6 +631,9 @@ class KVTransferClient:
         # (address, lane) -> connection; lane "" for all requests but streaming reads (their
         # lease id). Touched on the loop thread only.
         self._peers: dict[tuple[str, str], _Peer] = {}
+        # Reads started and not ended (loop thread only): ``close`` ends them before it drops
+        # the connections, so none opens a connection after it or outlives it.
+        self._reads: set[asyncio.Task[Any]] = set()
         self._closed = False
         self._loop: LoopThread | None = self.backend.acquire_loop("client")
         # Known once the loop runs (UCX decides when its context starts).
@@ -776,6 +779,7 @@ class KVTransferClient:
         loop = lt.loop
 
         def finished(task: asyncio.Task[Any]) -> None:
+            self._reads.discard(task)
             fut.quiet.set()  # first: whoever sees the outcome sees quiet too
             with contextlib.suppress(cf.InvalidStateError):  # the caller cancelled
                 if task.cancelled():
@@ -791,11 +795,14 @@ class KVTransferClient:
                     loop.call_soon_threadsafe(task.cancel)
 
         def start() -> None:  # on the loop
-            if fut.cancelled():  # cancelled before it started: it never touches `out`
+            if fut.cancelled() or self._closed:  # it never touches `out`
                 coro.close()
                 fut.quiet.set()
+                with contextlib.suppress(cf.InvalidStateError):  # (cancelled)
+                    fut.set_exception(TransferError(CLOSED, "client is closed"))
                 return
             task = loop.create_task(self._bounded(coro, True, extra_s))
+            self._reads.add(task)
             task.add_done_callback(finished)
             fut.add_done_callback(lambda _f: cancel_task(task))
 
@@ -849,6 +856,10 @@ class KVTransferClient:
         return bool(resp.get("released", False))
 
     async def _close_all(self) -> None:
+        reads = list(self._reads)  # each ends as CLOSED (``_bounded``), its quiet set
+        for task in reads:
+            task.cancel()
+        await asyncio.gather(*reads, return_exceptions=True)
         for peer in list(self._peers.values()):
             await self._drop(peer)
         self._peers.clear()
