@@ -14,7 +14,10 @@ module is the one place that does it. The contract:
   unblocked, so a parent may block them around ``spawn`` (no stop signal between fork and
   recording the child) without its children inheriting the mask.
 - ``free_ports(n)`` gives ``n`` distinct ports that were free a moment ago (bound together,
-  then released: another process may still take one before the child binds it);
+  then released: another listener may still take one before the child binds it), drawn
+  outside the kernel's ephemeral range (``ip_local_port_range``) where there is room: any
+  outgoing connection, the child's own included, gets its local port from that range, so a
+  port from it can be taken by a connection between this call and the child's bind;
   ``port_free`` says whether one given address can be bound now.
 - ``http_status`` is one GET that never goes through a proxy from the environment (every
   child is local) and answers None instead of raising when nothing answers;
@@ -31,6 +34,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -92,11 +96,48 @@ def spawn(cmd: Sequence[str], log_path: str | Path | None, *,
 # -- ports --------------------------------------------------------------------------------------
 
 
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LISTEN_PORTS_FROM = 20000  # below: ports that services commonly take (8000, 8080, 9090, ...)
+FREE_PORT_TRIES = 256
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel gives outgoing connections, inclusive (Linux's default if unknown)."""
+    try:
+        lo, hi = (int(x) for x in EPHEMERAL_RANGE_FILE.read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return lo, hi
+
+
+def listen_port_candidates() -> list[int]:
+    """Ports to draw listening ports from: [LISTEN_PORTS_FROM, 65535] less the ephemeral
+    range (empty when that range leaves no room)::
+
+        20000 ........ lo-1 | lo .. ephemeral .. hi | hi+1 ........ 65535
+        <- candidates ->                              <- candidates ->
+    """
+    lo, hi = ephemeral_range()
+    return [p for p in range(LISTEN_PORTS_FROM, 65536) if not lo <= p <= hi]
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct free ports on ``host`` (held open together so that none repeats)."""
+    """``n`` distinct free ports on ``host`` (held open together so that none repeats), out
+    of the ephemeral range when it leaves room (module docstring), else any the kernel picks."""
+    candidates = listen_port_candidates()
     socks: list[socket.socket] = []
     try:
-        for _ in range(n):
+        for _ in range(FREE_PORT_TRIES):
+            if len(socks) == n or not candidates:
+                break
+            s = socket.socket()
+            try:
+                s.bind((host, candidates.pop(random.randrange(len(candidates)))))
+            except OSError:  # taken (or in TIME_WAIT): try another
+                s.close()
+                continue
+            socks.append(s)
+        while len(socks) < n:
             s = socket.socket()
             s.bind((host, 0))
             socks.append(s)

@@ -40,10 +40,28 @@ def _wait_line(log: Path, n: int = 1, timeout: float = 30.0) -> str:
     return log.read_text().splitlines()[n - 1]
 
 
-def test_free_ports_are_distinct() -> None:
+def test_free_ports_are_distinct_and_outside_the_ephemeral_range() -> None:
     ports = procs.free_ports(8)
     assert len(set(ports)) == 8 and all(0 < p < 65536 for p in ports)
     assert procs.port_free("127.0.0.1", ports[0])
+    lo, hi = procs.ephemeral_range()
+    if procs.listen_port_candidates():  # an outgoing connection can never take these
+        assert all(procs.LISTEN_PORTS_FROM <= p and not lo <= p <= hi for p in ports), ports
+
+
+def test_listen_port_candidates_leave_out_the_ephemeral_range(tmp_path: Path,
+                                                               monkeypatch) -> None:
+    f = tmp_path / "range"
+    monkeypatch.setattr(procs, "EPHEMERAL_RANGE_FILE", f)
+    f.write_text("32768\t60999\n")
+    c = procs.listen_port_candidates()
+    assert (c[0], c[-1], len(c)) == (20000, 65535, (32768 - 20000) + (65535 - 60999))
+    assert 32767 in c and 32768 not in c and 60999 not in c and 61000 in c
+    f.write_text("1024 65535\n")  # no room: free_ports falls back to the kernel's pick
+    assert procs.listen_port_candidates() == []
+    assert len(set(procs.free_ports(3))) == 3
+    f.write_text("garbage")
+    assert procs.ephemeral_range() == (32768, 60999)
 
 
 def test_spawn_logs_with_header_in_its_own_group_and_stops_on_sigterm(tmp_path: Path) -> None:
