@@ -37,9 +37,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from aiohttp import web
-
 from disagg.roles import RequestType, Role
+from disagg.router.client_io import Answer, ClientStream
 from disagg.router.membership import Membership, Worker
 from disagg.router.metrics import RouterMetrics
 from disagg.router.policies import Decision, RouteRequest, RoutingPolicy
@@ -164,30 +163,30 @@ class RequestFlow:
 
     # -- one call: the request whole ----------------------------------------------------------
 
-    async def whole(self, request: web.Request, st: RequestState, path: str, data: bytes,
-                    route: RouteRequest, first: Worker | None = None) -> web.StreamResponse:
+    async def whole(self, out: ClientStream, st: RequestState, path: str, data: bytes,
+                    route: RouteRequest, first: Worker | None = None) -> Answer:
         """Send the request whole to generation workers (aggregated serving), with retries."""
         tries = Tries(Role.GENERATION, self.max_retries, first)
         return await self.retrying(tries, route, lambda w: self.relay.call_and_relay(
-            request, st, w, path, data, route))
+            out, st, w, path, data, route))
 
     # -- two calls: the disaggregated flow ----------------------------------------------------
 
-    async def disaggregated(self, request: web.Request, st: RequestState, path: str,
+    async def disaggregated(self, out: ClientStream, st: RequestState, path: str,
                             body: dict[str, Any], route: RouteRequest,
-                            first_gen: Worker | None) -> web.StreamResponse:
+                            first_gen: Worker | None) -> Answer:
         """A disaggregated request: ``first_try`` (a subclass's other way), else (or when it
         fell back) the two calls, with the tries that ``first_try`` recorded."""
         ctx = Tries(Role.CONTEXT, self.max_retries)
         gen = Tries(Role.GENERATION, self.max_retries, first_gen)
-        out = await self.first_try(request, st, path, body, route, ctx, gen)
-        if out is not None:
-            return out
-        return await self.two_calls(request, st, path, body, route, ctx, gen)
+        answer = await self.first_try(out, st, path, body, route, ctx, gen)
+        if answer is not None:
+            return answer
+        return await self.two_calls(out, st, path, body, route, ctx, gen)
 
-    async def first_try(self, request: web.Request, st: RequestState, path: str,
+    async def first_try(self, out: ClientStream, st: RequestState, path: str,
                         body: dict[str, Any], route: RouteRequest, ctx: Tries, gen: Tries
-                        ) -> web.StreamResponse | None:
+                        ) -> Answer | None:
         """A subclass's way to serve a disaggregated request before the two calls
         (``stream_flow``); None: the two calls serve it, with the failures, retries and picks
         recorded on ``ctx`` and ``gen``."""
@@ -196,9 +195,9 @@ class RequestFlow:
     async def close(self) -> None:
         """Stop the flow's own background work (a subclass's; none here)."""
 
-    async def two_calls(self, request: web.Request, st: RequestState, path: str,
+    async def two_calls(self, out: ClientStream, st: RequestState, path: str,
                         body: dict[str, Any], route: RouteRequest, ctx: Tries, gen: Tries
-                        ) -> web.StreamResponse:
+                        ) -> Answer:
         """The context call, then the generation call with its answer (module docstring)."""
         ctx_body = dict(body)
         ctx_body["stream"] = False
@@ -211,7 +210,7 @@ class RequestFlow:
             dp = answer.pop("disaggregated_params", None)
             prompt_ids = answer.pop("prompt_token_ids", None)
             if dp is None:  # final after the first token: the context answer is the answer
-                return await final_answer(request, path, body, answer)
+                return await final_answer(out, path, body, answer)
             gen_body = dict(body)
             gen_body["disaggregated_params"] = {
                 **dp, "request_type": RequestType.GENERATION_ONLY.value}
@@ -221,7 +220,7 @@ class RequestFlow:
             lease = _Lease(ctx_worker, dp, dumps(gen_body), answer.get("usage") or {},
                            requested_tokens(path, body))
             try:
-                return await self._generation(request, st, path, route, gen, ctx, lease)
+                return await self._generation(out, st, path, route, gen, ctx, lease)
             except Failed:
                 continue  # the lease is gone: prefill again
             finally:
@@ -257,9 +256,9 @@ class RequestFlow:
                 if resp is not None:
                     resp.close()
 
-    async def _generation(self, request: web.Request, st: RequestState, path: str,
+    async def _generation(self, out: ClientStream, st: RequestState, path: str,
                           route: RouteRequest, gen: Tries, ctx: Tries, lease: _Lease
-                          ) -> web.StreamResponse:
+                          ) -> Answer:
         """The generation tries over one context answer. ``Failed`` when the lease is gone
         and the caller must prefill again."""
 
@@ -280,17 +279,17 @@ class RequestFlow:
             return f.reply is not None  # it answered, so it released the lease
             # (else never reached, or died before answering: the lease may still be good)
 
-        async def call(w: Worker) -> web.StreamResponse:
+        async def call(w: Worker) -> Answer:
             t0 = time.monotonic()
-            out = await self.relay.call_and_relay(request, st, w, path, lease.data, route,
-                                                  lease.ctx_usage, signed=True)
-            if out.status == 200:  # the planner's TPOT sample
+            answer = await self.relay.call_and_relay(out, st, w, path, lease.data, route,
+                                                     lease.ctx_usage, signed=True)
+            if answer.status == 200:  # the planner's TPOT sample
                 self.membership.load.generation(time.monotonic() - t0, lease.max_tokens,
                                                 first_byte_at=st.first_byte_at)
             # A refusal (4xx) reads no KV: free the lease now, not at its expiry
             # (idempotent should the worker have released it too).
-            lease.taken = out.status < 400
-            return out
+            lease.taken = answer.status < 400
+            return answer
 
         return await self.retrying(gen, route, call, on_failure)
 

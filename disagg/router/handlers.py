@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -30,6 +30,7 @@ from aiohttp import web
 from disagg import __version__
 from disagg.cluster_auth import AUTH_HEADER, AuthError
 from disagg.roles import Role
+from disagg.router.client_io import AiohttpStream, Answer, ClientStream
 from disagg.router.config import normalize_worker_url
 from disagg.router.flow import Tries
 from disagg.router.membership import Worker
@@ -74,16 +75,25 @@ class Handlers:
     # -- the OpenAI endpoints -----------------------------------------------------------------
 
     async def openai(self, request: web.Request) -> web.StreamResponse:
-        path = request.path
+        """The OpenAI endpoints as aiohttp serves them (``front`` serves the common case)."""
+        out = AiohttpStream(request)
+        answer = await self.serve_openai(out, request.path, request.headers.get("Authorization"),
+                                         lambda: self.read_body(request))
+        return out.to_response(answer)
+
+    async def serve_openai(self, out: ClientStream, path: str, authorization: str | None,
+                           read_body: Callable[[], Awaitable[bytes]]) -> Answer:
+        """One OpenAI request, whichever server carries it: ``authorization``, its header;
+        ``read_body``, its body (raising ``Reply`` for a late, large or encoded one)."""
         st = RequestState(path)
         t0 = time.monotonic()
         metrics = self.router.metrics
         try:
-            self.check_api_key(request)
-            return await self._route(request, st, path, await self.read_body(request))
+            self.check_authorization(authorization)
+            return await self._route(out, st, path, await read_body())
         except Reply as r:
             st.outcome = r.outcome
-            return r.response()
+            return r.answer()
         except (asyncio.CancelledError, ConnectionError):  # the client went away
             if not st.delivered:
                 st.outcome = "disconnected"
@@ -92,8 +102,8 @@ class Handlers:
             metrics.child(metrics.requests, path, st.outcome).inc()
             metrics.request_latency.observe(time.monotonic() - t0)
 
-    async def _route(self, request: web.Request, st: RequestState, path: str, raw: bytes
-                     ) -> web.StreamResponse:
+    async def _route(self, out: ClientStream, st: RequestState, path: str, raw: bytes
+                     ) -> Answer:
         """Send the request whole, or through the two calls (see ``flow``)."""
         router, flow = self.router, self.router.flow
         m = router.membership
@@ -108,7 +118,7 @@ class Handlers:
             else:
                 route = router.route_request(path, body)
         if body is None or not m.disaggregated or not _splittable(path, body):
-            return await flow.whole(request, st, path, raw, route)
+            return await flow.whole(out, st, path, raw, route)
         first_gen = None
         cond = self.config.conditional_disagg
         if cond is not None and route.prompt is not None:
@@ -120,8 +130,8 @@ class Handlers:
             matched = kv.match(route.prompt) if kv is not None else 0
             if route.num_tokens - matched <= cond.max_local_prefill_length:
                 router.metrics.local_prefill.inc()
-                return await flow.whole(request, st, path, raw, route, first_gen)
-        return await flow.disaggregated(request, st, path, body, route, first_gen)
+                return await flow.whole(out, st, path, raw, route, first_gen)
+        return await flow.disaggregated(out, st, path, body, route, first_gen)
 
     async def read_body(self, request: web.Request) -> bytes:
         """The body, plain JSON (415 for a Content-Encoding), within ``body_timeout_s`` (408;
@@ -137,8 +147,7 @@ class Handlers:
                 return await request.read()
             return await asyncio.wait_for(request.read(), timeout)
         except asyncio.TimeoutError:
-            raise Reply.error(408, f"the request body did not arrive within {timeout:g} s",
-                              code="request_timeout", close=True) from None
+            raise late_body(timeout) from None
         except web.HTTPRequestEntityTooLarge:
             raise Reply.error(413, f"request body too large (at most {MAX_BODY_BYTES} bytes)",
                               code="body_too_large", close=True) from None
@@ -341,7 +350,11 @@ class Handlers:
 
     def check_api_key(self, request: web.Request) -> None:
         """401 unless the client sent the router's API key (when it has one)."""
-        if self.config.api_key and not self._api_key_ok(request):
+        self.check_authorization(request.headers.get("Authorization"))
+
+    def check_authorization(self, authorization: str | None) -> None:
+        """``check_api_key`` of an ``Authorization`` header's value."""
+        if self.config.api_key and not bearer_ok(authorization or "", self.config.api_key):
             raise Reply.error(401, "invalid or missing API key (send 'Authorization: Bearer "
                               "<key>')", code="invalid_api_key")
 
@@ -373,6 +386,12 @@ class Handlers:
                                   f"({AUTH_HEADER}): {why}", "authentication_error",
                                   code="invalid_cluster_signature")
         return parse_body(raw)
+
+
+def late_body(timeout_s: float) -> Reply:
+    """The answer to a request whose body did not arrive within ``timeout_s``."""
+    return Reply.error(408, f"the request body did not arrive within {timeout_s:g} s",
+                       code="request_timeout", close=True)
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:

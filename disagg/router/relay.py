@@ -19,9 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
-
 from disagg.router import http1
+from disagg.router.client_io import STREAMED, Answer, ClientStream
 from disagg.router.membership import Membership, Worker
 from disagg.router.metrics import RouterMetrics
 from disagg.router.policies import RouteRequest
@@ -74,10 +73,10 @@ class Relay:
         self.membership = membership
         self.metrics = metrics
 
-    async def call_and_relay(self, request: web.Request, st: RequestState, w: Worker,
+    async def call_and_relay(self, out: ClientStream, st: RequestState, w: Worker,
                              path: str, data: bytes, route: RouteRequest,
                              ctx_usage: Mapping[str, Any] | None = None,
-                             signed: bool = False) -> web.StreamResponse:
+                             signed: bool = False) -> Answer:
         """One try on ``w``: relay its answer to the client. ``Failed`` if it fails before
         the first byte reaches the client."""
         t0 = time.monotonic()
@@ -88,32 +87,31 @@ class Relay:
                 if resp.status >= 500:
                     raise await self.upstream.error_answer(w, resp)
                 if resp.content_type == "text/event-stream" and resp.status == 200:
-                    return await self._relay_stream(request, st, w, resp, t0, ctx_usage)
+                    return await self._relay_stream(out, st, w, resp, t0, ctx_usage)
                 return await self._relay_whole(st, w, resp, t0, ctx_usage)
             finally:
                 if resp is not None:
                     resp.close()  # a no-op when fully read; else drops the connection (aborts)
 
     async def _relay_whole(self, st: RequestState, w: Worker, resp: http1.Response,
-                           t0: float, ctx_usage: Mapping[str, Any] | None) -> web.Response:
+                           t0: float, ctx_usage: Mapping[str, Any] | None) -> Answer:
         body = await self.upstream.read(w, resp)
         now = time.monotonic()
         self.metrics.gen_first_byte.observe(now - t0)
         self.metrics.gen_latency.observe(now - t0)
         if resp.status != 200:
             st.outcome = "client_error"
-            return web.Response(status=resp.status, body=body,
-                                content_type=resp.content_type or "application/json")
+            return Answer(resp.status, body, resp.content_type or "application/json")
         if ctx_usage is not None:
             answer = json.loads(body)
             fix_usage(answer, ctx_usage)
             body = dumps(answer)
-        return web.Response(body=body, content_type="application/json")
+        return Answer(200, body)
 
-    async def _relay_stream(self, request: web.Request, st: RequestState, w: Worker,
+    async def _relay_stream(self, out: ClientStream, st: RequestState, w: Worker,
                             resp: http1.Response, t0: float,
-                            ctx_usage: Mapping[str, Any] | None) -> web.StreamResponse:
-        out: web.StreamResponse | None = None
+                            ctx_usage: Mapping[str, Any] | None) -> Answer:
+        started = False
         pending = b""
         done = False
         try:
@@ -127,15 +125,15 @@ class Relay:
                 if ctx_usage is not None and b'"usage":{' in events:
                     events = fix_stream_usage(events, ctx_usage)
                 try:
-                    if out is None:
+                    if not started:
                         st.first_byte_at = time.monotonic()
                         self.metrics.gen_first_byte.observe(st.first_byte_at - t0)
-                        out = web.StreamResponse(status=200, headers=SSE_HEADERS)
-                        await out.prepare(request)
+                        started = True
+                        await out.start(200, SSE_HEADERS)
                     await out.write(events)
                 except ConnectionError:  # the client went away: the caller closes upstream
                     st.outcome = "disconnected"
-                    return out or web.Response(status=499)
+                    return STREAMED if started else Answer(499)
                 done = events.endswith(DONE)
                 st.delivered = done
             if not done:
@@ -143,7 +141,7 @@ class Relay:
         except (http1.UpstreamError, asyncio.TimeoutError) as e:
             why = f"generation worker {w.url} failed mid-stream: {type(e).__name__}: {e}"
             self.membership.request_failed(w, why)
-            if out is None:  # nothing sent yet: another worker may still serve it
+            if not started:  # nothing sent yet: another worker may still serve it
                 raise Failed(why) from None
             logger.warning("%s", why)
             st.outcome = "stream_error"
@@ -151,12 +149,11 @@ class Relay:
             with contextlib.suppress(ConnectionError):
                 await out.write(b"data: " + dumps(err) + b"\n\n" + DONE)
         self.metrics.gen_latency.observe(time.monotonic() - t0)
-        if out is None:  # an empty but complete stream
-            out = web.StreamResponse(status=200, headers=SSE_HEADERS)
-            await out.prepare(request)
         with contextlib.suppress(ConnectionError):
-            await out.write_eof()
-        return out
+            if not started:  # an empty but complete stream
+                await out.start(200, SSE_HEADERS)
+            await out.end()
+        return STREAMED
 
 
 def fix_usage(obj: dict[str, Any], ctx_usage: Mapping[str, Any]) -> None:
@@ -188,18 +185,17 @@ def fix_stream_usage(events: bytes, ctx_usage: Mapping[str, Any]) -> bytes:
     return b"\n\n".join(out)
 
 
-async def final_answer(request: web.Request, path: str, body: Mapping[str, Any],
-                       answer: dict[str, Any]) -> web.StreamResponse:
+async def final_answer(out: ClientStream, path: str, body: Mapping[str, Any],
+                       answer: dict[str, Any]) -> Answer:
     """The context worker's final answer, as a stream if the client asked for one."""
     if not body.get("stream"):
-        return web.Response(body=dumps(answer), content_type="application/json")
+        return Answer(200, dumps(answer))
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     chunks = _as_chunks(answer, path == CHAT, include_usage)
-    out = web.StreamResponse(status=200, headers=SSE_HEADERS)
-    await out.prepare(request)
+    await out.start(200, SSE_HEADERS)
     await out.write(b"".join(b"data: " + dumps(c) + b"\n\n" for c in chunks) + DONE)
-    await out.write_eof()
-    return out
+    await out.end()
+    return STREAMED
 
 
 def _as_chunks(answer: dict[str, Any], chat: bool, include_usage: bool

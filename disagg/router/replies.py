@@ -8,6 +8,7 @@ from typing import Any
 
 from aiohttp import web
 
+from disagg.router.client_io import Answer
 from disagg.server import protocol as P
 
 
@@ -41,6 +42,9 @@ class Reply(Exception):
     def from_api_error(cls, e: P.APIError, close: bool = False) -> Reply:
         return cls(e.status, dumps(e.body()), close=close,
                    outcome="client_error" if e.status < 500 else "upstream_error")
+
+    def answer(self) -> Answer:
+        return Answer(self.status, self.body, self.content_type, close=self.close)
 
     def response(self) -> web.Response:
         resp = web.Response(status=self.status, body=self.body, content_type=self.content_type)

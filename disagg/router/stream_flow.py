@@ -51,9 +51,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
-
 from disagg.roles import RequestType, Role
+from disagg.router.client_io import Answer, ClientStream
 from disagg.router.flow import RequestFlow, Tries, requested_tokens
 from disagg.router.membership import Worker
 from disagg.router.policies import RouteRequest
@@ -139,9 +138,9 @@ class StreamingFlow(RequestFlow):
     def _count(self, outcome: str) -> None:
         self.metrics.child(self.metrics.kv_stream, outcome).inc()
 
-    async def first_try(self, request: web.Request, st: RequestState, path: str,
+    async def first_try(self, out: ClientStream, st: RequestState, path: str,
                         body: dict[str, Any], route: RouteRequest, ctx: Tries, gen: Tries
-                        ) -> web.StreamResponse | None:
+                        ) -> Answer | None:
         if not streamable_request(path, body):
             self._count(NOT_STREAMABLE)
             return None
@@ -154,21 +153,21 @@ class StreamingFlow(RequestFlow):
         s = _Stream(ctx_w, self.next_worker(gen, route), uuid.uuid4().hex)
         outcome = FAILED
         try:
-            out = await self._stream(request, st, path, body, route, s, source, ctx, gen)
-            outcome = FELL_BACK if out is None else STREAMED
-            return out
+            answer = await self._stream(out, st, path, body, route, s, source, ctx, gen)
+            outcome = FELL_BACK if answer is None else STREAMED
+            return answer
         finally:
             self._count(outcome)
 
-    async def _stream(self, request: web.Request, st: RequestState, path: str,
+    async def _stream(self, out: ClientStream, st: RequestState, path: str,
                       body: dict[str, Any], route: RouteRequest, s: _Stream,
                       source: Mapping[str, Any], ctx: Tries, gen: Tries
-                      ) -> web.StreamResponse | None:
+                      ) -> Answer | None:
         """Both calls at once: G's answer, or None to fall back (module docstring)."""
         ctx_data, gen_data = stream_bodies(body, s.id, source)
         loop = asyncio.get_running_loop()
         c_task = loop.create_task(self._ctx_call(s, path, ctx_data, route))
-        g_task = loop.create_task(self._gen_call(request, st, s, path, gen_data, route,
+        g_task = loop.create_task(self._gen_call(out, st, s, path, gen_data, route,
                                                    requested_tokens(path, body)))
         for t in (c_task, g_task):
             t.add_done_callback(_retrieve)
@@ -220,14 +219,14 @@ class StreamingFlow(RequestFlow):
                 if resp is not None:
                     resp.close()
 
-    async def _gen_call(self, request: web.Request, st: RequestState, s: _Stream,
+    async def _gen_call(self, out: ClientStream, st: RequestState, s: _Stream,
                           path: str, data: bytes, route: RouteRequest,
-                          max_tokens: int | None) -> web.StreamResponse:
+                          max_tokens: int | None) -> Answer:
         """G's call, its answer relayed to the client (``Failed`` before the first byte)."""
         t0 = time.monotonic()
-        out = await self.relay.call_and_relay(request, st, s.gen_worker, path, data, route,
-                                              signed=True)
-        if out.status == 200:
+        answer = await self.relay.call_and_relay(out, st, s.gen_worker, path, data, route,
+                                                 signed=True)
+        if answer.status == 200:
             # The planner's generation sample starts where C's prefill ended (its answer,
             # or G's first bytes if those came first), as after the context call: G's wait
             # for the KV is the context side's time.
@@ -236,7 +235,7 @@ class StreamingFlow(RequestFlow):
                 start = max(t0, min(s.ctx_answered_at, st.first_byte_at or s.ctx_answered_at))
             self.membership.load.generation(time.monotonic() - start, max_tokens,
                                             first_byte_at=st.first_byte_at)
-        return out
+        return answer
 
     def _context_failed(self, failure: Exception, s: _Stream, ctx: Tries, gen: Tries) -> None:
         """C failed before G's answer began: the two calls take over (``Reply`` when the
@@ -254,21 +253,21 @@ class StreamingFlow(RequestFlow):
         if ctx.exhausted:
             raise self.no_worker(Role.CONTEXT, ctx.last)
 
-    def _generation_ended(self, g_task: asyncio.Task[web.StreamResponse], st: RequestState,
-                          s: _Stream, ctx: Tries, gen: Tries) -> web.StreamResponse | None:
+    def _generation_ended(self, g_task: asyncio.Task[Answer], st: RequestState,
+                          s: _Stream, ctx: Tries, gen: Tries) -> Answer | None:
         """G's answer for the client, or None to fall back (``Reply`` when the budget of the
         side at fault is spent)."""
         exc = g_task.exception()
         if exc is None:
-            out = g_task.result()
-            if _refuses_streaming(out):
+            answer = g_task.result()
+            if _refuses_streaming(answer):
                 logger.info("stream %s: generation worker %s refused kv_stream (%d): falling "
-                            "back to the two calls", s.id, s.gen_worker.url, out.status)
+                            "back to the two calls", s.id, s.gen_worker.url, answer.status)
                 st.outcome = "success"  # (the relay counted the refusal as the client's)
                 ctx.first, gen.first = s.ctx_worker, s.gen_worker
                 return None
-            s.taken = out.status < 400
-            return out
+            s.taken = answer.status < 400
+            return answer
         if not isinstance(exc, Failed):
             raise exc
         logger.info("stream %s: generation worker failed: %s; falling back to the two calls",
@@ -302,14 +301,13 @@ def _retrieve(task: asyncio.Task[Any]) -> None:
         task.exception()
 
 
-def _refuses_streaming(out: web.StreamResponse) -> bool:
+def _refuses_streaming(out: Answer) -> bool:
     """G's 4xx naming ``disaggregated_params``: a worker that does not stream KV (clients
     cannot set that field: the router refuses it)."""
-    if not isinstance(out, web.Response) or not 400 <= out.status < 500:
+    if out.streamed or not 400 <= out.status < 500:
         return False
-    body = out.body
     try:
-        error = json.loads(body).get("error") if isinstance(body, bytes) else None
+        error = json.loads(out.body).get("error")
     except (ValueError, AttributeError, RecursionError):
         return False
     param = error.get("param") if isinstance(error, dict) else None
