@@ -28,6 +28,7 @@ import aiohttp
 from aiohttp import web
 
 from disagg.router.config import ClusterConfig
+from disagg.router.front import FrontSite
 from disagg.router.handlers import MAX_BODY_BYTES, Handlers
 from disagg.router.processes import ProcessInfo
 from disagg.router.replies import Reply
@@ -53,6 +54,7 @@ MAX_FIELD_BYTES = 8190
 MAX_HEADERS = 128
 
 ROUTER_KEY = web.AppKey("router", Router)
+HANDLERS_KEY = web.AppKey("handlers", Handlers)
 
 
 _HTTP_VERSIONS = (aiohttp.HttpVersion10, aiohttp.HttpVersion11)
@@ -98,7 +100,8 @@ def build_router_app(config: ClusterConfig, *, tokenizer: Any = None,
     app[ROUTER_KEY] = router
     app.on_startup.append(router.startup)
     app.on_cleanup.append(router.cleanup)
-    Handlers(router).register(app)
+    app[HANDLERS_KEY] = handlers = Handlers(router)
+    handlers.register(app)
     return app
 
 
@@ -115,7 +118,14 @@ async def start_router(app: web.Application, host: str, port: int, *,
                            lingering_time=LINGER_S,
                            auto_decompress=False)  # bodies are plain JSON (else 415)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=1024, reuse_port=reuse_port or None)
+    handlers = app.get(HANDLERS_KEY)
+    site: web.TCPSite
+    if handlers is None:  # not the router's app (tests serve their stubs so)
+        site = web.TCPSite(runner, host, port, backlog=1024, reuse_port=reuse_port or None)
+    else:  # the common OpenAI request through the router's own protocol, the rest aiohttp's
+        site = FrontSite(runner, host, port, handlers, keep_alive_s=keep_alive_s,
+                         linger_s=LINGER_S, max_head_bytes=MAX_LINE_BYTES,
+                         max_headers=MAX_HEADERS, backlog=1024, reuse_port=reuse_port or None)
     await site.start()
     if private_socket is not None:
         await web.UnixSite(runner, private_socket).start()
