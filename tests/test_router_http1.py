@@ -180,3 +180,42 @@ def test_pool_body_ended_by_close_and_connect_error(loop: LoopThread) -> None:
             pool.close()
 
     loop.run(run())
+
+
+def test_the_read_timeout_counts_from_the_last_byte(loop: LoopThread) -> None:
+    """A body whose bytes keep coming (each gap under the read timeout, all of them over it)
+    is read; a worker that then goes silent fails the read once the timeout passed."""
+    timeout_s = 0.5
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        for _ in range(4):  # 4 x 0.25 s: twice the timeout in all
+            await asyncio.sleep(timeout_s / 2)
+            writer.write(b"2\r\nab\r\n")
+            await writer.drain()
+        await asyncio.sleep(30)  # silent (cancelled when the server closes)
+
+    async def run() -> None:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        pool = http1.Pool(connect_timeout_s=2, read_timeout_s=timeout_s, keep_alive_s=4)
+        try:
+            head = http1.request_head("POST", f"127.0.0.1:{port}", "/x", {})
+            resp = await pool.post("127.0.0.1", port, head, b"{}")
+            got = b""
+            loop_ = asyncio.get_running_loop()
+            with pytest.raises(asyncio.TimeoutError):
+                async for data in resp.iter_any():
+                    got += data
+                    last = loop_.time()
+            silent = loop_.time() - last
+            assert got == b"ab" * 4
+            assert timeout_s * 0.9 <= silent < timeout_s + 2.0, silent
+            resp.close()
+        finally:
+            pool.close()
+            server.close()
+
+    loop.run(run())
