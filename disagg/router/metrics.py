@@ -29,15 +29,22 @@
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
     from disagg.router.membership import Membership
@@ -51,20 +58,21 @@ class RouterMetrics:
     def __init__(self, membership: Membership) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter(P + "requests", "Requests by endpoint and outcome.",
-                                ["endpoint", "outcome"], registry=r)
-        self.ctx_latency = Histogram(P + "ctx_latency_seconds", "Context call: sent -> answer.",
-                                     buckets=LATENCY_BUCKETS, registry=r)
-        self.gen_first_byte = Histogram(P + "gen_first_byte_seconds", "Generation call: sent -> "
-                                        "first byte.", buckets=LATENCY_BUCKETS, registry=r)
-        self.gen_latency = Histogram(P + "gen_latency_seconds", "Generation call: sent -> end.",
-                                     buckets=LATENCY_BUCKETS, registry=r)
-        self.request_latency = Histogram(P + "request_latency_seconds", "Whole request at the "
-                                         "router.", buckets=LATENCY_BUCKETS, registry=r)
+        # Per request: the event loop's own counters and histograms (``LoopCounter``).
+        self.requests = LoopCounter(P + "requests", "Requests by endpoint and outcome.",
+                                    ("endpoint", "outcome"), registry=r)
+        self.ctx_latency = LoopHistogram(P + "ctx_latency_seconds", "Context call: sent -> "
+                                         "answer.", LATENCY_BUCKETS, registry=r)
+        self.gen_first_byte = LoopHistogram(P + "gen_first_byte_seconds", "Generation call: "
+                                            "sent -> first byte.", LATENCY_BUCKETS, registry=r)
+        self.gen_latency = LoopHistogram(P + "gen_latency_seconds", "Generation call: sent -> "
+                                         "end.", LATENCY_BUCKETS, registry=r)
+        self.request_latency = LoopHistogram(P + "request_latency_seconds", "Whole request at "
+                                             "the router.", LATENCY_BUCKETS, registry=r)
+        self.decisions = LoopCounter(P + "routing_decisions", "Workers chosen, by policy.",
+                                     ("role", "policy", "worker"), registry=r)
         self.retries = Counter(P + "retries", "Tries on another worker, or new prefills.",
                                ["role", "reason"], registry=r)
-        self.decisions = Counter(P + "routing_decisions", "Workers chosen, by policy.",
-                                 ["role", "policy", "worker"], registry=r)
         self.lease_releases = Counter(P + "lease_releases", "Context leases the router freed "
                                       "because no generation worker took the request.",
                                       registry=r)
@@ -93,7 +101,7 @@ class RouterMetrics:
         # values under a lock on every call (~1.5% of the router's time under load).
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
-    def child(self, metric: MetricWrapperBase, *values: str) -> Any:
+    def child(self, metric: Any, *values: str) -> Any:
         """``metric.labels(*values)``, cached."""
         key = (id(metric), values)  # (the metrics live as long as self)
         found = self._children.get(key)
@@ -113,6 +121,84 @@ class RouterMetrics:
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _Cell:
+    """One labelled series of a ``LoopCounter``."""
+
+    __slots__ = ("value", "created")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.created = time.time()
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+
+class LoopCounter(Collector):
+    """A labelled counter for the event loop's thread alone: ``labels(*values).inc(n)`` adds
+    to a float, no lock (prometheus_client takes one per increment; the router counts on its
+    loop and renders /metrics there too). Exposed as prometheus_client's Counter is
+    (``name_total`` and ``name_created`` per series)."""
+
+    def __init__(self, name: str, doc: str, labels: tuple[str, ...], *,
+                 registry: CollectorRegistry) -> None:
+        self.name, self.doc, self.label_names = name, doc, list(labels)
+        self.cells: dict[tuple[str, ...], _Cell] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> _Cell:
+        cell = self.cells.get(values)
+        if cell is None:
+            if len(values) != len(self.label_names):
+                raise ValueError(f"{self.name}: labels {self.label_names}, got {values}")
+            cell = self.cells[values] = _Cell()
+        return cell
+
+    def remove(self, *values: str) -> None:
+        del self.cells[values]
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self.name, self.doc, labels=self.label_names)
+        for values, cell in list(self.cells.items()):
+            family.add_metric(list(values), cell.value, created=cell.created)
+        yield family
+
+
+class LoopHistogram(Collector):
+    """A histogram for the event loop's thread alone (as ``LoopCounter``): ``observe`` is one
+    bisect and two additions (prometheus_client's takes a lock for the sum and for the
+    bucket)."""
+
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...], *,
+                 registry: CollectorRegistry) -> None:
+        assert buckets[-1] == float("inf") and list(buckets) == sorted(buckets)
+        self.name, self.doc, self.bounds = name, doc, list(buckets)
+        self.counts = [0] * len(buckets)  # counts[i]: observations in (bounds[i-1], bounds[i]]
+        self.sum = 0.0
+        self.created = time.time()
+        registry.register(self)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        cumulative, total = [], 0
+        for bound, n in zip(self.bounds, self.counts, strict=True):
+            total += n
+            cumulative.append((floatToGoString(bound), total))
+        family = HistogramMetricFamily(self.name, self.doc)
+        family.add_metric([], cumulative, self.sum)
+        family.add_sample(self.name + "_created", {}, self.created)
+        yield family
 
 
 class _WorkerCollector(Collector):
