@@ -50,18 +50,25 @@ class RequestState:
     first_byte_at: float | None = None
 
 
-@contextlib.contextmanager
-def counted(w: Worker, route: RouteRequest) -> Any:
+class counted:  # noqa: N801 (used as a function: ``with counted(w, route):``)
     """``w`` carries one more of the router's requests (its load, for the policies) while in
-    this block."""
-    w.active_requests += 1
-    w.active_tokens += route.num_tokens
-    w.requests_total += 1
-    try:
-        yield
-    finally:
+    this block. (A class: contextlib's generator-based manager cost more per request.)"""
+
+    __slots__ = ("w", "tokens")
+
+    def __init__(self, w: Worker, route: RouteRequest) -> None:
+        self.w, self.tokens = w, route.num_tokens
+
+    def __enter__(self) -> None:
+        w = self.w
+        w.active_requests += 1
+        w.active_tokens += self.tokens
+        w.requests_total += 1
+
+    def __exit__(self, *exc: object) -> None:
+        w = self.w
         w.active_requests -= 1
-        w.active_tokens -= route.num_tokens
+        w.active_tokens -= self.tokens
 
 
 class Relay:
