@@ -8,6 +8,8 @@ import asyncio
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import router_floor  # noqa: E402
@@ -55,3 +57,15 @@ def test_floor_lines_say_whether_any_python_router_can_reach_the_target() -> Non
     lines = ro._floor_lines(_res({"disagg": 5000, "Python floor": 8000, "vllm-router": 10000}))
     assert lines[-1].startswith("- streaming: every floor is below vllm-router per CPU-second")
     assert ro._floor_lines(_res({"disagg": 5000, "vllm-router": 10000})) == []
+
+
+def test_pd_cost_lines_take_the_checks_out_of_the_disaggregated_router_s_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    us = ro.router_checks_us(False, n=20)  # the real calls, on the benchmark's own body
+    assert us["check"] > 0 and us["sign"] > 0
+    monkeypatch.setattr(ro, "router_checks_us", lambda stream: {"check": 50.0, "sign": 10.0})
+    res = _res({"disagg": 10000, ro.DISAGG_PD: 2000, ro.VLLM_PD: 4000})
+    lines = ro._pd_cost_lines(res)
+    assert lines[3].startswith("- non-streaming: disagg 500 us (its aggregated request: 100 us")
+    assert lines[3].endswith("without them 440 us, x0.57 of vllm-router's rate")
+    assert ro._pd_cost_lines(_res({"disagg": 10000})) == []

@@ -178,10 +178,11 @@ def test_connection_close_is_honoured(loop: LoopThread) -> None:
         assert not rt.front.conns
 
 
-@pytest.mark.parametrize("case", ["expect", "chunked", "two lengths", "gzip", "query"])
+@pytest.mark.parametrize("case", ["expect", "chunked", "two lengths", "gzip", "query",
+                                  "http 1.0"])
 def test_other_shapes_of_the_same_endpoint_are_aiohttp_s(loop: LoopThread, case: str) -> None:
     """Handed to aiohttp with the bytes the front held: 100-continue, a chunked body, a bad
-    head (aiohttp's 400), a compressed body (415), a query string."""
+    head (aiohttp's 400), a compressed body (415), a query string, HTTP/1.0."""
     raw = json.dumps(BODY).encode()
     with front_router(loop) as rt, socket.create_connection(("127.0.0.1", rt.port)) as s:
         answers = Answers(s)
@@ -201,8 +202,11 @@ def test_other_shapes_of_the_same_endpoint_are_aiohttp_s(loop: LoopThread, case:
         elif case == "gzip":
             s.sendall(post(C, None, "Content-Encoding: gzip"))
             expected = 415
-        else:
+        elif case == "query":
             s.sendall(post(C + "?x=1"))
+            expected = 200
+        else:
+            s.sendall(post(C).replace(b"HTTP/1.1", b"HTTP/1.0", 1))
             expected = 200
         (a,) = answers.read(1)
         assert a["status"] == expected and by_aiohttp(a), a

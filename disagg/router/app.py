@@ -1,4 +1,6 @@
-"""The router's HTTP server (aiohttp): ``build_router_app(config) -> aiohttp.web.Application``.
+"""The router's HTTP server: ``build_router_app(config) -> aiohttp.web.Application``, served by
+``start_router`` on a ``front.FrontSite`` (the common OpenAI request on the router's own
+protocol, everything else on aiohttp's).
 
 The router sits in front of a cluster of workers and serves the OpenAI endpoints
 ``/v1/completions`` and ``/v1/chat/completions``. In a disaggregated cluster a request takes two
@@ -10,7 +12,8 @@ calls and their retries; the pieces live in modules named for what they do:
 - ``router``: ``Router``, the parts assembled from the cluster config (cluster authentication);
 - ``handlers``: the HTTP endpoints; ``flow``: the request flow and its one retry helper;
 - ``upstream``: the client of the workers (``http1``: its lean HTTP/1.1 connections);
-  ``relay``: their answers passed to the client;
+  ``relay``: their answers passed to the client (``client_io``: whichever server carries it);
+- ``front``: the router's own HTTP/1.1 server for the common OpenAI request;
 - ``processes``: several router processes on one port (``processes: N``);
 - ``prompt_tokens``: the prompt's tokens for the policies; ``replies``: the router's own answers;
 - ``membership``, ``policies``, ``kv_index``, ``metrics``, ``config``, ``cli``.
