@@ -18,7 +18,8 @@ For each of non-streaming and streaming requests, the same closed-loop clients c
   after a warm-up: requests/s (the router's maximum on one core when its CPU is ~100%).
 
 ``--peers`` adds interleaved rounds side by side with sglang-router and vllm-router (installed
-into a virtualenv of their own), the router's variants (uvloop, two processes, ``--baseline``
+into a virtualenv of their own), the router's variants (asyncio's loop instead of uvloop, two
+processes, ``--baseline``
 REV) and *Python floor* (``router_floor.py``: bytes relayed with no router logic, the least a
 Python router costs per request on that loop).
 
@@ -420,9 +421,10 @@ def router_config(port: int, ctx_port: int | None, gen_port: int, processes: int
 
 # -- side by side: the peer routers ---------------------------------------------------------------
 
-# The disagg router's variants in one run: asyncio's loop (its default), uvloop, and two router
-# processes (``processes: 2``, one a core): (name, environment, processes).
-DISAGG_VARIANTS = (("disagg", {}, 1), ("disagg (uvloop)", {"DISAGG_ROUTER_UVLOOP": "1"}, 1),
+# The disagg router's variants in one run: its default (uvloop when installed), asyncio's own
+# loop, and two router processes (``processes: 2``, one a core): (name, environment, processes).
+ASYNCIO = "disagg (asyncio loop)"
+DISAGG_VARIANTS = (("disagg", {}, 1), (ASYNCIO, {"DISAGG_ROUTER_UVLOOP": "0"}, 1),
                    ("disagg, 2 processes", {}, 2))
 # bench/router_floor.py: bytes relayed by hand-written asyncio protocols and httptools, no
 # router logic: the floor of any Python router on that loop.
@@ -525,8 +527,8 @@ async def _start_routers(args: argparse.Namespace, ports: dict[str, int], router
     venv = Path(args.peers_venv)
     peers, res.skipped = await asyncio.get_running_loop().run_in_executor(
         None, router_peers.install, venv)
-    variants = [v for v in DISAGG_VARIANTS  # the uvloop run when uvloop is installed
-                if "DISAGG_ROUTER_UVLOOP" not in v[1] or importlib.util.find_spec("uvloop")]
+    variants = [v for v in DISAGG_VARIANTS  # (the asyncio run is the default's twin without
+                if v[0] != ASYNCIO or importlib.util.find_spec("uvloop")]  # uvloop)
     if args.baseline:  # the router as committed at that revision: the "before"
         variants.append((f"disagg @ {args.baseline}",
                          {"PYTHONPATH": str(checkout(args.baseline, log_dir))}, 1))
@@ -571,7 +573,7 @@ async def _start_routers(args: argparse.Namespace, ports: dict[str, int], router
 
 async def side_by_side(args: argparse.Namespace, ports: dict[str, int], router_for: Any,
                        log_dir: Path) -> SideBySide:
-    """The disagg router (asyncio's loop, uvloop, two processes) and the installed peers, each
+    """The disagg router (its default, asyncio's loop, two processes) and the installed peers, each
     pinned to the router core in turn, in front of the same stub, then the disaggregated
     routers in front of a context (prefill) and a generation (decode) stub, interleaved:
     every round measures each router once (latency at 1 in flight against the direct latency
@@ -636,7 +638,8 @@ def side_report(args: argparse.Namespace, res: SideBySide, share: float | None,
     peers = ", ".join(f"{p.package} {p.version}" for p in router_peers.PEERS)
     lines += ["", f"Peers ({peers}) run from the virtualenv `{args.peers_venv}` that the "
               f"script installs them into; `--policy round_robin`, default options otherwise. "
-              f"*disagg (uvloop)*: the same router with `DISAGG_ROUTER_UVLOOP=1`; *disagg, 2 "
+              f"*disagg*: the router as it runs by default (on uvloop when installed); "
+              f"*{ASYNCIO}*: the same router with `DISAGG_ROUTER_UVLOOP=0`; *disagg, 2 "
               f"processes*: `processes: 2`, router process i pinned to core i (the load "
               f"generator and the stubs share core 1 with the second one)"
               + (f"; *disagg @ {args.baseline}*: the router of that git revision, the before "
@@ -772,7 +775,7 @@ def _side_targets(res: SideBySide, direct: dict[str, float]) -> list[str]:
     before/after ratios."""
     lines = [""]
     before = next((n for n in res.names if n.startswith("disagg @ ")), None)
-    for new, old, what in (("disagg (uvloop)", "disagg", "uvloop"),
+    for new, old, what in (("disagg", ASYNCIO, "uvloop (the default)"),
                            ("disagg", before, "this branch's data plane"),
                            ("disagg, 2 processes", "disagg", "two router processes")):
         if old in res.names and new in res.names:
@@ -837,7 +840,7 @@ def machine() -> list[str]:
     cores = len(os.sched_getaffinity(0))
     try:
         import uvloop
-        loop = f"uvloop {uvloop.__version__} (*disagg (uvloop)* below)"
+        loop = f"uvloop {uvloop.__version__} (the router's loop; *{ASYNCIO}* below: asyncio's)"
     except ImportError:
         loop = "uvloop not installed"
     return [f"CPU: {model}, {cores} cores available to this run ({os.cpu_count()} online)",
@@ -1142,7 +1145,8 @@ def main() -> int:
                    help="profile the router for this long at the end (0: no profile)")
     p.add_argument("--peers", action="store_true",
                    help="also run sglang-router and vllm-router (installed into --peers-venv) "
-                   "and the disagg router on uvloop (when installed), side by side")
+                   "and the disagg router on asyncio's own loop (when uvloop, its default, is "
+                   "installed), side by side")
     p.add_argument("--peers-venv", default=str(Path(cache_root()) / "router-peers-venv"),
                    help="the peers' own virtualenv (created when missing)")
     p.add_argument("--side-rounds", type=int, default=3, help="interleaved rounds (--peers)")

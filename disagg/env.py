@@ -40,9 +40,9 @@ UCX_TLS                    str             unset                     UCX's trans
                                                                      to explain staging decisions
 OPENAI_API_KEY             str             none                      ``disagg bench``'s default
                                                                      ``--api-key``
-DISAGG_ROUTER_UVLOOP       boolean         false                     true: ``disagg router``
-                                                                     runs on uvloop (installed
-                                                                     separately), not asyncio's
+DISAGG_ROUTER_UVLOOP       boolean         unset: uvloop if there    ``disagg router``'s event
+                                                                     loop: true uvloop (an error
+                                                                     without it), false asyncio's
 =========================  ==============  ========================  =========================
 
 Writes stay where they happen, each for a reason: ``transfer/ucx.py`` sets UCX's own
@@ -214,9 +214,10 @@ UCX_TLS: EnvVar[str] = EnvVar(
     "is staged through host memory)")
 OPENAI_API_KEY: EnvVar[str | None] = EnvVar(
     "OPENAI_API_KEY", _optional_str, None, "disagg bench's default --api-key")
-ROUTER_UVLOOP: EnvVar[bool] = EnvVar(
-    "DISAGG_ROUTER_UVLOOP", parse_bool, False,
-    "true: disagg router runs on uvloop (pip install uvloop) instead of asyncio's own loop")
+ROUTER_UVLOOP: EnvVar[bool | None] = EnvVar(
+    "DISAGG_ROUTER_UVLOOP", parse_bool, None,
+    "disagg router's event loop: true uvloop (an error when it is not installed), false "
+    "asyncio's own; unset: uvloop when installed (a dependency except on Windows)")
 
 VARIABLES: tuple[EnvVar, ...] = (
     CLUSTER_TOKEN, CPU_KERNELS, CUDA_ATTENTION, KERNEL_CACHE_DIR, CACHE, XDG_CACHE_HOME,

@@ -28,8 +28,8 @@ DYNAMIC = {"health_check_interval_sec": 0.2, "disagg_cluster": {
 class LoopThread:
     """An asyncio loop in a daemon thread, for in-process aiohttp servers."""
 
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
+    def __init__(self, new_loop: Any = asyncio.new_event_loop) -> None:
+        self.loop = new_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True,
                                        name="test-router-loop")
         self.thread.start()

@@ -1,5 +1,5 @@
-"""The router's data-plane choices: its event loop (asyncio's; uvloop when asked) and the metric
-label children it resolves once (dropped with the worker they name)."""
+"""The router's data-plane choices: its event loop (uvloop when installed; asyncio's when told)
+and the metric label children it resolves once (dropped with the worker they name)."""
 
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ def _loop_name(monkeypatch: pytest.MonkeyPatch, value: str | None) -> str:
         return runner.run(name())
 
 
-def test_asyncio_by_default_and_uvloop_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert _loop_name(monkeypatch, None) == "asyncio"
+def test_uvloop_by_default_and_asyncio_when_told(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _loop_name(monkeypatch, "0") == "asyncio"
     pytest.importorskip("uvloop")
+    assert _loop_name(monkeypatch, None) == "uvloop"
     assert _loop_name(monkeypatch, "1") == "uvloop"
     monkeypatch.setenv("DISAGG_ROUTER_UVLOOP", "maybe")
     with pytest.raises(ValueError, match="DISAGG_ROUTER_UVLOOP"):

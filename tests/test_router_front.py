@@ -25,14 +25,19 @@ from test_router_faults import BODY, aggregated, stubs
 
 from disagg.router.app import ROUTER_KEY, build_router_app, start_router
 from disagg.router.config import parse_cluster_config
-from disagg.router.front import FrontSite
+from disagg.router.front import Front, FrontConnection, FrontSite
 
 C = "/v1/completions"
 
 
-@pytest.fixture(scope="module")
-def loop() -> Iterator[LoopThread]:
-    lt = LoopThread()
+@pytest.fixture(scope="module", params=["asyncio", "uvloop"])
+def loop(request: pytest.FixtureRequest) -> Iterator[LoopThread]:
+    """The router's loop: uvloop (its default where installed) and asyncio's (the hand-off
+    to aiohttp swaps the protocol of either loop's transports)."""
+    if request.param == "uvloop":
+        lt = LoopThread(pytest.importorskip("uvloop").new_event_loop)
+    else:
+        lt = LoopThread()
     yield lt
     lt.close()
 
@@ -252,3 +257,44 @@ def test_shutdown_lets_the_answer_in_hand_finish(loop: LoopThread) -> None:
             assert answers.wait_closed()
             fut.result(30)
             assert time.monotonic() - t0 < 10
+
+
+class _Failing:
+    """Handlers whose OpenAI endpoint fails (after starting a stream, or before answering)."""
+
+    def __init__(self, stream_first: bool) -> None:
+        self.router = SimpleNamespace(body_timeout_s=5.0)
+        self.stream_first = stream_first
+
+    async def serve_openai(self, out: Any, path: str, authorization: str | None,
+                           read_body: Any) -> Any:
+        await read_body()
+        if self.stream_first:
+            await out.start(200, {"Content-Type": "text/event-stream"})
+            await out.write(b"data: 1\n\n")
+        raise RuntimeError("a bug")
+
+
+@pytest.mark.parametrize("stream_first", [False, True])
+def test_a_handler_error_is_a_500_or_a_cut_stream(loop: LoopThread, stream_first: bool,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Before any byte of the answer: a 500 in OpenAI's error JSON, the connection kept. Mid
+    stream: the connection closed (a 500 cannot follow the stream's first bytes)."""
+    front = Front(_Failing(stream_first), lambda: None, keep_alive_s=5.0,  # type: ignore[arg-type]
+                  linger_s=1.0, max_head_bytes=8190, max_headers=128)
+    server = loop.run(loop.loop.create_server(lambda: FrontConnection(front), "127.0.0.1", 0))
+    try:
+        port = server.sockets[0].getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(post(C) + post(C))
+            answers = Answers(s)
+            got = answers.read(2)
+            if stream_first:
+                assert len(got) == 0 and answers.closed  # the chunked body never ended
+                assert answers.cur["status"] == 200 and answers.cur["body"] == b"data: 1\n\n"
+            else:
+                assert [a["status"] for a in got] == [500, 500]
+                assert json.loads(got[0]["body"])["error"]["type"] == "internal_server_error"
+        assert "unhandled error serving /v1/completions" in caplog.text
+    finally:
+        server.close()

@@ -134,6 +134,7 @@ class FrontConnection(asyncio.Protocol, ClientStream):
         self._body_waiter: asyncio.Future[None] | None = None
         self._keep = True  # keep the connection after the answer
         self._stream_head: bytes | None = None  # a streamed answer's head, sent with its body
+        self._streaming = False  # the request in hand's answer is a stream (started)
         self._stream_ended = False
 
     # -- asyncio.Protocol -------------------------------------------------------------------------
@@ -234,7 +235,7 @@ class FrontConnection(asyncio.Protocol, ClientStream):
             return
         self._head_len, self._need = head_len, head_len + int(length)
         self._keep = self.parser.should_keep_alive()
-        self._stream_head, self._stream_ended = None, False
+        self._stream_head, self._streaming, self._stream_ended = None, False, False
         self.task = self.loop.create_task(self._serve(path, self._auth))
 
     def _parse_head(self, head: bytes) -> str | None:
@@ -281,6 +282,9 @@ class FrontConnection(asyncio.Protocol, ClientStream):
             return
         except Exception:
             logger.exception("unhandled error serving %s", path)
+            if self._streaming:  # part of the answer went out: only closing can tell
+                self.close()
+                return
             answer = Reply.error(500, "internal server error", "internal_server_error").answer()
         if not self.lost:
             self._answered(answer)
@@ -322,6 +326,7 @@ class FrontConnection(asyncio.Protocol, ClientStream):
 
     async def start(self, status: int, headers: Mapping[str, str]) -> None:
         close = not self._keep or self.front.closing
+        self._streaming = True
         fields = "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode("latin-1")
         self._stream_head = (b"HTTP/1.1 %d %s\r\n%sTransfer-Encoding: chunked\r\nDate: %s\r\n%s"
                              b"\r\n" % (status, REASONS.get(status, b"Unknown"), fields,
