@@ -69,3 +69,15 @@ def test_pd_cost_lines_take_the_checks_out_of_the_disaggregated_router_s_time(
     assert lines[3].startswith("- non-streaming: disagg 500 us (its aggregated request: 100 us")
     assert lines[3].endswith("without them 440 us, x0.57 of vllm-router's rate")
     assert ro._pd_cost_lines(_res({"disagg": 10000})) == []
+
+
+def test_latency_targets_show_the_rounds_beside_the_medians() -> None:
+    names = ["disagg", "vllm-router"]
+    added = {("disagg", m): [0.2, 0.1, 0.3] for _, m in ro.MODES}
+    added |= {("vllm-router", m): [0.15, 0.15, 0.15] for _, m in ro.MODES}
+    run = ro.RunResult([0.001] * 100, 1.0, 1.0)
+    res = ro.SideBySide({ro.AGG: names}, {}, 3, added,
+                        {(n, m): [run] for n in names for _, m in ro.MODES})
+    assert ro._versus(res, "disagg", "vllm-router", "")[0] == (
+        "- added p50, non-streaming: 0.20 ms vs 0.15 ms (rounds 0.10..0.30 vs 0.15..0.15; not "
+        "above it in 1 of 3 rounds): **missed**")
