@@ -665,8 +665,8 @@ def side_report(args: argparse.Namespace, res: SideBySide, share: float | None,
     if share is not None:
         lines += ["", f"The router's own code (disagg/router: its HTTP server for the "
                   f"OpenAI requests and its HTTP client included) is {share:.0%} of its CPU "
-                  f"time (profile below); the rest is the event loop, sockets and the "
-                  f"standard library."]
+                  f"time on asyncio's loop (profile below); the rest is the event loop, "
+                  f"sockets and the standard library."]
     return lines
 
 
@@ -952,10 +952,13 @@ async def measure(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
 
 async def _profile(args: argparse.Namespace, router_for: Any, agg_port: int, log_dir: Path
                    ) -> Path:
-    """A cProfile of the aggregated router under load (non-streaming): the dump's path."""
+    """A cProfile of the aggregated router under load (non-streaming): the dump's path. On
+    asyncio's loop: cProfile does not see into uvloop (its C transports' socket calls would
+    count in the router's functions that call them)."""
     c = args.throughput_concurrency
     prof = log_dir / "router.prof"
-    router = await router_for(None, agg_port, profile_to=prof)
+    router = await router_for(None, agg_port, profile_to=prof,
+                              extra_env={"DISAGG_ROUTER_UVLOOP": "0"})
     try:
         rport = router.port  # type: ignore[attr-defined]
         await closed_loop(rport, False, c, duration=1.0, warmup_s=0.5)  # warm
@@ -1046,9 +1049,7 @@ def report(args: argparse.Namespace, res: dict[str, Any], load: tuple[float, flo
         f"shared host: other processes take CPU from both cores; the router CPU column shows "
         f"how much of its core it got)",
         f"- command: `{args.command}`",
-        "",
-        f"## Latency ({args.latency_requests} requests per cell, after a warm-up)",
-        "",
+        "", f"## Latency ({args.latency_requests} requests per cell, after a warm-up)", "",
         "| cluster | requests | concurrency | direct p50 ms | direct p99 ms | router p50 ms "
         "| router p99 ms | added p50 ms | added p99 ms |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -1103,9 +1104,10 @@ def report(args: argparse.Namespace, res: dict[str, Any], load: tuple[float, flo
         lines += side_report(args, res["side"], res.get("router_share"), {
             c.mode: c.best_direct.rps for c in res["tput"] if c.setup == "aggregated"})
     if res["profile"]:
-        lines += ["", f"## Where the router's CPU time goes (cProfile, aggregated "
-                  f"non-streaming, {args.profile_seconds:g} s at {args.throughput_concurrency} "
-                  f"in flight; top functions by own time)", "", *res["profile"]]
+        lines += ["", f"## Where the router's CPU time goes (cProfile, aggregated non-streaming"
+                  f", {args.profile_seconds:g} s at {args.throughput_concurrency} in flight, on "
+                  f"asyncio's loop, whose Python cProfile sees; top functions by own time)", "",
+                  *res["profile"]]
     return "\n".join(lines) + "\n"
 
 
