@@ -10,7 +10,7 @@ one a core: ``disagg.router.processes``); this process then only supervises them
 the listening line once all of them serve.
 
 The event loop is uvloop's when it is installed (a dependency except on Windows; in
-``bench/router_overhead.py``'s side by side, three runs, it gave x1.16 to x1.28 the
+``bench/router_overhead.py``'s side by side, four runs, it gave x1.12 to x1.28 the
 non-streaming requests per CPU-second of asyncio's loop, x0.96 to x1.24 streaming);
 ``DISAGG_ROUTER_UVLOOP=0`` runs asyncio's loop, ``=1`` insists on uvloop.
 """
