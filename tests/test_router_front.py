@@ -275,6 +275,10 @@ class _Failing:
         raise RuntimeError("a bug")
 
 
+async def _closed(server: asyncio.Server) -> None:
+    server.close()
+
+
 @pytest.mark.parametrize("stream_first", [False, True])
 def test_a_handler_error_is_a_500_or_a_cut_stream(loop: LoopThread, stream_first: bool,
                                                    caplog: pytest.LogCaptureFixture) -> None:
@@ -297,4 +301,4 @@ def test_a_handler_error_is_a_500_or_a_cut_stream(loop: LoopThread, stream_first
                 assert json.loads(got[0]["body"])["error"]["type"] == "internal_server_error"
         assert "unhandled error serving /v1/completions" in caplog.text
     finally:
-        server.close()
+        loop.run(_closed(server))  # (on its loop: Server.close is not thread-safe)
