@@ -103,6 +103,20 @@ SSE_BODY = _sse_body()
 COMPLETION_BODY = json.dumps(_COMPLETION).encode()
 
 
+def _context_params(worker_id: str) -> dict[str, Any]:
+    """A context answer's ``disaggregated_params`` for a 32-token prompt (a SmolLM2-135M-like
+    layout: 30 layers, 3 KV heads of 64, one rank)."""
+    from disagg.layout import RankLayout, WorkerLayout
+    from disagg.transfer.params import ContextParams
+
+    layout = WorkerLayout(1, 1, 30, 3, 64, 32, "bfloat16", (RankLayout(0, 0, 0, (0, 30),
+                                                                       (0, 3)),))
+    return ContextParams(
+        ctx_request_id="stub-lease", first_gen_tokens=[7], prompt_token_ids=list(range(32)),
+        worker_id=worker_id, backend="TCP", addresses=["127.0.0.1:47001"], block_ids=[0],
+        num_tokens=32, layout=layout, lease_expiry=0.0, cached_tokens=0).to_dict()
+
+
 class Stub:
     """One fake worker. ``role``: what /server_info says (aggregated, context, generation)."""
 
@@ -117,11 +131,10 @@ class Stub:
             b"/v1/models": _response("200 OK", json.dumps(
                 {"object": "list", "data": [{"id": "stub", "object": "model"}]}).encode()),
         }
+        # A context worker's answer as it is: its params are ContextParams' own (one rank).
         ctx = dict(_COMPLETION, choices=[dict(_COMPLETION["choices"][0], text=" and")],
                    prompt_token_ids=list(range(32)),
-                   disaggregated_params={"request_type": "context_only",
-                                         "ctx_request_id": "stub-lease", "first_gen_tokens": [7],
-                                         "worker_id": name})
+                   disaggregated_params=_context_params(name))
         self.context_answer = _response("200 OK", json.dumps(ctx).encode())
         # vllm-router --vllm-pd-disaggregation's prefill call (vLLM's NixlConnector protocol):
         # the answer carries the KV's whereabouts, passed to the decode call.
@@ -655,9 +668,11 @@ def side_report(args: argparse.Namespace, res: SideBySide, share: float | None,
         lines += ["", "### Disaggregated: a context (prefill) call, then a generation (decode) "
                   "call, one router core each", "", *_table(args, res, res.tables[PD]), "",
                   "Both in front of the same two stubs: the context stub answers the disagg "
-                  "router's `context_only` call and vllm-router's prefill call (`max_tokens` "
+                  "router's `context_only` call (with a context worker's own "
+                  "`disaggregated_params`: `ContextParams`, 32 prompt token ids, a one-rank "
+                  "layout) and vllm-router's prefill call (`max_tokens` "
                   "1, `kv_transfer_params.do_remote_decode`; its answer's `kv_transfer_params`"
-                  " go into the decode call: vLLM's NixlConnector protocol) alike, at once; "
+                  " go into the decode call: vLLM's NixlConnector protocol), at once; "
                   "the generation stub answers both second calls with the same completion "
                   "or stream. Added latency is against the generation stub's direct p50."]
     lines += [f"- {name}: **skipped**: {why}" for name, why in res.skipped.items()]
@@ -670,51 +685,41 @@ def side_report(args: argparse.Namespace, res: SideBySide, share: float | None,
     return lines
 
 
-def router_checks_us(stream: bool, n: int = 3000) -> dict[str, float]:
+def router_sign_us(stream: bool, n: int = 3000) -> float:
     """Microseconds of CPU per call, on this host now, of what the disaggregated router does
-    per request and a relay of bytes (vllm-router's PD mode) does not: the body checked with
-    the workers' schema (``handlers._checked_body``: JSON parse, ``validate_request``) and the
-    generation call signed with the cluster token (``HttpSigner``). Median of 5 timings of ``n``
-    calls, on the benchmark's own request body."""
+    per request and a relay of bytes (vllm-router's PD mode) does not: the generation call
+    signed with the cluster token (``HttpSigner``). Median of 5 timings of ``n`` calls, on
+    the benchmark's own request body."""
     from disagg.cluster_auth import HttpSigner
-    from disagg.router.handlers import _checked_body
 
     raw = build_request(1, stream).partition(b"\r\n\r\n")[2]
     signer = HttpSigner("router-overhead-bench")
-    calls = {"check": lambda: _checked_body("/v1/completions", raw),
-             "sign": lambda: signer.headers("POST", "/v1/completions", raw)}
-    out = {}
-    for name, call in calls.items():
-        runs = []
-        for _ in range(5):
-            t0 = time.process_time()
-            for _ in range(n):
-                call()
-            runs.append((time.process_time() - t0) / n * 1e6)
-        out[name] = statistics.median(runs)
-    return out
+    runs = []
+    for _ in range(5):
+        t0 = time.process_time()
+        for _ in range(n):
+            signer.headers("POST", "/v1/completions", raw)
+        runs.append((time.process_time() - t0) / n * 1e6)
+    return statistics.median(runs)
 
 
 def _pd_cost_lines(res: SideBySide) -> list[str]:
     """Where the disaggregated router's CPU per request goes beyond vllm-router's."""
     if DISAGG_PD not in res.names or VLLM_PD not in res.names:
         return []
-    lines = ["", "Per request, in CPU microseconds (1e6 / req/s per CPU-second; the checks "
-             "timed on their own on this host after the rounds, `router_checks_us`):", ""]
+    lines = ["", "Per request, in CPU microseconds (1e6 / req/s per CPU-second; the signature "
+             "timed on its own on this host after the rounds, `router_sign_us`):", ""]
     for stream, mode in MODES:
         ours = 1e6 / res.per_core(DISAGG_PD, mode)
         theirs = 1e6 / res.per_core(VLLM_PD, mode)
         agg = 1e6 / res.per_core("disagg", mode)
-        us = router_checks_us(stream)
+        sign = router_sign_us(stream)
         lines.append(
             f"- {mode}: disagg {ours:.0f} us (its aggregated request: {agg:.0f} us, one "
-            f"call), vllm-router {theirs:.0f} us. Of the disagg router's: {us['check']:.0f} us "
-            f"check the body with the workers' schema (a request the generation worker would "
-            f"refuse never makes a context worker hold KV; vllm-router checks nothing) and "
-            f"{us['sign']:.0f} us sign the generation call with the cluster token (it carries "
-            f"the KV's location; vllm-router authenticates nothing); without them "
-            f"{ours - us['check'] - us['sign']:.0f} us, "
-            f"x{theirs / (ours - us['check'] - us['sign']):.2f} of vllm-router's rate")
+            f"call), vllm-router {theirs:.0f} us. Of the disagg router's, {sign:.0f} us sign "
+            f"the generation call with the cluster token (it carries the KV's location; "
+            f"vllm-router authenticates nothing); without it {ours - sign:.0f} us, "
+            f"x{theirs / (ours - sign):.2f} of vllm-router's rate")
     return lines
 
 

@@ -59,15 +59,14 @@ def test_floor_lines_say_whether_any_python_router_can_reach_the_target() -> Non
     assert ro._floor_lines(_res({"disagg": 5000, "vllm-router": 10000})) == []
 
 
-def test_pd_cost_lines_take_the_checks_out_of_the_disaggregated_router_s_time(
+def test_pd_cost_lines_take_the_signature_out_of_the_disaggregated_router_s_time(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    us = ro.router_checks_us(False, n=20)  # the real calls, on the benchmark's own body
-    assert us["check"] > 0 and us["sign"] > 0
-    monkeypatch.setattr(ro, "router_checks_us", lambda stream: {"check": 50.0, "sign": 10.0})
+    assert ro.router_sign_us(False, n=20) > 0  # the real call, on the benchmark's own body
+    monkeypatch.setattr(ro, "router_sign_us", lambda stream: 10.0)
     res = _res({"disagg": 10000, ro.DISAGG_PD: 2000, ro.VLLM_PD: 4000})
     lines = ro._pd_cost_lines(res)
     assert lines[3].startswith("- non-streaming: disagg 500 us (its aggregated request: 100 us")
-    assert lines[3].endswith("without them 440 us, x0.57 of vllm-router's rate")
+    assert lines[3].endswith("without it 490 us, x0.51 of vllm-router's rate")
     assert ro._pd_cost_lines(_res({"disagg": 10000})) == []
 
 

@@ -140,19 +140,18 @@ def _stream(url: str, path: str, body: dict[str, Any]) -> tuple[str, list[dict[s
 
 
 def context_call(ctx: Worker, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    r = _post(ctx.url, path, {**body, "stream": False,
-                              "disaggregated_params": {"request_type": "context_only"}})
+    """The router's context call: the client's request as sent, answered whole."""
+    r = _post(ctx.url, path, {**body, "disaggregated_params": {"request_type": "context_only"}})
     assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "application/json"  # (whole when stream: true too)
     return r.json()
 
 
 def generation_body(path: str, body: dict[str, Any], ctx_answer: dict[str, Any]
                     ) -> dict[str, Any]:
-    gen = {**body, "disaggregated_params": {**ctx_answer["disaggregated_params"],
-                                            "request_type": "generation_only"}}
-    if path == C:  # the router replaces the prompt by the context's token ids
-        gen["prompt"] = ctx_answer["prompt_token_ids"]
-    return gen
+    # (The params carry the context worker's prompt_token_ids: no second tokenization.)
+    return {**body, "disaggregated_params": {**ctx_answer["disaggregated_params"],
+                                             "request_type": "generation_only"}}
 
 
 def disagg_text(ctx: Worker, gen: Worker, path: str, body: dict[str, Any]) -> str:
@@ -166,6 +165,10 @@ def disagg_text(ctx: Worker, gen: Worker, path: str, body: dict[str, Any]) -> st
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["usage"]["prompt_tokens"] == len(answer["prompt_token_ids"])
+    # The prefill's prefix-cache hit is the context worker's, and the usage says so.
+    cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert answer["disaggregated_params"]["cached_tokens"] == cached
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
     return _text_of(path, out)
 
 

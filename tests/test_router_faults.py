@@ -63,6 +63,8 @@ class StubWorker:
         self.calls = 0  # /v1 requests received
         self.dropped = 0
         self.releases: list[str] = []
+        self.bodies: list[bytes] = []  # /v1 request bodies as received
+        self.answers: list[bytes] = []  # the whole (non-streamed) answers' bodies as sent
         self._answered: set[Any] = set()  # transports that answered (held: ids get reused)
         app = web.Application(middlewares=[self._after])
         app.router.add_get("/health", self.health)
@@ -94,7 +96,9 @@ class StubWorker:
         return web.json_response({"ctx_request_id": lease, "released": True})
 
     async def v1(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
+        raw = await request.read()
+        self.bodies.append(raw)
+        body = json.loads(raw)
         self.calls += 1
         drop = self.drop_reused and request.transport in self._answered
         if not drop and self.fail_next > 0:
@@ -127,10 +131,13 @@ class StubWorker:
                              b'"finish_reason":"length"}]}\n\ndata: [DONE]\n\n')
             await resp.write_eof()
             return resp
-        return web.json_response({
+        answer = web.json_response({
             "id": "cmpl-g", "object": "text_completion", "created": 0, "model": "m",
             "choices": [{"index": 0, "text": " a b", "finish_reason": "length",
                          "logprobs": None}], "usage": usage})
+        assert isinstance(answer.body, bytes)
+        self.answers.append(answer.body)
+        return answer
 
 
 @contextlib.contextmanager
@@ -232,39 +239,36 @@ def test_one_failed_request_does_not_take_a_worker_out(loop: LoopThread) -> None
             assert client.post(rt.url + C, json=BODY).status_code == 200
 
 
-# ---- item 3: one request schema, checked before the context call -------------------------------
+# ---- item 3: the client's request reaches both workers as it came ------------------------------
 
 
-MALFORMED = [  # (what the body adds, the field the 400 names)
-    ({"stream": None}, "stream"),
-    ({"stream": True, "stream_options": 5}, "stream_options"),
-    ({"stream": True, "stream_options": {"include_usage": "x"}}, "stream_options"),
-    ({"stream_options": {"include_usage": True}}, "stream_options"),  # needs stream: true
-    ({"n": None}, "n"),
-    ({"temperature": -1}, "temperature"),
-    ({"stop": [""]}, "stop"),
-    ({"max_tokens": 0}, "max_tokens"),
-]
-
-
-def test_the_router_refuses_what_the_workers_would_before_the_context_call(
+def test_both_calls_carry_the_client_s_bytes_and_the_answer_is_relayed_unread(
         loop: LoopThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router adds ``disaggregated_params`` before the closing brace and encodes nothing
+    again (the context worker checks the request, ``stream`` as sent, as the generation
+    worker will: tests/test_router_live.py); the generation answer's bytes pass through."""
     monkeypatch.setenv("DISAGG_CLUSTER_TOKEN", TOKEN)
+    # An escape and UTF-8 in the prompt, spaces and a newline around.
+    raw = '{ "model": "m",\n  "prompt": "\\u00e9t\u00e9", "stream": false, "max_tokens": 2 }\n'
+    raw = raw.encode()
     with stubs(loop, "context", "generation") as (ctx, gen), \
             router(loop, disaggregated(ctx.addr, gen.addr)) as rt:
-        for extra, param in MALFORMED:
-            for path, base in ((C, BODY), (CHAT, {"model": "m", "messages": [
-                    {"role": "user", "content": "hi"}]})):
-                r = httpx.post(rt.url + path, json={**base, **extra}, timeout=30)
-                assert r.status_code == 400, (extra, r.text)
-                assert r.json()["error"]["param"] == param, (extra, r.text)
-        r = httpx.post(rt.url + CHAT, json={"model": "m", "messages": [
-            {"role": "robot", "content": "hi"}]}, timeout=30)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-        assert ctx.stub.calls == 0 and gen.stub.calls == 0
-        # lax forms the workers accept are read as they read them
-        r = httpx.post(rt.url + C, json={**BODY, "stream": "false"}, timeout=30)
-        assert r.status_code == 200 and r.json()["choices"][0]["text"] == " a b"
+        r = httpx.post(rt.url + C, content=raw, timeout=30)
+        assert r.status_code == 200 and r.content == gen.stub.answers[-1]
+        head = raw.rstrip()[:-1]
+        assert ctx.stub.bodies == [head + b',"disaggregated_params":{"request_type":'
+                                          b'"context_only"}}']
+        assert gen.stub.bodies == [head + b',"disaggregated_params":{"ctx_request_id":'
+                                          b'"lease-1","first_gen_tokens":[5],'
+                                          b'"request_type":"generation_only"}}']
+        # A body the bytes cannot take the params into as they are is encoded instead.
+        for odd in (json.dumps({"model": "m", "prompt": "x"}).encode("utf-16"),
+                    b'{"model":"m","prompt":"x","disaggregated_params":null}',
+                    b'{"model":"m","prompt":["x"]}'):  # (a batch of one prompt, unwrapped)
+            assert httpx.post(rt.url + C, content=odd, timeout=30).status_code == 200
+            sent = json.loads(ctx.stub.bodies[-1])
+            assert sent == {"model": "m", "prompt": "x",
+                            "disaggregated_params": {"request_type": "context_only"}}
 
 
 def test_a_generation_refusal_releases_the_context_lease(loop: LoopThread,
@@ -300,8 +304,7 @@ ROUTER_BAD = {
     "1e400": (C, b'{"model":"m","prompt":"ab","top_p":1e400}', 400),
     "broken UTF-8": (C, b'{"model":"m","prompt":"\xff"}', 400),
     "not an object": (C, b"[1, 2]", 400),
-    "prompt list of lists": (C, b'{"model":"m","prompt":[[1,2],[3,1.5]]}', 400),
-}
+}  # (and what the workers' schema refuses: tests/test_router_live.py, real workers)
 
 
 @pytest.mark.parametrize("kind", ["disaggregated", "aggregated"])

@@ -117,7 +117,8 @@ class Pair:
             return web.json_response({**_answer(call["path"], " a", False),
                                       "prompt_token_ids": [1, 2, 3, 4],
                                       "disaggregated_params": {"ctx_request_id": "lease-1",
-                                                               "first_gen_tokens": [5]}})
+                                                               "first_gen_tokens": [5],
+                                                               "prompt_token_ids": [1, 2, 3, 4]}})
         self.ctx_transports.append(request.transport)
         sid = dp["kv_stream_id"]
         try:
@@ -283,8 +284,8 @@ def test_both_calls_go_at_once_signed_with_the_contract_bodies(router: SimpleNam
     assert pair.notes == ["ctx saw gen"]  # C was still prefilling when G's call arrived
     sid = ctx["body"]["disaggregated_params"]["kv_stream_id"]
     assert len(sid) == 32 and int(sid, 16) >= 0  # uuid4 hex
-    assert ctx["body"] == {**body, "stream": False, "disaggregated_params": {
-        "request_type": "context_only", "kv_stream_id": sid}}
+    assert ctx["body"] == {**body, "disaggregated_params": {  # (the request as sent: C
+        "request_type": "context_only", "kv_stream_id": sid}}  # checks it as G will)
     assert gen["body"] == {**body, "disaggregated_params": {
         "request_type": "generation_only", "kv_stream": {
             "ctx_request_id": sid, "worker_id": "ctx-worker-1", "backend": "TCP",
@@ -322,7 +323,8 @@ def test_a_stream_is_relayed_as_it_comes(router: SimpleNamespace, loop: LoopThre
     ctx, gen = _streaming_calls(pair)
     assert gen["body"]["messages"] == body["messages"] and gen["body"]["stream"] is True
     assert gen["body"]["stream_options"] == {"include_usage": True}
-    assert ctx["body"]["stream"] is False and "stream_options" not in ctx["body"]
+    assert ctx["body"]["stream"] is True  # as sent: C's answer is whole all the same
+    assert ctx["body"]["stream_options"] == {"include_usage": True}
 
 
 def test_a_context_answer_after_the_generation_answer_is_still_read(
@@ -364,10 +366,11 @@ def test_a_failed_context_call_closes_the_generation_call_and_falls_back(
         ("context", "stream"), ("generation", "stream")]
     plain = [c for c in pair.calls if c["kind"] == "plain"]
     assert [c["role"] for c in plain] == ["context", "generation"]
-    # today's flow: prefill, then generation with the lease and the context's token ids
+    # the two calls: prefill, then generation with the lease and the context's token ids
     assert plain[0]["body"]["disaggregated_params"] == {"request_type": "context_only"}
     assert plain[1]["body"]["disaggregated_params"]["ctx_request_id"] == "lease-1"
-    assert plain[1]["body"]["prompt"] == [1, 2, 3, 4]
+    assert plain[1]["body"]["disaggregated_params"]["prompt_token_ids"] == [1, 2, 3, 4]
+    assert plain[1]["body"]["prompt"] == "hello"  # (as sent: the ids above are the prompt)
     sid = _streaming_calls(pair)[0]["body"]["disaggregated_params"]["kv_stream_id"]
     wait_for(lambda: pair.releases == [sid], 10, what="the stream's lease released")
     assert metric(url, STREAM_METRIC, outcome="fell_back") == 1
@@ -434,7 +437,7 @@ def _assert_two_calls(pair: Pair) -> None:
     assert ctx["body"]["disaggregated_params"] == {"request_type": "context_only"}
     assert not ctx["signed"] and gen["valid"]
     assert gen["body"]["disaggregated_params"] == {
-        "ctx_request_id": "lease-1", "first_gen_tokens": [5],
+        "ctx_request_id": "lease-1", "first_gen_tokens": [5], "prompt_token_ids": [1, 2, 3, 4],
         "request_type": "generation_only"}
 
 

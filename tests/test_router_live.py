@@ -231,6 +231,45 @@ def test_bad_requests_get_openai_errors(router: str) -> None:
     assert metric(router, "disagg_router_requests_total", outcome="client_error") >= 5
 
 
+MALFORMED = [  # (what the body adds, the field the 400 names)
+    ({"stream": None}, "stream"),
+    ({"stream": True, "stream_options": 5}, "stream_options"),
+    ({"stream": True, "stream_options": {"include_usage": "x"}}, "stream_options"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # needs stream: true
+    ({"stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),  # not with a stream
+    ({"n": None}, "n"),
+    ({"temperature": -1}, "temperature"),
+    ({"stop": [""]}, "stop"),
+    ({"max_tokens": 0}, "max_tokens"),
+]
+
+
+def test_what_the_generation_worker_would_refuse_holds_no_kv(
+        router: str, workers: dict[str, Worker]) -> None:
+    """The context worker gets the request as the client sent it (``stream`` too, though its
+    answer is whole) and refuses what the generation worker would, naming the field."""
+    for extra, param in MALFORMED:
+        for path, base in ((C, {"model": NAME, "prompt": "x", "max_tokens": 4}),
+                           (CHAT, {"model": NAME, "messages": MESSAGES, "max_tokens": 4})):
+            r = httpx.post(router + path, json={**base, **extra}, timeout=30)
+            assert r.status_code == 400, (extra, r.text)
+            assert r.json()["error"]["param"] == param, (extra, r.text)
+    r = httpx.post(router + C, json={"model": NAME, "prompt": [[1, 2], [3, 1.5]]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    for name in ("ctx1", "ctx2", "gen"):
+        workers[name].wait_blocks(0)  # no lease left behind
+    # Lax forms the workers accept are read as they read them, a final context answer's too.
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 1, "temperature": 0}
+    r = httpx.post(router + C, json={**body, "stream": "false"}, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+    r = httpx.post(router + C, json={**body, "stream": "true",
+                                     "stream_options": {"include_usage": 1}}, timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")]
+    assert events[-1]["usage"]["completion_tokens"] == 1 and r.text.endswith("[DONE]\n\n")
+
+
 def test_api_key(workers: dict[str, Worker], model_dir: str, loop: LoopThread) -> None:
     cfg = disagg_config(workers, model_dir, api_key="s3cret")
     with running_router(cfg, loop) as url:

@@ -273,6 +273,7 @@ class DisaggConnector(KVConnector):
             block_ids=list(block_ids), num_tokens=request.num_prompt_tokens,
             layout=self.layout, lease_expiry=time.time() + (lease.expires_at - time.monotonic()),
             first_gen_logprobs=logprobs, stream=stream,
+            cached_tokens=max(request.num_cached_tokens, 0),
         )
 
     def _finish_stream(self, request: Request, held_blocks: list[int] | None,

@@ -1,14 +1,16 @@
 """The router's request flow: which workers serve a request, in one call or two, with retries.
 
-A disaggregated request takes two calls. The context call sends the request, non-streamed, to
-a context worker with ``disaggregated_params: {request_type: context_only}``; the worker
-prefills, samples the first token, keeps the prompt's KV under a lease and answers with the
-params that locate it (or with ``disaggregated_params: null`` when the first token already
-ended the request: that answer is the client's). The generation call sends the original request
-(streamed as asked) to a generation worker with those params and ``request_type:
-generation_only``; a completions prompt is replaced by the context worker's ``prompt_token_ids``
-so that the generation worker does not tokenize again. It pulls the KV, decodes and its answer
-is relayed to the client.
+A disaggregated request takes two calls. The context call sends the client's request as it
+came (``stream`` as asked: a context worker answers a context_only request whole, and checks
+it as the generation worker will) to a context worker with ``disaggregated_params:
+{request_type: context_only}``; the worker prefills, samples the first token, keeps the
+prompt's KV under a lease and answers with the params that locate it (or with
+``disaggregated_params: null`` when the first token already ended the request: that answer is
+the client's). The generation call sends the request again to a generation worker with those
+params and ``request_type: generation_only``: they carry the context worker's
+``prompt_token_ids`` (no second tokenization) and ``cached_tokens`` (its usage reports the
+context side's prefill). It pulls the KV, decodes and its answer is relayed to the client
+as it comes. Neither call encodes the request again (``replies.with_params``).
 
 Retries (``max_retries`` failures per side, one helper: ``retrying``): a connection failure or
 a 5xx before the first byte reached the client tries another worker of that side. After a
@@ -44,11 +46,12 @@ from disagg.router.metrics import RouterMetrics
 from disagg.router.policies import Decision, RouteRequest, RoutingPolicy
 from disagg.router.prompt_tokens import COMPLETIONS
 from disagg.router.relay import Relay, RequestState, counted, final_answer
-from disagg.router.replies import Reply, dumps
+from disagg.router.replies import Reply, with_params
 from disagg.router.upstream import Failed, UpstreamClient, error_code
 
 T = TypeVar("T")
 ROLE_SWITCHING = "role_switching"  # a worker's 503 code while it changes roles (role_switch)
+CONTEXT_ONLY = {"request_type": RequestType.CONTEXT_ONLY.value}
 
 
 @dataclass
@@ -173,20 +176,21 @@ class RequestFlow:
     # -- two calls: the disaggregated flow ----------------------------------------------------
 
     async def disaggregated(self, out: ClientStream, st: RequestState, path: str,
-                            body: dict[str, Any], route: RouteRequest,
+                            body: dict[str, Any], data: bytes, route: RouteRequest,
                             first_gen: Worker | None) -> Answer:
-        """A disaggregated request: ``first_try`` (a subclass's other way), else (or when it
+        """A disaggregated request (``body``, sent to the workers as ``data``: see
+        ``replies.with_params``): ``first_try`` (a subclass's other way), else (or when it
         fell back) the two calls, with the tries that ``first_try`` recorded."""
         ctx = Tries(Role.CONTEXT, self.max_retries)
         gen = Tries(Role.GENERATION, self.max_retries, first_gen)
-        answer = await self.first_try(out, st, path, body, route, ctx, gen)
+        answer = await self.first_try(out, st, path, body, data, route, ctx, gen)
         if answer is not None:
             return answer
-        return await self.two_calls(out, st, path, body, route, ctx, gen)
+        return await self.two_calls(out, st, path, body, data, route, ctx, gen)
 
     async def first_try(self, out: ClientStream, st: RequestState, path: str,
-                        body: dict[str, Any], route: RouteRequest, ctx: Tries, gen: Tries
-                        ) -> Answer | None:
+                        body: dict[str, Any], data: bytes, route: RouteRequest, ctx: Tries,
+                        gen: Tries) -> Answer | None:
         """A subclass's way to serve a disaggregated request before the two calls
         (``stream_flow``); None: the two calls serve it, with the failures, retries and picks
         recorded on ``ctx`` and ``gen``."""
@@ -196,29 +200,20 @@ class RequestFlow:
         """Stop the flow's own background work (a subclass's; none here)."""
 
     async def two_calls(self, out: ClientStream, st: RequestState, path: str,
-                        body: dict[str, Any], route: RouteRequest, ctx: Tries, gen: Tries
-                        ) -> Answer:
+                        body: dict[str, Any], data: bytes, route: RouteRequest, ctx: Tries,
+                        gen: Tries) -> Answer:
         """The context call, then the generation call with its answer (module docstring)."""
-        ctx_body = dict(body)
-        ctx_body["stream"] = False
-        ctx_body.pop("stream_options", None)  # only valid with stream: true
-        ctx_body["disaggregated_params"] = {"request_type": RequestType.CONTEXT_ONLY.value}
-        ctx_data = dumps(ctx_body)
+        ctx_data = with_params(data, body, CONTEXT_ONLY)
         while True:
             ctx_worker, answer = await self.retrying(
                 ctx, route, lambda w: self._context_call(w, path, ctx_data, route))
             dp = answer.pop("disaggregated_params", None)
-            prompt_ids = answer.pop("prompt_token_ids", None)
+            answer.pop("prompt_token_ids", None)  # (also in dp: the generation worker's)
             if dp is None:  # final after the first token: the context answer is the answer
                 return await final_answer(out, path, body, answer)
-            gen_body = dict(body)
-            gen_body["disaggregated_params"] = {
-                **dp, "request_type": RequestType.GENERATION_ONLY.value}
-            if path == COMPLETIONS and prompt_ids is not None and not body.get("echo"):
-                # No second tokenization on the worker (an echo answer needs the text).
-                gen_body["prompt"] = prompt_ids
-            lease = _Lease(ctx_worker, dp, dumps(gen_body), answer.get("usage") or {},
-                           requested_tokens(path, body))
+            gen_data = with_params(data, body, {
+                **dp, "request_type": RequestType.GENERATION_ONLY.value})
+            lease = _Lease(ctx_worker, dp, gen_data, requested_tokens(path, body))
             try:
                 return await self._generation(out, st, path, route, gen, ctx, lease)
             except Failed:
@@ -282,7 +277,7 @@ class RequestFlow:
         async def call(w: Worker) -> Answer:
             t0 = time.monotonic()
             answer = await self.relay.call_and_relay(out, st, w, path, lease.data, route,
-                                                     lease.ctx_usage, signed=True)
+                                                     signed=True)
             if answer.status == 200:  # the planner's TPOT sample
                 self.membership.load.generation(time.monotonic() - t0, lease.max_tokens,
                                                 first_byte_at=st.first_byte_at)
@@ -301,7 +296,6 @@ class _Lease:
     ctx_worker: Worker
     params: Mapping[str, Any]  # the context answer's disaggregated_params
     data: bytes  # the generation_only request
-    ctx_usage: Mapping[str, Any]
     max_tokens: int | None = None  # the output tokens asked for (the planner's TPOT sample)
     taken: bool = False  # a generation worker took it (and releases it on every path)
 

@@ -38,7 +38,7 @@ from disagg.router.policies import RouteRequest
 from disagg.router.processes import from_sibling, merge_metrics
 from disagg.router.prompt_tokens import COMPLETIONS
 from disagg.router.relay import RequestState
-from disagg.router.replies import Reply
+from disagg.router.replies import Reply, dumps
 from disagg.router.role_switch import SwitchBusy, SwitchRefused
 from disagg.router.router import Router
 from disagg.router.upstream import Failed
@@ -107,9 +107,11 @@ class Handlers:
         """Send the request whole, or through the two calls (see ``flow``)."""
         router, flow = self.router, self.router.flow
         m = router.membership
-        body = None
+        body, data = None, raw
         if m.disaggregated or router.need_tokens:
-            body = _checked_body(path, raw)
+            # The policies read the prompt: the schema's checks first. (The two calls need
+            # none: the context worker checks the request as the generation worker would.)
+            body, data = client_body(path, raw, check=router.need_tokens)
         route = RouteRequest()
         if router.need_tokens and body is not None:
             if len(raw) > LARGE_BODY_BYTES:  # tokenizing and hashing take milliseconds:
@@ -131,7 +133,7 @@ class Handlers:
             if route.num_tokens - matched <= cond.max_local_prefill_length:
                 router.metrics.local_prefill.inc()
                 return await flow.whole(out, st, path, raw, route, first_gen)
-        return await flow.disaggregated(out, st, path, body, route, first_gen)
+        return await flow.disaggregated(out, st, path, body, data, route, first_gen)
 
     async def read_body(self, request: web.Request) -> bytes:
         """The body, plain JSON (415 for a Content-Encoding), within ``body_timeout_s`` (408;
@@ -406,18 +408,19 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _checked_body(path: str, raw: bytes) -> dict[str, Any]:
-    """The body, checked with the workers' own schema, ``stream`` and ``include_usage``
-    normalized. Once, before the context call: the context worker gets the request with
-    ``stream`` rewritten, so it alone cannot refuse what the generation worker would."""
+def client_body(path: str, raw: bytes, check: bool) -> tuple[dict[str, Any], bytes]:
+    """The client's JSON object and the bytes the workers get for it: ``raw`` as it came
+    unless the router changed the body (a batch of one prompt unwrapped). ``check``: also
+    with the workers' own schema (400), ``stream`` and ``include_usage`` normalized."""
     body = parse_body(raw)
-    try:
-        _normalize(body, P.validate_request(path, body))
-    except P.APIError as e:
-        raise Reply.from_api_error(e) from None
-    if path == COMPLETIONS:
-        _unwrap_single_prompt(body)
-    return body
+    if check:
+        try:
+            _normalize(body, P.validate_request(path, body))
+        except P.APIError as e:
+            raise Reply.from_api_error(e) from None
+    if path == COMPLETIONS and _unwrap_single_prompt(body):
+        return body, dumps(body)
+    return body, raw
 
 
 def _normalize(body: dict[str, Any], req: Any) -> None:
@@ -431,7 +434,7 @@ def _normalize(body: dict[str, Any], req: Any) -> None:
         body["stream_options"] = {**opts, "include_usage": req.stream_options.include_usage}
 
 
-def _unwrap_single_prompt(body: dict[str, Any]) -> None:
+def _unwrap_single_prompt(body: dict[str, Any]) -> bool:
     """A batch of one prompt (``["text"]`` or ``[[ids]]``: lm-evaluation-harness sends its
     token ids so) as that prompt: the answer is the same (one prompt's choices are indexed
     from 0 either way), and the two calls, the policies' token view and the context worker's
@@ -441,6 +444,8 @@ def _unwrap_single_prompt(body: dict[str, Any]) -> None:
             isinstance(p[0], list) and p[0] and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in p[0]))):
         body["prompt"] = p[0]
+        return True
+    return False
 
 
 def _splittable(path: str, body: Mapping[str, Any]) -> bool:

@@ -1,18 +1,15 @@
 """Relaying a worker's answer to the router's client: one try on one worker, its answer passed
-on as it comes (whole SSE events at a time), with the usage a disaggregated request reports.
+on as it comes (whole SSE events at a time, the bytes unread: a generation worker's usage
+already reports the context side's prefill, from the params it was given).
 
-In a disaggregated request the prompt was prefilled by the context worker, so the answer's
-``prompt_tokens`` and ``cached_tokens`` are the context side's (the generation worker reports
-the prompt it pulled, not what it computed). A context worker's final answer (the first token
-ended the request) is the client's answer: ``final_answer`` sends it, as a stream when the
-client asked for one.
+A context worker's final answer (the first token ended the request) is the client's answer:
+``final_answer`` sends it, as a stream when the client asked for one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Mapping
@@ -25,7 +22,7 @@ from disagg.router.membership import Membership, Worker
 from disagg.router.metrics import RouterMetrics
 from disagg.router.policies import RouteRequest
 from disagg.router.prompt_tokens import CHAT
-from disagg.router.replies import dumps
+from disagg.router.replies import Reply, dumps
 from disagg.router.upstream import Failed, UpstreamClient
 from disagg.server import protocol as P
 
@@ -82,7 +79,6 @@ class Relay:
 
     async def call_and_relay(self, out: ClientStream, st: RequestState, w: Worker,
                              path: str, data: bytes, route: RouteRequest,
-                             ctx_usage: Mapping[str, Any] | None = None,
                              signed: bool = False) -> Answer:
         """One try on ``w``: relay its answer to the client. ``Failed`` if it fails before
         the first byte reaches the client."""
@@ -94,14 +90,14 @@ class Relay:
                 if resp.status >= 500:
                     raise await self.upstream.error_answer(w, resp)
                 if resp.content_type == "text/event-stream" and resp.status == 200:
-                    return await self._relay_stream(out, st, w, resp, t0, ctx_usage)
-                return await self._relay_whole(st, w, resp, t0, ctx_usage)
+                    return await self._relay_stream(out, st, w, resp, t0)
+                return await self._relay_whole(st, w, resp, t0)
             finally:
                 if resp is not None:
                     resp.close()  # a no-op when fully read; else drops the connection (aborts)
 
     async def _relay_whole(self, st: RequestState, w: Worker, resp: http1.Response,
-                           t0: float, ctx_usage: Mapping[str, Any] | None) -> Answer:
+                           t0: float) -> Answer:
         body = await self.upstream.read(w, resp)
         now = time.monotonic()
         self.metrics.gen_first_byte.observe(now - t0)
@@ -109,15 +105,10 @@ class Relay:
         if resp.status != 200:
             st.outcome = "client_error"
             return Answer(resp.status, body, resp.content_type or "application/json")
-        if ctx_usage is not None:
-            answer = json.loads(body)
-            fix_usage(answer, ctx_usage)
-            body = dumps(answer)
         return Answer(200, body)
 
     async def _relay_stream(self, out: ClientStream, st: RequestState, w: Worker,
-                            resp: http1.Response, t0: float,
-                            ctx_usage: Mapping[str, Any] | None) -> Answer:
+                            resp: http1.Response, t0: float) -> Answer:
         started = False
         pending = b""
         done = False
@@ -129,8 +120,6 @@ class Relay:
                     pending = data
                     continue
                 events, pending = data[:cut + 2], data[cut + 2:]
-                if ctx_usage is not None and b'"usage":{' in events:
-                    events = fix_stream_usage(events, ctx_usage)
                 try:
                     if not started:
                         st.first_byte_at = time.monotonic()
@@ -163,41 +152,16 @@ class Relay:
         return STREAMED
 
 
-def fix_usage(obj: dict[str, Any], ctx_usage: Mapping[str, Any]) -> None:
-    """Prompt tokens and cached tokens are the context side's (it did the prefill)."""
-    usage = obj.get("usage")
-    if not isinstance(usage, dict) or not ctx_usage:
-        return
-    prompt = ctx_usage.get("prompt_tokens", usage.get("prompt_tokens", 0))
-    usage["prompt_tokens"] = prompt
-    usage["total_tokens"] = prompt + int(usage.get("completion_tokens") or 0)
-    cached = (ctx_usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-    if cached is not None:
-        usage["prompt_tokens_details"] = {**(usage.get("prompt_tokens_details") or {}),
-                                          "cached_tokens": cached}
-
-
-def fix_stream_usage(events: bytes, ctx_usage: Mapping[str, Any]) -> bytes:
-    """``fix_usage`` in the usage chunk among whole SSE ``events``."""
-    out = []
-    for event in events.split(b"\n\n"):
-        if event.startswith(b"data: {") and b'"usage":{' in event:
-            try:
-                obj = json.loads(event[6:])
-                fix_usage(obj, ctx_usage)
-                event = b"data: " + dumps(obj)
-            except ValueError:
-                pass
-        out.append(event)
-    return b"\n\n".join(out)
-
-
 async def final_answer(out: ClientStream, path: str, body: Mapping[str, Any],
                        answer: dict[str, Any]) -> Answer:
     """The context worker's final answer, as a stream if the client asked for one."""
-    if not body.get("stream"):
+    try:  # ``stream`` and ``include_usage`` as the workers read them ("true", 1, ...)
+        req = P.validate_request(path, body)  # (rare: the context worker took the body)
+    except P.APIError as e:
+        raise Reply.from_api_error(e) from None
+    if not req.stream:
         return Answer(200, dumps(answer))
-    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    include_usage = req.include_usage_in_stream
     chunks = _as_chunks(answer, path == CHAT, include_usage)
     await out.start(200, SSE_HEADERS)
     await out.write(b"".join(b"data: " + dumps(c) + b"\n\n" for c in chunks) + DONE)

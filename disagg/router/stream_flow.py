@@ -4,7 +4,7 @@ calls at once, the prompt's KV streamed layer by layer between them.
 The router names the stream (``uuid4().hex``) and sends concurrently, both calls signed with
 the cluster token:
 
-- to the context worker C, the request non-streamed with ``disaggregated_params:
+- to the context worker C, the request as sent (answered whole) with ``disaggregated_params:
   {request_type: context_only, kv_stream_id: ID}``: C serves it as a two-call context request
   (the prompt prefilled, the first token sampled with the client's parameters), publishing the
   KV of each layer as its forward writes it, then the first token. Its answer is read whole
@@ -58,7 +58,7 @@ from disagg.router.membership import Worker
 from disagg.router.policies import RouteRequest
 from disagg.router.prompt_tokens import COMPLETIONS
 from disagg.router.relay import RequestState, counted
-from disagg.router.replies import dumps
+from disagg.router.replies import with_params
 from disagg.router.upstream import Failed
 
 logger = logging.getLogger("disagg.router")
@@ -108,18 +108,14 @@ def streamable_request(path: str, body: Mapping[str, Any]) -> bool:
         body.get("logprobs") is not None or body.get("max_tokens") == 0))
 
 
-def stream_bodies(body: Mapping[str, Any], stream_id: str, source: Mapping[str, Any]
+def stream_bodies(body: Mapping[str, Any], data: bytes, stream_id: str,
+                  source: Mapping[str, Any]
                   ) -> tuple[bytes, bytes]:
     """The context_only and generation_only requests of one stream (module docstring)."""
-    ctx_body = dict(body)
-    ctx_body["stream"] = False
-    ctx_body.pop("stream_options", None)  # only valid with stream: true
-    ctx_body["disaggregated_params"] = {"request_type": RequestType.CONTEXT_ONLY.value,
-                                        "kv_stream_id": stream_id}
-    gen_body = dict(body)
-    gen_body["disaggregated_params"] = {"request_type": RequestType.GENERATION_ONLY.value,
-                                        "kv_stream": {"ctx_request_id": stream_id, **source}}
-    return dumps(ctx_body), dumps(gen_body)
+    return (with_params(data, body, {"request_type": RequestType.CONTEXT_ONLY.value,
+                                     "kv_stream_id": stream_id}),
+            with_params(data, body, {"request_type": RequestType.GENERATION_ONLY.value,
+                                     "kv_stream": {"ctx_request_id": stream_id, **source}}))
 
 
 class StreamingFlow(RequestFlow):
@@ -139,8 +135,8 @@ class StreamingFlow(RequestFlow):
         self.metrics.child(self.metrics.kv_stream, outcome).inc()
 
     async def first_try(self, out: ClientStream, st: RequestState, path: str,
-                        body: dict[str, Any], route: RouteRequest, ctx: Tries, gen: Tries
-                        ) -> Answer | None:
+                        body: dict[str, Any], data: bytes, route: RouteRequest, ctx: Tries,
+                        gen: Tries) -> Answer | None:
         if not streamable_request(path, body):
             self._count(NOT_STREAMABLE)
             return None
@@ -153,18 +149,19 @@ class StreamingFlow(RequestFlow):
         s = _Stream(ctx_w, self.next_worker(gen, route), uuid.uuid4().hex)
         outcome = FAILED
         try:
-            answer = await self._stream(out, st, path, body, route, s, source, ctx, gen)
+            answer = await self._stream(out, st, path, body, data, route, s, source, ctx,
+                                        gen)
             outcome = FELL_BACK if answer is None else STREAMED
             return answer
         finally:
             self._count(outcome)
 
     async def _stream(self, out: ClientStream, st: RequestState, path: str,
-                      body: dict[str, Any], route: RouteRequest, s: _Stream,
+                      body: dict[str, Any], data: bytes, route: RouteRequest, s: _Stream,
                       source: Mapping[str, Any], ctx: Tries, gen: Tries
                       ) -> Answer | None:
         """Both calls at once: G's answer, or None to fall back (module docstring)."""
-        ctx_data, gen_data = stream_bodies(body, s.id, source)
+        ctx_data, gen_data = stream_bodies(body, data, s.id, source)
         loop = asyncio.get_running_loop()
         c_task = loop.create_task(self._ctx_call(s, path, ctx_data, route))
         g_task = loop.create_task(self._gen_call(out, st, s, path, gen_data, route,

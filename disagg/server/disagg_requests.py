@@ -2,9 +2,11 @@
 
 A context worker prefills a ``context_only`` request, samples its first token and keeps the
 prompt's KV under a lease; its answer carries the params a generation worker needs to pull that
-KV (``disaggregated_params``) and the prompt's token ids. A generation worker takes the original
-request with those params as a ``generation_only`` request, pulls the KV and decodes. Both carry
-exactly one prompt and one choice.
+KV (``disaggregated_params``) and the prompt's token ids. It takes the client's request as it
+came, ``stream`` included (the answer is whole all the same), so that it refuses what the
+generation worker would. A generation worker takes the original request with those params as a
+``generation_only`` request, pulls the KV and decodes. Both carry exactly one prompt and one
+choice.
 
 KV streaming (``transfer/params.py``): the router sends both at once. The context worker runs
 a ``kv_stream_id`` request as a context_only one, under that id (request and lease), and
@@ -69,8 +71,6 @@ def request_type(srv: ServerState, req: Any, num_prompts: int) -> RequestType | 
     if kind is None:
         req.common_checks()  # names the unknown request_type (400)
     assert kind is not None
-    if kind is RequestType.CONTEXT_ONLY and req.stream:
-        raise P.bad_request("stream: context_only answers are not streamed", param="stream")
     return kind
 
 

@@ -88,6 +88,10 @@ class Format(abc.ABC):
 
 
 def cached_tokens(c: Choice) -> int:
+    """The choice's prompt tokens not computed for it: a generation_only request reports the
+    context worker's (it did the prefill; this worker pulled the KV)."""
+    if c.remote is not None and c.remote.cached_tokens is not None:
+        return c.remote.cached_tokens
     return int(getattr(c.final, "num_cached_tokens", 0) or 0) if c.final is not None else 0
 
 

@@ -791,9 +791,9 @@ REQUEST_MODELS: dict[str, type[_Request]] = {
 def validate_request(path: str, body: dict[str, Any]) -> _Request:
     """The checks a worker applies to an OpenAI request that need neither its tokenizer nor
     its model's limits (shapes and types, ranges, unsupported options), for a parsed body of
-    ``path``; 400 ``APIError`` naming the field. The router runs it once before the context
-    call, so the context and generation workers never disagree about a request (the router
-    rewrites ``stream`` for the first call). Returns the validated request."""
+    ``path``; 400 ``APIError`` naming the field. The router runs it where it reads the
+    request's fields itself (its policies' prompt, a final context answer's ``stream``).
+    Returns the validated request."""
     try:
         req = REQUEST_MODELS[path].model_validate(body)
     except ValidationError as e:

@@ -28,7 +28,7 @@ async def respond(srv: ServerState, request: Request, choices: list[Choice], fmt
                   t_arrival: float) -> Response:
     """Run ``choices`` and answer ``request`` (streamed when the client asked for a stream)."""
     fan = FanOut(srv, choices, t_arrival)
-    if fmt.req.stream:
+    if fmt.req.stream and not choices[0].context_only:  # (a context answer is whole)
         try:
             await srv.until_disconnect(request, fan.start())
         except ClientGone:

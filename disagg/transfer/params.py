@@ -20,6 +20,8 @@ Context answer (worker -> router), the fields of ``ContextParams``::
     layout              WorkerLayout.to_dict(): tp, pp, layer and kv-head ranges per rank,
                         head_dim, tokens_per_block, dtype
     lease_expiry        wall-clock time (seconds since the epoch) after which reads fail
+    cached_tokens       prompt tokens the context worker found in its prefix cache (optional;
+                        the generation worker's usage reports it: the prefill was there)
 
 KV streaming (the router calls both workers at once; README "KV streaming")::
 
@@ -67,6 +69,7 @@ class ContextParams:
     # KV streaming: the prompt's KV is pulled while the context worker computes it, its first
     # token with the last read (no block ids, no first token yet).
     stream: bool = False
+    cached_tokens: int | None = None  # the context side's prefix-cache hit (None: unknown)
 
     @classmethod
     def from_stream(cls, d: Any, prompt_token_ids: list[int]) -> ContextParams:
@@ -94,6 +97,8 @@ class ContextParams:
             out["prompt_logprob_ranks"] = self.prompt_logprob_ranks
         if self.stream:
             out["kv_stream_id"] = self.ctx_request_id
+        if self.cached_tokens is not None:
+            out["cached_tokens"] = self.cached_tokens
         return out
 
     def _required_dict(self) -> dict[str, Any]:
@@ -141,6 +146,7 @@ class ContextParams:
             first_gen_logprobs=_logprobs(d.get("first_gen_logprobs")),
             prompt_logprobs=_prompt_logprobs(d.get("prompt_logprobs"), num_tokens),
             prompt_logprob_ranks=_ranks(d.get("prompt_logprob_ranks"), num_tokens),
+            cached_tokens=_cached(d.get("cached_tokens"), num_tokens),
         )
 
 
@@ -217,6 +223,15 @@ def _prompt_logprobs(raw: Any, num_tokens: int) -> list[dict[int, float] | None]
         return [None, *(_logprobs(raw[1:]) or [])]
     except DisaggParamsError:
         raise DisaggParamsError("disaggregated_params.prompt_logprobs: malformed") from None
+
+
+def _cached(raw: Any, num_tokens: int) -> int | None:
+    if raw is None:
+        return None
+    if not (isinstance(raw, int) and not isinstance(raw, bool) and 0 <= raw <= num_tokens):
+        raise DisaggParamsError("disaggregated_params.cached_tokens: an integer from 0 to "
+                                "num_tokens")
+    return raw
 
 
 def _ranks(raw: Any, num_tokens: int) -> list[int | None] | None:
