@@ -36,6 +36,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from disagg.env import CLUSTER_TOKEN
 
@@ -116,18 +117,31 @@ class HttpSigner:
         if not token:
             raise ValueError("a non-empty cluster token is required")
         self._keyed = hmac.new(token.encode(), digestmod=hashlib.sha256)
+        # (method, path) -> the keyed state with the domain, method and path in: the router
+        # signs a few paths over and over (capped: paths with a query vary).
+        self._prefixed: dict[tuple[str, str], Any] = {}
 
     def headers(self, method: str, path: str, body: bytes = b"", *,
                 now: float | None = None, nonce: str | None = None) -> dict[str, str]:
         ts = str(int(time.time() if now is None else now))
         nonce = nonce or new_nonce()
-        mac = self._keyed.copy()
-        # hmac_hex's framing: every part length-prefixed
-        for data in (_HTTP_DOMAIN, method.upper().encode(), path.encode(), ts.encode(),
-                     nonce.encode(), hashlib.sha256(body).digest()):
-            mac.update(len(data).to_bytes(8, "big"))
-            mac.update(data)
+        prefixed = self._prefixed.get((method, path))
+        if prefixed is None:
+            if len(self._prefixed) >= 64:
+                self._prefixed.clear()
+            prefixed = self._prefixed[method, path] = _framed(
+                self._keyed.copy(), (_HTTP_DOMAIN, method.upper().encode(), path.encode()))
+        mac = _framed(prefixed.copy(), (ts.encode(), nonce.encode(),
+                                        hashlib.sha256(body).digest()))
         return {AUTH_HEADER: f"{HTTP_SCHEME};ts={ts};nonce={nonce};sig={mac.hexdigest()}"}
+
+
+def _framed(mac: Any, parts: tuple[bytes, ...]) -> Any:
+    """``mac`` updated with ``parts`` in hmac_hex's framing (every part length-prefixed)."""
+    for data in parts:
+        mac.update(len(data).to_bytes(8, "big"))
+        mac.update(data)
+    return mac
 
 
 def _parse_header(value: str) -> tuple[str, str, str]:

@@ -136,8 +136,10 @@ def test_allowlist_rejects_bad_entries_naming_them(bad: object) -> None:
 def test_http_signer_signs_exactly_like_sign_http() -> None:
     clock = Clock()
     signer = HttpSigner(TOKEN)
-    for method, path, body in (("POST", "/v1/completions", b'{"a":1}'), ("get", "/x?y=1", b""),
-                               ("POST", "/p\u00e9", "é".encode())):
+    calls = [("POST", "/v1/completions", b'{"a":1}'), ("get", "/x?y=1", b""),
+             ("POST", "/p\u00e9", "é".encode()), ("POST", "/v1/completions", b'{"a":2}')]
+    calls += [("GET", f"/kv_events?since={i}", b"") for i in range(70)]  # past the cache cap
+    for method, path, body in calls * 2:  # (the second time from the cached prefix state)
         nonce = "0123456789abcdef" * 2
         assert signer.headers(method, path, body, now=clock.t, nonce=nonce) == sign_http(
             TOKEN, method, path, body, now=clock.t, nonce=nonce)
