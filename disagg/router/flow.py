@@ -33,7 +33,6 @@ fails before the client got anything, hands the request to the two calls here.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -46,12 +45,13 @@ from disagg.router.metrics import RouterMetrics
 from disagg.router.policies import Decision, RouteRequest, RoutingPolicy
 from disagg.router.prompt_tokens import COMPLETIONS
 from disagg.router.relay import Relay, RequestState, counted, final_answer
-from disagg.router.replies import Reply, with_params
+from disagg.router.replies import Reply, dumps, loads, with_params
 from disagg.router.upstream import Failed, UpstreamClient, error_code
 
 T = TypeVar("T")
 ROLE_SWITCHING = "role_switching"  # a worker's 503 code while it changes roles (role_switch)
 CONTEXT_ONLY = {"request_type": RequestType.CONTEXT_ONLY.value}
+CONTEXT_ONLY_JSON = dumps(CONTEXT_ONLY)
 
 
 @dataclass
@@ -203,7 +203,7 @@ class RequestFlow:
                         body: dict[str, Any], data: bytes, route: RouteRequest, ctx: Tries,
                         gen: Tries) -> Answer:
         """The context call, then the generation call with its answer (module docstring)."""
-        ctx_data = with_params(data, body, CONTEXT_ONLY)
+        ctx_data = with_params(data, body, CONTEXT_ONLY, CONTEXT_ONLY_JSON)
         while True:
             ctx_worker, answer = await self.retrying(
                 ctx, route, lambda w: self._context_call(w, path, ctx_data, route))
@@ -240,7 +240,7 @@ class RequestFlow:
                 if resp.status != 200:
                     raise Reply(resp.status, body, resp.content_type or "application/json")
                 try:
-                    answer = json.loads(body)
+                    answer = loads(body)
                     if not isinstance(answer, dict) or "disaggregated_params" not in answer:
                         # (null means final; absent means this is no context worker's answer)
                         raise ValueError("no disaggregated_params")

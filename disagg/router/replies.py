@@ -1,5 +1,6 @@
 """What the router answers its client with when it does not relay a worker's answer: ``Reply``
-(an error of its own, or a worker's error passed through), in OpenAI's error JSON shape."""
+(an error of its own, or a worker's error passed through), in OpenAI's error JSON shape; and
+the JSON it writes and reads on its hot path (``dumps``, ``loads``, ``with_params``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from disagg.router.client_io import Answer
@@ -14,29 +16,48 @@ from disagg.server import protocol as P
 
 
 def dumps(obj: Any) -> bytes:
-    """Compact JSON, as the router sends it."""
-    return json.dumps(obj, separators=(",", ":")).encode()
+    """Compact JSON, as the router sends it: orjson's (~5x json's speed on a context answer's
+    params), json's for what orjson refuses (integers beyond 64 bits, keys that are not
+    strings, lone surrogates)."""
+    try:
+        return orjson.dumps(obj)
+    except TypeError:  # (orjson.JSONEncodeError is one)
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def loads(data: bytes) -> Any:
+    """A worker's JSON answer: orjson's parse, json's for what orjson refuses (NaN, Infinity:
+    not JSON, but Python's json writes them); ``ValueError`` when it is not JSON."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)
 
 
 PARAMS_KEY = "disaggregated_params"
+_KEY_PART = b'"disaggregated_params":'
+UTF8_BOM = b"\xef\xbb\xbf"
 
 
-def with_params(data: bytes, body: Mapping[str, Any], params: Mapping[str, Any]) -> bytes:
+def with_params(data: bytes, body: Mapping[str, Any], params: Mapping[str, Any],
+                encoded: bytes | None = None) -> bytes:
     """The request ``data`` (the JSON object ``body``, as bytes) with ``disaggregated_params:
     params`` added. The member goes in before the object's closing brace, the client's bytes
     otherwise as they came (the request is not encoded again: that took more of the router's
     time than the rest of a disaggregated request's JSON); ``body`` is encoded instead when
-    that cannot be done safely (an empty object, a body that has the key already, UTF-16/32)::
+    that cannot be done safely (an empty object, a body that has the key already, UTF-16/32 or
+    a byte order mark). ``encoded``: ``dumps(params)`` when the caller has it already::
 
         data:   {"model":"m","prompt":"Hi"}   \n
                                           ^ last "}" (whitespace after it dropped)
         result: {"model":"m","prompt":"Hi","disaggregated_params":{...}}
     """
     end = data.rfind(b"}")
+    # (UTF-16/32 JSON has a NUL among its first 4 bytes; json.detect_encoding's rule)
     if (end < 0 or not body or PARAMS_KEY in body or data[end + 1:].strip()
-            or json.detect_encoding(data) != "utf-8"):
+            or b"\0" in data[:4] or data.startswith(UTF8_BOM)):
         return dumps({**body, PARAMS_KEY: params})
-    return b"%s,\"%s\":%s}" % (data[:end], PARAMS_KEY.encode(), dumps(params))
+    return b"%s,%s%s}" % (data[:end], _KEY_PART, dumps(params) if encoded is None else encoded)
 
 
 class Reply(Exception):
