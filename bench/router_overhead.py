@@ -1046,7 +1046,7 @@ def report(args: argparse.Namespace, res: dict[str, Any], load: tuple[float, flo
         f"- stub upstream: answers at once; non-streaming: one JSON completion "
         f"({len(COMPLETION_BODY)} bytes); streaming: {STREAM_CHUNKS} SSE chunks + `[DONE]`, "
         f"each its own HTTP chunk ({len(SSE_BODY)} bytes in all). *context + generation*: "
-        f"the router calls a context stub (non-streamed, `context_only`) and then a "
+        f"the router calls a context stub (`context_only`, answered whole) and then a "
         f"generation stub for each request",
         "- every answer checked (status and the stub's full body); closed loop: each "
         "connection sends its next request when the answer is complete",
