@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from disagg.env import CLUSTER_TOKEN
+from disagg.env import API_KEY, CLUSTER_TOKEN
 
 CLUSTER_TOKEN_ENV = CLUSTER_TOKEN.name
 AUTH_HEADER = "X-Disagg-Auth"
@@ -68,6 +68,12 @@ def resolve_cluster_token(value: str | None = None, env: str = CLUSTER_TOKEN_ENV
 def cluster_token_or_none(value: str | None = None, env: str = CLUSTER_TOKEN_ENV) -> str | None:
     """Like ``resolve_cluster_token`` but None when none is configured."""
     return value or _token_from_env(env)
+
+
+def api_key_or_none(value: str | None = None) -> str | None:
+    """The API key clients send: the configured value, else ``$DISAGG_API_KEY`` (a key kept
+    out of the YAML, e.g. a Kubernetes Secret), else None (no key required)."""
+    return value or API_KEY.get()
 
 
 def new_nonce() -> str:

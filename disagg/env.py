@@ -11,6 +11,11 @@ variable                   type            default                   what it doe
 DISAGG_CLUSTER_TOKEN       str (secret)    none                      the cluster's shared secret
                                                                      when ``--cluster-token`` /
                                                                      ``cluster_token`` is unset
+DISAGG_API_KEY             str (secret)    none                      the API key clients send
+                                                                     (``Authorization: Bearer``)
+                                                                     when ``--api-key`` /
+                                                                     ``api_key`` is unset (the
+                                                                     router and the workers)
 DISAGG_CPU_KERNELS         on/off or list  ``1`` (all)               the CPU C++ kernels to use:
                                                                      1/0 (yes/no, on/off ...) or
                                                                      names: ``attention,linear``
@@ -212,6 +217,10 @@ UCX_TLS: EnvVar[str] = EnvVar(
     "UCX_TLS", _str, "",
     "UCX's transport list (UCX reads it; the package only quotes it when it explains why KV "
     "is staged through host memory)")
+API_KEY: EnvVar[str | None] = EnvVar(
+    "DISAGG_API_KEY", _optional_str, None,
+    "the API key clients of the router / a worker send when api_key (--api-key) is unset "
+    "(Kubernetes: from a Secret)")
 OPENAI_API_KEY: EnvVar[str | None] = EnvVar(
     "OPENAI_API_KEY", _optional_str, None, "disagg bench's default --api-key")
 ROUTER_UVLOOP: EnvVar[bool | None] = EnvVar(
@@ -220,7 +229,7 @@ ROUTER_UVLOOP: EnvVar[bool | None] = EnvVar(
     "asyncio's own; unset: uvloop when installed (a dependency except on Windows)")
 
 VARIABLES: tuple[EnvVar, ...] = (
-    CLUSTER_TOKEN, CPU_KERNELS, CUDA_ATTENTION, KERNEL_CACHE_DIR, CACHE, XDG_CACHE_HOME,
+    CLUSTER_TOKEN, API_KEY, CPU_KERNELS, CUDA_ATTENTION, KERNEL_CACHE_DIR, CACHE, XDG_CACHE_HOME,
     DIST_TIMEOUT_S, STARTUP_TIMEOUT_S, KV_DEVICE_DIRECT, KV_RECV_POOL, KV_RUNS,
     CUDA_VISIBLE_DEVICES,
     UCX_TLS, OPENAI_API_KEY, ROUTER_UVLOOP)

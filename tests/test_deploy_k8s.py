@@ -18,6 +18,7 @@ import yaml
 
 from disagg.cli import build_parser
 from disagg.cli import main as disagg_main
+from disagg.router.cli import configured
 from disagg.router.config import load_cluster_config
 from disagg.server.cli import load_worker_yaml
 
@@ -200,14 +201,54 @@ def test_bad_input_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert not (tmp_path / "o").exists()
 
 
-def test_api_keys_hide_metrics_from_scrapers_and_are_called_out(tmp_path: Path) -> None:
+def test_api_keys_make_the_config_a_secret(tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A YAML with api_key values (the router's, the workers' which the router sends them)
+    renders its config files as a Secret (mode 0600), mounted where the ConfigMap would be,
+    and nothing else holds a key; the router loads it with every key. Pods whose /metrics
+    needs the key carry no scrape annotations."""
     config = tmp_path / "c.yaml"
-    config.write_text("model: tiny\napi_key: k\ngeneration_servers: {urls: ['h:8001'], "
-                      "api_key: w}\ncontext_servers: {urls: ['h:8002'], api_key: w, "
+    config.write_text("model: tiny\napi_key: key-k\ngeneration_servers: {urls: ['h:8001'], "
+                      "api_key: key-w}\ncontext_servers: {urls: ['h:8002'], api_key: key-x, "
                       "public_metrics: true}\n")
-    files = render(tmp_path / "o", config)
+    out = tmp_path / "o"
+    files = render(out, config)
+    assert "configmap.yaml" not in files and not by_kind(files, "ConfigMap")
+    [secret] = files["config-secret.yaml"]
+    assert secret["kind"] == "Secret" and secret["metadata"]["name"] == "disagg-config"
+    kubernetes_validate.validate(secret, K8S_VERSIONS[-1], strict=True)
+    assert stat.S_IMODE((out / "config-secret.yaml").stat().st_mode) == 0o600
+    leaks = [n for n in files if n != "config-secret.yaml"
+             if "key-" in (out / n).read_text()]
+    assert leaks == [] and "key-" not in (out / "README.md").read_text()
+    deployments = by_kind(files, "Deployment")
+    for d in deployments.values():
+        volumes = {v["name"]: v for v in d["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["config"] == {"name": "config", "secret": {"secretName": "disagg-config"}}
+    (tmp_path / "router.yaml").write_text(secret["stringData"]["router.yaml"])
+    cfg = load_cluster_config(tmp_path / "router.yaml")
+    assert cfg.api_key == "key-k"
+    assert {cfg.generation_servers.worker_options["api_key"],
+            cfg.context_servers.worker_options["api_key"]} \
+        == {"key-w", "key-x"}
     annotations = {n: d["spec"]["template"]["metadata"]["annotations"]
-                   for n, d in by_kind(files, "Deployment").items()}
+                   for n, d in deployments.items()}
     assert annotations["disagg-router"] == {} and annotations["disagg-generation"] == {}
     assert annotations["disagg-context"]["prometheus.io/scrape"] == "true"
-    assert "`api_key` values are in the ConfigMap" in (tmp_path / "o/README.md").read_text()
+    readme = (out / "README.md").read_text()
+    assert "a Secret with the YAMLs" in readme and "`config-secret.yaml`" in readme
+    # A key may also stay out of the YAML: $DISAGG_API_KEY (the router's own here).
+    (tmp_path / "bare.yaml").write_text("generation_servers: {urls: ['h:8001']}\n")
+    args = build_parser().parse_args(["router", "-c", str(tmp_path / "bare.yaml")])
+    monkeypatch.setenv("DISAGG_API_KEY", "key-env")
+    assert configured(args).api_key == "key-env"
+    monkeypatch.delenv("DISAGG_API_KEY")
+    assert configured(args).api_key is None
+
+
+def test_a_yaml_without_api_keys_renders_a_config_map(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("model: tiny\ngeneration_servers: {urls: ['h:8001']}\n")
+    files = render(tmp_path / "o", config)
+    assert "config-secret.yaml" not in files and not by_kind(files, "Secret")
+    assert by_kind(files, "ConfigMap")["disagg-config"]["data"]

@@ -102,10 +102,14 @@ def test_a_bad_value_names_the_variable(monkeypatch: pytest.MonkeyPatch, var: en
 
 
 def test_readers_go_through_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    from disagg.cluster_auth import cluster_token_or_none, resolve_cluster_token
+    from disagg.cluster_auth import api_key_or_none, cluster_token_or_none, resolve_cluster_token
     from disagg.launch import visible_gpus
     from disagg.transfer.ucx import device_direct_wanted
 
+    monkeypatch.setenv("DISAGG_API_KEY", "key")
+    assert api_key_or_none() == "key" and api_key_or_none("given") == "given"
+    monkeypatch.setenv("DISAGG_API_KEY", "")
+    assert api_key_or_none() is None
     monkeypatch.setenv("DISAGG_CLUSTER_TOKEN", "tok")
     assert resolve_cluster_token() == "tok" and cluster_token_or_none() == "tok"
     assert cluster_token_or_none("given") == "given"

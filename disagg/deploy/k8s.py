@@ -2,7 +2,8 @@
 
 Rendered objects (``NAME`` from ``--name``, default ``disagg``)::
 
-    NAME-config            ConfigMap   router.yaml + one <role>.yaml per worker group
+    NAME-config            ConfigMap   router.yaml + one <role>.yaml per worker group (a
+                                       Secret instead when the YAML holds API keys)
     NAME-router            Deployment  1 replica (the router keeps the membership in memory)
     NAME-router            Service     the router's port: clients and worker registrations
     NAME-<role>            Deployment  replicas = num_instances, one worker per pod
@@ -85,6 +86,9 @@ class _Renderer:
         self.opts = opts
         self.image = opts.image or default_image(plan)
         self.router_url = f"http://{opts.name}-router:{plan.router_port}"
+        # API keys in the YAML (the router's, the workers' which the router also sends them):
+        # the config files are then a Secret, not a ConfigMap anyone in the namespace reads.
+        self.keyed = bool(plan.api_key or any(g.options.get("api_key") for g in plan.groups))
         for model in plan.models:
             if not model.generated and not (opts.model_pvc or opts.model_host_path):
                 raise DeployError(f"{plan.source}: model: {model.written!r} is a path: give "
@@ -127,7 +131,9 @@ class _Renderer:
         """(volumes, the container's mounts, init containers) of a pod reading ``model``
         (None: no model) and, with ``shm``, a /dev/shm for the ranks of a parallel worker."""
         volumes: list[dict[str, Any]] = [
-            {"name": "config", "configMap": {"name": f"{self.opts.name}-config"}},
+            ({"name": "config", "secret": {"secretName": f"{self.opts.name}-config"}}
+             if self.keyed else
+             {"name": "config", "configMap": {"name": f"{self.opts.name}-config"}}),
             {"name": "cache", "emptyDir": {}}]
         mounts = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
                   {"name": "cache", "mountPath": CACHE_DIR}]
@@ -173,11 +179,15 @@ class _Renderer:
     # -- the objects ------------------------------------------------------------------------
 
     def config_map(self) -> dict[str, Any]:
+        """The YAMLs: a ConfigMap, or a Secret (``stringData``) when they hold API keys."""
         data = {"router.yaml": dump_yaml(self.plan.router_options)}
         for g in self.plan.groups:
             data[f"{g.role}.yaml"] = dump_yaml(g.options)
-        return {"apiVersion": "v1", "kind": "ConfigMap",
-                "metadata": self.meta(f"{self.opts.name}-config", "config"), "data": data}
+        meta = self.meta(f"{self.opts.name}-config", "config")
+        if self.keyed:
+            return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": meta,
+                    "stringData": data}
+        return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}
 
     def router(self) -> list[dict[str, Any]]:
         plan, port = self.plan, self.plan.router_port
@@ -248,9 +258,11 @@ class _Renderer:
 
 
 def render(plan: DeployPlan, opts: K8sOptions) -> dict[str, list[dict[str, Any]]]:
-    """File name -> the manifests in it (``secret.yaml`` only with ``opts.secret``)."""
+    """File name -> the manifests in it (``secret.yaml`` only with ``opts.secret``; the YAMLs
+    in ``config-secret.yaml`` instead of ``configmap.yaml`` when they hold API keys)."""
     r = _Renderer(plan, opts)
-    files = {"configmap.yaml": [r.config_map()], "router.yaml": r.router()}
+    files = {"config-secret.yaml" if r.keyed else "configmap.yaml": [r.config_map()],
+             "router.yaml": r.router()}
     for g in plan.groups:
         files[f"{g.role}.yaml"] = [r.worker(g)]
     if opts.secret:
@@ -268,7 +280,7 @@ def write(plan: DeployPlan, opts: K8sOptions, out_dir: Path, command: str) -> li
         path = out_dir / name
         text = header + "".join(("---\n" if i else "") + dump_yaml(d) for i, d in
                                 enumerate(docs))
-        if name == "secret.yaml":  # the cluster token: readable by its owner only
+        if name in ("secret.yaml", "config-secret.yaml"):  # secrets: its owner reads them
             path.touch(mode=0o600, exist_ok=True)
             path.chmod(0o600)
         path.write_text(text)
@@ -306,17 +318,18 @@ def render_readme(plan: DeployPlan, opts: K8sOptions, command: str) -> str:
     return _README.format(
         command=command, source=plan.source, image=image, dockerfile=dockerfile, ns=ns,
         name=name, port=plan.router_port, groups=groups, models=models, secret=secret,
-        first=plan.groups[-1].role, keys=_api_key_note(plan))
+        first=plan.groups[-1].role, keys=_api_key_note(plan),
+        config_kind="a Secret" if _Renderer(plan, opts).keyed else "a ConfigMap")
 
 
 def _api_key_note(plan: DeployPlan) -> str:
-    """A warning when the YAML holds API keys: they are in the ConfigMap as written."""
+    """Where the YAML's API keys went, when it has some."""
     if not (plan.api_key or any(g.options.get("api_key") for g in plan.groups)):
         return ""
-    return ("\n\nThe YAML's `api_key` values are in the ConfigMap as written (the router and "
-            "the workers read them from their YAML): whoever may read ConfigMaps in the "
-            "namespace may read them. Pods whose `/metrics` needs the key (no "
-            "`public_metrics`) carry no scrape annotations.")
+    return ("\n\nThe YAML holds `api_key` values, so its rendered files are a Secret "
+            "(`config-secret.yaml`, file mode 0600, the keys as written: do not commit it), "
+            "not a ConfigMap. Pods whose `/metrics` needs the key (no `public_metrics`) "
+            "carry no scrape annotations.")
 
 
 _README = """\
@@ -325,7 +338,7 @@ _README = """\
 Rendered by `{command}` from `{source}`.
 
 Objects: the router (`{name}-router` Deployment + Service, port {port}), one Deployment per
-worker group, a ConfigMap with the YAMLs (`{name}-config`):
+worker group, {config_kind} with the YAMLs (`{name}-config`):
 
 {groups}
 

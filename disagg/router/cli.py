@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from disagg import env
+from disagg.cluster_auth import api_key_or_none
 from disagg.router.config import (
     MAX_PROCESSES,
     ClusterConfig,
@@ -107,6 +108,8 @@ def configured(args: argparse.Namespace) -> ClusterConfig:
     config = load_cluster_config(args.config)
     if args.port is not None and not 0 <= args.port <= 65535:
         raise RouterConfigError(f"--port: {args.port} is not a port number")
+    if config.api_key is None and (key := api_key_or_none()):
+        config = dataclasses.replace(config, api_key=key)  # $DISAGG_API_KEY
     if args.public_metrics:
         config = dataclasses.replace(config, public_metrics=True)
     if args.planner:

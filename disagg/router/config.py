@@ -7,7 +7,8 @@ Shape::
     hostname: localhost           # where the router listens
     port: 8000
     max_retries: 1                # per side: another context / generation server after a failure
-    api_key: KEY                  # optional: clients of the router send "Authorization: Bearer KEY"
+    api_key: KEY                  # optional: clients send "Authorization: Bearer KEY" (or env
+                                  # DISAGG_API_KEY)
     public_metrics: false         # true: the router's /metrics is open even with api_key
     health_check_interval_sec: 2  # router's /health polling of every worker
     upstream_timeout_sec: 300     # longest wait for the next byte from a worker

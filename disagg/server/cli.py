@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
-from disagg.cluster_auth import cluster_token_or_none
+from disagg.cluster_auth import api_key_or_none, cluster_token_or_none
 from disagg.config import ConfigError, read_yaml
 from disagg.roles import Role
 from disagg.server.http_guard import SERVER_KEEP_ALIVE_S, uvicorn_options  # noqa: F401
@@ -186,6 +186,7 @@ def run_server(
     engine_options = engine_options or {}
     # Any role: requests signed with it are the cluster's (the disaggregated roles need it).
     cluster_token = cluster_token_or_none(cluster_token)
+    api_key = api_key_or_none(api_key)  # else $DISAGG_API_KEY
     try:
         # Before loading anything: fail fast on a role or options we cannot serve.
         http_host, kv_advertise = _advertised_hosts(host, kv_transfer_host, advertise_host,

@@ -112,7 +112,8 @@ SERVER_OPTIONS: dict[str, Opt] = {
     "served_model_name": Opt(str, "model name clients send (default: MODEL_DIR as given)",
                               metavar="NAME"),
     "api_key": Opt(str, "require 'Authorization: Bearer KEY' on /v1/* (and, unless "
-                    "--public-metrics, on /metrics)", metavar="KEY"),
+                    "--public-metrics, on /metrics) (default: $DISAGG_API_KEY)",
+                    metavar="KEY"),
     "public_metrics": Opt(bool, "serve /metrics to anyone even when --api-key is set"),
     "drain_timeout": Opt(float, "seconds in-flight requests get to finish on SIGTERM "
                           "(default 30)", metavar="S"),
