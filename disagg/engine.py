@@ -588,6 +588,8 @@ class LLMEngine:
         done = self.connector.get_finished()
         for rid in done.leases_ended:
             self.scheduler.release_held(rid)
+        for rid in done.loads_stopped:
+            self.scheduler.release_draining(rid)
         outputs: list[RequestOutput] = []
         for rid in done.loaded:
             st = self._states.get(rid)
@@ -596,6 +598,7 @@ class LLMEngine:
         for rid, error in done.failed:
             logger.warning("request %s: %s", rid, error)
             outputs.extend(self._fail_requests([rid], error))
+            self.scheduler.release_draining(rid)  # its reads ended: nothing writes any more
         return self._collect_finished_without_step(outputs) if outputs else outputs
 
     def _kv_in_place(self, st: _State, first: Mapping[str, Any] | None = None
@@ -653,7 +656,9 @@ class LLMEngine:
             req.status = RequestStatus.FINISHED_STOPPED  # a stop string: final
             req.stop_reason = st.detok.stop_reason
         held = self.scheduler.held.get(req.request_id)
-        if self.connector is not None:
+        if self.connector is None:  # nothing can be writing into its blocks
+            self.scheduler.release_draining(req.request_id)
+        else:
             try:
                 params = self.connector.request_finished(
                     req, held, list(st.logprobs) if st.logprobs is not None else None)

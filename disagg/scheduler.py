@@ -20,8 +20,9 @@ MAX_UTILIZATION it is admitted on the blocks it needs now, and when blocks run o
 started last is preempted and later recomputed.
 
 This module is status bookkeeping only: which requests wait, run, wait for remote KV, or keep
-their blocks after finishing (``held``); moving KV between workers is the connector's
-(``disagg.kv_connector``). The engine runs the
+their blocks after finishing (``held``: leased to a generation worker; ``draining``: ended
+while their KV was arriving, until the transfer stopped writing); moving KV between workers is
+the connector's (``disagg.kv_connector``). The engine runs the
 model on the plan and calls ``update_from_output`` with the sampled tokens; that is where
 ``num_computed_tokens`` advances, full blocks enter the prefix cache and stops are checked.
 
@@ -129,6 +130,10 @@ class Scheduler:
         # marked by hold_blocks_on_finish, then block ids by request id until release_held.
         self._hold: set[str] = set()
         self.held: dict[str, list[int]] = {}
+        # Fetching requests that finished (abort, error) while their transfer may still write
+        # into their blocks: block ids by request id, out of the pool until release_draining
+        # (the connector said the transfer stopped writing).
+        self.draining: dict[str, list[int]] = {}
         # Requests finished outside update_from_output (rejected by add_request), returned by
         # its next call so the engine reports every finish in one place.
         self._finished_early: list[Request] = []
@@ -218,22 +223,38 @@ class Scheduler:
         return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
-        """Finish a request from outside (a stop string, an abort, an error): frees its blocks.
-        Returns it, or None if it is unknown or already finished. An entry of it in a plan
-        already handed out is ignored by ``update_from_output``."""
+        """Finish a request from outside (a stop string, an abort, an error): frees its blocks,
+        or moves them to ``draining`` when its KV was being pulled. Returns it, or None if it
+        is unknown or already finished. An entry of it in a plan already handed out is ignored
+        by ``update_from_output``."""
         if not status.finished:
             raise ValueError(f"{status} is not a finished status")
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        fetching = False
         if req.status == RequestStatus.RUNNING:
             _remove_identical(self.running, req)
         elif self.fetching.pop(request_id, None) is None:
             _remove_identical(self.waiting, req)
+        else:
+            fetching = True
         req.status = status  # before kv.free: a finished request's hash chain is dropped
-        self.kv.free(req)
+        if fetching:  # the transfer may still write into them: not reusable yet
+            self.draining[request_id] = self.kv.detach(req)
+        else:
+            self.kv.free(req)
         self._hold.discard(request_id)
         return req
+
+    def release_draining(self, request_id: str) -> bool:
+        """Free the blocks of a finished fetching request: its transfer can no longer write
+        into them. Returns False if nothing was draining for it."""
+        blocks = self.draining.pop(request_id, None)
+        if blocks is None:
+            return False
+        self.kv.free_blocks(blocks)
+        return True
 
     # -- KV that crosses workers -------------------------------------------------------------
 

@@ -10,7 +10,11 @@ generation layout reads over both backends.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -185,6 +189,48 @@ def test_multi_rank_generation_abort_frees_both_sides(cluster: dict[str, Worker]
                 break  # hang up after the first event
     ctx.wait_blocks(0)
     gen.wait_blocks(0)
+
+
+def _rank_pids(pid: int) -> list[int]:
+    """A worker's rank 0 and the rank processes it started (its children)."""
+    out = [pid]
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            text = Path(f"/proc/{pid}/task/{tid}/children").read_text()
+            out += [int(c) for c in text.split()]
+    return out
+
+
+def test_multi_rank_abort_mid_pull_frees_the_blocks_without_the_context_side(
+        cluster: dict[str, Worker]) -> None:
+    """The context worker freezes (SIGSTOP, every rank) while the generation worker's ranks
+    pull straight into their blocks; the client hangs up. The abort cancels every rank's
+    reads and the blocks come free with the context side still frozen (nothing waits on
+    it: rank 0 frees once each rank said its reads stopped). Thawed, the context worker frees
+    its lease and serves again."""
+    ctx, gen = cluster["ctx21"], cluster["gen21"]  # same layout and block size: direct reads
+    body = {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}
+    answer = context_call(ctx, C, body)
+    pids = _rank_pids(ctx.proc.pid)  # rank 0, rank 1 (and a helper process of torch's)
+    assert len(pids) >= 2, pids
+    kw = signed(TOKEN, "POST", C, generation_body(C, body, answer))
+    raw = kw["content"]
+    head = "".join(f"{k}: {v}\r\n" for k, v in {
+        **kw["headers"], "Host": "x", "Content-Length": str(len(raw))}.items())
+    for p in pids:
+        os.kill(p, signal.SIGSTOP)
+    try:
+        with socket.create_connection(("127.0.0.1", gen.port), 10) as sock:
+            sock.sendall(f"POST {C} HTTP/1.1\r\n{head}\r\n".encode() + raw)
+            wait_for(lambda: gen.blocks_used() > 0, 15, 0.02, what="the pull to start")
+        gen.wait_blocks(0)  # freed while the context worker is still frozen
+    finally:
+        for p in pids:
+            os.kill(p, signal.SIGCONT)
+    ctx.wait_blocks(0)
+    assert health_ok(ctx.url) and health_ok(gen.url)
+    assert disagg_text(ctx, gen, C, body) == ref_text(cluster["agg"].url, C, body)
 
 
 def test_dead_multi_rank_context_fails_request_generation_stays_healthy(

@@ -31,6 +31,8 @@ class Recorder(KVConnector):
         self.calls: list[tuple[str, Any]] = []
         self.lease: Any = _Params()  # what request_finished answers for held blocks
         self.finished = FinishedTransfers()
+        # Cancelled loads: reported in loads_stopped by get_finished once the test says so.
+        self.stopping: list[str] = []
 
     def add_request(self, request_id: str, kv: RequestKV) -> bool:
         self.calls.append(("add_request", request_id))
@@ -40,6 +42,8 @@ class Recorder(KVConnector):
                          logprobs: list[dict[int, float]] | None) -> Any:
         self.calls.append(("request_finished", (request.request_id, request.status,
                                                 held_blocks is not None)))
+        if ("start_load", request.request_id) in self.calls:  # a load it may still write
+            self.stopping.append(request.request_id)
         if held_blocks is None:
             return None
         if isinstance(self.lease, Exception):
@@ -182,6 +186,8 @@ def test_loaded_pull_decodes_from_the_context_token(engine) -> None:
 
 
 def test_abort_while_pulling_tells_the_connector_once(engine) -> None:
+    """The abort answers at once; the blocks stay out of the pool until the connector says
+    the cancelled load stopped writing (loads_stopped), then they are free."""
     eng, rec = engine
     eng.add_request("g", list(range(3, 20)), SamplingParams(temperature=0, max_tokens=4),
                     remote=_remote(7))
@@ -189,7 +195,14 @@ def test_abort_while_pulling_tells_the_connector_once(engine) -> None:
     out = eng.abort_request("g")
     assert out is not None and out.outputs[0].finish_reason == "abort"
     assert _ends(rec) == [("g", RequestStatus.FINISHED_ABORTED, False)]
-    assert eng.stats().kv_blocks_used == 0
+    assert rec.stopping == ["g"] and eng.scheduler.draining == {"g": [0, 1, 2]}
+    assert eng.service_transfers() == [] and eng.stats().kv_blocks_used == 3
+    eng.add_request("h", list(range(3, 40)), SamplingParams(temperature=0, max_tokens=2))
+    outs = _run(eng)  # another request runs meanwhile, on other blocks
+    assert outs[-1].finished and eng.scheduler.draining == {"g": [0, 1, 2]}
+    rec.finished = FinishedTransfers(loads_stopped=rec.stopping)
+    eng.service_transfers()
+    assert eng.stats().kv_blocks_used == 0 and not eng.scheduler.draining
 
 
 def test_remote_request_needs_a_connector(engine) -> None:

@@ -1,11 +1,13 @@
 """Aborting a generation-only request while its KV is being received straight into its own
-blocks (issue 19): the engine frees the blocks only once the transport can no longer write
-into them, so the next request that gets them never sees a late write."""
+blocks (issue 19): the abort returns at once, and the engine frees the blocks only once the
+transport can no longer write into them, so the next request that gets them never sees a
+late write."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -36,6 +38,31 @@ def _run(eng: LLMEngine) -> list[Any]:
             break
         outs += eng.step()
     return outs
+
+
+class _Both:
+    """Quiet when both events are set; the transport sets the second."""
+
+    def __init__(self, a: threading.Event, b: threading.Event) -> None:
+        self.a, self.b = a, b
+
+    def set(self) -> None:
+        self.b.set()
+
+    def is_set(self) -> bool:
+        return self.a.is_set() and self.b.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.a.wait(timeout) and self.b.wait(timeout)
+
+
+def _wait_for(cond: Any, timeout_s: float = WAIT) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        threading.Event().wait(0.01)
+    return True
 
 
 def test_abort_mid_pull_frees_blocks_only_after_the_read_stopped(
@@ -69,9 +96,20 @@ def test_abort_mid_pull_frees_blocks_only_after_the_read_stopped(
         [read] = gen.connector._fetches["g"].reads  # type: ignore[attr-defined]
         assert read.direct  # same layout: the payload lands in the request's blocks
         kv = gen.runner.kv_cache
-        out = gen.abort_request("g")
-        assert out is not None and out.finished and read.future.quiet.is_set()
-        assert gen.stats().kv_blocks_used == 0  # freed, and no write can land any more
+        # The transport unwinds slowly (a UCX endpoint abort may take seconds): quiet only
+        # once the real read stopped and the test opens the gate.
+        gate, real = threading.Event(), read.future.quiet
+        read.future.quiet = _Both(gate, real)
+        out = gen.abort_request("g")  # returns without waiting for the transport
+        assert out is not None and out.finished and not gate.is_set()
+        used = gen.stats().kv_blocks_used
+        assert used == 8  # out of the pool while they may still be written
+        _run(gen)
+        assert gen.stats().kv_blocks_used == used
+        gate.set()
+        assert _wait_for(lambda: (gen.service_transfers(),
+                                  gen.stats().kv_blocks_used == 0)[1])
+        assert real.is_set()  # freed, and no write can land any more
         snapshot = kv.clone()
         go.set()  # the rest of the payload goes out now, into a closed connection
         assert sent.wait(WAIT)

@@ -5,14 +5,16 @@ hold or are still filling), requests are aborted at any moment (waiting, mid-pre
 ``schedule`` and ``update_from_output``, while their KV is being pulled), context-only requests
 keep their blocks after finishing (``hold_blocks_on_finish`` / ``release_held``), requests
 whose prompt KV comes from another worker wait in WAITING_FOR_REMOTE_KV until
-``remote_kv_ready``; both capacity policies (preemption under max_utilization).
+``remote_kv_ready`` (one that ends meanwhile keeps its blocks in ``draining``, written to by
+its cancelled transfer, until ``release_draining``); both capacity policies (preemption under
+max_utilization).
 
 After every rule: free + used + cached == total; each block's ref_cnt is the number of live
-block tables and held lists containing it; no block twice in one table; the hash index and the
-blocks agree; and a fake KV store (the token written in each (block, offset) slot) proves that
-what a request attends to, what a prefix hit reuses and what a lease holds is the right
-content. At teardown, once everything is aborted or released, every block is free or cached
-with ref 0 and nothing is remembered about any request.
+block tables, held and draining lists containing it; no block twice in one table; the hash
+index and the blocks agree; and a fake KV store (the token written in each (block, offset)
+slot) proves that what a request attends to, what a prefix hit reuses and what a lease holds is
+the right content. At teardown, once everything is aborted or released, every block is free or
+cached with ref 0 and nothing is remembered about any request.
 """
 
 from __future__ import annotations
@@ -137,12 +139,37 @@ class KVMachine(RuleBasedStateMachine):
         table = self.kv.block_ids(rid)
         refs = Counter(table)
         before = {b: self.kv.pool.blocks[b].ref_cnt for b in refs}
+        fetching = rid in self.sched.fetching
         req = self.sched.finish_request(rid, status)
         assert req is not None and req.status == status
         assert rid not in self.sched.held  # only a length finish holds
+        # Its KV was arriving: the blocks stay out of the pool until the transfer stopped.
+        assert (self.sched.draining.get(rid) == table) if fetching else (
+            rid not in self.sched.draining)
         for b, n in refs.items():
-            assert self.kv.pool.blocks[b].ref_cnt == before[b] - n
+            assert self.kv.pool.blocks[b].ref_cnt == before[b] - (0 if fetching else n)
         assert self.sched.finish_request(rid, status) is None  # idempotent
+
+    @precondition(lambda self: bool(self.sched.draining))
+    @rule(data=st.data())
+    def late_write(self, data: st.DataObject) -> None:
+        """A cancelled transfer still writes into a draining request's blocks: garbage that
+        no live table, lease or cached block may see (integrity checks their contents)."""
+        rid = data.draw(st.sampled_from(sorted(self.sched.draining)))
+        for b in self.sched.draining[rid]:
+            for o in range(self.B):
+                self.slots[(b, o)] = -7
+
+    @precondition(lambda self: bool(self.sched.draining))
+    @rule(data=st.data())
+    def transfer_stopped(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.sched.draining)))
+        table = self.sched.draining[rid]
+        before = {b: self.kv.pool.blocks[b].ref_cnt for b in table}
+        assert self.sched.release_draining(rid)
+        assert not self.sched.release_draining(rid)
+        for b in table:
+            assert self.kv.pool.blocks[b].ref_cnt == before[b] - 1
 
     @precondition(lambda self: bool(self.sched.held))
     @rule(data=st.data())
@@ -207,7 +234,7 @@ class KVMachine(RuleBasedStateMachine):
         for rid, table in kv._tables.items():
             assert len(set(table)) == len(table), (rid, table)
             refs.update(table)
-        for rid, table in sched.held.items():
+        for rid, table in (*sched.held.items(), *sched.draining.items()):
             assert len(set(table)) == len(table), (rid, table)
             assert rid not in kv._tables and rid not in sched.requests
             refs.update(table)
@@ -259,6 +286,8 @@ class KVMachine(RuleBasedStateMachine):
             assert sched.abort_request(rid) is not None
         for rid in sorted(sched.held):
             assert sched.release_held(rid)
+        for rid in sorted(sched.draining):
+            assert sched.release_draining(rid)
         sched.update_from_output(sched.schedule(), {})  # reports refused requests
         assert not sched.has_unfinished()
         for b in self.kv.pool.blocks:

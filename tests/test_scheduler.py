@@ -636,9 +636,21 @@ def test_remote_kv_waits_fcfs_for_blocks_and_failure_frees() -> None:
         drv.step()
     out, _ = drv.step()
     assert [f.request_id for f in out.kv_fetches] == ["remote"]
-    # The transfer failed: finishing the request frees its blocks at once.
+    [fetch] = out.kv_fetches
+    # The request ended while its KV was arriving: its blocks leave the pool only once the
+    # transfer stopped writing into them (release_draining), never to another request before.
     assert sched.finish_request("remote", RequestStatus.FINISHED_ERROR) is remote
-    assert sched.kv.stats().used == 0 and not sched.fetching and not sched.has_unfinished()
+    assert not sched.fetching and not sched.has_unfinished()
+    assert fetch.block_ids == [3, 2] and sched.draining == {"remote": [3, 2]}
+    assert sched.kv.stats().used == 2
+    later = make_req("later", [3] * 13, max_tokens=3)  # 16 tokens: 4 blocks, 2 free
+    sched.add_request(later)
+    out, _ = drv.step()
+    assert plan(out) == [] and list(sched.waiting) == [later]
+    assert sched.release_draining("remote") and not sched.release_draining("remote")
+    assert sched.kv.stats().used == 0
+    out, _ = drv.step()
+    assert plan(out) == [("later", 13)]
 
 
 def test_context_request_blocks_held_until_released() -> None:

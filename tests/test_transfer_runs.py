@@ -271,17 +271,18 @@ def test_cancelled_read_into_blocks_stops_writing_before_cancel_returns(
         r.close()
 
 
-def test_cancel_reads_waits_for_direct_reads_only() -> None:
-    """``cancel_reads`` returns once every read into the blocks is quiet (here a thread that
-    stands in for the transport finishes its write first); private-buffer reads are not
-    waited for."""
+def test_cancel_reads_calls_back_once_direct_reads_are_quiet() -> None:
+    """``cancel_reads`` returns at once; its callback runs once every read into the blocks is
+    quiet (here a thread that stands in for the transport finishes its write first), on
+    another thread; private-buffer reads are not waited for."""
     fut = ReadFuture()
-    stopped: list[bool] = []
+    go, stopped, called = threading.Event(), [], threading.Event()
+    order: list[str] = []
 
     def transport() -> None:
-        while not fut.cancelled():  # the transport notices the cancel, then unwinds
-            threading.Event().wait(0.001)
-        stopped.append(True)
+        assert go.wait(WAIT)  # the transport unwinds only after cancel_reads returned
+        stopped.append(fut.cancelled())
+        order.append("quiet")
         fut.quiet.set()
 
     t = threading.Thread(target=transport)
@@ -289,9 +290,31 @@ def test_cancel_reads_waits_for_direct_reads_only() -> None:
     never = ReadFuture()  # a private-buffer read whose transport never reports
     reads = [Read(None, None, None, fut),  # type: ignore[arg-type]
              Read(None, None, torch.empty(1), never)]  # type: ignore[arg-type]
-    cancel_reads(reads, timeout_s=WAIT)
-    assert stopped == [True] and never.cancelled()
+    cancel_reads(reads, lambda: (order.append("callback"), called.set()), timeout_s=WAIT)
+    assert not called.is_set() and never.cancelled()  # returned without waiting
+    go.set()
+    assert called.wait(WAIT)
+    assert stopped == [True] and order == ["quiet", "callback"]
     t.join(WAIT)
+
+
+def test_cancel_reads_with_nothing_writing_calls_back_at_once() -> None:
+    quiet = ReadFuture()
+    quiet.quiet.set()
+    calls: list[int] = []
+    cancel_reads([Read(None, None, None, quiet)], lambda: calls.append(1))  # type: ignore
+    cancel_reads([], lambda: calls.append(2))
+    assert calls == [1, 2]
+
+
+def test_cancel_reads_gives_up_after_its_timeout(caplog: pytest.LogCaptureFixture) -> None:
+    """A transport that never stops: the callback still comes (blocks are always freed),
+    with an error logged."""
+    called = threading.Event()
+    cancel_reads([Read(None, None, None, ReadFuture())],  # type: ignore[arg-type]
+                 called.set, timeout_s=0.05)
+    assert called.wait(WAIT)
+    assert "did not stop within" in caplog.text
 
 
 # ---- the generation side's pull ------------------------------------------------------------

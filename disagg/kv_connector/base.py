@@ -28,7 +28,13 @@ Rules every implementation keeps:
   if it returns params they stay held until ``get_finished`` names the request in
   ``leases_ended`` (confirmed, released or expired), and then the engine frees them.
 - A load that started is either reported by ``get_finished`` (loaded or failed) or cancelled by
-  ``request_finished`` (abort, error): a late write must never land in blocks reused since.
+  ``request_finished`` (abort, error): a late write must never land in blocks reused since. A
+  request that ends while its KV is arriving (it was handed to ``start_load``) keeps its blocks
+  out of the pool (the scheduler's ``draining``) until ``get_finished`` names it in
+  ``loads_stopped``: the connector names every such request exactly once, once nothing can
+  write into its blocks on any rank (at the next call when nothing was in flight). Cancelling
+  never waits on the engine thread. (A load reported failed has ended: the engine frees that
+  request's blocks at once, and naming it again is harmless.)
 - A remote lease this worker was handed is given back exactly once: when its KV is in place,
   or on every path that ends the request without it.
 
@@ -86,9 +92,12 @@ class FinishedTransfers:
     # Streamed requests among ``loaded``: the context worker's first token(s), which came with
     # the KV ({"tokens": [ids], "logprobs": [{id: logprob}] | None}).
     first: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Requests that ended while their KV was arriving, whose transfer can no longer write
+    # into their blocks on any rank: the engine frees those blocks now.
+    loads_stopped: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.leases_ended or self.loaded or self.failed)
+        return bool(self.leases_ended or self.loaded or self.failed or self.loads_stopped)
 
 
 class KVConnector(ABC):
@@ -113,7 +122,8 @@ class KVConnector(ABC):
         Returns the params that put them under a lease (they go out with the answer), or None:
         nothing is leased and the engine frees ``held_blocks``. May raise if the lease could
         not be made: the engine then frees the blocks and fails the request. Also where a
-        load in flight is cancelled and a remote lease is given back."""
+        load in flight is cancelled (without waiting: ``loads_stopped``) and a remote lease
+        is given back."""
 
     # ---- worker side --------------------------------------------------------------------------
 

@@ -44,6 +44,7 @@ from disagg.kv_connector.messages import (
     AnnounceLeases,
     CancelFetch,
     FetchDone,
+    FetchStopped,
     FinishStreams,
     LeaseEnded,
     OpenStreams,
@@ -137,6 +138,10 @@ class DisaggConnector(KVConnector):
         self._may_lease: set[str] = set()
         self._remote: dict[str, ContextParams] = {}
         self._fetches: dict[str, _Fetch] = {}
+        # Requests that ended while their KV was arriving: the ranks (0 included) whose
+        # cancelled reads may still write into the blocks; reported in loads_stopped once empty.
+        self._stopping: dict[str, set[int]] = {}
+        self._quiet: queue.SimpleQueue[tuple[str, int]] = queue.SimpleQueue()
         # Context, multi-rank: leases announced to ranks 1..N-1, and the ranks where a lease
         # is still live (rank 0 included); the blocks are freed when that set is empty.
         self._announced: set[str] = set()
@@ -185,7 +190,7 @@ class DisaggConnector(KVConnector):
         thread)."""
         leases = 0 if self.leases is None else len(self.leases)
         leases += sum(1 for lid in self._live_on if self.leases is None or lid not in self.leases)
-        return leases, len(self._fetches)
+        return leases, len(self._fetches) + len(self._stopping)
 
     def info(self) -> dict[str, object]:
         context = self.role == Role.CONTEXT
@@ -204,7 +209,7 @@ class DisaggConnector(KVConnector):
         return merge_snapshots([self.stats.snapshot(), *list(self._rank_stats.values())])
 
     def busy(self) -> bool:
-        return bool(self._fetches) or bool(self._live_on) or (
+        return bool(self._fetches) or bool(self._stopping) or bool(self._live_on) or (
             self.leases is not None and len(self.leases) > 0)
 
     def shutdown(self) -> None:
@@ -337,6 +342,7 @@ class DisaggConnector(KVConnector):
         leases_ended = self._drain_released()
         done = FinishedTransfers(leases_ended)
         self._poll_fetches(done)
+        self._poll_stopping(done)
         for rid in done.loaded:  # the data is here: the context side may free its blocks
             remote = self._remote.pop(rid, None)
             if remote is not None:
@@ -377,14 +383,39 @@ class DisaggConnector(KVConnector):
             loaded.append(rid)
 
     def _cancel_fetch(self, request_id: str) -> None:
-        """Forget a request's reads (it ended): returns once none can write into its blocks
-        (``cancel_reads``); reads into private buffers finish there, unread. The other ranks
-        drop theirs before the next step reaches them."""
+        """Cancel the reads of a request that ended while its KV was arriving; returns at once.
+        Its blocks stay out of the pool (the scheduler's ``draining``) until ``get_finished``
+        reports it in ``loads_stopped``: once rank 0's reads into them are quiet
+        (``cancel_reads``) and every rank still pulling answered ``CancelFetch``. Reads into
+        private buffers finish there, unread."""
         fetch = self._fetches.pop(request_id, None)
-        if fetch is not None:
-            cancel_reads(fetch.reads)
-            if self.peers is not None and fetch.remote_pending:
-                self.peers.send_all(CancelFetch(request_id))
+        ranks = set(fetch.remote_pending) if fetch is not None else set()
+        self._stopping[request_id] = ranks | {0}
+        if ranks:
+            assert self.peers is not None
+            self.peers.send_all(CancelFetch(request_id))
+        cancel_reads(fetch.reads if fetch is not None else [],
+                     lambda: self._on_quiet(request_id, 0))
+
+    def _on_quiet(self, request_id: str, rank: int) -> None:
+        # Any thread: only enqueue (get_finished takes it on the engine thread).
+        self._quiet.put((request_id, rank))
+        self._wake()
+
+    def _poll_stopping(self, done: FinishedTransfers) -> None:
+        """Cancelled loads whose reads stopped on every rank: their blocks may be freed."""
+        while True:
+            try:
+                rid, rank = self._quiet.get_nowait()
+            except queue.Empty:
+                break
+            ranks = self._stopping.get(rid)
+            if ranks is not None:
+                ranks.discard(rank)
+        for rid, ranks in list(self._stopping.items()):
+            if not ranks:
+                del self._stopping[rid]
+                done.loads_stopped.append(rid)
 
     # ---- leases: ending them ------------------------------------------------------------------
 
@@ -444,6 +475,8 @@ class DisaggConnector(KVConnector):
             self._rank_stats[ev.rank] = ev.stats
             if isinstance(ev, LeaseEnded):
                 self._lease_ended_on(ev.lease_id, ev.rank)
+            elif isinstance(ev, FetchStopped):
+                self._quiet.put((ev.request_id, ev.rank))
             elif isinstance(ev, FetchDone):
                 fetch = self._fetches.get(ev.request_id)
                 if fetch is not None:

@@ -18,8 +18,10 @@ separate event pipe, from whatever thread of rank r noticed them.
     generation  StartFetch       rank r pulls its own slice and installs it into its cache
                 FetchDone (ev)   rank r's slice is in place (or failed); the request decodes
                                  once every rank, rank 0 included, has its slice
-                CancelFetch      an abort: waits for an install in progress, so no late write
-                                 lands in blocks that are reused
+                CancelFetch      the request ended (abort, error): rank r drops its pull
+                FetchStopped (ev) rank r's cancelled reads can no longer write into the blocks
+                                 (an install in progress finished); rank 0 frees the blocks
+                                 once every rank still pulling said so
 """
 
 from __future__ import annotations
@@ -96,4 +98,14 @@ class FetchDone:
     stats: TransferStatsSnapshot
 
 
-TransferEvent = LeaseEnded | FetchDone
+@dataclass(frozen=True)
+class FetchStopped:
+    """Event: rank ``rank`` dropped ``request_id``'s pull (``CancelFetch``) and nothing of it
+    can write into the request's blocks there any more (also sent when it had nothing left)."""
+
+    rank: int
+    request_id: str
+    stats: TransferStatsSnapshot
+
+
+TransferEvent = LeaseEnded | FetchDone | FetchStopped

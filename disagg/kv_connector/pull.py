@@ -12,11 +12,12 @@ done, ``install`` copies (and converts) it into the request's blocks.
 
 Receiving into the blocks is safe because they are the request's own (fresh blocks, never a
 prefix hit: nobody reads them until the pull is reported loaded) and because a pull that ends
-early is cancelled with ``cancel_reads``, which returns only once the transport has stopped
-writing (``ReadFuture.quiet``): the engine frees the blocks of an aborted or failed request
-before its next step, and nothing can write into them after that. A failed pull's blocks were
-never registered in the prefix cache (that happens when the pull is reported loaded), so a
-half-written block is never served as a hit.
+early is cancelled with ``cancel_reads``, which calls back once the transport has stopped
+writing (``ReadFuture.quiet``): until then the scheduler keeps the blocks of the aborted or
+failed request out of the pool (``Scheduler.draining``), so nothing can write into a block
+after it was reused, and the engine loop never waits for a transport to unwind (a UCX endpoint
+abort may take seconds). A failed pull's blocks were never registered in the prefix cache (that
+happens when the pull is reported loaded), so a half-written block is never served as a hit.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import concurrent.futures as cf
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -255,17 +257,28 @@ def install(kv: torch.Tensor, block_ids: list[int], reads: list[Read], num_token
             view[blocks] = payload
 
 
-def cancel_reads(reads: list[Read], timeout_s: float = CANCEL_WAIT_S) -> None:
-    """Cancel a pull's reads; returns once none of them can write into the request's blocks
-    any more (the caller frees those blocks). Reads into private buffers are not waited
-    for: their buffers are dropped, never reused."""
+def cancel_reads(reads: list[Read], on_quiet: Callable[[], None],
+                 timeout_s: float = CANCEL_WAIT_S) -> None:
+    """Cancel a pull's reads; returns at once. ``on_quiet`` is called once none of them can
+    write into the request's blocks any more (at once when none could: a thread waits for the
+    transport otherwise; after ``timeout_s`` it is called anyway, with an error logged). Reads
+    into private buffers are not waited for: their buffers are dropped, never reused."""
     for r in reads:
         r.future.cancel()
-    for r in reads:
-        quiet = getattr(r.future, "quiet", None)
-        if r.direct and quiet is not None and not quiet.wait(timeout_s):
-            logger.error("a cancelled KV read did not stop within %.0fs: its blocks may still "
-                         "be written", timeout_s)
+    waits = [q for r in reads if r.direct
+             and (q := getattr(r.future, "quiet", None)) is not None and not q.is_set()]
+    if not waits:
+        on_quiet()
+        return
+
+    def wait() -> None:
+        deadline = time.monotonic() + timeout_s
+        if not all(q.wait(max(0.0, deadline - time.monotonic())) for q in waits):
+            logger.error("a cancelled KV read did not stop within %.0fs: its blocks are "
+                         "freed anyway and may still be written", timeout_s)
+        on_quiet()
+
+    threading.Thread(target=wait, name="kv-cancel-wait", daemon=True).start()
 
 
 def first_token(reads: list[Read]) -> dict[str, Any]:

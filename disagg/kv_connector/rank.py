@@ -29,6 +29,7 @@ from disagg.kv_connector.messages import (
     AnnounceLeases,
     CancelFetch,
     FetchDone,
+    FetchStopped,
     FinishStreams,
     LeaseEnded,
     OpenStreams,
@@ -144,12 +145,14 @@ class RankTransfer:
         elif isinstance(msg, StartFetch):
             self._start_fetch(msg.request_id, msg.params, list(msg.block_ids))
         elif isinstance(msg, CancelFetch):
+            rid = msg.request_id
             with self._lock:  # waits for an install in progress
-                fetch = self._fetches.pop(msg.request_id, None)
+                fetch = self._fetches.pop(rid, None)
                 if fetch is not None:
                     fetch.cancelled = True
-            if fetch is not None:  # before the next step can reuse its blocks
-                cancel_reads(fetch.reads)
+            # Rank 0 keeps the blocks until this rank (and every other) says nothing writes.
+            cancel_reads(fetch.reads if fetch is not None else [], lambda: self._emit(
+                FetchStopped(self.rank, rid, self.stats.snapshot())))
         else:
             raise RuntimeError(f"unknown transfer message {msg!r}")
 
