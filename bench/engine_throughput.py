@@ -164,9 +164,12 @@ def decode_efficiency(model_dir: str, batch_size: int, ctx: int, steps: int) -> 
         for li, layer in enumerate(layers):
             att = layer.self_attn
             h = layer.input_layernorm(x)
-            q = apply_rope(att.q_proj(h).view(batch_size, att.num_heads, d), cos, sin)
-            k = apply_rope(att.k_proj(h).view(batch_size, hkv, d), cos, sin)
-            v = att.v_proj(h).view(batch_size, hkv, d)
+            # the model's own projections (one fused GEMM when load_model fused them)
+            q, k, v = att.qkv(h) if att.qkv is not None else (
+                att.q_proj(h), att.k_proj(h), att.v_proj(h))
+            q = apply_rope(q.view(batch_size, att.num_heads, d), cos, sin)
+            k = apply_rope(k.view(batch_size, hkv, d), cos, sin)
+            v = v.view(batch_size, hkv, d)
             k_cache[li][:, :, pos] = k
             v_cache[li][:, :, pos] = v
             o = F.scaled_dot_product_attention(

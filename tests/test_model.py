@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from disagg.config import ConfigError, ModelConfig  # noqa: E402
 from disagg.model.attention import AttentionMetadata  # noqa: E402
-from disagg.model.llama import LlamaForCausalLM, rope_inv_freq  # noqa: E402
+from disagg.model.llama import FusedRows, LlamaForCausalLM, rope_inv_freq  # noqa: E402
 from disagg.model.loader import (  # noqa: E402
     CheckpointError,
     allocate_kv_cache,
@@ -182,6 +182,76 @@ def test_mixed_batch_equals_separate_runs(checkpoints) -> None:
     qsl = [0, 1, 2, 6, 12]
     for toks, row in zip((a, bb, c, d), (r - 1 for r in qsl[1:]), strict=True):
         torch.testing.assert_close(mixed[row], hf_logits(hf, toks)[-1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["llama_tied_bias", "qwen2", "llama_mqa"])
+def test_fused_projections_are_the_separate_layers(variant, checkpoints,
+                                                   monkeypatch) -> None:
+    """q/k/v and gate/up run as one GEMM each; the layers' weights (and biases) are views of
+    the fused matrix (no second copy in memory), and turning fusion off changes no output
+    beyond float rounding (prefill through F.linear, decode through it and the CPU small-M
+    kernel)."""
+    from disagg.model.kernels import small_linear_kernel
+
+    model = load_model(checkpoints[variant], dtype=torch.float32, device="cpu")
+    att, mlp = model.model.layers["1"].self_attn, model.model.layers["1"].mlp
+    assert att.qkv is not None and mlp.gate_up is not None
+    base = att.qkv.weight.untyped_storage().data_ptr()
+    rows = [(m, m.weight.data_ptr()) for m in (att.q_proj, att.k_proj, att.v_proj)]
+    at = 0
+    for m, ptr in rows:  # rows [at, at + out) of the fused matrix
+        assert m.weight.untyped_storage().data_ptr() == base
+        assert ptr == att.qkv.weight[at].data_ptr()
+        at += m.out_features
+    assert at == att.qkv.weight.shape[0]
+    assert (att.qkv.bias is not None) == model.config.attention_bias
+    # CPU: fused for the small-M kernel's rows, apart for more (measured slower fused)
+    assert att.qkv.pays(torch.empty(32, 4)) and not att.qkv.pays(torch.empty(33, 4))
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                for p in model.parameters()}
+    assert sum(storages.values()) == sum(p.nbytes for p in model.parameters())
+    toks = prompt(10, seed=7)
+    step = [Seq([2, 0, 3], 0, toks[:9])]
+    decode = [Seq([2, 0, 3], 9, toks[9:])]
+    fused_parts = {n: (layer.self_attn.qkv, layer.mlp.gate_up)
+                   for n, layer in model.model.layers.items()}
+    prefilled = allocate_kv_cache(model.config, 4, 4, torch.float32, "cpu")
+    run(model, prefilled, step, 0, 4)
+    for kernel in (None, small_linear_kernel()):
+        model.use_linear_kernel(kernel)
+        res = {}
+        for fused in (True, False):
+            for n, layer in model.model.layers.items():
+                qkv, gate_up = fused_parts[n]
+                layer.self_attn.qkv = qkv if fused else None
+                layer.mlp.gate_up = gate_up if fused else None
+            kv = allocate_kv_cache(model.config, 4, 4, torch.float32, "cpu")
+            calls = []
+            with monkeypatch.context() as mp:
+                mp.setattr(FusedRows, "matmul", lambda self, x, f=FusedRows.matmul,
+                           c=calls: (c.append(len(self.sizes)), f(self, x))[1])
+                # a prefill each way, and a decode each way from the same cache
+                res[fused] = (run(model, kv, step, 0, 4),
+                              run(model, prefilled.clone(), decode, 1, 4))
+            n = model.config.num_hidden_layers
+            assert sorted(calls) == ([2] * 2 * n + [3] * 2 * n if fused else [])
+        torch.testing.assert_close(res[True][0], res[False][0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(res[True][1], res[False][1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_the_reference_formula(dtype: torch.dtype) -> None:
+    from disagg.model.llama import RMSNorm
+
+    norm = RMSNorm(96, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96))
+    norm = norm.to(dtype)
+    x = (torch.randn(7, 96) * 3).to(dtype)
+    xf = x.float()  # transformers' LlamaRMSNorm
+    ref = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    torch.testing.assert_close(norm(x), ref, atol=1e-6 if dtype == torch.float32 else 1e-2,
+                               rtol=1e-6 if dtype == torch.float32 else 1e-2)
 
 
 def test_bfloat16_runs_close_to_float32(checkpoints) -> None:

@@ -192,6 +192,7 @@ def random_model(config: ModelConfig, dtype: torch.dtype, device: str | torch.de
             else:
                 p.normal_(0.0, p.shape[1] ** -0.5, generator=g)
     model.tie_weights()
+    model.fuse_projections()  # as load_model does
     model.eval()
     return model
 

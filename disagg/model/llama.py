@@ -31,7 +31,7 @@ from disagg.config import ConfigError, ModelConfig
 from disagg.cuda_graph import StaticDecodeMeta
 from disagg.layout import kv_head_replicas, tp_kv_head_range
 from disagg.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
-from disagg.model.kernels import LinearKernel, small_linear_applies
+from disagg.model.kernels import SMALL_LINEAR_MAX_ROWS, LinearKernel, small_linear_applies
 
 
 class RMSNorm(nn.Module):
@@ -41,10 +41,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 (as the reference implementation does), scale in x's dtype.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Normalise in float32 (as the reference implementation does: x * rsqrt(mean(x^2) +
+        # eps), one fused kernel on CUDA), scale in x's dtype.
+        xf = nn.functional.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return self.weight * xf.to(x.dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           kernel: LinearKernel | None) -> torch.Tensor:
+    """``F.linear``, or the compiled small-M kernel for few-row float32 CPU inputs."""
+    if kernel is not None and small_linear_applies(x, weight, bias):
+        return kernel(x, weight, bias)
+    return nn.functional.linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
@@ -54,11 +62,49 @@ class Linear(nn.Linear):
     small_m_kernel: LinearKernel | None = None
 
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
-        bias = self.bias if add_bias else None
-        kernel = self.small_m_kernel
-        if kernel is not None and small_linear_applies(x, self.weight, bias):
-            return kernel(x, self.weight, bias)
-        return nn.functional.linear(x, self.weight, bias)
+        return linear(x, self.weight, self.bias if add_bias else None, self.small_m_kernel)
+
+
+class FusedRows:
+    """Linear layers that read the same input, run as one GEMM (``fuse``): their weights become
+    consecutive row ranges of one matrix, the layers' parameters views of it (so checkpoints,
+    TP slices and tests still see them by name), and ``__call__`` splits the output::
+
+        weight [sum(n_i), in]     rows [0, n_0) layer 0 | [n_0, n_0 + n_1) layer 1 | ...
+        out    [T, sum(n_i)]  ->  one column range per layer (views, not copies)
+
+    Built after the weights are loaded, on their device; moving the model later is not
+    supported (the views would move, the fused matrix not).
+    """
+
+    def __init__(self, layers: list[Linear]) -> None:
+        self.layers = layers
+        self.sizes = [m.out_features for m in layers]
+        self.weight = torch.cat([m.weight.detach() for m in layers])
+        biases = [m.bias for m in layers]
+        self.bias = (torch.cat([b.detach() for b in biases])  # type: ignore[union-attr]
+                     if all(b is not None for b in biases) else None)
+        if self.bias is None and any(b is not None for b in biases):
+            raise ValueError("fused layers need a bias on all of them or none")
+        at = 0
+        for m, n in zip(layers, self.sizes, strict=True):
+            m.weight = nn.Parameter(self.weight[at:at + n], requires_grad=False)
+            if self.bias is not None:
+                m.bias = nn.Parameter(self.bias[at:at + n], requires_grad=False)
+            at += n
+
+    def pays(self, x: torch.Tensor) -> bool:
+        """Fused on CUDA (fewer launches in a step) and for few rows on CPU (the small-M
+        kernel's range); a CPU batch of more rows runs the layers apart: fused measured a few
+        percent slower there at batch 64 (bench/results/fused_projections.md)."""
+        return x.device.type != "cpu" or x.shape[0] <= SMALL_LINEAR_MAX_ROWS
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """The fused output ``[T, sum(n_i)]``."""
+        return linear(x, self.weight, self.bias, self.layers[0].small_m_kernel)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.matmul(x).split(self.sizes, dim=-1)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -145,16 +191,23 @@ class Attention(nn.Module):
         self.v_proj = Linear(h, self.num_kv_heads * d, bias=qkv_bias)
         self.o_proj = Linear(self.num_heads * d, h, bias=o_bias)
         self._reduce = reduce
+        self.qkv: FusedRows | None = None  # fuse_projections: q, k, v in one GEMM
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata | StaticDecodeMeta,
                 workspace: GatherWorkspace | None = None) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        t, d, hq, hkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
+        if self.qkv is not None and self.qkv.pays(x):
+            # One GEMM; q and k are adjacent column ranges, so one RoPE covers both:
+            #   out [T, (hq + 2 hkv) d]: cols [0, hq d) q | [hq d, (hq + hkv) d) k | v
+            out = self.qkv.matmul(x)
+            qk = apply_rope(out[:, :(hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
+            q, k = qk.split((hq, hkv), dim=1)
+            v = out[:, (hq + hkv) * d:].view(t, hkv, d)
+        else:
+            q = apply_rope(self.q_proj(x).view(t, hq, d), cos, sin)
+            k = apply_rope(self.k_proj(x).view(t, hkv, d), cos, sin)
+            v = self.v_proj(x).view(t, hkv, d)
         if isinstance(meta, StaticDecodeMeta):  # a padded decode batch (CUDA graph bucket)
             o = meta.attend(q, k, v, kv_layer, self.scale)
         else:
@@ -178,10 +231,14 @@ class MLP(nn.Module):
         self.up_proj = Linear(h, self.intermediate_size, bias=False)
         self.down_proj = Linear(self.intermediate_size, h, bias=False)
         self._reduce = reduce
+        self.gate_up: FusedRows | None = None  # fuse_projections: gate and up in one GEMM
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._reduce(
-            self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)))
+        if self.gate_up is not None and self.gate_up.pays(x):
+            gate, up = self.gate_up(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self._reduce(self.down_proj(nn.functional.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
@@ -259,6 +316,16 @@ class LlamaForCausalLM(nn.Module):
         if (self.config.tie_word_embeddings and self.lm_head is not None
                 and self.model.embed_tokens is not None):
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fuse_projections(self) -> None:
+        """q/k/v and gate/up as one GEMM each (``FusedRows``): fewer, larger matrix products
+        (a decode step's GEMMs per layer go from 7 to 4). Call once the weights are loaded."""
+        for layer in self.model.layers.values():
+            att, mlp = layer.self_attn, layer.mlp
+            if att.qkv is None:
+                att.qkv = FusedRows([att.q_proj, att.k_proj, att.v_proj])
+            if mlp.gate_up is None:
+                mlp.gate_up = FusedRows([mlp.gate_proj, mlp.up_proj])
 
     def use_linear_kernel(self, kernel: LinearKernel | None) -> None:
         """Let every projection and the LM head use ``kernel`` for few-row inputs (None: torch

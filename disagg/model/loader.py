@@ -131,6 +131,7 @@ def load_model(model_dir: str, config: ModelConfig | None = None,
                 tensor = _read_tensor(f, src, file_name, tuple(param.shape), shard)
                 _set_parameter(model, pname, tensor.to(device=device, dtype=dtype))
     model.tie_weights()
+    model.fuse_projections()
     model.eval()
     return model
 
