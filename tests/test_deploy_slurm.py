@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -84,6 +85,31 @@ def test_checked_in_example_is_up_to_date(tmp_path: Path, monkeypatch: pytest.Mo
     assert rendered == checked_in, ("deploy/slurm/job.sbatch is stale: re-render it with "
                                     "`disagg deploy slurm -c configs/disagg_1ctx_1gen.yaml -o "
                                     "deploy/slurm/job.sbatch`")
+
+
+def test_api_keys_stay_the_owners(tmp_path: Path) -> None:
+    """A YAML with API keys: the script is mode 0700 and writes the job's YAMLs under umask
+    077 (mode 0600: other users of the shared filesystem cannot read the keys); one without
+    keys keeps 0755 and the default umask."""
+    config = tmp_path / "keyed.yaml"
+    config.write_text("model: tiny\napi_key: key-r\ngeneration_servers: {urls: ['h:8001'], "
+                      "api_key: key-g}\ncontext_servers: {urls: ['h:8002']}\n")
+    script = render(tmp_path, config)
+    assert stat.S_IMODE(script.stat().st_mode) == 0o700
+    lines = script.read_text().splitlines()
+    first_yaml = lines.index("cat > router.yaml <<'DISAGG_EOF'")
+    assert "umask 077" in lines[first_yaml - 1]
+    last = max(i for i, line in enumerate(lines) if line == "DISAGG_EOF")
+    job = tmp_path / "job"
+    job.mkdir()
+    subprocess.run(["bash", "-c", "\n".join(lines[first_yaml - 1:last + 1])], cwd=job,
+                   check=True, timeout=30)
+    for name in ("router.yaml", "context.yaml", "generation.yaml"):
+        assert stat.S_IMODE((job / name).stat().st_mode) == 0o600, name
+    assert "key-g" in (job / "generation.yaml").read_text()
+    plain = render(tmp_path, REPO / "configs" / "disagg_1ctx_1gen.yaml")
+    assert stat.S_IMODE(plain.stat().st_mode) == 0o755
+    assert "umask" not in plain.read_text()
 
 
 # -- the script under a fake Slurm -----------------------------------------------------------

@@ -88,7 +88,7 @@ class _Renderer:
         self.router_url = f"http://{opts.name}-router:{plan.router_port}"
         # API keys in the YAML (the router's, the workers' which the router also sends them):
         # the config files are then a Secret, not a ConfigMap anyone in the namespace reads.
-        self.keyed = bool(plan.api_key or any(g.options.get("api_key") for g in plan.groups))
+        self.keyed = plan.holds_api_keys
         for model in plan.models:
             if not model.generated and not (opts.model_pvc or opts.model_host_path):
                 raise DeployError(f"{plan.source}: model: {model.written!r} is a path: give "
@@ -319,12 +319,12 @@ def render_readme(plan: DeployPlan, opts: K8sOptions, command: str) -> str:
         command=command, source=plan.source, image=image, dockerfile=dockerfile, ns=ns,
         name=name, port=plan.router_port, groups=groups, models=models, secret=secret,
         first=plan.groups[-1].role, keys=_api_key_note(plan),
-        config_kind="a Secret" if _Renderer(plan, opts).keyed else "a ConfigMap")
+        config_kind="a Secret" if plan.holds_api_keys else "a ConfigMap")
 
 
 def _api_key_note(plan: DeployPlan) -> str:
     """Where the YAML's API keys went, when it has some."""
-    if not (plan.api_key or any(g.options.get("api_key") for g in plan.groups)):
+    if not plan.holds_api_keys:
         return ""
     return ("\n\nThe YAML holds `api_key` values, so its rendered files are a Secret "
             "(`config-secret.yaml`, file mode 0600, the keys as written: do not commit it), "

@@ -127,6 +127,11 @@ class DeployPlan:
                 seen.setdefault(m.path, m)
         return tuple(seen.values())
 
+    @property
+    def holds_api_keys(self) -> bool:
+        """The YAML has API keys (the router's, a group's): its rendered files are secrets."""
+        return bool(self.api_key or any(g.options.get("api_key") for g in self.groups))
+
 
 def model_source(value: Any, where: str, models_dir: str, absolute_only: bool) -> ModelSource:
     """``tiny`` / a packaged name (generated in ``models_dir``) or a path. ``absolute_only``:

@@ -9,12 +9,14 @@ worker binds every interface and registers ``NODE:PORT`` with the router (``--ro
 on a filesystem every node sees (the usual home / project filesystem).
 
 The cluster token is made fresh per job (unless ``$DISAGG_CLUSTER_TOKEN`` is set) and reaches
-the steps through their environment only. The script waits for the router's ``/health``
-(every worker registered and healthy), prints the endpoint, and then keeps the cluster up until
-the job ends: a stop signal (``scancel``, or ``--signal=B:TERM`` before the time limit) drains
-and stops every step and exits 0; a step that exits on its own stops the rest and exits 1; a
-start-up that fails or times out too. Stopping is bounded: steps still running after the
-drain timeout plus a margin are killed, and every step is reaped before the script exits.
+the steps through their environment only. API keys in the YAML stay the owner's: the script is
+mode 0700 and writes the job's files under ``umask 077``. The script waits for the router's
+``/health`` (every worker registered and healthy), prints the endpoint, and then keeps the
+cluster up until the job ends: a stop signal (``scancel``, or ``--signal=B:TERM`` before the
+time limit) drains and stops every step and exits 0; a step that exits on its own stops the
+rest and exits 1; a start-up that fails or times out too. Stopping is bounded: steps still
+running after the drain timeout plus a margin are killed, and every step is reaped before the
+script exits.
 """
 
 from __future__ import annotations
@@ -129,6 +131,8 @@ def render(plan: DeployPlan, opts: SlurmOptions, command: str) -> str:
                          startup=opts.startup_timeout_s), ""]
     out += ["# The configuration: the router's YAML (workers register; no urls) and one worker "
             "YAML a group."]
+    if plan.holds_api_keys:
+        out += ["umask 077  # the YAMLs hold API keys: readable by the job's owner only"]
     out += _heredoc("router.yaml", dump_yaml(plan.router_options))
     for g in plan.groups:
         out += _heredoc(f"{g.role}.yaml", dump_yaml(g.options))
@@ -143,8 +147,12 @@ def render(plan: DeployPlan, opts: SlurmOptions, command: str) -> str:
 
 def write(plan: DeployPlan, opts: SlurmOptions, path: Path, command: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render(plan, opts, command))
-    path.chmod(0o755)
+    text = render(plan, opts, command)
+    # API keys in the YAMLs (written into the script): the owner's only, as they are there.
+    mode = 0o700 if plan.holds_api_keys else 0o755
+    path.touch(mode=mode, exist_ok=True)
+    path.chmod(mode)
+    path.write_text(text)
     return path
 
 
