@@ -5,12 +5,12 @@
 # call). Writes at most 8 files under $OUT:
 #   run.log         machine info + the output of every step + the summary
 #   pytest.log      pytest -m gpu tests/test_gpu.py (-v -rA, full tracebacks)
-#   bench.log       bench/gpu/bench.py's output
+#   bench.log       bench/fused_projections.py's and bench/gpu/bench.py's output
 #   gpu.md          the report bench.py writes (copy it to bench/results/gpu.md)
 #   checks/NAME.txt each check script's --out file (at most 4)
 #
 #   OUT=/tmp/out bash bench/gpu/run_all.sh
-#   STEPS=bench OUT=... bash bench/gpu/run_all.sh        # only some of: tests,checks,bench
+#   STEPS=bench OUT=... bash bench/gpu/run_all.sh        # only some of: tests,checks,fused,bench
 #   BENCH_ARGS="--sections llama8b" ...                  # extra bench.py arguments
 #   CHECKS=check_kv,check_graph ...                      # only these check scripts
 # Exit status: 0 when every step passed, else 1 (every step runs regardless).
@@ -18,7 +18,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 : "${OUT:?set OUT to the folder results go to}"
 TOTAL_S=${TOTAL_S:-530}
-STEPS=${STEPS:-tests,checks,bench}
+STEPS=${STEPS:-tests,checks,fused,bench}
 BENCH_ARGS=${BENCH_ARGS:-}
 PYTEST_ARGS=${PYTEST_ARGS:-}  # the GPU tests to run (pytest arguments; empty: tests/test_gpu.py)
 CHECKS=${CHECKS:-}  # comma list of check names (check_attn,...) to run; empty: all
@@ -116,6 +116,12 @@ if want checks; then
     if (( n > 4 )); then log "(more than 4 checks: $name's --out kept in run.log only)"; cat "$out" >> "$LOG" 2>/dev/null; fi
   done
   if (( n == 0 )); then log "no bench/gpu/check_*.py scripts present"; fi
+fi
+
+# ---- fused projections against the separate layers (eager decode steps, one engine a batch)
+if want fused; then
+  STEPLOG="$OUT/bench.log" run "bench/fused_projections.py" "$(( $(left) < 90 ? $(left) - 5 : 90 ))" \
+    python3 bench/fused_projections.py --device cuda --batches 1,8,64 --steps 60
 fi
 
 # ---- the benchmark: budget = what is left, less a margin for its own shutdown
