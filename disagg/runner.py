@@ -114,6 +114,12 @@ class ModelRunner:
             self.model.workspace.decode_kernel = paged_decode_kernel()
             # Linear layers on few rows (decode batches) through the small-M GEMM; None: torch.
             self.model.use_linear_kernel(small_linear_kernel())
+        elif self.device.type == "cuda":
+            # Residual add + RMSNorm in one launch (checked on this device first); None: torch.
+            from disagg.model.triton_norm import triton_norm_kernel
+
+            self.model.use_norm_kernel(triton_norm_kernel(
+                self.device, self.dtype, config.model.hidden_size))
         decode = padded_decode
         if (decode is None and self.device.type == "cuda" and lay.world_size == 1
                 and not config.cuda_graph.enforce_eager):

@@ -33,18 +33,42 @@ from disagg.layout import kv_head_replicas, tp_kv_head_range
 from disagg.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
 from disagg.model.kernels import SMALL_LINEAR_MAX_ROWS, LinearKernel, small_linear_applies
 
+# (x, weight, eps, residual) -> (weight * rms_norm(h), h), h = residual + x (x when None)
+NormKernel = Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor | None],
+                      tuple[torch.Tensor, torch.Tensor]]
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       residual: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight * rms_norm(h), h)``, ``h = residual + x`` (``x`` when None), in PyTorch:
+    normalised in float32 (``F.rms_norm``: one kernel on CUDA), cast to x's dtype, scaled in
+    it, as transformers' LlamaRMSNorm rounds."""
+    h = x if residual is None else residual + x
+    y = nn.functional.rms_norm(h.float(), (h.shape[-1],), None, eps)
+    return weight * y.to(h.dtype), h
+
 
 class RMSNorm(nn.Module):
+    """``rms_norm_reference``, or ``kernel`` when set (one launch: ``triton_norm``; the runner
+    sets it on CUDA, ``use_norm_kernel``)."""
+
+    kernel: NormKernel | None = None
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 (as the reference implementation does: x * rsqrt(mean(x^2) +
-        # eps), one fused kernel on CUDA), scale in x's dtype.
-        xf = nn.functional.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.add_norm(x, None)[0]
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(h), h)``, ``h = residual + x`` (``x`` when None): the add and the norm in
+        one kernel when there is one."""
+        fn = self.kernel if self.kernel is not None else rms_norm_reference
+        return fn(x, self.weight, self.eps, residual)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -253,8 +277,9 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata | StaticDecodeMeta,
                 workspace: GatherWorkspace | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, meta, workspace)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        a = self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, meta, workspace)
+        h, x = self.post_attention_layernorm.add_norm(a, x)  # x <- x + a; h = norm(x)
+        return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):
@@ -326,6 +351,13 @@ class LlamaForCausalLM(nn.Module):
                 att.qkv = FusedRows([att.q_proj, att.k_proj, att.v_proj])
             if mlp.gate_up is None:
                 mlp.gate_up = FusedRows([mlp.gate_proj, mlp.up_proj])
+
+    def use_norm_kernel(self, kernel: NormKernel | None) -> None:
+        """Let every RMSNorm use ``kernel`` (None: PyTorch). The runner sets it on CUDA once
+        ``triton_norm.triton_norm_kernel`` checked it on the device."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.kernel = kernel
 
     def use_linear_kernel(self, kernel: LinearKernel | None) -> None:
         """Let every projection and the LM head use ``kernel`` for few-row inputs (None: torch

@@ -1,0 +1,137 @@
+"""The Triton RMSNorm (+ residual add) kernel (``disagg/model/triton_norm.py``) on CPU under the
+Triton interpreter, against ``llama.rms_norm_reference``; run in a child process with
+``TRITON_INTERPRET=1`` as ``test_triton_attention.py`` does (same reasons). Skipped where
+triton is not installed (CI)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from disagg.model.llama import rms_norm_reference
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRET = os.environ.get("TRITON_INTERPRET", "") == "1"
+in_interpreter = pytest.mark.skipif(
+    not (HAS_TRITON and INTERPRET),
+    reason="needs triton and TRITON_INTERPRET=1 (run by test_kernel_in_interpreter_process)")
+
+
+def _round_like_the_gpu(mp: pytest.MonkeyPatch) -> None:
+    """triton 3.6's interpreter casts float32 to bfloat16 by truncating the mantissa; a GPU
+    (LLVM's fptrunc) and torch round to nearest even. Cast that pair with torch instead
+    (interpreter only), so the kernel is checked for the rounding it gets on a device."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as it
+
+    orig = it.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            t = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
+            return it.TensorHandle(t.view(torch.int16).numpy().view(np.uint16),
+                                   dst_type.scalar)
+        return orig(self, src, dst_type)
+
+    mp.setattr(it.InterpreterBuilder, "cast_impl", cast_impl)
+
+
+@pytest.fixture(scope="module")
+def tn():
+    mp = pytest.MonkeyPatch()
+    _round_like_the_gpu(mp)
+    yield importlib.import_module("disagg.model.triton_norm")
+    mp.undo()
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRET, reason="needs triton; runs the others")
+def test_kernel_in_interpreter_process() -> None:
+    """Every interpreter test of this file, in a child process started with
+    TRITON_INTERPRET=1; fails when any of them fails or none ran."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+         str(Path(__file__).resolve()), "-k", "not in_interpreter_process"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, tail
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout, tail
+
+
+@in_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [64, 96, 576])  # powers of two and not (masked tails)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_kernel_is_the_reference(tn, dtype: torch.dtype, n: int, with_residual: bool) -> None:
+    g = torch.Generator().manual_seed(n)
+    wide = (torch.randn(5, n + 8, generator=g) * 3).to(dtype)
+    x = wide[:, :n]  # rows of stride n + 8: a view, as a projection's output columns are
+    res = (torch.randn(5, n, generator=g) * 3).to(dtype) if with_residual else None
+    w = torch.randn(n, generator=g).to(dtype)
+    y, h = tn.triton_rms_norm(x, w, 1e-5, res)
+    y_ref, h_ref = rms_norm_reference(x, w, 1e-5, res)
+    assert y.dtype == dtype and y.shape == (5, n) and h.shape == (5, n)
+    assert torch.equal(h, h_ref)  # the add rounds exactly as torch's does
+    # float32: the sums' order only; half precision: a rounding flip of (h * rstd) costs an
+    # ulp or two of y (bfloat16's ulp is 2^-8 relative)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}[dtype]
+    torch.testing.assert_close(y, y_ref, atol=tol, rtol=tol)
+
+
+@in_interpreter
+def test_the_runner_check_takes_a_good_kernel_and_refuses_a_bad_one(
+        tn, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    assert tn.triton_norm_kernel(torch.device("cpu"), torch.float32, 96) is tn.triton_rms_norm
+
+    def wrong(x, w, eps, residual=None):
+        y, h = tn.triton_rms_norm(x, w, eps, residual)
+        return y * 1.01, h
+
+    monkeypatch.setattr(tn, "triton_rms_norm", wrong)
+    with caplog.at_level(logging.WARNING, logger="disagg.model"):
+        assert tn.triton_norm_kernel(torch.device("cpu"), torch.float32, 96) is None
+    assert "not used" in caplog.text
+
+
+@in_interpreter
+def test_model_greedy_tokens_same_through_the_kernel(tn, tiny_llama) -> None:
+    """The whole engine with every RMSNorm (and the residual add before the second norm of a
+    layer) in the kernel, interpreted on CPU: the same greedy tokens as PyTorch."""
+    from disagg import LLM, SamplingParams
+
+    prompts = ["Hello there, how are", "a", "The quick brown fox jumps over the lazy dog"]
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    llm = LLM(tiny_llama, max_num_tokens=16, tokens_per_block=8, kv_cache_tokens=1024)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    calls = []
+
+    def spy(*a):
+        calls.append(a[3] is not None)
+        return tn.triton_rms_norm(*a)
+
+    llm.engine.runner.model.use_norm_kernel(spy)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert True in calls and False in calls  # with and without a residual
+    assert got == expected
+
+
+def test_cpu_never_imports_triton(tiny_llama) -> None:
+    """A CPU engine leaves the norms in PyTorch and does not import the Triton modules."""
+    code = ("import sys; from disagg import LLM; llm = LLM(sys.argv[1], kv_cache_tokens=256); "
+            "m = llm.engine.runner.model; "
+            "assert all(n.kernel is None for n in m.modules() if hasattr(n, 'add_norm')); "
+            "assert 'disagg.model.triton_norm' not in sys.modules, 'imported'")
+    proc = subprocess.run([sys.executable, "-c", code, tiny_llama], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
