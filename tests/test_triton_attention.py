@@ -14,21 +14,13 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from triton_fixtures import in_interpreter, run_interpreter_tests, spawns_interpreter
 
 from disagg.model import attention
 from disagg.model.attention import AttentionMetadata, paged_attention, triton_paged_attention
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-INTERPRET = os.environ.get("TRITON_INTERPRET", "") == "1"
-in_interpreter = pytest.mark.skipif(
-    not (HAS_TRITON and INTERPRET),
-    reason="needs triton and TRITON_INTERPRET=1 (run by test_kernels_in_interpreter_process)")
 
 
 def _patch_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -57,20 +49,9 @@ def ta():
     mp.undo()
 
 
-@pytest.mark.skipif(not HAS_TRITON or INTERPRET, reason="needs triton; runs the others")
+@spawns_interpreter
 def test_kernels_in_interpreter_process() -> None:
-    """Every interpreter test of this file, in a child process started with
-    TRITON_INTERPRET=1; fails when any of them fails or none ran."""
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-         str(Path(__file__).resolve()), "-k", "not in_interpreter_process"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, tail
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, tail
+    run_interpreter_tests(__file__)
 
 
 def _cache(n: int, hkv: int, b: int, d: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
