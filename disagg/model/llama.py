@@ -90,9 +90,10 @@ class Linear(nn.Linear):
 
 
 class FusedRows:
-    """Linear layers that read the same input, run as one GEMM (``fuse``): their weights become
-    consecutive row ranges of one matrix, the layers' parameters views of it (so checkpoints,
-    TP slices and tests still see them by name), and ``__call__`` splits the output::
+    """Linear layers that read the same input, run as one GEMM (``fuse_projections``): their
+    weights become consecutive row ranges of one matrix, the layers' parameters views of it (so
+    checkpoints, TP slices and tests still see them by name); ``matmul`` is the fused output,
+    ``__call__`` splits it::
 
         weight [sum(n_i), in]     rows [0, n_0) layer 0 | [n_0, n_0 + n_1) layer 1 | ...
         out    [T, sum(n_i)]  ->  one column range per layer (views, not copies)
