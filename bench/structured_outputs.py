@@ -111,11 +111,12 @@ class LLGuidance:
         self.vocab = vocab
 
     def compile(self, schema: dict) -> Any:
-        from disagg.structured.spec import JSON_WHITESPACE
+        from disagg.structured.grammar import grammar_text
+        from disagg.structured.spec import GrammarSpec
 
-        M = self.llg.LLMatcher
-        m = M(self.tok, M.grammar_from_json_schema(
-            schema, defaults={"whitespace_pattern": JSON_WHITESPACE}), log_level=0)
+        # the grammar disagg compiles: compact, default bounds (strings: a 4096-token budget's)
+        spec = GrammarSpec.json_schema(schema, "bench").with_budget(4096)
+        m = self.llg.LLMatcher(self.tok, grammar_text(spec), log_level=0)
         assert not m.is_error(), m.get_error()
         return m
 

@@ -206,16 +206,20 @@ def _read_yaml(path: str) -> dict[str, Any]:
     return data
 
 
-def resolve_models(raw: dict[str, Any], source: str, model_override: str | None
-                   ) -> dict[str, Any]:
-    """A copy of the disagg YAML with every ``model`` resolved to an absolute folder and a
-    ``served_model_name`` (the model as written) in each server section without one."""
+def resolve_models(raw: dict[str, Any], source: str, model_override: str | None,
+                   notes: list[str] | None = None) -> dict[str, Any]:
+    """A copy of the disagg YAML with every ``model`` resolved to an absolute folder, a
+    ``served_model_name`` (the model as written) in each server section without one, a
+    packaged model's chat template and tool call parser in each section of it that sets
+    neither (``packaged_model_defaults``; what was added is said in ``notes``), and every
+    ``chat_template`` file as an absolute path (checked: it must compile)."""
     data = copy.deepcopy(raw)
     if model_override is not None:
         data["model"] = model_override
         for sec in SECTIONS:
             if isinstance(data.get(sec), dict):
                 data[sec].pop("model", None)
+    defaulted: dict[str, list[str]] = {}  # a note on packaged defaults -> its sections
     # Clients say "model": "tiny", not the cache path the launcher resolves it to: each
     # section without a served_model_name (its own or the top level's) is served under its
     # model as written. (Set per section: a top-level value would conflict with a section's.)
@@ -227,6 +231,15 @@ def resolve_models(raw: dict[str, Any], source: str, model_override: str | None
         if (isinstance(written, str) and written and "served_model_name" not in section
                 and "served_model_name" not in data):
             section["served_model_name"] = written.rstrip("/") or written
+        added = packaged_model_defaults(written, section, data)
+        if added:
+            said = (f"model {written}: " + ", ".join(f"{k} {_shown(v)}" for k, v in
+                                                     added.items()))
+            defaulted.setdefault(said, []).append(sec)
+    if notes is not None:
+        notes += [f"{said} ({' and '.join(secs)}: tool calls with tool_choice auto; set "
+                  f"chat_template or tool_call_parser in the YAML to change that)"
+                  for said, secs in defaulted.items()]
     levels: list[tuple[dict[str, Any], str]] = [(data, source)]
     levels += [(data[sec], f"{source}: {sec}") for sec in SECTIONS
                if isinstance(data.get(sec), dict)]
@@ -238,7 +251,47 @@ def resolve_models(raw: dict[str, Any], source: str, model_override: str | None
                                                 "tokenizer")
         if "model" in level:
             level["model"] = resolve_model(level["model"], where)
+        if level.get("chat_template") is not None:
+            level["chat_template"] = resolve_chat_template(level["chat_template"], where)
     return data
+
+
+def packaged_model_defaults(written: Any, section: dict[str, Any], top: Mapping[str, Any]
+                            ) -> dict[str, Any]:
+    """A packaged model's worker options (``disagg.chat_templates.MODEL_DEFAULTS``: SmolLM2's
+    tool-aware template and the hermes parser) set in ``section`` when neither it nor the
+    top level sets ``chat_template`` or ``tool_call_parser``; returns what was set."""
+    from disagg.chat_templates import MODEL_DEFAULTS
+
+    defaults = MODEL_DEFAULTS.get(written) if isinstance(written, str) else None
+    if not defaults or any(section.get(k) is not None or top.get(k) is not None
+                           for k in ("chat_template", "tool_call_parser")):
+        return {}
+    section.update(defaults)
+    return dict(defaults)
+
+
+def _shown(value: Any) -> str:
+    """An option's value in a note (a packaged file relative to the folder holding disagg/)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if isinstance(value, str) and value.startswith(root + os.sep):
+        return os.path.relpath(value, root)
+    return str(value)
+
+
+def resolve_chat_template(value: Any, where: str) -> str:
+    """A ``chat_template`` value for the workers: a file as an absolute path (they may run
+    elsewhere than here: ``disagg launch`` starts them here, from another folder's YAML),
+    the template text as it is; LaunchError when it is neither or does not compile."""
+    from disagg.tokenizer import is_template_text, read_chat_template
+
+    try:
+        read_chat_template(value)
+    except ValueError as e:
+        raise LaunchError(f"{where}: {e}") from None
+    if is_template_text(value) and not os.path.isfile(os.path.expanduser(value)):
+        return str(value)
+    return os.path.abspath(os.path.expanduser(value))
 
 
 def visible_gpus() -> list[str]:
@@ -297,7 +350,9 @@ def build_plan(config_path: str | None, log_dir: Path, *, model_override: str | 
     ``log_dir``. Raises LaunchError (or the router's RouterConfigError) naming the problem.
     """
     source = config_path or "built-in demo"
-    cfg, cluster_yaml = _resolved_cluster(config_path, raw, source, model_override, log_dir)
+    notes: list[str] = []
+    cfg, cluster_yaml = _resolved_cluster(config_path, raw, source, model_override, log_dir,
+                                          notes)
     if cfg.disagg_cluster is not None and not any(
             g is not None and g.urls for g in (cfg.context_servers, cfg.generation_servers)):
         raise LaunchError(f"{source}: disagg_cluster: workers that register themselves are "
@@ -318,12 +373,15 @@ def build_plan(config_path: str | None, log_dir: Path, *, model_override: str | 
     router = ChildSpec("router", "router", router_addr,
                        _python_cli("router", "-c", str(cluster_yaml)),
                        log_dir / "router.log")
+    if note:
+        notes.append(note)
     return Plan(source, cluster_yaml, tuple(workers), router, model_name, cfg.api_key,
-                log_dir, (note,) if note else ())
+                log_dir, tuple(notes))
 
 
 def _resolved_cluster(config_path: str | None, raw: dict[str, Any] | None, source: str,
-                      model_override: str | None, log_dir: Path) -> tuple[Any, Path]:
+                      model_override: str | None, log_dir: Path,
+                      notes: list[str] | None = None) -> tuple[Any, Path]:
     """The cluster config with every model resolved, and the ``cluster.yaml`` copy written
     into ``log_dir`` for the router. The user's file is validated first, so that errors name
     it rather than the copy."""
@@ -338,7 +396,7 @@ def _resolved_cluster(config_path: str | None, raw: dict[str, Any] | None, sourc
         except RouterConfigError as e:
             raise LaunchError(str(e)) from None
         raw = _read_yaml(config_path)
-    resolved = resolve_models(raw, source, model_override)
+    resolved = resolve_models(raw, source, model_override, notes)
     log_dir.mkdir(parents=True, exist_ok=True)
     cluster_yaml = log_dir / "cluster.yaml"
     cluster_yaml.write_text(f"# resolved by disagg launch from {source}\n"

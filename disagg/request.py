@@ -63,6 +63,8 @@ class SamplingParams:
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias",
                            tuple(sorted((int(t), float(b)) for t, b in bias or ())))
+        if self.structured is not None:  # a JSON grammar's default bounds scale with the budget
+            object.__setattr__(self, "structured", self.structured.with_budget(self.max_tokens))
 
         def bad(name: str, msg: str) -> None:
             raise SamplingParamsError(f"{name}: {msg}")

@@ -278,11 +278,55 @@ def _compile_template(template: str) -> Any:
     return env.from_string(template)
 
 
-def load_tokenizer(model_dir: str) -> Tokenizer:
+def is_template_text(value: str) -> bool:
+    """Whether a ``chat_template`` value is a template itself rather than a file name."""
+    return "{{" in value or "{%" in value
+
+
+def read_chat_template(value: str, name: str = "chat_template") -> str:
+    """A ``chat_template`` option (``--chat-template``, the YAML key ``name``) -> the template
+    text, compiled to check it. A value naming an existing file is read; else a value with
+    Jinja syntax (``{{`` or ``{%``) is the template itself. ``ChatTemplateError`` naming
+    ``name`` otherwise: the file does not exist, cannot be read, or does not compile."""
+    if not isinstance(value, str) or not value.strip():
+        raise ChatTemplateError(f"{name}: expected a template file or the template text, "
+                                f"got {value!r}")
+    path = os.path.expanduser(value)
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ChatTemplateError(f"{name}: cannot read {value}: {e}") from None
+        where = value
+    elif is_template_text(value):
+        text, where = value, "the template"
+    else:
+        raise ChatTemplateError(f"{name}: {value!r}: no such file ({os.path.abspath(path)}), "
+                                f"and not a template either (no '{{{{' or '{{%')")
+    check_chat_template(text, f"{name}: {where}")
+    return text
+
+
+def check_chat_template(text: str, where: str = "chat_template") -> None:
+    """``ChatTemplateError`` (``where: ...``) when ``text`` is empty or does not compile."""
+    if not text.strip():
+        raise ChatTemplateError(f"{where}: empty template")
+    import jinja2
+
+    try:
+        _compile_template(text)
+    except jinja2.TemplateError as e:
+        line = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+        raise ChatTemplateError(f"{where}: the template does not compile{line}: {e}") from None
+
+
+def load_tokenizer(model_dir: str, chat_template: str | None = None) -> Tokenizer:
     """Load ``model_dir``'s tokenizer: ``tokenizer.json`` (required), ``tokenizer_config.json``,
     ``chat_template.jinja`` (preferred over the config's template), and EOS ids from
     ``generation_config.json`` / ``config.json``. Missing files raise ``FileNotFoundError``
-    naming the file."""
+    naming the file. ``chat_template`` (its text, ``read_chat_template``) replaces the
+    checkpoint's (``--chat-template``)."""
     from tokenizers import Tokenizer as _Backend
 
     if not os.path.isdir(model_dir):
@@ -315,6 +359,8 @@ def load_tokenizer(model_dir: str) -> Tokenizer:
         p = os.path.join(model_dir, name)
         if os.path.isfile(p):
             extra_eos += _eos_list(_read_json(p).get("eos_token_id"))
+    if chat_template is not None:
+        template = chat_template
     return Tokenizer(backend, config, chat_template=template, extra_eos_token_ids=extra_eos,
                      name_or_path=model_dir)
 

@@ -67,7 +67,7 @@ CTX_MAX_NUM_TOKENS = 40
 CTX_OPTIONS = {**OPTIONS, "enable_chunked_context": False, "max_num_tokens": CTX_MAX_NUM_TOKENS}
 LEASE_TTL_S = 2.0  # context_only requests the fuzz sends straight to the context worker
 REQUEST_TIMEOUT_S = 30.0  # no answer may take longer (a hang fails the example)
-C, CHAT = "/v1/completions", "/v1/chat/completions"
+C, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 RELEASE, REGISTER = "/kv_leases/release", "/cluster/register"
 SCALE = float(os.environ.get("DISAGG_FUZZ_SCALE", "2"))
 
@@ -438,6 +438,9 @@ def check_answer(where: str, status: int, ctype: str, body: bytes, data: bytes,
         assert isinstance(err["type"], str), what
         return
     assert status == 200, what
+    if where.endswith(RESPONSES):
+        check_response(body, ctype.startswith("text/event-stream"), what)
+        return
     if ctype.startswith("text/event-stream"):
         events = [e for e in body.decode().split("\n\n") if e]
         assert events and events[-1] == "data: [DONE]", what
@@ -455,6 +458,25 @@ def check_answer(where: str, status: int, ctype: str, body: bytes, data: bytes,
         assert isinstance(answer.get("choices"), list) and answer["choices"], what
         for ch in answer["choices"]:
             assert ch["finish_reason"] in ("stop", "length"), what
+
+
+def check_response(body: bytes, streamed: bool, what: str) -> None:
+    """A 200 of /v1/responses: a finished Response object, or events (each ``event:`` line
+    naming its data's type, sequence numbers 0, 1, ...) ending with one."""
+    if not streamed:
+        answer = json.loads(body)
+        assert answer["object"] == "response", what
+        assert answer["status"] in ("completed", "incomplete"), what
+        return
+    events = [e for e in body.decode().split("\n\n") if e]
+    seen = []
+    for e in events:
+        head, data = e.split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert head == f"event: {event['type']}" and event["type"] != "error", what
+        seen.append(event)
+    assert [e["sequence_number"] for e in seen] == list(range(len(seen))), what
+    assert seen[-1]["type"] in ("response.completed", "response.incomplete"), what
 
 
 def run_batch(ns: SimpleNamespace, target: str, path: str,
@@ -631,6 +653,98 @@ def test_router_cluster_register(cluster: SimpleNamespace) -> None:
 
 async def _unregister(m: Any, url: str) -> None:
     m.unregister(url)
+
+
+# ---- /v1/responses ---------------------------------------------------------------------------
+
+FUNCTION_TOOL = {"type": "function", "name": "f", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}}}
+INPUT_ITEM = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer",
+                                                    "assistant"]),
+                           "content": st.one_of(TEXT, st.lists(st.fixed_dictionaries({
+                               "type": st.sampled_from(["input_text", "output_text"]),
+                               "text": TEXT}), min_size=1, max_size=2))},
+                          optional={"type": st.just("message")}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": TEXT,
+                           "name": st.just("f"), "arguments": st.sampled_from(['{"a":1}', "{}",
+                                                                               "x"])}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": TEXT,
+                           "output": TEXT}))
+BAD_INPUT_ITEM = st.one_of(st.sampled_from([
+    {}, 5, "x", {"type": "input_image"}, {"type": "function_call"},
+    {"type": "function_call_output", "call_id": 5}, {"role": "tool", "content": "x"},
+    {"role": "user", "content": [{"type": "input_image", "image_url": "x"}]},
+    {"role": "user", "content": 5}, {"type": "item_reference", "id": "x"}]),
+    st.fixed_dictionaries({"type": JUNK, "role": JUNK, "content": JUNK}))
+VALID_RESPONSES: dict[str, st.SearchStrategy[Any]] = {
+    "instructions": TEXT, "temperature": VALID["temperature"], "top_p": VALID["top_p"],
+    "seed": VALID["seed"], "stream": st.booleans(), "store": st.booleans(),
+    "tools": st.sampled_from([[], [FUNCTION_TOOL]]),
+    "tool_choice": st.sampled_from(["none", "required", {"type": "function", "name": "f"}]),
+    "parallel_tool_calls": st.booleans(), "metadata": st.just({"k": "v"}),
+    "text": st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}},
+                             {"format": {"type": "json_schema", "name": "s", "schema": {
+                                 "type": "object", "properties": {"a": {"type": "boolean"}},
+                                 "required": ["a"], "additionalProperties": False}}}]),
+    "include": st.sampled_from([[], ["message.output_text.logprobs"]]),
+    "top_logprobs": st.integers(0, 20), "user": TEXT, "truncation": st.just("disabled"),
+    "background": st.just(False), "service_tier": st.just("auto"),
+}
+BAD_RESPONSES: dict[str, st.SearchStrategy[Any]] = {
+    "input": st.one_of(st.sampled_from(["", [], 5, {}, [[]]]),
+                       st.lists(st.one_of(INPUT_ITEM, BAD_INPUT_ITEM), min_size=1, max_size=3)),
+    "max_output_tokens": st.sampled_from([0, -1, 10 ** 9, 2 ** 64, "1", 1.5, True]),
+    "previous_response_id": st.sampled_from(["resp_x", "", 5, "resp_" + "0" * 32 + "p1"]),
+    "background": st.sampled_from([True, "x"]),
+    "truncation": st.sampled_from(["auto", 5]),
+    "reasoning": st.sampled_from([{"effort": "high"}, "x", {"summary": "auto"}]),
+    "include": st.sampled_from([["x"], "x", [5]]),
+    "tools": st.sampled_from([[{"type": "web_search"}], [{"type": "function"}], "x", [5]]),
+    "tool_choice": st.sampled_from([{"type": "allowed_tools"}, "always", 5,
+                                    {"type": "function"}]),
+    "text": st.sampled_from([{"format": {"type": "grammar"}}, {"verbosity": "low"}, "x",
+                             {"format": {"type": "json_schema", "schema": 5}}, {"x": 1}]),
+    "stream_options": st.sampled_from([{}, {"include_obfuscation": False}, 5]),
+    "metadata": st.sampled_from([{"k": 5}, "x", {str(i): "v" for i in range(17)}]),
+    "top_logprobs": st.sampled_from([-1, 21, "1"]),
+    "conversation": st.sampled_from(["conv_1", {"id": "x"}]),
+}
+
+
+@st.composite
+def responses_body(draw: st.DrawFn) -> dict[str, Any]:
+    """A /v1/responses body: honest (text or items), then up to three fields made bad."""
+    body: dict[str, Any] = {"model": draw(st.sampled_from([NAME, NAME, ABSENT])),
+                            "max_output_tokens": draw(SMALL_MAX_TOKENS),
+                            "input": draw(st.one_of(TEXT, st.lists(INPUT_ITEM, min_size=1,
+                                                                   max_size=3)))}
+    for name in draw(st.lists(st.sampled_from(sorted(VALID_RESPONSES)), max_size=5,
+                              unique=True)):
+        body[name] = draw(VALID_RESPONSES[name])
+    for _ in range(draw(st.sampled_from([0, 0, 1, 1, 2, 3]))):
+        kind = draw(st.sampled_from(["field", "field", "junk", "extra"]))
+        if kind == "extra":
+            body[draw(EXTRA_KEY)] = draw(JUNK)
+            continue
+        name = draw(st.sampled_from(sorted({*VALID_RESPONSES, *BAD_RESPONSES, "model"})))
+        bad = BAD_RESPONSES.get(name, BAD.get(name))
+        body[name] = draw(bad if kind == "field" and bad is not None else JUNK)
+    return {k: v for k, v in body.items() if v is not ABSENT}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["gen", "router"])
+def test_responses_endpoint(cluster: SimpleNamespace, target: str) -> None:
+    """``/v1/responses`` on a worker and through the router (its chat form's two calls)."""
+
+    @fuzz_settings(120)
+    @given(reqs=st.lists(responses_body().flatmap(wire), min_size=1, max_size=3))
+    def fuzz(reqs: list[tuple[bytes, dict[str, str]]]) -> None:
+        run_batch(cluster, target, RESPONSES, reqs)
+
+    fuzz()
+    print_stats(cluster)
 
 
 def print_stats(ns: SimpleNamespace) -> None:

@@ -479,7 +479,7 @@ def test_malformed_requests_hold_no_context_kv(pair: SimpleNamespace, loop: Loop
     stream_options), the generation worker refused them, and each lease held 19 blocks until
     its expiry (30 s): the next honest request waited for it."""
     monkeypatch.setenv("DISAGG_CLUSTER_TOKEN", TOKEN)
-    bad = [{"stream": None}, {"stream": True, "stream_options": 5},
+    bad = [{"stream": [True]}, {"stream": True, "stream_options": 5},
            {"stream": True, "stream_options": {"include_usage": "x"}},
            {"stream": True, "stream_options": {"include_usage": []}}, {"stream": "maybe"}]
     with router(loop, pair_config(pair)) as rt:
@@ -541,7 +541,7 @@ def _bad_traffic(rt_url: str, rt_port: int, pair: SimpleNamespace) -> list[Any]:
         (rt_url + CHAT, b'{"model":"tiny","messages":[{"role":"user","content":"\\udfff"}]}'),
         (rt_url + C, b'{"model":"tiny","prompt":"ab","x":' + b"[" * 50000 + b"]" * 50000
          + b"}"),
-        (rt_url + C, b'{"model":"tiny","prompt":"ab","stream":null}'),
+        (rt_url + C, b'{"model":"tiny","prompt":"ab","stream":"maybe"}'),
         (rt_url + C, b'{"model":"tiny","prompt":"ab","temperature":NaN}'),
         (rt_url + C, json.dumps({"model": NAME, "prompt": PROMPT_IDS, "max_tokens": 4,
                                  "stream": True, "stream_options": 5}).encode()),

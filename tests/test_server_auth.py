@@ -204,7 +204,7 @@ def test_unsigned_request_with_unlisted_addresses_opens_no_connection(
     assert err["param"] == "disaggregated_params.addresses"
     assert "disaggregated_params.addresses" in err["message"] and lis.addr in err["message"]
     # refused for another reason too: still nothing sent there (not even a lease release)
-    for extra in ({"temperature": -1}, {"stream": None}, {"stream_options": 5},
+    for extra in ({"temperature": -1}, {"stream": "maybe"}, {"stream_options": 5},
                   {"model": "nope"}):
         r = httpx.post(disagg.gen + C, json=_gen_only(disagg, lis.addr, "forged-2", **extra),
                        timeout=30)
@@ -212,11 +212,11 @@ def test_unsigned_request_with_unlisted_addresses_opens_no_connection(
     assert not _connected_within(lis, NO_CONNECTION_WAIT_S), "connected to an untrusted peer"
 
 
-@pytest.mark.parametrize("extra", [{"stream": None}, {"stream_options": 5},
+@pytest.mark.parametrize("extra", [{"stream": "maybe"}, {"stream_options": 5},
                                    {"stream": True, "stream_options": {"include_usage": "x"}},
                                    {"temperature": -1}, {"model": "nope"},
                                    {"max_tokens": 100_000}],
-                         ids=["stream-null", "stream-options-5", "include-usage-x",
+                         ids=["stream-maybe", "stream-options-5", "include-usage-x",
                               "temperature", "model", "too-long"])
 def test_refused_trusted_request_releases_the_context_lease(
         disagg: SimpleNamespace, listener: Any, extra: dict[str, Any]) -> None:

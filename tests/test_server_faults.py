@@ -161,7 +161,7 @@ BAD_BODIES = {
     "huge int": (C, b'{"model":"tiny","prompt":"ab","max_tokens":' + b"9" * 5000 + b"}", None),
     "token id": (C, b'{"model":"tiny","prompt":[1,2,100000000000000000000],"max_tokens":2}',
                  "prompt"),
-    "stream null": (C, b'{"model":"tiny","prompt":"ab","stream":null}', "stream"),
+    "stream maybe": (C, b'{"model":"tiny","prompt":"ab","stream":"maybe"}', "stream"),
 }
 
 
@@ -311,7 +311,8 @@ def test_parse_json_object_and_validate_request() -> None:
 
     assert bad(C, {"prompt": "x"}) is None
     assert bad(CHAT, {"messages": [{"role": "user", "content": "x"}]}) is None
-    assert bad(C, {"prompt": "x", "stream": None}) == "stream"
+    assert bad(C, {"prompt": "x", "stream": "maybe"}) == "stream"
+    assert bad(C, {"prompt": "x", "stream": None, "n": None}) is None  # null is absent
     assert bad(C, {"prompt": "x", "stream": True, "stream_options": 5}) == "stream_options"
     assert bad(C, {"prompt": []}) == "prompt"
     assert bad(C, {"prompt": "x", "max_tokens": 0}) == "max_tokens"

@@ -11,7 +11,10 @@ The YAML is validated by the router's loader (``load_cluster_config``), then tur
   ``auto``, cross_host for a KV address that is not loopback), its role, replica count
   (``num_instances``), ports (from ``urls``: the hosts of the urls are ignored, the deploy
   target places the workers), and GPUs per worker (``tp * pp``; none for ``device: cpu`` or
-  ``--cpu``).
+  ``--cpu``). A ``chat_template`` file is read here and its text goes into the worker YAML
+  (and the router's): the file is on this machine, not in the pods or on the nodes. The
+  packaged ``smollm2`` gets its tool-aware template and the hermes parser, as with
+  ``disagg launch``, unless the YAML sets ``chat_template`` or ``tool_call_parser``.
 - the model: ``tiny`` (the built-in tiny model) and packaged names (``smollm2``) are written on
   the target by ``disagg model tiny|fetch`` into ``models_dir``; anything else is a checkpoint
   folder or ``.gguf`` file path that must exist where the workers run.
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from disagg.launch import DEMO_MODEL, TINY_MODEL, split_url
+from disagg.launch import DEMO_MODEL, TINY_MODEL, packaged_model_defaults, split_url
 from disagg.router.config import (
     SECTIONS,
     ClusterConfig,
@@ -51,6 +54,7 @@ _REFUSED_KEYS = {
                         "node's address",
 }
 GRACE_MARGIN_S = 15  # after the drain: unregistering, the engine's and the ranks' shutdown
+_TEMPLATE_KEYS = ("chat_template", "tool_call_parser")
 BIND_ALL = "0.0.0.0"
 
 
@@ -198,7 +202,8 @@ def build_plan(config_path: str, *, models_dir: str, absolute_only: bool,
         models[section] = source_of(section, group.worker_options.get("model"))
         groups.append(_plan_group(cfg, section, group, models[section], drain_timeout, cpu))
     router_model = _router_model(cfg, config_path, models)
-    router_options = _router_options(raw, cfg, models, minimal_instances, model_override)
+    router_options = _router_options(raw, cfg, models, minimal_instances, model_override,
+                                     groups)
     try:
         parse_cluster_config(router_options, f"{config_path} (as deployed)")
     except RouterConfigError as e:  # a bug here, not the user's: say so
@@ -218,6 +223,11 @@ def _plan_group(cfg: ClusterConfig, section: str, group: ServerGroupConfig,
         raise DeployError(f"{where}.urls: port {cfg.port} is the router's port")
     opts = {k: v for k, v in group.worker_options.items() if v is not None}
     opts["model"] = model.path
+    # A packaged model's template and parser, as disagg launch gives them (top-level keys are
+    # in the group's options already).
+    packaged_model_defaults(model.written, opts, {})
+    if opts.get("chat_template") is not None:
+        opts["chat_template"] = _template_text(opts["chat_template"], where)
     # Clients send the model as written ("tiny"), as with disagg launch.
     opts.setdefault("served_model_name", model.written.rstrip("/") or model.written)
     drain = float(drain_timeout if drain_timeout is not None
@@ -230,6 +240,18 @@ def _plan_group(cfg: ClusterConfig, section: str, group: ServerGroupConfig,
     role = "aggregated" if cfg.context_servers is None else group.role
     return WorkerGroup(section, role, group.num_instances, ports, world, gpus, drain, model,
                        MappingProxyType(opts))
+
+
+def _template_text(value: Any, where: str) -> str:
+    """A ``chat_template`` (a file here, or the template) as the text the deployed members
+    read: a file of this machine is not in their pods or on their nodes, so its text goes
+    into their YAML (DeployError when it is neither, or does not compile)."""
+    from disagg.tokenizer import read_chat_template
+
+    try:
+        return read_chat_template(value, "chat_template")
+    except ValueError as e:
+        raise DeployError(f"{where}.{e}") from None
 
 
 def _router_model(cfg: ClusterConfig, source: str, models: Mapping[str, ModelSource]
@@ -253,9 +275,11 @@ def _router_model(cfg: ClusterConfig, source: str, models: Mapping[str, ModelSou
 
 def _router_options(raw: Mapping[str, Any], cfg: ClusterConfig,
                     models: Mapping[str, ModelSource], minimal_instances: str,
-                    model_override: str | None) -> dict[str, Any]:
+                    model_override: str | None, groups: list[WorkerGroup]) -> dict[str, Any]:
     """The user's YAML as the deployed router reads it: no urls (workers register), models
-    where the router finds them, ``disagg_cluster`` with ``minimal_instances``."""
+    where the router finds them, each section's chat template and tool call parser as its
+    workers get them (the router renders the same prompts for its token-aware policies),
+    ``disagg_cluster`` with ``minimal_instances``."""
     if minimal_instances not in ("one", "all"):
         raise ValueError(f"minimal_instances: {minimal_instances!r}")
     out = copy.deepcopy(dict(raw))
@@ -263,11 +287,18 @@ def _router_options(raw: Mapping[str, Any], cfg: ClusterConfig,
     if "model" in out or model_override is not None:
         first = next(iter(models.values()))
         out["model"] = first.path
+    planned = {g.section: g for g in groups}
+    for key in _TEMPLATE_KEYS:  # per section below, as the workers got them
+        out.pop(key, None)
     for section in SECTIONS:
         sec = out.get(section)
         if not isinstance(sec, dict):
             continue
         sec.pop("urls", None)
+        for key in _TEMPLATE_KEYS:
+            sec.pop(key, None)
+            if section in planned and planned[section].options.get(key) is not None:
+                sec[key] = planned[section].options[key]
         if model_override is not None:
             sec.pop("model", None)
         elif "model" in sec:

@@ -38,6 +38,7 @@ from disagg.router.config import (
     load_cluster_config,
 )
 from disagg.router.processes import ProcessInfo, own_path, supervise
+from disagg.server.options import check_origins
 
 
 def add_cli(subparsers: Any) -> None:
@@ -65,6 +66,10 @@ def add_cli(subparsers: Any) -> None:
                    help="send a disaggregated request's context and generation calls at once "
                    "and stream the prompt's KV layer by layer (default: the YAML's "
                    "kv_streaming, false)")
+    p.add_argument("--allowed-origins", type=_origins, default=None, metavar="ORIGIN,...",
+                   help="CORS: browser origins (scheme://host[:port], or *) the router answers "
+                   "with CORS headers, replacing the YAML's allowed_origins (default: none, no "
+                   "CORS headers)")
     p.add_argument("--processes", type=int, default=None, metavar="N",
                    help="router processes sharing the port (SO_REUSEPORT; one a core; "
                    "default: the YAML's processes, 1)")
@@ -112,6 +117,12 @@ def configured(args: argparse.Namespace) -> ClusterConfig:
         config = dataclasses.replace(config, api_key=key)  # $DISAGG_API_KEY
     if args.public_metrics:
         config = dataclasses.replace(config, public_metrics=True)
+    if args.allowed_origins is not None:
+        try:
+            origins = check_origins(args.allowed_origins, "--allowed-origins")
+        except ValueError as e:
+            raise RouterConfigError(str(e)) from None
+        config = dataclasses.replace(config, allowed_origins=origins)
     if args.planner:
         if config.planner is None:
             raise RouterConfigError(f"{config.source}: planner: missing: --planner needs a "
@@ -133,6 +144,8 @@ def _child_argv(args: argparse.Namespace, host: str) -> list[str]:
             "--host", host, "--log-level", args.log_level]
     if args.public_metrics:
         argv.append("--public-metrics")
+    if args.allowed_origins is not None:
+        argv += ["--allowed-origins", ",".join(args.allowed_origins)]
     if args.insecure_membership:
         argv.append("--insecure-membership")
     if args.kv_streaming is not None:
@@ -140,6 +153,10 @@ def _child_argv(args: argparse.Namespace, host: str) -> list[str]:
     if args.planner:  # (only process 0 runs it)
         argv.append("--planner")
     return argv
+
+
+def _origins(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

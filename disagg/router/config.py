@@ -14,6 +14,7 @@ Shape::
     upstream_timeout_sec: 300     # longest wait for the next byte from a worker
     processes: 1                  # router processes sharing the port (one a core; SO_REUSEPORT)
     kv_streaming: false           # true: context and generation calls at once, KV streamed by layer
+    allowed_origins: [http://localhost:3000]  # CORS: browser origins ("*": any); default none
     model: /path/to/checkpoint    # any worker key at the top level is inherited by both sections
     context_servers:              # optional: without it the cluster is aggregated
       num_instances: 2            # must equal len(urls)
@@ -50,8 +51,12 @@ from typing import Any
 from disagg.config import ConfigError, read_yaml
 from disagg.router.planner import PlannerConfig, PlannerConfigError, RateMatchPrior
 from disagg.server.options import (
+    RESPONSES_STORE_SIZE,
+    RESPONSES_STORE_TTL_S,
     TRANSCEIVER_KEY,
     Opt,
+    StrList,
+    check_origins,
     check_transceiver,
     coerce,
     worker_yaml_keys,
@@ -82,6 +87,15 @@ CLUSTER_OPTIONS: dict[str, Opt] = {
     "kv_streaming": Opt(bool, "send a disaggregated request's context and generation calls at "
                         "once; the generation worker streams the prompt's KV layer by layer "
                         "(router.stream_flow)", default=False),
+    "allowed_origins": Opt(StrList, "CORS: browser origins (scheme://host[:port], or *) the "
+                           "router answers with CORS headers; default none (disagg.cors)"),
+    # /v1/responses kept by the router for previous_response_id (the workers keep none: they
+    # serve the router's chat requests).
+    "responses_store_size": Opt(int, "responses kept for previous_response_id and GET "
+                                "/v1/responses/{id} (the oldest dropped first; 0: none)",
+                                default=RESPONSES_STORE_SIZE, ge=0),
+    "responses_store_ttl": Opt(float, "seconds a stored response is kept",
+                               default=RESPONSES_STORE_TTL_S, gt=0),
 }
 SECTION_OPTIONS: dict[str, Opt] = {
     "num_instances": Opt(int, "workers in the section; must equal len(urls)", ge=0),
@@ -210,6 +224,9 @@ class ClusterConfig:
     planner: PlannerConfig | None = None  # the planner: section (run when enabled)
     processes: int = 1  # router processes sharing the port (router/processes.py)
     kv_streaming: bool = False  # both calls at once, KV streamed by layer (stream_flow)
+    allowed_origins: tuple[str, ...] = ()  # CORS origins ("*": any); () no CORS (disagg.cors)
+    responses_store_size: int = RESPONSES_STORE_SIZE  # /v1/responses kept (router/responses)
+    responses_store_ttl: float = RESPONSES_STORE_TTL_S
 
     @property
     def aggregated(self) -> bool:
@@ -250,6 +267,10 @@ def parse_cluster_config(data: Mapping[str, Any] | Any, source: str = "<config>"
         raise err("processes", f"{top['processes']}: at most {MAX_PROCESSES}")
     if not 0 <= top["port"] <= 65535:
         raise err("port", f"{top['port']} is not a port number (0..65535; 0 picks a free one)")
+    try:
+        origins = check_origins(top["allowed_origins"])
+    except ValueError as e:
+        raise err("allowed_origins", str(e).partition(": ")[2]) from None
 
     cluster = None
     if data.get("disagg_cluster") is not None:
@@ -290,12 +311,15 @@ def parse_cluster_config(data: Mapping[str, Any] | Any, source: str = "<config>"
 
     return ClusterConfig(
         hostname=top["hostname"], port=top["port"], max_retries=top["max_retries"],
+        allowed_origins=origins,
         context_servers=groups["context_servers"],
         generation_servers=groups["generation_servers"],
         conditional_disagg=conditional, disagg_cluster=cluster, api_key=top["api_key"],
         source=source, health_check_interval_sec=top["health_check_interval_sec"],
         upstream_timeout_sec=top["upstream_timeout_sec"], public_metrics=top["public_metrics"],
-        planner=planner, processes=top["processes"], kv_streaming=top["kv_streaming"])
+        planner=planner, processes=top["processes"], kv_streaming=top["kv_streaming"],
+        responses_store_size=top["responses_store_size"],
+        responses_store_ttl=top["responses_store_ttl"])
 
 
 def parse_planner(err: _Errors, raw: Any) -> PlannerConfig:
@@ -375,7 +399,13 @@ def _worker_value(err: _Errors, key: str, name: str, value: Any, worker_keys: di
     if key == TRANSCEIVER_KEY:
         check_transceiver(name, value, err.source, RouterConfigError)
         return dict(value)
-    return coerce(name, worker_keys[key], value, err.source, RouterConfigError)
+    value = coerce(name, worker_keys[key], value, err.source, RouterConfigError)
+    if key == "allowed_origins":  # the worker's own, checked as the worker will
+        try:
+            check_origins(value)
+        except ValueError as e:
+            raise err(name, str(e).partition(": ")[2]) from None
+    return value
 
 
 def _normalize_url(err: _Errors, key: str, url: Any) -> str:

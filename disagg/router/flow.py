@@ -302,7 +302,9 @@ class _Lease:
 
 def requested_tokens(path: str, body: Mapping[str, Any]) -> int | None:
     """The output tokens the request asks for (completions' default 16; None: unbounded)."""
-    n = body.get("max_completion_tokens", body.get("max_tokens"))
+    n = body.get("max_completion_tokens")
+    if n is None:  # absent or null (null is absent)
+        n = body.get("max_tokens")
     if n is None and path == COMPLETIONS:
         return 16
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None

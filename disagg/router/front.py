@@ -22,6 +22,8 @@ Upgrade. The rules of aiohttp's server that the router relies on hold here too:
   answer, else the connection is closed; a body must arrive within the router's body timeout,
   else 408, after which the connection lingers ``linger_s`` (reading and dropping, so that a
   client still sending sees the answer) and closes;
+- CORS (``allowed_origins``, ``disagg.cors``): an answer to a request with an allowed
+  ``Origin`` carries the headers aiohttp's answers get (preflights are OPTIONS: aiohttp's);
 - a client that disconnects cancels its handler (and so the handler's upstream requests);
   ``Connection: close`` is honoured; an unexpected error is a logged 500 in OpenAI's error
   JSON; a streamed answer is chunked and waits for a slow reader (``ClientStream``).
@@ -66,6 +68,7 @@ class Front:
                  keep_alive_s: float, linger_s: float, max_head_bytes: int,
                  max_headers: int) -> None:
         self.handlers = handlers
+        self.cors = getattr(handlers, "cors", None)  # None: no CORS headers
         self.aiohttp_server = aiohttp_server  # a new aiohttp protocol (web.Server)
         self.keep_alive_s = keep_alive_s
         self.linger_s = linger_s
@@ -126,6 +129,7 @@ class FrontConnection(asyncio.Protocol, ClientStream):
         self._fields = 0
         self._lengths: list[bytes] = []
         self._auth: str | None = None
+        self._origin: bytes | None = None
         self._odd = False  # a header that aiohttp must handle
         self._head_done = False
         # the request in hand
@@ -133,6 +137,7 @@ class FrontConnection(asyncio.Protocol, ClientStream):
         self._need = 0  # bytes of buf up to its body's end (0: its body was consumed)
         self._body_waiter: asyncio.Future[None] | None = None
         self._keep = True  # keep the connection after the answer
+        self._cors = b""  # the answer's CORS header lines (an allowed Origin), else none
         self._stream_head: bytes | None = None  # a streamed answer's head, sent with its body
         self._streaming = False  # the request in hand's answer is a stream (started)
         self._stream_ended = False
@@ -206,6 +211,8 @@ class FrontConnection(asyncio.Protocol, ClientStream):
             self._lengths.append(value)
         elif n == b"authorization":
             self._auth = value.decode("latin-1")
+        elif n == b"origin":
+            self._origin = value
         elif n in _HAND_OFF_HEADERS:
             self._odd = True
 
@@ -235,13 +242,16 @@ class FrontConnection(asyncio.Protocol, ClientStream):
             return
         self._head_len, self._need = head_len, head_len + int(length)
         self._keep = self.parser.should_keep_alive()
+        cors = self.front.cors
+        self._cors = (cors.fields(self._origin.decode("latin-1"))
+                      if cors is not None and self._origin is not None else b"")
         self._stream_head, self._streaming, self._stream_ended = None, False, False
         self.task = self.loop.create_task(self._serve(path, self._auth))
 
     def _parse_head(self, head: bytes) -> str | None:
         """The path of a request head of the common shape; None: aiohttp's."""
         self._url, self._fields, self._lengths = b"", 0, []
-        self._auth, self._odd, self._head_done = None, False, False
+        self._auth, self._origin, self._odd, self._head_done = None, None, False, False
         try:
             self.parser.feed_data(head)
         except httptools.HttpParserError:  # (an Upgrade too): aiohttp answers it
@@ -304,11 +314,11 @@ class FrontConnection(asyncio.Protocol, ClientStream):
         else:
             status = answer.status
             transport.write(b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n"
-                            b"Date: %s\r\n%s\r\n%s" % (
+                            b"Date: %s\r\n%s%s\r\n%s" % (
                                 status, REASONS.get(status, b"Unknown"),
                                 answer.content_type.encode("latin-1"), len(answer.body),
-                                self.front.date(), b"Connection: close\r\n" if close else b"",
-                                answer.body))
+                                self.front.date(), self._cors,
+                                b"Connection: close\r\n" if close else b"", answer.body))
         self.task = None
         if close:
             if answer.close or unread:
@@ -328,6 +338,7 @@ class FrontConnection(asyncio.Protocol, ClientStream):
         close = not self._keep or self.front.closing
         self._streaming = True
         fields = "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode("latin-1")
+        fields += self._cors
         self._stream_head = (b"HTTP/1.1 %d %s\r\n%sTransfer-Encoding: chunked\r\nDate: %s\r\n%s"
                              b"\r\n" % (status, REASONS.get(status, b"Unknown"), fields,
                                         self.front.date(),

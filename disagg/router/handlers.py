@@ -1,4 +1,5 @@
-"""The router's HTTP handlers: the OpenAI endpoints (through ``flow``), ``/v1/models``,
+"""The router's HTTP handlers: the OpenAI endpoints (through ``flow``), ``/v1/models`` (and
+``/v1/models/{id}``), CORS when ``allowed_origins`` is set (``cors``),
 ``/tokenize`` and ``/detokenize`` (a generation worker's answer), ``/version``, ``/health``,
 ``/metrics``, ``/cluster_info``, the membership calls ``/cluster/register`` and
 ``/cluster/unregister``, and the operator's ``POST /admin/role {"url", "role"}`` (cluster
@@ -29,22 +30,26 @@ from aiohttp import web
 
 from disagg import __version__
 from disagg.cluster_auth import AUTH_HEADER, AuthError
+from disagg.cors import Cors
 from disagg.roles import Role
 from disagg.router.client_io import AiohttpStream, Answer, ClientStream
 from disagg.router.config import normalize_worker_url
+from disagg.router.cors import install as install_cors
 from disagg.router.flow import Tries
 from disagg.router.membership import Worker
 from disagg.router.policies import RouteRequest
 from disagg.router.processes import from_sibling, merge_metrics
 from disagg.router.prompt_tokens import COMPLETIONS
 from disagg.router.relay import RequestState
-from disagg.router.replies import Reply, dumps
+from disagg.router.replies import Reply, dumps, loads, parse_body
+from disagg.router.responses import ResponsesRoutes
 from disagg.router.role_switch import SwitchBusy, SwitchRefused
 from disagg.router.router import Router
 from disagg.router.upstream import Failed
 from disagg.server import protocol as P
 from disagg.server.access import bearer_ok
 from disagg.server.http_guard import MAX_BODY_BYTES  # the workers' limit, the router's too
+from disagg.server.responses import ResponseStore
 
 LARGE_BODY_BYTES = 32 << 10  # requests above this are tokenized on a thread, not the loop
 
@@ -55,12 +60,20 @@ class Handlers:
     def __init__(self, router: Router) -> None:
         self.router = router
         self.config = router.config
+        # CORS (allowed_origins): aiohttp's answers (router.cors), front's own (cors.fields)
+        self.cors = Cors(self.config.allowed_origins) if self.config.allowed_origins else None
+        self.responses = ResponsesRoutes(self, ResponseStore(
+            self.config.responses_store_size, self.config.responses_store_ttl))
 
     def register(self, app: web.Application) -> None:
         r = app.router
+        if self.cors is not None:
+            install_cors(app, self.cors)
         r.add_post(COMPLETIONS, self.openai)
         r.add_post("/v1/chat/completions", self.openai)
         r.add_get("/v1/models", self.models)
+        # (a served name may hold "/": "org/model", which the SDK sends as org%2Fmodel)
+        r.add_get("/v1/models/{model_id:.+}", self.model)
         r.add_post("/tokenize", self.tokenize)
         r.add_post("/detokenize", self.tokenize)
         r.add_get("/version", self.version)
@@ -70,6 +83,7 @@ class Handlers:
         r.add_post("/cluster/register", self.register_worker)
         r.add_post("/cluster/unregister", self.unregister_worker)
         r.add_post("/admin/role", self.admin_role)
+        self.responses.register(app)
         r.add_route("*", "/{tail:.*}", self.not_found)
 
     # -- the OpenAI endpoints -----------------------------------------------------------------
@@ -90,7 +104,7 @@ class Handlers:
         metrics = self.router.metrics
         try:
             self.check_authorization(authorization)
-            return await self._route(out, st, path, await read_body())
+            return await self.route(out, st, path, await read_body())
         except Reply as r:
             st.outcome = r.outcome
             return r.answer()
@@ -102,7 +116,7 @@ class Handlers:
             metrics.child(metrics.requests, path, st.outcome).inc()
             metrics.request_latency.observe(time.monotonic() - t0)
 
-    async def _route(self, out: ClientStream, st: RequestState, path: str, raw: bytes
+    async def route(self, out: ClientStream, st: RequestState, path: str, raw: bytes
                      ) -> Answer:
         """Send the request whole, or through the two calls (see ``flow``)."""
         router, flow = self.router, self.router.flow
@@ -158,16 +172,41 @@ class Handlers:
         """A generation worker's ``/v1/models`` (the next one when one fails)."""
         try:
             self.check_api_key(request)
+            status, body, content_type = await self._models()
         except Reply as r:
             return r.response()
+        return web.Response(status=status, body=body, content_type=content_type)
+
+    async def model(self, request: web.Request) -> web.Response:
+        """``GET /v1/models/{id}``: the model as a generation worker lists it, or 404
+        ``model_not_found`` (a worker's refusal, a 401, is passed on)."""
+        model_id = request.match_info["model_id"]
+        try:
+            self.check_api_key(request)
+            status, body, content_type = await self._models()
+            if status != 200:
+                return web.Response(status=status, body=body, content_type=content_type)
+            try:
+                listed = loads(body).get("data") or []
+            except (ValueError, AttributeError):
+                raise Reply.error(502, "a generation worker's /v1/models is not a model list",
+                                  "upstream_error", code="upstream_failed") from None
+            card = next((m for m in listed if isinstance(m, dict) and m.get("id") == model_id),
+                        None)
+            if card is None:
+                raise Reply.from_api_error(P.model_not_found(model_id))
+        except Reply as r:
+            return r.response()
+        return web.Response(body=dumps(card), content_type="application/json")
+
+    async def _models(self) -> tuple[int, bytes, str]:
+        """A generation worker's ``/v1/models`` answer (``Reply`` 503 when none answers)."""
         try:
             tries = Tries(Role.GENERATION, self.config.max_retries, counted=False)
-            status, body, content_type = await self.router.flow.retrying(
-                tries, RouteRequest(), self._models_of)
+            return await self.router.flow.retrying(tries, RouteRequest(), self._models_of)
         except Reply:
-            return Reply.error(503, "no healthy generation worker", "service_unavailable",
-                               code="no_healthy_worker").response()
-        return web.Response(status=status, body=body, content_type=content_type)
+            raise Reply.error(503, "no healthy generation worker", "service_unavailable",
+                              code="no_healthy_worker") from None
 
     async def _models_of(self, w: Worker) -> tuple[int, bytes, str]:
         status, body, content_type = await self.router.upstream.get(w, "/v1/models")
@@ -394,18 +433,6 @@ def late_body(timeout_s: float) -> Reply:
     """The answer to a request whose body did not arrive within ``timeout_s``."""
     return Reply.error(408, f"the request body did not arrive within {timeout_s:g} s",
                        code="request_timeout", close=True)
-
-
-def parse_body(raw: bytes) -> dict[str, Any]:
-    """A client's JSON object (400 when it is not one, or sets what only the router sets)."""
-    try:  # the workers' parser: also refuses NaN, deep nesting, lone surrogates
-        body = P.parse_json_object(raw)
-    except P.APIError as e:
-        raise Reply.from_api_error(e) from None
-    if body.get("disaggregated_params") is not None:
-        raise Reply.error(400, "disaggregated_params: set by the router, not by clients",
-                          param="disaggregated_params")
-    return body
 
 
 def client_body(path: str, raw: bytes, check: bool) -> tuple[dict[str, Any], bytes]:

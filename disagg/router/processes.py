@@ -115,6 +115,12 @@ class Siblings:
             await s.close()
         self._sessions.clear()
 
+    async def call(self, i: int, method: str, path: str) -> tuple[int, bytes] | None:
+        """``method path`` (no body) of sibling ``i``: (status, body), None when it failed."""
+        if i not in self._sessions:
+            return None
+        return await self._call(i, method, path, {}, b"")
+
     async def _call(self, i: int, method: str, path: str, headers: dict[str, str],
                     body: bytes) -> tuple[int, bytes] | None:
         try:

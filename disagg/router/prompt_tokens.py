@@ -4,7 +4,8 @@
 The router tokenizes with the workers' tokenizer, named by ``router.tokenizer`` or ``model`` in
 the cluster YAML, or else taken from the first worker whose ``model_dir`` is readable here. A
 completions prompt of token ids is used as it is; a chat request goes through the chat template
-as the worker applies it (the template writes the special tokens itself).
+as the worker applies it (the template writes the special tokens itself): the YAML's
+``chat_template`` (the workers' ``--chat-template``, read here too) when it sets one.
 """
 
 from __future__ import annotations
@@ -37,8 +38,26 @@ class PromptTokens:
         self.tokenizer = tokenizer
         self.source: str | None = None  # where the tokenizer was loaded from
         self._loading = False
+        self.chat_template: str | None = None  # the YAML's chat_template (its text)
         if need_tokens and tokenizer is None:
+            self.chat_template = self._configured_template()
             self._load_configured()
+
+    def _configured_template(self) -> str | None:
+        """The workers' ``chat_template`` (the generation side's, else the context side's):
+        the prompt the router tokenizes must be the one they render."""
+        from disagg.tokenizer import read_chat_template
+
+        for role in (Role.GENERATION, Role.CONTEXT):
+            group = self.config.group(role)
+            value = group.worker_options.get("chat_template") if group is not None else None
+            if value is None:
+                continue
+            try:
+                return read_chat_template(str(value), f"{role}_servers.chat_template")
+            except ValueError as e:
+                raise RouterConfigError(f"{self.config.source}: {e}") from None
+        return None
 
     def _load_configured(self) -> None:
         """The tokenizer named by ``router.tokenizer`` or ``model`` (checkpoint folders)."""
@@ -66,7 +85,7 @@ class PromptTokens:
     def _set(self, path: str) -> None:
         from disagg.tokenizer import load_tokenizer
 
-        self.tokenizer = load_tokenizer(path)
+        self.tokenizer = load_tokenizer(path, chat_template=self.chat_template)
         self.source = path
         logger.info("router tokenizer: %s", path)
 

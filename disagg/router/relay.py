@@ -161,21 +161,29 @@ async def final_answer(out: ClientStream, path: str, body: Mapping[str, Any],
         raise Reply.from_api_error(e) from None
     if not req.stream:
         return Answer(200, dumps(answer))
-    include_usage = req.include_usage_in_stream
-    chunks = _as_chunks(answer, path == CHAT, include_usage)
+    chunks = _as_chunks(answer, path == CHAT, req.include_usage_in_stream,
+                        req.continuous_usage_in_stream)
     await out.start(200, SSE_HEADERS)
     await out.write(b"".join(b"data: " + dumps(c) + b"\n\n" for c in chunks) + DONE)
     await out.end()
     return STREAMED
 
 
-def _as_chunks(answer: dict[str, Any], chat: bool, include_usage: bool
-               ) -> list[dict[str, Any]]:
-    """A whole answer as the stream chunks a worker would have sent for it."""
+def _as_chunks(answer: dict[str, Any], chat: bool, include_usage: bool,
+               continuous_usage: bool = False) -> list[dict[str, Any]]:
+    """A whole answer as the stream chunks a worker would have sent for it (``continuous_usage``:
+    each chunk with the running usage, vLLM's ``continuous_usage_stats``: the answer is one
+    choice, its first token, so the running counts are the answer's)."""
     head = {"id": answer.get("id"), "object": "chat.completion.chunk" if chat
             else "text_completion", "created": answer.get("created"),
             "model": answer.get("model")}
     chunks: list[dict[str, Any]] = []
+    running = started = None
+    usage = answer.get("usage")
+    if continuous_usage and isinstance(usage, dict):
+        running = {k: usage.get(k) for k in ("prompt_tokens", "completion_tokens",
+                                             "total_tokens")}
+        started = {**running, "completion_tokens": 0, "total_tokens": running["prompt_tokens"]}
 
     def chunk(choices: list[dict[str, Any]], usage: Any = None) -> dict[str, Any]:
         c = {**head, "choices": choices}
@@ -187,15 +195,20 @@ def _as_chunks(answer: dict[str, Any], chat: bool, include_usage: bool
         if chat:
             chunks.append(chunk([{"index": ch.get("index", 0), "delta": {
                 "role": "assistant", "content": ""}, "logprobs": None,
-                "finish_reason": None}]))
-            text = (ch.get("message") or {}).get("content") or ""
+                "finish_reason": None}], started))
+            message = ch.get("message") or {}
+            text = message.get("content") or ""
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if message.get("tool_calls"):  # (a forced call complete in its first token)
+                delta["tool_calls"] = [{"index": i, **call}
+                                       for i, call in enumerate(message["tool_calls"])]
             chunks.append(chunk([{"index": ch.get("index", 0),
-                                  "delta": {"content": text} if text else {},
+                                  "delta": delta,
                                   "logprobs": ch.get("logprobs"),
                                   "finish_reason": ch.get("finish_reason"),
-                                  "stop_reason": ch.get("stop_reason")}]))
+                                  "stop_reason": ch.get("stop_reason")}], running))
         else:
-            chunks.append(chunk([ch]))
+            chunks.append(chunk([ch], running))
     if include_usage:
         chunks.append(chunk([], answer.get("usage")))
     return chunks

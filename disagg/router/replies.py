@@ -94,3 +94,15 @@ class Reply(Exception):
         if self.close:
             resp.force_close()
         return resp
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """A client's JSON object (400 when it is not one, or sets what only the router sets)."""
+    try:  # the workers' parser: also refuses NaN, deep nesting, lone surrogates
+        body = P.parse_json_object(raw)
+    except P.APIError as e:
+        raise Reply.from_api_error(e) from None
+    if body.get("disaggregated_params") is not None:
+        raise Reply.error(400, "disaggregated_params: set by the router, not by clients",
+                          param="disaggregated_params")
+    return body

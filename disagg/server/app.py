@@ -17,7 +17,8 @@ modules named for what they do:
 - ``role_switch``: ``POST /admin/role``, a context / generation worker's run-time role switch;
 - ``tokenize_routes``: ``/tokenize``, ``/detokenize`` (vLLM's shapes); ``chat_prompt``: the
   chat template's prompt (``continue_final_message``, ``chat_template_kwargs``);
-- ``http_guard``: HTTP limits below the routes.
+- ``http_guard``: HTTP limits below the routes; ``cors``: with ``allowed_origins``, CORS
+  headers outside it (every path; preflights answered there, without the API key).
 
 Failure policy: every client-caused problem is an ``APIError`` rendered as OpenAI error JSON
 with its status; an unexpected exception is logged with its traceback and the client gets a
@@ -39,8 +40,10 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from disagg import __version__
+from disagg.cors import Cors
 from disagg.server import protocol as P
 from disagg.server.cluster_routes import ClusterRoutes
+from disagg.server.cors import CorsMiddleware
 from disagg.server.http_guard import HttpGuard
 from disagg.server.openai_routes import OpenAIRoutes
 from disagg.server.role_switch import RoleRoutes
@@ -67,6 +70,9 @@ def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
         logger.warning("no API key and no cluster token: /server_info and /kv_events answer "
                        "anyone who can reach this port (set --api-key or --cluster-token)")
     app.add_middleware(HttpGuard)  # HTTP limits; a 500 that keeps the connection alive
+    if settings.allowed_origins:  # opt-in: without it no answer has CORS headers
+        # Outside HttpGuard: its answers get the headers too; preflights are answered there.
+        app.add_middleware(CorsMiddleware, cors=Cors(settings.allowed_origins))
     _add_error_handlers(app, srv)
     OpenAIRoutes(srv).register(app)
     ClusterRoutes(srv).register(app)

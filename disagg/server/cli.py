@@ -29,6 +29,8 @@ from disagg.server.http_guard import SERVER_KEEP_ALIVE_S, uvicorn_options  # noq
 from disagg.server.options import (
     DISAGG_ROLES,
     ENGINE_OPTIONS,
+    RESPONSES_STORE_SIZE,
+    RESPONSES_STORE_TTL_S,
     SERVER_DEFAULTS,
     SERVER_OPTIONS,
     TRANSCEIVER_KEY,
@@ -179,6 +181,10 @@ def run_server(
     public_metrics: bool = False,
     advertise_host: str | None = None,
     tool_call_parser: str | None = None,
+    chat_template: str | None = None,
+    allowed_origins: list[str] | None = None,
+    responses_store_size: int = RESPONSES_STORE_SIZE,
+    responses_store_ttl: float = RESPONSES_STORE_TTL_S,
 ) -> int:
     """Load the model, serve until SIGTERM/SIGINT, drain, return the exit code."""
     logging.basicConfig(level=log_level.upper(),
@@ -191,6 +197,7 @@ def run_server(
         # Before loading anything: fail fast on a role or options we cannot serve.
         http_host, kv_advertise = _advertised_hosts(host, kv_transfer_host, advertise_host,
                                                     router_url, role)
+        template, origins = _api_settings(chat_template, allowed_origins)
         disagg_settings = _disagg_settings(
             role, engine_options, benchmark_gen_only=benchmark_gen_only,
             cluster_token=cluster_token, kv_transfer_backend=kv_transfer_backend,
@@ -208,12 +215,20 @@ def run_server(
                               role=role, api_key=api_key, cluster_token=cluster_token,
                               public_metrics=bool(public_metrics),
                               benchmark_gen_only=bool(benchmark_gen_only),
-                              tool_call_parser=tool_call_parser)
+                              tool_call_parser=tool_call_parser, chat_template=template,
+                              allowed_origins=origins,
+                              responses_store_size=responses_store_size,
+                              responses_store_ttl=responses_store_ttl)
     app = build_app(engine, settings)
     server = _uvicorn_server(app, engine, host=host, port=port,
                              log_level=log_level, drain_timeout=drain_timeout)
     logger.info("serving %s as %r (role %s) on %s:%d", model_dir, settings.model_name, role,
                 host, port)
+    if chat_template is not None:
+        logger.info("chat template: %s", "the --chat-template text" if template == chat_template
+                    else chat_template)
+    if origins:
+        logger.info("CORS: allowed origins %s", ", ".join(origins))
     if engine.transfer is not None:
         logger.info("kv transfer: %s", engine.transfer.info())
     if config.parallel.world_size > 1:
@@ -278,6 +293,21 @@ def _advertised_hosts(host: str, kv_transfer_host: str | None, advertise_host: s
     except (AddressError, ValueError) as e:
         raise _StartError(2, str(e)) from None
     return (http.host if http else None), (kv.host if kv else None)
+
+
+def _api_settings(chat_template: str | None, allowed_origins: list[str] | None
+                  ) -> tuple[str | None, tuple[str, ...]]:
+    """The chat template's text (read and compiled now: a broken one is a start-up error
+    naming the option, not a 500 per request) and the CORS origins; ``_StartError`` (exit 2)
+    saying what is wrong."""
+    from disagg.server.options import check_origins
+    from disagg.tokenizer import read_chat_template
+
+    try:
+        template = None if chat_template is None else read_chat_template(chat_template)
+        return template, check_origins(allowed_origins)
+    except ValueError as e:
+        raise _StartError(2, str(e)) from None
 
 
 def kv_transfer_backend_or_default(backend: str | None) -> str:

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from disagg.server import protocol as P
+from disagg.server import responses as R
 from disagg.server import tools as T
 from disagg.server.fanout import Choice
 
@@ -36,6 +37,7 @@ class Format(abc.ABC):
         self.created = P.now()
         self.model = srv.model_name
         self.include_usage = req.include_usage_in_stream
+        self.continuous_usage = req.continuous_usage_in_stream  # every chunk: running counts
 
     def usage(self, choices: list[Choice]) -> dict[str, Any]:
         prompts: dict[int, list[Choice]] = {}
@@ -47,8 +49,30 @@ class Format(abc.ABC):
         cached = sum(min(cached_tokens(c) for c in cs) for cs in prompts.values())
         return P.usage(prompt_tokens, completion_tokens, cached)
 
+    def running_usage(self, c: Choice) -> dict[str, Any] | None:
+        """A stream chunk's ``usage`` for choice ``c``: its running counts with
+        ``continuous_usage_stats`` (vLLM's: the choice's prompt and the tokens it generated so
+        far), else None (null but in the last chunk)."""
+        if not self.continuous_usage:
+            return None
+        done = c.num_tokens
+        return {"prompt_tokens": len(c.prompt_ids), "completion_tokens": done,
+                "total_tokens": len(c.prompt_ids) + done}
+
     def start_chunks(self, choices: list[Choice]) -> list[dict[str, Any]]:
         return []
+
+    # A stream's chunks as server-sent events: ``data: <chunk>`` each, an in-band error, and
+    # ``data: [DONE]`` last (a subclass may write other events for the same chunks).
+
+    def sse(self, chunk: dict[str, Any]) -> str:
+        return P.sse(chunk)
+
+    def sse_error(self, body: dict[str, Any]) -> str:
+        return P.sse(body)
+
+    def sse_end(self) -> str:
+        return P.SSE_DONE
 
     @abc.abstractmethod
     def response(self, choices: list[Choice]) -> dict[str, Any]:
@@ -130,6 +154,12 @@ class CompletionFormat(Format):
             u = P.usage(u["prompt_tokens"], 0, u["prompt_tokens_details"]["cached_tokens"])
         return u
 
+    def running_usage(self, c: Choice) -> dict[str, Any] | None:
+        u = super().running_usage(c)
+        if u is not None and self.req.echo_only:  # (as usage: no token is the answer's)
+            u = {**u, "completion_tokens": 0, "total_tokens": u["prompt_tokens"]}
+        return u
+
     def _echo(self, c: Choice, out: Any) -> tuple[str, dict[str, Any] | None]:
         """The echoed prompt's text and (with ``logprobs``) its logprobs part."""
         # Token ids echo as /detokenize shows them (special tokens too, as their logprobs do).
@@ -195,7 +225,7 @@ class CompletionFormat(Format):
         if choice["logprobs"] is not None:
             c.text_offset += sum(len(self.srv.token_text(t)) for t in ids)
         return P.completion_chunk(self.rid, self.created, self.model, [choice],
-                                  with_usage_field=self.include_usage)
+                                  self.running_usage(c), with_usage_field=self.include_usage)
 
     def usage_chunk(self, choices: list[Choice]) -> dict[str, Any]:
         return P.completion_chunk(self.rid, self.created, self.model, [], self.usage(choices),
@@ -244,7 +274,8 @@ class ChatFormat(Format):
         # OpenAI opens each choice with a role-only delta.
         return [P.chat_chunk(self.rid, self.created, self.model,
                              [P.chat_chunk_choice(c.index, {"role": "assistant", "content": ""})],
-                             with_usage_field=self.include_usage) for c in choices]
+                             self.running_usage(c), with_usage_field=self.include_usage)
+                for c in choices]
 
     def delta(self, c: Choice, text: str, ids: list[int], lps: list[dict[int, float]],
               finish: str | None, stop_reason: int | str | None
@@ -263,9 +294,39 @@ class ChatFormat(Format):
             finish = tc.stream_finish_reason(finish)
         chunks = [P.chat_chunk(self.rid, self.created, self.model, [P.chat_chunk_choice(
             c.index, d, *((finish, lp, stop_reason) if i == len(deltas) - 1 else ()))],
-            with_usage_field=self.include_usage) for i, d in enumerate(deltas)]
+            self.running_usage(c), with_usage_field=self.include_usage)
+            for i, d in enumerate(deltas)]
         return chunks[0] if len(chunks) == 1 else chunks
 
     def usage_chunk(self, choices: list[Choice]) -> dict[str, Any]:
         return P.chat_chunk(self.rid, self.created, self.model, [], self.usage(choices),
                             with_usage_field=True)
+
+
+class ResponsesFormat(ChatFormat):
+    """``/v1/responses``: the chat answer of the request's chat form (``responses``), turned
+    into a Response object, or its chunks into the Responses event stream; a finished
+    response is stored when the request asks (``store``)."""
+
+    id_prefix = "resp"
+
+    def __init__(self, srv: ServerState, req: Any, rid: str, call: R.ResponsesCall,
+                 store: R.ResponseStore) -> None:
+        super().__init__(srv, req, rid)
+        self.call = call
+        self.store = store
+        self.events = R.EventStream(call, lambda resp: call.keep(store, resp))
+
+    def response(self, choices: list[Choice]) -> dict[str, Any]:
+        resp = self.call.response(super().response(choices))
+        self.call.keep(self.store, resp)
+        return resp
+
+    def sse(self, chunk: dict[str, Any]) -> str:
+        return self.events.feed(chunk)
+
+    def sse_error(self, body: dict[str, Any]) -> str:
+        return self.events.error(body)
+
+    def sse_end(self) -> str:
+        return self.events.finish()

@@ -1,5 +1,6 @@
 """The OpenAI endpoints of a worker: ``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models``.
+``/v1/responses`` (served as its chat form: ``responses``; ``GET`` / ``DELETE
+/v1/responses/{id}`` read the store), ``/v1/models``.
 
 A completions request fans out into ``n`` choices per prompt, in OpenAI's order (the choices of
 prompt 0, then of prompt 1, ...); a chat request into ``n`` choices of its one templated prompt.
@@ -15,13 +16,15 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from pydantic import ValidationError
 
 from disagg.roles import RequestType
 from disagg.server import protocol as P
+from disagg.server import responses as R
 from disagg.server.chat_prompt import render_chat
 from disagg.server.disagg_requests import disagg_choice, releasing_refused, request_type
 from disagg.server.fanout import Choice
-from disagg.server.formats import ChatFormat, CompletionFormat, Format
+from disagg.server.formats import ChatFormat, CompletionFormat, Format, ResponsesFormat
 from disagg.server.respond import respond
 from disagg.server.state import ServerState
 
@@ -33,6 +36,8 @@ class OpenAIRoutes:
 
     def __init__(self, srv: ServerState) -> None:
         self.srv = srv
+        self.store = R.ResponseStore(srv.settings.responses_store_size,
+                                     srv.settings.responses_store_ttl)
 
     def register(self, app: FastAPI) -> None:
         srv = self.srv
@@ -41,6 +46,12 @@ class OpenAIRoutes:
         app.add_api_route("/v1/chat/completions",
                           releasing_refused(srv, self.chat_completions), methods=["POST"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
+        # (a served name may hold "/": "org/model", which the SDK sends as org%2Fmodel)
+        app.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"])
+        app.add_api_route("/v1/responses", self.responses, methods=["POST"])
+        app.add_api_route("/v1/responses/{response_id}", self.get_response, methods=["GET"])
+        app.add_api_route("/v1/responses/{response_id}", self.delete_response,
+                          methods=["DELETE"])
 
     async def _admit(self, request: Request, fmt: type[Format]) -> Format:
         """The checks every OpenAI request passes first (API key, body, schema, model name,
@@ -81,14 +92,18 @@ class OpenAIRoutes:
     async def chat_completions(self, request: Request) -> Response:
         t_arrival = time.monotonic()
         fmt = await self._admit(request, ChatFormat)
-        srv, req, rid = self.srv, fmt.req, fmt.rid
         assert isinstance(fmt, ChatFormat)
+        return await self._chat(request, fmt, t_arrival)
+
+    async def _chat(self, request: Request, fmt: ChatFormat, t_arrival: float) -> Response:
+        """A chat request (or a Responses request's chat form) answered in ``fmt``."""
+        srv, req, rid = self.srv, fmt.req, fmt.rid
         if fmt.tool_choice.mode == "auto" and srv.settings.tool_call_parser is None:
             raise P.bad_request('tool_choice: "auto" (the default with tools) needs a server '
                                 'started with --tool-call-parser (hermes, llama3_json, '
                                 'mistral); "required" or a named tool work without one',
                                 param="tool_choice")
-        messages = req.chat_messages()
+        messages = req.chat_messages(srv.settings.tool_call_parser)
         kind = request_type(srv, req, 1)
         if kind is RequestType.GENERATION_ONLY and "prompt_token_ids" in req.disaggregated_params:
             # The context worker's token ids are the prompt (no second tokenization).
@@ -109,11 +124,57 @@ class OpenAIRoutes:
         ]
         return await respond(srv, request, choices, fmt, t_arrival)
 
+    async def responses(self, request: Request) -> Response:
+        """``POST /v1/responses``: served as its chat form (``responses``), answered as a
+        Response object or the Responses event stream."""
+        t_arrival = time.monotonic()
+        srv = self.srv
+        srv.access.check_api_key(request)
+        srv.check_not_switching()
+        body = P.parse_json_object(await srv.read_body(request))
+        rreq = R.parse_request(body)
+        if rreq.unknown_fields():
+            logger.info("ignoring unknown request fields: %s", rreq.unknown_fields())
+        prev = rreq.previous_response_id
+        call = R.ResponsesCall.build(rreq, None if prev is None else self.store.get(prev))
+        srv.check_model(call.req.model)
+        srv.check_accepting()
+        try:
+            req = P.ChatCompletionRequest.model_validate(call.chat_body())
+        except ValidationError as e:
+            raise P.from_validation_error(e) from None
+        fmt = ResponsesFormat(srv, req, call.response_id, call, self.store)
+        return await self._chat(request, fmt, t_arrival)
+
+    async def get_response(self, request: Request, response_id: str) -> dict[str, Any]:
+        self.srv.access.check_api_key(request)
+        stored = self.store.get(response_id)
+        if stored is None:
+            raise R.not_found(response_id)
+        return stored.response
+
+    async def delete_response(self, request: Request, response_id: str) -> dict[str, Any]:
+        self.srv.access.check_api_key(request)
+        if not self.store.delete(response_id):
+            raise R.not_found(response_id)
+        return R.deleted(response_id)
+
     async def models(self, request: Request) -> dict[str, Any]:
         srv = self.srv
         srv.access.check_api_key(request)
-        return {"object": "list", "data": [{
-            "id": srv.model_name, "object": "model", "created": srv.created,
-            "owned_by": "disagg", "root": srv.settings.model_dir,
-            "max_model_len": srv.max_model_len,
-        }]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def model(self, request: Request, model_id: str) -> dict[str, Any]:
+        """``GET /v1/models/{id}`` (the SDK's ``models.retrieve``): the model as listed, or
+        404 ``model_not_found``."""
+        srv = self.srv
+        srv.access.check_api_key(request)
+        if model_id != srv.model_name:
+            raise P.model_not_found(model_id)
+        return self._model_card()
+
+    def _model_card(self) -> dict[str, Any]:
+        srv = self.srv
+        return {"id": srv.model_name, "object": "model", "created": srv.created,
+                "owned_by": "disagg", "root": srv.settings.model_dir,
+                "max_model_len": srv.max_model_len}

@@ -9,6 +9,7 @@ Torch-free and server-free: importing it imports only ``disagg.config`` and ``di
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -84,6 +85,11 @@ def check_role(role: str, world_size: int = 1) -> None:
                          f"{world_size}")
 
 
+# /v1/responses kept for previous_response_id (a worker's own, or the router's: the workers
+# behind a router see chat requests only).
+RESPONSES_STORE_SIZE = 1024
+RESPONSES_STORE_TTL_S = 3600.0
+
 SERVER_OPTIONS: dict[str, Opt] = {
     "model": Opt(str, "checkpoint folder (instead of the MODEL_DIR argument)"),
     "host": Opt(str, "address to bind (default 127.0.0.1)"),
@@ -124,6 +130,17 @@ SERVER_OPTIONS: dict[str, Opt] = {
     "tool_call_parser": Opt(str, "how tool calls are read from the model's text for "
                              "tool_choice auto (the model family's format); without it such "
                              "requests get 400", choices=("hermes", "llama3_json", "mistral")),
+    "chat_template": Opt(str, "chat template replacing the checkpoint's: a file, or the "
+                          "template itself (Jinja text); checked at start-up",
+                          metavar="FILE|TEMPLATE"),
+    "allowed_origins": Opt(StrList, "CORS: browser origins (scheme://host[:port]) that may "
+                            "call this worker, or * for any; default none (no CORS headers; "
+                            "YAML: a list)", metavar="ORIGIN,..."),
+    "responses_store_size": Opt(int, "responses kept for previous_response_id and GET "
+                                 f"/v1/responses/{{id}} (the oldest dropped first; 0: none; "
+                                 f"default {RESPONSES_STORE_SIZE})", metavar="N", ge=0),
+    "responses_store_ttl": Opt(float, "seconds a stored response is kept (default "
+                                f"{RESPONSES_STORE_TTL_S:g})", metavar="S", gt=0),
     "benchmark_gen_only": Opt(bool, "benchmarking aid of a generation worker: accept "
                                "generation_only requests without context params and decode as "
                                "if their prompt KV were in place (output text is meaningless)"),
@@ -159,6 +176,26 @@ def check_transceiver(name: str, value: Any, where: str,
         return CacheTransceiverConfig.from_dict(value)
     except (TypeError, ValueError) as e:
         raise error(f"{where}: {name}: {e}") from None
+
+
+_ORIGIN = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s?#]+")
+
+
+def check_origins(values: Any, name: str = "allowed_origins") -> tuple[str, ...]:
+    """CORS origins as configured (a list; ``*`` for any) -> the tuple the servers compare
+    a request's ``Origin`` with; ValueError naming ``name`` for one that no browser sends
+    (a path, a trailing slash, no scheme)."""
+    if values is None:
+        return ()
+    if isinstance(values, str) or not isinstance(values, list | tuple):
+        raise ValueError(f"{name}: expected a list of origins, got {values!r}")
+    out = []
+    for v in values:
+        if not isinstance(v, str) or not (v == "*" or _ORIGIN.fullmatch(v)):
+            raise ValueError(f"{name}: {v!r} is not an origin: scheme://host[:port] (no path, "
+                             f"no trailing slash), or * for any")
+        out.append(v)
+    return tuple(dict.fromkeys(out))
 
 
 SERVER_DEFAULTS: dict[str, Any] = {

@@ -9,13 +9,14 @@ offending field, in OpenAI's error JSON shape.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
 from disagg.request import SamplingParams, SamplingParamsError
 from disagg.roles import REQUEST_TYPES
@@ -68,6 +69,12 @@ def error_body(
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def model_not_found(model_id: str) -> APIError:
+    """404 for ``GET /v1/models/{id}`` of a model not served here (OpenAI's and vLLM's)."""
+    return APIError(404, f"The model `{model_id}` does not exist.", param="model",
+                    code="model_not_found")
 
 
 def _param_of(message: str) -> str | None:
@@ -151,11 +158,38 @@ def check_unsupported(extra: dict[str, Any] | None) -> None:
                               param=name)
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+class NullIsAbsent(BaseModel):
+    """A request model where an explicit ``null`` is the same as leaving an optional field out
+    (its default), as vLLM takes it (``{"n": null}``, ``{"stream": null}`` ...); ``null`` for a
+    required field stays a 400 naming it. Top-level fields only: nested values are the
+    caller's (a JSON schema, a tool's parameters)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not any(v is None for v in data.values()):
+            return data
+        required = _required_fields(cls)
+        return {k: v for k, v in data.items() if v is not None or k in required}
 
 
-class _Request(BaseModel):
+@functools.cache
+def _required_fields(model: type[BaseModel]) -> frozenset[str]:
+    return frozenset(name for name, f in model.model_fields.items() if f.is_required())
+
+
+class StreamOptions(NullIsAbsent):
+    """``include_usage``: the last chunk carries the request's usage (every chunk has a
+    ``usage`` field, null but that one). Defaults to true once ``stream_options`` is sent, as
+    vLLM has it (OpenAI's clients always send it explicitly). ``continuous_usage_stats``
+    (vLLM's; guidellm sends it): every chunk's ``usage`` holds the running counts of its
+    choice; without ``include_usage`` (false) it changes nothing, as in vLLM."""
+
+    include_usage: bool = True
+    continuous_usage_stats: bool = False
+
+
+class _Request(NullIsAbsent):
     """Fields shared by both endpoints: OpenAI's, plus vLLM's extensions (``top_k``, ...)."""
 
     # Unknown fields are ignored (clients send vendor extras); the server logs their names.
@@ -246,10 +280,22 @@ class _Request(BaseModel):
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage_in_stream(self) -> bool:
+        """Every chunk carries its choice's running usage (vLLM's ``continuous_usage_stats``)."""
+        return bool(self.include_usage_in_stream and self.stream_options
+                    and self.stream_options.continuous_usage_stats)
+
     def _sampling_params(self, max_tokens: int, logprobs: int | None,
-                         prompt_logprobs: int | None = None) -> SamplingParams:
+                         prompt_logprobs: int | None = None,
+                         bound_budget: int | None = None) -> SamplingParams:
         """Base params for one choice (n is fanned out by the server, seed + i per choice);
-        ``prompt_logprobs`` beside the request's own (echo: the larger)."""
+        ``prompt_logprobs`` beside the request's own (echo: the larger). ``bound_budget``:
+        the tokens a JSON grammar's default string bound is made for, when not
+        ``max_tokens`` (``GrammarSpec.with_budget``)."""
+        spec = self.grammar_spec()
+        if spec is not None and bound_budget is not None:
+            spec = spec.with_budget(bound_budget)
         kw: dict[str, Any] = dict(
             n=self.n,
             max_tokens=max_tokens,
@@ -264,7 +310,7 @@ class _Request(BaseModel):
             logit_bias=self.logit_bias_ids(),
             prompt_logprobs=max((n for n in (self.prompt_logprobs, prompt_logprobs)
                                  if n is not None), default=None),
-            structured=self.grammar_spec(),
+            structured=spec,
         )
         # None means "OpenAI default" (temperature 1, top_p 1, top_k off, no penalties).
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
@@ -378,24 +424,29 @@ class ChatCompletionRequest(_Request):
         return {**chat_template_args(self.add_generation_prompt, self.continue_final_message,
                                      self.chat_template_kwargs), "tools": self.tools or None}
 
-    def chat_messages(self) -> list[dict[str, Any]]:
-        """Messages as plain dicts for the chat template; only text content is supported."""
-        return plain_messages(self.messages)
+    def chat_messages(self, tool_call_parser: str | None = None) -> list[dict[str, Any]]:
+        """Messages as plain dicts for the chat template (``plain_messages``)."""
+        return plain_messages(self.messages, tool_call_parser)
 
     def to_sampling_params(self, num_prompt_tokens: int, max_model_len: int,
                            kv_capacity_tokens: int | None = None) -> SamplingParams:
         self.check_fields()
         max_tokens, _ = self.requested_max_tokens()
+        bound_budget = None
         if max_tokens is None:
             # OpenAI's chat default: as much as the context allows (and the KV cache holds,
             # else the engine refuses the request as one that can never fit).
             check_context_length(num_prompt_tokens, 1, max_model_len, "messages")
             limit = min(max_model_len, kv_capacity_tokens or max_model_len)
             max_tokens = max(limit - num_prompt_tokens, 1)
+            # A grammar's bounds from the model's context alone, not this worker's KV
+            # capacity: the context and generation workers of a disaggregated request (and
+            # an aggregated one) compile the same grammar.
+            bound_budget = max(max_model_len - num_prompt_tokens, 1)
         else:
             check_context_length(num_prompt_tokens, max_tokens, max_model_len, "messages")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, bound_budget=bound_budget)
 
     def tool_choice_of(self) -> T.ToolChoice:
         """The checked tools and tool_choice (400 naming the field)."""
@@ -439,8 +490,13 @@ class ChatCompletionRequest(_Request):
                                   param="top_logprobs")
 
 
-def plain_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as plain dicts for the chat template; only text content is supported."""
+def plain_messages(messages: Sequence[ChatMessage], tool_call_parser: str | None = None
+                   ) -> list[dict[str, Any]]:
+    """Messages as plain dicts in the shape chat templates expect (vLLM's): text content only
+    (parts joined), a null or missing content as ``""`` (templates concatenate it: an
+    assistant turn that only calls tools has none), tool calls' ``arguments`` as objects, and
+    tool call ids as the model family's template takes them (``tools.template_call_id``:
+    ``tool_call_parser`` names the family)."""
     out = []
     for i, m in enumerate(messages):
         if m.role not in ("system", "developer", "user", "assistant", "tool"):
@@ -455,12 +511,14 @@ def plain_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
                         param="messages")
             content = "\n".join(part["text"] for part in content)  # as vLLM joins them
         msg = {k: v for k, v in m.model_dump().items() if v is not None}
-        msg["content"] = content
+        msg["content"] = "" if content is None else content
         # Llama-style templates know "system", not OpenAI's newer "developer".
         if m.role == "developer":
             msg["role"] = "system"
         if isinstance(msg.get("tool_calls"), list):  # arguments as objects, as vLLM passes them
-            msg["tool_calls"] = T.template_tool_calls(msg["tool_calls"])
+            msg["tool_calls"] = T.template_tool_calls(msg["tool_calls"], tool_call_parser)
+        if isinstance(msg.get("tool_call_id"), str):
+            msg["tool_call_id"] = T.template_call_id(msg["tool_call_id"], tool_call_parser)
         out.append(msg)
     return out
 
@@ -822,7 +880,7 @@ def validate_request(path: str, body: dict[str, Any]) -> _Request:
 # ---- /tokenize and /detokenize (vLLM's shapes) ----------------------------------------------
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(NullIsAbsent):
     """vLLM's ``/tokenize``: ``prompt`` (completions style) or ``messages`` (chat style,
     rendered with the chat template first)."""
 
@@ -849,7 +907,7 @@ class TokenizeRequest(BaseModel):
                                self.chat_template_kwargs)
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(NullIsAbsent):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None

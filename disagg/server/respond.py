@@ -64,18 +64,18 @@ async def sse_events(fan: FanOut, fmt: Format) -> AsyncIterator[str]:
     """The SSE events of a started fan-out, ending with ``[DONE]``."""
     try:
         for chunk in fmt.start_chunks(fan.choices):
-            yield P.sse(chunk)
+            yield fmt.sse(chunk)
         async for c, out in fan.events():
             chunk = fmt.delta_chunk(c, out)
             for one in chunk if isinstance(chunk, list) else [chunk] if chunk else []:
-                yield P.sse(one)  # a list: tool-call deltas (name first, then arguments)
+                yield fmt.sse(one)  # a list: tool-call deltas (name first, then arguments)
         if fmt.include_usage:
-            yield P.sse(fmt.usage_chunk(fan.choices))
+            yield fmt.sse(fmt.usage_chunk(fan.choices))
     except P.APIError as e:  # headers are gone: report in-band, as OpenAI does
-        yield P.sse(e.body())
+        yield fmt.sse_error(e.body())
     finally:
         # Client gone (cancelled) or error: free the engine's blocks now. No await here:
         # under cancellation an await would be cancelled again.
         if not fan.done:
             fan.abort()
-    yield P.SSE_DONE
+    yield fmt.sse_end()

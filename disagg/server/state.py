@@ -24,7 +24,7 @@ from disagg.server.access import Access
 from disagg.server.engine_errors import unavailable
 from disagg.server.http_guard import MAX_BODY_BYTES
 from disagg.server.metrics import ServerMetrics
-from disagg.server.options import check_role
+from disagg.server.options import RESPONSES_STORE_SIZE, RESPONSES_STORE_TTL_S, check_role
 from disagg.server.role_switch import RoleSwitcher
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,14 @@ class ServerSettings:
     # Reads tool calls out of tool_choice "auto" answers (server/tools.py PARSERS); None:
     # such requests are a 400 (forced calls need no parser).
     tool_call_parser: str | None = None
+    # --chat-template: the template's text (tokenizer.read_chat_template), replacing the
+    # checkpoint's; None: the checkpoint's.
+    chat_template: str | None = None
+    # --allowed-origins: CORS origins ("*": any) the app answers with CORS headers; () none.
+    allowed_origins: tuple[str, ...] = ()
+    # /v1/responses kept for previous_response_id and GET: how many (0: none), for how long.
+    responses_store_size: int = RESPONSES_STORE_SIZE
+    responses_store_ttl: float = RESPONSES_STORE_TTL_S
 
     @property
     def model_name(self) -> str:
@@ -70,6 +78,10 @@ class ServerState:
 
     def __init__(self, engine: Any, settings: ServerSettings) -> None:
         check_role(settings.role)
+        if settings.chat_template is not None:
+            # Every prompt this worker renders (chat, /tokenize) uses it; the engine only
+            # detokenizes, so the tokenizer it holds is the one place to set it.
+            engine.tokenizer.chat_template = settings.chat_template
         self.engine = engine
         self.settings = settings
         self.roles = RoleSwitcher()  # a run-time role switch (role_switch.py)

@@ -41,7 +41,8 @@ class TokenizeRoutes:
         req.check_fields()
         tok = self.srv.engine.tokenizer
         if req.messages is not None:
-            text = render_chat(tok, P.plain_messages(req.messages), **P.chat_template_args(
+            messages = P.plain_messages(req.messages, self.srv.settings.tool_call_parser)
+            text = render_chat(tok, messages, **P.chat_template_args(
                 req.add_generation_prompt, req.continue_final_message,
                 req.chat_template_kwargs))
             special = bool(req.add_special_tokens)  # the template wrote them

@@ -15,8 +15,11 @@ call, and the model's text turned into OpenAI ``tool_calls`` (whole, or as strea
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import secrets
+import string
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -117,9 +120,10 @@ def forced_spec(choice: ToolChoice) -> GrammarSpec | None:
     return GrammarSpec.json_schema(schema, "tool_choice")
 
 
-def template_tool_calls(calls: list[Any]) -> list[Any]:
+def template_tool_calls(calls: list[Any], parser: str | None = None) -> list[Any]:
     """An assistant message's ``tool_calls`` for the chat template: each call's ``arguments``
-    JSON text as an object (templates write ``arguments | tojson``; vLLM does the same)."""
+    JSON text as an object (templates write ``arguments | tojson`` or iterate its items; vLLM
+    does the same), and, for Mistral (``parser``), its id as ``template_call_id``'s."""
     out = []
     for call in calls:
         fn = call.get("function") if isinstance(call, dict) else None
@@ -128,8 +132,24 @@ def template_tool_calls(calls: list[Any]) -> list[Any]:
                 call = {**call, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
             except ValueError:
                 pass  # not JSON: the template gets the text as sent
+        if isinstance(call, dict) and isinstance(call.get("id"), str):
+            call = {**call, "id": template_call_id(call["id"], parser)}
         out.append(call)
     return out
+
+
+_ALNUM = string.ascii_letters + string.digits
+
+
+def template_call_id(call_id: str, parser: str | None) -> str:
+    """A tool call's id as the model family's chat template takes it. Mistral's templates
+    refuse any id but 9 letters and digits (``raise_exception``): an id of another shape (an
+    OpenAI ``call_...`` id from a client's history) becomes 9 hex digits of its hash, the same
+    in the assistant's ``tool_calls`` and in the ``tool`` message that answers it. Other
+    families' ids pass as they are."""
+    if parser != "mistral" or (len(call_id) == 9 and all(c in _ALNUM for c in call_id)):
+        return call_id
+    return hashlib.sha256(call_id.encode()).hexdigest()[:9]
 
 
 # ---- reading calls out of the model's text ---------------------------------------------------
@@ -280,12 +300,16 @@ PARSE: dict[str, Callable[[str], Parsed]] = {
     "hermes": parse_hermes, "llama3_json": parse_llama3_json, "mistral": parse_mistral}
 
 
-def new_call_id() -> str:
+def new_call_id(parser: str | None = None) -> str:
+    """A new tool call id: OpenAI's shape (``call_`` + 24 hex digits), or 9 letters and
+    digits for Mistral, whose chat templates take no other (``template_call_id``)."""
+    if parser == "mistral":
+        return "".join(secrets.choice(_ALNUM) for _ in range(9))
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def call_json(call: tuple[str, str], call_id: str | None = None) -> dict[str, Any]:
-    return {"id": call_id or new_call_id(), "type": "function",
+def call_json(call: tuple[str, str], call_id: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function",
             "function": {"name": call[0], "arguments": call[1]}}
 
 
@@ -337,7 +361,8 @@ class ToolCalls:
         if not calls:
             return msg, finish_reason
         msg["content"] = p.content or None
-        msg["tool_calls"] = [call_json((c.name or "", c.args)) for c in calls]
+        msg["tool_calls"] = [call_json((c.name or "", c.args), new_call_id(self.parser))
+                             for c in calls]
         # A forced named call ends with "stop" (OpenAI); chosen / required calls say so.
         if self.choice.mode != "named" and finish_reason == "stop":
             finish_reason = "tool_calls"
@@ -359,7 +384,7 @@ class ToolCalls:
             self._sent_content = settled
         for i, c in enumerate(calls):
             if i == len(self._ids):
-                self._ids.append(new_call_id())
+                self._ids.append(new_call_id(self.parser))
                 self._sent_args.append(0)
                 out.append(self._head(i, c.name or ""))
             if (c.streamable or c.complete or finished) and len(c.args) > self._sent_args[i]:

@@ -5,6 +5,10 @@ compiled once per (spec, tokenizer) and kept in an LRU; a request gets a ``deep_
 (a copy is microseconds, a compile up to milliseconds for a large schema). A bad schema, regex
 or grammar raises ``StructuredSpecError`` naming the request field: the server's 400.
 
+A JSON schema is compiled compact (no whitespace between tokens, as OpenAI's strict mode
+writes it) and with default bounds where it gives none (``bounds.py``); a schema whose
+bounded form llguidance refuses (an intersection it does not implement) is compiled as given.
+
 ``Matcher`` follows one request's output: its tokens are consumed one by one; it says whether
 the grammar is complete (``done``: nothing but EOS may follow, so the request ends with
 "stop") and why it failed (``error``: a token the grammar refused; that request fails alone).
@@ -13,14 +17,22 @@ the grammar is complete (``done``: nothing but EOS may follow, so the request en
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from disagg.structured.spec import JSON_WHITESPACE, GrammarSpec, StructuredSpecError
+from disagg.structured.bounds import bound_schema
+from disagg.structured.spec import GrammarSpec, StructuredSpecError
+
+log = logging.getLogger(__name__)
 
 CACHE_SIZE = 256  # compiled grammars kept per tokenizer (each a few KB to a few MB)
+# llguidance's JSON options under a schema's own "x-guidance" (which wins): compact JSON, no
+# whitespace between tokens (llguidance's default allows any run of blanks there, on which a
+# weak model loops until max_tokens).
+JSON_DEFAULTS = {"whitespace_flexible": False}
 
 
 def _llguidance() -> Any:
@@ -33,14 +45,17 @@ def _llguidance() -> Any:
     return llguidance
 
 
-def grammar_text(spec: GrammarSpec) -> str:
-    """The llguidance grammar (its JSON form) of ``spec``."""
+def grammar_text(spec: GrammarSpec, bounded: bool = True) -> str:
+    """The llguidance grammar (its JSON form) of ``spec``; ``bounded``: a JSON schema with
+    its default bounds (``bounds.bound_schema``), else as given."""
     llg = _llguidance()
     M = llg.LLMatcher
     if spec.kind == "json":
+        schema = json.loads(spec.text)
+        if bounded:
+            schema = bound_schema(schema, spec.string_bound)
         # Defaults, so a schema's own "x-guidance" settings still win (llguidance's rule).
-        return M.grammar_from_json_schema(spec.text, defaults={
-            "whitespace_pattern": JSON_WHITESPACE})
+        return M.grammar_from_json_schema(json.dumps(schema), defaults=JSON_DEFAULTS)
     if spec.kind == "regex":
         return M.grammar_from_regex(spec.text)
     if spec.kind == "choice":
@@ -92,12 +107,16 @@ class GrammarCache:
                 self.hits += 1
                 return hit
         tok = self.lltokenizer()
-        llg = _llguidance()
-        try:
-            text = grammar_text(spec)
-        except ValueError as e:
-            raise StructuredSpecError(f"{spec.field}: {e}") from None
-        matcher = llg.LLMatcher(tok, text, log_level=0)
+        matcher = self._build(tok, spec, bounded=spec.kind == "json")
+        if matcher is None or (matcher.is_error() and spec.kind == "json"):
+            # the schema as given: its own error, or a grammar without the default bounds
+            bounded_error = ("the rewrite failed" if matcher is None
+                             else _first_line(matcher.get_error()))
+            matcher = self._build(tok, spec, bounded=False)
+            assert matcher is not None
+            if not matcher.is_error():
+                log.warning("%s: schema compiled without default bounds (%s)", spec.field,
+                            bounded_error)
         if matcher.is_error():
             raise StructuredSpecError(f"{spec.field}: invalid {spec.kind}: "
                                       f"{_first_line(matcher.get_error())}")
@@ -107,6 +126,18 @@ class GrammarCache:
             while len(self._compiled) > self._capacity:
                 self._compiled.popitem(last=False)
         return matcher
+
+    @staticmethod
+    def _build(tok: Any, spec: GrammarSpec, bounded: bool) -> Any:
+        """The matcher of ``spec`` (maybe in its error state); ``bounded``: None when the
+        bounded form could not be written (the schema as given then says what is wrong)."""
+        try:
+            text = grammar_text(spec, bounded)
+        except (ValueError, TypeError, RecursionError) as e:  # a malformed schema
+            if bounded:
+                return None
+            raise StructuredSpecError(f"{spec.field}: {e}") from None
+        return _llguidance().LLMatcher(tok, text, log_level=0)
 
     def matcher(self, spec: GrammarSpec) -> Matcher:
         """A fresh matcher for one request."""

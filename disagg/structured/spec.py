@@ -6,21 +6,20 @@ Every way a client can ask for one becomes a ``GrammarSpec``: OpenAI's ``respons
 ``guided_choice`` / ``guided_grammar`` fields, and forced tool calls (``tools.py`` builds
 their schema). The spec travels in ``SamplingParams`` and so reaches the engine unchanged on
 every worker: the context and the generation worker of a disaggregated request build the same
-grammar from the same request body.
+grammar from the same request body. A JSON spec also carries the default ``maxLength`` of the
+strings its schema leaves unbounded (``string_bound``), derived from the request's
+``max_tokens`` when its ``SamplingParams`` is made (``bounds.py``).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-KINDS = ("json", "regex", "choice", "grammar")
+from disagg.structured.bounds import string_bound
 
-# JSON whitespace allowed between tokens of a JSON value (llguidance's default is any run of
-# blanks, on which a weak model can loop until max_tokens): one space, or one newline and an
-# indent of up to 16 blanks (pretty-printed JSON to depth 8).
-JSON_WHITESPACE = r"(?:\x20|\n[\x20\x09]{0,16})?"
+KINDS = ("json", "regex", "choice", "grammar")
 
 
 class StructuredSpecError(ValueError):
@@ -29,14 +28,17 @@ class StructuredSpecError(ValueError):
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """``kind``: json | regex | choice | grammar; ``text``: the JSON schema (compact, keys
-    sorted, so equal schemas share one compiled grammar), the regex, the choices as a JSON
-    list, or the grammar (Lark, or GBNF when it uses ``::=``). ``field``: the request field it
-    came from (errors name it)."""
+    """``kind``: json | regex | choice | grammar; ``text``: the JSON schema (compact, its keys
+    in the client's order: llguidance writes properties in the order the schema lists them),
+    the regex, the choices as a JSON list, or the grammar (Lark, or GBNF when it uses
+    ``::=``). ``field``: the request field it came from (errors name it). ``string_bound``
+    (json only): the ``maxLength`` of strings the schema leaves unbounded (None: unbounded;
+    ``with_budget`` sets it)."""
 
     kind: str
     text: str
     field: str = "structured_outputs"
+    string_bound: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -51,7 +53,15 @@ class GrammarSpec:
                 raise StructuredSpecError(f"{field}: not valid JSON: {e}") from None
         if not isinstance(schema, dict | bool):
             raise StructuredSpecError(f"{field}: a JSON schema must be an object")
-        return cls("json", json.dumps(schema, sort_keys=True, separators=(",", ":")), field)
+        return cls("json", json.dumps(schema, separators=(",", ":")), field)
+
+    def with_budget(self, max_tokens: int) -> GrammarSpec:
+        """This spec for a request allowed ``max_tokens``: a JSON spec gets its
+        ``string_bound`` (``bounds.string_bound``) unless it has one already (a context-only
+        copy of a request's params keeps the bound of the request's own ``max_tokens``)."""
+        if self.kind != "json" or self.string_bound is not None:
+            return self
+        return replace(self, string_bound=string_bound(max_tokens))
 
 
 def _one_of(fields: dict[str, Any], where: str) -> tuple[str, Any] | None:
