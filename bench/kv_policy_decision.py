@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # this checkout's package, not an installed one
     sys.path.insert(0, str(ROOT))
 
+from disagg.contracts.cluster import PolicyConfig  # noqa: E402
 from disagg.kv_cache.hashing import BLOCK_HASH_SCHEME  # noqa: E402
-from disagg.router.config import PolicyConfig  # noqa: E402
 from disagg.router.kv_index import KVIndex  # noqa: E402
 from disagg.router.policies import KVCacheAwarePolicy, RouteRequest  # noqa: E402
 

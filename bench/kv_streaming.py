@@ -631,7 +631,7 @@ def start_worker(model: str, name: str, role: str, cpu: int, port: int, tmp: Pat
 
 def router_supports_streaming() -> bool:
     """Whether this checkout's router takes the top-level ``kv_streaming`` key."""
-    from disagg.router.config import RouterConfigError, parse_cluster_config
+    from disagg.contracts.cluster import RouterConfigError, parse_cluster_config
 
     try:
         parse_cluster_config({"hostname": "127.0.0.1", "port": 1, "kv_streaming": True,

@@ -106,8 +106,8 @@ COMPLETION_BODY = json.dumps(_COMPLETION).encode()
 def _context_params(worker_id: str) -> dict[str, Any]:
     """A context answer's ``disaggregated_params`` for a 32-token prompt (a SmolLM2-135M-like
     layout: 30 layers, 3 KV heads of 64, one rank)."""
+    from disagg.contracts.params import ContextParams
     from disagg.layout import RankLayout, WorkerLayout
-    from disagg.transfer.params import ContextParams
 
     layout = WorkerLayout(1, 1, 30, 3, 64, 32, "bfloat16", (RankLayout(0, 0, 0, (0, 30),
                                                                        (0, 3)),))

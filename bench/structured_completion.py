@@ -202,7 +202,7 @@ def run_offline(model: str, seeds: int) -> dict[str, dict[tuple[str, str], list[
 
     import disagg.structured.grammar as G
     from disagg import LLM, SamplingParams
-    from disagg.server import tools as T
+    from disagg.contracts import tools as T
     from disagg.structured.spec import from_response_format
 
     llm = LLM(model, max_model_len=MAX_MODEL_LEN)
@@ -240,12 +240,12 @@ def run_offline(model: str, seeds: int) -> dict[str, dict[tuple[str, str], list[
 
 
 def _offline_outcome(example: str, c: Any, choice: Any) -> Outcome:
-    from disagg.server import tools as T
+    from disagg.server.tool_calls import ToolCalls
 
     if example == "City":
         return Outcome(city_ok(c.text, c.finish_reason), len(c.token_ids), c.finish_reason,
                        c.text)
-    msg, finish = T.ToolCalls(choice, None).message(c.text, c.finish_reason)
+    msg, finish = ToolCalls(choice, None).message(c.text, c.finish_reason)
     calls = [(t["function"]["name"], t["function"]["arguments"])
              for t in msg.get("tool_calls") or []]
     ok = finish == "tool_calls" and tool_calls_ok(calls)

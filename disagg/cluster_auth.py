@@ -301,3 +301,13 @@ def _is_hostname(name: str) -> bool:
         and all(c.isascii() and (c.isalnum() or c == "-") for c in label)
         for label in name.split(".")
     )
+
+
+def bearer_ok(authorization: str, key: str | None) -> bool:
+    """Does an ``Authorization`` header value carry ``key`` as its bearer token (constant
+    time)? False when there is no key."""
+    if not key:
+        return False
+    scheme, _, token = authorization.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                               key.encode())

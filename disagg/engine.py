@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from disagg.config import EngineConfig, build_engine_config
+from disagg.contracts.roles import Role, RoleDrain
 from disagg.kv_cache.events import KVEventLog
 from disagg.kv_cache.manager import KVCacheManager
 from disagg.kv_connector.base import KVConnector, RequestKV
 from disagg.kv_connector.errors import KVTransferError
 from disagg.parallel.executor import DistributedExecutor, WorkerDiedError
 from disagg.request import Request, RequestStatus, SamplingParams
-from disagg.roles import Role, RoleDrain
 from disagg.runner import ModelRunner
 from disagg.sampler import Sampler, SamplerOutput, prompt_logprobs
 from disagg.scheduler import Scheduler, SchedulerOutput
@@ -42,8 +42,8 @@ from disagg.structured.mask import MaskFiller
 from disagg.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
+    from disagg.contracts.params import ContextParams
     from disagg.kv_connector.settings import DisaggSettings
-    from disagg.transfer.params import ContextParams
 
 logger = logging.getLogger(__name__)
 

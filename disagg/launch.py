@@ -387,7 +387,7 @@ def _resolved_cluster(config_path: str | None, raw: dict[str, Any] | None, sourc
     it rather than the copy."""
     import yaml
 
-    from disagg.router.config import RouterConfigError, load_cluster_config
+    from disagg.contracts.cluster import RouterConfigError, load_cluster_config
 
     if raw is None:
         assert config_path is not None

@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 from aiohttp import web
 
+from disagg.contracts.cluster import ClusterConfig, parse_cluster_config
 from disagg.router.app import build_router_app, start_router
-from disagg.router.config import ClusterConfig, parse_cluster_config
 
 # The cluster token of the router tests' workers (``running_router`` hands it to the router).
 ROUTER_TOKEN = "router-test-secret"

@@ -12,7 +12,7 @@ import pytest
 
 from disagg import addresses as A
 from disagg.cli import main
-from disagg.transfer.base import CacheTransceiverConfig
+from disagg.contracts.options import CacheTransceiverConfig
 from disagg.transfer.ucx import configure_ucx_env, context_transports, resolve_ucx_profile
 
 REMOTE_ROUTER = "http://192.0.2.77:8000"  # TEST-NET-1: never an address of this host

@@ -24,9 +24,9 @@ from family_templates import FAMILIES
 from router_fixtures import ROUTER_TOKEN, LoopThread, running_router
 from server_fixtures import serve_in_thread, start_worker_proc, stop_all, wait_all_healthy, wait_for
 
-from disagg.server import protocol as P
-from disagg.server import tools as T
-from disagg.server.chat_prompt import render_chat
+from disagg.contracts import protocol as P
+from disagg.contracts import tools as T
+from disagg.contracts.chat_prompt import render_chat
 from disagg.tokenizer import ChatTemplateError, load_tokenizer
 
 pytestmark = pytest.mark.slow

@@ -34,13 +34,13 @@ from server_fixtures import (
 )
 
 from disagg.chat_templates import MODEL_DEFAULTS, SMOLLM2_TOOLS
+from disagg.contracts import protocol as P
+from disagg.contracts.cluster import PolicyConfig, RouterConfigError, parse_cluster_config
 from disagg.deploy.plan import DeployError
 from disagg.deploy.plan import build_plan as deploy_plan
 from disagg.launch import LaunchError, build_plan
-from disagg.router.config import PolicyConfig, RouterConfigError, parse_cluster_config
 from disagg.router.prompt_tokens import CHAT, PromptTokens
-from disagg.server import protocol as P
-from disagg.server.tools import parse_hermes
+from disagg.server.tool_calls import parse_hermes
 from disagg.tokenizer import ChatTemplateError, load_tokenizer, read_chat_template
 
 ROOT = Path(__file__).resolve().parent.parent

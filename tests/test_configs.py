@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from disagg.contracts.cluster import load_cluster_config
 from disagg.launch import LaunchError, assign_gpus, build_plan, is_local_host, resolve_models
-from disagg.router.config import load_cluster_config
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 
@@ -55,7 +55,7 @@ def test_config_loads_and_plans(path: Path, tiny_llama: str, tmp_path: Path):
     for w in plan.workers:
         worker_yaml = w.cmd[w.cmd.index("--config") + 1]
         # The worker file is one `disagg serve --config` accepts, with the resolved model.
-        from disagg.server.cli import load_worker_yaml
+        from disagg.contracts.options import load_worker_yaml
 
         opts = load_worker_yaml(worker_yaml)
         # Served under the model as given (here --model's path), as `disagg serve` does.

@@ -19,11 +19,11 @@ from router_fixtures import LoopThread, running_router
 from server_fixtures import free_port, serve_in_thread, start_worker_proc, stop_all, wait_for
 
 from disagg.cli import build_parser
+from disagg.contracts.cluster import RouterConfigError, parse_cluster_config
+from disagg.contracts.options import check_origins
 from disagg.engine import AsyncLLM
 from disagg.router.cli import configured
-from disagg.router.config import RouterConfigError, parse_cluster_config
 from disagg.server.app import ServerSettings, build_app
-from disagg.server.options import check_origins
 
 KEY = "sk-cors"
 NAME = "tiny"

@@ -141,7 +141,8 @@ def test_memory_and_graph_options_validate_and_flow_from_cli_and_yaml(tiny_llama
     import argparse
 
     from disagg.config import CacheConfig, ConfigError, CudaGraphConfig, build_engine_config
-    from disagg.server.cli import add_cli, load_worker_yaml, resolve_options
+    from disagg.contracts.options import load_worker_yaml
+    from disagg.server.cli import add_cli, resolve_options
 
     for bad in (0.0, -0.1, 1.5, True, "0.5"):
         with pytest.raises(ConfigError, match="gpu_memory_fraction"):

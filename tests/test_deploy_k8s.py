@@ -18,9 +18,9 @@ import yaml
 
 from disagg.cli import build_parser
 from disagg.cli import main as disagg_main
+from disagg.contracts.cluster import load_cluster_config
+from disagg.contracts.options import load_worker_yaml
 from disagg.router.cli import configured
-from disagg.router.config import load_cluster_config
-from disagg.server.cli import load_worker_yaml
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 

@@ -41,8 +41,8 @@ from test_disagg_e2e import (
     streamed_text,
 )
 
+from disagg.contracts.params import ContextParams
 from disagg.layout import WorkerLayout, plan_pulls
-from disagg.transfer.params import ContextParams
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 UCX_CTX = {(2, 1), (2, 2)}  # these context workers serve over UCX when it is available

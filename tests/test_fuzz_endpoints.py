@@ -48,11 +48,11 @@ from server_fixtures import Listener, serve_in_thread, wait_for
 
 from disagg.cluster_auth import sign_http
 from disagg.config import build_engine_config
+from disagg.contracts import protocol as P
+from disagg.contracts.cluster import parse_cluster_config
 from disagg.engine import AsyncLLM
 from disagg.kv_connector.settings import DisaggSettings
 from disagg.router.app import ROUTER_KEY, build_router_app, start_router
-from disagg.router.config import parse_cluster_config
-from disagg.server import protocol as P
 from disagg.server.app import ServerSettings, build_app
 
 TOKEN = "fuzz-cluster-secret"

@@ -120,7 +120,7 @@ def test_finder_sees_a_cycle() -> None:
 def test_graph_covers_the_package() -> None:
     graph = import_graph()
     assert "disagg.server.app" in graph and "disagg.transfer.base" in graph
-    assert "disagg.server.protocol" in graph["disagg.server.app"]  # from pkg import module
+    assert "disagg.contracts.protocol" in graph["disagg.server.app"]  # from pkg import module
 
 
 def test_no_import_cycles() -> None:
@@ -128,3 +128,52 @@ def test_no_import_cycles() -> None:
     cycles = find_cycles(graph)
     report = "\n".join(f"  {' <-> '.join(c)}  ({_edges(graph, c)})" for c in cycles)
     assert not cycles, f"{len(cycles)} import cycle(s) among disagg modules:\n{report}"
+
+
+# ---- layering: who may import whom ------------------------------------------------------------
+
+# The contracts every side shares import only each other and these torch-free modules.
+CONTRACT_DEPS = ("disagg.config", "disagg.env", "disagg.layout", "disagg.request",
+                 "disagg.structured.spec", "disagg.structured.bounds")
+# The router, the launcher, deploy and bench are clients of the workers: they share the
+# contracts with them, never the worker server's code.
+WORKER_CLIENTS = ("disagg.router", "disagg.launch", "disagg.deploy", "disagg.bench",
+                  "disagg.contracts")
+
+
+def _under(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def test_contracts_import_only_contracts_and_pure_modules() -> None:
+    graph = import_graph()
+    bad = {m: sorted(d for d in deps if not _under(d, ("disagg.contracts", *CONTRACT_DEPS))
+                     and d != "disagg")
+           for m, deps in graph.items() if _under(m, ("disagg.contracts",))}
+    assert not {m: d for m, d in bad.items() if d}, bad
+
+
+def test_worker_clients_never_import_the_worker_server() -> None:
+    graph = import_graph()
+    bad = {m: sorted(d for d in deps if _under(d, ("disagg.server",)))
+           for m, deps in graph.items() if _under(m, WORKER_CLIENTS)}
+    assert not {m: d for m, d in bad.items() if d}, bad
+
+
+def test_router_launch_and_deploy_load_neither_torch_nor_fastapi() -> None:
+    """What importing them loads, in a fresh interpreter (the static graph above does not
+    see third-party imports)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import disagg.router.app, disagg.router.cli, disagg.launch, disagg.deploy.cli\n"
+            "import disagg.deploy.plan, disagg.deploy.k8s, disagg.deploy.slurm\n"
+            "import disagg.contracts.cluster, disagg.contracts.protocol\n"
+            "import disagg.contracts.responses\n"
+            "heavy = {'torch', 'fastapi', 'starlette', 'uvicorn'}\n"
+            "print(sorted(heavy & set(sys.modules)))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

@@ -41,8 +41,8 @@ from server_fixtures import (
     wait_for,
 )
 
+from disagg.contracts.cluster import parse_cluster_config
 from disagg.router.app import ROUTER_KEY, build_router_app, start_router
-from disagg.router.config import parse_cluster_config
 
 pytestmark = pytest.mark.slow
 

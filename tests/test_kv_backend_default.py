@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from disagg.server.cli import _disagg_settings, load_worker_yaml
+from disagg.contracts.options import load_worker_yaml
+from disagg.server.cli import _disagg_settings
 from disagg.transfer.ucx import ucx_available
 
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from disagg.config import build_engine_config
+from disagg.contracts.params import ContextParams
+from disagg.contracts.roles import Role
 from disagg.engine import LLMEngine
 from disagg.kv_connector.settings import DisaggSettings
 from disagg.request import SamplingParams
-from disagg.roles import Role
-from disagg.transfer.params import ContextParams
 from disagg.transfer.tcp import TcpConnection
 
 TOKEN = "abort-secret"

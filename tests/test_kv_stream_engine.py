@@ -14,12 +14,11 @@ from typing import Any
 import pytest
 
 from disagg.config import build_engine_config
+from disagg.contracts.params import ContextParams, token_ids_hash
+from disagg.contracts.roles import Role
 from disagg.engine import LLMEngine
 from disagg.kv_connector.settings import DisaggSettings
 from disagg.request import SamplingParams
-from disagg.roles import Role
-from disagg.transfer.params import ContextParams
-from disagg.transfer.progress import token_ids_hash
 
 TOKEN = "stream-secret"
 WAIT = 20.0

@@ -80,7 +80,8 @@ def test_engine_config_rejects_unsplittable_models(tiny_llama: str) -> None:
 def test_serve_flags_and_yaml_keys(tmp_path: Path) -> None:
     import argparse
 
-    from disagg.server.cli import add_cli, load_worker_yaml, resolve_options
+    from disagg.contracts.options import load_worker_yaml
+    from disagg.server.cli import add_cli, resolve_options
 
     parser = argparse.ArgumentParser()
     add_cli(parser.add_subparsers())

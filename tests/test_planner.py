@@ -4,15 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from disagg.router.config import RouterConfigError, parse_cluster_config
-from disagg.router.planner import (
-    ClusterSnapshot,
-    PlannerConfig,
-    PlannerConfigError,
-    RateMatchPrior,
-    SideSnapshot,
-    decide,
-)
+from disagg.contracts.cluster import RouterConfigError, parse_cluster_config
+from disagg.contracts.planner_config import PlannerConfig, PlannerConfigError, RateMatchPrior
+from disagg.router.planner import ClusterSnapshot, SideSnapshot, decide
 
 CFG = PlannerConfig(ttft_slo_ms=500, tpot_slo_ms=50, min_samples=10, hysteresis_s=60,
                     headroom=0.2, window_s=60, interval_s=5)
@@ -218,7 +212,7 @@ def test_planner_loop_window_starts_after_the_last_switch() -> None:
 
 def test_generation_wait_over_ttft_slo_is_a_generation_bottleneck() -> None:
     """Requests queueing for decode slots: TPOT fine, the wait for first bytes is not."""
-    from disagg.router.planner import ClusterSnapshot, PlannerConfig, decide, snapshot_side
+    from disagg.router.planner import ClusterSnapshot, decide, snapshot_side
 
     cfg = PlannerConfig(ttft_slo_ms=100, tpot_slo_ms=20, min_samples=4, hysteresis_s=0)
     snap = ClusterSnapshot(snapshot_side(3, [10.0] * 10),

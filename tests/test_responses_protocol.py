@@ -1,4 +1,4 @@
-"""The Responses API as chat and back (``disagg/server/responses.py``), without a server: the
+"""The Responses API as chat and back (``disagg/contracts/responses.py``), without a server: the
 chat body a request means, the 400s, the store's bounds, and the event stream of a chat
 stream, which must end in the same response object as the whole answer."""
 
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from disagg.server import protocol as P
-from disagg.server import responses as R
+from disagg.contracts import protocol as P
+from disagg.contracts import responses as R
 
 TOOL = {"type": "function", "name": "get_weather", "description": "weather",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}

@@ -31,8 +31,8 @@ from server_fixtures import (
     wait_for,
 )
 
-from disagg.roles import Role, RoleDrain
-from disagg.server import protocol as P
+from disagg.contracts import protocol as P
+from disagg.contracts.roles import Role, RoleDrain
 from disagg.server.role_switch import DRAINING, SWITCHING, RoleSwitcher, Switch, parse_role
 from disagg.transfer.ucx import ucx_available
 

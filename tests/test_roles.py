@@ -1,4 +1,4 @@
-from disagg.roles import REQUEST_TYPES, ROLES, RequestType, Role
+from disagg.contracts.roles import REQUEST_TYPES, ROLES, RequestType, Role
 
 
 def test_roles_and_request_types_are_their_wire_values() -> None:

@@ -31,9 +31,9 @@ from server_fixtures import signed, wait_for
 
 from disagg.cli import main as cli_main
 from disagg.cluster_auth import AUTH_HEADER, HttpVerifier
+from disagg.contracts.cluster import RouterConfigError, parse_cluster_config
 from disagg.kv_cache.hashing import BLOCK_HASH_SCHEME
 from disagg.router.app import build_router_app
-from disagg.router.config import RouterConfigError, parse_cluster_config
 
 C = "/v1/completions"
 

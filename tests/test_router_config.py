@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from disagg.router.config import (
+from disagg.contracts.cluster import (
     ClusterConfig,
     RouterConfigError,
     load_cluster_config,
     parse_cluster_config,
 )
-from disagg.server.cli import load_worker_yaml
+from disagg.contracts.options import load_worker_yaml
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 CLUSTER_KEYS = ("context_servers", "generation_servers", "disagg_cluster")

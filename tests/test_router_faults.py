@@ -32,8 +32,8 @@ from server_fixtures import (
     wait_for,
 )
 
+from disagg.contracts.cluster import parse_cluster_config
 from disagg.router.app import LINGER_S, ROUTER_KEY, build_router_app, start_router
-from disagg.router.config import parse_cluster_config
 from disagg.router.membership import REQUEST_FAILURE_THRESHOLD
 
 TOKEN = "router-faults-secret"

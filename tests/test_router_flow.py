@@ -13,15 +13,15 @@ from aiohttp import web
 from router_fixtures import LoopThread, metric, running_router
 from server_fixtures import wait_for
 
-from disagg.roles import Role
+from disagg.contracts import protocol as P
+from disagg.contracts.cluster import parse_cluster_config
+from disagg.contracts.roles import Role
 from disagg.router.app import Router
-from disagg.router.config import parse_cluster_config
 from disagg.router.flow import Tries
 from disagg.router.membership import Worker
 from disagg.router.policies import RouteRequest
 from disagg.router.replies import Reply
 from disagg.router.upstream import Failed, error_code
-from disagg.server import protocol as P
 
 URLS = ["127.0.0.1:9001", "127.0.0.1:9002", "127.0.0.1:9003"]
 

@@ -23,8 +23,8 @@ from router_fixtures import LoopThread
 from server_fixtures import wait_for
 from test_router_faults import BODY, aggregated, stubs
 
+from disagg.contracts.cluster import parse_cluster_config
 from disagg.router.app import ROUTER_KEY, build_router_app, start_router
-from disagg.router.config import parse_cluster_config
 from disagg.router.front import Front, FrontConnection, FrontSite
 
 C = "/v1/completions"

@@ -26,8 +26,8 @@ from router_fixtures import ROUTER_TOKEN, LoopThread, metric, running_router
 from server_fixtures import wait_for
 
 from disagg.cluster_auth import AUTH_HEADER, HttpVerifier
+from disagg.contracts.cluster import RouterConfigError, parse_cluster_config
 from disagg.router import cli as router_cli
-from disagg.router.config import RouterConfigError, parse_cluster_config
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 DEADLINE_S = 5.0  # how long a stub waits for the other call of its stream

@@ -31,7 +31,7 @@ from server_fixtures import (
     wait_for,
 )
 
-from disagg.router.config import parse_cluster_config
+from disagg.contracts.cluster import parse_cluster_config
 
 NAME = "tiny"
 TOKEN = ROUTER_TOKEN

@@ -7,11 +7,11 @@ from types import MappingProxyType
 
 import pytest
 
+from disagg.contracts.cluster import PolicyConfig
 from disagg.kv_cache.events import KVEventLog
 from disagg.kv_cache.hashing import BLOCK_HASH_SCHEME, hash_token_blocks
 from disagg.kv_cache.manager import KVCacheManager
 from disagg.request import Request, SamplingParams
-from disagg.router.config import PolicyConfig
 from disagg.router.kv_index import KVEventsError, KVIndex, PromptHashes
 from disagg.router.policies import (
     KVCacheAwarePolicy,

@@ -138,7 +138,7 @@ def test_process_info_checks_and_primary() -> None:
 
 
 def test_processes_key_and_flag_are_checked(tmp_path: Path) -> None:
-    from disagg.router.config import RouterConfigError, parse_cluster_config
+    from disagg.contracts.cluster import RouterConfigError, parse_cluster_config
 
     base = {"generation_servers": {"num_instances": 1, "urls": ["127.0.0.1:9"]}}
     assert parse_cluster_config(base).processes == 1

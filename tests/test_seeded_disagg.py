@@ -10,10 +10,10 @@ from collections.abc import Callable
 import pytest
 
 from disagg.config import build_engine_config
+from disagg.contracts.params import ContextParams
 from disagg.engine import AsyncLLM, RequestOutput
 from disagg.kv_connector.settings import DisaggSettings
 from disagg.request import SamplingParams
-from disagg.transfer.params import ContextParams
 
 OPTIONS = dict(tokens_per_block=8, kv_cache_tokens=2048, max_model_len=256, max_num_tokens=64,
                max_batch_size=16)

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from disagg.roles import RequestType, Role
-from disagg.server import protocol as P
+from disagg.contracts import protocol as P
+from disagg.contracts.roles import RequestType, Role
 from disagg.server.disagg_requests import request_type
 
 

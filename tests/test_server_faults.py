@@ -284,7 +284,7 @@ def test_slow_and_odd_http(live: SimpleNamespace) -> None:
 
 
 def test_parse_json_object_and_validate_request() -> None:
-    from disagg.server import protocol as P
+    from disagg.contracts import protocol as P
 
     def status(raw: bytes) -> int | None:
         try:

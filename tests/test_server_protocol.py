@@ -12,9 +12,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from disagg.config import ENGINE_OPTION_NAMES, ConfigError
+from disagg.contracts import protocol as P
+from disagg.contracts.options import ENGINE_OPTIONS, load_worker_yaml
 from disagg.request import SamplingParams
-from disagg.server import protocol as P
-from disagg.server.cli import ENGINE_OPTIONS, add_cli, load_worker_yaml, resolve_options
+from disagg.server.cli import add_cli, resolve_options
 from disagg.server.metrics import ServerMetrics
 
 
@@ -409,7 +410,8 @@ def test_kv_peer_allowlist_from_yaml_and_flag(tmp_path) -> None:
 
     from disagg.cluster_auth import PeerAllowlist
     from disagg.config import ConfigError
-    from disagg.server.cli import add_cli, load_worker_yaml, resolve_options
+    from disagg.contracts.options import load_worker_yaml
+    from disagg.server.cli import add_cli, resolve_options
 
     y = tmp_path / "w.yaml"
     y.write_text("kv_peer_allowlist: [10.0.0.0/24, ctx-0]\n")

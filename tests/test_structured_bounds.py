@@ -16,9 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from disagg.contracts import tools as T
 from disagg.engine import context_only_params
 from disagg.request import SamplingParams
-from disagg.server import tools as T
 from disagg.structured.bounds import (
     FRACTION_STEP,
     INT_LIMIT,
@@ -209,7 +209,7 @@ def test_without_max_tokens_the_bound_ignores_the_workers_kv_capacity() -> None:
     """A chat request without max_tokens decodes what the context and this worker's KV cache
     leave; its grammar's bound comes from the context alone, so workers with different KV
     capacities (a context and a generation worker) compile the same grammar."""
-    from disagg.server.protocol import ChatCompletionRequest
+    from disagg.contracts.protocol import ChatCompletionRequest
 
     req = ChatCompletionRequest.model_validate({
         "messages": [{"role": "user", "content": "x"}],

@@ -14,11 +14,11 @@ from collections.abc import Callable
 import pytest
 
 from disagg.config import build_engine_config
+from disagg.contracts.params import ContextParams
 from disagg.engine import AsyncLLM, RequestOutput
 from disagg.kv_connector.settings import DisaggSettings
 from disagg.request import SamplingParams
 from disagg.structured.spec import GrammarSpec
-from disagg.transfer.params import ContextParams
 
 OPTIONS = dict(kv_cache_tokens=2048, max_model_len=256, max_num_tokens=64, max_batch_size=16)
 PROMPT = [(11 * i + 7) % 250 + 3 for i in range(21)]

@@ -19,10 +19,11 @@ import pydantic
 import pytest
 from server_fixtures import serve_in_thread
 
+from disagg.contracts import tools as T
 from disagg.engine import AsyncLLM
 from disagg.request import SamplingParams
-from disagg.server import tools as T
 from disagg.server.app import ServerSettings, build_app
+from disagg.server.tool_calls import ToolCalls
 from disagg.structured.spec import GrammarSpec
 
 NAME = "tiny"
@@ -277,14 +278,14 @@ ARGS = {"city": "Oslo", "days": 2}
 ])
 def test_parsers_read_calls_whole_and_streamed(parser: str, text: str, content: str) -> None:
     choice = T.resolve(TOOLS, "auto", None)
-    msg, finish = T.ToolCalls(choice, parser).message(text, "stop")
+    msg, finish = ToolCalls(choice, parser).message(text, "stop")
     assert finish == "tool_calls" and (msg["content"] or "") == content
     want = [{"name": "get_weather", "arguments": json.dumps(ARGS)},
             {"name": "get_time", "arguments": json.dumps({"tz": "UTC"})}]
     assert [c["function"] for c in msg["tool_calls"]] == want
     # Streamed a few characters at a time: the same content and calls, each call's name
     # before its arguments.
-    tc = T.ToolCalls(choice, parser)
+    tc = ToolCalls(choice, parser)
     deltas = []
     for i in range(0, len(text), 3):
         deltas += tc.stream_delta(text[i:i + 3], finished=i + 3 >= len(text))
@@ -314,11 +315,11 @@ def test_calls_cut_short_read_the_same_whole_and_streamed() -> None:
     choice = T.resolve(TOOLS, "required", None)
     text = '[{"name": "get_time", "parameters": {"tz": "UTC"}}, {"name": "get_weather", ' \
            '"parameters": {"city": "Os'
-    msg, finish = T.ToolCalls(choice, None).message(text, "length")
+    msg, finish = ToolCalls(choice, None).message(text, "length")
     assert finish == "length"
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == [
         ("get_time", '{"tz": "UTC"}'), ("get_weather", '{"city": "Os')]
-    tc = T.ToolCalls(choice, None)
+    tc = ToolCalls(choice, None)
     args: dict[int, str] = {}
     for i in range(0, len(text), 5):
         for d in tc.stream_delta(text[i:i + 5], i + 5 >= len(text)):
@@ -331,9 +332,9 @@ def test_parsers_leave_plain_text_alone() -> None:
     choice = T.resolve(TOOLS, "auto", None)
     for parser in T.PARSERS:
         text = "No tools needed <tool but plain text"
-        msg, finish = T.ToolCalls(choice, parser).message(text, "stop")
+        msg, finish = ToolCalls(choice, parser).message(text, "stop")
         assert msg == {"role": "assistant", "content": text} and finish == "stop"
-        tc = T.ToolCalls(choice, parser)
+        tc = ToolCalls(choice, parser)
         streamed = "".join(d.get("content", "") for i in range(0, len(text), 4)
                            for d in tc.stream_delta(text[i:i + 4], i + 4 >= len(text)))
         assert streamed == text
@@ -343,7 +344,7 @@ def test_parsers_leave_plain_text_alone() -> None:
 
 
 def test_every_request_field_maps_to_one_spec() -> None:
-    from disagg.server import protocol as P
+    from disagg.contracts import protocol as P
 
     def spec(**body: Any) -> GrammarSpec | None:
         req = P.ChatCompletionRequest.model_validate({"messages": MESSAGES, **body})
@@ -374,7 +375,7 @@ def test_every_request_field_maps_to_one_spec() -> None:
 
 def test_a_tool_round_trip_reaches_the_chat_template(live: SimpleNamespace) -> None:
     """The tools and an earlier call (arguments as an object) reach the template."""
-    from disagg.server import protocol as P
+    from disagg.contracts import protocol as P
 
     call = {"id": "call_1", "type": "function",
             "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}

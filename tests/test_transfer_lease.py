@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
+from disagg.contracts.options import CacheTransceiverConfig
 from disagg.transfer.backends import make_backend
 from disagg.transfer.base import (
-    CacheTransceiverConfig,
     ProtocolError,
     ReadRequest,
     TransferError,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from disagg.contracts.params import ContextParams, DisaggParamsError
 from disagg.layout import RankLayout, WorkerLayout
-from disagg.transfer.params import ContextParams, DisaggParamsError
 
 
 def sample() -> ContextParams:

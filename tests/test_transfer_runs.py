@@ -17,12 +17,12 @@ import pytest
 import torch
 from transfer_fixtures import BACKENDS, expected, same_bytes
 
+from disagg.contracts.params import ContextParams
 from disagg.kv_connector.pull import Read, cancel_reads, install, submit_reads
 from disagg.layout import RankLayout, WorkerLayout, plan_pulls
 from disagg.transfer import KVTransferClient, KVTransferServer, LeaseTable, ReadRequest
 from disagg.transfer import tcp as tcp_mod
 from disagg.transfer.base import TransferError
-from disagg.transfer.params import ContextParams
 from disagg.transfer.payload import block_views, byte_views, payload_shape, slice_views
 from disagg.transfer.service import (
     BAD_REQUEST,

@@ -17,6 +17,7 @@ import pytest
 import torch
 from transfer_fixtures import BACKENDS, expected, same_bytes
 
+from disagg.contracts.params import token_ids_hash
 from disagg.transfer import (
     KVTransferClient,
     KVTransferServer,
@@ -26,7 +27,7 @@ from disagg.transfer import (
 )
 from disagg.transfer.base import MAX_WAIT_S, LoopThread
 from disagg.transfer.payload import payload_shape
-from disagg.transfer.progress import StreamNotReady, StreamProgress, token_ids_hash
+from disagg.transfer.progress import StreamNotReady, StreamProgress
 
 N, L, H, B, D = 16, 4, 2, 8, 4
 TOKEN = "cluster-secret"

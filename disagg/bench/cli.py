@@ -462,7 +462,7 @@ def rate_match_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         run_rate_match,
         save_result,
     )
-    from disagg.server.cli import load_worker_yaml
+    from disagg.contracts.options import load_worker_yaml
 
     parent = os.path.dirname(os.path.abspath(args.save_result))
     if not os.path.isdir(parent):

@@ -32,8 +32,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from disagg.launch import DEMO_MODEL, TINY_MODEL, packaged_model_defaults, split_url
-from disagg.router.config import (
+from disagg.contracts.cluster import (
     SECTIONS,
     ClusterConfig,
     RouterConfigError,
@@ -41,7 +40,8 @@ from disagg.router.config import (
     load_cluster_config,
     parse_cluster_config,
 )
-from disagg.server.options import SERVER_DEFAULTS
+from disagg.contracts.options import SERVER_DEFAULTS
+from disagg.launch import DEMO_MODEL, TINY_MODEL, packaged_model_defaults, split_url
 
 # Worker keys the deployment sets per worker (or keeps out of config files) -> why.
 _REFUSED_KEYS = {

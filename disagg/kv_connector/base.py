@@ -58,10 +58,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+from disagg.contracts.params import ContextParams
 from disagg.kv_connector.errors import KVTransferError
 from disagg.request import Request
 from disagg.scheduler import KVFetch, SchedulerOutput
-from disagg.transfer.params import ContextParams
 from disagg.transfer.stats import TransferStatsSnapshot
 
 

@@ -38,6 +38,8 @@ from typing import Any, Protocol
 import torch
 
 from disagg.config import EngineConfig
+from disagg.contracts.params import ContextParams
+from disagg.contracts.roles import Role
 from disagg.kv_connector.base import FinishedTransfers, KVConnector, RequestKV
 from disagg.kv_connector.errors import KVTransferError
 from disagg.kv_connector.messages import (
@@ -71,11 +73,9 @@ from disagg.kv_connector.recv_pool import ReceivePool
 from disagg.kv_connector.settings import SWEEP_INTERVAL_S, DisaggSettings
 from disagg.kv_connector.stream import StreamPublisher, stream_items
 from disagg.request import Request, RequestStatus
-from disagg.roles import Role
 from disagg.scheduler import KVFetch, SchedulerOutput
 from disagg.transfer.backends import make_backend
 from disagg.transfer.lease import Lease, LeaseTable
-from disagg.transfer.params import ContextParams
 from disagg.transfer.stats import TransferStats, TransferStatsSnapshot, merge_snapshots
 
 logger = logging.getLogger("disagg.kv_connector")

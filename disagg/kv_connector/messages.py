@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from disagg.contracts.params import ContextParams
 from disagg.kv_connector.errors import KVTransferError
-from disagg.transfer.params import ContextParams
 from disagg.transfer.stats import TransferStatsSnapshot
 
 

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from disagg.config import EngineConfig
+from disagg.contracts.params import ContextParams, token_ids_hash
 from disagg.kv_connector.errors import KVTransferError
 from disagg.kv_connector.recv_pool import ReceivePool
 from disagg.kv_connector.settings import DisaggSettings
@@ -41,9 +42,7 @@ from disagg.layout import ParallelLayout, RankLayout, TransferPiece, WorkerLayou
 from disagg.transfer.backends import make_backend
 from disagg.transfer.base import ReadRequest, TransferError
 from disagg.transfer.kvcopy import scatter_tokens
-from disagg.transfer.params import ContextParams
 from disagg.transfer.payload import block_views
-from disagg.transfer.progress import token_ids_hash
 from disagg.transfer.stats import TransferStats
 
 logger = logging.getLogger("disagg.kv_connector")

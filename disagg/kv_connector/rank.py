@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from disagg.config import EngineConfig
+from disagg.contracts.params import ContextParams
 from disagg.kv_connector.errors import KVTransferError
 from disagg.kv_connector.messages import (
     AnnounceLeases,
@@ -55,7 +56,6 @@ from disagg.kv_connector.settings import SWEEP_INTERVAL_S, DisaggSettings
 from disagg.kv_connector.stream import StreamPublisher, install_hook
 from disagg.transfer.backends import make_backend
 from disagg.transfer.lease import Lease, LeaseTable
-from disagg.transfer.params import ContextParams
 from disagg.transfer.stats import TransferStats
 
 logger = logging.getLogger("disagg.kv_connector")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from disagg.cluster_auth import PeerAllowlist
-from disagg.roles import Role
+from disagg.contracts.roles import Role
 
 
 @dataclass(frozen=True)

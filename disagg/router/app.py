@@ -30,9 +30,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from disagg.router.config import ClusterConfig
+from disagg.contracts.cluster import ClusterConfig
+from disagg.contracts.protocol import MAX_BODY_BYTES
 from disagg.router.front import FrontSite
-from disagg.router.handlers import MAX_BODY_BYTES, Handlers
+from disagg.router.handlers import Handlers
 from disagg.router.processes import ProcessInfo
 from disagg.router.replies import Reply
 from disagg.router.router import Router, check_cluster_token

@@ -1,4 +1,4 @@
-"""``disagg router -c FILE``: run the router of a cluster YAML (see ``disagg.router.config``).
+"""``disagg router -c FILE``: run the router of a cluster YAML (see ``disagg.contracts.cluster``).
 
 Once listening it prints ``disagg router listening on http://HOST:PORT`` (flushed) to stdout,
 so a supervisor that asked for port 0 learns the port. SIGTERM / SIGINT stop it (exit 0).
@@ -31,14 +31,14 @@ from typing import Any
 
 from disagg import env
 from disagg.cluster_auth import api_key_or_none
-from disagg.router.config import (
+from disagg.contracts.cluster import (
     MAX_PROCESSES,
     ClusterConfig,
     RouterConfigError,
     load_cluster_config,
 )
+from disagg.contracts.options import check_origins
 from disagg.router.processes import ProcessInfo, own_path, supervise
-from disagg.server.options import check_origins
 
 
 def add_cli(subparsers: Any) -> None:

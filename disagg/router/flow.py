@@ -38,7 +38,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from disagg.roles import RequestType, Role
+from disagg.contracts.roles import RequestType, Role
 from disagg.router.client_io import Answer, ClientStream
 from disagg.router.membership import Membership, Worker
 from disagg.router.metrics import RouterMetrics

@@ -46,8 +46,9 @@ from http import HTTPStatus
 import httptools
 from aiohttp import web
 
+from disagg.contracts.protocol import MAX_BODY_BYTES
 from disagg.router.client_io import Answer, ClientStream
-from disagg.router.handlers import MAX_BODY_BYTES, Handlers, late_body
+from disagg.router.handlers import Handlers, late_body
 from disagg.router.prompt_tokens import CHAT, COMPLETIONS
 from disagg.router.replies import Reply
 

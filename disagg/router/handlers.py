@@ -29,11 +29,13 @@ from typing import Any
 from aiohttp import web
 
 from disagg import __version__
-from disagg.cluster_auth import AUTH_HEADER, AuthError
+from disagg.cluster_auth import AUTH_HEADER, AuthError, bearer_ok
+from disagg.contracts import protocol as P
+from disagg.contracts.cluster import normalize_worker_url
+from disagg.contracts.responses import ResponseStore
+from disagg.contracts.roles import Role
 from disagg.cors import Cors
-from disagg.roles import Role
 from disagg.router.client_io import AiohttpStream, Answer, ClientStream
-from disagg.router.config import normalize_worker_url
 from disagg.router.cors import install as install_cors
 from disagg.router.flow import Tries
 from disagg.router.membership import Worker
@@ -46,10 +48,6 @@ from disagg.router.responses import ResponsesRoutes
 from disagg.router.role_switch import SwitchBusy, SwitchRefused
 from disagg.router.router import Router
 from disagg.router.upstream import Failed
-from disagg.server import protocol as P
-from disagg.server.access import bearer_ok
-from disagg.server.http_guard import MAX_BODY_BYTES  # the workers' limit, the router's too
-from disagg.server.responses import ResponseStore
 
 LARGE_BODY_BYTES = 32 << 10  # requests above this are tokenized on a thread, not the loop
 
@@ -165,7 +163,7 @@ class Handlers:
         except asyncio.TimeoutError:
             raise late_body(timeout) from None
         except web.HTTPRequestEntityTooLarge:
-            raise Reply.error(413, f"request body too large (at most {MAX_BODY_BYTES} bytes)",
+            raise Reply.error(413, f"request body too large (at most {P.MAX_BODY_BYTES} bytes)",
                               code="body_too_large", close=True) from None
 
     async def models(self, request: web.Request) -> web.Response:

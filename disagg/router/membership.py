@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disagg.cluster_auth import HttpSigner
-from disagg.roles import Role
-from disagg.router.config import ClusterConfig, PolicyConfig, normalize_worker_url
+from disagg.contracts.cluster import ClusterConfig, PolicyConfig, normalize_worker_url
+from disagg.contracts.roles import Role
 from disagg.router.kv_index import KVEventsError, KVIndex
 from disagg.router.load import LoadWindows
 

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from disagg.roles import Role
+from disagg.contracts.roles import Role
 from disagg.router.membership import Membership, Worker
 from disagg.router.planner import (
     ClusterSnapshot,

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from disagg.router.config import PolicyConfig
+from disagg.contracts.cluster import PolicyConfig
 from disagg.router.kv_index import KVIndex, PromptHashes
 
 

@@ -51,7 +51,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from disagg import procs
-from disagg.router.config import MAX_PROCESSES
+from disagg.contracts.cluster import MAX_PROCESSES
 
 logger = logging.getLogger("disagg.router")
 

@@ -16,11 +16,11 @@ import os
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from typing import Any
 
-from disagg.roles import Role
-from disagg.router.config import ClusterConfig, PolicyConfig, RouterConfigError
+from disagg.contracts import protocol as P
+from disagg.contracts.chat_prompt import render_chat
+from disagg.contracts.cluster import ClusterConfig, PolicyConfig, RouterConfigError
+from disagg.contracts.roles import Role
 from disagg.router.policies import RouteRequest
-from disagg.server import protocol as P
-from disagg.server.chat_prompt import render_chat
 
 logger = logging.getLogger("disagg.router")
 

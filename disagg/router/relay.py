@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from disagg.contracts import protocol as P
 from disagg.router import http1
 from disagg.router.client_io import STREAMED, Answer, ClientStream
 from disagg.router.membership import Membership, Worker
@@ -24,7 +25,6 @@ from disagg.router.policies import RouteRequest
 from disagg.router.prompt_tokens import CHAT
 from disagg.router.replies import Reply, dumps
 from disagg.router.upstream import Failed, UpstreamClient
-from disagg.server import protocol as P
 
 logger = logging.getLogger("disagg.router")
 

@@ -11,8 +11,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from disagg.contracts import protocol as P
 from disagg.router.client_io import Answer
-from disagg.server import protocol as P
 
 
 def dumps(obj: Any) -> bytes:

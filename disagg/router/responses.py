@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from disagg.contracts import protocol as P
+from disagg.contracts import responses as R
 from disagg.router.client_io import AiohttpStream, Answer, ClientStream
 from disagg.router.processes import from_sibling
 from disagg.router.prompt_tokens import CHAT
 from disagg.router.relay import SSE_HEADERS, RequestState
 from disagg.router.replies import Reply, dumps, loads, parse_body
-from disagg.server import protocol as P
-from disagg.server import responses as R
 
 if TYPE_CHECKING:
     from disagg.router.handlers import Handlers

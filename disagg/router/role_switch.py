@@ -24,7 +24,7 @@ from typing import Any
 
 import aiohttp
 
-from disagg.roles import Role
+from disagg.contracts.roles import Role
 from disagg.router.membership import Membership, Worker
 
 logger = logging.getLogger("disagg.router")

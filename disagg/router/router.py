@@ -32,7 +32,8 @@ from typing import Any
 from aiohttp import web
 
 from disagg.cluster_auth import HttpVerifier, cluster_token_or_none
-from disagg.router.config import ClusterConfig, PolicyConfig, RouterConfigError
+from disagg.contracts import protocol as P
+from disagg.contracts.cluster import ClusterConfig, PolicyConfig, RouterConfigError
 from disagg.router.flow import RequestFlow
 from disagg.router.membership import ROLES, Membership, UpstreamAuth, Worker
 from disagg.router.metrics import RouterMetrics
@@ -44,7 +45,6 @@ from disagg.router.relay import Relay
 from disagg.router.role_switch import RoleSwitcher, SwitchResult
 from disagg.router.stream_flow import StreamingFlow
 from disagg.router.upstream import UpstreamClient
-from disagg.server import protocol as P
 
 logger = logging.getLogger("disagg.router")
 

@@ -51,7 +51,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from disagg.roles import RequestType, Role
+from disagg.contracts.roles import RequestType, Role
 from disagg.router.client_io import Answer, ClientStream
 from disagg.router.flow import RequestFlow, Tries, requested_tokens
 from disagg.router.membership import Worker

@@ -22,13 +22,13 @@ from typing import Any
 
 import aiohttp
 
-from disagg.roles import Role
+from disagg.contracts import protocol as P
+from disagg.contracts.cluster import ClusterConfig
+from disagg.contracts.roles import Role
 from disagg.router import http1
-from disagg.router.config import ClusterConfig
 from disagg.router.membership import Membership, UpstreamAuth, Worker
 from disagg.router.metrics import RouterMetrics
 from disagg.router.replies import Reply, dumps
-from disagg.server import protocol as P
 
 logger = logging.getLogger("disagg.router")
 

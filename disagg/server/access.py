@@ -13,23 +13,12 @@ may enter the prefix cache (anyone else could send KV that does not belong to it
 
 from __future__ import annotations
 
-import hmac
 from typing import Any
 
 from fastapi import Request
 
-from disagg.cluster_auth import AUTH_HEADER, AuthError, HttpVerifier, PeerAllowlist
-from disagg.server import protocol as P
-
-
-def bearer_ok(authorization: str, key: str | None) -> bool:
-    """Does an ``Authorization`` header value carry ``key`` as its bearer token (constant
-    time)? False when there is no key."""
-    if not key:
-        return False
-    scheme, _, token = authorization.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                               key.encode())
+from disagg.cluster_auth import AUTH_HEADER, AuthError, HttpVerifier, PeerAllowlist, bearer_ok
+from disagg.contracts import protocol as P
 
 
 def request_target(request: Request) -> str:

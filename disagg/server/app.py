@@ -40,8 +40,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from disagg import __version__
+from disagg.contracts import protocol as P
 from disagg.cors import Cors
-from disagg.server import protocol as P
 from disagg.server.cluster_routes import ClusterRoutes
 from disagg.server.cors import CorsMiddleware
 from disagg.server.http_guard import HttpGuard

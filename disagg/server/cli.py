@@ -23,62 +23,23 @@ from types import FrameType
 from typing import Any
 
 from disagg.cluster_auth import api_key_or_none, cluster_token_or_none
-from disagg.config import ConfigError, read_yaml
-from disagg.roles import Role
-from disagg.server.http_guard import SERVER_KEEP_ALIVE_S, uvicorn_options  # noqa: F401
-from disagg.server.options import (
+from disagg.config import ConfigError
+from disagg.contracts.options import (
     DISAGG_ROLES,
     ENGINE_OPTIONS,
     RESPONSES_STORE_SIZE,
     RESPONSES_STORE_TTL_S,
     SERVER_DEFAULTS,
     SERVER_OPTIONS,
-    TRANSCEIVER_KEY,
-    YAML_RENAMES,
     Opt,
     StrList,
     check_role,
-    check_transceiver,
-    coerce,
+    load_worker_yaml,
 )
+from disagg.contracts.roles import Role
+from disagg.server.http_guard import SERVER_KEEP_ALIVE_S, uvicorn_options  # noqa: F401
 
 logger = logging.getLogger("disagg.server")
-
-# Keys of a disagg YAML server section that describe the cluster, not one worker.
-_SECTION_ONLY_KEYS = ("num_instances", "urls", "router")
-
-
-def load_worker_yaml(path: str) -> dict[str, Any]:
-    """Options from a worker YAML; unknown keys and wrong types are errors naming both."""
-    data = read_yaml(path)
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of options, got {type(data).__name__}")
-    # A worker file also takes each option under its own name (kv_lease_ttl as well as the
-    # cluster YAML's kv_lease_ttl_s).
-    known = {**SERVER_OPTIONS, **ENGINE_OPTIONS}
-    out: dict[str, Any] = {}
-    data = dict(data)
-    if TRANSCEIVER_KEY in data:
-        raw_ctc = data.pop(TRANSCEIVER_KEY)
-        ctc = check_transceiver(TRANSCEIVER_KEY, raw_ctc, path)
-        if isinstance(raw_ctc, dict) and raw_ctc.get("backend") is not None:
-            # Only a backend written down is a choice; without one the worker picks the
-            # default (UCX when ucxx imports, else TCP) when it starts.
-            out["kv_transfer_backend"] = ctc.backend
-        out["ucx_profile"] = ctc.ucx_profile
-    for yaml_key, name in YAML_RENAMES.items():
-        if yaml_key in data:
-            data[name] = data.pop(yaml_key)
-    for key, value in data.items():
-        if key not in known:
-            hint = (" (a cluster key of the disagg YAML; a worker file holds only worker "
-                    "options)" if key in _SECTION_ONLY_KEYS else "")
-            raise ConfigError(f"{path}: unknown key {key!r}{hint}; known keys: "
-                              f"{', '.join(sorted(known))}")
-        out[key] = coerce(key, known[key], value, path)
-    return out
 
 
 def add_cli(subparsers: Any) -> None:
@@ -300,7 +261,7 @@ def _api_settings(chat_template: str | None, allowed_origins: list[str] | None
     """The chat template's text (read and compiled now: a broken one is a start-up error
     naming the option, not a 500 per request) and the CORS origins; ``_StartError`` (exit 2)
     saying what is wrong."""
-    from disagg.server.options import check_origins
+    from disagg.contracts.options import check_origins
     from disagg.tokenizer import read_chat_template
 
     try:

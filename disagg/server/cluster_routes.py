@@ -10,10 +10,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from disagg import __version__
+from disagg.contracts import protocol as P
+from disagg.contracts.roles import Role
 from disagg.kv_cache.hashing import BLOCK_HASH_SCHEME
 from disagg.layout import ParallelLayout
-from disagg.roles import Role
-from disagg.server import protocol as P
 from disagg.server.state import ServerState
 
 

@@ -8,7 +8,7 @@ generation worker would. A generation worker takes the original request with tho
 ``generation_only`` request, pulls the KV and decodes. Both carry exactly one prompt and one
 choice.
 
-KV streaming (``transfer/params.py``): the router sends both at once. The context worker runs
+KV streaming (``contracts/params.py``): the router sends both at once. The context worker runs
 a ``kv_stream_id`` request as a context_only one, under that id (request and lease), and
 publishes the KV layer by layer and then its first token; the generation worker gets
 ``kv_stream`` (how to reach the context ranks), tokenizes the prompt itself, pulls the KV as
@@ -34,15 +34,14 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from disagg.cluster_auth import AUTH_HEADER
+from disagg.contracts import protocol as P
+from disagg.contracts.params import ContextParams, token_ids_hash, valid_stream_id
+from disagg.contracts.roles import RequestType, Role
 from disagg.layout import check_compatible
 from disagg.request import SamplingParams
-from disagg.roles import RequestType, Role
-from disagg.server import protocol as P
 from disagg.server.fanout import Choice
 from disagg.server.formats import ChatFormat, Format
 from disagg.server.state import ServerState
-from disagg.transfer.params import ContextParams, valid_stream_id
-from disagg.transfer.progress import token_ids_hash
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from disagg.contracts import protocol as P
 from disagg.engine import EngineDeadError, QueueFullError
-from disagg.server import protocol as P
 
 logger = logging.getLogger(__name__)
 

@@ -14,15 +14,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from disagg.contracts import protocol as P
+from disagg.contracts.params import ContextParams
 from disagg.request import SamplingParams
-from disagg.server import protocol as P
 from disagg.server.engine_errors import (
     failed_in_engine,
     kv_transfer_error,
     map_engine_error,
     transfer_failed,
 )
-from disagg.transfer.params import ContextParams
 
 if TYPE_CHECKING:
     from disagg.server.state import ServerState

@@ -7,10 +7,10 @@ import abc
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-from disagg.server import protocol as P
-from disagg.server import responses as R
-from disagg.server import tools as T
+from disagg.contracts import protocol as P
+from disagg.contracts import responses as R
 from disagg.server.fanout import Choice
+from disagg.server.tool_calls import ToolCalls
 
 if TYPE_CHECKING:
     from disagg.server.state import ServerState
@@ -239,11 +239,11 @@ class ChatFormat(Format):
     def __init__(self, srv: ServerState, req: Any, rid: str) -> None:
         super().__init__(srv, req, rid)
         self.tool_choice = req.tool_choice_of()
-        self._tool_calls: dict[int, T.ToolCalls] = {}  # by choice index
+        self._tool_calls: dict[int, ToolCalls] = {}  # by choice index
 
-    def tool_calls(self, c: Choice) -> T.ToolCalls:
+    def tool_calls(self, c: Choice) -> ToolCalls:
         """Choice ``c``'s reader of tool calls (its streaming state)."""
-        return self._tool_calls.setdefault(c.index, T.ToolCalls(
+        return self._tool_calls.setdefault(c.index, ToolCalls(
             self.tool_choice, getattr(self.srv.settings, "tool_call_parser", None)))
 
     @property

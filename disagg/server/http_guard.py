@@ -29,7 +29,7 @@ import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from disagg.server.protocol import error_body
+from disagg.contracts.protocol import error_body
 
 logger = logging.getLogger("disagg.server")
 
@@ -38,7 +38,6 @@ MAX_HEADERS = 128  # header fields per request (aiohttp's default, which the rou
 MAX_HEADER_BYTES = 32 << 10  # their names and values together
 MAX_TARGET_BYTES = 16 << 10  # path + query
 H11_MAX_INCOMPLETE_EVENT_BYTES = 64 << 10  # h11's buffer for an unfinished request head
-MAX_BODY_BYTES = 64 << 20  # (the router's too) long prompts as token id lists are large
 # Idle keep-alive connections stay open this long (uvicorn's default is 5 s). A client whose pool
 # keeps idle connections longer than the server reuses one just as the server closes it and
 # gets "connection reset" on a request the server never saw; common pools keep them 5-60 s

@@ -18,10 +18,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from disagg.roles import RequestType
-from disagg.server import protocol as P
-from disagg.server import responses as R
-from disagg.server.chat_prompt import render_chat
+from disagg.contracts import protocol as P
+from disagg.contracts import responses as R
+from disagg.contracts.chat_prompt import render_chat
+from disagg.contracts.roles import RequestType
 from disagg.server.disagg_requests import disagg_choice, releasing_refused, request_type
 from disagg.server.fanout import Choice
 from disagg.server.formats import ChatFormat, CompletionFormat, Format, ResponsesFormat

@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from disagg.server import protocol as P
+from disagg.contracts import protocol as P
 from disagg.server.fanout import Choice, FanOut
 from disagg.server.formats import Format
 from disagg.server.state import ClientGone, ServerState

@@ -36,8 +36,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from disagg.cluster_auth import AUTH_HEADER
-from disagg.roles import Role, RoleDrain
-from disagg.server import protocol as P
+from disagg.contracts import protocol as P
+from disagg.contracts.roles import Role, RoleDrain
 
 logger = logging.getLogger(__name__)
 

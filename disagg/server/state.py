@@ -18,13 +18,12 @@ from typing import Any, Protocol, TypeVar
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
-from disagg.roles import Role
-from disagg.server import protocol as P
+from disagg.contracts import protocol as P
+from disagg.contracts.options import RESPONSES_STORE_SIZE, RESPONSES_STORE_TTL_S, check_role
+from disagg.contracts.roles import Role
 from disagg.server.access import Access
 from disagg.server.engine_errors import unavailable
-from disagg.server.http_guard import MAX_BODY_BYTES
 from disagg.server.metrics import ServerMetrics
-from disagg.server.options import RESPONSES_STORE_SIZE, RESPONSES_STORE_TTL_S, check_role
 from disagg.server.role_switch import RoleSwitcher
 
 logger = logging.getLogger(__name__)
@@ -45,7 +44,7 @@ class ServerSettings:
     owns_engine: bool = True  # the app's lifespan starts the engine and shuts it down
     # Benchmarking aid: generation_only requests without context params decode at once.
     benchmark_gen_only: bool = False
-    # Reads tool calls out of tool_choice "auto" answers (server/tools.py PARSERS); None:
+    # Reads tool calls out of tool_choice "auto" answers (server/tool_calls.py); None:
     # such requests are a 400 (forced calls need no parser).
     tool_call_parser: str | None = None
     # --chat-template: the template's text (tokenizer.read_chat_template), replacing the
@@ -175,11 +174,11 @@ class ServerState:
         P.check_content_encoding(request.headers.get("content-encoding"))
         close = {"Connection": "close"}  # the rest of the body is not read
         length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > MAX_BODY_BYTES:
+        if length.isdigit() and int(length) > P.MAX_BODY_BYTES:
             raise P.APIError(413, f"request body too large: {length} bytes (at most "
-                             f"{MAX_BODY_BYTES})", code="body_too_large", headers=close)
+                             f"{P.MAX_BODY_BYTES})", code="body_too_large", headers=close)
         try:
-            body = await asyncio.wait_for(_read_at_most(request, MAX_BODY_BYTES, close),
+            body = await asyncio.wait_for(_read_at_most(request, P.MAX_BODY_BYTES, close),
                                           self.body_timeout_s)
         except asyncio.TimeoutError:
             raise P.APIError(408, f"the request body did not arrive within "

@@ -12,8 +12,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from disagg.server import protocol as P
-from disagg.server.chat_prompt import render_chat
+from disagg.contracts import protocol as P
+from disagg.contracts.chat_prompt import render_chat
 from disagg.server.state import ServerState
 
 

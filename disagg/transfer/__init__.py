@@ -36,7 +36,6 @@ from disagg.transfer.base import (
     TIMEOUT,
     UNAUTHORIZED,
     UNKNOWN_LEASE,
-    CacheTransceiverConfig,
     ReadRequest,
     ReadResult,
     TransferError,
@@ -67,7 +66,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "BAD_REQUEST", "CLOSED", "CONNECTION_FAILED", "EXPIRED_LEASE", "PROTOCOL_ERROR", "TIMEOUT",
-    "UNAUTHORIZED", "UNKNOWN_LEASE", "CacheTransceiverConfig", "KVTransferClient",
+    "UNAUTHORIZED", "UNKNOWN_LEASE", "KVTransferClient",
     "KVTransferServer", "Lease", "LeaseError", "LeaseStats", "LeaseTable", "ReadRequest",
     "ReadResult", "TransferError", "TransferStats", "TransferStatsSnapshot",
     "TransportBackend", "make_backend", "payload_shape", "resolve_cluster_token",

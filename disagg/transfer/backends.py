@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from disagg.transfer.base import CacheTransceiverConfig, TransportBackend
+from disagg.contracts.options import CacheTransceiverConfig
+from disagg.transfer.base import TransportBackend
 from disagg.transfer.tcp import TcpBackend
 from disagg.transfer.ucx import UcxBackend, ucx_available
 

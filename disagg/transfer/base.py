@@ -540,39 +540,3 @@ class TransportBackend(ABC):
         (valid once a loop is acquired: UCX decides when its context starts), else
         ``(False, why not)``: a GPU cache then stages payloads in pinned host memory."""
         return False, f"the {self.name} backend moves host memory only"
-
-
-# ---- factory -------------------------------------------------------------------------------
-
-BACKEND_NAMES = ("ucx", "tcp")
-# auto: cross_host when the worker's advertised KV address is not loopback, else same_host
-# (``ucx.resolve_ucx_profile``); without an address (a bare ``make_backend``): same_host.
-UCX_PROFILE_NAMES = ("auto", "same_host", "cross_host")
-
-
-@dataclass(frozen=True)
-class CacheTransceiverConfig:
-    """The ``cache_transceiver_config`` section of a worker config:
-    ``{backend: UCX | TCP, ucx_profile: auto | same_host | cross_host}`` (the backend
-    case-insensitive)."""
-
-    backend: str = "UCX"
-    ucx_profile: str = "auto"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.backend, str) or self.backend.lower() not in BACKEND_NAMES:
-            raise ValueError(f"cache_transceiver_config.backend must be UCX or TCP, "
-                             f"got {self.backend!r}")
-        object.__setattr__(self, "backend", self.backend.upper())
-        if self.ucx_profile not in UCX_PROFILE_NAMES:
-            raise ValueError(f"cache_transceiver_config.ucx_profile must be one of "
-                             f"{list(UCX_PROFILE_NAMES)}, got {self.ucx_profile!r}")
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None) -> CacheTransceiverConfig:
-        d = dict(d or {})
-        unknown = set(d) - {"backend", "ucx_profile"}
-        if unknown:
-            raise ValueError(f"cache_transceiver_config: unknown keys {sorted(unknown)}")
-        return cls(**d)
-

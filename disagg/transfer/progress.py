@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 # StreamNotReady codes; the transfer server answers them as its own codes of these names.
@@ -54,11 +52,6 @@ class StreamNotReady(Exception):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
-
-
-def token_ids_hash(ids: Sequence[int]) -> str:
-    """SHA-256 hex of token ids, each as a little-endian int64 (the same on every host)."""
-    return hashlib.sha256(np.asarray(ids, dtype="<i8").tobytes()).hexdigest()
 
 
 @dataclass

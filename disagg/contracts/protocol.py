@@ -18,9 +18,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
+from disagg.contracts import tools as T
+from disagg.contracts.roles import REQUEST_TYPES
 from disagg.request import SamplingParams, SamplingParamsError
-from disagg.roles import REQUEST_TYPES
-from disagg.server import tools as T
 from disagg.structured.spec import GrammarSpec, StructuredSpecError, request_spec
 
 MAX_N = 128  # choices per request: each is an engine request, so bound the fan-out
@@ -758,6 +758,7 @@ SSE_DONE = sse("[DONE]")
 
 MAX_JSON_DEPTH = 32  # OpenAI bodies nest 4-5 levels; deeper JSON only stresses the parsers
 BODY_TIMEOUT_S = 30.0  # longest wait for a request body once its headers arrived (then 408)
+MAX_BODY_BYTES = 64 << 20  # workers' and router's: long prompts as token id lists are large
 
 
 def _reject_constant(name: str) -> Any:

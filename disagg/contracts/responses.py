@@ -40,8 +40,8 @@ from typing import Any
 
 from pydantic import ConfigDict, StrictInt, ValidationError
 
-from disagg.server import protocol as P
-from disagg.server.options import RESPONSES_STORE_SIZE, RESPONSES_STORE_TTL_S
+from disagg.contracts import protocol as P
+from disagg.contracts.options import RESPONSES_STORE_SIZE, RESPONSES_STORE_TTL_S
 
 # OpenAI Responses fields this server does not implement -> the values that mean "not used"
 # (what the request would do without the field). Any other value is a 400 naming the field.

@@ -38,7 +38,10 @@ first token with its last read.
 
 from __future__ import annotations
 
+import hashlib
 import re
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -252,3 +255,9 @@ def _logprobs(raw: Any) -> list[dict[int, float]] | None:
         return [{int(k): float(v) for k, v in lp.items()} for lp in raw]
     except (AttributeError, TypeError, ValueError):
         raise DisaggParamsError("disaggregated_params.first_gen_logprobs: malformed") from None
+
+
+def token_ids_hash(ids: Sequence[int]) -> str:
+    """SHA-256 hex of token ids, each as a little-endian int64 (the same on every host): what
+    a streamed context request and its generation request name their prompt by."""
+    return hashlib.sha256(struct.pack(f"<{len(ids)}q", *ids)).hexdigest()

@@ -49,8 +49,7 @@ from types import MappingProxyType
 from typing import Any
 
 from disagg.config import ConfigError, read_yaml
-from disagg.router.planner import PlannerConfig, PlannerConfigError, RateMatchPrior
-from disagg.server.options import (
+from disagg.contracts.options import (
     RESPONSES_STORE_SIZE,
     RESPONSES_STORE_TTL_S,
     TRANSCEIVER_KEY,
@@ -61,13 +60,14 @@ from disagg.server.options import (
     coerce,
     worker_yaml_keys,
 )
+from disagg.contracts.planner_config import PlannerConfig, PlannerConfigError, RateMatchPrior
 
 MAX_PROCESSES = 256  # router processes (``processes``)
 POLICY_TYPES = ("round_robin", "load_balancing", "kv_cache_aware")
 SECTIONS = ("context_servers", "generation_servers")
 ROLE_OF_SECTION = {"context_servers": "context", "generation_servers": "generation"}
 
-# The cluster's own keys, in the option schema of server/options.py (the worker keys of the
+# The cluster's own keys, in the option schema of contracts/options.py (the worker keys of the
 # sections are its ENGINE_OPTIONS and SERVER_OPTIONS). The sections and the two nested
 # mappings are checked by hand below: their shape is not one value.
 CLUSTER_OPTIONS: dict[str, Opt] = {

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from disagg.server import protocol as P
+from disagg.contracts import protocol as P
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,

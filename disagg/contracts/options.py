@@ -1,10 +1,11 @@
 """The option schema, shared by ``disagg serve`` (``server/cli.py``) and the cluster YAML of
-the router (``router/config.py``): ``Opt`` (an option's type, help, choices, default and
+the router (``contracts/cluster.py``): ``Opt`` (an option's type, help, choices, default and
 bounds), the worker's options (``ENGINE_OPTIONS``, ``SERVER_OPTIONS``: every ``disagg serve``
 flag and worker YAML key comes from them), the roles, and ``coerce``, which checks one YAML
 value against its ``Opt`` and names the key and the file on error. The cluster YAML's own keys
-are ``Opt`` tables in ``router/config.py``, checked by the same ``coerce``.
-Torch-free and server-free: importing it imports only ``disagg.config`` and ``disagg.roles``.
+are ``Opt`` tables in ``contracts/cluster.py``, checked by the same ``coerce``.
+Torch-free and server-free: importing it imports only ``disagg.config`` and
+``disagg.contracts.roles``.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from disagg.config import CapacityPolicy, ConfigError
-from disagg.roles import ROLES, Role
+from disagg.config import CapacityPolicy, ConfigError, read_yaml
+from disagg.contracts.roles import ROLES, Role
 
 
 class StrList(list):
@@ -163,12 +164,43 @@ def worker_yaml_keys() -> dict[str, Opt | None]:
     return keys
 
 
+BACKEND_NAMES = ("ucx", "tcp")
+# auto: cross_host when the worker's advertised KV address is not loopback, else same_host
+# (``ucx.resolve_ucx_profile``); without an address (a bare ``make_backend``): same_host.
+UCX_PROFILE_NAMES = ("auto", "same_host", "cross_host")
+
+
+@dataclass(frozen=True)
+class CacheTransceiverConfig:
+    """The ``cache_transceiver_config`` section of a worker config:
+    ``{backend: UCX | TCP, ucx_profile: auto | same_host | cross_host}`` (the backend
+    case-insensitive)."""
+
+    backend: str = "UCX"
+    ucx_profile: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backend, str) or self.backend.lower() not in BACKEND_NAMES:
+            raise ValueError(f"cache_transceiver_config.backend must be UCX or TCP, "
+                             f"got {self.backend!r}")
+        object.__setattr__(self, "backend", self.backend.upper())
+        if self.ucx_profile not in UCX_PROFILE_NAMES:
+            raise ValueError(f"cache_transceiver_config.ucx_profile must be one of "
+                             f"{list(UCX_PROFILE_NAMES)}, got {self.ucx_profile!r}")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> CacheTransceiverConfig:
+        d = dict(d or {})
+        unknown = set(d) - {"backend", "ucx_profile"}
+        if unknown:
+            raise ValueError(f"cache_transceiver_config: unknown keys {sorted(unknown)}")
+        return cls(**d)
+
+
 def check_transceiver(name: str, value: Any, where: str,
                       error: type[ConfigError] = ConfigError) -> Any:
     """``value`` as a ``CacheTransceiverConfig`` (None: the defaults); ``error`` names the file
     and the key."""
-    from disagg.transfer.base import CacheTransceiverConfig  # numpy: only when a YAML has it
-
     if value is not None and not isinstance(value, Mapping):
         raise error(f"{where}: {name}: expected a mapping {{backend: UCX | TCP, ucx_profile: "
                     f"...}}")
@@ -233,3 +265,40 @@ def coerce(name: str, opt: Opt, value: Any, where: str,
     if opt.ge is not None and not value >= opt.ge:
         raise error(f"{where}: {name}: must be >= {opt.ge:g}, got {value}")
     return value
+
+
+# Keys of a disagg YAML server section that describe the cluster, not one worker.
+_SECTION_ONLY_KEYS = ("num_instances", "urls", "router")
+
+
+def load_worker_yaml(path: str) -> dict[str, Any]:
+    """Options from a worker YAML; unknown keys and wrong types are errors naming both."""
+    data = read_yaml(path)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of options, got {type(data).__name__}")
+    # A worker file also takes each option under its own name (kv_lease_ttl as well as the
+    # cluster YAML's kv_lease_ttl_s).
+    known = {**SERVER_OPTIONS, **ENGINE_OPTIONS}
+    out: dict[str, Any] = {}
+    data = dict(data)
+    if TRANSCEIVER_KEY in data:
+        raw_ctc = data.pop(TRANSCEIVER_KEY)
+        ctc = check_transceiver(TRANSCEIVER_KEY, raw_ctc, path)
+        if isinstance(raw_ctc, dict) and raw_ctc.get("backend") is not None:
+            # Only a backend written down is a choice; without one the worker picks the
+            # default (UCX when ucxx imports, else TCP) when it starts.
+            out["kv_transfer_backend"] = ctc.backend
+        out["ucx_profile"] = ctc.ucx_profile
+    for yaml_key, name in YAML_RENAMES.items():
+        if yaml_key in data:
+            data[name] = data.pop(yaml_key)
+    for key, value in data.items():
+        if key not in known:
+            hint = (" (a cluster key of the disagg YAML; a worker file holds only worker "
+                    "options)" if key in _SECTION_ONLY_KEYS else "")
+            raise ConfigError(f"{path}: unknown key {key!r}{hint}; known keys: "
+                              f"{', '.join(sorted(known))}")
+        out[key] = coerce(key, known[key], value, path)
+    return out
