@@ -1,7 +1,7 @@
 """Transfer time as a share of TTFT at 2048 prompt tokens, context -> generation workers.
 
 Two real worker processes on this host (``disagg serve --role context`` / ``--role
-generation``) over a random checkpoint whose KV matches ``bench/kv_transfer.py`` (8 layers x 4
+generation``) over a random checkpoint whose KV matches ``bench.kv_transfer`` (8 layers x 4
 kv heads x head_dim 64, float32, 16 tokens per block). Per rep, the router's two calls:
 
     TTFT     = context call (prefill + first token, answer with the lease)
@@ -12,7 +12,7 @@ kv heads x head_dim 64, float32, 16 tokens per block). Per rep, the router's two
 Medians of ``--reps`` reps after 2 warm-ups, per backend. The result replaces the TTFT line of
 ``bench/results/kv_transfer.md`` (``--out``).
 
-    python bench/disagg_ttft.py [--backends TCP,UCX] [--tokens 2048] [--reps 5]
+    python -m bench.disagg_ttft [--backends TCP,UCX] [--tokens 2048] [--reps 5]
                                 [--out bench/results/kv_transfer.md]
 """
 
@@ -28,17 +28,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # this checkout's package, not an installed one
-    sys.path.insert(0, str(ROOT))
-
-from disagg import procs  # noqa: E402
-from disagg.cluster_auth import sign_http  # noqa: E402
+from disagg import procs
+from disagg.cluster_auth import sign_http
 
 TOKEN = "bench-secret"
 LINE_PREFIX = "Transfer share of TTFT at"
@@ -94,7 +89,8 @@ def one(ctx: str, gen: str, prompt: list[int]) -> tuple[float, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.disagg_ttft",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--backends", default="TCP,UCX")
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--reps", type=int, default=5)
@@ -137,7 +133,7 @@ def main() -> None:
     parts = [f"{r['backend']} {r['share'] * 100:.1f}% (transfer {r['transfer_ms']:.1f} ms of "
              f"TTFT {r['ttft_ms']:.0f} ms)" for r in results]
     line = (f"{LINE_PREFIX} {args.tokens} prompt tokens (two worker processes, 8-layer random "
-            f"model, median of {args.reps}; `python bench/disagg_ttft.py`): "
+            f"model, median of {args.reps}; `python -m bench.disagg_ttft`): "
             + "; ".join(parts) + ". Target <= 5%: "
             + ("met" if results and all(r["share"] <= 0.05 for r in results) else "not met")
             + ".")

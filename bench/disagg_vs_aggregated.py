@@ -30,7 +30,7 @@ visible rather than assumed away. The machine is shared with other work: every m
 step waits for a quiet machine first and is redone when other processes used more than
 ``--max-other`` cores during it (``Guard``); the attempts are in the JSON and the report.
 
-    python bench/disagg_vs_aggregated.py [--out bench/results/disagg-vs-aggregated-sequential.md]
+    python -m bench.disagg_vs_aggregated [--out bench/results/disagg-vs-aggregated-sequential.md]
 
 ``--model DIR`` measures a checkpoint folder instead of the random tiny one, e.g.
 SmolLM2-135M-Instruct as ``disagg model fetch smollm2 DIR`` imports it (its results go to their
@@ -38,7 +38,7 @@ own file: ``--out bench/results/disagg-vs-aggregated-smollm2.md``; shrink ``--is
 and the run lengths to fit a real 135 M model on 2 cores).
 
 Each cluster runs once per rate, the two minutes apart; the machine's drift over minutes then
-lands in the comparison. ``bench/disagg_vs_aggregated_ab.py`` keeps both clusters up and
+lands in the comparison. ``python -m bench.disagg_vs_aggregated_ab`` keeps both clusters up and
 alternates them in repeated pairs: its result is the recorded comparison
 (``bench/results/disagg-vs-aggregated.md``).
 
@@ -65,13 +65,10 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from disagg.bench.client import make_transport  # noqa: E402
-from disagg.bench.datasets import load_bench_tokenizer, sample_random  # noqa: E402
-from disagg.bench.plot import plot_rate_match  # noqa: E402
-from disagg.bench.ratematch import (  # noqa: E402
+from disagg.bench.client import make_transport
+from disagg.bench.datasets import load_bench_tokenizer, sample_random
+from disagg.bench.plot import plot_rate_match
+from disagg.bench.ratematch import (
     RateMatchConfig,
     RateMatcher,
     build_result,
@@ -82,10 +79,11 @@ from disagg.bench.ratematch import (  # noqa: E402
     save_result,
     verify_choices,
 )
-from disagg.bench.runner import BenchmarkConfig, run_benchmark  # noqa: E402
-from disagg.procs import NotHealthy, free_ports, log_tail, spawn, stop_all  # noqa: E402
-from disagg.procs import wait_healthy as wait_child_healthy  # noqa: E402
+from disagg.bench.runner import BenchmarkConfig, run_benchmark
+from disagg.procs import NotHealthy, free_ports, log_tail, spawn, stop_all
+from disagg.procs import wait_healthy as wait_child_healthy
 
+ROOT = Path(__file__).resolve().parent.parent
 SIZES = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
              num_attention_heads=8, num_key_value_heads=4, vocab_size=2048,
              max_position_embeddings=2048)
@@ -332,7 +330,7 @@ def _verdict(oks: list[bool]) -> str:
     return "**not met**"
 
 
-def _pct(x: float | None) -> str:
+def pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:+.1f}%"
 
 
@@ -355,7 +353,7 @@ def _report_header(data: dict[str, Any], args: argparse.Namespace) -> list[str]:
     osl = args.osl
     L.append(f"# Disaggregated vs aggregated on the same cores ({data['date'][:10]})")
     L.append("")
-    L.append(f"Produced by `python bench/disagg_vs_aggregated.py` ({data['command']}); every "
+    L.append(f"Produced by `python -m bench.disagg_vs_aggregated` ({data['command']}); every "
              "number below is the script's own output.")
     if data.get("report_rewritten"):
         L.append("")
@@ -471,10 +469,10 @@ def _report_verify(data: dict[str, Any], ver: list[dict[str, Any]]) -> list[str]
             how = describe_arrivals(me)
             L.append(f"| {v['concurrency']} | {pr['bound']} | {how} | "
                      f"{pr['tput_per_device']:.1f} | "
-                     f"{me['tput_per_device']:.1f} | {_pct(v['gap_tput_per_device'])} | "
+                     f"{me['tput_per_device']:.1f} | {pct(v['gap_tput_per_device'])} | "
                      f"{_f(None if run is None else run / v['devices'])} | "
                      f"{pr['tokens_per_s_per_user']:.1f} | {me['tokens_per_s_per_user']:.1f} | "
-                     f"{_pct(v['gap_tokens_per_s_per_user'])} | "
+                     f"{pct(v['gap_tokens_per_s_per_user'])} | "
                      f"{me['ttft_ms']:.0f} | {me['p99_tpot_ms']:.1f} |")
         L.append("")
         L.append("The prediction for 1 + 1 is the slower side's request rate: min(gen req/s at "
@@ -523,7 +521,7 @@ def _report_open_loop(data: dict[str, Any], png: str
                      f"{s['p99_ttft_ms']:.0f} | {s['p99_tpot_ms']:.1f} | "
                      f"{s['mean_tpot_ms']:.1f} | "
                      f"{_f(pred['mean_tpot_ms']) if name == 'disaggregated' else ''} | "
-                     f"{_pct(tpot_gap) if name == 'disaggregated' else ''} | "
+                     f"{pct(tpot_gap) if name == 'disaggregated' else ''} | "
                      f"{s['request_goodput']:.3f} | {s['failed']} |")
         rows.append((d, a))
     L.append("")
@@ -579,11 +577,11 @@ def _report_targets(rows: list[tuple[dict[str, Any], dict[str, Any]]],
             ogaps.append((st - pred["output_throughput"]) / pred["output_throughput"])
     L.append("2. Rate-matched prediction within 10% of end to end: tok/s per device at the "
              "verified points " + _verdict([abs(g) <= 0.10 for g in gaps])
-             + " (" + ", ".join(_pct(g) for g in gaps) + "); output tok/s at the sustainable "
+             + " (" + ", ".join(pct(g) for g in gaps) + "); output tok/s at the sustainable "
              "open-loop rates " + _verdict([abs(g) <= 0.10 for g in ogaps]) + " ("
-             + ", ".join(_pct(g) for g in ogaps) + "); mean TPOT at the sustainable "
+             + ", ".join(pct(g) for g in ogaps) + "); mean TPOT at the sustainable "
              "open-loop rates " + _verdict([abs(g) <= 0.10 for g in tgaps]) + " ("
-             + ", ".join(_pct(g) for g in tgaps) + ").")
+             + ", ".join(pct(g) for g in tgaps) + ").")
     return L
 
 
@@ -729,7 +727,8 @@ def explain(data: dict[str, Any]) -> list[str]:
 
 
 def _parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.disagg_vs_aggregated",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--out",
                     default=str(ROOT / "bench/results/disagg-vs-aggregated-sequential.md"))
     ap.add_argument("--png", default=None, help="default: --out with .png")
@@ -926,7 +925,7 @@ def main() -> int:
     print(f"model {model} ({params / 1e6:.1f} M parameters); logs in {tmp}", flush=True)
     data: dict[str, Any] = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": " ".join(["python", "bench/disagg_vs_aggregated.py", *sys.argv[1:]]),
+        "command": " ".join(["python -m bench.disagg_vs_aggregated", *sys.argv[1:]]),
         "params_m": params / 1e6, "args": vars(args), "cpu": {},
         "model_desc": describe_model(args.model),
     }
@@ -973,7 +972,7 @@ def bench_model(model_dir: str | None, tmp: Path) -> tuple[str, int]:
     for name in sorted(os.listdir(model)):
         if name.endswith(".safetensors"):
             with safe_open(os.path.join(model, name), "pt") as f:
-                params += sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
+                params += sum(numel(f.get_slice(k).get_shape()) for k in f.keys())
     return model, params
 
 
@@ -1003,7 +1002,7 @@ def cpu_kernels() -> str:
                      for k in enabled)
 
 
-def _numel(shape: Any) -> int:
+def numel(shape: Any) -> int:
     n = 1
     for d in shape:
         n *= int(d)

@@ -1,7 +1,7 @@
 """Disaggregated vs aggregated, alternated: both clusters up at once, every comparison repeated.
 
-``bench/disagg_vs_aggregated.py`` measures the disaggregated cluster, stops it, then measures
-the aggregated one, once per rate. On this shared machine the speed drifts by 20% and more
+``python -m bench.disagg_vs_aggregated`` measures the disaggregated cluster, stops it, then
+measures the aggregated one, once per rate. On this shared machine the speed drifts by 20% and more
 over minutes, and a TPOT p99 of ~40 requests rests on its slowest one, so one pair of runs
 minutes apart can put a ratio on either side of a target. This script removes both effects
 from the two targets of issue #7:
@@ -32,7 +32,7 @@ from the two targets of issue #7:
   frontier (co-located and alone), one aggregated worker's closed-loop sweep (the baseline),
   the open-loop runs of both systems and the generation-bound checks.
 
-    python bench/disagg_vs_aggregated_ab.py [--out bench/results/disagg-vs-aggregated.md]
+    python -m bench.disagg_vs_aggregated_ab [--out bench/results/disagg-vs-aggregated.md]
 
 Every step goes through the same quiet-machine guard as the main script. Writes the markdown,
 the PNG beside it and the JSON of everything measured.
@@ -55,14 +55,11 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import disagg_vs_aggregated as dva  # noqa: E402
-
-from disagg.bench.client import make_transport  # noqa: E402
-from disagg.bench.datasets import load_bench_tokenizer, sample_random  # noqa: E402
-from disagg.bench.plot import plot_rate_match  # noqa: E402
-from disagg.bench.ratematch import (  # noqa: E402
+from bench import disagg_vs_aggregated as dva
+from disagg.bench.client import make_transport
+from disagg.bench.datasets import load_bench_tokenizer, sample_random
+from disagg.bench.plot import plot_rate_match
+from disagg.bench.ratematch import (
     RateMatchConfig,
     RateMatcher,
     build_result,
@@ -73,8 +70,8 @@ from disagg.bench.ratematch import (  # noqa: E402
     predict_cluster,
     save_result,
 )
-from disagg.bench.runner import BenchmarkConfig, run_benchmark  # noqa: E402
-from disagg.procs import free_ports  # noqa: E402
+from disagg.bench.runner import BenchmarkConfig, run_benchmark
+from disagg.procs import free_ports
 
 NAME = dva.NAME
 
@@ -200,8 +197,8 @@ def _check_predictions(args: argparse.Namespace, ctx_rate: float,
                   "devices": pred.pop("devices"), "concurrency": 1, "predicted": pred}
         v[how] = finish_verify_point(choice, e2e)
         print(f"  gap ({how}): tok/s per device "
-              f"{dva._pct(v[how]['gap_tput_per_device'])}, tok/s/user "
-              f"{dva._pct(v[how]['gap_tokens_per_s_per_user'])}", flush=True)
+              f"{dva.pct(v[how]['gap_tput_per_device'])}, tok/s/user "
+              f"{dva.pct(v[how]['gap_tokens_per_s_per_user'])}", flush=True)
     return v
 
 
@@ -384,7 +381,7 @@ def _report_capacity(data: dict[str, Any], args: argparse.Namespace, png: str) -
         served = q["context"]["served_rate"]
         L.append(f"| {pt['concurrency']} | {pt['tokens_per_s_per_user']:.1f} | "
                  f"{q['tokens_per_s_per_user']:.1f} | "
-                 f"{dva._pct(gap(q['mean_tpot_ms'], pt['mean_tpot_ms']))} | "
+                 f"{dva.pct(gap(q['mean_tpot_ms'], pt['mean_tpot_ms']))} | "
                  f"{pt['output_throughput']:.1f} | {q['output_throughput']:.1f} | "
                  f"{'?' if served is None else f'{served:.2f}'} |")
     L.append("")
@@ -459,9 +456,9 @@ def _report_open_loop(ol: list[dict[str, Any]]) -> list[str]:
     for r in ol:
         a, c = r["alone"], r["colocated"]
         L.append(f"| {r['frac']:g} | {r['rate']:.3f} | {c['tps']:.1f} | "
-                 f"{fmt_spread(r['tps'])} | {dva._pct(c['gap_tps'])} | "
+                 f"{fmt_spread(r['tps'])} | {dva.pct(c['gap_tps'])} | "
                  f"{fmt_spread(r['tpot'], '.2f')} | {a['tpot']:.2f} | "
-                 f"{dva._pct(a['gap_tpot'])} | {c['tpot']:.2f} | {dva._pct(c['gap_tpot'])} |")
+                 f"{dva.pct(a['gap_tpot'])} | {c['tpot']:.2f} | {dva.pct(c['gap_tpot'])} |")
     L.append("")
     return L
 
@@ -496,21 +493,21 @@ def _report_checks(checks: list[dict[str, Any]], args: argparse.Namespace) -> li
                 f"{g['before']['beside']['tokens_per_s_per_user']:.1f} / "
                 f"{g['after']['beside']['tokens_per_s_per_user']:.1f} | "
                 f"{me['tput_per_device']:.1f} | {a['predicted']['tput_per_device']:.1f} | "
-                f"{dva._pct(a['gap_tput_per_device'])} | "
+                f"{dva.pct(a['gap_tput_per_device'])} | "
                 f"{c['predicted']['tput_per_device']:.1f} | "
-                f"{dva._pct(c['gap_tput_per_device'])} | {me['tokens_per_s_per_user']:.1f} | "
+                f"{dva.pct(c['gap_tput_per_device'])} | {me['tokens_per_s_per_user']:.1f} | "
                 f"{a['predicted']['tokens_per_s_per_user']:.1f} | "
-                f"{dva._pct(a['gap_tokens_per_s_per_user'])} | "
+                f"{dva.pct(a['gap_tokens_per_s_per_user'])} | "
                 f"{c['predicted']['tokens_per_s_per_user']:.1f} | "
-                f"{dva._pct(c['gap_tokens_per_s_per_user'])} | {describe_arrivals(me)} |")
+                f"{dva.pct(c['gap_tokens_per_s_per_user'])} | {describe_arrivals(me)} |")
         L.append("")
         for how, name in (("alone", "alone"), ("colocated", "co-located")):
             g1 = spread([v[how]["gap_tput_per_device"] for v in checks])
             g2 = spread([v[how]["gap_tokens_per_s_per_user"] for v in checks])
             L.append(f"Median gap, predicted {name}: tok/s per device "
-                     f"{dva._pct(g1['median'])} ({dva._pct(g1['min'])} to "
-                     f"{dva._pct(g1['max'])}), tok/s/user {dva._pct(g2['median'])} "
-                     f"({dva._pct(g2['min'])} to {dva._pct(g2['max'])}).")
+                     f"{dva.pct(g1['median'])} ({dva.pct(g1['min'])} to "
+                     f"{dva.pct(g1['max'])}), tok/s/user {dva.pct(g2['median'])} "
+                     f"({dva.pct(g2['min'])} to {dva.pct(g2['max'])}).")
             L.append("")
     else:
         L.append("Concurrency 1 was not generation-bound in this run: no check.")
@@ -539,7 +536,7 @@ def targets(rows: list[dict[str, Any]], ol: list[dict[str, Any]],
     """Issue #7's two targets, judged from the sections above."""
     def within(xs: list[float]) -> str:
         n = sum(1 for x in xs if abs(x) <= 0.10)
-        return f"{n} of {len(xs)} within 10% ({', '.join(dva._pct(x) for x in xs)})"
+        return f"{n} of {len(xs)} within 10% ({', '.join(dva.pct(x) for x in xs)})"
 
     top = max(rows, key=lambda r: r["frac"])
     L = ["## Targets", ""]
@@ -574,7 +571,8 @@ def idle_cpu(procs: list[dva.Proc], seconds: float) -> dict[str, float]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.disagg_vs_aggregated_ab",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(dva.ROOT / "bench/results/disagg-vs-aggregated.md"))
     ap.add_argument("--json", default=None, help="default: --out with .json")
     ap.add_argument("--isl", type=int, default=512)
@@ -630,12 +628,12 @@ def main() -> int:
     from safetensors import safe_open
 
     with safe_open(os.path.join(model, "model.safetensors"), "pt") as f:
-        params = sum(dva._numel(f.get_slice(k).get_shape()) for k in f.keys())
+        params = sum(dva.numel(f.get_slice(k).get_shape()) for k in f.keys())
     tok = load_bench_tokenizer(model)
     print(f"model {model} ({params / 1e6:.1f} M parameters); logs in {tmp}", flush=True)
     data: dict[str, Any] = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": " ".join(["python", "bench/disagg_vs_aggregated_ab.py", *sys.argv[1:]]),
+        "command": " ".join(["python -m bench.disagg_vs_aggregated_ab", *sys.argv[1:]]),
         "params_m": params / 1e6, "args": vars(args), "steps": []}
     guard = dva.Guard(data["steps"], args.wait_quiet, args.max_other, args.attempts)
     mnt = args.max_num_tokens

@@ -12,7 +12,7 @@ The machines are shared and their speed drifts by tens of percent over minutes, 
 systems run ``--repeats`` times alternately (engine, transformers, engine, ...) and the ratio
 reported is the median of the per-pair ratios, each pair measured back to back.
 
-    python bench/engine_throughput.py [--batch-size 16] [--num-requests 64] [--repeats 3]
+    python -m bench.engine_throughput [--batch-size 16] [--num-requests 64] [--repeats 3]
                                       [--model DIR] [--out FILE.md]
 
 ``--model DIR``: a checkpoint folder instead of the random tiny one, e.g. SmolLM2-135M-Instruct
@@ -39,6 +39,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from bench.probes import ScheduleLog
 from disagg import LLM, SamplingParams
 from disagg.engine import LLMEngine
 from disagg.model import kernels
@@ -121,11 +122,12 @@ def step_split(model_dir: str, work, batch_size: int) -> dict[str, float]:
         engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=o,
                                                       ignore_eos=True))
     out = dict(prefill_steps=0, prefill_s=0.0, prompt_tokens=0, decode_steps=0, decode_s=0.0)
+    log = ScheduleLog(engine)
     while engine.has_unfinished():
         t0 = time.perf_counter()
         engine.step()
         dt = time.perf_counter() - t0
-        sched = engine._last_sched
+        sched = log.last
         assert sched is not None
         prompt = sum(len(r.token_ids) for r in sched.scheduled if len(r.token_ids) > 1)
         kind = "prefill" if prompt else "decode"
@@ -213,7 +215,8 @@ def describe_model(model_dir: str | None) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.engine_throughput",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
@@ -296,8 +299,8 @@ def main() -> None:
     print(report)
     if args.out:
         title = "" if os.path.exists(args.out) else (
-            "# Engine throughput and decode efficiency (CPU)\n\nWritten by `python "
-            f"bench/engine_throughput.py {' '.join(sys.argv[1:])}`: the sections below are the "
+            "# Engine throughput and decode efficiency (CPU)\n\nWritten by `python -m "
+            f"bench.engine_throughput {' '.join(sys.argv[1:])}`: the sections below are the "
             "script's own output.\n\n")
         with open(args.out, "a") as f:
             f.write(title + report + "\n")

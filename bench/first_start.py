@@ -1,7 +1,7 @@
 """What a new user waits for: ``disagg launch`` (the demo) from the command's start to the
 answer printed, cold (nothing cached) and warm (everything cached), on this machine.
 
-    python bench/first_start.py [--cold-runs 3] [--warm-runs 3] [--out bench/results/first_start.md]
+    python -m bench.first_start [--cold-runs 3] [--warm-runs 3] [--out bench/results/first_start.md]
 
 Cold: every cold run gets a new empty folder as the disagg cache (``DISAGG_CACHE_DIR`` and
 ``DISAGG_CACHE``: compiled CPU kernels, the SmolLM2 wheel's GGUF and its import, the logs) and
@@ -210,7 +210,7 @@ def report(cold: list[Run], warm: list[Run], alone: dict[str, float], alone_load
            missing: str) -> str:
     good_cold, good_warm = [r for r in cold if r.ok], [r for r in warm if r.ok]
     L = ["# First start: `disagg launch` to the answer, cold and warm", "",
-         "Written by `bench/first_start.py` (method in its docstring).", ""]
+         "Written by `python -m bench.first_start` (method in its docstring).", ""]
     L += [f"- {m}" for m in machine()]
     kernels = ("every enabled kernel built by the runs and in their cache" if not missing
                else f"NOT built (the workers used PyTorch for them): {missing}")
@@ -260,7 +260,7 @@ def report(cold: list[Run], warm: list[Run], alone: dict[str, float], alone_load
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m bench.first_start", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cold-runs", type=int, default=3)
     ap.add_argument("--warm-runs", type=int, default=3)

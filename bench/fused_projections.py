@@ -6,10 +6,11 @@ ones every few steps (the same weights: the separate layers are views of the fus
 so both see the same machine state, in blocks off, on, on, off (the context grows a token a
 step; this order gives both the same mean context); the median step time of each is reported.
 
-    python bench/fused_projections.py [--device cpu|cuda] [--batches 1,4,16,64]
+    python -m bench.fused_projections [--device cpu|cuda] [--batches 1,4,16,64]
                                       [--model DIR] [--out bench/results/fused_projections.md]
 
-Pin it on a shared machine for stable numbers: ``taskset -c 1 python bench/...``.
+Pin it on a shared machine for stable numbers: ``taskset -c 1 python -m bench.fused_projections
+...``.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def decode_steps(model_dir: str, batch: int, device: str, steps: int, every: int
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.fused_projections",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--steps", type=int, default=60)
@@ -104,7 +106,7 @@ def main() -> int:
              f"- machine: {dev}, {platform.system()}, torch {torch.__version__}; load "
              f"average before: {load:.2f}",
              f"- model: {model}; float32 on CPU, the checkpoint's dtype on CUDA; eager steps",
-             f"- command: `python bench/fused_projections.py {' '.join(sys.argv[1:])}`", "",
+             f"- command: `python -m bench.fused_projections {' '.join(sys.argv[1:])}`", "",
              "Engine decode step, prompt 256 per request; one engine per batch, its layers "
              "switched between separate and fused projections in blocks of 5 steps, "
              "off-on-on-off (median of each "

@@ -4,7 +4,7 @@ was at commit ``BASE``) against the current one (plain C++ shared libraries load
 each from a clean cache directory; then whether the two builds compute bit-identical results,
 how long a call of each takes and what that makes of the engine's decode step.
 
-    python bench/kernel_build.py [--out bench/results/kernel_build.md]
+    python -m bench.kernel_build [--out bench/results/kernel_build.md]
 
 Each build runs in a fresh Python process (torch imported first, not timed): the time is that of
 the first ``paged_decode_kernel()`` plus ``small_linear_kernel()`` call, what a worker's first
@@ -181,7 +181,7 @@ def report(res: dict, argv: list[str]) -> str:
     speedup = clean_s("old") / clean_s("new")
     return "\n".join([
         "# CPU kernel build time (first start)", "",
-        "Produced by `python bench/kernel_build.py`; the section below is the script's own "
+        "Produced by `python -m bench.kernel_build`; the section below is the script's own "
         "output.", "",
         f"## kernel_build ({time.strftime('%Y-%m-%d')})", "",
         f"- machine: {platform.machine()}, {os.cpu_count()} cores, {platform.system()}, "
@@ -222,7 +222,8 @@ def _compiler_version() -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.kernel_build",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "kernel_build.md"))
     ap.add_argument("--new-runs", type=int, default=3, help="clean builds of the current kernels")
     ap.add_argument("--old-runs", type=int, default=1,

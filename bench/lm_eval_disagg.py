@@ -3,7 +3,7 @@
 a disaggregated cluster (1 context + 1 generation worker), on the same model, greedy; the
 scores and every per-item result must be the same, with 0 failed requests.
 
-    python bench/lm_eval_disagg.py [--model DIR] [--out bench/results/lm_eval.md]
+    python -m bench.lm_eval_disagg [--model DIR] [--out bench/results/lm_eval.md]
 
 - lm_eval lives in its own virtualenv (``$DISAGG_CACHE/lm_eval-<version>-venv``, created on
   first use, reused after): a clean venv, not ``--system-site-packages``, so its pins
@@ -11,7 +11,7 @@ scores and every per-item result must be the same, with 0 failed requests.
   ``local-completions`` needs no torch; it needs a tokenizer for loglikelihood requests (the
   context's token count), so ``transformers`` + ``tokenizers`` are installed beside it and
   ``tokenizer=<model folder>`` loads the model's own ``tokenizer.json`` offline.
-- The tasks are local (``bench/lm_eval_items.py``): a JSONL dataset and a task YAML each,
+- The tasks are local (``bench.lm_eval_items``): a JSONL dataset and a task YAML each,
   written into a temporary folder passed as ``--include_path``; ``HF_HUB_OFFLINE`` and
   ``HF_DATASETS_OFFLINE`` are set, so nothing reaches a hub.
 - Each target is evaluated twice: ``tokenized_requests=True`` (lm_eval's default: prompts go
@@ -36,16 +36,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.lm_eval_items import GEN_TASK, MC_ITEMS, MC_TASK, write_tasks
+from disagg import __version__
+from disagg.env import cache_root
+from disagg.procs import NotHealthy, free_ports, log_tail, spawn, stop_all
+from disagg.procs import wait_healthy as wait_child_healthy
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from lm_eval_items import GEN_TASK, MC_ITEMS, MC_TASK, write_tasks  # noqa: E402
-
-from disagg import __version__  # noqa: E402
-from disagg.env import cache_root  # noqa: E402
-from disagg.procs import NotHealthy, free_ports, log_tail, spawn, stop_all  # noqa: E402
-from disagg.procs import wait_healthy as wait_child_healthy  # noqa: E402
 
 LM_EVAL_VERSION = "0.4.13"
 # transformers + tokenizers: the client-side tokenizer (no torch: only tokenizers load).
@@ -312,7 +309,7 @@ def report(runs: list[Run], comps: dict[str, dict[str, Any]], counts: dict[str, 
     lines = [
         "# lm-evaluation-harness against the disaggregated cluster",
         "",
-        "Written by `python bench/lm_eval_disagg.py`. "
+        "Written by `python -m bench.lm_eval_disagg`. "
         + ("**Verdict: the same scores and per-item results aggregated and disaggregated, "
            f"{int(errors)} errors.**" if ok else f"**Verdict: NOT the same, or errors "
            f"({int(errors)}).**"),
@@ -323,7 +320,7 @@ def report(runs: list[Run], comps: dict[str, dict[str, Any]], counts: dict[str, 
         f"venv (transformers {versions['transformers']}, tokenizers "
         f"{versions['tokenizers']}, datasets {versions['datasets']}; no torch); tokenizer: "
         "`tokenizer_backend=huggingface`, `tokenizer=<model folder>` (offline).",
-        f"- Tasks (local JSONL + YAML, `bench/lm_eval_items.py`): `{MC_TASK}` multiple choice, "
+        f"- Tasks (local JSONL + YAML, `bench.lm_eval_items`): `{MC_TASK}` multiple choice, "
         f"{items[MC_TASK]} items, {sum(len(c) for _, c, _ in MC_ITEMS)} choices: one "
         "loglikelihood request each "
         "(`echo: true, logprobs: 1, max_tokens: 1`); "
@@ -361,7 +358,8 @@ def report(runs: list[Run], comps: dict[str, dict[str, Any]], counts: dict[str, 
 
 
 def _parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.lm_eval_disagg",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="HF checkpoint folder (default: SmolLM2, "
                     "`disagg model fetch smollm2`'s folder, fetched on first use)")
     ap.add_argument("--venv", default=None, help="lm_eval's venv (default: "

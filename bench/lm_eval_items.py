@@ -1,4 +1,4 @@
-"""The local tasks of ``bench/lm_eval_disagg.py``: a multiple-choice task (lm_eval's
+"""The local tasks of ``bench.lm_eval_disagg``: a multiple-choice task (lm_eval's
 ``loglikelihood`` requests: one per choice) and a short-answer task (``generate_until``), each
 a JSONL dataset and a task YAML written into a folder, so lm_eval needs no hub access.
 

@@ -1,6 +1,7 @@
 """KV transfer bandwidth across a veth link between two network namespaces vs over loopback.
 
-Two "hosts" (network namespaces on a private bridge, ``tests/netns.py``): a *server* process in
+Two "hosts" (network namespaces on a private bridge, ``tests/netns.py``, imported as
+``tests.netns``: run it from the repository root): a *server* process in
 host A holds a KV cache behind a ``KVTransferServer`` bound to ``0.0.0.0``, with one lease over
 ``--mib`` MiB of blocks; a *client* process pulls that lease ``--reps`` times (after one
 warm-up) into a preallocated buffer, once from host B over A's veth address (``cross``) and
@@ -10,7 +11,7 @@ veth address, same_host for loopback) and, to separate the link from the setting
 cross_host on loopback. ``numpy.copyto`` of the same bytes in the client is the physical limit
 measured beside each read.
 
-    python bench/multihost.py [--backends tcp,ucx] [--mib 64] [--reps 5] [--rounds 3]
+    python -m bench.multihost [--backends tcp,ucx] [--mib 64] [--reps 5] [--rounds 3]
                               [--ucx-profiles cross_host,same_host]
                               [--out bench/results/multihost.md]
 
@@ -114,10 +115,12 @@ def pull_main(args: argparse.Namespace) -> int:
 
 
 def _python(*args: str) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), *args]
+    return [sys.executable, "-m", "bench.multihost", *args]
 
 
 def _child_env() -> dict[str, str]:
+    """This environment with the repository root first on ``PYTHONPATH``: the children run
+    ``python -m bench.multihost`` wherever ``ip netns exec`` starts them."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
@@ -262,7 +265,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
             f"segments over the veth are that much smaller: more packets per byte)",
             f"- host load average (1 min) before / after: {args.load[0]:.2f} / "
             f"{os.getloadavg()[0]:.2f} (2 shared cores: other work moves these numbers)",
-            "- command: `python bench/multihost.py " + " ".join(sys.argv[1:]) + "`", "",
+            "- command: `python -m bench.multihost " + " ".join(sys.argv[1:]) + "`", "",
             "| backend | UCX profile | path | MiB | GB/s (median) | rounds' range | GB/s (best) "
             "| memcpy GB/s | data checked | UCX transports (client) |",
             "|---|---|---|---:|---:|---:|---:|---:|---|---|"]
@@ -278,14 +281,12 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
 
 
 def run_main(args: argparse.Namespace) -> int:
-    sys.path.insert(0, str(ROOT / "tests"))
-    from netns import NetLab, netns_unavailable
-
     from disagg.transfer.ucx import ucx_available
+    from tests.netns import NetLab, netns_unavailable
 
     why = netns_unavailable()
     if why:
-        print(f"bench/multihost.py: network namespaces unavailable: {why}", file=sys.stderr)
+        print(f"bench.multihost: network namespaces unavailable: {why}", file=sys.stderr)
         return 2
     backends = [b.strip().lower() for b in args.backends.split(",") if b.strip()]
     if "ucx" in backends and not ucx_available()[0]:
@@ -304,7 +305,8 @@ def run_main(args: argparse.Namespace) -> int:
 
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.multihost",
+                                description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd")
     p.add_argument("--backends", default="tcp,ucx")
     p.add_argument("--mib", type=int, default=64)

@@ -6,7 +6,7 @@ The same checkpoint (tens of millions of parameters) and the same seeded workloa
 recv and control message on every rank (``DistributedExecutor.comm_stats``). Greedy outputs
 are checked to be the same tokens as tp1.
 
-    python bench/parallel.py [--num-requests 16] [--batch-size 8] [--out bench/results/parallel.md]
+    python -m bench.parallel [--num-requests 16] [--batch-size 8] [--out bench/results/parallel.md]
 """
 
 from __future__ import annotations
@@ -130,7 +130,8 @@ def ms(s: float, steps: int) -> str:
 
 
 def _args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.parallel",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)

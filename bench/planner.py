@@ -21,7 +21,7 @@ router's pools (polled from ``/cluster_info``), TTFT p90 and TPOT p90 over slidi
 requests sent in them. Target (issue 21): the planner's goodput >= the better static split's and
 >= 1.2x the worse one's.
 
-    python bench/planner.py [--out bench/results/planner.md]
+    python -m bench.planner [--out bench/results/planner.md]
 
 Writes the markdown (``--out``) and the PNG beside it (``--json PATH``: also every request's
 record).
@@ -50,17 +50,14 @@ from typing import Any
 import httpx
 import numpy as np
 
+from disagg.bench.arrivals import arrival_offsets
+from disagg.bench.datasets import SampleRequest, load_bench_tokenizer, sample_random
+from disagg.bench.metrics import RequestRecord, meets_slos
+from disagg.bench.runner import BenchmarkConfig, run_benchmark
+from disagg.procs import free_ports, log_tail, spawn, stop_all
+from disagg.procs import wait_healthy as wait_child_healthy
+
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # this checkout's package, not an installed one
-    sys.path.insert(0, str(ROOT))
-
-from disagg.bench.arrivals import arrival_offsets  # noqa: E402
-from disagg.bench.datasets import SampleRequest, load_bench_tokenizer, sample_random  # noqa: E402
-from disagg.bench.metrics import RequestRecord, meets_slos  # noqa: E402
-from disagg.bench.runner import BenchmarkConfig, run_benchmark  # noqa: E402
-from disagg.procs import free_ports, log_tail, spawn, stop_all  # noqa: E402
-from disagg.procs import wait_healthy as wait_child_healthy  # noqa: E402
-
 TOKEN = "bench-planner"
 NAME = "m"
 # A small Llama: prefill of a long prompt and a decode step cost about the same order of
@@ -98,7 +95,7 @@ class CpuQuota:
     def create(cls, name: str, cores: float) -> CpuQuota:
         found = cls.root()
         if found is None:
-            raise SystemExit("bench/planner.py: no writable cgroup cpu controller here "
+            raise SystemExit("bench.planner: no writable cgroup cpu controller here "
                              "(root and cgroup v1 cpu or v2 cpu.max are needed)")
         root, v2 = found
         path = root / f"disagg-planner-bench-{os.getpid()}-{name}"
@@ -469,7 +466,7 @@ def report(data: dict[str, Any], args: argparse.Namespace, png: str) -> str:
              f"- SLOs: TTFT <= {args.ttft_slo:.0f} ms, TPOT <= {args.tpot_slo:.0f} ms; goodput ="
              " requests meeting both per second of trace (failed requests count as missed)",
              f"- planner: `{json.dumps(planner_yaml(args))}`",
-             f"- command: `python bench/planner.py {' '.join(data['argv'])}`", ""]
+             f"- command: `python -m bench.planner {' '.join(data['argv'])}`", ""]
     lines += _report_static(data, args) + _report_whole(data, args) + _report_decisions(data)
     lines += ["", f"![timeline]({os.path.basename(png)})", ""]
     return "\n".join(lines)
@@ -577,7 +574,8 @@ def plot(data: dict[str, Any], args: argparse.Namespace, png: str) -> None:
 
 
 def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.planner",
+                                 description=__doc__.split("\n\n")[0])
     a = ap.add_argument
     a("--out", default="bench/results/planner.md")
     a("--json", default=None, help="also write everything measured (every request) here")

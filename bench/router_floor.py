@@ -1,4 +1,4 @@
-"""The floor of an HTTP router written in Python on asyncio, for ``bench/router_overhead.py``'s
+"""The floor of an HTTP router written in Python on asyncio, for ``bench.router_overhead``'s
 side-by-side table (the column *Python floor*).
 
 Not a router: a relay that parses just enough HTTP (httptools, the parser uvicorn uses) to know
@@ -9,7 +9,7 @@ in Python on asyncio does at least this per request, so its requests per CPU-sec
 the disagg router's data plane could reach by replacing aiohttp with hand-written protocol
 code, on the same loop.
 
-    python bench/router_floor.py --port 8000 --upstream 127.0.0.1:9000 [--uvloop]
+    python -m bench.router_floor --port 8000 --upstream 127.0.0.1:9000 [--uvloop]
 """
 
 from __future__ import annotations
@@ -115,7 +115,8 @@ async def serve(port: int, upstream: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.router_floor",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--upstream", required=True, help="host:port of the one upstream")
     ap.add_argument("--uvloop", action="store_true", help="run on uvloop's event loop")

@@ -20,14 +20,14 @@ For each of non-streaming and streaming requests, the same closed-loop clients c
 ``--peers`` adds interleaved rounds side by side with sglang-router and vllm-router (installed
 into a virtualenv of their own), the router's variants (asyncio's loop instead of uvloop, two
 processes, ``--baseline``
-REV) and *Python floor* (``router_floor.py``: bytes relayed with no router logic, the least a
+REV) and *Python floor* (``bench.router_floor``: bytes relayed with no router logic, the least a
 Python router costs per request on that loop).
 
 Every answer is checked (status 200 and the stub's whole body, ``[DONE]`` for streams); a
 wrong answer aborts the run. The markdown result (machine, command, tables, whether the
 targets were met) is written to ``--out``.
 
-    python bench/router_overhead.py [--out bench/results/router.md] [--duration 6]
+    python -m bench.router_overhead [--out bench/results/router.md] [--duration 6]
         [--latency-requests 2000] [--concurrency 8] [--throughput-concurrency 64]
         [--repeats 3] [--no-disagg] [--profile-seconds 4]
 """
@@ -53,14 +53,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import router_peers
+from disagg import procs
+from disagg.env import cache_root
+
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # this checkout's package, not an installed one
-    sys.path.insert(0, str(ROOT))
-
-import router_peers  # noqa: E402  (bench/, the script's own folder)
-
-from disagg import procs  # noqa: E402
-from disagg.env import cache_root  # noqa: E402
 
 TARGET_ADDED_P50_MS = 1.0
 TARGET_RPS = 1500.0
@@ -397,13 +394,17 @@ def start_router(config: dict[str, Any], core: int, log_path: Path, timeout: flo
     cfg_path.write_text(yaml.safe_dump(config))
     # Profiled: this script wraps the router CLI and profiles between SIGUSR1 and SIGUSR2
     # (the measured window only, not imports and start-up).
-    cmd = ([sys.executable, __file__, "--profiled-router", str(profile_to)] if profile_to
-           else [sys.executable, "-m", "disagg.cli"])
+    cmd = ([sys.executable, "-m", "bench.router_overhead", "--profiled-router",
+            str(profile_to)] if profile_to else [sys.executable, "-m", "disagg.cli"])
+    extra = dict(extra_env or {})
     proc = procs.spawn(
         [*cmd, "router", "-c", str(cfg_path), "--log-level", "warning"], log_path,
         # A disaggregated router needs a cluster token (the stubs do not check signatures).
-        env={**os.environ, "DISAGG_CLUSTER_TOKEN": "router-overhead-bench",
-             **(extra_env or {})},
+        env={**module_env(extra.pop("PYTHONPATH", None)),
+             "DISAGG_CLUSTER_TOKEN": "router-overhead-bench", **extra},
+        # Not started in this checkout: `-m` puts the working directory first on sys.path,
+        # where it would shadow a --baseline revision's package.
+        cwd=log_path.parent,
         cpus={core})  # pinned before exec: every thread the router makes stays on its core
     try:
         procs.wait_healthy(f"http://127.0.0.1:{config['port']}", timeout, proc=proc,
@@ -412,6 +413,16 @@ def start_router(config: dict[str, Any], core: int, log_path: Path, timeout: flo
         stop(proc)
         raise RuntimeError(f"{e}:\n{procs.log_tail(log_path)}") from None
     return proc
+
+
+def module_env(first: str | None = None) -> dict[str, str]:
+    """This environment with ``first`` (a --baseline revision's tree) and then this checkout
+    first on ``PYTHONPATH``: the children (``python -m disagg.cli``, ``python -m bench...``)
+    run this checkout's modules, not an installed disagg, wherever they start."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [first, str(ROOT),
+                                                      env.get("PYTHONPATH")]))
+    return env
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -439,7 +450,7 @@ def router_config(port: int, ctx_port: int | None, gen_port: int, processes: int
 ASYNCIO = "disagg (asyncio loop)"
 DISAGG_VARIANTS = (("disagg", {}, 1), (ASYNCIO, {"DISAGG_ROUTER_UVLOOP": "0"}, 1),
                    ("disagg, 2 processes", {}, 2))
-# bench/router_floor.py: bytes relayed by hand-written asyncio protocols and httptools, no
+# bench.router_floor: bytes relayed by hand-written asyncio protocols and httptools, no
 # router logic: the floor of any Python router on that loop.
 FLOORS = (("Python floor", []), ("Python floor (uvloop)", ["--uvloop"]))
 MODES = ((False, "non-streaming"), (True, "streaming"))
@@ -481,13 +492,14 @@ def checkout(rev: str, into: Path) -> Path:
     return out
 
 
-async def start_peer(argv: list[str], name: str, core: int, log_dir: Path, direct_port: int
-                     ) -> subprocess.Popen[bytes]:
+async def start_peer(argv: list[str], name: str, core: int, log_dir: Path, direct_port: int,
+                     env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """A peer router (``argv`` without its ports: ``--port P --prometheus-port Q`` are what
     the peers' argv builders take) pinned to ``core``, once it routes."""
     log_path = log_dir / f"{name.split()[0]}-{len(list(log_dir.iterdir()))}.log"
     port = int(argv[argv.index("--port") + 1])
-    proc = procs.spawn(argv, log_path, cpus={core})  # pinned before exec, as the disagg router
+    # pinned before exec, as the disagg router
+    proc = procs.spawn(argv, log_path, env=env, cpus={core})
     try:
         await wait_serving(proc, port, log_path)
     except RuntimeError:
@@ -555,9 +567,9 @@ async def _start_routers(args: argparse.Namespace, ports: dict[str, int], router
             continue
         port = procs.free_ports(1)[0]
         routers[name] = await start_peer(
-            [sys.executable, str(ROOT / "bench" / "router_floor.py"), "--port", str(port),
+            [sys.executable, "-m", "bench.router_floor", "--port", str(port),
              "--upstream", f"127.0.0.1:{ports['agg']}", *loop_args], name, args.core, log_dir,
-            ports["agg"])
+            ports["agg"], env=module_env())
     for peer in peers:
         port, prom = procs.free_ports(2)
         try:
@@ -660,7 +672,7 @@ def side_report(args: argparse.Namespace, res: SideBySide, share: float | None,
               f"latency: router p50 minus the stub's direct p50 measured just before it "
               f"({args.side_latency_requests} requests each); throughput: "
               f"{args.side_duration:g} s runs after a 1 s warm-up; *router CPU*: cores its "
-              f"process(es) used (100% = one core). *Python floor*: `bench/router_floor.py`, "
+              f"process(es) used (100% = one core). *Python floor*: `bench.router_floor`, "
               f"not a router: it relays the bytes over keep-alive connections with hand-written "
               f"asyncio protocols and httptools, reading no JSON and building no header, on "
               f"asyncio's loop (or uvloop): what every Python router costs at least."]
@@ -1140,7 +1152,8 @@ def profiled_router(out: str, argv: list[str]) -> int:
 def main() -> int:
     if len(sys.argv) > 2 and sys.argv[1] == "--profiled-router":
         return profiled_router(sys.argv[2], sys.argv[3:])
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.router_overhead",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench/results/router.md")
     p.add_argument("--duration", type=float, default=6.0, help="seconds per throughput cell")
     p.add_argument("--latency-requests", type=int, default=2000)
@@ -1167,7 +1180,7 @@ def main() -> int:
                    help="also run the router of this git revision in the side by side "
                    "(--peers): before / after in one run")
     args = p.parse_args()
-    args.command = " ".join(["python bench/router_overhead.py", *sys.argv[1:]])
+    args.command = " ".join(["python -m bench.router_overhead", *sys.argv[1:]])
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2 or args.core not in cores:
         print(f"error: needs 2 cores (router on --core {args.core}, load on the others); "

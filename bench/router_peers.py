@@ -1,4 +1,4 @@
-"""The peer routers of ``bench/router_overhead.py --peers``: ``sglang-router`` and
+"""The peer routers of ``python -m bench.router_overhead --peers``: ``sglang-router`` and
 ``vllm-router`` (Rust routers on PyPI), installed at pinned versions into a virtualenv of their
 own (never into this environment: their dependencies must not move ours), and the command
 that runs each one in front of the bench's stub workers, round robin, aggregated.

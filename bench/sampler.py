@@ -1,7 +1,7 @@
 """Sampler cost of one decode step: ``Sampler.sample`` on [batch, vocab] logits.
 
-    python bench/sampler.py [--device cpu|cuda] [--vocab 32000 128256] [--batch 16 64]
-    python bench/sampler.py --penalties [--out bench/results/sampler_penalties.md]
+    python -m bench.sampler [--device cpu|cuda] [--vocab 32000 128256] [--batch 16 64]
+    python -m bench.sampler --penalties [--out bench/results/sampler_penalties.md]
 
 Mixes: all greedy; all sampled (temperature 0.8, top_p 0.95, half of the rows seeded); all
 sampled with top_k 50 and no top_p; half greedy, half sampled. Prints the median and p90
@@ -129,7 +129,7 @@ def write_penalties(args: argparse.Namespace) -> None:
         "|---|---|---|---|---|---|",
         *rows,
         "",
-        f"command: `python bench/sampler.py --penalties --device {args.device} --vocab "
+        f"command: `python -m bench.sampler --penalties --device {args.device} --vocab "
         f"{' '.join(map(str, args.vocab))} --batch {' '.join(map(str, args.batch))} "
         f"--iters {args.iters} --rounds {args.rounds} --threads {args.threads}`",
     ]
@@ -138,7 +138,8 @@ def write_penalties(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.sampler",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--vocab", type=int, nargs="+", default=[32000, 128256])
     ap.add_argument("--batch", type=int, nargs="+", default=[16, 64])

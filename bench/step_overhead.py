@@ -14,12 +14,15 @@ only host work remains:
     outputs    the rest of step(): detokenization, stop checks, RequestOutput objects
     step       the whole engine.step()
 
-    python bench/step_overhead.py [--batches 1 64] [--ctx 1024] [--steps 60]
+    python -m bench.step_overhead [--batches 1 64] [--ctx 1024] [--steps 60]
                                   [--baseline /path/to/old/checkout] [--out FILE.md]
 
 ``--baseline DIR`` runs the same measurement in a subprocess importing ``disagg`` from ``DIR``
 (e.g. a worktree of the commit before), interleaved with this tree's, and reports both and the
-ratio after / before.
+ratio after / before. Each measurement runs as ``python -m bench.step_overhead --child`` (this
+checkout's script either way), started in a folder of its own that holds only a link
+``disagg`` to the measured tree's package: ``-m`` puts the working directory first on
+``sys.path``, ahead of any installed or checked-out ``disagg``.
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("schedule", "inputs", "forward", "sample", "update", "outputs", "step")
 
 
@@ -54,14 +59,20 @@ def _timed(obj, name: str, acc: dict[str, float], key: str) -> None:
 def _engine(batch: int, ctx: int, steps: int, path: str, model_dir: str):
     """An engine sized for ``batch`` requests of ``ctx`` tokens; on the padded path its runner
     decodes through the padded (graph) inputs with the reference attention."""
-    import disagg.engine as engine_mod
     from disagg.config import build_engine_config
     from disagg.engine import LLMEngine
     from disagg.runner import ModelRunner
 
+    try:  # where LLMEngine looks its executor factory up
+        import disagg.engine.llm_engine as engine_mod
+    except ImportError:  # a --baseline checkout from before the engine package
+        import disagg.engine as engine_mod  # type: ignore[no-redef]
     orig_make = engine_mod.make_executor
     if path == "padded":
-        from disagg.cuda_graph import paged_decode_reference
+        try:
+            from disagg.model.static_decode import paged_decode_reference
+        except ImportError:  # (a --baseline checkout: it lived in cuda_graph then)
+            from disagg.cuda_graph import paged_decode_reference  # type: ignore[no-redef]
 
         engine_mod.make_executor = lambda config, disagg=None: ModelRunner(
             config, padded_decode=paged_decode_reference)
@@ -143,8 +154,8 @@ def _decode_steps(eng, acc: dict[str, float], batch: int, steps: int
         t0 = time.perf_counter()
         eng.step()
         total = time.perf_counter() - t0
-        sched = eng._last_sched
-        assert sched is not None and sched.num_decodes == len(sched.scheduled) == batch
+        st = eng.stats()  # (outside the timed step) one token for each of the batch's requests
+        assert st.last_step_batch_size == st.last_step_num_tokens == batch
         if s < 3:
             continue  # warm-up
         known = sum(acc[k] for k in ("schedule", "inputs", "forward", "sample", "update"))
@@ -181,20 +192,24 @@ def _child(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(out))
 
 
-def _run_child(pythonpath: str, args: argparse.Namespace, model_dir: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model-dir", model_dir,
+def _run_child(tree: str, start_in: str, args: argparse.Namespace, model_dir: str) -> dict:
+    """One measurement of ``tree``'s ``disagg`` by this checkout's script, in a subprocess
+    started in ``start_in`` (a folder holding only the link ``disagg`` -> ``tree/disagg``)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "bench.step_overhead", "--child", "--model-dir", model_dir,
            "--ctx", str(args.ctx), "--steps", str(args.steps),
            "--batches", *map(str, args.batches), "--paths", *args.paths]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    res = subprocess.run(cmd, env=env, cwd=start_in, capture_output=True, text=True,
+                         check=False)
     if res.returncode != 0:
-        raise RuntimeError(f"child failed ({pythonpath}):\n{res.stderr[-4000:]}")
+        raise RuntimeError(f"child failed ({tree}):\n{res.stderr[-4000:]}")
     line = next(ln for ln in res.stdout.splitlines() if ln.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.step_overhead",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=60)
@@ -212,17 +227,23 @@ def main() -> None:
 
     from disagg.model.tiny import write_tiny_checkpoint
 
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_checkpoint(os.path.join(tmp, "tiny"), "llama",
                                           max_position_embeddings=4096)
-        trees = {"after": here}
+        trees = {"after": str(ROOT)}
         if args.baseline:
-            trees = {"before": os.path.abspath(args.baseline), "after": here}
+            trees = {"before": os.path.abspath(args.baseline), "after": str(ROOT)}
+        start_in = {}
+        for name, tree in trees.items():
+            if not os.path.isfile(os.path.join(tree, "disagg", "__init__.py")):
+                ap.error(f"--baseline: {tree} has no disagg package")
+            start_in[name] = os.path.join(tmp, f"start-{name}")
+            os.mkdir(start_in[name])
+            os.symlink(os.path.join(tree, "disagg"), os.path.join(start_in[name], "disagg"))
         runs: dict[str, list[dict]] = defaultdict(list)
         for _ in range(args.rounds):
             for name, tree in trees.items():
-                runs[name].append(_run_child(tree, args, model_dir))
+                runs[name].append(_run_child(tree, start_in[name], args, model_dir))
     res = {name: {key: {ph: statistics.median(r[key][ph] for r in rs) for ph in PHASES}
                   for key in rs[0]} for name, rs in runs.items()}
     lines = [

@@ -16,7 +16,7 @@ was before the default bounds (commit aa0fc05: the schema's keys sorted, llguida
 swapping ``disagg.structured.grammar.grammar_text`` for that one. How many offline "now"
 answers equal the live worker's is reported, so the offline path is shown to be the server's.
 
-    python bench/structured_completion.py [--smollm2 DIR] [--tiny DIR] [--seeds 20]
+    python -m bench.structured_completion [--smollm2 DIR] [--tiny DIR] [--seeds 20]
                                           [--out bench/results/structured_completion.md]
 """
 
@@ -38,15 +38,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import openai
+import pydantic
+
+from disagg import __version__
+from disagg.procs import NotHealthy, free_ports, log_tail, spawn, stop_all
+from disagg.procs import wait_healthy as wait_child_healthy
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import openai  # noqa: E402
-import pydantic  # noqa: E402
-
-from disagg import __version__  # noqa: E402
-from disagg.procs import NotHealthy, free_ports, log_tail, spawn, stop_all  # noqa: E402
-from disagg.procs import wait_healthy as wait_child_healthy  # noqa: E402
 
 NAME = "model"
 MAX_TOKENS = 200
@@ -294,10 +293,11 @@ def report(runs: dict[str, dict[str, Any]], models: dict[str, tuple[str, str]], 
     lines = [
         "# Structured outputs a small model completes",
         "",
-        "Written by `bench/structured_completion.py` (one run). The README's two examples as "
-        "it writes them, `max_tokens=200`: `client.chat.completions.parse(response_format="
-        "City)` (a pydantic `City(name: str, population: int)`, \"Largest city?\") and "
-        "`tool_choice=\"required\"` with its `get_weather` tool (\"Oslo?\"). **valid**: the "
+        "Written by `python -m bench.structured_completion` (one run). The README's two "
+        "examples as it writes them, `max_tokens=200`: `client.chat.completions.parse("
+        "response_format=City)` (a pydantic `City(name: str, population: int)`, \"Largest "
+        "city?\") and `tool_choice=\"required\"` with its `get_weather` tool (\"Oslo?\"). "
+        "**valid**: the "
         "`City` parsed, or every tool call's arguments parse against `get_weather`'s schema "
         "with finish_reason `tool_calls`, within max_tokens. Sampled: the server's default "
         f"temperature (1) with `seed` 0..{seeds - 1}; temperature 0: the same seeds (greedy, "
@@ -343,7 +343,8 @@ def report(runs: dict[str, dict[str, Any]], models: dict[str, tuple[str, str]], 
 
 
 def _parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.structured_completion",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--smollm2", default=None, help="SmolLM2 folder (default: `disagg model "
                     "fetch smollm2`'s, fetched on first use)")
     ap.add_argument("--tiny", default=None, help="tiny model folder (default: written by "

@@ -12,12 +12,13 @@ Two measurements, for the tiny model's tokenizer (512 tokens) and SmolLM2's (491
    schema (a string field that cannot close within the run), alternated ``--rounds`` times;
    the overhead is the difference of the medians.
 
-    python bench/structured_outputs.py [--smollm2 DIR] [--batches 1 16 64] [--steps 24]
-                                       [--rounds 3] [--xgrammar-path DIR] [--out FILE.md]
+    python -m bench.structured_outputs [--smollm2 DIR] [--batches 1 16 64] [--steps 24]
+                                       [--rounds 3] [--out FILE.md]
 
-``--xgrammar-path``: a folder with xgrammar installed (e.g. ``pip install --no-deps --target
-DIR xgrammar apache-tvm-ffi``), prepended to ``sys.path``, so that it need not be installed
-beside disagg.
+xgrammar need not be installed beside disagg: install it into a folder of its own (e.g. ``pip
+install --no-deps --target DIR xgrammar apache-tvm-ffi``) and put that folder on the path for
+the run, ``PYTHONPATH=DIR python -m bench.structured_outputs ...`` (the report's command line
+shows it).
 """
 
 from __future__ import annotations
@@ -224,7 +225,7 @@ def engine_step_s(model_dir: str, batch: int, steps: int, constrained: bool
     """Medians over the decode ``LLMEngine.step()`` calls at ``batch`` requests, in seconds:
     the step, and within it the sampler, the mask fill + unpack (``forbidden``) and the
     matchers' advance."""
-    import disagg.engine as engine_mod
+    import disagg.engine.llm_engine as engine_mod
     from disagg.config import build_engine_config
     from disagg.engine import LLMEngine
     from disagg.request import SamplingParams
@@ -243,8 +244,8 @@ def engine_step_s(model_dir: str, batch: int, steps: int, constrained: bool
     parts: dict[str, list[float]] = {k: [] for k in ("step", "sample", "forbidden", "advance")}
     _timed(eng.sampler, "sample", parts["sample"])
     _timed(eng._masks, "forbidden", parts["forbidden"])
-    real_advance = engine_mod._advance_grammars
-    _timed(engine_mod, "_advance_grammars", parts["advance"])
+    real_advance = engine_mod.advance_grammars
+    _timed(engine_mod, "advance_grammars", parts["advance"])
     try:
         for _ in range(steps):
             for v in parts.values():
@@ -254,7 +255,7 @@ def engine_step_s(model_dir: str, batch: int, steps: int, constrained: bool
             parts["step"][-1] = time.perf_counter() - t0
             assert eng.scheduler.num_running == batch
     finally:
-        engine_mod._advance_grammars = real_advance
+        engine_mod.advance_grammars = real_advance
         eng.shutdown()
     return {k: statistics.median(v) for k, v in parts.items()}
 
@@ -329,17 +330,15 @@ def bench_tokenizer(label: str, model_dir: str, batches: list[int], steps: int, 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.structured_outputs",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--smollm2", default=os.path.expanduser("~/.cache/disagg/models/smollm2"),
                     help="SmolLM2 folder (disagg model fetch smollm2 DIR); skipped if absent")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--xgrammar-path", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if args.xgrammar_path:
-        sys.path.insert(0, args.xgrammar_path)
     import torch
 
     torch.set_num_threads(1)
@@ -358,13 +357,14 @@ def main() -> None:
             cmp_rows += c
             step_rows += s
     bs = "/".join(map(str, args.batches))
+    path_env = f"PYTHONPATH={os.environ['PYTHONPATH']} " if os.environ.get("PYTHONPATH") else ""
     report = "\n".join([
         "# Structured outputs: grammar engines and the per-step mask overhead",
         "",
         f"- machine: {machine()}; load average (1 min) at start {load0:.1f}, at end "
         f"{os.getloadavg()[0]:.1f} (2 cores shared with other jobs: absolute times vary, the "
         "comparisons are within one run)",
-        f"- command: `python bench/structured_outputs.py {' '.join(sys.argv[1:])}`",
+        f"- command: `{path_env}python -m bench.structured_outputs {' '.join(sys.argv[1:])}`",
         "- JSON schema: an object with a bounded string, an integer range, an enum array, an "
         "optional nested object with a pattern, a boolean; the document stepped through is "
         "a valid instance of it (compact JSON), tokenized by the model's tokenizer",

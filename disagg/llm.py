@@ -13,7 +13,8 @@ import itertools
 from collections.abc import Sequence
 
 from disagg.config import build_engine_config
-from disagg.engine import CompletionOutput, LLMEngine, RequestOutput
+from disagg.engine.llm_engine import LLMEngine
+from disagg.engine.outputs import CompletionOutput, RequestOutput
 from disagg.request import SamplingParams
 
 Prompt = str | Sequence[int]

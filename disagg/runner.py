@@ -14,19 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-from disagg.config import EngineConfig
-from disagg.cuda_graph import DecodeFn, DecodeGraphs, graph_batch_sizes, triton_paged_decode
+from disagg.config import DEFAULT_CPU_KV_FRACTION, DEFAULT_GPU_MEMORY_FRACTION, EngineConfig
+from disagg.cuda_graph import DecodeGraphs, graph_batch_sizes
 from disagg.layout import ParallelLayout
 from disagg.model.attention import AttentionMetadata
 from disagg.model.kernels import paged_decode_kernel, small_linear_kernel
 from disagg.model.loader import allocate_kv_cache, kv_cache_bytes_per_block, load_model
+from disagg.model.static_decode import DecodeFn, triton_paged_decode
 from disagg.scheduler import ScheduledRequest, SchedulerOutput
-
-# With no sizing option set: a CUDA worker may use this share of the GPU's total memory
-# (vLLM's gpu_memory_utilization default); a CPU worker gives the KV cache this share of free
-# RAM (the same memory also holds the process, the OS and often other workers).
-DEFAULT_GPU_MEMORY_FRACTION = 0.9
-DEFAULT_CPU_KV_FRACTION = 0.1
 
 logger = logging.getLogger("disagg.runner")
 

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -162,6 +162,89 @@ def signed_post(url: str, path: str, body: Any, token: str, timeout: float = 60.
                 ) -> httpx.Response:
     """POST ``body`` to ``url + path`` signed with the cluster ``token``."""
     return httpx.post(url + path, timeout=timeout, **signed(token, "POST", path, body))
+
+
+# ---- a stand-in engine ---------------------------------------------------------------------------
+
+
+class StoppedEngine:
+    """An ``EngineClient`` (disagg/engine/client.py) whose loop never runs: unhealthy, every
+    request refused, counters unreadable; an aggregated worker (no KV connector). Tests
+    subclass it for what they vary. ``config``: the ``EngineConfig`` the server reads (None
+    for code that never reads it, e.g. the metrics alone)."""
+
+    transfer = None
+    fatal_error = None
+
+    def __init__(self, config: Any = None) -> None:
+        from disagg.kv_cache.events import KVEventLog
+
+        self.config = config
+        self.tokenizer: Any = None
+        self.worker_id = "stopped-engine"
+        self.kv_events = KVEventLog()
+        self.role_drain_now: Any = None
+        self.rank_pids = [os.getpid()]
+
+    def start(self) -> None:
+        pass
+
+    async def shutdown(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def is_healthy(self) -> bool:
+        return False
+
+    def stats(self) -> Any:
+        raise RuntimeError("the engine is not running")
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any,
+                       prompt: str | None = None, mode: Any = None) -> AsyncIterator[Any]:
+        from disagg.engine.errors import EngineDeadError
+
+        raise EngineDeadError("the engine is not running")
+        yield  # (an async generator, as AsyncLLM.generate)
+
+    async def abort(self, request_id: str) -> None:
+        pass
+
+    def release_lease(self, lease_id: str) -> bool:
+        return False
+
+    def release_remote(self, lease: Any) -> None:
+        pass
+
+    def switch_role(self, role: Any) -> Any:
+        raise ValueError("role: an aggregated worker cannot switch role")
+
+
+def protocol_gaps(obj: Any, protocol: type) -> list[str]:
+    """What ``obj`` lacks of ``protocol`` (a ``typing.Protocol``): attributes, properties and
+    methods by name, methods whose parameters differ by name, and async-ness. Empty: ``obj``
+    implements it."""
+    import inspect
+
+    gaps = []
+    names = {n for n in vars(protocol) if not n.startswith("_")}
+    names |= set(getattr(protocol, "__annotations__", {}))
+    for name in sorted(names):
+        if not hasattr(obj, name):
+            gaps.append(f"{name}: missing")
+            continue
+        want = inspect.getattr_static(protocol, name, None)
+        if not inspect.isfunction(want):
+            continue  # an attribute or a property: present is enough
+        have = getattr(obj, name)
+        want_params = list(inspect.signature(want).parameters)[1:]  # (self)
+        have_params = list(inspect.signature(have).parameters)
+        if want_params != have_params:
+            gaps.append(f"{name}: parameters {have_params}, not {want_params}")
+        if inspect.iscoroutinefunction(want) != inspect.iscoroutinefunction(have):
+            gaps.append(f"{name}: async-ness differs")
+    return gaps
 
 
 # ---- worker subprocesses (`disagg serve ...`) -------------------------------------------------

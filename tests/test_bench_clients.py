@@ -1,37 +1,22 @@
-"""bench/clients.py's own logic, offline: the shape checks of recorded exchanges, the
-pass / server / model / client classification, the client scripts' exception sorting
-(bench/clients/_common.py), and the recording proxy against a local stand-in upstream."""
+"""The ``bench.clients`` harness's own logic, offline: the shape checks of recorded exchanges,
+the pass / server / model / client classification, the client modules' exception sorting
+(bench/clients/common.py), and the recording proxy against a local stand-in upstream."""
 
 from __future__ import annotations
 
 import http.server
 import importlib.util
 import json
-import sys
 import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-
-
-def _load(name: str, path: Path) -> ModuleType:
-    # By path: bench/clients.py and the folder bench/clients/ share a name.
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bc = _load("bench_clients_harness", BENCH / "clients.py")
-common = _load("bench_clients_common", BENCH / "clients" / "_common.py")
+from bench.clients import common
+from bench.clients import harness as bc
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "strict": True,
@@ -220,8 +205,10 @@ def test_pick_cases() -> None:
     assert len(bc.pick_cases("all")) == len(bc.CASES)
     with pytest.raises(SystemExit, match="--clients: 'nope'"):
         bc.pick_cases("nope")
-    for case in bc.CASES.values():  # every case names a script that has it
-        text = (BENCH / "clients" / case.script).read_text()
+    for case in bc.CASES.values():  # every case names a client module that has it
+        spec = importlib.util.find_spec(f"bench.clients.{case.module}")
+        assert spec is not None and spec.origin is not None, case.module
+        text = Path(spec.origin).read_text()
         assert f'"{case.arg}"' in text and case.venv in bc.VENVS
 
 

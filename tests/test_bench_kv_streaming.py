@@ -1,16 +1,13 @@
-"""The pure parts of ``bench/kv_streaming.py``: arguments, the target arithmetic, the per-phase
+"""The pure parts of ``bench.kv_streaming``: arguments, the target arithmetic, the per-phase
 split from metric deltas, /metrics parsing and the report."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-
-import kv_streaming as ks  # noqa: E402
+from bench import kv_streaming as ks
 
 
 def test_defaults_and_reps_broadcast() -> None:
@@ -22,7 +19,7 @@ def test_defaults_and_reps_broadcast() -> None:
     s = ks.parse_args(["--modes", "agg,off", "--tokens", "64,256", "--reps", "2",
                        "--backend", "ucx"])
     assert s.modes == ("agg", "off") and s.reps == (2, 2) and s.backend == "UCX"
-    assert s.command == "python bench/kv_streaming.py --modes agg,off --tokens 64,256 " \
+    assert s.command == "python -m bench.kv_streaming --modes agg,off --tokens 64,256 " \
                         "--reps 2 --backend ucx"
 
 
@@ -159,7 +156,7 @@ def test_report_partial_run() -> None:
            "| 10.0 (1) | 0.0 | 12.0 | 4.0 | 100.0 |" in text
     assert "identical across the modes for 2 of 3 prompts" in text
     assert "1 prompt(s) replaced" in text and "a median of 1 is one request" in text
-    assert "`python bench/kv_streaming.py --modes agg,off --tokens 512,2048 --reps 2,1`" \
+    assert "`python -m bench.kv_streaming --modes agg,off --tokens 512,2048 --reps 2,1`" \
         in text
 
 

@@ -1,14 +1,9 @@
-"""bench/kv_transfer.py's target line: met / not met per backend at the largest prompt, and
+"""``bench.kv_transfer``'s target line: met / not met per backend at the largest prompt, and
 for a UCX miss the bound a gather copy sets, computed from the run's own figures."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-
-import kv_transfer  # noqa: E402
+from bench import kv_transfer
 
 
 def _row(backend: str, tokens: int, cons_ms: float, frag_ms: float, cons_gbps: float,

@@ -1,15 +1,9 @@
-"""The pure parts of ``bench/planner.py``: the shifting trace, goodput, windows, flips."""
+"""The pure parts of ``bench.planner``: the shifting trace, goodput, windows, flips."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-
-import planner as pb  # noqa: E402
-
-from disagg.bench.metrics import RequestRecord  # noqa: E402
+from bench import planner as pb
+from disagg.bench.metrics import RequestRecord
 
 
 class _Tok:

@@ -1,19 +1,15 @@
-"""bench/router_floor.py relays answers byte for byte (non-streamed and streamed, several
-connections, a new back connection when none is idle), and router_overhead.py's report says
-from the measured floors whether a Python router can reach vllm-router per CPU-second."""
+"""``bench.router_floor`` relays answers byte for byte (non-streamed and streamed, several
+connections, a new back connection when none is idle), and ``bench.router_overhead``'s report
+says from the measured floors whether a Python router can reach vllm-router per CPU-second."""
 
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-
-import router_floor  # noqa: E402
-import router_overhead as ro  # noqa: E402
+from bench import router_floor
+from bench import router_overhead as ro
 
 
 async def _through_the_floor() -> tuple[int, int]:

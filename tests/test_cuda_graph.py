@@ -8,9 +8,10 @@ import random
 import pytest
 import torch
 
-import disagg.engine as engine_mod
+import disagg.engine.llm_engine as engine_mod
 from disagg import LLM, SamplingParams
-from disagg.cuda_graph import graph_batch_sizes, paged_decode_reference
+from disagg.cuda_graph import graph_batch_sizes
+from disagg.model.static_decode import paged_decode_reference
 from disagg.runner import ModelRunner
 
 
@@ -167,8 +168,8 @@ def test_memory_and_graph_options_validate_and_flow_from_cli_and_yaml(tiny_llama
     args = parser.parse_args(["serve", "/m", "--gpu-memory-fraction", "0.5", "--kv-cache-tokens",
                               "4096", "--no-enforce-eager", "--cuda-graph-max-batch-size", "64"])
     opts = resolve_options(args)
-    assert opts["gpu_memory_fraction"] == 0.5 and opts["kv_cache_tokens"] == 4096
-    assert opts["enforce_eager"] is False and opts["cuda_graph_max_batch_size"] == 64
+    assert opts.gpu_memory_fraction == 0.5 and opts.kv_cache_tokens == 4096
+    assert opts.enforce_eager is False and opts.cuda_graph_max_batch_size == 64
 
 
 def test_cpu_runner_never_captures_and_keeps_its_cache_shape(tiny_llama) -> None:

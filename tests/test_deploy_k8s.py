@@ -188,6 +188,8 @@ def test_checked_in_example_is_up_to_date(tmp_path: Path, monkeypatch: pytest.Mo
      "--name: 'Bad_Name'"),
     ("generation_servers: {urls: ['h:8001'], nope: 1}\nmodel: tiny\n", (),
      "generation_servers.nope: unknown key"),
+    ("model: tiny\ndisagg_cluster: {}\n", (), "nothing to deploy"),
+    ("generation_servers: {urls: ['h:8001']}\n", (), "generation_servers: model: missing"),
 ])
 def test_bad_input_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                     yaml_text: str, extra: tuple[str, ...],

@@ -7,9 +7,10 @@ import random
 
 import pytest
 import torch
+from server_fixtures import protocol_gaps
 
 from disagg import LLM, SamplingParams
-from disagg.engine import AsyncLLM, LLMEngine, QueueFullError
+from disagg.engine import AsyncLLM, EngineClient, LLMEngine, QueueFullError
 from disagg.request import SamplingParamsError
 
 transformers = pytest.importorskip("transformers")
@@ -220,6 +221,19 @@ def test_async_engine_streams_aborts_and_limits_queue(tiny_llama):
         assert not engine.is_healthy()
 
     asyncio.run(main())
+
+
+def test_async_llm_is_the_engine_client(tiny_llama):
+    """What the server may use of the engine (EngineClient) is what AsyncLLM offers: every
+    member, methods with the same parameters; close() without a start is fine."""
+    engine = AsyncLLM.from_options(tiny_llama, kv_cache_tokens=512)
+    try:
+        assert protocol_gaps(engine, EngineClient) == []
+        assert engine.transfer is None and engine.role_drain_now is None
+    finally:
+        engine.close()
+        engine.close()  # idempotent
+    assert not engine.is_healthy()
 
 
 def test_failed_step_fails_its_requests_and_the_loop_goes_on(tiny_llama, monkeypatch):

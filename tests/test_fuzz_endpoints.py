@@ -336,7 +336,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: str
     assert gen_config.model.vocab_size == VOCAB
     engines = {
         "ctx": AsyncLLM(ctx_config, disagg=DisaggSettings(
-            role="context", cluster_token=TOKEN, backend="TCP", lease_ttl_s=LEASE_TTL_S)),
+            role="context", cluster_token=TOKEN, backend="TCP", kv_lease_ttl_s=LEASE_TTL_S)),
         "gen": AsyncLLM(gen_config, disagg=DisaggSettings(
             role="generation", cluster_token=TOKEN, backend="TCP")),
     }

@@ -114,16 +114,16 @@ def test_server_over_gpu_cache_sends_identical_bytes(backend: str, dtype: torch.
             result = client.read(server.address, req, out).result(30)
             # zero copy only for a consecutive run of whole blocks (or one full block as
             # tokens), sent from GPU memory
-            assert result.zero_copy == (server.device_direct
+            assert result.zero_copy == (server.payload.device_direct
                                         and any(req is c for c in (cases[1], cases[4])))
             assert not result.device_direct  # the client staged in pinned host memory
             assert _bytes_equal(out, _expected(host, req)), req
-        assert server.staging.allocations >= 1
+        assert server.payload.staging.allocations >= 1
         snap = server.stats.snapshot()
         assert snap.failed_transfers == 0
         if backend == "tcp":
-            assert not server.device_direct
-            assert server.staging_reason == "the tcp backend moves host memory only"
+            assert not server.payload.device_direct
+            assert server.payload.staging_reason == "the tcp backend moves host memory only"
             assert snap.host_staged_transfers == len(cases)
         assert client.stats.snapshot().host_staged_transfers == len(cases)
     finally:
@@ -142,7 +142,7 @@ def test_ucx_moves_gpu_cache_gpu_to_gpu(dtype: torch.dtype) -> None:
     server = KVTransferServer(kv, leases, TOKEN, "ucx").start()
     client = KVTransferClient("ucx", TOKEN, timeout_s=20)
     try:
-        if not (server.device_direct and client.device_payloads):
+        if not (server.payload.device_direct and client.device_payloads):
             pytest.skip(f"UCX cannot move GPU memory here: {client.device_support[1]}")
         assert "cuda_copy" in client.device_support[1]
         ids = [17, 3, 4, 9, 0, 22]
@@ -165,7 +165,7 @@ def test_ucx_moves_gpu_cache_gpu_to_gpu(dtype: torch.dtype) -> None:
         assert snap.device_direct_transfers == len(cases) and snap.host_staged_transfers == 0
         csnap = client.stats.snapshot()
         assert csnap.device_direct_transfers == len(cases) and csnap.host_staged_transfers == 0
-        assert server.staging.allocations >= 1  # a device buffer: no pinned host memory
+        assert server.payload.staging.allocations >= 1  # a device buffer: no pinned host memory
     finally:
         client.close()
         server.stop()

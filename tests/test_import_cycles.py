@@ -160,6 +160,63 @@ def test_worker_clients_never_import_the_worker_server() -> None:
     assert not {m: d for m, d in bad.items() if d}, bad
 
 
+# The model is the bottom of the engine's stack: the scheduler, the CUDA graphs and the runner
+# drive it, the engine and the KV connector sit above them; the model knows none of them.
+ABOVE_THE_MODEL = ("disagg.scheduler", "disagg.cuda_graph", "disagg.runner", "disagg.engine",
+                   "disagg.kv_connector", "disagg.transfer", "disagg.server", "disagg.router")
+
+
+def test_the_model_imports_nothing_above_it() -> None:
+    graph = import_graph()
+    assert "disagg.model.static_decode" in graph["disagg.model.llama"]
+    bad = {m: sorted(d for d in deps if _under(d, ABOVE_THE_MODEL))
+           for m, deps in graph.items() if _under(m, ("disagg.model",))}
+    assert not {m: d for m, d in bad.items() if d}, bad
+
+
+# The transfer package is the transport, leases and the server: what to pull and how it lands
+# in a cache (plan, receive buffers, install) is the KV connector's, above it.
+ABOVE_THE_TRANSFER = ("disagg.kv_connector", "disagg.engine", "disagg.scheduler",
+                      "disagg.runner", "disagg.server", "disagg.router", "disagg.parallel")
+
+
+def test_transfer_imports_nothing_above_it() -> None:
+    graph = import_graph()
+    assert "disagg.transfer.service" in graph["disagg.kv_connector.pull"]
+    bad = {m: sorted(d for d in deps if _under(d, ABOVE_THE_TRANSFER))
+           for m, deps in graph.items() if _under(m, ("disagg.transfer",))}
+    assert not {m: d for m, d in bad.items() if d}, bad
+
+
+def test_the_engine_package_imports_light() -> None:
+    """The server imports the engine's outputs, errors and client without loading torch (the
+    engines themselves load on first use)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import disagg.engine\n"
+            "from disagg.engine import EngineClient, RequestOutput, QueueFullError\n"
+            "import disagg.engine.client, disagg.engine.outputs, disagg.engine.errors\n"
+            "import disagg.contracts.kv_mode\n"
+            "print(sorted({'torch', 'fastapi', 'numpy'} & set(sys.modules)))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_launch_and_deploy_plan_through_the_contracts() -> None:
+    """One plan from a cluster YAML: launch and deploy both build on contracts/plan.py,
+    which knows only the contracts and the config (a model catalog is handed to it)."""
+    graph = import_graph()
+    for target in ("disagg.launch", "disagg.deploy.plan"):
+        assert "disagg.contracts.plan" in graph[target], target
+    assert graph["disagg.contracts.plan"] <= {"disagg.contracts.cluster",
+                                              "disagg.contracts.options",
+                                              "disagg.contracts.roles", "disagg.config"}
+
+
 def test_router_launch_and_deploy_load_neither_torch_nor_fastapi() -> None:
     """What importing them loads, in a fresh interpreter (the static graph above does not
     see third-party imports)."""
@@ -170,7 +227,7 @@ def test_router_launch_and_deploy_load_neither_torch_nor_fastapi() -> None:
             "import disagg.router.app, disagg.router.cli, disagg.launch, disagg.deploy.cli\n"
             "import disagg.deploy.plan, disagg.deploy.k8s, disagg.deploy.slurm\n"
             "import disagg.contracts.cluster, disagg.contracts.protocol\n"
-            "import disagg.contracts.responses\n"
+            "import disagg.contracts.responses, disagg.contracts.plan\n"
             "heavy = {'torch', 'fastapi', 'starlette', 'uvicorn'}\n"
             "print(sorted(heavy & set(sys.modules)))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -9,16 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from disagg.contracts.options import load_worker_yaml
+from disagg.contracts.options import WorkerOptions, load_worker_yaml
 from disagg.server.cli import _disagg_settings
 from disagg.transfer.ucx import ucx_available
 
 
 def _backend(backend: str | None) -> str:
-    settings = _disagg_settings("generation", {}, benchmark_gen_only=False,
-                                cluster_token="t" * 32, kv_transfer_backend=backend,
-                                kv_transfer_host="127.0.0.1", kv_lease_ttl=30.0,
-                                ucx_profile=None, kv_peer_allowlist=None)
+    settings = _disagg_settings(WorkerOptions(model="m", role="generation",
+                                              cluster_token="t" * 32,
+                                              kv_transfer_backend=backend))
     return settings.backend
 
 

@@ -8,8 +8,10 @@ from typing import Any
 
 import pytest
 
+from disagg.contracts.kv_mode import ContextOnly, KVMode, Pull
+from disagg.contracts.roles import Role
 from disagg.engine import LLMEngine
-from disagg.kv_connector.base import FinishedTransfers, KVConnector, RequestKV
+from disagg.kv_connector.base import FinishedTransfers, KVConnector
 from disagg.kv_connector.errors import KVTransferError
 from disagg.request import Request, RequestStatus, SamplingParams
 from disagg.scheduler import KVFetch, SchedulerOutput
@@ -24,7 +26,7 @@ class _Params:
 
 
 class Recorder(KVConnector):
-    role = "context"
+    role = Role.CONTEXT
     worker_id = "w"
 
     def __init__(self) -> None:
@@ -34,9 +36,9 @@ class Recorder(KVConnector):
         # Cancelled loads: reported in loads_stopped by get_finished once the test says so.
         self.stopping: list[str] = []
 
-    def add_request(self, request_id: str, kv: RequestKV) -> bool:
+    def add_request(self, request_id: str, mode: KVMode, lease: bool) -> bool:
         self.calls.append(("add_request", request_id))
-        return kv.lease
+        return lease
 
     def request_finished(self, request: Request, held_blocks: list[int] | None,
                          logprobs: list[dict[int, float]] | None) -> Any:
@@ -72,7 +74,7 @@ class Recorder(KVConnector):
     def busy(self) -> bool:
         return False
 
-    def set_role(self, role: str) -> None:
+    def set_role(self, role: Role) -> None:
         self.role = role
 
     def drain_pending(self) -> tuple[int, int]:
@@ -113,7 +115,7 @@ def _ends(rec: Recorder) -> list[Any]:
 def test_context_only_lease_holds_blocks_until_the_lease_ends(engine) -> None:
     eng, rec = engine
     eng.add_request("c", list(range(3, 20)), SamplingParams(temperature=0, max_tokens=5,
-                                                            ignore_eos=True), context_only=True)
+                                                            ignore_eos=True), mode=ContextOnly())
     [out] = _run(eng)
     assert out.finished and out.outputs[0].finish_reason == "length"
     assert out.disaggregated_params == {"ctx_request_id": "leased"}
@@ -130,17 +132,17 @@ def test_not_leased_or_failed_lease_frees_the_blocks_at_once(engine) -> None:
     eng, rec = engine
     rec.lease = None
     p = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    eng.add_request("a", list(range(3, 20)), p, context_only=True)
+    eng.add_request("a", list(range(3, 20)), p, mode=ContextOnly())
     [out] = _run(eng)
     assert out.disaggregated_params is None and eng.stats().kv_blocks_used == 0
     rec.lease = RuntimeError("no table")
-    eng.add_request("b", list(range(3, 20)), p, context_only=True)
+    eng.add_request("b", list(range(3, 20)), p, mode=ContextOnly())
     [out] = _run(eng)
     assert out.outputs[0].finish_reason == "error" and out.error.startswith("kv lease failed")
     assert out.kv_transfer_error is None  # not a pull failure: no 502
     assert eng.stats().kv_blocks_used == 0
     # A real max_tokens of 1 is final: the connector is not asked to hold anything.
-    eng.add_request("c", list(range(3, 20)), replace_max(p, 1), context_only=True)
+    eng.add_request("c", list(range(3, 20)), replace_max(p, 1), mode=ContextOnly())
     [out] = _run(eng)
     assert _ends(rec)[-1] == ("c", RequestStatus.FINISHED_LENGTH, False)
 
@@ -151,14 +153,16 @@ def replace_max(p: SamplingParams, n: int) -> SamplingParams:
     return replace(p, max_tokens=n)
 
 
-def _remote(first: int) -> Any:
-    return SimpleNamespace(first_gen_tokens=[first], first_gen_logprobs=None)
+def _pull(first: int) -> Pull:
+    """A generation-only request's mode; its params stand in for a ContextParams."""
+    params: Any = SimpleNamespace(first_gen_tokens=[first], first_gen_logprobs=None)
+    return Pull(params, trusted=False)
 
 
 def test_failed_pull_ends_the_request_with_a_typed_error(engine) -> None:
     eng, rec = engine
     eng.add_request("g", list(range(3, 20)), SamplingParams(temperature=0, max_tokens=4),
-                    remote=_remote(7))
+                    mode=_pull(7))
     assert _run(eng) == []  # waiting for its KV: nothing to step
     assert ("start_load", "g") in rec.calls and eng.stats().kv_blocks_used == 3
     err = KVTransferError.because(" (expired_lease) pulling lease 'x': gone", "expired_lease")
@@ -174,7 +178,7 @@ def test_failed_pull_ends_the_request_with_a_typed_error(engine) -> None:
 def test_loaded_pull_decodes_from_the_context_token(engine) -> None:
     eng, rec = engine
     eng.add_request("g", list(range(3, 20)), SamplingParams(temperature=0, max_tokens=4,
-                                                            ignore_eos=True), remote=_remote(7))
+                                                            ignore_eos=True), mode=_pull(7))
     _run(eng)
     rec.finished = FinishedTransfers(loaded=["g"])
     outs = _run(eng)
@@ -190,7 +194,7 @@ def test_abort_while_pulling_tells_the_connector_once(engine) -> None:
     the cancelled load stopped writing (loads_stopped), then they are free."""
     eng, rec = engine
     eng.add_request("g", list(range(3, 20)), SamplingParams(temperature=0, max_tokens=4),
-                    remote=_remote(7))
+                    mode=_pull(7))
     _run(eng)
     out = eng.abort_request("g")
     assert out is not None and out.outputs[0].finish_reason == "abort"
@@ -209,4 +213,4 @@ def test_remote_request_needs_a_connector(engine) -> None:
     eng, _ = engine
     eng.connector = None
     with pytest.raises(ValueError, match="cannot pull KV"):
-        eng.add_request("g", [3, 4, 5], SamplingParams(max_tokens=2), remote=_remote(7))
+        eng.add_request("g", [3, 4, 5], SamplingParams(max_tokens=2), mode=_pull(7))

@@ -14,9 +14,11 @@ import pytest
 import torch
 
 from disagg.config import build_engine_config
+from disagg.contracts.kv_mode import ContextOnly, Pull
 from disagg.contracts.params import ContextParams
 from disagg.contracts.roles import Role
 from disagg.engine import LLMEngine
+from disagg.kv_connector.records import KVStatus
 from disagg.kv_connector.settings import DisaggSettings
 from disagg.request import SamplingParams
 from disagg.transfer.tcp import TcpConnection
@@ -72,7 +74,7 @@ def test_abort_mid_pull_frees_blocks_only_after_the_read_stopped(
     try:
         prompt = list(range(3, 60))  # 57 tokens: 8 blocks of 8
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-        ctx.add_request("c", prompt, params, context_only=True)
+        ctx.add_request("c", prompt, params, mode=ContextOnly())
         [out] = _run(ctx)
         remote = ContextParams.from_dict(out.disaggregated_params, prompt)
 
@@ -90,10 +92,12 @@ def test_abort_mid_pull_frees_blocks_only_after_the_read_stopped(
                 sent.set()
 
         monkeypatch.setattr(TcpConnection, "send_payload_iov", stall)
-        gen.add_request("g", prompt, params, remote=remote)
+        gen.add_request("g", prompt, params, mode=Pull(remote, trusted=False))
         gen.step()  # allocates the blocks and starts the pull
         assert stalled.wait(WAIT)
-        [read] = gen.connector._fetches["g"].reads  # type: ignore[attr-defined]
+        state = gen.connector.request_state("g")  # type: ignore[attr-defined]
+        assert state is not None and state.status is KVStatus.PULLING
+        [read] = state.reads
         assert read.direct  # same layout: the payload lands in the request's blocks
         kv = gen.runner.kv_cache
         # The transport unwinds slowly (a UCX endpoint abort may take seconds): quiet only
@@ -102,6 +106,8 @@ def test_abort_mid_pull_frees_blocks_only_after_the_read_stopped(
         read.future.quiet = _Both(gate, real)
         out = gen.abort_request("g")  # returns without waiting for the transport
         assert out is not None and out.finished and not gate.is_set()
+        stopping = gen.connector.request_state("g")  # type: ignore[attr-defined]
+        assert stopping is not None and stopping.status is KVStatus.STOPPING
         used = gen.stats().kv_blocks_used
         assert used == 8  # out of the pool while they may still be written
         _run(gen)
@@ -110,6 +116,7 @@ def test_abort_mid_pull_frees_blocks_only_after_the_read_stopped(
         assert _wait_for(lambda: (gen.service_transfers(),
                                   gen.stats().kv_blocks_used == 0)[1])
         assert real.is_set()  # freed, and no write can land any more
+        assert gen.connector.request_state("g") is None  # type: ignore[attr-defined]
         snapshot = kv.clone()
         go.set()  # the rest of the payload goes out now, into a closed connection
         assert sent.wait(WAIT)

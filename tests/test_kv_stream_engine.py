@@ -14,9 +14,11 @@ from typing import Any
 import pytest
 
 from disagg.config import build_engine_config
+from disagg.contracts.kv_mode import ContextStream, Pull
 from disagg.contracts.params import ContextParams, token_ids_hash
 from disagg.contracts.roles import Role
 from disagg.engine import LLMEngine
+from disagg.kv_connector.records import KVStatus
 from disagg.kv_connector.settings import DisaggSettings
 from disagg.request import SamplingParams
 
@@ -59,8 +61,8 @@ def _stream(ctx: LLMEngine, prompt: list[int]) -> tuple[str, ContextParams]:
 
 def _add_context(ctx: LLMEngine, sid: str, prompt: list[int],
                  params: SamplingParams = GREEDY) -> None:
-    ctx.add_request(sid, prompt, params, context_only=True,
-                    kv_stream=(len(prompt), token_ids_hash(prompt)))
+    ctx.add_request(sid, prompt, params,
+                    mode=ContextStream(len(prompt), token_ids_hash(prompt)))
 
 
 def _pump(eng: LLMEngine, until: Callable[[list[Any]], bool], what: str) -> list[Any]:
@@ -99,9 +101,11 @@ def test_reads_are_answered_layer_by_layer_during_the_last_prefill_step(
     ctx, gen = pair
     prompt = [3 + (7 * i) % 400 for i in range(70)]
     sid, params = _stream(ctx, prompt)
-    gen.add_request("g", prompt, GREEDY, remote=params)
+    gen.add_request("g", prompt, GREEDY, mode=Pull(params, trusted=False))
     gen.step()  # allocates the blocks; the reads go out and wait for a lease not made yet
-    reads = gen.connector._fetches["g"].reads  # type: ignore[attr-defined]
+    state = gen.connector.request_state("g")  # type: ignore[attr-defined]
+    assert state is not None and state.status is KVStatus.PULLING
+    reads = state.reads
     assert [r.piece.layers for r in reads] == [(0, 1), (1, 2), (2, 3), (3, 4)]
     _add_context(ctx, sid, prompt)
 
@@ -138,7 +142,7 @@ def _first_chunk_done(ctx: LLMEngine, gen: LLMEngine) -> str:
     prompt = list(range(3, 60))
     sid, params = _stream(ctx, prompt)
     _add_context(ctx, sid, prompt)
-    gen.add_request("g", prompt, GREEDY, remote=params)
+    gen.add_request("g", prompt, GREEDY, mode=Pull(params, trusted=False))
     gen.step()
     ctx.step()
     return sid
@@ -177,7 +181,7 @@ def test_mismatched_prompt_is_refused_not_decoded(pair: tuple[LLMEngine, LLMEngi
     sid, params = _stream(ctx, prompt)
     _add_context(ctx, sid, [5, *prompt[1:]])  # the context side tokenized another prompt
     _pump(ctx, _finished(sid), "the context prefill")
-    gen.add_request("g", prompt, GREEDY, remote=params)
+    gen.add_request("g", prompt, GREEDY, mode=Pull(params, trusted=False))
     outs = _pump(gen, _finished("g"), "the generation failure")
     assert outs[-1].outputs[0].finish_reason == "error" and "bad_request" in outs[-1].error
     _pump(ctx, lambda _o: ctx.stats().kv_blocks_used == 0, "the lease to end")
@@ -197,7 +201,7 @@ def test_the_first_token_comes_with_the_kv(pair: tuple[LLMEngine, LLMEngine], mo
               "logprobs": SamplingParams(temperature=0, max_tokens=4, logprobs=2,
                                          ignore_eos=True)}[case]
     sid, remote = _stream(ctx, prompt)
-    gen.add_request("g", prompt, params, remote=remote, cache_remote_kv=True)
+    gen.add_request("g", prompt, params, mode=Pull(remote, trusted=True))
     gen.step()
     _add_context(ctx, sid, prompt, params)
     _pump(ctx, _finished(sid), "the context prefill")

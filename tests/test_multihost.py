@@ -243,14 +243,15 @@ def test_cut_link_fails_the_request_and_the_router_routes_around(
 
 
 def test_bandwidth_bench_across_veth_and_loopback(tmp_path: Path) -> None:
-    """bench/multihost.py (which wrote bench/results/multihost.md) measures both paths, small."""
+    """``python -m bench.multihost`` (which wrote bench/results/multihost.md) measures both
+    paths, small."""
     require_netns()
     backends = "tcp"  # UCX across namespaces: the cluster tests; its bench row costs ~8 s more
     out = tmp_path / "multihost.md"
-    cp = subprocess.run([sys.executable, str(ROOT / "bench" / "multihost.py"), "--backends",
-                         backends, "--ucx-profiles", "cross_host", "--mib", "4", "--reps", "1",
+    cp = subprocess.run([sys.executable, "-m", "bench.multihost", "--backends", backends,
+                         "--ucx-profiles", "cross_host", "--mib", "4", "--reps", "1",
                          "--rounds", "1", "--out", str(out), "--logs", str(tmp_path)],
-                        capture_output=True, text=True, timeout=240, env=_env())
+                        capture_output=True, text=True, timeout=240, env=_env(), cwd=ROOT)
     assert cp.returncode == 0, cp.stderr[-3000:]
     text = out.read_text()
     rows = [line for line in text.splitlines() if line.startswith("| TCP") or

@@ -88,8 +88,8 @@ def test_serve_flags_and_yaml_keys(tmp_path: Path) -> None:
     args = parser.parse_args(["serve", "/m", "--tensor-parallel-size", "2",
                               "--pipeline-parallel-size", "2", "--pp-partition", "3,1"])
     opts = resolve_options(args)
-    assert (opts["tensor_parallel_size"], opts["pipeline_parallel_size"],
-            opts["pp_partition"]) == (2, 2, [3, 1])
+    assert (opts.tensor_parallel_size, opts.pipeline_parallel_size,
+            opts.pp_partition) == (2, 2, (3, 1))
     cfg = tmp_path / "w.yaml"
     cfg.write_text("tensor_parallel_size: 2\npipeline_parallel_size: 2\npp_partition: [1, 3]\n")
     assert load_worker_yaml(str(cfg))["pp_partition"] == [1, 3]

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from disagg.config import build_engine_config
+from disagg.contracts.kv_mode import LOCAL, ContextOnly, KVMode, Pull
 from disagg.contracts.params import ContextParams
 from disagg.engine import AsyncLLM, RequestOutput
 from disagg.kv_connector.settings import DisaggSettings
@@ -34,9 +35,9 @@ def model_dir(tiny_checkpoint: Callable[..., str]) -> str:
 
 
 async def _final(engine: AsyncLLM, rid: str, params: SamplingParams,
-                 **kw: object) -> RequestOutput:
+                 mode: KVMode = LOCAL) -> RequestOutput:
     last = None
-    async for out in engine.generate(rid, PROMPT, params, **kw):  # type: ignore[arg-type]
+    async for out in engine.generate(rid, PROMPT, params, mode=mode):
         last = out
     assert last is not None and last.finished, rid
     assert last.error is None, last.error
@@ -64,12 +65,12 @@ def test_seeded_tokens_same_aggregated_and_disaggregated(model_dir: str) -> None
             assert len({tuple(t) for t in expected}) == len(CASES)  # the seeds do differ
 
             for i, p in enumerate(CASES):
-                first = await _final(ctx, f"ctx{i}", p, context_only=True)
+                first = await _final(ctx, f"ctx{i}", p, mode=ContextOnly())
                 assert first.disaggregated_params is not None  # not final: leased
                 first_tokens = first.outputs[0].token_ids
                 assert first_tokens == expected[i][:1], i
                 remote = ContextParams.from_dict(first.disaggregated_params, PROMPT)
-                rest = await _final(gen, f"gen{i}", p, remote=remote)
+                rest = await _final(gen, f"gen{i}", p, mode=Pull(remote, trusted=False))
                 assert rest.outputs[0].token_ids == expected[i], (i, p)
                 if p.logprobs is not None:
                     agg_lp = outs[i].outputs[0].logprobs

@@ -15,11 +15,11 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_fixtures import serve_in_thread, wait_for
+from server_fixtures import StoppedEngine, protocol_gaps, serve_in_thread, wait_for
 
 from disagg import LLM, SamplingParams
 from disagg.config import build_engine_config
-from disagg.engine import AsyncLLM
+from disagg.engine import AsyncLLM, EngineClient
 from disagg.server.app import ServerSettings, build_app
 
 KEY = "sk-test-key"
@@ -460,17 +460,8 @@ def test_queue_full_is_503_with_retry_after(model_dir: str) -> None:
 
 
 def test_health_503_when_the_engine_is_not_running(model_dir: str) -> None:
-    class NotStarted:
-        config = build_engine_config(model_dir, **OPTIONS)
-        tokenizer = None
-
-        def is_healthy(self) -> bool:
-            return False
-
-        def stats(self) -> None:
-            raise RuntimeError("not started")
-
-    app = build_app(NotStarted(), ServerSettings(model_dir=model_dir, owns_engine=False))
+    not_started = StoppedEngine(build_engine_config(model_dir, **OPTIONS))
+    app = build_app(not_started, ServerSettings(model_dir=model_dir, owns_engine=False))
     with serve_in_thread(app) as url:
         r = httpx.get(url + "/health")
         assert r.status_code == 503
@@ -479,6 +470,10 @@ def test_health_503_when_the_engine_is_not_running(model_dir: str) -> None:
         assert "retry-after" in r.headers
         assert httpx.get(url + "/metrics").status_code == 200
         assert httpx.get(url + "/server_info").json()["kv_cache_blocks"] is None
+
+
+def test_the_stand_in_engine_is_an_engine_client() -> None:
+    assert protocol_gaps(StoppedEngine(), EngineClient) == []
 
 
 def test_metrics_show_why_batches_are_small(model_dir: str) -> None:

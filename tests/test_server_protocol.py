@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from server_fixtures import StoppedEngine
 
 from disagg.config import ENGINE_OPTION_NAMES, ConfigError
 from disagg.contracts import protocol as P
@@ -240,8 +241,11 @@ def test_ids() -> None:
 # ---- metrics ------------------------------------------------------------------------------
 
 
-class _StatsEngine:
+class _StatsEngine(StoppedEngine):
+    """A running engine's counters (an aggregated worker: no transfer metrics)."""
+
     def __init__(self) -> None:
+        super().__init__()
         self.stats_value = SimpleNamespace(
             num_running=3, num_waiting=2, num_preempted_total=1, kv_blocks_used=6,
             kv_blocks_total=8, kv_blocks_cached=1, prefix_cache_queries_tokens=100,
@@ -335,12 +339,13 @@ def test_yaml_then_flags(tmp_path) -> None:
     args = _parser().parse_args(["serve", "/m", "--config", str(cfg), "--max-batch-size", "4",
                                  "--enable-prefix-caching"])
     opts = resolve_options(args)
-    assert opts["model"] == "/m" and opts["port"] == 9001 and opts["host"] == "127.0.0.1"
-    assert opts["max_batch_size"] == 4  # flag beats YAML
-    assert opts["tokens_per_block"] == 16 and opts["kv_cache_fraction"] == 0.5
-    assert opts["enable_prefix_caching"] is True
-    assert opts["served_model_name"] == "tiny" and opts["role"] == "aggregated"
-    assert "max_num_tokens" not in opts  # unset stays unset: the engine default applies
+    assert opts.model == "/m" and opts.port == 9001 and opts.host == "127.0.0.1"
+    assert opts.max_batch_size == 4  # flag beats YAML
+    assert opts.tokens_per_block == 16 and opts.kv_cache_fraction == 0.5
+    assert opts.enable_prefix_caching is True
+    assert opts.served_model_name == "tiny" and opts.role == "aggregated"
+    assert opts.max_num_tokens is None  # unset stays unset: the engine default applies
+    assert "max_num_tokens" not in opts.engine_options()
 
 
 @pytest.mark.parametrize("text,needle", [
@@ -363,7 +368,7 @@ def test_bad_yaml_names_key_and_file(tmp_path, text: str, needle: str) -> None:
 def test_yaml_model_key_and_missing_model(tmp_path) -> None:
     cfg = tmp_path / "w.yaml"
     cfg.write_text("model: /from/yaml\n")
-    assert resolve_options(_parser().parse_args(["serve", "--config", str(cfg)]))["model"] == (
+    assert resolve_options(_parser().parse_args(["serve", "--config", str(cfg)])).model == (
         "/from/yaml")
     with pytest.raises(ConfigError, match="MODEL_DIR"):
         resolve_options(_parser().parse_args(["serve"]))
@@ -398,7 +403,13 @@ def test_worker_yaml_transfer_keys(tmp_path) -> None:
     cfg.write_text("model: /m\nrole: context\ncache_transceiver_config: {backend: tcp}\n"
                    "kv_lease_ttl_s: 5\n")
     opts = resolve_options(_parser().parse_args(["serve", "--config", str(cfg)]))
-    assert opts["kv_transfer_backend"] == "TCP" and opts["kv_lease_ttl"] == 5.0
+    assert opts.kv_transfer_backend == "TCP" and opts.kv_lease_ttl_s == 5.0
+    # The lease TTL's other spellings: the flag, and a worker file's key under the flag's name.
+    args = _parser().parse_args(["serve", "--config", str(cfg), "--kv-lease-ttl", "7"])
+    assert resolve_options(args).kv_lease_ttl_s == 7.0
+    cfg.write_text("model: /m\nkv_lease_ttl: 6\n")
+    assert resolve_options(_parser().parse_args(["serve", "--config", str(cfg)])
+                           ).kv_lease_ttl_s == 6.0
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: /m\ncache_transceiver_config: {backend: RDMA}\n")
     with pytest.raises(ConfigError, match="cache_transceiver_config"):
@@ -422,19 +433,19 @@ def test_kv_peer_allowlist_from_yaml_and_flag(tmp_path) -> None:
     parser = argparse.ArgumentParser()
     add_cli(parser.add_subparsers())
     args = parser.parse_args(["serve", "m", "--kv-peer-allowlist", "10.0.0.0/24, fd00::/64"])
-    allow = PeerAllowlist.parse(resolve_options(args)["kv_peer_allowlist"])
+    allow = PeerAllowlist.parse(resolve_options(args).kv_peer_allowlist)
     assert allow.allows_host("10.0.0.3") and allow.allows_host("fd00::1")
 
 
 def test_public_metrics_from_yaml_and_flag(tmp_path) -> None:
     y = tmp_path / "w.yaml"
     y.write_text("model: /m\napi_key: k\npublic_metrics: true\n")
-    assert resolve_options(_parser().parse_args(["serve", "--config", str(y)]))[
-        "public_metrics"] is True
+    assert resolve_options(_parser().parse_args(["serve", "--config", str(y)])
+                           ).public_metrics is True
     args = _parser().parse_args(["serve", "--config", str(y), "--no-public-metrics"])
-    assert resolve_options(args)["public_metrics"] is False
-    assert resolve_options(_parser().parse_args(["serve", "/m", "--public-metrics"]))[
-        "public_metrics"] is True
+    assert resolve_options(args).public_metrics is False
+    assert resolve_options(_parser().parse_args(["serve", "/m", "--public-metrics"])
+                           ).public_metrics is True
     y.write_text("public_metrics: yes please\n")
     with pytest.raises(ConfigError, match="public_metrics: expected bool"):
         resolve_options(_parser().parse_args(["serve", "--config", str(y)]))

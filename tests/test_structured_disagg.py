@@ -14,6 +14,7 @@ from collections.abc import Callable
 import pytest
 
 from disagg.config import build_engine_config
+from disagg.contracts.kv_mode import LOCAL, ContextOnly, KVMode, Pull
 from disagg.contracts.params import ContextParams
 from disagg.engine import AsyncLLM, RequestOutput
 from disagg.kv_connector.settings import DisaggSettings
@@ -42,9 +43,9 @@ def model_dir(tiny_checkpoint: Callable[..., str]) -> str:
 
 
 async def _final(engine: AsyncLLM, rid: str, params: SamplingParams,
-                 **kw: object) -> RequestOutput:
+                 mode: KVMode = LOCAL) -> RequestOutput:
     last = None
-    async for out in engine.generate(rid, PROMPT, params, **kw):  # type: ignore[arg-type]
+    async for out in engine.generate(rid, PROMPT, params, mode=mode):
         last = out
     assert last is not None and last.finished and last.error is None, (rid, last)
     return last
@@ -74,11 +75,11 @@ def test_constrained_outputs_same_aggregated_and_disaggregated(model_dir: str) -
                 assert want.finish_reason == "stop", (i, want.text)  # the grammar ended it
                 if p.structured is SCHEMA:
                     json.loads(want.text)
-                first = await _final(ctx, f"ctx{i}", p, context_only=True)
+                first = await _final(ctx, f"ctx{i}", p, mode=ContextOnly())
                 assert first.disaggregated_params is not None  # not final: leased
                 assert first.outputs[0].token_ids == want.token_ids[:1], i
                 remote = ContextParams.from_dict(first.disaggregated_params, PROMPT)
-                rest = await _final(gen, f"gen{i}", p, remote=remote)
+                rest = await _final(gen, f"gen{i}", p, mode=Pull(remote, trusted=False))
                 got = rest.outputs[0]
                 assert got.token_ids == want.token_ids and got.text == want.text, (i, p)
                 assert got.finish_reason == "stop"
@@ -90,18 +91,18 @@ def test_constrained_outputs_same_aggregated_and_disaggregated(model_dir: str) -
             # no lease, nothing left for a generation worker.
             one = SamplingParams(temperature=0.0, max_tokens=10,
                                  structured=GrammarSpec("choice", json.dumps(["a"])))
-            first = await _final(ctx, "ctx-final", one, context_only=True)
+            first = await _final(ctx, "ctx-final", one, mode=ContextOnly())
             assert first.outputs[0].finish_reason == "stop"
             assert first.disaggregated_params is None and first.outputs[0].text == "a"
 
             # A generation request whose context token breaks the grammar is refused.
             bad = ContextParams.from_dict(
                 (await _final(ctx, "ctx-free", SamplingParams(temperature=0.0, max_tokens=5),
-                              context_only=True)).disaggregated_params, PROMPT)
+                              mode=ContextOnly())).disaggregated_params, PROMPT)
             with pytest.raises(ValueError, match="does not match the grammar"):
                 await _final(gen, "gen-bad", SamplingParams(
                     temperature=0.0, max_tokens=5,
-                    structured=GrammarSpec("regex", "[0-9]{4}")), remote=bad)
+                    structured=GrammarSpec("regex", "[0-9]{4}")), mode=Pull(bad, trusted=False))
             for _ in range(500):  # every lease confirmed or released, every block back
                 if ctx.stats().kv_blocks_used == 0 and gen.stats().kv_blocks_used == 0:
                     break

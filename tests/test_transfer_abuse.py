@@ -42,6 +42,7 @@ from disagg.transfer import (
     KVTransferServer,
     LeaseTable,
     ReadRequest,
+    ServerLimits,
     TransferError,
 )
 
@@ -60,7 +61,8 @@ class Served:
         self.leases = LeaseTable()
         self.leases.create("live", [2, 7, 11], readers=1)
         limits.setdefault("handshake_timeout_s", HANDSHAKE_S)
-        self.server = KVTransferServer(self.kv, self.leases, TOKEN, backend, **limits).start()
+        self.server = KVTransferServer(self.kv, self.leases, TOKEN, backend,
+                                       limits=ServerLimits(**limits)).start()
         self.host, self.port = split_address(self.server.address)
 
     def connect(self, source: str | None = None) -> socket.socket:
@@ -202,14 +204,14 @@ def test_connection_caps() -> None:
         with s.connect("127.0.0.1") as extra:  # a 4th from the same peer: closed unread
             data, closed = read_until_eof(extra, 2 * SLACK_S)
         assert closed and data == b""
-        assert s.server.connections_refused == 1
+        assert s.server.admission.connections_refused == 1
         # Another peer address still gets in (the cap is per peer)...
         socks += [s.connect("127.0.0.2") for _ in range(2)]
         # ...until the pending (not yet authenticated) connections reach their own cap.
         with s.connect("127.0.0.3") as extra:
             data, closed = read_until_eof(extra, 2 * SLACK_S)
         assert closed and data == b""
-        assert s.server.connections_refused == 2
+        assert s.server.admission.connections_refused == 2
         # The stalled ones are still open (their handshake time has not run out)...
         socks[0].settimeout(0.2)
         with pytest.raises(TimeoutError):
@@ -294,7 +296,7 @@ def _server_main(backend: str, limits: dict[str, Any], events: Any, stop: Any) -
     torch.set_num_threads(1)
     kv = make_kv(1)
     leases = LeaseTable()
-    server = KVTransferServer(kv, leases, TOKEN, backend, **limits).start()
+    server = KVTransferServer(kv, leases, TOKEN, backend, limits=ServerLimits(**limits)).start()
     events.put(server.address)
     stop.wait(120)
     server.stop()

@@ -129,7 +129,7 @@ def test_cpu_cache_reports_no_device_and_no_staging(backend: str) -> None:
         with pytest.raises(ValueError, match="CPU or CUDA tensor"):
             r.client.read(r.address, ReadRequest("x", (1,), (0, L), (0, H)),
                           torch.empty(1, L, 2, H, B, D, device="meta"))
-        assert not r.server.device_direct and r.server.staging_reason == ""
+        assert not r.server.payload.device_direct and r.server.payload.staging_reason == ""
         ids = [3, 9, 4]
         r.leases.create("req", ids, readers=1)
         req = ReadRequest("req", ids, (0, L), (1, 3))

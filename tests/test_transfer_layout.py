@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from disagg.kv_connector.kvcopy import gather_tokens, scatter_tokens
 from disagg.layout import (
     RankLayout,
     WorkerLayout,
@@ -15,7 +16,6 @@ from disagg.layout import (
     readers_per_context_rank,
 )
 from disagg.transfer.base import ReadRequest
-from disagg.transfer.kvcopy import gather_tokens, scatter_tokens
 from disagg.transfer.payload import gather_into, payload_shape
 
 L, H, D = 4, 2, 8  # layers, kv heads, head dim

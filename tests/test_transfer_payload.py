@@ -118,7 +118,7 @@ def test_staging_pool_reuses_buffers() -> None:
 def test_tokens_format_matches_kvcopy(dtype: torch.dtype) -> None:
     """The server's allocation-free "tokens" gather agrees with the layout side's
     ``kvcopy.gather_tokens`` (which the receiver's scatter mirrors)."""
-    from disagg.transfer.kvcopy import gather_tokens
+    from disagg.kv_connector.kvcopy import gather_tokens
 
     kv = make_kv(dtype, seed=3)
     ids, tokens, layers, heads = (6, 2, 3, 11, 15), 4 * B + 5, (1, 4), (0, 3)

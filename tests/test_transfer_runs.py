@@ -1,7 +1,8 @@
 """Scattered block tables sent and received as runs of blocks, no staging copy (issue 19,
 gap 2): the views of a payload (``payload.block_views``), TCP's ``sendmsg`` / ``recvmsg_into``
 over an iovec cut to ``IOV_MAX``, UCX's parts, reads straight into the receiver's own blocks
-(``kv_connector.pull``), and a cancelled read that stops writing before its blocks are freed.
+(``kv_connector.pull.KVPuller``), and a cancelled read that stops writing before its blocks
+are freed.
 
 UCX cases skip with the reason when ucxx cannot be imported."""
 
@@ -18,7 +19,7 @@ import torch
 from transfer_fixtures import BACKENDS, expected, same_bytes
 
 from disagg.contracts.params import ContextParams
-from disagg.kv_connector.pull import Read, cancel_reads, install, submit_reads
+from disagg.kv_connector.pull import KVPuller, Loaded, Read, cancel_reads
 from disagg.layout import RankLayout, WorkerLayout, plan_pulls
 from disagg.transfer import KVTransferClient, KVTransferServer, LeaseTable, ReadRequest
 from disagg.transfer import tcp as tcp_mod
@@ -143,7 +144,7 @@ def test_scattered_table_into_one_buffer_exact_and_not_staged(rig: Rig,
     res = rig.client.read(rig.address, req, out).result(WAIT)
     assert same_bytes(out, expected(rig.kv, req))
     if rig.client.backend.stream_payloads:  # TCP: straight from the cache's runs
-        assert res.zero_copy and rig.server.staging.allocations == 0
+        assert res.zero_copy and rig.server.payload.staging.allocations == 0
     else:  # UCX: parts spanning runs are gathered (into staging), part by part
         assert not res.zero_copy
 
@@ -209,7 +210,7 @@ def test_runs_off_is_the_staged_path(request: pytest.FixtureRequest) -> None:
         out = torch.empty(payload_shape(tuple(r.kv.shape), req))
         res = r.client.read(r.address, req, out).result(WAIT)
         assert same_bytes(out, expected(r.kv, req))
-        assert not res.zero_copy and r.server.staging.allocations == 1
+        assert not res.zero_copy and r.server.payload.staging.allocations == 1
     finally:
         r.close()
 
@@ -353,11 +354,13 @@ def test_pull_lands_in_the_request_blocks_and_installs_nothing(
         dst_kv = torch.zeros(N, L, 2, H, B, D)
         dst_ids = [12, 13, 14, 15, 16, 17, 18, 19, 3, 4, 5, 6, 7]  # two runs
         done: list[cf.Future] = []
-        reads = submit_reads(r.client, params, layout(), 0, dst_kv, done.append, None, dst_ids)
-        assert [rd.direct for rd in reads] == [True]
-        for rd in reads:
+        puller = KVPuller(dst_kv, layout(), 0, lambda _backend: r.client)
+        pull = puller.start("g", params, dst_ids, done.append)
+        assert [rd.direct for rd in pull.reads] == [True]
+        for rd in pull.reads:
             rd.future.result(WAIT)
-        install(dst_kv, dst_ids, reads, num_tokens)  # nothing left to copy
+        assert pull.done and len(done) == 1
+        assert puller.finish(pull) == Loaded()  # nothing left to copy
         for i, b in enumerate(dst_ids):
             assert same_bytes(dst_kv[b], r.kv[SCATTERED[i]])
     finally:
@@ -382,11 +385,12 @@ def test_pull_converts_where_layouts_differ() -> None:
             rl = dst.ranks[rank]
             nh = rl.kv_head_range[1] - rl.kv_head_range[0]
             kv = torch.zeros(N, L, 2, nh, dst.tokens_per_block, D)
-            reads = submit_reads(r.client, params, dst, rank, kv, lambda _f: None, None, ids)
-            assert [rd.direct for rd in reads] == [dst.tokens_per_block == B]
-            for rd in reads:
+            puller = KVPuller(kv, dst, rank, lambda _backend: r.client)
+            pull = puller.start("g", params, ids)
+            assert [rd.direct for rd in pull.reads] == [dst.tokens_per_block == B]
+            for rd in pull.reads:
                 rd.future.result(WAIT)
-            install(kv, ids, reads, num_tokens)
+            assert puller.finish(pull) == Loaded()
             (h0, h1) = rl.kv_head_range
             want = r.kv[SCATTERED][:, :, :, h0:h1]  # [n, L, 2, nh, B, D] in table order
             got = kv[ids].permute(1, 2, 3, 0, 4, 5).reshape(L, 2, nh, -1, D)

@@ -142,7 +142,7 @@ def test_zero_copy_and_staging_reuse(rig: Rig) -> None:
     full = ReadRequest("run", list(range(5, 13)), (0, L), (0, H))
     out = rig.read(full)
     assert rig.last.zero_copy and same_bytes(out, rig.kv[5:13])
-    assert rig.server.staging.allocations == 0  # sent straight from the cache
+    assert rig.server.payload.staging.allocations == 0  # sent straight from the cache
     # Gathers reuse one staging buffer: no allocation per request in steady state.
     part = ReadRequest("run", [12, 5, 6], (0, L), (1, 3))
     out = out_for(rig.kv, part)
@@ -150,7 +150,7 @@ def test_zero_copy_and_staging_reuse(rig: Rig) -> None:
         out.fill_(0)
         rig.read(part, out)
         assert not rig.last.zero_copy and same_bytes(out, expected(rig.kv, part))
-    assert rig.server.staging.allocations == 1
+    assert rig.server.payload.staging.allocations == 1
     assert eventually(lambda: rig.server.stats.snapshot().transfers == 5)
     assert rig.server.stats.snapshot().zero_copy_transfers == 1
 

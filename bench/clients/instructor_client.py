@@ -1,21 +1,18 @@
 """instructor against the router: ``instructor.from_openai(OpenAI(...),
 mode=Mode.TOOLS_STRICT)`` extracting a small pydantic model (case ``tools-strict``: a forced
 call of one strict function tool whose parameters are the model's schema; instructor re-asks
-once on a validation error). Run by ``bench/clients.py`` inside instructor's own virtualenv;
-criteria: ``_common.Run.city_checks``."""
+once on a validation error). Run by the harness (``python -m bench.clients``) inside
+instructor's own virtualenv; criteria: ``common.Run.city_checks``."""
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import _common  # noqa: E402
+from bench.clients import common
 
 
-def run_tools_strict(args: argparse.Namespace, run: _common.Run) -> None:
+def run_tools_strict(args: argparse.Namespace, run: common.Run) -> None:
     import instructor
     from openai import OpenAI
     from pydantic import BaseModel
@@ -32,11 +29,11 @@ def run_tools_strict(args: argparse.Namespace, run: _common.Run) -> None:
         # strict only when asked (otherwise the request carries no "strict": true).
         model=args.model, response_model=City, max_retries=2, temperature=0, strict=True,
         max_tokens=args.max_tokens,
-        messages=[{"role": "user", "content": _common.EXTRACT_PROMPT}])
+        messages=[{"role": "user", "content": common.EXTRACT_PROMPT}])
     run.city_checks(city)
 
 
 if __name__ == "__main__":
-    sys.exit(_common.main({"tools-strict": run_tools_strict}, ("instructor", "openai", "pydantic"),
+    sys.exit(common.main({"tools-strict": run_tools_strict}, ("instructor", "openai", "pydantic"),
                           model_errors=("InstructorRetryException", "ValidationError"),
                           sdk_errors=("ResponseParsingError",)))

@@ -2,19 +2,16 @@
 tool loop written out (case ``tools``: invoke, run the tool call, send the ``ToolMessage``
 back, invoke again for the answer; ``--tool-choice required`` forces the first turn's
 call, the second is auto) and ``with_structured_output(City)`` (case
-``structured``, the library's default method). Run by ``bench/clients.py`` inside
-langchain-openai's own virtualenv; criteria: ``_common.Run.weather_checks`` /
-``city_checks``."""
+``structured``, the library's default method). Run by the harness (``python -m
+bench.clients``) inside langchain-openai's own virtualenv; criteria:
+``common.Run.weather_checks`` / ``city_checks``."""
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import _common  # noqa: E402
+from bench.clients import common
 
 
 def chat_model(args: argparse.Namespace):  # noqa: ANN201 - a langchain ChatOpenAI
@@ -24,7 +21,7 @@ def chat_model(args: argparse.Namespace):  # noqa: ANN201 - a langchain ChatOpen
                       max_tokens=args.max_tokens, max_retries=0, timeout=args.timeout)
 
 
-def run_tools(args: argparse.Namespace, run: _common.Run) -> None:
+def run_tools(args: argparse.Namespace, run: common.Run) -> None:
     from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
     from langchain_core.tools import tool
 
@@ -32,13 +29,13 @@ def run_tools(args: argparse.Namespace, run: _common.Run) -> None:
     def get_weather(city: str) -> str:
         """Get the current weather in a city."""
         run.tool(city=city)
-        return _common.weather(city)
+        return common.weather(city)
 
     llm = chat_model(args).bind_tools([get_weather])
     first_llm = (chat_model(args).bind_tools([get_weather], tool_choice="required",
                                              parallel_tool_calls=False)
                  if args.tool_choice == "required" else llm)
-    messages = [SystemMessage(_common.INSTRUCTIONS), HumanMessage(_common.PROMPT)]
+    messages = [SystemMessage(common.INSTRUCTIONS), HumanMessage(common.PROMPT)]
     first = first_llm.invoke(messages)
     run.notes["turn 1 tool_calls"] = first.tool_calls
     run.notes["turn 1 content"] = first.content
@@ -61,7 +58,7 @@ def _text(message) -> str:  # noqa: ANN001 - a langchain AIMessage
     return message.content if isinstance(message.content, str) else str(message.text)
 
 
-def run_structured(args: argparse.Namespace, run: _common.Run) -> None:
+def run_structured(args: argparse.Namespace, run: common.Run) -> None:
     from pydantic import BaseModel
 
     class City(BaseModel):
@@ -69,7 +66,7 @@ def run_structured(args: argparse.Namespace, run: _common.Run) -> None:
         country: str
 
     out = chat_model(args).with_structured_output(City, include_raw=True).invoke(
-        _common.EXTRACT_PROMPT)
+        common.EXTRACT_PROMPT)
     raw = out["raw"]
     run.notes["raw content"] = getattr(raw, "content", None)
     run.notes["raw tool_calls"] = getattr(raw, "tool_calls", None)
@@ -79,6 +76,6 @@ def run_structured(args: argparse.Namespace, run: _common.Run) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(_common.main({"tools": run_tools, "structured": run_structured},
+    sys.exit(common.main({"tools": run_tools, "structured": run_structured},
                           ("langchain-openai", "langchain-core", "openai", "pydantic"),
                           model_errors=("OutputParserException", "ValidationError")))

@@ -1,21 +1,18 @@
 """pydantic-ai against the router: an ``Agent`` with one plain tool on ``OpenAIChatModel``
 (an ``OpenAIProvider`` whose ``AsyncOpenAI`` client points at the router), run to completion
-(case ``tools``; ``--tool-choice required`` forces one call until the tool ran). Run by
-``bench/clients.py`` inside pydantic-ai's own virtualenv; criteria:
-``_common.Run.weather_checks``."""
+(case ``tools``; ``--tool-choice required`` forces one call until the tool ran). Run by the
+harness (``python -m bench.clients``) inside pydantic-ai's own virtualenv; criteria:
+``common.Run.weather_checks``."""
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import _common  # noqa: E402
+from bench.clients import common
 
 
-async def run_tools(args: argparse.Namespace, run: _common.Run) -> None:
+async def run_tools(args: argparse.Namespace, run: common.Run) -> None:
     from openai import AsyncOpenAI
     from pydantic_ai import Agent, RunContext
     from pydantic_ai.models.openai import OpenAIChatModel
@@ -34,7 +31,7 @@ async def run_tools(args: argparse.Namespace, run: _common.Run) -> None:
                 "tool_choice": "required" if forced else "auto",
                 **({"parallel_tool_calls": False} if forced else {})}
 
-    agent = Agent(model, instructions=_common.INSTRUCTIONS, model_settings=settings)
+    agent = Agent(model, instructions=common.INSTRUCTIONS, model_settings=settings)
 
     @agent.tool_plain
     def get_weather(city: str) -> str:
@@ -44,13 +41,13 @@ async def run_tools(args: argparse.Namespace, run: _common.Run) -> None:
             city: the city's name.
         """
         run.tool(city=city)
-        return _common.weather(city)
+        return common.weather(city)
 
-    result = await agent.run(_common.PROMPT, usage_limits=UsageLimits(request_limit=4))
+    result = await agent.run(common.PROMPT, usage_limits=UsageLimits(request_limit=4))
     run.notes["messages"] = len(result.all_messages())
     run.weather_checks(result.output)
 
 
 if __name__ == "__main__":
-    sys.exit(_common.main({"tools": run_tools}, ("pydantic-ai-slim", "openai", "pydantic"),
+    sys.exit(common.main({"tools": run_tools}, ("pydantic-ai-slim", "openai", "pydantic"),
                           model_errors=("UnexpectedModelBehavior", "UsageLimitExceeded")))

@@ -21,8 +21,8 @@ report is rewritten after every section, so a run cut short keeps what it measur
 - ``serve``: 1 context + 1 generation worker process against 2 aggregated worker processes,
   all on the one GPU behind the router, at a few request rates (TTFT, TPOT, goodput).
 
-    python bench/gpu/bench.py --out bench/results/gpu.md            # on a GPU (~5 min on H100)
-    python bench/gpu/bench.py --device cpu --quick --out /tmp/g.md   # tiny shapes: code paths
+    python -m bench.gpu.bench --out bench/results/gpu.md            # on a GPU (~5 min on H100)
+    python -m bench.gpu.bench --device cpu --quick --out /tmp/g.md   # tiny shapes: code paths
 
 Engine options other work adds (CUDA graphs, a GPU memory fraction, Triton attention) are
 looked up at run time; the report says which were present.
@@ -56,14 +56,11 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from disagg import LLM, SamplingParams  # noqa: E402
-from disagg.config import ModelConfig  # noqa: E402
-from disagg.model.llama import LlamaForCausalLM  # noqa: E402
-from disagg.procs import (  # noqa: E402
+from bench.probes import ScheduleLog
+from disagg import LLM, SamplingParams
+from disagg.config import ModelConfig
+from disagg.model.llama import LlamaForCausalLM
+from disagg.procs import (
     NotHealthy,
     free_ports,
     log_tail,
@@ -71,6 +68,8 @@ from disagg.procs import (  # noqa: E402
     stop_all,
     wait_healthy,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 TOKEN = "bench-gpu-secret"
 NAME = "m"
@@ -275,7 +274,7 @@ def runner_features(llm: LLM) -> str:
     if graphs is None:
         return "no CUDA graphs (eager steps)"
     buckets = getattr(graphs, "sizes", None)
-    captured = getattr(graphs, "_graphs", None)
+    captured = getattr(graphs, "captured", None)  # the batch sizes with a captured graph
     desc = f"CUDA graphs for decode, buckets {list(buckets) if buckets else '?'}"
     if isinstance(captured, (dict, list, tuple, set)):
         desc += f", {len(captured)} captured"
@@ -315,17 +314,18 @@ def engine_decode(llm: LLM, batch: int, ctx: int, steps: int, vocab: int,
     times, ctx_seen = [], []
     graphs = getattr(getattr(eng, "runner", None), "graphs", None)
     replays0 = getattr(graphs, "replays", 0)
-    while eng.has_unfinished():
-        t0 = time.perf_counter()
-        eng.step()
-        dt = time.perf_counter() - t0
-        sched = eng._last_sched
-        if (sched is not None and len(sched.scheduled) == batch
-                and sched.num_decodes == batch):
-            times.append(dt)
-            ctx_seen.append(statistics.mean(r.start_pos + 1 for r in sched.scheduled))
-            if len(times) == 6 and os.environ.get("BENCH_PROFILE") and dev_is_cuda():
-                profile_steps(eng, batch)
+    with ScheduleLog(eng) as log:
+        while eng.has_unfinished():
+            t0 = time.perf_counter()
+            eng.step()
+            dt = time.perf_counter() - t0
+            sched = log.last
+            if (sched is not None and len(sched.scheduled) == batch
+                    and sched.num_decodes == batch):
+                times.append(dt)
+                ctx_seen.append(statistics.mean(r.start_pos + 1 for r in sched.scheduled))
+                if len(times) == 6 and os.environ.get("BENCH_PROFILE") and dev_is_cuda():
+                    profile_steps(eng, batch)
     if len(times) < 3:
         raise RuntimeError(f"only {len(times)} pure decode steps at batch {batch}")
     keep = times[2:]  # first decode steps after a prefill include lazy set-up
@@ -1209,7 +1209,8 @@ SECTIONS: dict[str, tuple[Callable[..., None], float]] = {
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu.bench",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(ROOT / "bench/results/gpu.md"))
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (code paths only)")
@@ -1232,7 +1233,7 @@ def main() -> int:
     rep = Report(args.out, args)
     rep.head = [f"# The GPU path against its targets ({time.strftime('%Y-%m-%d')})", "",
                 *[f"- {line}" for line in machine(dev)],
-                f"- command: `python bench/gpu/bench.py {' '.join(sys.argv[1:])}`"
+                f"- command: `python -m bench.gpu.bench {' '.join(sys.argv[1:])}`"
                 + (" (quick shapes: code paths only)" if args.quick else ""),
                 "- written by the script; every ratio is against a reference measured in "
                 "this run on this device"]

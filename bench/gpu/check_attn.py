@@ -1,6 +1,6 @@
 """Device check of the Triton paged attention (``disagg/model/triton_attention.py``).
 
-    PYTHONPATH=$PWD python3 bench/gpu/check_attn.py --out $OUT/attn.txt
+    python3 -m bench.gpu.check_attn --out $OUT/attn.txt
 
 1. Correctness on CUDA against a float64 PyTorch reference: decode (block sizes 8/16/32/64,
    head_dim 64/128, GQA/MQA/MHA, several split counts, seq_len 0 rows, int32/int64 tables)
@@ -21,12 +21,14 @@ when any correctness check failed or raised. Aims at < 90 s on an H100.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import math
+import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +73,26 @@ def make_case(lens: list[int], qlens: list[int], b: int, hq: int, hkv: int, d: i
         qsl.append(qsl[-1] + x)
     q = torch.randn(qsl[-1], hq, d, device="cuda", generator=g).to(dtype)
     return q, kv, bt, qsl
+
+
+@contextlib.contextmanager
+def pytorch_path() -> Iterator[None]:
+    """While active, ``paged_attention`` on CUDA takes its PyTorch path (gather + SDPA): the
+    documented switch ``DISAGG_CUDA_ATTENTION=torch``. ``triton_available`` reads it once and
+    keeps the answer, so that answer is dropped on the way in and on the way out."""
+    from disagg.model.attention import triton_available
+
+    name, old = "DISAGG_CUDA_ATTENTION", os.environ.get("DISAGG_CUDA_ATTENTION")
+    os.environ[name] = "torch"
+    triton_available.cache_clear()
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+        triton_available.cache_clear()
 
 
 def tol(dtype: torch.dtype) -> float:
@@ -134,11 +156,9 @@ def correctness_prefill() -> None:
 
 def correctness_mixed() -> None:
     """paged_attention on CUDA (Triton) vs its PyTorch path, decodes + prefill chunks."""
-    from disagg.model import attention
-    from disagg.model.attention import AttentionMetadata, paged_attention
+    from disagg.model.attention import AttentionMetadata, paged_attention, triton_available
 
-    if not attention._triton_applies(torch.zeros(1, device="cuda"),
-                                     torch.zeros(1, device="cuda")):
+    if not triton_available():  # (CUDA tensors of one dtype, no autograd: Triton's)
         raise AssertionError("paged_attention would not use Triton on CUDA")
     b, hq, hkv, d = 16, 32, 8, 128
     seqs = [(9, 1), (0, 1), (400, 1), (0, 130), (210, 60), (0, 3)]  # (cached, new)
@@ -172,13 +192,9 @@ def correctness_mixed() -> None:
         v = torch.randn(t, hkv, d, device=dev, generator=g).to(dtype)
         kv2 = kv.clone()
         out = paged_attention(q, k, v, kv, meta, 1 / math.sqrt(d))
-        orig = attention._triton_applies
-        attention._triton_applies = lambda q, kv_layer: False
-        try:
+        with pytorch_path():
             ref = paged_attention(q.double(), k.double(), v.double(), kv2.double(), meta,
                                   1 / math.sqrt(d))
-        finally:
-            attention._triton_applies = orig
         torch.cuda.synchronize()
         check_close(f"paged_attention mixed {dtype}", out, ref, tol(dtype))
 
@@ -257,8 +273,8 @@ def timing_decode(copy_bw: float) -> None:
 
 
 def _decode_case(b: int, batch: int, copy_bw: float) -> None:
-    from disagg.model import attention
     from disagg.model import triton_attention as ta
+    from disagg.model.attention import AttentionMetadata, paged_attention
 
     layers, hq, hkv, d, ctx = LAYERS, HQ, HKV, HEAD_DIM, CTX
     dtype = torch.bfloat16
@@ -304,18 +320,28 @@ def _decode_case(b: int, batch: int, copy_bw: float) -> None:
                 report(f"sweep splits={splits} tile={tile} warps={warps}", t)
             except Exception as e:  # noqa: BLE001 - a config may not fit
                 log(f"   sweep splits={splits} tile={tile} warps={warps}: {e!r}")
-    # The PyTorch path (gather + SDPA, what CUDA ran before) on the same batch.
-    keys = torch.arange(width * b, device="cuda")
-    mask = (keys[None, :] < sl[:, None]).unsqueeze(1)
+    # paged_attention's PyTorch path (gather + SDPA, what CUDA ran before) on the same batch:
+    # each sequence's last position written (one K/V row a sequence), then attended.
     bt64 = bt.long()
+    rows = torch.arange(batch, device="cuda")
+    meta = AttentionMetadata(
+        num_decodes=batch, query_start_loc=list(range(batch + 1)), seq_lens=[ctx] * batch,
+        block_tables=bt64, slot_block=bt64[rows, (ctx - 1) // b],
+        slot_offset=torch.full((batch,), (ctx - 1) % b, device="cuda"),
+        decode_seq_lens=sl.long(), seq_lens_t=sl,
+        query_start_loc_t=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+        max_query_len=1)
+    new_k = torch.randn(batch, hkv, d, device="cuda", dtype=dtype)
+    new_v = torch.randn(batch, hkv, d, device="cuda", dtype=dtype)
 
     def torch_step() -> None:
         for kv in views:
-            kc, vc = attention._gather_context(kv, bt64, None)
-            attention._attend_grouped(q.unsqueeze(1), kc, vc, mask, scale)
+            paged_attention(q, new_k, new_v, kv, meta, scale)
 
     if time.perf_counter() - T0 < 60:
-        report("pytorch gather+SDPA", bench(torch_step, iters=5))
+        with pytorch_path():
+            report("pytorch paged_attention (write + gather + SDPA)",
+                   bench(torch_step, iters=5))
 
 
 def timing_prefill() -> None:
@@ -372,7 +398,8 @@ def _prefill_case(b: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu.check_attn",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="also write the report to this file")
     args = ap.parse_args()
     try:

@@ -1,7 +1,7 @@
 """Device check of the graph helper's work (#25): CUDA graphs for decode, the sampler's host
 syncs, profiling-based KV sizing, out-of-memory isolation.
 
-    PYTHONPATH=$PWD python3 bench/gpu/check_graph.py --out $OUT/graph.txt
+    python3 -m bench.gpu.check_graph --out $OUT/graph.txt
 
 Sub-checks (each guarded: one failing does not stop the others; all failures are listed at the
 end and the exit status is 1 if any failed):
@@ -212,6 +212,7 @@ def count_syncs(eng, steps: int) -> list[int]:  # type: ignore[no-untyped-def]
 
 
 def check_syncs() -> None:
+    from bench.probes import ScheduleLog
     from disagg.request import SamplingParams
 
     mixes = {
@@ -231,9 +232,11 @@ def check_syncs() -> None:
             ps = prompts(vocab, [20 + 9 * i for i in range(len(params))], seed=1)
             for i, (p, sp) in enumerate(zip(ps, params, strict=True)):
                 eng.add_request(f"{mix}{i}", p, sp)
-            for _ in range(3):  # prefill (one step: 8 prompts fit) + warm decode steps
-                eng.step()
-            assert eng._last_sched.num_decodes == len(params), "not a pure-decode step yet"
+            with ScheduleLog(eng) as sched:
+                for _ in range(3):  # prefill (one step: 8 prompts fit) + warm decode steps
+                    eng.step()
+            assert sched.last is not None and sched.last.num_decodes == len(params), \
+                "not a pure-decode step yet"
             counts = count_syncs(eng, 5)
             worst[(eager, mix)] = max(counts)
             log(f"{'eager ' if eager else 'graphs'} {mix:6s}: host syncs per decode step "
@@ -334,7 +337,7 @@ def check_oom() -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu.check_graph")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -1,6 +1,6 @@
 """Device check: KV transfer between two processes on one GPU, Llama-3-8B KV shape.
 
-    PYTHONPATH=$PWD python3 bench/gpu/check_kv.py --out $OUT/kv.txt
+    python3 -m bench.gpu.check_kv --out $OUT/kv.txt
 
 A server process holds a CUDA KV cache ``[N, 32 layers, 2, 8 kv heads, 32 tokens/block, 128]``
 bf16 (4 MiB a block) and serves it with ``KVTransferServer``; a client process pulls 2k and 8k
@@ -17,9 +17,10 @@ context starts): UCX as configured (GPU-direct expected when UCX has CUDA transp
 a failure prints its full traceback and the rest go on; the exit code is 1 if any failed (a byte
 mismatch, an error, or UCX not going GPU to GPU in the first configuration). < 90 s on an H100.
 
-Environment: PYTHONPATH=<repo>; ucxx-cu13 / libucx-cu13 installed (bench/gpu/fetch_wheels.sh)
-for the UCX rows (they fail with the import error otherwise). Optional: UCX_TLS etc. win over
-the backend's profile (see disagg/transfer/ucx.py); UCX_LOG_LEVEL=info shows UCX's choices.
+Environment: run from the repository root; ucxx-cu13 / libucx-cu13 installed
+(bench/gpu/fetch_wheels.sh) for the UCX rows (they fail with the import error otherwise).
+Optional: UCX_TLS etc. win over the backend's profile (see disagg/transfer/ucx.py);
+UCX_LOG_LEVEL=info shows UCX's choices.
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ def _server_main(backend: str, env: dict[str, str], events: Any, cmds: Any) -> N
         for lease_id, _, _, ids in _cases():
             leases.create(lease_id, list(ids), readers=1)
         server = KVTransferServer(kv, leases, TOKEN, backend, sweep_interval_s=None).start()
-        events.put(("ready", server.address, server.device_direct, server.staging_reason,
+        events.put(("ready", server.address, server.payload.device_direct,
+                    server.payload.staging_reason,
                     os.environ.get("UCX_TLS", "")))
         try:
             cmds.get(timeout=120)  # "stop", or the parent is gone
@@ -294,7 +296,8 @@ def _run_config(rep: Report, name: str, backend: str, env: dict[str, str], want_
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu.check_kv",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="also write the report here")
     ap.add_argument("--only", help="comma-separated configuration names "
                                    f"({', '.join(c[0] for c in CONFIGS)})")

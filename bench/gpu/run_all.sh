@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The one script run on the GPU machine (issue 25): installs the carried wheels, records the
-# machine, runs the GPU tests, every bench/gpu/check_*.py, then bench/gpu/bench.py, each step
-# under `timeout`, the whole run within TOTAL_S seconds (default 530: the device allows 600 a
-# call). Writes at most 8 files under $OUT:
+# machine, runs the GPU tests, every bench/gpu/check_*.py (as python3 -m bench.gpu.check_NAME),
+# then python3 -m bench.gpu.bench, each step under `timeout`, the whole run within TOTAL_S
+# seconds (default 530: the device allows 600 a call). Writes at most 8 files under $OUT:
 #   run.log         machine info + the output of every step + the summary
 #   pytest.log      pytest -m gpu tests/test_gpu.py (-v -rA, full tracebacks)
-#   bench.log       bench/fused_projections.py's and bench/gpu/bench.py's output
+#   bench.log       bench.fused_projections's and bench.gpu.bench's output
 #   gpu.md          the report bench.py writes (copy it to bench/results/gpu.md)
 #   checks/NAME.txt each check script's --out file (at most 4)
 #
@@ -112,7 +112,7 @@ if want checks; then
     if [[ -n $CHECKS && ",$CHECKS," != *",$name,"* ]]; then continue; fi
     n=$((n + 1))
     if (( n <= 4 )); then out="$OUT/checks/$name.txt"; else out="/tmp/$name.txt"; fi
-    run "$name" "$(( $(left) < 100 ? $(left) - 5 : 100 ))" python3 "$script" --out "$out"
+    run "$name" "$(( $(left) < 100 ? $(left) - 5 : 100 ))" python3 -m "bench.gpu.$name" --out "$out"
     if (( n > 4 )); then log "(more than 4 checks: $name's --out kept in run.log only)"; cat "$out" >> "$LOG" 2>/dev/null; fi
   done
   if (( n == 0 )); then log "no bench/gpu/check_*.py scripts present"; fi
@@ -120,8 +120,8 @@ fi
 
 # ---- fused projections against the separate layers (eager decode steps, one engine a batch)
 if want fused; then
-  STEPLOG="$OUT/bench.log" run "bench/fused_projections.py" "$(( $(left) < 90 ? $(left) - 5 : 90 ))" \
-    python3 bench/fused_projections.py --device cuda --batches 1,8,64 --steps 60
+  STEPLOG="$OUT/bench.log" run "bench.fused_projections" "$(( $(left) < 90 ? $(left) - 5 : 90 ))" \
+    python3 -m bench.fused_projections --device cuda --batches 1,8,64 --steps 60
 fi
 
 # ---- the benchmark: budget = what is left, less a margin for its own shutdown
@@ -129,8 +129,8 @@ if want bench; then
   budget=$(( $(left) - 40 ))
   (( budget > 360 )) && budget=360
   # shellcheck disable=SC2086  # BENCH_ARGS is a list of words
-  STEPLOG="$OUT/bench.log" run "bench/gpu/bench.py" "$(( budget + 30 ))" \
-    python3 bench/gpu/bench.py --out "$OUT/gpu.md" --budget-s "$budget" $BENCH_ARGS
+  STEPLOG="$OUT/bench.log" run "bench.gpu.bench" "$(( budget + 30 ))" \
+    python3 -m bench.gpu.bench --out "$OUT/gpu.md" --budget-s "$budget" $BENCH_ARGS
 fi
 
 log ""

@@ -462,7 +462,7 @@ def rate_match_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         run_rate_match,
         save_result,
     )
-    from disagg.contracts.options import load_worker_yaml
+    from disagg.contracts.options import load_worker_yaml, worker_yaml
 
     parent = os.path.dirname(os.path.abspath(args.save_result))
     if not os.path.isdir(parent):
@@ -480,12 +480,11 @@ def rate_match_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         opts: dict[str, Any] = {}
         if args.verify_worker_config:
             try:
-                opts = load_worker_yaml(args.verify_worker_config)
+                # Back to the cluster YAML's spelling: every option kept (the lease TTL as
+                # kv_lease_ttl_s, the backend and the UCX profile as cache_transceiver_config).
+                opts = worker_yaml(load_worker_yaml(args.verify_worker_config))
             except ValueError as e:  # ConfigError
                 parser.error(f"--verify-worker-config: {e}")
-            if "kv_transfer_backend" in opts:  # back to the cluster YAML's spelling
-                opts["cache_transceiver_config"] = {"backend": opts.pop("kv_transfer_backend")}
-                opts.pop("ucx_profile", None)
         log_dir = args.verify_log_dir or os.path.splitext(
             os.path.abspath(args.save_result))[0] + "-verify-logs"
         verify = launch_verifier(os.path.abspath(args.verify_model), opts, log_dir,

@@ -27,9 +27,10 @@ Shape::
                      heartbeat_interval_sec: 5, inactive_timeout_sec: 10}
     planner: {ttft_slo_ms: 500, tpot_slo_ms: 50, enabled: false, ...}  # see router.planner
 
-Worker keys are exactly the keys of a ``disagg serve --config`` worker YAML (the serve options in
-snake_case, plus ``cache_transceiver_config`` and ``kv_lease_ttl_s``), except ``host``, ``port``
-and ``role``, which the cluster decides (from ``urls`` and the section). ``model`` is the
+Worker keys are the keys of a ``disagg serve --config`` worker YAML (``WorkerOptions``' fields,
+with ``cache_transceiver_config`` for the KV transfer backend and UCX profile; the lease TTL is
+``kv_lease_ttl_s``), except ``host``, ``port`` and ``role``, which the cluster decides (from
+``urls`` and the section). ``model`` is the
 checkpoint folder: the worker's ``MODEL_DIR`` argument (and the router's tokenizer for the
 policies that need token ids). A top-level worker key is inherited by both sections; a section
 that sets the same key to another value is an error (say it in the sections instead).
@@ -55,9 +56,11 @@ from disagg.contracts.options import (
     TRANSCEIVER_KEY,
     Opt,
     StrList,
+    WorkerOptions,
     check_origins,
     check_transceiver,
     coerce,
+    options_from_yaml,
     worker_yaml_keys,
 )
 from disagg.contracts.planner_config import PlannerConfig, PlannerConfigError, RateMatchPrior
@@ -68,7 +71,7 @@ SECTIONS = ("context_servers", "generation_servers")
 ROLE_OF_SECTION = {"context_servers": "context", "generation_servers": "generation"}
 
 # The cluster's own keys, in the option schema of contracts/options.py (the worker keys of the
-# sections are its ENGINE_OPTIONS and SERVER_OPTIONS). The sections and the two nested
+# sections are WorkerOptions' fields: ``worker_yaml_keys``). The sections and the two nested
 # mappings are checked by hand below: their shape is not one value.
 CLUSTER_OPTIONS: dict[str, Opt] = {
     "hostname": Opt(str, "where the router listens", default="localhost"),
@@ -187,8 +190,15 @@ class ServerGroupConfig:
     num_instances: int
     urls: tuple[str, ...]  # "host:port", normalized (no scheme)
     router: PolicyConfig
-    # Inherited top-level worker keys merged with the section's own (e.g. model, tp size).
+    # Inherited top-level worker keys merged with the section's own (e.g. model, tp size), as
+    # the YAML spells them (a worker YAML of the section's workers).
     worker_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    def options(self, **values: Any) -> WorkerOptions:
+        """``worker_options`` as the workers' ``WorkerOptions`` (every default filled in),
+        ``values`` (e.g. the role) set on top."""
+        return WorkerOptions(**{**options_from_yaml(self.worker_options, "worker_options",
+                                                    RouterConfigError), **values})
 
 
 @dataclass(frozen=True)

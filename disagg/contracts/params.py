@@ -183,6 +183,17 @@ def valid_stream_id(value: Any) -> bool:
     return isinstance(value, str) and _STREAM_ID.fullmatch(value) is not None
 
 
+@dataclass(frozen=True)
+class LeaseRef:
+    """What releasing a context lease needs (its id, backend and the context ranks'
+    addresses): a refused generation_only request's body names it even when the rest of its
+    params did not parse. A ``ContextParams`` has the same three fields."""
+
+    ctx_request_id: str
+    backend: str
+    addresses: tuple[str, ...]
+
+
 def _field(d: dict[str, Any], name: str, kind: type | tuple[type, ...], where: str = ""
            ) -> Any:
     if name not in d:

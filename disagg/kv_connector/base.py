@@ -1,9 +1,12 @@
 """The engine's one boundary to KV that crosses workers: ``KVConnector``.
 
 An aggregated worker has no connector (``LLMEngine.connector is None``). A context or generation
-worker has one, built by ``make_connector``; the engine calls the hooks below and knows nothing
-of leases, transports, ranks or layouts. The shape follows vLLM's ``KVConnectorBase_V1`` (a
-scheduler side and a worker side), cut down to the hooks this engine calls.
+worker has one, built by ``make_connector``; the engine calls the hooks below. Transports, ranks
+and lease tables stay behind them; the engine hands each request's ``KVMode`` over unchanged
+and decides only which blocks to hold for a lease (``add_request``'s ``lease``: the client's
+``max_tokens``), when to release one, and what a role switch waits for. The shape follows
+vLLM's ``KVConnectorBase_V1`` (a scheduler side and a worker side), cut down to the hooks this
+engine calls.
 
 Who calls what (every hook runs on the engine thread unless it says otherwise)::
 
@@ -13,10 +16,20 @@ Who calls what (every hook runs on the engine thread unless it says otherwise)::
     get_finished       LLMEngine.service_transfers, once per loop turn, before step
     request_finished   once per request, when the engine builds its final output (any status)
     release_lease      AsyncLLM's engine thread (the router gave up on a context answer)
+    lease_is_live      any thread (AsyncLLM.release_lease; the server: a kv_stream_id in use)
     release_remote     any thread (a generation-only request refused before it was queued)
     busy               the idle engine loop: how soon to come back without a wake-up
     drain_pending      AsyncLLM's engine thread, each loop turn while a role switch drains
     set_role           AsyncLLM's engine thread, once that drain is over
+    info               any thread: the server's /server_info, registration, start-up log
+    stats_snapshot     any thread: the server's /metrics scrape
+    shutdown           the engine's shutdown (once; the process is ending)
+
+Attributes the engine and the server read: ``role`` (the one owner of a context / generation
+worker's role; it changes only through ``set_role``), ``worker_id``, ``layout`` (this worker's
+KV layout: a generation_only request's params must be compatible with it), ``settings`` (the
+cluster token and the KV peer allowlist the server's access checks use) and ``streams`` (KV
+streaming's publisher: the engine hooks its progress into the model).
 
 Rules every implementation keeps:
 
@@ -38,45 +51,37 @@ Rules every implementation keeps:
 - A remote lease this worker was handed is given back exactly once: when its KV is in place,
   or on every path that ends the request without it.
 
-Where later work plugs in without touching the engine loop:
+What lives behind the hooks, the engine loop unchanged:
 
-- Layer-wise streaming (the context side sends each layer's KV as the prefill produces it, the
-  generation side starts pulling before the prefill ends): ``start_step`` already sees, before
-  the model runs, which context-only requests complete their prefill in this step and their
-  blocks; a streaming implementation registers them there with a per-layer save hook installed
-  on the runner, and its ``get_finished`` reports the lease as usual. On the generation side,
-  ``start_load`` may begin pulling layers as the context side announces them; the request
-  decodes when ``get_finished`` lists it as loaded, as today.
-- A GPU-direct transport is a ``TransportBackend`` (``disagg.transfer.backends``) whose
-  connections move device memory; the pull code here already lands payloads in GPU memory when
-  the client says it can (``device_payloads``). Nothing above the transport changes.
+- KV streaming (``kv_connector/stream.py``): a ``ContextStream`` request's lease opens in
+  ``add_request``; ``start_step`` hands each step's streaming chunks to the publisher, whose
+  progress the model reports layer by layer (the hook the engine installs from ``streams``);
+  ``request_finished`` publishes its first token. A streamed pull (``Pull`` whose
+  ``params.stream``) starts in ``start_load`` and is reported by ``get_finished`` with its first
+  token (``FinishedTransfers.first``).
+- Transports: a ``TransportBackend`` (``disagg.transfer.backends``); a GPU-direct one moves
+  device memory, and the pull lands payloads in GPU memory when the client says it can
+  (``device_payloads``). Nothing above the transport depends on which.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from disagg.contracts.params import ContextParams
+from disagg.contracts.kv_mode import KVMode
+from disagg.contracts.params import ContextParams, LeaseRef
+from disagg.contracts.roles import Role
 from disagg.kv_connector.errors import KVTransferError
+from disagg.layout import WorkerLayout
 from disagg.request import Request
 from disagg.scheduler import KVFetch, SchedulerOutput
 from disagg.transfer.stats import TransferStatsSnapshot
 
-
-@dataclass(frozen=True)
-class RequestKV:
-    """What a new request asks of the connector (from ``LLMEngine.add_request``)."""
-
-    # A context-only request that may go on after its first token: lease its blocks to a
-    # generation worker when it finishes by length.
-    lease: bool = False
-    # A generation-only request: its prompt KV is pulled from the context worker named here.
-    remote: ContextParams | None = None
-    # A streaming context-only request (KV streaming): (tokens whose KV it publishes, the
-    # hash of their ids). Leased from the moment it is queued.
-    stream: tuple[int, str] | None = None
+if TYPE_CHECKING:
+    from disagg.kv_connector.settings import DisaggSettings
+    from disagg.kv_connector.stream import StreamPublisher
 
 
 @dataclass(frozen=True)
@@ -103,16 +108,22 @@ class FinishedTransfers:
 class KVConnector(ABC):
     """A worker's KV transfer side, driven by the engine (see the module docstring)."""
 
-    role: str  # the worker's role (a ``Role`` value)
+    role: Role  # Role.CONTEXT or Role.GENERATION; changes only through ``set_role``
     worker_id: str  # new on every start: peers seeing another id know the worker restarted
+    layout: WorkerLayout  # this worker's KV layout (what a pulled KV must be compatible with)
+    settings: DisaggSettings  # the worker's transfer settings (token, peer allowlist, ...)
+    streams: StreamPublisher  # KV streaming (context side): the model reports each layer to it
 
     # ---- scheduler side -----------------------------------------------------------------------
 
     @abstractmethod
-    def add_request(self, request_id: str, kv: RequestKV) -> bool:
+    def add_request(self, request_id: str, mode: KVMode, lease: bool) -> bool:
         """A request was queued (also one the scheduler refused at once: it still ends through
-        ``request_finished``). Returns True if the scheduler must hold its blocks when it
-        finishes by length (see the block rule in the module docstring)."""
+        ``request_finished``), with its mode (``contracts/kv_mode.py``: ``Pull`` names the KV to
+        pull, ``ContextStream`` is leased from now on). ``lease``: a context request whose
+        client asked for more than its first token, whose blocks go under a lease if it
+        finishes by length. Returns True if the scheduler must hold its blocks when it finishes
+        by length (see the block rule in the module docstring)."""
 
     @abstractmethod
     def request_finished(self, request: Request, held_blocks: list[int] | None,
@@ -154,8 +165,9 @@ class KVConnector(ABC):
         """Whether this worker holds the lease (any thread)."""
 
     @abstractmethod
-    def release_remote(self, params: ContextParams) -> None:
-        """Give back a context lease this worker was handed but will not read (any thread)."""
+    def release_remote(self, params: ContextParams | LeaseRef) -> None:
+        """Give back a context lease this worker was handed but will not read (any thread):
+        its full params, or only what releasing needs when the rest did not parse."""
 
     @abstractmethod
     def busy(self) -> bool:
@@ -163,7 +175,7 @@ class KVConnector(ABC):
         sweeps, reads in flight)."""
 
     @abstractmethod
-    def set_role(self, role: str) -> None:
+    def set_role(self, role: Role) -> None:
         """Serve ``role`` from now on (a run-time role switch, once ``drain_pending`` is all
         zero; engine thread)."""
 

@@ -8,13 +8,17 @@ router releases it, or when it expires; the table's callback (possibly on a tran
 only enqueues the id, and ``get_finished`` hands it to the engine thread, which frees the
 blocks. A read of an expired lease fails the reader's request: it never returns stale KV.
 
-Generation role: a ``KVTransferClient`` per backend. ``start_load`` submits one coalesced read
-per context rank the blocks need (``pull.submit_reads``) into private receive buffers, off the
-engine thread. ``get_finished`` never blocks: finished reads are installed into the request's
-own blocks on the engine thread, failures reported as ``KVTransferError``. The context lease is
-then confirmed (``release_remote``), and on every other path that ends the request without its
-KV (abort, failure, refusal) as well, so the context worker frees the blocks at once instead of
-at expiry.
+Generation role: rank 0's ``KVPuller`` (``pull.py``: the clients, receive buffers, plan and
+install). ``start_load`` starts a pull: one coalesced read per context rank the blocks need,
+off the engine thread. ``get_finished`` never blocks: once every read is done the pull is
+installed into the request's own blocks on the engine thread, or reported failed as a
+``KVTransferError``. The context lease is then confirmed (``release_remote``), and on every
+other path that ends the request without its KV (abort, failure, refusal) as well, so the
+context worker frees the blocks at once instead of at expiry.
+
+Each request's state is one ``KVRecord`` (``records.py`` draws the states and transitions);
+the queues beside them only carry other threads' events (lease ends, quiet ranks) to the
+engine thread.
 
 Both halves exist on every context / generation worker, built at start on every rank: the
 worker can switch role at run time (``set_role``, once ``drain_pending`` is zero; the server's
@@ -32,16 +36,15 @@ import queue
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from disagg.config import EngineConfig
-from disagg.contracts.params import ContextParams
+from disagg.contracts.kv_mode import ContextOnly, ContextStream, KVMode, Pull
+from disagg.contracts.params import ContextParams, LeaseRef
 from disagg.contracts.roles import Role
-from disagg.kv_connector.base import FinishedTransfers, KVConnector, RequestKV
-from disagg.kv_connector.errors import KVTransferError
+from disagg.kv_connector.base import FinishedTransfers, KVConnector
 from disagg.kv_connector.messages import (
     AnnounceLeases,
     CancelFetch,
@@ -56,26 +59,20 @@ from disagg.kv_connector.messages import (
     TransferEvent,
     TransferMessage,
 )
-from disagg.kv_connector.pull import (
-    Read,
-    cancel_reads,
-    describe_failure,
-    first_error,
-    first_token,
-    give_back,
-    install,
-    log_release_failure,
-    make_client,
-    submit_reads,
-    worker_layout,
+from disagg.kv_connector.pull import KVPuller, Loaded, worker_layout
+from disagg.kv_connector.records import (
+    REMOTE_STATUSES,
+    KVRecord,
+    KVRequestState,
+    KVStatus,
 )
-from disagg.kv_connector.recv_pool import ReceivePool
 from disagg.kv_connector.settings import SWEEP_INTERVAL_S, DisaggSettings
 from disagg.kv_connector.stream import StreamPublisher, stream_items
 from disagg.request import Request, RequestStatus
 from disagg.scheduler import KVFetch, SchedulerOutput
 from disagg.transfer.backends import make_backend
 from disagg.transfer.lease import Lease, LeaseTable
+from disagg.transfer.service import KVTransferServer
 from disagg.transfer.stats import TransferStats, TransferStatsSnapshot, merge_snapshots
 
 logger = logging.getLogger("disagg.kv_connector")
@@ -97,17 +94,6 @@ class RankPeers(Protocol):
         """Call ``callback`` (from a reader thread) whenever an event arrives."""
 
 
-@dataclass
-class _Fetch:
-    request_id: str
-    params: ContextParams
-    block_ids: list[int]  # this worker's blocks for the prompt
-    reads: list[Read] = field(default_factory=list)
-    remote_pending: set[int] = field(default_factory=set)  # ranks r >= 1 yet to report
-    remote_error: KVTransferError | None = None
-    t0: float = field(default_factory=time.perf_counter)
-
-
 class DisaggConnector(KVConnector):
     """Rank 0's KV connector (module docstring); ``peers`` for multi-rank workers."""
 
@@ -116,7 +102,7 @@ class DisaggConnector(KVConnector):
         if settings.role not in (Role.CONTEXT, Role.GENERATION):
             raise ValueError(f"role: {settings.role!r} has no KV transfer")
         self.settings = settings
-        self.role = str(settings.role)
+        self.role = Role(settings.role)
         self.worker_id = uuid.uuid4().hex  # a restarted worker is a new worker
         self.layout = worker_layout(config)
         self.kv_cache = kv_cache
@@ -130,32 +116,19 @@ class DisaggConnector(KVConnector):
         self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._next_sweep = 0.0
         self.leases: LeaseTable | None = None
-        self.server = None
-        self._clients: dict[str, Any] = {}
-        self._recv_pool = ReceivePool.from_env()  # pages of past pulls' buffers stay mapped
-        # Per request: context-only requests that may be leased, generation-only requests'
-        # leases not given back yet, and pulls in flight.
-        self._may_lease: set[str] = set()
-        self._remote: dict[str, ContextParams] = {}
-        self._fetches: dict[str, _Fetch] = {}
-        # Requests that ended while their KV was arriving: the ranks (0 included) whose
-        # cancelled reads may still write into the blocks; reported in loads_stopped once empty.
-        self._stopping: dict[str, set[int]] = {}
+        self.server: KVTransferServer | None = None
+        # One record per request (records.py), and the ranks' quiet reports (any thread).
+        self._records: dict[str, KVRecord] = {}
         self._quiet: queue.SimpleQueue[tuple[str, int]] = queue.SimpleQueue()
-        # Context, multi-rank: leases announced to ranks 1..N-1, and the ranks where a lease
-        # is still live (rank 0 included); the blocks are freed when that set is empty.
-        self._announced: set[str] = set()
-        self._live_on: dict[str, set[int]] = {}
-        self.reader_id = f"{self.worker_id}:0"
         # Both halves on every disaggregated worker, whatever its role at start: it can switch
         # role at run time (``set_role``) without building anything on any rank then. An idle
         # transfer server serves nothing: a read needs a live lease, and only a context-only
         # request makes one.
-        from disagg.transfer.service import KVTransferServer
-
-        self.leases = LeaseTable(settings.lease_ttl_s, on_release=self._on_release)
+        self.puller = KVPuller.for_worker(settings, self.backend, kv_cache, self.layout, 0,
+                                          self.stats, reader_id=f"{self.worker_id}:0")
+        self.leases = LeaseTable(settings.kv_lease_ttl_s, on_release=self._on_release)
         self.streams = StreamPublisher(self.leases, kv_cache, settings.stream_wait_s,
-                                       settings.lease_ttl_s)
+                                       settings.kv_lease_ttl_s)
         # The engine loop sweeps expiries (sweep_interval_s=None): one owner of the clock.
         self.server = KVTransferServer(kv_cache, self.leases, settings.cluster_token,
                                        self.backend, settings.host, stats=self.stats,
@@ -177,29 +150,30 @@ class DisaggConnector(KVConnector):
         rest = list(self.peers.transfer_addresses) if self.peers is not None else []
         return [self.server.address, *rest]  # type: ignore[list-item]
 
-    def set_role(self, role: Role | str) -> None:
+    def set_role(self, role: Role) -> None:
         """The worker serves ``role`` from now on (engine thread, once the old role drained:
         ``drain_pending`` is all zero). Nothing is built or torn down: both halves exist."""
         if role not in (Role.CONTEXT, Role.GENERATION):
             raise ValueError(f"role: {role!r} has no KV transfer")
         logger.info("KV connector: role %s -> %s", self.role, role)
-        self.role = str(role)
+        self.role = Role(role)
 
     def drain_pending(self) -> tuple[int, int]:
         """(live leases, pulls in flight) on any rank: what a role switch waits for (engine
         thread)."""
         leases = 0 if self.leases is None else len(self.leases)
-        leases += sum(1 for lid in self._live_on if self.leases is None or lid not in self.leases)
-        return leases, len(self._fetches) + len(self._stopping)
+        leases += sum(1 for lid, rec in self._records.items() if rec.live_on is not None
+                      and (self.leases is None or lid not in self.leases))
+        return leases, sum(1 for rec in self._records.values() if rec.in_flight)
 
     def info(self) -> dict[str, object]:
         context = self.role == Role.CONTEXT
-        return {"role": self.role, "worker_id": self.worker_id,
+        return {"role": self.role.value, "worker_id": self.worker_id,
                 "backend": self.backend.name.upper(),
                 # a generation worker's idle transfer server is not advertised
                 "addresses": self.addresses if context else [],
                 "layout": self.layout.to_dict(),
-                "lease_ttl_s": self.settings.lease_ttl_s if context else None,
+                "lease_ttl_s": self.settings.kv_lease_ttl_s if context else None,
                 # UCX: profile, UCX_TLS and the transports its context runs (None for TCP)
                 "ucx": describe() if (describe := getattr(self.backend, "describe", None))
                 else None}
@@ -209,46 +183,59 @@ class DisaggConnector(KVConnector):
         return merge_snapshots([self.stats.snapshot(), *list(self._rank_stats.values())])
 
     def busy(self) -> bool:
-        return bool(self._fetches) or bool(self._stopping) or bool(self._live_on) or (
+        return any(rec.in_flight or rec.live_on is not None
+                   for rec in self._records.values()) or (
             self.leases is not None and len(self.leases) > 0)
+
+    def request_state(self, request_id: str) -> KVRequestState | None:
+        """A read-only view of the request's record (status, ranks, rank 0's reads in
+        flight), or None when this worker keeps none for it (engine thread)."""
+        rec = self._records.get(request_id)
+        return rec.view() if rec is not None else None
 
     def shutdown(self) -> None:
         if self.server is not None:
             self.server.stop()
-        for client in self._clients.values():
-            client.close()
-        self._clients.clear()
+        self.puller.close()
 
     # ---- scheduler side -----------------------------------------------------------------------
 
-    def add_request(self, request_id: str, kv: RequestKV) -> bool:
-        if kv.remote is not None:
-            self._remote[request_id] = kv.remote
-        if kv.stream is not None:  # its lease exists from now on, on every rank
-            num_tokens, tokens_hash = kv.stream
-            self.streams.open(request_id, num_tokens, tokens_hash)
+    def add_request(self, request_id: str, mode: KVMode, lease: bool) -> bool:
+        if isinstance(mode, Pull):
+            self._records[request_id] = KVRecord(KVStatus.AWAITING_BLOCKS, params=mode.params)
+        elif isinstance(mode, ContextStream):  # its lease exists from now on, on every rank
+            self.streams.open(request_id, mode.num_tokens, mode.tokens_hash)
+            self._records[request_id] = KVRecord(KVStatus.STREAMING, self._all_ranks())
             if self.peers is not None:
-                self._live_on[request_id] = set(range(self.world_size))
-                self.peers.send_all(OpenStreams(((request_id, num_tokens, tokens_hash),)))
+                self.peers.send_all(OpenStreams(
+                    ((request_id, mode.num_tokens, mode.tokens_hash),)))
             return True
-        if kv.lease:
-            self._may_lease.add(request_id)
-        return kv.lease
+        elif isinstance(mode, ContextOnly) and lease:
+            self._records[request_id] = KVRecord(KVStatus.MAY_LEASE)
+            return True
+        return False
+
+    def _all_ranks(self) -> set[int]:
+        """Where a new lease lives, when that is tracked (multi-rank workers; records.py)."""
+        return set(range(self.world_size)) if self.peers is not None else set()
 
     def request_finished(self, request: Request, held_blocks: list[int] | None,
                          logprobs: list[dict[int, float]] | None) -> ContextParams | None:
         rid = request.request_id
-        self._may_lease.discard(rid)
-        remote = self._remote.pop(rid, None)
-        if remote is not None:  # ended before its KV was in place: the context side frees
-            self._cancel_fetch(rid)
-            self.release_remote(remote)
-        if rid in self.streams:
+        rec = self._records.get(rid)
+        status = rec.status if rec is not None else None
+        if rec is not None and status in REMOTE_STATUSES:
+            # Ended before its KV was in place: the context side frees.
+            assert rec.params is not None
+            self._stop_pull(rid, rec)
+            self.release_remote(rec.params)
+        if status is KVStatus.STREAMING:
             return self._finish_stream(request, held_blocks, logprobs)
+        if status in (KVStatus.MAY_LEASE, KVStatus.ANNOUNCED):
+            del self._records[rid]
         if held_blocks is not None and request.status == RequestStatus.FINISHED_LENGTH:
             return self._create_lease(rid, held_blocks, request, logprobs)
-        if rid in self._announced:  # ended without a lease: the other ranks drop theirs
-            self._announced.discard(rid)
+        if status is KVStatus.ANNOUNCED:  # ended without a lease: the other ranks drop theirs
             self._send(ReleaseLeases((rid,)))
         return None
 
@@ -258,12 +245,11 @@ class DisaggConnector(KVConnector):
         if self.leases is None:
             raise RuntimeError(f"a {self.role} worker has no lease table")
         if self.peers is not None:
-            self._announced.discard(request_id)
-            self._live_on[request_id] = set(range(self.world_size))
+            self._records[request_id] = KVRecord(KVStatus.LEASED, self._all_ranks())
         try:
             lease = self.leases.create(request_id, block_ids, readers=1)
         except BaseException:
-            self._live_on.pop(request_id, None)
+            self._records.pop(request_id, None)
             self._send(ReleaseLeases((request_id,)))
             raise
         return self._params(request, block_ids, lease, logprobs)
@@ -302,8 +288,12 @@ class DisaggConnector(KVConnector):
         lease = self.leases.get(rid) if alive and self.leases is not None else None
         kept = tuple(keep) if lease is not None and keep is not None else None
         self._send(FinishStreams(((rid, kept),)))
+        rec = self._records.get(rid)
+        if lease is None or rec is None or rec.live_on is None:
+            self._records.pop(rid, None)  # no lease, or (one rank) the lease table holds it
+        else:
+            rec.status = KVStatus.LEASED
         if lease is None:
-            self._live_on.pop(rid, None)
             return None
         return self._params(request, list(kept or ()), lease, logprobs, stream=True)
 
@@ -319,83 +309,68 @@ class DisaggConnector(KVConnector):
             self._send(StreamStep(tuple(items)))
         if self.peers is None:
             return
+        may_lease = (KVStatus.MAY_LEASE, KVStatus.ANNOUNCED)
         items = tuple((r.request_id, tuple(r.block_ids)) for r in sched.scheduled
-                      if r.sample and r.request_id in self._may_lease)
+                      if r.sample and (rec := self._records.get(r.request_id)) is not None
+                      and rec.status in may_lease)
         if items:
             self.peers.send_all(AnnounceLeases(items))
-            self._announced.update(rid for rid, _ in items)
+            for rid, _ in items:
+                self._records[rid].status = KVStatus.ANNOUNCED
 
     def start_load(self, fetch: KVFetch) -> None:
         rid = fetch.request_id
-        params = self._remote[rid]
-        client = self._client(params.backend)
-        f = _Fetch(rid, params, list(fetch.block_ids))  # t0: now
-        f.reads = submit_reads(client, params, self.layout, 0, self.kv_cache,
-                               lambda _f: self._wake(), self._recv_pool, f.block_ids,
-                               wait_s=self.settings.stream_wait_s)
+        rec = self._records[rid]
+        assert rec.status is KVStatus.AWAITING_BLOCKS and rec.params is not None, rec.status
+        rec.pull = self.puller.start(rid, rec.params, list(fetch.block_ids),
+                                     lambda _f: self._wake())
+        rec.status = KVStatus.PULLING
         if self.peers is not None:
-            f.remote_pending = set(range(1, self.world_size))
-            self.peers.send_all(StartFetch(rid, params, tuple(fetch.block_ids)))
-        self._fetches[rid] = f
+            rec.ranks = set(range(1, self.world_size))
+            self.peers.send_all(StartFetch(rid, rec.params, tuple(fetch.block_ids)))
 
     def get_finished(self) -> FinishedTransfers:
         leases_ended = self._drain_released()
         done = FinishedTransfers(leases_ended)
-        self._poll_fetches(done)
+        self._poll_pulls(done)
         self._poll_stopping(done)
-        for rid in done.loaded:  # the data is here: the context side may free its blocks
-            remote = self._remote.pop(rid, None)
-            if remote is not None:
-                self.release_remote(remote)
         return done
 
-    def _poll_fetches(self, done: FinishedTransfers) -> None:
-        """Pulls done on every rank: installed (rank 0's slice) or failed."""
+    def _poll_pulls(self, done: FinishedTransfers) -> None:
+        """Pulls done on every rank: installed (rank 0's slice) and their lease given back
+        (loaded; the data is here: the context side may free its blocks), or failed."""
         self._take_events()
-        loaded, failed = done.loaded, done.failed
-        for rid, fetch in list(self._fetches.items()):
-            if fetch.remote_pending or not all(r.future.done() for r in fetch.reads):
+        for rid, rec in list(self._records.items()):
+            if rec.status is not KVStatus.PULLING or rec.ranks:
                 continue
-            del self._fetches[rid]
-            err = first_error(fetch.reads)
-            if err is not None:
-                failed.append((rid, describe_failure(err, fetch.params, fetch.reads)))
+            assert rec.pull is not None and rec.params is not None
+            if not rec.pull.done:
                 continue
-            if fetch.remote_error is not None:
-                failed.append((rid, fetch.remote_error))
-                continue
-            if fetch.params.stream:
-                try:
-                    done.first[rid] = first_token(fetch.reads)
-                except ValueError as e:
-                    failed.append((rid, KVTransferError.because(f": {e}")))
-                    continue
-            t0 = time.perf_counter()
-            try:
-                install(self.kv_cache, fetch.block_ids, fetch.reads, fetch.params.num_tokens)
-            except Exception as e:  # a malformed payload must fail the request, not the loop
-                logger.exception("installing pulled KV of %s failed", rid)
-                failed.append((rid, KVTransferError.because(f": {e!r}")))
-                continue
-            t1 = time.perf_counter()
-            self.stats.record_install(t1 - t0, t1 - fetch.t0)
-            give_back(self._recv_pool, fetch.reads)
-            loaded.append(rid)
+            outcome = self.puller.finish(rec.pull, rec.remote_error)
+            if isinstance(outcome, Loaded):
+                del self._records[rid]
+                done.loaded.append(rid)
+                if outcome.first is not None:
+                    done.first[rid] = outcome.first
+                self.release_remote(rec.params)
+            else:
+                self._records[rid] = KVRecord(KVStatus.FAILED, params=rec.params)
+                done.failed.append((rid, outcome))
 
-    def _cancel_fetch(self, request_id: str) -> None:
-        """Cancel the reads of a request that ended while its KV was arriving; returns at once.
-        Its blocks stay out of the pool (the scheduler's ``draining``) until ``get_finished``
-        reports it in ``loads_stopped``: once rank 0's reads into them are quiet
-        (``cancel_reads``) and every rank still pulling answered ``CancelFetch``. Reads into
-        private buffers finish there, unread."""
-        fetch = self._fetches.pop(request_id, None)
-        ranks = set(fetch.remote_pending) if fetch is not None else set()
-        self._stopping[request_id] = ranks | {0}
+    def _stop_pull(self, request_id: str, rec: KVRecord) -> None:
+        """Cancel the reads of a request that ended while its KV was arriving (or before it
+        started); returns at once. Its blocks stay out of the pool (the scheduler's
+        ``draining``) until ``get_finished`` reports it in ``loads_stopped``: once rank 0's
+        reads into them are quiet and every rank still pulling answered ``CancelFetch``.
+        Reads into private buffers finish there, unread."""
+        pulling = rec.status is KVStatus.PULLING
+        ranks = set(rec.ranks) if pulling else set()
+        self._records[request_id] = KVRecord(KVStatus.STOPPING, ranks | {0})
         if ranks:
             assert self.peers is not None
             self.peers.send_all(CancelFetch(request_id))
-        cancel_reads(fetch.reads if fetch is not None else [],
-                     lambda: self._on_quiet(request_id, 0))
+        self.puller.cancel(rec.pull if pulling else None,
+                           lambda: self._on_quiet(request_id, 0))
 
     def _on_quiet(self, request_id: str, rank: int) -> None:
         # Any thread: only enqueue (get_finished takes it on the engine thread).
@@ -409,12 +384,12 @@ class DisaggConnector(KVConnector):
                 rid, rank = self._quiet.get_nowait()
             except queue.Empty:
                 break
-            ranks = self._stopping.get(rid)
-            if ranks is not None:
-                ranks.discard(rank)
-        for rid, ranks in list(self._stopping.items()):
-            if not ranks:
-                del self._stopping[rid]
+            rec = self._records.get(rid)
+            if rec is not None and rec.status is KVStatus.STOPPING:
+                rec.ranks.discard(rank)
+        for rid, rec in list(self._records.items()):
+            if rec.status is KVStatus.STOPPING and not rec.ranks:
+                del self._records[rid]
                 done.loads_stopped.append(rid)
 
     # ---- leases: ending them ------------------------------------------------------------------
@@ -422,7 +397,7 @@ class DisaggConnector(KVConnector):
     def release_lease(self, lease_id: str) -> bool:
         if self.leases is None:
             return False
-        if lease_id in self._live_on:
+        if (rec := self._records.get(lease_id)) is not None and rec.live_on is not None:
             self._send(ReleaseLeases((lease_id,)))
         return self.leases.release(lease_id)
 
@@ -437,12 +412,14 @@ class DisaggConnector(KVConnector):
         self._wake()
 
     def _lease_ended_on(self, lease_id: str, rank: int) -> None:
-        live = self._live_on.get(lease_id)
-        if live is None:
+        rec = self._records.get(lease_id)
+        live = rec.live_on if rec is not None else None
+        if rec is None or live is None:
             return  # dropped (never leased), or a stale lease of a failed step
         live.discard(rank)
         if not live:
-            del self._live_on[lease_id]
+            if rec.status is KVStatus.LEASED:
+                del self._records[lease_id]
             self._released.put(lease_id)  # the request id: drained below
 
     def _drain_released(self) -> list[str]:
@@ -453,8 +430,9 @@ class DisaggConnector(KVConnector):
             self.leases.expire()
         out = []
         for lid in _drain(self._released):
-            if lid in self._live_on:  # rank 0's local lease ended; others may still be live
-                self._lease_ended_on(lid, 0)
+            rec = self._records.get(lid)
+            if rec is not None and rec.live_on is not None:
+                self._lease_ended_on(lid, 0)  # rank 0's lease ended; others may still be live
             else:
                 out.append(lid)
         self._take_events()  # may end leases on the last rank
@@ -478,34 +456,19 @@ class DisaggConnector(KVConnector):
             elif isinstance(ev, FetchStopped):
                 self._quiet.put((ev.request_id, ev.rank))
             elif isinstance(ev, FetchDone):
-                fetch = self._fetches.get(ev.request_id)
-                if fetch is not None:
-                    fetch.remote_pending.discard(ev.rank)
-                    if ev.error is not None and fetch.remote_error is None:
-                        fetch.remote_error = ev.error
+                rec = self._records.get(ev.request_id)
+                if rec is not None and rec.status is KVStatus.PULLING:
+                    rec.ranks.discard(ev.rank)
+                    if ev.error is not None and rec.remote_error is None:
+                        rec.remote_error = ev.error
 
     # ---- giving a remote lease back -----------------------------------------------------------
 
-    def _client(self, backend: str) -> Any:
-        client = self._clients.get(backend)
-        if client is None:
-            client = make_client(self.backend, backend, self.settings, self.stats,
-                                 self.kv_cache, "kv pulls of rank 0")
-            self._clients[backend] = client
-        return client
-
-    def release_remote(self, params: ContextParams) -> None:
+    def release_remote(self, params: ContextParams | LeaseRef) -> None:
         """Tell every context rank that this worker is done (or gave up): the context worker
         frees the blocks now. Fire and forget; a dead peer just fails the future. Any thread
         (the client only submits to its own loop)."""
-        try:
-            client = self._client(params.backend)
-        except Exception:
-            logger.exception("cannot release lease %s", params.ctx_request_id)
-            return
-        for address in params.addresses:
-            fut = client.release(address, params.ctx_request_id, self.reader_id)
-            fut.add_done_callback(log_release_failure)
+        self.puller.release(params)
 
 
 def _drain(q: queue.SimpleQueue[str]) -> list[str]:

@@ -2,8 +2,9 @@
 
 Every rank holds its own slice of the KV cache (its layers, its kv heads), so every rank serves
 (context role) or pulls (generation role) its own slice. A rank builds both halves (a transfer
-server over a lease table, an installer) whatever the worker's role at start: the role lives on
-rank 0 only (it may change at run time), this part just answers rank 0's messages.
+server over a lease table; a ``KVPuller`` and an installer thread) whatever the worker's role at
+start: the role lives on rank 0 only (it may change at run time), this part just answers rank
+0's messages.
 
 Rank 0's ``DisaggConnector`` drives this part with the control messages of
 ``disagg.kv_connector.messages``; this part answers with events. A generation worker confirms
@@ -16,10 +17,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
@@ -40,22 +39,12 @@ from disagg.kv_connector.messages import (
     TransferEvent,
     TransferMessage,
 )
-from disagg.kv_connector.pull import (
-    Read,
-    cancel_reads,
-    describe_failure,
-    first_error,
-    give_back,
-    install,
-    make_client,
-    submit_reads,
-    worker_layout,
-)
-from disagg.kv_connector.recv_pool import ReceivePool
+from disagg.kv_connector.pull import KVPuller, Pull, worker_layout
 from disagg.kv_connector.settings import SWEEP_INTERVAL_S, DisaggSettings
 from disagg.kv_connector.stream import StreamPublisher, install_hook
 from disagg.transfer.backends import make_backend
 from disagg.transfer.lease import Lease, LeaseTable
+from disagg.transfer.service import KVTransferServer
 from disagg.transfer.stats import TransferStats
 
 logger = logging.getLogger("disagg.kv_connector")
@@ -63,12 +52,8 @@ logger = logging.getLogger("disagg.kv_connector")
 
 @dataclass
 class _RankFetch:
-    params: ContextParams
-    block_ids: list[int]
-    reads: list[Read] = field(default_factory=list)
-    pending: int = 0
-    cancelled: bool = False
-    t0: float = field(default_factory=time.perf_counter)
+    pull: Pull
+    pending: int  # reads not done yet: the last one hands the pull to the installer
 
 
 class RankTransfer:
@@ -89,21 +74,18 @@ class RankTransfer:
         self.backend = make_backend({"backend": settings.backend,
                                      "ucx_profile": settings.ucx_profile})
         self._emit = emit
-        self.reader_id = f"rank{rank}"
-        self.server = None
+        self.server: KVTransferServer | None = None
         self.leases: LeaseTable | None = None
-        self._clients: dict[str, Any] = {}
         self._fetches: dict[str, _RankFetch] = {}
         self._lock = threading.Lock()  # the fetch table: main thread vs the installer
         self._installer: cf.ThreadPoolExecutor | None = None
-        self._recv_pool = ReceivePool.from_env()
         # Both halves whatever the role at start (the worker may switch role at run time; rank
         # 0 decides what runs, this rank only answers its messages).
-        from disagg.transfer.service import KVTransferServer
-
-        self.leases = LeaseTable(settings.lease_ttl_s, on_release=self._on_release)
+        self.puller = KVPuller.for_worker(settings, self.backend, kv_cache, self.layout, rank,
+                                          self.stats)
+        self.leases = LeaseTable(settings.kv_lease_ttl_s, on_release=self._on_release)
         self.streams = StreamPublisher(self.leases, kv_cache, settings.stream_wait_s,
-                                       settings.lease_ttl_s)
+                                       settings.kv_lease_ttl_s)
         if model is not None:  # this rank's layers report to its own progress
             install_hook(model, self.streams.progress)
         self.server = KVTransferServer(kv_cache, self.leases, settings.cluster_token,
@@ -148,10 +130,8 @@ class RankTransfer:
             rid = msg.request_id
             with self._lock:  # waits for an install in progress
                 fetch = self._fetches.pop(rid, None)
-                if fetch is not None:
-                    fetch.cancelled = True
             # Rank 0 keeps the blocks until this rank (and every other) says nothing writes.
-            cancel_reads(fetch.reads if fetch is not None else [], lambda: self._emit(
+            self.puller.cancel(fetch.pull if fetch is not None else None, lambda: self._emit(
                 FetchStopped(self.rank, rid, self.stats.snapshot())))
         else:
             raise RuntimeError(f"unknown transfer message {msg!r}")
@@ -165,26 +145,16 @@ class RankTransfer:
         self._emit(FetchDone(self.rank, request_id, error, self.stats.snapshot()))
 
     def _start_fetch(self, request_id: str, params: ContextParams, block_ids: list[int]) -> None:
-        fetch = _RankFetch(params, block_ids)
-        client = self._clients.get(params.backend)
-        if client is None:
-            client = self._clients[params.backend] = make_client(
-                self.backend, params.backend, self.settings, self.stats, self.kv_cache,
-                f"kv pulls of rank {self.rank}")
+        try:
+            pull = self.puller.start(request_id, params, block_ids)
+        except Exception as e:
+            self._fetched(request_id, KVTransferError.because(f" on rank {self.rank}: {e!r}"))
+            return
         with self._lock:
-            self._fetches[request_id] = fetch
-            try:
-                fetch.reads = submit_reads(client, params, self.layout, self.rank,
-                                           self.kv_cache, lambda _f: None, self._recv_pool,
-                                           block_ids, wait_s=self.settings.stream_wait_s)
-            except Exception as e:
-                del self._fetches[request_id]
-                self._fetched(request_id, KVTransferError.because(f" on rank {self.rank}: {e!r}"))
-                return
-            fetch.pending = len(fetch.reads)
-        if not fetch.reads:
+            self._fetches[request_id] = _RankFetch(pull, len(pull.reads))
+        if not pull.reads:
             self._finish(request_id)
-        for r in fetch.reads:
+        for r in pull.reads:
             r.future.add_done_callback(lambda _f, rid=request_id: self._read_done(rid))
 
     def _read_done(self, request_id: str) -> None:
@@ -199,31 +169,18 @@ class RankTransfer:
         self._installer.submit(self._finish, request_id)
 
     def _finish(self, request_id: str) -> None:
+        """Every read of the pull is done (installer thread): install it, tell rank 0. Under
+        the lock, so a ``CancelFetch`` meanwhile waits for the install to end."""
         with self._lock:
             fetch = self._fetches.pop(request_id, None)
-            if fetch is None or fetch.cancelled:
+            if fetch is None:  # cancelled
                 return
-            err = first_error(fetch.reads)
-            error = None
-            if err is not None:
-                error = describe_failure(err, fetch.params, fetch.reads)
-            else:
-                try:
-                    t0 = time.perf_counter()
-                    install(self.kv_cache, fetch.block_ids, fetch.reads, fetch.params.num_tokens)
-                    t1 = time.perf_counter()
-                    self.stats.record_install(t1 - t0, t1 - fetch.t0)
-                    give_back(self._recv_pool, fetch.reads)
-                except Exception as e:
-                    logger.exception("rank %d: installing pulled KV of %s failed", self.rank,
-                                     request_id)
-                    error = KVTransferError.because(f" on rank {self.rank}: {e!r}")
-        self._fetched(request_id, error)
+            outcome = self.puller.finish(fetch.pull)
+        self._fetched(request_id, outcome if isinstance(outcome, KVTransferError) else None)
 
     def shutdown(self) -> None:
         if self.server is not None:
             self.server.stop()
-        for client in self._clients.values():
-            client.close()
+        self.puller.close()
         if self._installer is not None:
             self._installer.shutdown(wait=False, cancel_futures=True)

@@ -26,7 +26,7 @@ RECV_POOL_MAX_BYTES = 256 << 20
 
 
 class ReceivePool:
-    """Host byte buffers for ``pull.submit_reads``; thread-safe (a rank installs on its own
+    """Host byte buffers for ``pull.KVPuller``; thread-safe (a rank installs on its own
     thread while its main thread submits)."""
 
     def __init__(self, max_bytes: int = RECV_POOL_MAX_BYTES) -> None:

@@ -1,26 +1,31 @@
 """Settings of a worker's KV connector (context / generation role). Torch-free: the server's
-command line builds them."""
+command line builds them from the worker's options (``DisaggSettings.from_options``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from disagg.cluster_auth import PeerAllowlist
+from disagg.contracts.options import WORKER_DEFAULTS, WorkerOptions
 from disagg.contracts.roles import Role
 
 
 @dataclass(frozen=True)
 class DisaggSettings:
-    """Transfer settings of a context / generation worker."""
+    """Transfer settings of a context / generation worker. The defaults are the worker
+    options' (``WORKER_DEFAULTS``); ``ucx_profile`` ``auto`` is resolved here against the
+    address peers use (``transfer.ucx.resolve_ucx_profile``), so it is always concrete."""
 
     role: Role | str  # Role.CONTEXT or Role.GENERATION (a str enum: "context" compares equal)
     cluster_token: str
-    backend: str = "TCP"  # this worker's backend (the context side serves with it)
-    host: str = "127.0.0.1"  # where the transfer server listens (context role)
+    # This worker's backend, resolved (the context side serves with it): a worker that names
+    # none gets UCX when ucxx imports, else TCP (server/cli.kv_transfer_backend_or_default).
+    backend: str
+    host: str = WORKER_DEFAULTS.host  # where the transfer server listens (context role)
     # What the transfer server hands to peers (None: ``host``); never a wildcard.
     advertise_host: str | None = None
-    lease_ttl_s: float = 30.0
-    ucx_profile: str = "same_host"
+    kv_lease_ttl_s: float = WORKER_DEFAULTS.kv_lease_ttl_s
+    ucx_profile: str = WORKER_DEFAULTS.ucx_profile
     read_timeout_s: float = 30.0
     # KV streaming: how long a streaming read may wait for the context worker to queue and
     # prefill the request (generation side), and how long a streaming lease lives before its
@@ -28,6 +33,26 @@ class DisaggSettings:
     stream_wait_s: float = 600.0
     # Generation role: context workers that requests not signed by the cluster may name.
     kv_peer_allowlist: PeerAllowlist = field(default_factory=PeerAllowlist)
+
+    def __post_init__(self) -> None:
+        if self.ucx_profile == "auto":
+            from disagg.transfer.ucx import resolve_ucx_profile
+
+            profile, _ = resolve_ucx_profile("auto", self.advertise_host or self.host)
+            object.__setattr__(self, "ucx_profile", profile)
+
+    @classmethod
+    def from_options(cls, options: WorkerOptions, *, cluster_token: str, backend: str,
+                     advertise_host: str | None = None) -> DisaggSettings:
+        """The settings of the worker ``options`` describe; what is decided when it starts
+        comes resolved: the cluster token (the option or the environment), the backend (the
+        option or the default), the KV address peers use. ValueError for a bad allowlist."""
+        return cls(role=options.role, cluster_token=cluster_token, backend=backend,
+                   host=options.kv_transfer_host or options.host,
+                   advertise_host=advertise_host, kv_lease_ttl_s=options.kv_lease_ttl_s,
+                   ucx_profile=options.ucx_profile,
+                   kv_peer_allowlist=PeerAllowlist.parse(options.kv_peer_allowlist))
+
 
 # How often expired leases are ended: by the engine loop on rank 0, by the transfer server's own
 # sweeper on ranks 1..N-1.

@@ -28,10 +28,10 @@ import torch
 from torch import nn
 
 from disagg.config import ConfigError, ModelConfig
-from disagg.cuda_graph import StaticDecodeMeta
 from disagg.layout import kv_head_replicas, tp_kv_head_range
 from disagg.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
 from disagg.model.kernels import SMALL_LINEAR_MAX_ROWS, LinearKernel, small_linear_applies
+from disagg.model.static_decode import StaticDecodeMeta
 
 # (x, weight, eps, residual) -> (weight * rms_norm(h), h), h = residual + x (x when None)
 NormKernel = Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor | None],

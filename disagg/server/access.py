@@ -13,12 +13,15 @@ may enter the prefix cache (anyone else could send KV that does not belong to it
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 
 from disagg.cluster_auth import AUTH_HEADER, AuthError, HttpVerifier, PeerAllowlist, bearer_ok
 from disagg.contracts import protocol as P
+
+if TYPE_CHECKING:
+    from disagg.kv_connector.settings import DisaggSettings
 
 
 def request_target(request: Request) -> str:
@@ -36,13 +39,13 @@ class Access:
     context / generation worker's token and allowlist), or None."""
 
     def __init__(self, api_key: str | None, cluster_token: str | None, public_metrics: bool,
-                 transfer_settings: Any = None) -> None:
+                 transfer_settings: DisaggSettings | None = None) -> None:
         self.api_key = api_key
         self.public_metrics = public_metrics
-        token = cluster_token or getattr(transfer_settings, "cluster_token", None)
+        token = cluster_token or (transfer_settings.cluster_token if transfer_settings else None)
         self.verifier = HttpVerifier(token) if token else None
-        self.peer_allowlist: PeerAllowlist = getattr(
-            transfer_settings, "kv_peer_allowlist", None) or PeerAllowlist()
+        self.peer_allowlist: PeerAllowlist = (
+            transfer_settings.kv_peer_allowlist if transfer_settings else PeerAllowlist())
 
     @property
     def wide_open(self) -> bool:

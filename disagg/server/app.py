@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP app of one worker: ``build_app(engine, settings) -> FastAPI``.
 
 The engine (``AsyncLLM``, DESIGN.md section 8) steps on its own thread; handlers only iterate its
-async generators, so the event loop never runs the model. The app is assembled here from
+async generators, so the event loop never runs the model. What the app may use of it is
+``EngineClient`` (``disagg/engine/client.py``). The app is assembled here from
 modules named for what they do:
 
 - ``state``: ``ServerSettings`` and ``ServerState`` (the engine, metrics, requests in flight,
@@ -32,7 +33,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -50,6 +51,9 @@ from disagg.server.role_switch import RoleRoutes
 from disagg.server.state import ServerSettings, ServerState
 from disagg.server.tokenize_routes import TokenizeRoutes
 
+if TYPE_CHECKING:
+    from disagg.engine.client import EngineClient
+
 __all__ = ["ServerSettings", "begin_drain", "build_app"]
 
 logger = logging.getLogger(__name__)
@@ -60,8 +64,9 @@ _REJECT_REASONS = {400: "invalid_request", 401: "unauthorized", 404: "model_not_
 _UNAVAILABLE_CODES = ("queue_full", "draining", "engine_unavailable", "role_switching")
 
 
-def build_app(engine: Any, settings: ServerSettings) -> FastAPI:
-    """The HTTP app serving ``engine`` (an ``AsyncLLM`` or anything with its interface)."""
+def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
+    """The HTTP app serving ``engine`` (an ``AsyncLLM``, or anything else implementing
+    ``EngineClient``)."""
     srv = ServerState(engine, settings)
     app = FastAPI(title="disagg worker", version=__version__, lifespan=_lifespan(srv),
                   docs_url=None, redoc_url=None)

@@ -20,24 +20,26 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from disagg.cluster_auth import api_key_or_none, cluster_token_or_none
 from disagg.config import ConfigError
 from disagg.contracts.options import (
     DISAGG_ROLES,
-    ENGINE_OPTIONS,
-    RESPONSES_STORE_SIZE,
-    RESPONSES_STORE_TTL_S,
-    SERVER_DEFAULTS,
-    SERVER_OPTIONS,
+    WORKER_OPTIONS,
     Opt,
     StrList,
+    WorkerOptions,
     check_role,
     load_worker_yaml,
+    option_help,
 )
 from disagg.contracts.roles import Role
 from disagg.server.http_guard import SERVER_KEEP_ALIVE_S, uvicorn_options  # noqa: F401
+
+if TYPE_CHECKING:
+    from disagg.config import EngineConfig
+    from disagg.engine.client import EngineClient
 
 logger = logging.getLogger("disagg.server")
 
@@ -50,31 +52,31 @@ def add_cli(subparsers: Any) -> None:
                    help="Hugging Face checkpoint folder")
     p.add_argument("--config", metavar="worker.yaml",
                    help="worker YAML (keys: these options in snake_case); flags override it")
-    # Every option defaults to None so that only flags actually given override the YAML.
-    for name, opt in SERVER_OPTIONS.items():
-        if name != "model":
-            _add_option(p, name, opt)
+    # One flag per WorkerOptions field that has one (its help shows the field's default);
+    # each defaults to None so that only flags actually given override the YAML.
     group = p.add_mutually_exclusive_group()
-    for name, opt in ENGINE_OPTIONS.items():
-        target = group if name in ("kv_cache_tokens", "kv_cache_fraction") else p
-        _add_option(target, name, opt)
+    for name, opt in WORKER_OPTIONS.items():
+        flag = opt.flag_name(name)
+        if flag is not None:
+            target = group if name in ("kv_cache_tokens", "kv_cache_fraction") else p
+            _add_option(target, flag, name, opt)
     p.set_defaults(func=_cmd_serve)
 
 
-def _add_option(p: Any, name: str, opt: Opt) -> None:
-    flag = "--" + name.replace("_", "-")
+def _add_option(p: Any, flag: str, name: str, opt: Opt) -> None:
+    help = option_help(name)
     if opt.type is bool:
         p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
-                       help=opt.help)
+                       help=help)
     elif opt.type is list:
         p.add_argument(flag, dest=name, type=_int_list, default=None, metavar=opt.metavar,
-                       help=opt.help)
+                       help=help)
     elif opt.type is StrList:
         p.add_argument(flag, dest=name, type=_str_list, default=None, metavar=opt.metavar,
-                       help=opt.help)
+                       help=help)
     else:
         p.add_argument(flag, dest=name, type=opt.type, choices=opt.choices, default=None,
-                       metavar=opt.metavar, help=opt.help)
+                       metavar=opt.metavar, help=help)
 
 
 def _int_list(text: str) -> list[int]:
@@ -89,24 +91,21 @@ def _str_list(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def resolve_options(args: argparse.Namespace) -> dict[str, Any]:
-    """Defaults < YAML < flags; returns one flat dict of server and engine options."""
-    options: dict[str, Any] = dict(SERVER_DEFAULTS)
+def resolve_options(args: argparse.Namespace) -> WorkerOptions:
+    """The worker's options: the defaults (``WorkerOptions``' fields) < the worker YAML
+    (``--config``) < the flags given < ``MODEL_DIR``; ``ConfigError`` naming what is wrong."""
+    values: dict[str, Any] = {}
     if getattr(args, "config", None):
-        options.update({k: v for k, v in load_worker_yaml(args.config).items() if v is not None})
-    # Not a flag: the UCX profile only comes from the YAML's cache_transceiver_config.
-    ucx_profile = options.pop("ucx_profile", None)
-    for name in (*SERVER_OPTIONS, *ENGINE_OPTIONS):
+        values.update({k: v for k, v in load_worker_yaml(args.config).items() if v is not None})
+    for name in WORKER_OPTIONS:
         value = getattr(args, name, None)
         if value is not None:
-            options[name] = value
+            values[name] = value
     if getattr(args, "model_dir", None):
-        options["model"] = args.model_dir
-    if not options.get("model"):
+        values["model"] = args.model_dir
+    if not values.get("model"):
         raise ConfigError("MODEL_DIR: required (as an argument or as 'model' in --config)")
-    if ucx_profile is not None:
-        options["ucx_profile"] = ucx_profile
-    return options
+    return WorkerOptions(**values)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -115,79 +114,44 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"disagg serve: error: {e}", file=sys.stderr)
         return 2
-    server = {k: options.pop(k) for k in list(options)
-              if k in SERVER_OPTIONS or k == "ucx_profile"}
-    return run_server(server.pop("model"), engine_options=options, **server)
+    return run_server(options)
 
 
-def run_server(
-    model_dir: str,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    role: str = "aggregated",
-    served_model_name: str | None = None,
-    api_key: str | None = None,
-    drain_timeout: float = 30.0,
-    log_level: str = "info",
-    engine_options: dict[str, Any] | None = None,
-    kv_transfer_backend: str | None = None,  # None: UCX when ucxx imports, else TCP
-    kv_transfer_host: str | None = None,
-    cluster_token: str | None = None,
-    kv_lease_ttl: float = 30.0,
-    kv_peer_allowlist: list[str] | None = None,
-    ucx_profile: str = "auto",
-    benchmark_gen_only: bool = False,
-    router_url: str | None = None,
-    public_metrics: bool = False,
-    advertise_host: str | None = None,
-    tool_call_parser: str | None = None,
-    chat_template: str | None = None,
-    allowed_origins: list[str] | None = None,
-    responses_store_size: int = RESPONSES_STORE_SIZE,
-    responses_store_ttl: float = RESPONSES_STORE_TTL_S,
-) -> int:
-    """Load the model, serve until SIGTERM/SIGINT, drain, return the exit code."""
-    logging.basicConfig(level=log_level.upper(),
+def run_server(options: WorkerOptions) -> int:
+    """Load ``options.model``, serve until SIGTERM/SIGINT, drain, return the exit code."""
+    logging.basicConfig(level=options.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine_options = engine_options or {}
+    model_dir, host, port, role = options.model, options.host, options.port, options.role
+    if not model_dir:
+        print("disagg serve: error: MODEL_DIR: required", file=sys.stderr)
+        return 2
     # Any role: requests signed with it are the cluster's (the disaggregated roles need it).
-    cluster_token = cluster_token_or_none(cluster_token)
-    api_key = api_key_or_none(api_key)  # else $DISAGG_API_KEY
+    cluster_token = cluster_token_or_none(options.cluster_token)
+    api_key = api_key_or_none(options.api_key)  # else $DISAGG_API_KEY
     try:
         # Before loading anything: fail fast on a role or options we cannot serve.
-        http_host, kv_advertise = _advertised_hosts(host, kv_transfer_host, advertise_host,
-                                                    router_url, role)
-        template, origins = _api_settings(chat_template, allowed_origins)
-        disagg_settings = _disagg_settings(
-            role, engine_options, benchmark_gen_only=benchmark_gen_only,
-            cluster_token=cluster_token, kv_transfer_backend=kv_transfer_backend,
-            kv_transfer_host=kv_transfer_host or host, kv_lease_ttl=kv_lease_ttl,
-            ucx_profile=ucx_profile, kv_peer_allowlist=kv_peer_allowlist,
-            kv_advertise_host=kv_advertise)
-        config, engine = _start_engine(model_dir, engine_options, disagg_settings)
+        http_host, kv_advertise = _advertised_hosts(host, options.kv_transfer_host,
+                                                    options.advertise_host, options.router_url,
+                                                    role)
+        template, origins = _api_settings(options.chat_template, options.allowed_origins)
+        disagg_settings = _disagg_settings(options, kv_advertise)
+        config, engine = _start_engine(model_dir, options.engine_options(), disagg_settings)
     except _StartError as e:
         print(f"disagg serve: error: {e}", file=sys.stderr)
         return e.exit_code
 
     from disagg.server.app import ServerSettings, build_app
 
-    settings = ServerSettings(model_dir=model_dir, served_model_name=served_model_name,
-                              role=role, api_key=api_key, cluster_token=cluster_token,
-                              public_metrics=bool(public_metrics),
-                              benchmark_gen_only=bool(benchmark_gen_only),
-                              tool_call_parser=tool_call_parser, chat_template=template,
-                              allowed_origins=origins,
-                              responses_store_size=responses_store_size,
-                              responses_store_ttl=responses_store_ttl)
+    settings = ServerSettings.from_options(options, api_key=api_key, cluster_token=cluster_token,
+                                           chat_template=template, allowed_origins=origins)
     app = build_app(engine, settings)
-    server = _uvicorn_server(app, engine, host=host, port=port,
-                             log_level=log_level, drain_timeout=drain_timeout)
+    server = _uvicorn_server(app, engine, host=host, port=port, log_level=options.log_level,
+                             drain_timeout=options.drain_timeout)
     logger.info("serving %s as %r (role %s) on %s:%d", model_dir, settings.model_name, role,
                 host, port)
-    if chat_template is not None:
-        logger.info("chat template: %s", "the --chat-template text" if template == chat_template
-                    else chat_template)
+    if options.chat_template is not None:
+        logger.info("chat template: %s", "the --chat-template text"
+                    if template == options.chat_template else options.chat_template)
     if origins:
         logger.info("CORS: allowed origins %s", ", ".join(origins))
     if engine.transfer is not None:
@@ -195,18 +159,18 @@ def run_server(
     if config.parallel.world_size > 1:
         logger.info("rank pids: %s", engine.rank_pids)
     registration = None
-    if router_url:  # dynamic membership: register once listening, heartbeat
+    if options.router_url:  # dynamic membership: register once listening, heartbeat
         from disagg.server.registration import RouterRegistration
 
-        registration = RouterRegistration(router_url, engine, settings, http_host or host,
-                                          cluster_token)
+        registration = RouterRegistration(options.router_url, engine, settings,
+                                          http_host or host, cluster_token)
         srv = app.state.server
-        registration.role_of = lambda: srv.serving_role.value
+        registration.role_of = lambda: srv.serving_role
         app.state.role_routes.on_switched.append(registration.register_now)
     return _serve(server, engine, registration)
 
 
-def _serve(server: Any, engine: Any, registration: Any) -> int:
+def _serve(server: Any, engine: EngineClient, registration: Any) -> int:
     """Serve until stopped (registered with the router when ``registration`` is given), stop
     the engine; the exit code: 1 when the engine failed or the server never started."""
     try:
@@ -217,7 +181,7 @@ def _serve(server: Any, engine: Any, registration: Any) -> int:
         else:
             asyncio.run(server.serve())
     finally:
-        engine.engine.shutdown()  # idempotent; also when serve() itself failed
+        engine.close()  # idempotent; also when serve() itself failed
     if engine.fatal_error is not None:
         logger.error("exiting: %s", engine.fatal_error)
         return 1
@@ -283,43 +247,40 @@ def kv_transfer_backend_or_default(backend: str | None) -> str:
     return name
 
 
-def _disagg_settings(role: str, engine_options: dict[str, Any], *, benchmark_gen_only: bool,
-                     cluster_token: str | None, kv_transfer_backend: str | None,
-                     kv_transfer_host: str, kv_lease_ttl: float | None,
-                     ucx_profile: str | None, kv_peer_allowlist: list[str] | None,
-                     kv_advertise_host: str | None = None) -> Any:
+def _disagg_settings(options: WorkerOptions, kv_advertise_host: str | None = None) -> Any:
     """Check the role and the KV transfer options; the ``DisaggSettings`` of a context or
-    generation worker (None for an aggregated one). ``_StartError`` (exit 2) on a bad role, a
-    missing cluster token or a bad lease ttl."""
-    world = (int(engine_options.get("tensor_parallel_size") or 1)
-             * int(engine_options.get("pipeline_parallel_size") or 1))
+    generation worker (None for an aggregated one), with what is decided at start resolved:
+    the cluster token, the backend's default, the UCX profile (logged). ``_StartError``
+    (exit 2) on a bad role, a missing cluster token or a bad lease ttl."""
+    role = options.role
     try:
-        check_role(role, world)
-        if benchmark_gen_only and role != Role.GENERATION:
-            raise ValueError(f"benchmark_gen_only: needs role 'generation', not {role!r}")
+        check_role(role, options.world_size)
+        if options.benchmark_gen_only and role != Role.GENERATION:
+            raise ValueError(f"benchmark_gen_only: needs role 'generation', not "
+                             f"{role.value!r}")
         if role not in DISAGG_ROLES:
             return None
-        from disagg.cluster_auth import PeerAllowlist, resolve_cluster_token
+        from disagg.cluster_auth import resolve_cluster_token
         from disagg.kv_connector.settings import DisaggSettings
         from disagg.transfer.ucx import resolve_ucx_profile
 
-        if kv_lease_ttl is None or kv_lease_ttl <= 0:
-            raise ValueError("kv_lease_ttl: must be > 0")
-        backend = kv_transfer_backend_or_default(kv_transfer_backend)
-        profile, why = resolve_ucx_profile(ucx_profile, kv_advertise_host or kv_transfer_host)
+        if not options.kv_lease_ttl_s > 0:
+            raise ValueError("kv_lease_ttl_s (--kv-lease-ttl): must be > 0")
+        backend = kv_transfer_backend_or_default(options.kv_transfer_backend)
+        settings = DisaggSettings.from_options(
+            options, cluster_token=resolve_cluster_token(options.cluster_token),
+            backend=backend, advertise_host=kv_advertise_host)
         if backend == "UCX":
-            logger.info("UCX profile %s (%s)", profile, why)
-        return DisaggSettings(
-            role=role, cluster_token=resolve_cluster_token(cluster_token),
-            backend=backend, host=kv_transfer_host, advertise_host=kv_advertise_host,
-            lease_ttl_s=float(kv_lease_ttl), ucx_profile=profile,
-            kv_peer_allowlist=PeerAllowlist.parse(kv_peer_allowlist))
+            _, why = resolve_ucx_profile(options.ucx_profile,
+                                         settings.advertise_host or settings.host)
+            logger.info("UCX profile %s (%s)", settings.ucx_profile, why)
+        return settings
     except ValueError as e:
         raise _StartError(2, str(e)) from None
 
 
 def _start_engine(model_dir: str, engine_options: dict[str, Any], disagg_settings: Any
-                  ) -> tuple[Any, Any]:
+                  ) -> tuple[EngineConfig, EngineClient]:
     """``(EngineConfig, AsyncLLM)`` with the model loaded; ``_StartError`` saying why not."""
     from disagg.config import build_engine_config
     from disagg.engine import AsyncLLM
@@ -345,7 +306,7 @@ def _start_engine(model_dir: str, engine_options: dict[str, Any], disagg_setting
         raise _StartError(1, str(e)) from None
 
 
-def _uvicorn_server(app: Any, engine: Any, *, host: str, port: int, log_level: str,
+def _uvicorn_server(app: Any, engine: EngineClient, *, host: str, port: int, log_level: str,
                     drain_timeout: float) -> Any:
     """The draining uvicorn server of ``app``: SIGTERM/SIGINT drain the engine's requests;
     the engine's fatal error (a dead rank) stops it."""

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -15,6 +15,9 @@ from disagg.contracts.roles import Role
 from disagg.kv_cache.hashing import BLOCK_HASH_SCHEME
 from disagg.layout import ParallelLayout
 from disagg.server.state import ServerState
+
+if TYPE_CHECKING:
+    from disagg.engine.client import EngineClient
 
 
 class ClusterRoutes:
@@ -52,10 +55,10 @@ class ClusterRoutes:
         B = cfg.cache.tokens_per_block
         return {
             "role": srv.role.value,  # the old role until a switch is done
-            "role_switch": (srv.roles.switch.to_dict(getattr(engine, "role_drain_now", None))
+            "role_switch": (srv.roles.switch.to_dict(engine.role_drain_now)
                             if srv.roles.switch is not None else None),
             "role_switches": srv.roles.switches,
-            "worker_id": getattr(engine, "worker_id", None),
+            "worker_id": engine.worker_id,
             "benchmark_gen_only": settings.benchmark_gen_only,
             "model": srv.model_name,
             "model_dir": settings.model_dir,
@@ -79,7 +82,7 @@ class ClusterRoutes:
                 # Which layers / kv heads each rank's KV cache holds (for KV transfer).
                 "layouts": [lay.to_dict()
                             for lay in ParallelLayout.all_ranks(cfg.model, cfg.parallel)],
-                "rank_pids": getattr(engine, "rank_pids", None),
+                "rank_pids": engine.rank_pids,
             },
             "dtype": cfg.dtype,
             "device": cfg.device,
@@ -132,7 +135,7 @@ class ClusterRoutes:
         return Response(body, media_type=content_type)
 
 
-def _blocks_used(engine: Any) -> int | None:
+def _blocks_used(engine: EngineClient) -> int | None:
     try:
         return int(engine.stats().kv_blocks_used)
     except Exception:

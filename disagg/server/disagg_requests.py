@@ -27,7 +27,6 @@ import functools
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -35,7 +34,8 @@ from fastapi.responses import Response
 
 from disagg.cluster_auth import AUTH_HEADER
 from disagg.contracts import protocol as P
-from disagg.contracts.params import ContextParams, token_ids_hash, valid_stream_id
+from disagg.contracts.kv_mode import ContextOnly, ContextStream, Dummy, KVMode, Pull
+from disagg.contracts.params import ContextParams, LeaseRef, token_ids_hash, valid_stream_id
 from disagg.contracts.roles import RequestType, Role
 from disagg.layout import check_compatible
 from disagg.request import SamplingParams
@@ -94,6 +94,7 @@ def remote_params(srv: ServerState, req: Any, prompt_ids: list[int] | None, sign
             f"disaggregated_params.addresses: {denied!r} is not a trusted context worker: "
             f"the request is not signed by the cluster ({AUTH_HEADER}) and its host is not "
             f"in this worker's kv_peer_allowlist", param="disaggregated_params.addresses")
+    assert srv.transfer is not None  # (request_type checked it)
     try:
         check_compatible(params.layout, srv.transfer.layout)
     except ValueError as e:
@@ -104,9 +105,10 @@ def remote_params(srv: ServerState, req: Any, prompt_ids: list[int] | None, sign
 
 def disagg_choice(srv: ServerState, request: Request, fmt: Format,
                   prompt: str | list[int] | None, text: str | None, kind: RequestType) -> Choice:
-    """The one choice of a context_only or generation_only request. ``prompt``: text or ids to
-    encode (a chat prompt arrives encoded), or None when the ids come from
-    ``disaggregated_params.prompt_token_ids``."""
+    """The one choice of a context_only or generation_only request, with its ``KVMode`` (built
+    here, once, from disaggregated_params). ``prompt``: text or ids to encode (a chat prompt
+    arrives encoded), or None when the ids come from ``disaggregated_params.prompt_token_ids``.
+    """
     req, chat = fmt.req, isinstance(fmt, ChatFormat)
     dp = req.disaggregated_params
     generation = kind is RequestType.GENERATION_ONLY
@@ -142,10 +144,14 @@ def disagg_choice(srv: ServerState, request: Request, fmt: Format,
         raise P.bad_request("max_tokens: the context worker's answer already holds "
                             "every token asked for (it was final)", param="max_tokens")
     request.state.lease_taken = True  # from here the engine releases it on every path
-    # Only KV the cluster vouches for may be reused by other requests: anyone else could send
-    # KV that does not belong to prompt_token_ids.
-    return Choice(0, fmt.rid, 0, ids, text, params, context_only=not generation,
-                  remote=remote, dummy_kv=dummy, cache_remote_kv=signed)
+    mode: KVMode
+    if remote is not None:
+        # Only KV the cluster vouches for may be reused by other requests: anyone else could
+        # send KV that does not belong to prompt_token_ids.
+        mode = Pull(remote, trusted=signed)
+    else:
+        mode = Dummy() if dummy else ContextOnly()
+    return Choice(0, fmt.rid, 0, ids, text, params, mode=mode)
 
 
 def _stream_context_choice(srv: ServerState, stream_id: Any, ids: list[int], text: str | None,
@@ -156,11 +162,12 @@ def _stream_context_choice(srv: ServerState, stream_id: Any, ids: list[int], tex
     if not valid_stream_id(stream_id):
         raise P.bad_request("disaggregated_params.kv_stream_id: 1-128 of A-Z a-z 0-9 _ . : -",
                             param="disaggregated_params.kv_stream_id")
+    assert srv.transfer is not None  # (request_type checked it)
     if srv.transfer.lease_is_live(stream_id) or stream_id in srv.inflight:
         raise P.APIError(409, f"disaggregated_params.kv_stream_id: {stream_id!r} is in use",
                          param="disaggregated_params.kv_stream_id", code="conflict")
-    return Choice(0, stream_id, 0, ids, text, params, context_only=True,
-                  kv_stream=(len(ids), token_ids_hash(ids)))
+    return Choice(0, stream_id, 0, ids, text, params,
+                  mode=ContextStream(len(ids), token_ids_hash(ids)))
 
 
 def _token_ids(raw: Any) -> list[int]:
@@ -206,15 +213,6 @@ def release_refused(srv: ServerState, request: Request, body: bytes) -> None:
         return
     logger.info("request refused: releasing context lease %s", ref.ctx_request_id)
     srv.engine.release_remote(ref)
-
-
-@dataclass(frozen=True)
-class LeaseRef:
-    """What releasing a context lease needs, when the rest of the params did not parse."""
-
-    ctx_request_id: str
-    backend: str
-    addresses: tuple[str, ...]
 
 
 def lease_of(body: bytes) -> ContextParams | LeaseRef | None:

@@ -10,10 +10,10 @@ fault, not the generation worker's).
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from disagg.contracts import protocol as P
-from disagg.engine import EngineDeadError, QueueFullError
+from disagg.engine.errors import EngineDeadError, QueueFullError
+from disagg.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -23,10 +23,10 @@ RETRY_AFTER_S = 1  # what a client told "queue full" should wait before retrying
 # ---- the KV transfer failure (a generation_only request could not pull its prompt's KV) -------
 
 
-def transfer_failed(out: Any) -> bool:
+def transfer_failed(out: RequestOutput) -> bool:
     """Did this finished request output fail because its KV could not be pulled? The engine
     types that failure (``RequestOutput.kv_transfer_error``); ``error`` is only its text."""
-    return getattr(out, "kv_transfer_error", None) is not None
+    return out.kv_transfer_error is not None
 
 
 def kv_transfer_error(error: str) -> P.APIError:
@@ -60,13 +60,13 @@ def map_engine_error(e: BaseException) -> P.APIError:
     return P.APIError(500, "internal server error", type="internal_server_error")
 
 
-def failed_in_engine(out: Any) -> P.APIError | None:
+def failed_in_engine(out: RequestOutput) -> P.APIError | None:
     """The error of a finished output that failed in the engine (None: it did not)."""
     if not out.finished:
         return None
     if transfer_failed(out):
-        return kv_transfer_error(out.error)
-    error = getattr(out, "error", None)
+        return kv_transfer_error(str(out.kv_transfer_error))
+    error = out.error
     if error:
         return P.APIError(500, f"the request failed in the engine: {error}",
                           type="internal_server_error")

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from disagg.contracts import protocol as P
-from disagg.contracts.params import ContextParams
+from disagg.contracts.kv_mode import LOCAL, KVMode
+from disagg.engine.outputs import RequestOutput
 from disagg.request import SamplingParams
 from disagg.server.engine_errors import (
     failed_in_engine,
@@ -40,7 +41,7 @@ class Choice:
     prompt_ids: list[int]
     prompt_text: str | None
     params: SamplingParams
-    final: Any = None  # the finished RequestOutput
+    final: RequestOutput | None = None  # the finished output
     finished: bool = False
     num_tokens: int = 0
     t_last_token: float | None = None
@@ -48,26 +49,9 @@ class Choice:
     pending_ids: list[int] = field(default_factory=list)
     pending_lps: list[dict[int, float]] = field(default_factory=list)
     text_offset: int = 0
-    context_only: bool = False  # prefill + first token; the answer carries the KV lease
-    remote: ContextParams | None = None  # generation_only: where the prompt KV is pulled from
-    cache_remote_kv: bool = False  # the pulled KV may enter the prefix cache (signed request)
-    dummy_kv: bool = False  # benchmark gen-only: decode without the prompt's KV
-    # KV streaming, context side: (tokens whose KV is published, hash of their ids)
-    kv_stream: tuple[int, str] | None = None
-
-    def engine_kwargs(self) -> dict[str, Any]:
-        """The disaggregated arguments of ``engine.generate`` (none for ordinary requests:
-        only disaggregated engines take them)."""
-        if not (self.context_only or self.remote is not None or self.dummy_kv):
-            return {}
-        kw: dict[str, Any] = {"context_only": self.context_only, "remote": self.remote}
-        if self.remote is not None:
-            kw["cache_remote_kv"] = self.cache_remote_kv
-        if self.dummy_kv:
-            kw["dummy_kv"] = True
-        if self.kv_stream is not None:
-            kw["kv_stream"] = self.kv_stream
-        return kw
+    # Its disaggregation mode (built by ``disagg_requests`` from disaggregated_params), handed
+    # to the engine unchanged.
+    mode: KVMode = LOCAL
 
 
 class FanOut:
@@ -89,7 +73,7 @@ class FanOut:
     async def _pump(self, c: Choice) -> None:
         try:
             gen = self.server.engine.generate(c.request_id, c.prompt_ids, c.params,
-                                              prompt=c.prompt_text, **c.engine_kwargs())
+                                              prompt=c.prompt_text, mode=c.mode)
             async for out in gen:
                 self.queue.put_nowait((c, out))
         except asyncio.CancelledError:
@@ -132,7 +116,7 @@ class FanOut:
                 continue
             if item.finished and transfer_failed(item):
                 # No token yet: a failed KV pull gets its own status, streamed or not.
-                raise kv_transfer_error(item.error)
+                raise kv_transfer_error(str(item.kv_transfer_error))
             self.buffer.append((c, item))
             if c in waiting:
                 waiting.discard(c)
@@ -161,7 +145,7 @@ class FanOut:
         async for _ in self.events():
             pass
 
-    def _observe(self, c: Choice, out: Any) -> None:
+    def _observe(self, c: Choice, out: RequestOutput) -> None:
         comp = out.outputs[0]
         now = time.monotonic()
         n = len(comp.delta_token_ids)
@@ -174,12 +158,12 @@ class FanOut:
         if out.finished:
             self._finish(c, out, comp.finish_reason or "stop")
 
-    def _finish(self, c: Choice, out: Any, reason: str) -> None:
+    def _finish(self, c: Choice, out: RequestOutput | None, reason: str) -> None:
         c.finished = True
         c.final = out
         self.server.inflight.pop(c.request_id, None)
         queue_s = None
-        m = getattr(out, "metrics", None)
+        m = out.metrics if out is not None else None
         if m is not None and m.first_scheduled_time is not None:
             queue_s = max(m.first_scheduled_time - m.arrival_time, 0.0)
         self.server.metrics.finished(reason, len(c.prompt_ids), c.num_tokens,

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from disagg.contracts import protocol as P
 from disagg.contracts import responses as R
+from disagg.contracts.kv_mode import Pull
+from disagg.engine.outputs import RequestOutput
 from disagg.server.fanout import Choice
 from disagg.server.tool_calls import ToolCalls
 
@@ -114,9 +116,9 @@ class Format(abc.ABC):
 def cached_tokens(c: Choice) -> int:
     """The choice's prompt tokens not computed for it: a generation_only request reports the
     context worker's (it did the prefill; this worker pulled the KV)."""
-    if c.remote is not None and c.remote.cached_tokens is not None:
-        return c.remote.cached_tokens
-    return int(getattr(c.final, "num_cached_tokens", 0) or 0) if c.final is not None else 0
+    if isinstance(c.mode, Pull) and c.mode.params.cached_tokens is not None:
+        return c.mode.params.cached_tokens
+    return c.final.num_cached_tokens if c.final is not None else 0
 
 
 def final_output(c: Choice) -> Any:
@@ -160,17 +162,17 @@ class CompletionFormat(Format):
             u = {**u, "completion_tokens": 0, "total_tokens": u["prompt_tokens"]}
         return u
 
-    def _echo(self, c: Choice, out: Any) -> tuple[str, dict[str, Any] | None]:
+    def _echo(self, c: Choice, out: RequestOutput) -> tuple[str, dict[str, Any] | None]:
         """The echoed prompt's text and (with ``logprobs``) its logprobs part."""
         # Token ids echo as /detokenize shows them (special tokens too, as their logprobs do).
         text = (c.prompt_text if c.prompt_text is not None
                 else self.srv.engine.tokenizer.decode(c.prompt_ids, skip_special_tokens=False))
-        lps = getattr(out, "prompt_logprobs", None)
+        lps = out.prompt_logprobs
         if self.req.logprobs is None or lps is None:
             return text, None
         return text, P.echo_logprobs(c.prompt_ids, lps, self.srv.token_text)
 
-    def _choice(self, c: Choice, out: Any, text: str, ids: list[int],
+    def _choice(self, c: Choice, out: RequestOutput | None, text: str, ids: list[int],
                 lps: list[dict[int, float]] | None, offset: int, finish: str | None,
                 stop_reason: int | str | None) -> dict[str, Any]:
         """One choice (of the answer or a chunk); ``out``: an engine output with the prompt's
@@ -188,15 +190,15 @@ class CompletionFormat(Format):
             if lp is not None and echo_lp is not None:
                 lp = P.join_logprobs(echo_lp, lp)
         choice = P.completion_choice(c.index, text, finish, lp, stop_reason)
-        plps = getattr(out, "prompt_logprobs", None)
+        plps = out.prompt_logprobs if out is not None else None
         if out is not None and self.req.prompt_logprobs is not None and plps is not None:
             choice["prompt_logprobs"] = P.prompt_logprobs_json(
                 c.prompt_ids, plps, out.prompt_logprob_ranks, self.srv.token_text)
         return choice
 
-    def _echo_end(self, c: Choice, out: Any) -> int:
+    def _echo_end(self, c: Choice, out: RequestOutput | None) -> int:
         """Where the completion's text offsets start: after the echoed prompt's tokens."""
-        if not self.req.echo or getattr(out, "prompt_logprobs", None) is None:
+        if not self.req.echo or out is None or out.prompt_logprobs is None:
             return 0
         return sum(len(self.srv.token_text(t)) for t in c.prompt_ids)
 
@@ -244,7 +246,7 @@ class ChatFormat(Format):
     def tool_calls(self, c: Choice) -> ToolCalls:
         """Choice ``c``'s reader of tool calls (its streaming state)."""
         return self._tool_calls.setdefault(c.index, ToolCalls(
-            self.tool_choice, getattr(self.srv.settings, "tool_call_parser", None)))
+            self.tool_choice, self.srv.settings.tool_call_parser))
 
     @property
     def top_n(self) -> int:
@@ -263,10 +265,11 @@ class ChatFormat(Format):
                                        message))
         answer = P.chat_response(self.rid, self.created, self.model, items,
                                  self.usage(choices))
-        plps = getattr(choices[0].final, "prompt_logprobs", None) if choices else None
-        if self.req.prompt_logprobs is not None and plps is not None:
+        final = choices[0].final if choices else None
+        plps = final.prompt_logprobs if final is not None else None
+        if final is not None and self.req.prompt_logprobs is not None and plps is not None:
             answer["prompt_logprobs"] = P.prompt_logprobs_json(
-                choices[0].prompt_ids, plps, choices[0].final.prompt_logprob_ranks,
+                choices[0].prompt_ids, plps, final.prompt_logprob_ranks,
                 self.srv.token_text)
         return answer
 

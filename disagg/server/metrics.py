@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -36,6 +36,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+if TYPE_CHECKING:
+    from disagg.engine.client import EngineClient
+
 logger = logging.getLogger(__name__)
 
 PREFIX = "disagg_"
@@ -51,7 +54,7 @@ TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 
 class ServerMetrics:
     """The collectors of one server; ``render()`` is the ``/metrics`` body."""
 
-    def __init__(self, engine: Any, model_name: str, max_batch_size: int | None = None,
+    def __init__(self, engine: EngineClient, model_name: str, max_batch_size: int | None = None,
                  max_num_tokens: int | None = None) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
@@ -138,7 +141,7 @@ class ServerMetrics:
 class _EngineStatsCollector(Collector):
     """Reads ``engine.stats()`` at scrape time."""
 
-    def __init__(self, engine: Any, model_name: str, max_batch_size: int | None,
+    def __init__(self, engine: EngineClient, model_name: str, max_batch_size: int | None,
                  max_num_tokens: int | None) -> None:
         self.engine = engine
         self.model_name = model_name
@@ -204,7 +207,7 @@ class _TransferCollector(Collector):
     """KV transfer metrics of a context / generation worker (``TransferStats`` and its lease
     table), read at scrape time. An aggregated worker exports none of them."""
 
-    def __init__(self, engine: Any, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
@@ -212,7 +215,7 @@ class _TransferCollector(Collector):
         return iter(())
 
     def collect(self) -> Iterator[Metric]:
-        rt = getattr(self.engine, "transfer", None)
+        rt = self.engine.transfer
         if rt is None:
             return
         try:
@@ -221,7 +224,7 @@ class _TransferCollector(Collector):
             logger.exception("transfer stats failed during a metrics scrape")
             return
         lv = [self.model_name]
-        role = getattr(rt, "role", "")
+        role = rt.role.value
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name", "role"])

@@ -23,11 +23,16 @@ import contextlib
 import json
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from disagg.addresses import host_port
 from disagg.cluster_auth import sign_http
+
+if TYPE_CHECKING:
+    from disagg.contracts.roles import Role
+    from disagg.engine.client import EngineClient
+    from disagg.server.state import ServerSettings
 
 logger = logging.getLogger("disagg.server.registration")
 
@@ -35,23 +40,23 @@ RETRY_S = 1.0
 TIMEOUT_S = 5.0
 
 
-def worker_payload(engine: Any, settings: Any, url: str, role: str | None = None
-                   ) -> dict[str, Any]:
+def worker_payload(engine: EngineClient, settings: ServerSettings, url: str,
+                   role: Role | None = None) -> dict[str, Any]:
     """The registration body of the worker serving ``engine`` with ``settings`` in ``role``
     (default: the role at start)."""
     from disagg.kv_cache.hashing import BLOCK_HASH_SCHEME
     from disagg.layout import ParallelLayout
 
     cfg = engine.config
-    transfer = getattr(engine, "transfer", None)
+    transfer = engine.transfer
     return {
-        "role": role or settings.role,
+        "role": (role or settings.role).value,
         "url": url,
         "model": settings.model_name,
         "model_dir": settings.model_dir,
         "tokens_per_block": cfg.cache.tokens_per_block,
         "block_hash_scheme": BLOCK_HASH_SCHEME,
-        "worker_id": getattr(engine, "worker_id", None),
+        "worker_id": engine.worker_id,
         "layout": [lay.to_dict() for lay in ParallelLayout.all_ranks(cfg.model, cfg.parallel)],
         "kv_transfer": transfer.info() if transfer is not None else None,
     }
@@ -60,8 +65,8 @@ def worker_payload(engine: Any, settings: Any, url: str, role: str | None = None
 class RouterRegistration:
     """Registers a running uvicorn server with a router and heartbeats until it stops."""
 
-    def __init__(self, router_url: str, engine: Any, settings: Any, host: str,
-                 cluster_token: str | None = None) -> None:
+    def __init__(self, router_url: str, engine: EngineClient, settings: ServerSettings,
+                 host: str, cluster_token: str | None = None) -> None:
         """``host``: the address the router should call this worker at (already chosen by
         ``addresses.advertise_address``: never a wildcard)."""
         self.router_url = router_url.rstrip("/")
@@ -76,7 +81,7 @@ class RouterRegistration:
         self._last_problem: str | None = None
         # The role the engine serves now (it may switch at run time: ``role_switch``); set
         # by the CLI to ``ServerState.serving_role``.
-        self.role_of: Callable[[], str] = lambda: str(settings.role)
+        self.role_of: Callable[[], Role] = lambda: settings.role
         self._client: Any = None
 
     async def run(self, server: Any) -> None:

@@ -28,7 +28,7 @@ async def respond(srv: ServerState, request: Request, choices: list[Choice], fmt
                   t_arrival: float) -> Response:
     """Run ``choices`` and answer ``request`` (streamed when the client asked for a stream)."""
     fan = FanOut(srv, choices, t_arrival)
-    if fmt.req.stream and not choices[0].context_only:  # (a context answer is whole)
+    if fmt.req.stream and not choices[0].mode.is_context:  # (a context answer is whole)
         try:
             await srv.until_disconnect(request, fan.start())
         except ClientGone:
@@ -42,12 +42,12 @@ async def respond(srv: ServerState, request: Request, choices: list[Choice], fmt
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)  # nobody reads it
     body = fmt.response(choices)
-    if choices[0].context_only:
+    if choices[0].mode.is_context:
         # The router's next call: null params mean the answer is final (EOS, stop, or
         # max_tokens reached) and the context worker has freed the KV already.
         final = choices[0].final
         body["prompt_token_ids"] = list(choices[0].prompt_ids)
-        body["disaggregated_params"] = getattr(final, "disaggregated_params", None)
+        body["disaggregated_params"] = final.disaggregated_params if final is not None else None
     return JSONResponse(body, headers={"X-Request-Id": fmt.rid})
 
 

@@ -10,9 +10,10 @@ States of one worker (``RoleSwitcher``; ``Switch.state``)::
   released: the router may hand it to another worker). What the worker holds of its old role
   runs to its end: a context worker's leases are served until read, released or expired (their
   TTL), its context-only prefills finish; a generation worker's decodes and pulls finish. The
-  engine thread measures that (``LLMEngine.role_drain``) every loop turn and flips the KV
-  connector's role once it is all zero (``AsyncLLM.switch_role``); nothing is torn down or built
-  then: every rank of a context / generation worker holds both halves from its start.
+  engine thread measures that (``role_drain``, engine/llm_engine.py) every loop turn and flips
+  the KV connector's role once it is all zero (``EngineClient.switch_role``); nothing is torn
+  down or built then: every rank of a context / generation worker holds both halves from its
+  start.
 - ``switching``: the engine serves the new role; the server clears the switch, counts it and
   has its router registration (``--router-url``) register again at once with the new role.
 
@@ -25,12 +26,13 @@ else (``/server_info``, the registration payload, metric labels, request checks)
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -38,6 +40,9 @@ from fastapi.responses import JSONResponse
 from disagg.cluster_auth import AUTH_HEADER
 from disagg.contracts import protocol as P
 from disagg.contracts.roles import Role, RoleDrain
+
+if TYPE_CHECKING:
+    from disagg.server.state import ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +142,7 @@ def answer(status: int, from_role: Role, to_role: Role, state: str,
 class RoleRoutes:
     """``POST /admin/role`` over one ``ServerState`` (``srv``)."""
 
-    def __init__(self, srv: Any) -> None:
+    def __init__(self, srv: ServerState) -> None:
         self.srv = srv
         # Awaited (bounded) while a switch is ``switching``: the router registration.
         self.on_switched: list[Callable[[], Awaitable[None]]] = []
@@ -157,7 +162,7 @@ class RoleRoutes:
         if sw is None:
             return answer(200, current, current, "done")
         try:
-            started, done = srv.engine.switch_role(to.value)
+            started, done = srv.engine.switch_role(to)
             # (the engine thread takes it within a loop turn; bounded should it die meanwhile)
             first: RoleDrain = await asyncio.wait_for(asyncio.wrap_future(started),
                                                       STARTED_TIMEOUT_S)
@@ -170,9 +175,10 @@ class RoleRoutes:
         srv.spawn(self._complete(done))
         return answer(202, sw.from_role, sw.to_role, DRAINING, first)
 
-    async def _complete(self, done: Any) -> None:
+    async def _complete(self, done: cf.Future[RoleDrain]) -> None:
         srv = self.srv
         sw = srv.roles.switch
+        assert sw is not None  # (begun by switch_role, which spawned this)
         try:
             await asyncio.wrap_future(done)
         except Exception as e:
@@ -190,7 +196,7 @@ class RoleRoutes:
                     sw.from_role.value, sw.to_role.value, time.time() - sw.since)
 
 
-def check_admin(srv: Any, request: Request, raw: bytes) -> None:
+def check_admin(srv: ServerState, request: Request, raw: bytes) -> None:
     """A cluster signature over this request and its body: 401 without one, 403 with a wrong
     one (the API key is not enough: the role is the cluster's business)."""
     why = srv.access.signature_error(request, raw)

@@ -13,18 +13,22 @@ import logging
 from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
 from disagg.contracts import protocol as P
-from disagg.contracts.options import RESPONSES_STORE_SIZE, RESPONSES_STORE_TTL_S, check_role
+from disagg.contracts.options import WORKER_DEFAULTS, WorkerOptions, check_role
 from disagg.contracts.roles import Role
 from disagg.server.access import Access
 from disagg.server.engine_errors import unavailable
 from disagg.server.metrics import ServerMetrics
 from disagg.server.role_switch import RoleSwitcher
+
+if TYPE_CHECKING:
+    from disagg.engine.client import EngineClient
+    from disagg.kv_connector.base import KVConnector
 
 logger = logging.getLogger(__name__)
 
@@ -33,17 +37,21 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class ServerSettings:
+    """What the app needs of a worker's options (``from_options``), resolved; the defaults are
+    the options' (``WORKER_DEFAULTS``)."""
+
     model_dir: str
     served_model_name: str | None = None  # default: model_dir as given (as vllm serve does)
-    role: str = Role.AGGREGATED.value
+    # The role at start (a ``Role``; its wire string is accepted and converted).
+    role: Role = WORKER_DEFAULTS.role
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
     # The cluster secret: requests signed with it are the cluster's (router -> worker). A
     # context / generation worker uses its transfer settings' token when this is None.
     cluster_token: str | None = None
-    public_metrics: bool = False  # /metrics open even when an API key is set
+    public_metrics: bool = WORKER_DEFAULTS.public_metrics  # /metrics open even with an API key
     owns_engine: bool = True  # the app's lifespan starts the engine and shuts it down
     # Benchmarking aid: generation_only requests without context params decode at once.
-    benchmark_gen_only: bool = False
+    benchmark_gen_only: bool = WORKER_DEFAULTS.benchmark_gen_only
     # Reads tool calls out of tool_choice "auto" answers (server/tool_calls.py); None:
     # such requests are a 400 (forced calls need no parser).
     tool_call_parser: str | None = None
@@ -53,8 +61,29 @@ class ServerSettings:
     # --allowed-origins: CORS origins ("*": any) the app answers with CORS headers; () none.
     allowed_origins: tuple[str, ...] = ()
     # /v1/responses kept for previous_response_id and GET: how many (0: none), for how long.
-    responses_store_size: int = RESPONSES_STORE_SIZE
-    responses_store_ttl: float = RESPONSES_STORE_TTL_S
+    responses_store_size: int = WORKER_DEFAULTS.responses_store_size
+    responses_store_ttl: float = WORKER_DEFAULTS.responses_store_ttl
+
+    def __post_init__(self) -> None:
+        check_role(self.role)  # ValueError naming ``role``
+        object.__setattr__(self, "role", Role(self.role))
+
+    @classmethod
+    def from_options(cls, options: WorkerOptions, *, api_key: str | None,
+                     cluster_token: str | None, chat_template: str | None,
+                     allowed_origins: tuple[str, ...]) -> ServerSettings:
+        """The settings of the worker ``options`` describe (``options.model`` set); what is
+        resolved when it starts is given: the API key and cluster token (the option or the
+        environment), the chat template's text, the checked CORS origins."""
+        assert options.model is not None
+        return cls(model_dir=options.model, served_model_name=options.served_model_name,
+                   role=options.role, api_key=api_key, cluster_token=cluster_token,
+                   public_metrics=options.public_metrics,
+                   benchmark_gen_only=options.benchmark_gen_only,
+                   tool_call_parser=options.tool_call_parser, chat_template=chat_template,
+                   allowed_origins=allowed_origins,
+                   responses_store_size=options.responses_store_size,
+                   responses_store_ttl=options.responses_store_ttl)
 
     @property
     def model_name(self) -> str:
@@ -75,8 +104,7 @@ class ServerState:
     """What the routes share: the engine and its config, settings, metrics, access checks and
     the engine requests in flight (each with the fan-out that runs it)."""
 
-    def __init__(self, engine: Any, settings: ServerSettings) -> None:
-        check_role(settings.role)
+    def __init__(self, engine: EngineClient, settings: ServerSettings) -> None:
         if settings.chat_template is not None:
             # Every prompt this worker renders (chat, /tokenize) uses it; the engine only
             # detokenizes, so the tokenizer it holds is the one place to set it.
@@ -95,24 +123,25 @@ class ServerState:
         self.token_text = lru_cache(maxsize=1 << 16)(self._decode_one)
         self.created = P.now()
         self.loop: asyncio.AbstractEventLoop | None = None  # set when the app starts
+        transfer = engine.transfer
         self.access = Access(settings.api_key, settings.cluster_token, settings.public_metrics,
-                             getattr(getattr(engine, "transfer", None), "settings", None))
+                             transfer.settings if transfer is not None else None)
         self.body_timeout_s = P.BODY_TIMEOUT_S  # then 408 (tests shorten it)
 
     def _decode_one(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
     @property
-    def transfer(self) -> Any:
-        """The engine's KV transfer runtime (None on an aggregated worker)."""
-        return getattr(self.engine, "transfer", None)
+    def transfer(self) -> KVConnector | None:
+        """The engine's KV connector (None on an aggregated worker)."""
+        return self.engine.transfer
 
     @property
     def serving_role(self) -> Role:
         """The role the engine serves: its KV connector's (the one owner of a context /
         generation worker's role, which may switch at run time), else the role at start."""
         rt = self.transfer
-        return Role(rt.role if rt is not None else self.settings.role)
+        return rt.role if rt is not None else self.settings.role
 
     @property
     def role(self) -> Role:

@@ -1,11 +1,11 @@
-"""KV transfer between context and generation workers: layout conversion, transports, leases.
+"""KV transfer between context and generation workers: the transport, leases and the server.
 
 A context worker keeps a request's KV blocks under a lease after prefill; each generation rank
 pulls the layers and kv heads it needs straight from the context ranks that hold them (one
-coalesced read per rank pair), then confirms, and the context side frees the blocks.
-Layout side: ``disagg.layout`` (rank layouts and pull plans between TP/PP layouts), ``params``
-(the context answer's ``disaggregated_params``), ``kvcopy`` (token-major gather / scatter).
-Transport side:
+coalesced read per rank pair), then confirms, and the context side frees the blocks. What to
+pull and how it lands in the cache (plan, receive buffers, install) is the generation side's
+business: ``disagg.kv_connector.pull``; the wire's params are ``disagg.contracts.params``;
+rank layouts and pull pieces ``disagg.layout``. Here:
 
 - ``base``: wire messages (``ReadRequest``, ``ReadResult``, ``TransferError``), header
   encoding and the ``TransportBackend`` abstraction (it imports no backend).
@@ -16,7 +16,12 @@ Transport side:
 - ``stats``: ``TransferStats`` (torch-free) for the worker's metrics.
 - ``tcp`` / ``ucx``: the two backends (ucxx is imported lazily, on first use); both accept
   connections on one TCP socket bound to the configured host.
-- ``payload``: zero-copy views and gathers of the KV cache for a READ.
+- ``payload``: zero-copy views and gathers of the KV cache for a READ; ``sender``: where a
+  server's payload bytes come from and how they go out (``PayloadSource``).
+- ``progress``: ``StreamProgress``, which prompt KV of a streamed request exists (streaming
+  READs wait there).
+- ``admission``: ``ServerLimits`` (a server's frozen knobs) and ``Admission`` (its connection
+  caps and counters).
 - ``service``: ``KVTransferServer`` (context rank) and ``KVTransferClient`` (generation rank).
 
 Importing this package does not import torch; the torch-using names load on first access.
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from disagg.transfer.admission import ServerLimits
 from disagg.transfer.backends import make_backend
 from disagg.transfer.base import (
     BAD_REQUEST,
@@ -68,6 +74,6 @@ __all__ = [
     "BAD_REQUEST", "CLOSED", "CONNECTION_FAILED", "EXPIRED_LEASE", "PROTOCOL_ERROR", "TIMEOUT",
     "UNAUTHORIZED", "UNKNOWN_LEASE", "KVTransferClient",
     "KVTransferServer", "Lease", "LeaseError", "LeaseStats", "LeaseTable", "ReadRequest",
-    "ReadResult", "TransferError", "TransferStats", "TransferStatsSnapshot",
+    "ReadResult", "ServerLimits", "TransferError", "TransferStats", "TransferStatsSnapshot",
     "TransportBackend", "make_backend", "payload_shape", "resolve_cluster_token",
 ]

@@ -14,7 +14,7 @@ from typing import Any
 from disagg.contracts.options import CacheTransceiverConfig
 from disagg.transfer.base import TransportBackend
 from disagg.transfer.tcp import TcpBackend
-from disagg.transfer.ucx import UcxBackend, ucx_available
+from disagg.transfer.ucx import UcxBackend, resolve_ucx_profile, ucx_available
 
 
 def default_backend() -> tuple[str, str]:
@@ -45,4 +45,4 @@ def make_backend(
     if cfg.backend == "TCP":
         return TcpBackend()
     # "auto" with no address to judge by: same_host (sm,tcp also reaches other hosts, by tcp)
-    return UcxBackend(profile="same_host" if cfg.ucx_profile == "auto" else cfg.ucx_profile)
+    return UcxBackend(profile=resolve_ucx_profile(cfg.ucx_profile, None)[0])

@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from disagg.contracts.options import WORKER_DEFAULTS
+
 logger = logging.getLogger("disagg.transfer")
 
 ReleaseReason = Literal["confirmed", "expired", "released"]
@@ -84,7 +86,7 @@ class LeaseTable:
 
     def __init__(
         self,
-        default_ttl_s: float = 30.0,
+        default_ttl_s: float = WORKER_DEFAULTS.kv_lease_ttl_s,  # the worker option's
         clock: Callable[[], float] = time.monotonic,
         on_release: ReleaseCallback | None = None,
         max_tombstones: int = 4096,

@@ -18,17 +18,21 @@ the wire::
     views:   |-- run 0 --|-- run 1 --|-- run 2 --|-- run 3 --|
     parts:   [--- part 0 ---)[------ part 1 ------)[ part 2 )
     part 0 spans runs 0-1: gathered into staging[0:a]; part 2 lies in run 3: sent as is.
+
+``PayloadSource`` is a server's whole payload path: its cache, staging pool, gather thread
+and (GPU cache) whether payloads leave GPU memory through the transport itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import logging
 from typing import Any
 
 import torch
 
-from disagg.transfer.base import Connection, ReadRequest
+from disagg.transfer.base import Connection, ReadRequest, TransportBackend
 from disagg.transfer.payload import (
     ReadPlan,
     StagingPool,
@@ -36,12 +40,99 @@ from disagg.transfer.payload import (
     as_payload,
     block_views,
     byte_views,
+    dtype_name,
     gather_into,
     gather_into_from_device,
     gather_views,
+    plan_read,
 )
 
+logger = logging.getLogger("disagg.transfer")
+
 GATHER_INLINE_MAX_BYTES = 1 << 20  # bigger gathers run on a worker thread, not the I/O loop
+
+
+class PayloadSource:
+    """Where one server's READ payloads come from (module docstring). ``kv_cache``:
+    ``[num_blocks, num_local_layers, 2, num_local_kv_heads, tokens_per_block, head_dim]`` on
+    the CPU or a CUDA device. ``runs``: a scattered table of a CPU cache goes out as views of
+    its runs. ``staging``, the gathers and the device stream are used on the server's loop
+    thread (and its gather thread) only.
+
+    A GPU cache's payloads go GPU to GPU where the backend moves GPU memory (decided by
+    ``use_backend``, once the backend runs: sent straight from the cache, or gathered on the GPU
+    into device staging); otherwise they are gathered on the GPU and sent from pinned host
+    memory, and ``staging_reason`` says why ("" for a CPU cache: nothing to stage)."""
+
+    def __init__(self, kv_cache: torch.Tensor, max_staging_buffers: int, runs: bool) -> None:
+        self.kv_cache = kv_cache
+        self.runs = runs
+        self.on_gpu = kv_cache.device.type == "cuda"
+        self.dtype = dtype_name(kv_cache.dtype)
+        self.device_direct = False
+        self.staging_reason = ""
+        self._max_staging = max_staging_buffers
+        # pinned for a GPU cache staged on the host, device memory when the transport sends
+        # GPU memory (decided in start(), once UCX runs)
+        self.staging = StagingPool(max_staging_buffers, pinned=self.on_gpu)
+        self._stream = torch.cuda.Stream(kv_cache.device) if self.on_gpu else None
+        self._gather_pool: cf.ThreadPoolExecutor | None = None
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self.kv_cache.shape[4]
+
+    def start(self) -> None:
+        """Start the gather thread (before the server takes connections)."""
+        self._gather_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kv-transfer-gather")
+
+    def use_backend(self, backend: TransportBackend) -> None:
+        """A GPU cache: whether ``backend`` sends GPU memory (known once it runs; logged)."""
+        if not self.on_gpu:
+            return
+        ok, how = backend.device_memory_support()
+        self.device_direct, self.staging_reason = ok, ("" if ok else how)
+        self.staging = StagingPool(self._max_staging, pinned=not ok,
+                                   device=self.kv_cache.device if ok else None)
+        if ok:
+            logger.info("kv transfer server: GPU cache payloads are sent from GPU memory (%s)",
+                        how)
+        else:
+            logger.warning("kv transfer server: GPU cache payloads are staged in pinned host "
+                           "memory: %s", how)
+
+    def stop(self) -> None:
+        """Wait for the gather thread's jobs and end it."""
+        if self._gather_pool is not None:
+            self._gather_pool.shutdown(wait=True)
+            self._gather_pool = None
+
+    def plan(self, req: ReadRequest, leased: frozenset[int] | None) -> ReadPlan:
+        """``plan_read`` over this cache (``leased``: the lease's blocks; None: any)."""
+        return plan_read(self.kv_cache, req, leased, self.device_direct)
+
+    @property
+    def answer_device(self) -> bool:
+        """What a READ answer's ``device`` says: the payload leaves GPU memory as it is."""
+        return self.on_gpu and self.device_direct
+
+    @property
+    def answer_staging(self) -> str | None:
+        """A GPU cache's reason for pinned host memory (None for a CPU cache)."""
+        return self.staging_reason if self.on_gpu else None
+
+    async def source(self, req: ReadRequest, plan: ReadPlan
+                     ) -> tuple[list[Any], torch.Tensor | None]:
+        """``payload_source`` for this cache (the caller gives a staging buffer back)."""
+        return await payload_source(self.kv_cache, req, plan, self.staging,
+                                    self.runs and not self.on_gpu, self._gather_pool,
+                                    self._stream)
+
+    async def send_parts(self, conn: Connection, pieces: list[list[Any]],
+                         staging: torch.Tensor | None, gathers: list[asyncio.Future[Any]]
+                         ) -> None:
+        """``send_parts`` with this source's gather thread."""
+        await send_parts(conn, pieces, staging, self._gather_pool, gathers)
 
 
 async def payload_source(kv: torch.Tensor, req: ReadRequest, plan: ReadPlan,

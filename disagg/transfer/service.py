@@ -15,7 +15,6 @@ import logging
 import threading
 import time
 import uuid
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +24,7 @@ import torch
 
 from disagg.addresses import host_port
 from disagg.env import KV_RUNS
+from disagg.transfer.admission import Admission, ServerLimits
 from disagg.transfer.backends import make_backend
 from disagg.transfer.base import (
     BAD_REQUEST,
@@ -48,23 +48,12 @@ from disagg.transfer.base import (
 )
 from disagg.transfer.handshake import ClientSession, HandshakeError, ServerSession
 from disagg.transfer.lease import LeaseError, LeaseTable
-from disagg.transfer.payload import (
-    ReadPlan,
-    StagingPool,
-    as_payload,
-    consecutive_runs,
-    dtype_name,
-    plan_read,
-    slice_views,
-)
+from disagg.transfer.payload import as_payload, consecutive_runs, dtype_name, slice_views
 from disagg.transfer.progress import StreamNotReady, StreamProgress
-from disagg.transfer.sender import payload_source, send_parts
+from disagg.transfer.sender import PayloadSource
 from disagg.transfer.stats import TransferStats
 
 logger = logging.getLogger("disagg.transfer")
-
-REFUSAL_LOG_INTERVAL_S = 10.0  # at most one warning per interval about refused connections
-
 
 # A READ may split its payload into at most this many parts (UCX messages).
 MAX_PAYLOAD_PARTS = 4096
@@ -179,27 +168,24 @@ class KVTransferServer:
     (the handshake in base.py; the token itself never crosses the wire).
 
     ``kv_cache``: ``[num_blocks, num_local_layers, 2, num_local_kv_heads, tokens_per_block,
-    head_dim]`` on the CPU or a CUDA device. A GPU cache's payloads go GPU to GPU where the
-    backend moves GPU memory (UCX with CUDA transports: sent straight from the cache, or
-    gathered on the GPU into a device staging buffer); otherwise they are gathered on the GPU
-    and sent from pinned host memory, and ``staging_reason`` says why (logged at start, counted
-    in ``stats``, told to the client in every READ answer). ``leases`` decides what may
-    be read; a RELEASE from a reader ``confirm``s its lease. Expired leases are swept every
-    ``sweep_interval_s`` (None: the owner calls ``leases.expire()`` itself).
-
-    Limits (what a peer without the token can cost): a connection must complete its handshake
-    (HELLO and a proven AUTH) within ``handshake_timeout_s``, reading headers of at most
-    ``PREAUTH_HEADER_MAX_BYTES`` meanwhile; at most ``max_connections`` connections, of which
-    at most ``max_pending_connections`` not yet authenticated (so stalled peers never take the
-    slots of authenticated ones) and ``max_connections_per_peer`` from one peer host; extra
-    connections are closed unread. An authenticated connection without a request for
-    ``idle_timeout_s`` (None: never) is closed; the client reconnects transparently.
-
+    head_dim]`` on the CPU or a CUDA device; ``payload`` (``sender.PayloadSource``) is where
+    a READ's bytes come from: views of the cache, a staging buffer, or GPU memory as it is
+    (a GPU cache whose transport moves GPU memory; otherwise ``payload.staging_reason`` says
+    why not, logged at start, counted in ``stats``, told to the client in every READ answer).
     ``runs`` (None: ``DISAGG_KV_RUNS``, default on): a scattered block table of a CPU cache
-    goes out as views of its runs (``sender.py``), not gathered into staging first; False
-    keeps the staged path (A/B benchmarks).
+    goes out as views of its runs, not gathered into staging first; False keeps the staged
+    path (A/B benchmarks).
 
-    ``progress``: streaming READs (``wait_s``) wait there first (``await_stream``).
+    ``leases`` decides what may be read; a RELEASE from a reader ``confirm``s its lease.
+    Expired leases are swept every ``sweep_interval_s`` (None: the owner calls
+    ``leases.expire()`` itself). ``progress``: streaming READs (``wait_s``) wait there first
+    (``await_stream``).
+
+    ``limits`` (``admission.ServerLimits``) bound what a peer without the token can cost:
+    headers of at most ``PREAUTH_HEADER_MAX_BYTES`` until its handshake is done, the
+    handshake's deadline, the connection caps (``admission``: extra connections are closed
+    unread), and an idle authenticated connection is closed (the client reconnects
+    transparently).
     """
 
     def __init__(
@@ -214,12 +200,7 @@ class KVTransferServer:
         advertise_host: str | None = None,
         stats: TransferStats | None = None,
         sweep_interval_s: float | None = 1.0,
-        max_staging_buffers: int = 4,
-        handshake_timeout_s: float = 10.0,
-        idle_timeout_s: float | None = 600.0,
-        max_connections: int = 512,
-        max_connections_per_peer: int = 64,
-        max_pending_connections: int = 128,
+        limits: ServerLimits | None = None,
         runs: bool | None = None,
         progress: StreamProgress | None = None,
     ) -> None:
@@ -230,58 +211,27 @@ class KVTransferServer:
                              f"{kv_cache.device.type}")
         if not token:
             raise ValueError("a non-empty cluster token is required")
-        if not handshake_timeout_s > 0:
-            raise ValueError(f"handshake_timeout_s must be > 0, got {handshake_timeout_s!r}")
-        if idle_timeout_s is not None and not idle_timeout_s > 0:
-            raise ValueError(f"idle_timeout_s must be > 0 or None, got {idle_timeout_s!r}")
-        for name, value in (("max_connections", max_connections),
-                            ("max_connections_per_peer", max_connections_per_peer),
-                            ("max_pending_connections", max_pending_connections)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        self.limits = limits if limits is not None else ServerLimits()
+        self.admission = Admission(self.limits)
         # Scattered block tables go out as views of their runs, not a staging copy (None:
         # DISAGG_KV_RUNS; False: the path before, for A/B runs).
-        self.runs = KV_RUNS.get() if runs is None else runs
-        self.handshake_timeout_s = handshake_timeout_s
-        self.idle_timeout_s = idle_timeout_s
-        self.max_connections = max_connections
-        self.max_connections_per_peer = max_connections_per_peer
-        self.max_pending_connections = max_pending_connections
-        self.connections_refused = 0  # closed unread: over a connection cap
-        self.handshake_timeouts = 0  # dropped: no proven AUTH within handshake_timeout_s
-        self.kv_cache = kv_cache
+        self.payload = PayloadSource(kv_cache, self.limits.max_staging_buffers,
+                                     KV_RUNS.get() if runs is None else runs)
         self.leases = leases
         self.progress = _checked_progress(progress, kv_cache)
-        self.backend = make_backend(backend)
-        self.host = host
         self.stats = stats if stats is not None else TransferStats()
         self.stats.bind_leases(leases)
+        # Identity and lifecycle.
+        self.backend = make_backend(backend)
+        self.host = host
         self.server_id = uuid.uuid4().hex  # changes on restart: lets peers tell instances apart
-        on_gpu = kv_cache.device.type == "cuda"
-        self._on_gpu = on_gpu
-        self._max_staging = max_staging_buffers
-        # used on the loop thread only; pinned for a GPU cache staged on the host, device
-        # memory when the transport sends GPU memory (decided in start(), once UCX runs)
-        self.staging = StagingPool(max_staging_buffers, pinned=on_gpu)
-        self._stream = torch.cuda.Stream(kv_cache.device) if on_gpu else None
-        # GPU cache: whether payloads leave GPU memory through the transport itself, and if
-        # not, why ("" while the cache is on the CPU: nothing to stage).
-        self.device_direct = False
-        self.staging_reason = ""
         self._token = token
         self._port = port
         self._advertise = advertise_host or host
         self._sweep_interval_s = sweep_interval_s
-        self._dtype = dtype_name(kv_cache.dtype)
         self._loop: LoopThread | None = None
         self._listener: Listener | None = None
-        self._conns: set[Connection] = set()
-        self._per_peer: Counter[str] = Counter()  # open connections per peer host
-        self._pending = 0  # open connections that have not authenticated yet
-        self._last_refusal_log = float("-inf")
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._gather_pool: cf.ThreadPoolExecutor | None = None
-        self._closing = False
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -294,13 +244,13 @@ class KVTransferServer:
     @property
     def num_connections(self) -> int:
         """Open connections, authenticated or not."""
-        return len(self._conns)
+        return len(self.admission.conns)
 
     def start(self) -> KVTransferServer:
         if self._loop is not None:
             raise RuntimeError("server already started")
-        self._closing = False
-        self._gather_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kv-transfer-gather")
+        self.admission.closing = False
+        self.payload.start()
         self._loop = self.backend.acquire_loop("server")
         try:
             self._loop.run(self._start())
@@ -308,17 +258,7 @@ class KVTransferServer:
             self._release_loop()
             raise
         logger.info("kv transfer server (%s) listening on %s", self.backend.name, self.address)
-        if self._on_gpu:
-            ok, how = self.backend.device_memory_support()
-            self.device_direct, self.staging_reason = ok, ("" if ok else how)
-            self.staging = StagingPool(self._max_staging, pinned=not ok,
-                                       device=self.kv_cache.device if ok else None)
-            if ok:
-                logger.info("kv transfer server: GPU cache payloads are sent from GPU memory "
-                            "(%s)", how)
-            else:
-                logger.warning("kv transfer server: GPU cache payloads are staged in pinned "
-                               "host memory: %s", how)
+        self.payload.use_backend(self.backend)
         return self
 
     async def _start(self) -> None:
@@ -339,8 +279,8 @@ class KVTransferServer:
             self._release_loop()
 
     async def _stop(self) -> None:
-        self._closing = True  # connections accepted from now on are closed at once
-        for conn in list(self._conns):
+        self.admission.closing = True  # connections accepted from now on are closed at once
+        for conn in list(self.admission.conns):
             await conn.close()
         tasks = [t for t in self._tasks if not t.done()]
         for t in tasks:
@@ -353,9 +293,7 @@ class KVTransferServer:
         loop, self._loop = self._loop, None
         if loop is not None:
             self.backend.release_loop(loop)
-        if self._gather_pool is not None:
-            self._gather_pool.shutdown(wait=True)
-            self._gather_pool = None
+        self.payload.stop()
 
     def __enter__(self) -> KVTransferServer:
         return self.start()
@@ -376,54 +314,35 @@ class KVTransferServer:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def _admit(self, host: str) -> bool:
-        """Whether a new connection from ``host`` fits under the caps (loop thread)."""
-        if (len(self._conns) < self.max_connections
-                and self._pending < self.max_pending_connections
-                and self._per_peer[host] < self.max_connections_per_peer):
-            return True
-        self.connections_refused += 1
-        now = time.monotonic()
-        if now - self._last_refusal_log >= REFUSAL_LOG_INTERVAL_S:
-            self._last_refusal_log = now
-            logger.warning(
-                "kv transfer server: refusing a connection from %s (open: %d of %d, not yet "
-                "authenticated: %d of %d, from this host: %d of %d; %d refused so far)",
-                host, len(self._conns), self.max_connections, self._pending,
-                self.max_pending_connections, self._per_peer[host],
-                self.max_connections_per_peer, self.connections_refused)
-        return False
-
     async def _serve(self, conn: Connection) -> None:
         """One connection: the handshake, then its requests in order until it closes."""
         task = asyncio.current_task()
         if task is not None:
             self._tasks.add(task)
         host = conn.peer_host
-        if self._closing or not self._admit(host):
+        door = self.admission
+        if not door.admit(conn, host):
             await conn.close()  # unread: a refused peer costs nothing more
             if task is not None:
                 self._tasks.discard(task)
             return
-        self._conns.add(conn)
-        self._per_peer[host] += 1
-        self._pending += 1
         pending = True
         try:
             session = ServerSession(self._token, self.server_id, self.backend.name)
             try:
                 ok = await asyncio.wait_for(self._handshake(conn, session),
-                                            self.handshake_timeout_s)
+                                            self.limits.handshake_timeout_s)
             except asyncio.TimeoutError:
-                self.handshake_timeouts += 1
+                door.handshake_timeouts += 1
                 return
             if not ok:
                 return
-            self._pending -= 1
+            door.authenticated()
             pending = False
             while True:
                 try:
-                    msg = await asyncio.wait_for(conn.recv_header(), self.idle_timeout_s)
+                    msg = await asyncio.wait_for(conn.recv_header(),
+                                                 self.limits.idle_timeout_s)
                 except (asyncio.TimeoutError, ConnectionClosedError):
                     return  # idle for too long, or the peer went away
                 except ProtocolError as e:
@@ -449,12 +368,7 @@ class KVTransferServer:
         except Exception:  # a bug must not kill the server; the stream state is unknown
             logger.exception("kv transfer server: request failed; closing the connection")
         finally:
-            if pending:
-                self._pending -= 1
-            self._per_peer[host] -= 1
-            if self._per_peer[host] <= 0:
-                del self._per_peer[host]
-            self._conns.discard(conn)
+            door.leave(conn, host, pending)
             await conn.close()
             if task is not None:
                 self._tasks.discard(task)
@@ -513,7 +427,8 @@ class KVTransferServer:
             req = ReadRequest.from_wire(msg)
             first = None
             if streamed := req.wait_s is not None:  # streaming: the lease may not exist yet
-                req, first = await await_stream(self.progress, req, self.kv_cache.shape[4])
+                req, first = await await_stream(self.progress, req,
+                                                self.payload.tokens_per_block)
                 t0 = time.perf_counter()  # the transfer's time, not the prefill's
             lease = self.leases.pin(req.lease_id)
         except (TransferError, LeaseError) as e:
@@ -525,10 +440,10 @@ class KVTransferServer:
         try:
             try:
                 leased = None if streamed else lease.block_set  # streamed: the engine's table
-                plan = plan_read(self.kv_cache, req, leased, self.device_direct)
-                if msg.get("dtype") != self._dtype:
+                plan = self.payload.plan(req, leased)
+                if msg.get("dtype") != self.payload.dtype:
                     raise TransferError(BAD_REQUEST, f"dtype {msg.get('dtype')!r} != server "
-                                                     f"cache dtype {self._dtype!r}")
+                                                     f"cache dtype {self.payload.dtype!r}")
                 if msg.get("nbytes") != plan.nbytes:
                     raise TransferError(BAD_REQUEST, f"receiver buffer of {msg.get('nbytes')} "
                                                      f"bytes, payload is {plan.nbytes}")
@@ -537,21 +452,20 @@ class KVTransferServer:
                 self.stats.record_failure(e.code)
                 await conn.send_header(_error(e.code, e.message))
                 return
-            source, staging = await self._source(req, plan)
+            source, staging = await self.payload.source(req, plan)
             pieces = [] if conn.stream else [slice_views(source, a, b)
                                              for a, b in _ranges(parts)]
             zero_copy = staging is None and all(len(p) == 1 for p in pieces)
             answer = _read_answer(plan.nbytes, len(req.block_ids), zero_copy, first,
-                                  self._on_gpu and self.device_direct,
-                                  self.staging_reason if self._on_gpu else None)
+                                  self.payload.answer_device, self.payload.answer_staging)
             if staging is None and not zero_copy:  # parts that span runs: gathered below
-                staging = self.staging.acquire(plan.nbytes)
+                staging = self.payload.staging.acquire(plan.nbytes)
             await conn.send_header(answer)
             try:
                 if conn.stream:
                     await conn.send_payload_iov(source)
                 else:
-                    await send_parts(conn, pieces, staging, self._gather_pool, gathers)
+                    await self.payload.send_parts(conn, pieces, staging, gathers)
             except ConnectionClosedError:
                 self.stats.record_failure(CONNECTION_FAILED)
                 raise
@@ -565,14 +479,8 @@ class KVTransferServer:
             # stop a copy already running on the gather thread).
             await asyncio.gather(*gathers, return_exceptions=True)
             if staging is not None:
-                self.staging.release(staging)
+                self.payload.staging.release(staging)
             self.leases.unpin(req.lease_id)
-
-    async def _source(self, req: ReadRequest, plan: ReadPlan
-                      ) -> tuple[list[Any], torch.Tensor | None]:
-        return await payload_source(self.kv_cache, req, plan, self.staging,
-                                    self.runs and not self._on_gpu, self._gather_pool,
-                                    self._stream)
 
 
 class ReadFuture(cf.Future):  # type: ignore[type-arg]
@@ -673,7 +581,7 @@ class KVTransferClient:
 
         GPU ``out``: the transport writes it outside any CUDA stream, so it must not be in use
         by queued GPU work (allocate it under a stream nothing else runs on, e.g.
-        ``kv_connector.pull.submit_reads``); its bytes are in place when the future is done."""
+        ``kv_connector.pull.alloc_out``); its bytes are in place when the future is done."""
         outs = [out] if isinstance(out, torch.Tensor) else list(out)
         if not outs or any(not t.is_contiguous() or t.device.type not in ("cpu", "cuda")
                            for t in outs):

@@ -96,7 +96,9 @@ class LaunchedCluster:
 
     def cluster_yaml(self, ports: Sequence[int]) -> dict[str, Any]:
         router, *workers = ports
-        opts = {"cache_transceiver_config": {"backend": "TCP"}, **self.worker_options}
+        opts = {"cache_transceiver_config": {}, **self.worker_options}
+        # TCP unless the worker options name a backend (their UCX profile is kept either way).
+        opts["cache_transceiver_config"] = {"backend": "TCP", **opts["cache_transceiver_config"]}
         ctx = [f"127.0.0.1:{p}" for p in workers[:self.num_ctx]]
         gen = [f"127.0.0.1:{p}" for p in workers[self.num_ctx:]]
         return {"hostname": "127.0.0.1", "port": router, "model": self.model_dir,

@@ -3,7 +3,7 @@ libraries, each in its own virtualenv, each run against the router's ``/v1`` and
 stated criteria; every HTTP exchange is recorded, so that a failure is classified as the
 model's (SmolLM2-135M is weak) or the server's.
 
-    python bench/clients.py [--clients agents,langchain,pydantic-ai,instructor]
+    python -m bench.clients [--clients agents,langchain,pydantic-ai,instructor]
                             [--out bench/results/clients.md] [--requests-dir DIR]
 
 - The cluster: SmolLM2-135M-Instruct (``disagg model fetch smollm2``'s folder, fetched when
@@ -11,12 +11,12 @@ model's (SmolLM2-135M is weak) or the server's.
   <yaml>`` (KV over TCP; ``tool_call_parser: hermes``; ``chat_template:`` the tool-aware
   template, ``--chat-template none`` leaves the model's own). ``--router-url`` uses a
   cluster that is already up instead.
-- The clients (``bench/clients/<lib>_client.py``, one case per run): openai-agents (chat
+- The clients (``bench.clients.<lib>_client``, one case per run): openai-agents (chat
   completions model and Responses model, also streamed), langchain-openai (tool loop,
   structured output), pydantic-ai (agent with a tool), instructor (``Mode.TOOLS_STRICT``).
   Each tool loop runs as written (``tool_choice`` auto: does the model call the tool?) and
   with its first call forced (``-required``: the whole loop, the tool's result sent back).
-  ``--clients`` picks clients or cases (``python bench/clients.py --clients agents,
+  ``--clients`` picks clients or cases (``python -m bench.clients --clients agents,
   instructor-tools-strict``). Each library lives in
   ``$DISAGG_CACHE/bench-venvs/<name>`` (created on first use with the pinned version from
   PyPI, reused while its pins are unchanged); the client runs with ``HF_HUB_OFFLINE=1``, the
@@ -60,15 +60,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from disagg import __version__
+from disagg.env import cache_root
+from disagg.procs import NotHealthy, free_ports, log_tail, spawn, stop, wait_healthy
 
-from disagg import __version__  # noqa: E402
-from disagg.env import cache_root  # noqa: E402
-from disagg.procs import NotHealthy, free_ports, log_tail, spawn, stop, wait_healthy  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 NAME = "smollm2"  # the served model name the clients send
-CLIENT_DIR = ROOT / "bench" / "clients"
 DEFAULT_TEMPLATE = ROOT / "disagg" / "chat_templates" / "smollm2_tools.jinja"
 CASE_TIMEOUT_S = 300.0  # one client run, start-up included
 REQUEST_TIMEOUT_S = 120.0  # one HTTP request of a client
@@ -90,17 +88,17 @@ class Venv:
 
 @dataclass(frozen=True)
 class Case:
-    """One client run: which venv and script, the case argument, what it does and what
-    passing means."""
+    """One client run: which venv and client module (``bench.clients.<module>``), the case
+    argument, what it does and what passing means."""
 
     name: str
     venv: str
-    script: str
+    module: str
     arg: str
     api: str
     what: str
     criteria: str
-    extra: tuple[str, ...] = ()  # more arguments of the client script
+    extra: tuple[str, ...] = ()  # more arguments of the client module
 
 
 VENVS = {v.name: v for v in (
@@ -119,18 +117,18 @@ REQUIRED = ("--tool-choice", "required")
 REQUIRED_WHAT = ("; the first turn has `tool_choice: \"required\"` and `parallel_tool_calls: "
                  "false` (one forced call), later turns auto (each library's way)")
 BASE_CASES = (
-    Case("agents-chat", "agents", "agents_client.py", "chat", "POST /v1/chat/completions",
+    Case("agents-chat", "agents", "agents_client", "chat", "POST /v1/chat/completions",
          "`Agent` + one `@function_tool`, `OpenAIChatCompletionsModel(AsyncOpenAI(base_url))`, "
          "`Runner.run(max_turns=4)`", TOOL_CRITERIA),
-    Case("agents-responses", "agents", "agents_client.py", "responses", "POST /v1/responses",
+    Case("agents-responses", "agents", "agents_client", "responses", "POST /v1/responses",
          "`Agent` + one `@function_tool`, `OpenAIResponsesModel(AsyncOpenAI(base_url))`, "
          "`Runner.run(max_turns=4)`", TOOL_CRITERIA),
-    Case("langchain-tools", "langchain", "langchain_client.py", "tools",
+    Case("langchain-tools", "langchain", "langchain_client", "tools",
          "POST /v1/chat/completions",
          "`ChatOpenAI(...).bind_tools([get_weather])`: invoke, run the tool call, send the "
          "`ToolMessage` back, invoke again", TOOL_CRITERIA
          + "; the second answer must be text, not another tool call"),
-    Case("pydantic-ai-tools", "pydantic-ai", "pydantic_ai_client.py", "tools",
+    Case("pydantic-ai-tools", "pydantic-ai", "pydantic_ai_client", "tools",
          "POST /v1/chat/completions",
          "`Agent(OpenAIChatModel(provider=OpenAIProvider(openai_client=AsyncOpenAI(...))))` + "
          "one `@agent.tool_plain`, `run(usage_limits=UsageLimits(request_limit=4))`",
@@ -140,18 +138,18 @@ BASE_CASES = (
 # the first call forced (the whole loop, tool result included, whatever the model prefers).
 CASES = {c.name: c for c in (
     *(x for c in BASE_CASES for x in (c, Case(
-        f"{c.name}-required", c.venv, c.script, c.arg, c.api, c.what + REQUIRED_WHAT,
+        f"{c.name}-required", c.venv, c.module, c.arg, c.api, c.what + REQUIRED_WHAT,
         c.criteria, REQUIRED))),
     # Streamed (SSE: chat chunks, Responses events), the whole loop (first call forced).
-    *(Case(f"agents-{api}-stream-required", "agents", "agents_client.py", f"{api}-stream",
+    *(Case(f"agents-{api}-stream-required", "agents", "agents_client", f"{api}-stream",
            f"POST /v1/{path} (stream)", f"as agents-{api}, with `Runner.run_streamed` (every "
            "request `stream: true`, its events consumed)" + REQUIRED_WHAT, TOOL_CRITERIA,
            REQUIRED) for api, path in (("chat", "chat/completions"), ("responses", "responses"))),
-    Case("langchain-structured", "langchain", "langchain_client.py", "structured",
+    Case("langchain-structured", "langchain", "langchain_client", "structured",
          "POST /v1/chat/completions",
          "`ChatOpenAI(...).with_structured_output(City, include_raw=True)` (default method)",
          CITY_CRITERIA),
-    Case("instructor-tools-strict", "instructor", "instructor_client.py", "tools-strict",
+    Case("instructor-tools-strict", "instructor", "instructor_client", "tools-strict",
          "POST /v1/chat/completions",
          "`instructor.from_openai(OpenAI(...), mode=Mode.TOOLS_STRICT)`, "
          "`create(response_model=City, strict=True, max_retries=2)`", CITY_CRITERIA),
@@ -769,12 +767,15 @@ class CaseRun:
 
 
 def client_env(home: Path) -> dict[str, str]:
-    """The client's environment: this one without the project's path or OpenAI settings,
-    offline for hubs, no tracing, no proxy for the local router."""
+    """The client's environment: this one without OpenAI settings, offline for hubs, no
+    tracing, no proxy for the local router; ``PYTHONPATH`` is the repository root alone, so
+    that ``python -m bench.clients.<module>`` finds the client module (the package imports
+    nothing of the project; the user's own ``PYTHONPATH`` is dropped)."""
     env = {k: v for k, v in os.environ.items()
            if k != "PYTHONPATH" and not k.startswith(("OPENAI_", "LANGCHAIN_", "LANGSMITH_"))}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               HF_HOME=str(home / "hf-home"), OPENAI_AGENTS_DISABLE_TRACING="1",
+    env.update(PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               HF_DATASETS_OFFLINE="1", HF_HOME=str(home / "hf-home"),
+               OPENAI_AGENTS_DISABLE_TRACING="1",
                OPENAI_API_KEY="none", LANGSMITH_TRACING="false", LANGCHAIN_TRACING_V2="false",
                NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost",
                PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
@@ -786,7 +787,7 @@ def run_case(case: Case, python: Path, rec: Recorder, router: str, work: Path,
     """One client run, bounded by ``args.case_timeout``; its process group is killed after."""
     result_path = work / f"{case.name}.result.json"
     log = work / f"{case.name}.log"
-    cmd = [str(python), str(CLIENT_DIR / case.script), "--case", case.arg, "--base-url",
+    cmd = [str(python), "-m", f"bench.clients.{case.module}", "--case", case.arg, "--base-url",
            f"{rec.url}/c/{case.name}/v1", "--model", NAME, "--result", str(result_path),
            "--max-tokens", str(args.max_tokens), "--timeout", str(args.request_timeout),
            *case.extra]
@@ -877,7 +878,7 @@ def report(runs: Sequence[CaseRun], args: argparse.Namespace, cluster: dict[str,
     lines = [
         "# External OpenAI clients against the disaggregated cluster",
         "",
-        f"Written by `python bench/clients.py {shlex.join(sys.argv[1:])}`. "
+        f"Written by `python -m bench.clients {shlex.join(sys.argv[1:])}`. "
         f"**Verdict: {counts[PASS]} of {len(runs)} cases pass ({summary}).**",
         "",
         *machine_lines(model),
@@ -987,7 +988,8 @@ def pick_cases(spec: str) -> list[Case]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.clients",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--clients", default="all",
                     help=f"comma-separated clients ({', '.join(VENVS)}) or cases "
                          f"({', '.join(CASES)}); default all")
@@ -1017,7 +1019,7 @@ def write_requests(folder: Path, runs: Sequence[CaseRun]) -> None:
         for old in folder.glob(f"{r.case.name}-[0-9][0-9]-*.json"):
             old.unlink()
     index = ["# Requests the external clients sent", "",
-             f"Written by `python bench/clients.py {shlex.join(sys.argv[1:])}` at "
+             f"Written by `python -m bench.clients {shlex.join(sys.argv[1:])}` at "
              f"{time.strftime('%Y-%m-%d %H:%M:%S')} (commit {git_commit()}).", "",
              "| file | status | the request's top-level fields (values of short scalars) |",
              "|---|---|---|"]
@@ -1113,10 +1115,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0 if all(r.verdict == PASS for r in runs) else 1
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """``python -m bench.clients``: ``main``, and a word when Ctrl-C or SIGTERM ended it."""
     try:
         sys.exit(main())
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the finally blocks stopped every child
         print(f"\ninterrupted ({e or 'Ctrl-C'}): every child stopped, no report written",
               file=sys.stderr)
         sys.exit(130)
+
+
+if __name__ == "__main__":
+    cli()

@@ -5,8 +5,9 @@ block table ``bt`` is at ``kv[bt[p // B], :, :, :, p % B]``. The token-major buf
 is ``[nl, 2, nh, num_tokens, D]`` for local layers ``[l0, l1)`` and heads ``[h0, h1)``: it does
 not depend on the block size, so the two sides may use different ``tokens_per_block``.
 
-The generation side writes pulled payloads with ``scatter_tokens``. The context side's server
-builds payloads with ``payload.gather_into`` (run-wise numpy copies, off the engine thread);
+The generation side's install (``pull.install``) writes pulled payloads with
+``scatter_tokens``. The context side's server builds payloads with
+``transfer.payload.gather_into`` (run-wise numpy copies, off the engine thread);
 ``gather_tokens`` here is its simple per-token inverse of ``scatter_tokens``, for reading a
 request's KV back (tests, checks), not a second transfer path.
 """

@@ -1,8 +1,9 @@
-"""What every client script of ``bench/clients.py`` shares (stdlib only: it runs inside each
-client library's own virtualenv, beside that library and nothing of this project).
+"""What every client module of the ``bench.clients`` harness shares (stdlib only: it runs
+inside each client library's own virtualenv, beside that library and nothing of this project).
 
-A client script is run as ``python bench/clients/<lib>_client.py --case NAME --base-url URL
---model NAME --result FILE [--max-tokens N] [--timeout S] [--tool-choice auto|required]``.
+A client module is run as ``python -m bench.clients.<lib>_client --case NAME --base-url URL
+--model NAME --result FILE [--max-tokens N] [--timeout S] [--tool-choice auto|required]``
+(``PYTHONPATH``: the repository root).
 It runs one case against the OpenAI-compatible server at ``URL`` and writes ``FILE``: one
 JSON object::
 
@@ -130,7 +131,8 @@ def main(cases: dict[str, Callable[[argparse.Namespace, Run], Any]], dists: Iter
          model_errors: Iterable[str], sdk_errors: Iterable[str] = ()) -> int:
     """Parse the arguments, run the case (a function or a coroutine function), write the
     result file; exit 0 when it passed."""
-    ap = argparse.ArgumentParser()
+    spec = getattr(sys.modules["__main__"], "__spec__", None)  # run as python -m <module>
+    ap = argparse.ArgumentParser(prog=f"python -m {spec.name}" if spec else None)
     ap.add_argument("--case", required=True, choices=sorted(cases))
     ap.add_argument("--base-url", required=True)
     ap.add_argument("--model", required=True)
@@ -167,6 +169,3 @@ def main(cases: dict[str, Callable[[argparse.Namespace, Run], Any]], dists: Iter
                       "error": error and error["type"]}), flush=True)
     return 0 if passed else 1
 
-
-if __name__ == "__main__":
-    sys.exit("a module of the client scripts, not a script")

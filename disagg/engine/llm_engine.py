@@ -1,0 +1,469 @@
+"""``LLMEngine``: scheduler + model runner + sampler + detokenizer, stepped synchronously
+(``add_request`` / ``abort_request`` / ``step``), and ``role_drain``.
+
+A context or generation worker's engine also holds one KV connector (``disagg.kv_connector``;
+None on an aggregated worker) and calls its hooks at fixed points: when a request is added
+(with its ``KVMode``), before each step runs, for each pull the plan starts, once per loop turn
+(``service_transfers``), and when a request ends. Transports, ranks and lease tables stay
+behind it; what the engine itself decides is which blocks to hold for a lease (the client's
+``max_tokens``), when a lease or a pulled KV's lease is released, and what a role switch
+waits for (``role_drain``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from disagg.config import EngineConfig, build_engine_config
+from disagg.contracts.kv_mode import LOCAL, Dummy, KVMode, Pull
+from disagg.contracts.roles import RoleDrain
+from disagg.engine.admission import context_only_params, validate_request
+from disagg.engine.errors import QueueFullError
+from disagg.engine.execution import (
+    StepResult,
+    build_connector,
+    make_executor,
+    run_isolating_oom,
+)
+from disagg.engine.outputs import EngineStats, RequestOutput
+from disagg.engine.request_state import (
+    RequestState,
+    advance_grammars,
+    grammar_complete,
+    new_matcher,
+    sampling_inputs,
+    score_prompts,
+    take_first,
+)
+from disagg.kv_cache.manager import KVCacheManager
+from disagg.kv_connector.base import KVConnector
+from disagg.kv_connector.errors import KVTransferError
+from disagg.parallel.executor import WorkerDiedError
+from disagg.request import Request, RequestStatus, SamplingParams
+from disagg.sampler import Sampler
+from disagg.scheduler import Scheduler, SchedulerOutput
+from disagg.structured.grammar import GrammarCache
+from disagg.structured.mask import MaskFiller
+from disagg.tokenizer import Tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from disagg.kv_connector.settings import DisaggSettings
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """One worker's engine, driven by one thread: ``add_request`` / ``abort_request`` queue
+    and end requests, ``step`` schedules, runs the model and samples, ``service_transfers``
+    applies what the KV connector reports between steps (module docstring)."""
+
+    def __init__(self, config: EngineConfig, disagg: DisaggSettings | None = None,
+                 wake: Callable[[], None] | None = None) -> None:
+        """``disagg``: a context / generation worker: the engine drives its KV connector (every
+        rank starts its part). ``wake``: called from transfer threads when the connector has
+        news for ``service_transfers`` (AsyncLLM's loop sleeps until then)."""
+        self.config = config
+        torch.manual_seed(config.seed)
+        self.tokenizer: Tokenizer = load_tokenizer(config.model_dir)
+        self.runner = make_executor(config, disagg)
+        B = config.cache.tokens_per_block
+        self.kv = KVCacheManager(self.runner.num_blocks, B, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len=config.max_model_len)
+        self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
+        self.grammars = GrammarCache(self.tokenizer.backend, config.model.vocab_size,
+                                     self.tokenizer.eos_token_ids)
+        self._masks = MaskFiller(config.model.vocab_size)
+        self.eos_token_ids = tuple(
+            sorted(set(self.tokenizer.eos_token_ids) | set(config.model.eos_token_ids))
+        )
+        self._states: dict[str, RequestState] = {}
+        self._last_sched: SchedulerOutput | None = None
+        self._steps = 0
+        self.connector: KVConnector | None = None  # None: an aggregated worker
+        if disagg is not None:
+            try:
+                self.connector = build_connector(disagg, config, self.runner,
+                                                 wake or (lambda: None))
+            except BaseException:
+                self.runner.shutdown()
+                raise
+
+    @classmethod
+    def from_options(cls, model_dir: str, **options: object) -> LLMEngine:
+        return cls(build_engine_config(model_dir, **options))
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError for a request that can never be served (the server's 400)."""
+        validate_request(self.config, self.runner.num_blocks, prompt_token_ids, params)
+        if params.structured is not None:  # a bad schema / regex / grammar: its own 400
+            self.grammars.compile(params.structured)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+        mode: KVMode = LOCAL,
+    ) -> None:
+        """Queue a request. ``mode`` (``contracts/kv_mode.py``): where its prompt KV comes from
+        and where it goes. A context mode prefills and samples one token only; unless that
+        token ends the request (or the client asked for one token) its blocks are leased to a
+        generation worker. ``Pull``: a generation-only request whose prompt KV is pulled from
+        the context worker its params name (into the prefix cache only when ``trusted``).
+        ``Dummy``: decode as if the prompt's KV were in place (a benchmarking aid)."""
+        if request_id in self._states:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        ctx_params = params if mode.is_context else None
+        if mode.is_context:
+            params = context_only_params(params)
+        self.validate(prompt_token_ids, params)
+        max_queue = self.config.scheduler.max_queue
+        if max_queue is not None and self.scheduler.num_waiting >= max_queue:
+            raise QueueFullError(f"waiting queue is full ({max_queue} requests)")
+        if isinstance(mode, Pull) and self.connector is None:
+            raise ValueError("disaggregated_params: this worker cannot pull KV")
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            eos_token_ids=() if params.ignore_eos else self.eos_token_ids,
+        )
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        st = RequestState.new(req, self.tokenizer, prompt, ctx_params, mode)
+        if params.structured is not None:
+            st.matcher = new_matcher(self.grammars, req, replay=isinstance(mode, Pull))
+        self._states[request_id] = st
+        self.scheduler.add_request(req)
+        if self.connector is None:
+            return
+        # Only a request that may go on keeps its blocks: real max_tokens 1 is final anyway.
+        lease = ctx_params is not None and ctx_params.max_tokens > 1
+        if self.connector.add_request(request_id, mode, lease) and not req.is_finished():
+            self.scheduler.hold_blocks_on_finish(request_id)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort and free the request's blocks now; returns its final output, if it existed."""
+        st = self._states.get(request_id)
+        if st is None:
+            return None
+        self.scheduler.abort_request(request_id)
+        st.request.status = RequestStatus.FINISHED_ABORTED
+        del self._states[request_id]
+        return self._make_output(st, "", finished=True)
+
+    def has_schedulable(self) -> bool:
+        """True when a step could make progress (requests that only wait for their KV
+        transfer do not count: the loop waits for the transfer instead of spinning)."""
+        sch = self.scheduler
+        return len(sch.requests) > sch.num_fetching or sch.num_finished_unreported > 0
+
+    def idle_wait_s(self) -> float:
+        """How long an idle loop may sleep without a wake-up: short while the connector has
+        reads in flight or leases to expire."""
+        return 0.1 if self.connector is not None and self.connector.busy() else 0.5
+
+    def release_lease(self, lease_id: str) -> bool:
+        """Engine thread: end a context lease now (the router gave up on the answer)."""
+        return self.connector is not None and self.connector.release_lease(lease_id)
+
+    def service_transfers(self) -> list[RequestOutput]:
+        """Engine thread, never blocks: free blocks of ended leases, expire leases, start
+        decoding requests whose pulled KV is in place, fail requests whose pull failed."""
+        if self.connector is None:
+            return []
+        done = self.connector.get_finished()
+        for rid in done.leases_ended:
+            self.scheduler.release_held(rid)
+        for rid in done.loads_stopped:
+            self.scheduler.release_draining(rid)
+        outputs: list[RequestOutput] = []
+        for rid in done.loaded:
+            st = self._states.get(rid)
+            if st is not None:
+                outputs.append(self._kv_in_place(st, done.first.get(rid)))
+        for rid, error in done.failed:
+            logger.warning("request %s: %s", rid, error)
+            outputs.extend(self._fail_requests([rid], error))
+            self.scheduler.release_draining(rid)  # its reads ended: nothing writes any more
+        return self._collect_finished_without_step(outputs) if outputs else outputs
+
+    def _kv_in_place(self, st: RequestState, first: Mapping[str, Any] | None = None
+                     ) -> RequestOutput:
+        """A request's prompt KV is in its blocks (pulled, or dummy): it decodes from the next
+        step; its first output carries the context worker's token(s) (streamed: ``first``,
+        which came with the last read, so they may also end it: a stop, max_tokens)."""
+        rid, now = st.request.request_id, time.monotonic()
+        end = take_first(st, first, self.scheduler) if first is not None else None
+        st.metrics.first_scheduled_time = st.metrics.first_scheduled_time or now
+        st.metrics.first_token_time = now
+        st.metrics.last_token_time = now
+        delta = "".join(st.detok.update(t) for t in st.request.output_token_ids)
+        if st.detok.stopped or (st.matcher is not None and st.matcher.done):
+            st.request.stop_reason = st.detok.stop_reason
+            end = RequestStatus.FINISHED_STOPPED
+        # A streamed answer that ends here may have read blocks its context worker freed at
+        # once (a stop is final there): such KV is never used, and never cached.
+        cache = (isinstance(st.mode, Pull) and st.mode.trusted
+                 and (first is None or end is None))
+        self.scheduler.remote_kv_ready(rid, cache=cache)
+        if end is not None:
+            self.scheduler.finish_request(rid, end)
+        return self._make_output(st, delta, finished=end is not None)
+
+    def _start_loads(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        """The plan allocated blocks for requests whose KV arrives from elsewhere: start their
+        pulls (a dummy-KV request's blocks count as filled at once)."""
+        failed: list[tuple[str, KVTransferError]] = []
+        dummy: list[RequestOutput] = []
+        for f in sched.kv_fetches:
+            st = self._states[f.request_id]
+            if isinstance(st.mode, Dummy):
+                dummy.append(self._kv_in_place(st))
+                continue
+            assert self.connector is not None
+            try:
+                self.connector.start_load(f)
+            except Exception as e:  # e.g. a backend that cannot start: fail this request only
+                logger.exception("starting the KV pull of %s failed", f.request_id)
+                failed.append((f.request_id, KVTransferError.because(f": {e!r}")))
+        outs: list[RequestOutput] = []
+        for rid, error in failed:
+            outs.extend(self._fail_requests([rid], error))
+        return self._collect_finished_without_step(dummy) + outs if dummy else outs
+
+    def _end(self, st: RequestState) -> None:
+        """The request ended: tell the connector once (a context-only answer that may go on
+        gets its lease there), and free blocks the scheduler held for it unless leased."""
+        if st.ended:
+            return
+        st.ended = True
+        req = st.request
+        if st.ctx_params is not None and st.detok.stopped and (
+                req.status == RequestStatus.FINISHED_LENGTH):
+            req.status = RequestStatus.FINISHED_STOPPED  # a stop string: final
+            req.stop_reason = st.detok.stop_reason
+        held = self.scheduler.held.get(req.request_id)
+        if self.connector is None:  # nothing can be writing into its blocks
+            self.scheduler.release_draining(req.request_id)
+        else:
+            try:
+                params = self.connector.request_finished(
+                    req, held, list(st.logprobs) if st.logprobs is not None else None)
+            except Exception as e:
+                logger.exception("leasing the blocks of %s failed", req.request_id)
+                req.status = RequestStatus.FINISHED_ERROR
+                req.error = f"kv lease failed: {e!r}"
+                params = None
+            if params is not None:
+                if st.prompt_lps is not None:  # the generation worker's answer echoes them
+                    params = replace(params, prompt_logprobs=st.prompt_lps,
+                                     prompt_logprob_ranks=st.prompt_ranks)
+                st.disagg_out = params.to_dict()
+                return  # held until the lease ends (service_transfers)
+        if held is not None:
+            self.scheduler.release_held(req.request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._states)
+
+    @property
+    def fatal_error(self) -> str | None:
+        """Why the engine can no longer run steps (a rank of a parallel worker died)."""
+        return self.runner.error
+
+    def shutdown(self) -> None:
+        """Release the executor (stops and reaps the other ranks of a parallel worker)."""
+        if self.connector is not None:
+            self.connector.shutdown()
+        self.runner.shutdown()
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        self._last_sched = sched
+        self._steps += 1
+        outputs: list[RequestOutput] = self._start_loads(sched) if sched.kv_fetches else []
+        if not sched.scheduled:
+            # Still reported: requests the scheduler refused when they were added.
+            self.scheduler.update_from_output(sched, {})
+            return self._collect_finished_without_step(outputs)
+        now = time.monotonic()
+        for r in sched.scheduled:
+            st = self._states[r.request_id]
+            if st.metrics.first_scheduled_time is None:
+                st.metrics.first_scheduled_time = now
+        try:
+            if self.connector is not None:
+                self.connector.start_step(sched)
+            sampled, sampling_failed = self._execute(sched)
+        except WorkerDiedError:
+            raise  # not this step's fault: the engine cannot go on (AsyncLLM stops)
+        except Exception as e:  # the step failed: fail its requests, keep the loop alive
+            logger.exception("engine step failed")
+            outputs += self._fail_requests([r.request_id for r in sched.scheduled], repr(e))
+            self.scheduler.update_from_output(sched, {})  # every plan entry is now stale
+            return outputs
+
+        # A request whose own sampling failed ends alone; its batch-mates go on. Finished
+        # before update_from_output, which then ignores its plan entry.
+        for rid, err in sampling_failed:
+            logger.warning("request %s: %s", rid, err)
+            outputs += self._fail_requests([rid], err)
+        finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
+        outputs += self._outputs_of_step(sampled, finished)
+        return self._collect_finished_without_step(outputs)
+
+    def _execute(self, sched: SchedulerOutput) -> tuple[dict[str, int], list[tuple[str, str]]]:
+        """Run the plan and sample: (token by request id, requests whose own sampling or
+        memory failed with why)."""
+        oom_failed: list[tuple[str, str]] = []
+        try:
+            results = [self._run_step(sched)]
+        except torch.cuda.OutOfMemoryError:
+            results = []  # retried below, once the error (and the frames holding the failed
+            # forward's activations) is released
+        if not results:
+            # A request too large for the memory left fails alone: re-run in smaller groups.
+            results, oom_failed = run_isolating_oom(self._run_step, sched)
+        sampled: dict[str, int] = {}
+        sampling_failed: list[tuple[str, str]] = list(oom_failed)
+        for rids, out in results:
+            if out is None:
+                continue
+            for rid, tok, lp, err in zip(rids, out.token_ids, out.logprobs, out.errors,
+                                         strict=True):
+                if err is not None:
+                    sampling_failed.append((rid, err))
+                    continue
+                sampled[rid] = tok
+                st = self._states[rid]
+                if st.logprobs is not None and lp is not None:
+                    st.logprobs.append(lp)
+        return sampled, sampling_failed
+
+    def _outputs_of_step(self, sampled: dict[str, int], finished: set[str]
+                         ) -> list[RequestOutput]:
+        """Detokenize the sampled tokens (a stop string ends a request here) and build the
+        outputs; ``finished``: the requests the scheduler ended this step (updated)."""
+        outputs: list[RequestOutput] = []
+        now = time.monotonic()
+        for rid, tok in sampled.items():
+            st = self._states[rid]
+            if st.metrics.first_token_time is None:
+                st.metrics.first_token_time = now
+            st.metrics.last_token_time = now
+            delta = st.detok.update(tok)
+            if st.detok.stopped and rid not in finished:
+                st.request.stop_reason = st.detok.stop_reason
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+                finished.add(rid)
+            elif st.matcher is not None and st.matcher.done:
+                grammar_complete(self.scheduler, st.request, finished)
+            if rid in finished and not st.detok.stopped:
+                delta += st.detok.flush()
+            outputs.append(self._make_output(st, delta, finished=rid in finished))
+        # Requests the scheduler ended without sampling (errors) still owe a final output.
+        for rid in finished - set(sampled):
+            st = self._states.get(rid)
+            if st is None:  # aborted after the scheduler refused it: reported by the abort
+                continue
+            outputs.append(self._make_output(st, st.detok.flush(), finished=True))
+        return outputs
+
+    def _run_step(self, sched: SchedulerOutput) -> StepResult:
+        """Execute ``sched`` and sample its rows: (sampling request ids, their draws)."""
+        rids, logits = self.runner.execute(sched)
+        if logits is not None and logits.shape[0] > len(rids):
+            score_prompts(self._states, sched, logits[len(rids):])
+            logits = logits[:len(rids)]
+        if not rids:
+            return [], None
+        states = [self._states[rid] for rid in rids]
+        params, banned, histories = sampling_inputs(states)
+        matchers = [st.matcher for st in states]
+        # A seeded draw depends on (seed, output position) only: a generation worker
+        # continuing a context worker's first token draws what one worker would.
+        out = self.sampler.sample(
+            logits,
+            params,
+            [st.request.num_output_tokens for st in states],
+            banned,
+            histories,
+            forbidden=self._masks.forbidden(matchers, logits.device),
+        )
+        return rids, advance_grammars(matchers, out)
+
+    def _collect_finished_without_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        # The scheduler may end a request during schedule() (e.g. one that can never fit).
+        reported = {o.request_id for o in outputs}
+        for rid, st in list(self._states.items()):
+            if st.request.is_finished() and rid not in reported:
+                outputs.append(self._make_output(st, st.detok.flush(), finished=True))
+        for o in outputs:
+            if o.finished:
+                self._states.pop(o.request_id, None)
+        return outputs
+
+    def _fail_requests(self, request_ids: list[str], error: str | KVTransferError
+                       ) -> list[RequestOutput]:
+        outputs = []
+        for rid in request_ids:
+            st = self._states.get(rid)
+            if st is None:
+                continue
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
+            st.request.status = RequestStatus.FINISHED_ERROR
+            st.request.error = str(error)
+            if isinstance(error, KVTransferError):
+                st.kv_error = error
+            outputs.append(self._make_output(st, "", finished=True))
+        return self._collect_finished_without_step(outputs)
+
+    def _make_output(self, st: RequestState, delta_text: str, finished: bool) -> RequestOutput:
+        if finished:
+            self._end(st)
+        return st.output(delta_text, finished)
+
+    # ---- introspection --------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        pool = self.kv.stats()
+        last = self._last_sched
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_preempted_total=self.scheduler.num_preemptions_total,
+            kv_blocks_used=pool.used,
+            kv_blocks_total=pool.total,
+            kv_blocks_cached=pool.cached,
+            prefix_cache_queries_tokens=self.scheduler.prefix_cache_queries_tokens,
+            prefix_cache_hit_tokens=self.scheduler.prefix_cache_hit_tokens,
+            last_step_batch_size=len(last.scheduled) if last else 0,
+            last_step_num_tokens=last.num_scheduled_tokens if last else 0,
+            steps_total=self._steps,
+        )
+
+
+def role_drain(engine: LLMEngine) -> RoleDrain:
+    """Engine thread: what a context / generation worker still holds of its current role
+    (context-only requests and their leases, or generation-only requests and their pulls); a
+    role switch waits until it is all zero."""
+    connector = engine.connector
+    if connector is None:
+        raise RuntimeError("an aggregated worker has no role to drain")
+    leases, pulls = connector.drain_pending()
+    # the requests whose mode needs the current role (context, or pulled / dummy KV)
+    requests = sum(1 for st in engine._states.values() if st.mode.needs_role == connector.role)
+    return RoleDrain(leases=leases, requests=requests, pulls=pulls)
