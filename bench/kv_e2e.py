@@ -167,7 +167,12 @@ def e2e_backend(model: str, backend: str, args: argparse.Namespace, tmp: str
                             dt = micro.read(tokens, path, table)
                         if i >= args.warmup:
                             mic.setdefault((tokens, path, table), []).append(dt)
-                for path in pair_names(args):  # alternating: all see the same host load
+                # Alternating, all see the same host load; in a new order each rep, so that
+                # no pair always runs right after another one (UCX's shared memory and the
+                # caches carry state from one request to the next).
+                order = pair_names(args)
+                rng.shuffle(order)
+                for path in order:
                     prompt = [rng.randrange(3, 500) for _ in range(tokens)]
                     s = one(client, *pairs[path], prompt)
                     if i >= args.warmup:
@@ -280,7 +285,8 @@ def report(args: argparse.Namespace, results: list[tuple[str, dict, dict]],
         f"- host load average (1/5/15 min) before: {'/'.join(f'{x:.2f}' for x in load[0])}, "
         f"after: {'/'.join(f'{x:.2f}' for x in load[1])}. The 2 cores were shared with other "
         "development sessions running their own work: absolute times are noisy; the "
-        "before/after pairs ran interleaved, request by request, under the same load.",
+        "before/after pairs ran interleaved, request by request (in a new random order each "
+        "rep), under the same load.",
         "- model: random checkpoint, 8 layers x 4 kv heads x head_dim 64, float32, 16 tokens "
         "per block (256 KiB per block, 16 KiB per token: 2048 tokens = 32 MiB), two pairs of "
         "a context and a generation worker process (before, after), tp1/pp1 both sides",

@@ -64,11 +64,12 @@ from disagg.contracts.options import (
     worker_yaml_keys,
 )
 from disagg.contracts.planner_config import PlannerConfig, PlannerConfigError, RateMatchPrior
+from disagg.contracts.roles import Role
 
 MAX_PROCESSES = 256  # router processes (``processes``)
 POLICY_TYPES = ("round_robin", "load_balancing", "kv_cache_aware")
 SECTIONS = ("context_servers", "generation_servers")
-ROLE_OF_SECTION = {"context_servers": "context", "generation_servers": "generation"}
+ROLE_OF_SECTION = {"context_servers": Role.CONTEXT, "generation_servers": Role.GENERATION}
 
 # The cluster's own keys, in the option schema of contracts/options.py (the worker keys of the
 # sections are WorkerOptions' fields: ``worker_yaml_keys``). The sections and the two nested
@@ -186,7 +187,7 @@ class PolicyConfig:
 
 @dataclass(frozen=True)
 class ServerGroupConfig:
-    role: str  # context | generation
+    role: Role  # context | generation
     num_instances: int
     urls: tuple[str, ...]  # "host:port", normalized (no scheme)
     router: PolicyConfig
@@ -244,8 +245,8 @@ class ClusterConfig:
         workers). With ``disagg_cluster``, context workers may still register later."""
         return self.context_servers is None
 
-    def group(self, role: str) -> ServerGroupConfig | None:
-        return self.context_servers if role == "context" else self.generation_servers
+    def group(self, role: Role | str) -> ServerGroupConfig | None:
+        return self.context_servers if role == Role.CONTEXT else self.generation_servers
 
 
 # ---- loading --------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ class DisaggSettings:
     options' (``WORKER_DEFAULTS``); ``ucx_profile`` ``auto`` is resolved here against the
     address peers use (``transfer.ucx.resolve_ucx_profile``), so it is always concrete."""
 
-    role: Role | str  # Role.CONTEXT or Role.GENERATION (a str enum: "context" compares equal)
+    role: Role  # Role.CONTEXT or Role.GENERATION ("context" / "generation": converted)
     cluster_token: str
     # This worker's backend, resolved (the context side serves with it): a worker that names
     # none gets UCX when ucxx imports, else TCP (server/cli.kv_transfer_backend_or_default).
@@ -35,6 +35,7 @@ class DisaggSettings:
     kv_peer_allowlist: PeerAllowlist = field(default_factory=PeerAllowlist)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role(self.role))
         if self.ucx_profile == "auto":
             from disagg.transfer.ucx import resolve_ucx_profile
 

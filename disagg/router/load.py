@@ -9,6 +9,8 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
+from disagg.contracts.roles import Role
+
 MAX_SAMPLES = 20_000  # per side; at 300 req/s a 60 s window fits
 
 
@@ -16,8 +18,8 @@ class LoadWindows:
     """Samples of the two sides (``context`` / ``generation``) with their monotonic times."""
 
     def __init__(self) -> None:
-        self._samples: dict[str, deque[tuple[float, float | None]]] = {
-            "context": deque(maxlen=MAX_SAMPLES), "generation": deque(maxlen=MAX_SAMPLES)}
+        self._samples: dict[Role, deque[tuple[float, float | None]]] = {
+            Role.CONTEXT: deque(maxlen=MAX_SAMPLES), Role.GENERATION: deque(maxlen=MAX_SAMPLES)}
         self._tokens: deque[tuple[float, int]] = deque(maxlen=MAX_SAMPLES)
         # Streamed generation calls: call start -> first bytes (ms): the KV pull plus any
         # wait for a decode slot, the generation side's part of the client's TTFT.
@@ -25,7 +27,7 @@ class LoadWindows:
 
     def context(self, latency_s: float, now: float | None = None) -> None:
         """One context call answered after ``latency_s``."""
-        self._samples["context"].append((time.monotonic() if now is None else now,
+        self._samples[Role.CONTEXT].append((time.monotonic() if now is None else now,
                                          latency_s * 1000.0))
 
     def generation(self, duration_s: float, max_tokens: int | None,
@@ -45,7 +47,7 @@ class LoadWindows:
             per_token = (t - first_byte_at) * 1000.0 / (max_tokens - 1)
         elif max_tokens:
             per_token = duration_s * 1000.0 / max_tokens
-        self._samples["generation"].append((t, per_token))
+        self._samples[Role.GENERATION].append((t, per_token))
         if max_tokens:
             self._tokens.append((t, max_tokens))
 
@@ -53,9 +55,9 @@ class LoadWindows:
     def _since(items: Iterable[tuple[float, object]], since: float) -> list[object]:
         return [v for t, v in items if t >= since]
 
-    def latencies_ms(self, side: str, since: float) -> list[float]:
+    def latencies_ms(self, side: Role | str, since: float) -> list[float]:
         """``side``'s samples newer than ``since`` (monotonic)."""
-        return [v for v in self._since(self._samples[side], since) if v is not None]  # type: ignore[misc]
+        return [v for v in self._since(self._samples[Role(side)], since) if v is not None]  # type: ignore[misc]
 
     def waits_ms(self, since: float) -> list[float]:
         """Streamed generation calls' waits for their first bytes (ms) newer than ``since``."""
@@ -63,7 +65,7 @@ class LoadWindows:
 
     def completed(self, since: float) -> int:
         """Generation calls done since ``since``: the disaggregated requests served."""
-        return sum(1 for t, _ in self._samples["generation"] if t >= since)
+        return sum(1 for t, _ in self._samples[Role.GENERATION] if t >= since)
 
     def mean_tokens(self, since: float) -> float | None:
         xs = self._since(self._tokens, since)

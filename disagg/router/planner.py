@@ -50,9 +50,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disagg.contracts.planner_config import PlannerConfig
+from disagg.contracts.roles import Role
 from disagg.ratematch_model import predict_at_rate
 
-CONTEXT, GENERATION = "context", "generation"
+CONTEXT, GENERATION = Role.CONTEXT, Role.GENERATION
 SIDES = (CONTEXT, GENERATION)
 
 
