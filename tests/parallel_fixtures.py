@@ -28,6 +28,8 @@ SPECS = {
     "mqa": dict(arch="mistral", num_key_value_heads=1),
     # q/k/v biases, embeddings tied to the LM head (which lives on another pp stage)
     "qwen2": dict(arch="qwen2", num_key_value_heads=2, tie_word_embeddings=True),
+    # per-head q/k norms (replicated on TP ranks), head_dim 32 != hidden / heads = 16
+    "qwen3": dict(arch="qwen3", num_hidden_layers=3, num_key_value_heads=2),
 }
 
 

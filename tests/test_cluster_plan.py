@@ -76,7 +76,8 @@ def test_the_model_override_replaces_every_groups_model() -> None:
 
 @pytest.mark.parametrize("data, words", [
     ({"model": "", "generation_servers": {"urls": ["h:2"]}},
-     "c.yaml: model: expected a checkpoint folder, a .gguf file, 'tiny' or 'packed', got ''"),
+     "c.yaml: model: expected a checkpoint folder, a .gguf file, 'tiny', 'tiny-moe' or "
+     "'packed', got ''"),
     ({"generation_servers": {"urls": ["h:2"], "model": " "}},
      "c.yaml: generation_servers: model: expected"),
     ({"model": "tiny", "generation_servers": {"urls": ["h:2"], "router": {

@@ -12,13 +12,15 @@ import pytest
 import yaml
 
 from disagg.contracts.cluster import load_cluster_config
+from disagg.contracts.plan import TINY_MODELS
 from disagg.launch import LaunchError, assign_gpus, build_plan, is_local_host, resolve_models
 
-CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = sorted(CONFIGS_DIR.glob("*.yaml"))
 
 
-def test_there_are_the_four_examples():
-    assert len(CONFIGS) >= 4, CONFIGS
+def test_there_are_the_five_examples():
+    assert len(CONFIGS) >= 5, CONFIGS
     shapes = set()
     for path in CONFIGS:
         cfg = load_cluster_config(path)
@@ -35,18 +37,22 @@ def test_there_are_the_four_examples():
         if (gen.router.type == "kv_cache_aware" and cfg.conditional_disagg is not None
                 and cfg.conditional_disagg.max_local_prefill_length > 0):
             shapes.add("kv_cache_aware+conditional")
+        if (gen.worker_options.get("model") == "tiny-moe"
+                and gen.worker_options.get("enable_expert_parallel")
+                and gen.worker_options.get("tensor_parallel_size") == 2):
+            shapes.add("moe, gen tp2+ep")
     assert shapes == {"aggregated", "1ctx+1gen", "2ctx(tp2)+1gen(pp2)",
-                      "kv_cache_aware+conditional"}
+                      "kv_cache_aware+conditional", "moe, gen tp2+ep"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_config_loads_and_plans(path: Path, tiny_llama: str, tmp_path: Path):
     cfg = load_cluster_config(path)
     assert cfg.generation_servers is not None
-    # Every example uses the placeholder model, which --model (here: a test checkpoint)
-    # or `tiny` resolves.
+    # Every example uses a built-in placeholder model, which --model (here: a test
+    # checkpoint) replaces.
     raw = yaml.safe_load(path.read_text())
-    assert raw.get("model") == "tiny"
+    assert raw.get("model") in TINY_MODELS
     plan = build_plan(str(path), tmp_path, model_override=tiny_llama)
     groups = [g for g in (cfg.context_servers, cfg.generation_servers) if g is not None]
     assert len(plan.workers) == sum(len(g.urls) for g in groups)
@@ -76,6 +82,29 @@ def test_tiny_placeholder_resolves_to_the_built_in_model(monkeypatch, tmp_path: 
     assert "served_model_name" not in data
     assert data["context_servers"]["served_model_name"] == "mine"
     assert data["generation_servers"]["served_model_name"] == "tiny"
+
+
+def test_tiny_moe_placeholder_is_a_built_in_moe(monkeypatch, tmp_path: Path):
+    """``model: tiny-moe`` (configs/disagg_moe_gen_tp2_ep.yaml) is the built-in tiny
+    Qwen3-MoE, written on first use beside the tiny llama; deploy writes it on the target
+    with ``disagg model tiny DIR --arch qwen3_moe``."""
+    import json
+
+    from disagg.deploy.plan import build_plan as deploy_plan
+
+    monkeypatch.setenv("DISAGG_CACHE", str(tmp_path / "cache"))
+    data = resolve_models({"model": "tiny-moe",
+                           "context_servers": {"urls": ["localhost:1"]},
+                           "generation_servers": {"urls": ["localhost:2"]}}, "x.yaml", None)
+    assert data["model"] == str(tmp_path / "cache" / "tiny-qwen3_moe-v1")
+    cfg = json.loads((Path(data["model"]) / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3MoeForCausalLM"] and cfg["num_experts"] > 1
+    assert data["generation_servers"]["served_model_name"] == "tiny-moe"
+    plan = deploy_plan(str(CONFIGS_DIR / "disagg_moe_gen_tp2_ep.yaml"), models_dir="/models",
+                       absolute_only=True, minimal_instances="all", cpu=True)
+    (model,) = plan.models
+    assert model.prepare_args() == ("model", "tiny", "/models/tiny-moe", "--arch",
+                                    "qwen3_moe")
 
 
 def _write(tmp_path: Path, data: dict) -> str:

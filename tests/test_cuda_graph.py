@@ -76,7 +76,7 @@ def _padded_runner(monkeypatch: pytest.MonkeyPatch) -> list[ModelRunner]:
     return made
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_padded_decode_buckets_give_the_unpadded_tokens(tiny_dirs, arch, monkeypatch) -> None:
     model_dir = tiny_dirs[arch]
     opts = dict(max_num_tokens=64, tokens_per_block=8, kv_cache_tokens=2048,

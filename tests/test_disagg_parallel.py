@@ -6,6 +6,10 @@ converting the layout (and the block size, for the B=8 generation workers). Gree
 must equal an aggregated tp1 pp1 worker's and no KV block may stay in use on either side.
 Two context workers serve over UCX (TCP when ucxx cannot import) and two over TCP, so every
 generation layout reads over both backends.
+
+Qwen3 (per-head q/k norms, head_dim twice hidden / heads) runs the same pairs over {tp1, tp2,
+pp2} x {tp1, tp2, pp2}, plain and KV-streamed, after the llama workers have stopped (one
+architecture's workers at a time: ``Clusters``).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import os
 import re
 import signal
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -57,30 +61,87 @@ def _par(tp: int, pp: int) -> list[str]:
             "--device", DEVICE]
 
 
-@pytest.fixture(scope="module")
-def cluster(model_dir: str, tmp_path_factory: pytest.TempPathFactory
-            ) -> Iterator[dict[str, Worker]]:
-    tmp: Path = tmp_path_factory.mktemp("par-logs")
+# Qwen3's pairs: the layouts the issue names (tp2 pp2 is llama's alone).
+QWEN3_LAYOUTS = [(1, 1), (2, 1), (1, 2)]
+
+
+def _start_cluster(tmp: Path, model_dir: str, layouts: list[tuple[int, int]],
+                   extras: bool) -> dict[str, Worker]:
+    """A context and a generation worker per layout and the aggregated reference; ``extras``:
+    the short-lease and the to-be-killed context workers too. Healthy, or stopped and raised."""
     ws: dict[str, Worker] = {}
-    for tp, pp in LAYOUTS:
+    for tp, pp in layouts:
         backend = "UCX" if (tp, pp) in UCX_CTX and UCX_OK else "TCP"
         ws[f"ctx{tp}{pp}"] = _start(tmp, model_dir, f"ctx{tp}{pp}", "context", *_par(tp, pp),
                                     "--kv-transfer-backend", backend, "--tokens-per-block", "16")
         ws[f"gen{tp}{pp}"] = _start(tmp, model_dir, f"gen{tp}{pp}", "generation",
                                     *_par(tp, pp), "--kv-transfer-backend", "TCP",
                                     "--tokens-per-block", GEN_BLOCK[(tp, pp)])
-    ws["ctx_short"] = _start(tmp, model_dir, "ctx_short", "context", *_par(1, 2),
-                             "--kv-transfer-backend", "TCP", "--tokens-per-block", "16",
-                             "--kv-lease-ttl", "0.3")
-    ws["ctx_victim"] = _start(tmp, model_dir, "ctx_victim", "context", *_par(2, 1),
-                              "--kv-transfer-backend", "TCP", "--tokens-per-block", "16")
+    if extras:
+        ws["ctx_short"] = _start(tmp, model_dir, "ctx_short", "context", *_par(1, 2),
+                                 "--kv-transfer-backend", "TCP", "--tokens-per-block", "16",
+                                 "--kv-lease-ttl", "0.3")
+        ws["ctx_victim"] = _start(tmp, model_dir, "ctx_victim", "context", *_par(2, 1),
+                                  "--kv-transfer-backend", "TCP", "--tokens-per-block", "16")
     ws["agg"] = _start(tmp, model_dir, "agg", "aggregated", "--tokens-per-block", "16",
                        "--device", DEVICE)
     try:
         _wait_healthy(list(ws.values()))
-        yield ws
-    finally:
+    except BaseException:
         _stop(list(ws.values()))
+        raise
+    return ws
+
+
+class Clusters:
+    """One architecture's workers at a time: ``get(arch)`` stops the other architecture's
+    workers before starting its own (the 2-core machine runs one set; the llama tests come
+    first in this file, so each set starts once)."""
+
+    def __init__(self, tmp: Path, models: dict[str, Callable[[], str]]) -> None:
+        self._tmp, self._models = tmp, models
+        self._arch: str | None = None
+        self._workers: dict[str, Worker] = {}
+
+    def get(self, arch: str) -> dict[str, Worker]:
+        if arch != self._arch:
+            self.close()
+            model = self._models[arch]()
+            self._workers = (_start_cluster(self._tmp / arch, model, LAYOUTS, True)
+                             if arch == "llama" else
+                             _start_cluster(self._tmp / arch, model, QWEN3_LAYOUTS, False))
+            self._arch = arch
+        return self._workers
+
+    def close(self) -> None:
+        workers, self._workers, self._arch = list(self._workers.values()), {}, None
+        _stop(workers)
+
+
+@pytest.fixture(scope="module")
+def clusters(model_dir: str, tiny_checkpoint: Callable[..., str],
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clusters]:
+    tmp: Path = tmp_path_factory.mktemp("par-logs")
+    for arch in ("llama", "qwen3"):
+        (tmp / arch).mkdir()
+    cs = Clusters(tmp, {"llama": lambda: model_dir,
+                        "qwen3": lambda: tiny_checkpoint("tiny", arch="qwen3", seed=1)})
+    try:
+        yield cs
+    finally:
+        cs.close()
+
+
+@pytest.fixture
+def cluster(clusters: Clusters) -> dict[str, Worker]:
+    """The llama workers (default tiny llama, every layout of {1, 2}^2)."""
+    return clusters.get("llama")
+
+
+@pytest.fixture
+def qwen3_cluster(clusters: Clusters) -> dict[str, Worker]:
+    """The tiny Qwen3's workers over QWEN3_LAYOUTS."""
+    return clusters.get("qwen3")
 
 
 def _bodies() -> list[tuple[str, dict]]:
@@ -247,3 +308,59 @@ def test_dead_multi_rank_context_fails_request_generation_stays_healthy(
     gen.wait_blocks(0)
     assert health_ok(gen.url)
     assert disagg_text(cluster["ctx11"], gen, C, body) == ref_text(cluster["agg"].url, C, body)
+
+
+# -- Qwen3: the same pairs over {tp1, tp2, pp2} ------------------------------------------------
+# Defined last: the llama workers stop before the Qwen3 ones start (``Clusters``).
+
+
+@pytest.mark.parametrize("gen_layout", QWEN3_LAYOUTS, ids=lambda x: f"gen-tp{x[0]}pp{x[1]}")
+@pytest.mark.parametrize("ctx_layout", QWEN3_LAYOUTS, ids=lambda x: f"ctx-tp{x[0]}pp{x[1]}")
+def test_qwen3_every_layout_pair_matches_aggregated(qwen3_cluster: dict[str, Worker],
+                                                    ctx_layout: tuple[int, int],
+                                                    gen_layout: tuple[int, int]) -> None:
+    """Plain pulls (greedy completion, SSE-streamed chat, json_schema, seeded json_object),
+    then KV-streamed pulls (completion, SSE chat), from a Qwen3 context worker into a
+    generation worker of another layout (and block size): the aggregated worker's text each
+    time, no block left in use."""
+    ws = qwen3_cluster
+    ctx, gen = ws["ctx{}{}".format(*ctx_layout)], ws["gen{}{}".format(*gen_layout)]
+    layout = WorkerLayout.from_dict(gen.info()["kv_transfer"]["layout"])
+    assert (layout.head_dim, layout.tp_size, layout.pp_size) == (32, *gen_layout)
+    for path, body in _bodies():
+        assert disagg_text(ctx, gen, path, body) == ref_text(ws["agg"].url, path, body), (
+            path, body)
+    for path, body in _bodies()[:2]:
+        assert streamed_text(ctx, gen, path, body) == ref_text(ws["agg"].url, path, body), (
+            path, body)
+    ctx.wait_blocks(0)
+    gen.wait_blocks(0)
+
+
+def test_qwen3_context_to_a_llama_shaped_generation_worker_is_a_400(
+        qwen3_cluster: dict[str, Worker]) -> None:
+    """The tiny llama and the tiny Qwen3 have the same layers and kv heads; only the head size
+    (16 vs 32) tells their caches apart. Params whose layout says 16 (what a llama context
+    worker sends) are refused by a Qwen3 generation worker with a 400 naming head_dim, and
+    the refusal releases the context worker's lease (its blocks come free well before the
+    lease would expire; the true params then find no lease)."""
+    ws = qwen3_cluster
+    ctx, gen = ws["ctx21"], ws["gen12"]
+    body = {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True}
+    answer = context_call(ctx, C, body)
+    good = generation_body(C, body, answer)
+    dp = good["disaggregated_params"]
+    assert dp["layout"]["head_dim"] == 32
+    llama_shaped = {**good, "disaggregated_params": {**dp, "layout": {**dp["layout"],
+                                                                       "head_dim": 16}}}
+    r = _post(gen.url, C, llama_shaped)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert "head_dim differs" in err["message"] and "(32)" in err["message"], err
+    assert err["param"] == "disaggregated_params"
+    ctx.wait_blocks(0)  # released, not expired (wait_blocks waits less than the lease)
+    gen.wait_blocks(0)
+    r = _post(gen.url, C, good)
+    assert r.status_code == 502 and "unknown_lease" in r.text, r.text
+    gen.wait_blocks(0)

@@ -44,7 +44,7 @@ def _hf_reference(model_dir: str, prompts: list[list[int]], max_new: int):
     return refs
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
 def test_greedy_parity_with_transformers_chunked_batch(tiny_dirs, arch):
     model_dir = tiny_dirs[arch]
     llm = LLM(model_dir, max_num_tokens=24, tokens_per_block=8, kv_cache_tokens=4096)

@@ -194,11 +194,14 @@ def write_gguf(path: Path, weights: dict[str, np.ndarray], tok: dict[str, Any] |
                types: dict[str, QT] | None = None, arch: str = "llama", pre: str = "gpt2",
                add_bos: bool = True, tokenizer_model: str = "gpt2",
                extra_tensors: dict[str, tuple[np.ndarray, QT]] | None = None,
-               vocab_writer: Any = None) -> dict[str, Any]:
+               vocab_writer: Any = None, head_dim: int | None = None) -> dict[str, Any]:
     """Write a llama GGUF of the HF ``weights``; return {gguf name: (raw, qtype, HF values)}.
-    The vocabulary is ``tok`` (a tokenizer.json) unless ``vocab_writer(writer)`` writes one."""
+    The vocabulary is ``tok`` (a tokenizer.json) unless ``vocab_writer(writer)`` writes one.
+    ``arch="qwen3"``: as llama.cpp converts Qwen3 (q/k rows not permuted, the q/k norms as
+    ``attn_q_norm`` / ``attn_k_norm``, ``head_dim`` written as the key / value length)."""
     c = TINY
     heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
+    permute = arch == "llama"  # llama.cpp permutes Llama's q/k rows only
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c["num_hidden_layers"])
     w.add_context_length(256)
@@ -208,7 +211,10 @@ def write_gguf(path: Path, weights: dict[str, np.ndarray], tok: dict[str, Any] |
     w.add_head_count_kv(kv)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(c["hidden_size"] // heads)
+    w.add_rope_dimension_count(head_dim or c["hidden_size"] // heads)
+    if head_dim is not None:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_vocab_size(weights["model.embed_tokens.weight"].shape[0])
     w.add_chat_template(CHAT_TEMPLATE)
     if vocab_writer is None:
@@ -220,16 +226,16 @@ def write_gguf(path: Path, weights: dict[str, np.ndarray], tok: dict[str, Any] |
     names = {v: k for k, v in imp._GLOBAL_TENSORS.items()}
     for i in range(c["num_hidden_layers"]):
         names.update({f"model.layers.{i}.{hf}": f"blk.{i}.{g}"
-                      for g, hf in imp._LAYER_TENSORS.items()})
+                      for g, hf in {**imp._LAYER_TENSORS, **imp._QK_NORM_TENSORS}.items()})
     written: dict[str, Any] = {}
     k = 0
     for hf_name, value in weights.items():
         value = value.astype(np.float32)
         g = names[hf_name]
         stored = value
-        if g.endswith("attn_q.weight"):
+        if g.endswith("attn_q.weight") and permute:
             stored = llama_cpp_permute(value, heads)
-        elif g.endswith("attn_k.weight"):
+        elif g.endswith("attn_k.weight") and permute:
             stored = llama_cpp_permute(value, kv)
         if value.ndim == 1:
             qtype = QT.F32
@@ -385,18 +391,23 @@ def test_imported_tensors_equal_decoded_originals(tiny_gguf: dict[str, Any]) -> 
     assert seen_types >= set(LINEAR_TYPES) | {QT.F32}
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda t: t.name)
-def test_k_quants_match_independent_decoder(qtype: QT, tmp_path: Path) -> None:
-    # gguf has no K-quant quantizer: random blocks with sane f16 scales stand in for one
+def random_k_quant(qtype: QT, rows: int, blocks: int, seed: int) -> np.ndarray:
+    """``rows`` rows of ``blocks`` x 256 values as random ``qtype`` bytes with sane f16 scales
+    (gguf has no K-quant quantizer: these stand in for one)."""
     size = {QT.Q4_K: 144, QT.Q5_K: 176, QT.Q6_K: 210}[qtype]
-    rng = np.random.default_rng(int(qtype))
-    raw = rng.integers(0, 256, (2, 3, size), dtype=np.uint8)  # 2 rows of 3 x 256 values
-    scale = rng.uniform(1e-3, 1e-1, (2, 3, 2)).astype(np.float16).view(np.uint8)
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
+    scale = rng.uniform(1e-3, 1e-1, (rows, blocks, 2)).astype(np.float16).view(np.uint8)
     if qtype == QT.Q6_K:
         raw[..., 208:210] = scale[..., :2]
     else:
         raw[..., 0:4] = scale  # d and dmin
-    raw = raw.reshape(2, 3 * size)
+    return raw.reshape(rows, blocks * size)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K], ids=lambda t: t.name)
+def test_k_quants_match_independent_decoder(qtype: QT, tmp_path: Path) -> None:
+    raw = random_k_quant(qtype, 2, 3, int(qtype))  # 2 rows of 3 x 256 values
     w = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
     w.add_tensor("x", raw, raw_dtype=qtype)
     w.write_header_to_file()
@@ -501,6 +512,107 @@ def test_greedy_tokens_match_transformers_gguf(tie: bool, tmp_path: Path,
         compared += len(out.token_ids)
     assert compared == 12 * len(PROMPTS)
     llm.shutdown()
+
+
+def qwen3_checkpoint(out: Path, head_dim: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """A tiny Qwen3 (tied embeddings, as the small Qwen3 models ship) as numpy weights and
+    its tokenizer.json."""
+    from safetensors.numpy import load_file
+
+    from disagg.model.tiny import write_tiny_checkpoint
+
+    write_tiny_checkpoint(str(out), "qwen3", tie_word_embeddings=True, seed=3,
+                          head_dim=head_dim, **TINY)
+    return (load_file(str(out / "model.safetensors")),
+            json.loads((out / "tokenizer.json").read_text()))
+
+
+def test_qwen3_greedy_tokens_match_transformers_gguf(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Qwen3 GGUF as llama.cpp writes one (general.architecture qwen3, q/k rows as in HF,
+    attn_q_norm / attn_k_norm, tokenizer.ggml.pre qwen2, no BOS) with every linear quant type
+    and Q4_K / Q6_K (random blocks as o_proj, whose 512-long rows hold two K blocks): our
+    import equals transformers' own GGUF reading of it tensor for tensor, and greedy tokens
+    and prompt ids match. head_dim 128: transformers' qwen3 GGUF reader takes Qwen3Config's
+    default head size (it does not read attention.key_length); 128 is every dense Qwen3's."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    import torch
+
+    from disagg import LLM, SamplingParams
+
+    monkeypatch.setattr(imp, "cache_root", lambda: str(tmp_path / "cache"))
+    weights, tok = qwen3_checkpoint(tmp_path / "hf", head_dim=128)
+    assert weights["model.layers.0.self_attn.o_proj.weight"].shape == (64, 512)
+    path = tmp_path / "q3.gguf"
+    k_quants = {f"blk.{i}.attn_output.weight": (random_k_quant(q, 64, 2, i), q)
+                for i, q in enumerate((QT.Q4_K, QT.Q6_K))}
+    rest = {k: v for k, v in weights.items() if not k.endswith("o_proj.weight")}
+    written = write_gguf(path, rest, tok, arch="qwen3", head_dim=128, pre="qwen2",
+                         add_bos=False, extra_tensors=k_quants)
+    assert {q for _, q, _, _ in written.values()} >= set(LINEAR_TYPES)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+    assert type(hf).__name__ == "Qwen3ForCausalLM" and hf.config.head_dim == 128
+    hf.generation_config.eos_token_id = None  # as ignore_eos: always 12 tokens
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    from safetensors.numpy import load_file
+
+    from disagg.config import ModelConfig
+
+    llm = LLM(str(path), max_num_tokens=128, kv_cache_tokens=512)  # imports into the cache
+    mc = ModelConfig.from_dir(llm.engine.config.model_dir)
+    assert (mc.architecture, mc.head_dim, mc.qk_norm, mc.tie_word_embeddings) == (
+        "qwen3", 128, True, True)
+    imported = load_file(os.path.join(llm.engine.config.model_dir, "model.safetensors"))
+    state = hf.state_dict()
+    assert "model.layers.1.self_attn.k_norm.weight" in imported
+    for name, value in imported.items():
+        np.testing.assert_array_equal(state[name].numpy(), value, err_msg=name)
+    # unquantized tensors (F32: the norms; the rows stored F32) are the originals: no permutation
+    for g, (_, qtype, _, hf_name) in written.items():
+        if qtype == QT.F32:
+            np.testing.assert_array_equal(imported[hf_name], weights[hf_name], err_msg=g)
+    compared = 0
+    for prompt in PROMPTS:
+        ids = hf_tok(prompt).input_ids
+        assert llm.tokenizer.encode(prompt) == ids and ids[0] != tok["added_tokens"][0]["id"]
+        out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=12,
+                                                 ignore_eos=True))[0].outputs[0]
+        assert list(out.token_ids) == _hf_greedy(hf, ids, 12), prompt
+        compared += len(out.token_ids)
+    assert compared == 12 * len(PROMPTS)
+    llm.shutdown()
+
+
+def test_qwen3_head_size_comes_from_key_length(tmp_path: Path) -> None:
+    """head_dim 32 (hidden / heads is 16): read from qwen3.attention.key_length; the float32
+    tensors come back as the checkpoint's (q/k unpermuted, norms included). A q/k norm in a
+    llama file is refused by name."""
+    from disagg.config import ModelConfig
+
+    weights, tok = qwen3_checkpoint(tmp_path / "hf", head_dim=32)
+    path = tmp_path / "q3.gguf"
+    write_gguf(path, weights, tok, arch="qwen3", head_dim=32, pre="qwen2", add_bos=False,
+               types=dict.fromkeys(weights, QT.F32))
+    out = imp.import_gguf(str(path), str(tmp_path / "out"))
+    mc = ModelConfig.from_dir(out)
+    assert (mc.architecture, mc.head_dim, mc.hidden_size, mc.num_attention_heads) == (
+        "qwen3", 32, 64, 4)
+    assert mc.qk_norm and mc.tie_word_embeddings
+    from safetensors.numpy import load_file
+
+    got = load_file(os.path.join(out, "model.safetensors"))
+    assert got.keys() == weights.keys()
+    for name, value in weights.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+    # a llama file has no q/k norms
+    llama = tmp_path / "llama.gguf"
+    write_gguf(llama, weights, tok, head_dim=32, types=dict.fromkeys(weights, QT.F32))
+    with pytest.raises(imp.GGUFError, match=r"'blk.0.attn_[qk]_norm.weight' is not supported "
+                                            r"by the Llama importer"):
+        imp.import_gguf(str(llama), str(tmp_path / "out2"))
 
 
 def test_gguf_is_imported_once_per_file_version(tiny_gguf: dict[str, Any], tmp_path: Path,
@@ -733,8 +845,8 @@ def test_unsupported_architecture_and_tokenizer(tiny_gguf: dict[str, Any],
                                                 tmp_path: Path) -> None:
     types = dict.fromkeys(tiny_gguf["weights"], QT.F32)
     path = tmp_path / "arch.gguf"
-    write_gguf(path, tiny_gguf["weights"], tiny_gguf["tok"], types=types, arch="qwen3")
-    with pytest.raises(imp.GGUFError, match=r"general.architecture = 'qwen3'") as e:
+    write_gguf(path, tiny_gguf["weights"], tiny_gguf["tok"], types=types, arch="gemma3")
+    with pytest.raises(imp.GGUFError, match=r"general.architecture = 'gemma3'") as e:
         imp.import_gguf(str(path), str(tmp_path / "out"))
     assert str(path) in str(e.value)
     path = tmp_path / "spm.gguf"

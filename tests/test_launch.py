@@ -228,6 +228,30 @@ def test_config_launch_serves_then_sigterm_stops_all(launch, tmp_path: Path, tin
     _assert_all_gone(launcher, 3)
 
 
+def test_moe_config_launch_answers_greedy_as_aggregated(launch, tmp_path: Path):
+    """configs/disagg_moe_gen_tp2_ep.yaml as written (the built-in tiny Qwen3-MoE, written
+    on first use): the generation worker's two ranks hold half of the experts each; a greedy
+    request through the router equals the same request to an aggregated one-rank worker."""
+    path, port = _config(tmp_path, "disagg_moe_gen_tp2_ep.yaml")
+    launcher = launch("-c", path)
+    endpoint = launcher.wait_line(READY_RE).group(1)
+    body = {"model": "tiny-moe", "prompt": "The harbour was quiet", "max_tokens": 6,
+            "temperature": 0}
+    r = httpx.post(endpoint + "/v1/completions", timeout=60, json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 6
+    from disagg import LLM, SamplingParams
+
+    model_dir = tmp_path / "cache" / "tiny-qwen3_moe-v1"
+    with LLM(str(model_dir), kv_cache_tokens=1024) as llm:
+        want = llm.generate(["The harbour was quiet"],
+                            SamplingParams(max_tokens=6, temperature=0.0))[0].outputs[0].text
+    assert r.json()["choices"][0]["text"] == want
+    launcher.proc.send_signal(signal.SIGTERM)
+    assert launcher.wait(60) == 0, launcher.stdout + launcher.stderr
+    _assert_all_gone(launcher, 3)
+
+
 def test_child_failing_at_start_up_prints_its_log_tail(launch, tmp_path: Path,
                                                        tiny_llama: str):
     path, _ = _config(tmp_path, "disagg_1ctx_1gen.yaml",

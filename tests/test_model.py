@@ -40,6 +40,8 @@ VARIANTS: dict[str, tuple[str, dict, dict]] = {
                         {}),
     "mistral": ("MistralConfig", {"sliding_window": None}, {}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}, {}),
+    # per-head q/k RMSNorm; head_dim 32 != hidden / heads = 16 (q is 128 wide, o_proj 128->64)
+    "qwen3": ("Qwen3Config", {"head_dim": 32}, {}),
 }
 
 
@@ -184,7 +186,7 @@ def test_mixed_batch_equals_separate_runs(checkpoints) -> None:
         torch.testing.assert_close(mixed[row], hf_logits(hf, toks)[-1], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("variant", ["llama_tied_bias", "qwen2", "llama_mqa"])
+@pytest.mark.parametrize("variant", ["llama_tied_bias", "qwen2", "llama_mqa", "qwen3"])
 def test_fused_projections_are_the_separate_layers(variant, checkpoints,
                                                    monkeypatch) -> None:
     """q/k/v and gate/up run as one GEMM each; the layers' weights (and biases) are views of
@@ -205,6 +207,11 @@ def test_fused_projections_are_the_separate_layers(variant, checkpoints,
         at += m.out_features
     assert at == att.qkv.weight.shape[0]
     assert (att.qkv.bias is not None) == model.config.attention_bias
+    # qwen3: the q/k norm weights stacked per head (q heads, then kv heads) for one norm call
+    assert (att.qk_norm_rows is not None) == model.config.qk_norm
+    if model.config.qk_norm:
+        assert torch.equal(att.qk_norm_rows[-1], att.k_norm.weight)
+        assert torch.equal(att.qk_norm_rows[att.num_heads - 1], att.q_norm.weight)
     # CPU: fused for the small-M kernel's rows, apart for more (measured slower fused)
     assert att.qkv.pays(torch.empty(32, 4)) and not att.qkv.pays(torch.empty(33, 4))
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
@@ -287,7 +294,8 @@ def test_pipeline_stages_chain_to_full_model(checkpoints, hf_models) -> None:
     torch.testing.assert_close(logits, hf_logits(hf_models["llama"], toks), atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("variant", ["qwen2", "llama_tied_bias"])  # q/k/v (+ o) biases, tied
+# q/k/v (+ o) biases, tied; qwen3: q/k norms, head_dim != hidden / heads
+@pytest.mark.parametrize("variant", ["qwen2", "llama_tied_bias", "qwen3"])
 def test_tensor_parallel_slices_and_forward(variant, checkpoints, hf_models) -> None:
     """Two TP ranks (threads, summing partials through a barrier) reproduce the full model."""
     path = checkpoints[variant]
@@ -298,8 +306,15 @@ def test_tensor_parallel_slices_and_forward(variant, checkpoints, hf_models) -> 
     params = [dict(m.named_parameters()) for m in ranks]
     full_p = dict(full.named_parameters())
     for n, dim in ((f"{name}.weight", 0), (f"{name}.bias", 0),
-                   ("model.layers.0.mlp.down_proj.weight", 1)):
-        torch.testing.assert_close(torch.cat([p[n] for p in params], dim), full_p[n])
+                   ("model.layers.0.mlp.down_proj.weight", 1),
+                   ("model.layers.1.self_attn.o_proj.weight", 1)):
+        if n in full_p:
+            torch.testing.assert_close(torch.cat([p[n] for p in params], dim), full_p[n])
+    if model_cfg_has_qk_norm := full.config.qk_norm:  # one [head_dim] weight, every rank
+        for p in params:
+            torch.testing.assert_close(p["model.layers.1.self_attn.k_norm.weight"],
+                                       full_p["model.layers.1.self_attn.k_norm.weight"])
+    assert model_cfg_has_qk_norm == (variant == "qwen3")
     assert ranks[0].model.layers["0"].self_attn.num_kv_heads == 1
 
     slots: list[torch.Tensor | None] = [None, None]
@@ -346,6 +361,34 @@ def test_unsupported_rope_type_is_named(checkpoints) -> None:
     bad = ModelConfig(**{**cfg.__dict__, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ConfigError, match="yarn"):
         LlamaForCausalLM(bad)
+
+
+def test_qwen3_config_and_sliding_window_refusal() -> None:
+    """Qwen3's config: its own head_dim (not hidden / heads), q/k norms; a sliding window on
+    any layer (transformers' rule: use_sliding_window, then layer_types / max_window_layers)
+    is refused naming the key, a window that reaches no layer is not."""
+    def cfg(**kw) -> dict:
+        c = transformers.Qwen3Config(**{**SIZES, "head_dim": 32, **kw}).to_dict()
+        c["architectures"] = ["Qwen3ForCausalLM"]
+        return c
+
+    mc = ModelConfig.from_hf_dict(cfg())
+    assert (mc.architecture, mc.head_dim, mc.qk_norm, mc.attention_bias) == (
+        "qwen3", 32, True, False)
+    assert not ModelConfig.from_hf_dict({**cfg(), "architectures": ["Qwen2ForCausalLM"]}).qk_norm
+    with pytest.raises(ConfigError, match=r"use_sliding_window.*layers \[1\].*layer_types"):
+        ModelConfig.from_hf_dict(cfg(use_sliding_window=True, sliding_window=8,
+                                     max_window_layers=1))
+    raw = {k: v for k, v in cfg(use_sliding_window=True, sliding_window=8).items()
+           if k != "layer_types"}  # an older config.json: max_window_layers decides
+    raw["max_window_layers"] = 0
+    with pytest.raises(ConfigError, match=r"layers \[0, 1\].*max_window_layers"):
+        ModelConfig.from_hf_dict(raw)
+    raw["max_window_layers"] = 2  # no layer reaches the window: full attention, as transformers
+    assert ModelConfig.from_hf_dict(raw).architecture == "qwen3"
+    assert transformers.Qwen3Config(**{**SIZES, "use_sliding_window": True, "sliding_window": 8,
+                                       "max_window_layers": 2}).layer_types == [
+        "full_attention"] * 2
 
 
 def test_tied_embeddings_share_storage(checkpoints) -> None:

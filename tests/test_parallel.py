@@ -26,6 +26,8 @@ CASES = [  # (model, tp, pp, pp_partition)
     ("mqa", 2, 1, None),
     ("mqa", 2, 2, None),
     ("qwen2", 1, 2, None),
+    ("qwen3", 2, 1, None),
+    ("qwen3", 1, 2, None),
 ]
 
 

@@ -101,7 +101,7 @@ def test_tokenizer_training_fast_and_complete() -> None:
 
 
 @pytest.mark.parametrize("arch, tied", [("llama", False), ("qwen2", False), ("mistral", False),
-                                        ("qwen2", True)])
+                                        ("qwen2", True), ("qwen3", False)])
 def test_transformers_loads_and_generates(tmp_path, arch: str, tied: bool) -> None:
     path = write_tiny_checkpoint(str(tmp_path / arch), arch, num_hidden_layers=3,
                                  tie_word_embeddings=tied)
@@ -110,6 +110,14 @@ def test_transformers_loads_and_generates(tmp_path, arch: str, tied: bool) -> No
     assert cfg.attention_bias == (arch == "qwen2")
     if arch == "qwen2":
         assert "model.layers.2.self_attn.q_proj.bias" in _tensors(path)
+    # qwen3: a head twice hidden / heads (q 4 x 32 = 128 wide on a 64 hidden), q/k norms
+    assert cfg.qk_norm == (arch == "qwen3")
+    assert cfg.head_dim == (32 if arch == "qwen3" else 16)
+    if arch == "qwen3":
+        w = _tensors(path)
+        assert w["model.layers.2.self_attn.q_proj.weight"].shape == (128, 64)
+        assert w["model.layers.2.self_attn.o_proj.weight"].shape == (64, 128)
+        assert w["model.layers.2.self_attn.k_norm.weight"].shape == (32,)
     model = _hf_model(path)
     assert type(model).__name__ == tiny.ARCHITECTURES[arch]
     ids = torch.tensor([[506, 40, 300, 77, 250]])
@@ -161,6 +169,7 @@ def test_tied_rope_scaling_and_dtype(tmp_path) -> None:
     ({"vocab_size": 200}, "vocab_size"),
     ({"num_hidden_layers": 0}, "num_hidden_layers"),
     ({"dtype": "int8"}, "dtype"),
+    ({"arch": "qwen3", "head_dim": 15}, "head_dim"),
 ])
 def test_bad_arguments(tmp_path, kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
@@ -184,6 +193,11 @@ def test_cli(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     assert ModelConfig.from_dir(str(out)).architecture == "llama"
     assert main(["model", "tiny", str(tmp_path / "bad"), "--heads", "3"]) == 1
     assert "num_attention_heads" in capsys.readouterr().out
+    # qwen3 with a head size of its own (hidden 64 / 4 heads would be 16)
+    assert main(["model", "tiny", str(tmp_path / "q3"), "--arch", "qwen3", "--head-dim",
+                 "24"]) == 0
+    cfg = ModelConfig.from_dir(str(tmp_path / "q3"))
+    assert (cfg.architecture, cfg.head_dim, cfg.qk_norm) == ("qwen3", 24, True)
 
 
 def test_ensure_tiny_model(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

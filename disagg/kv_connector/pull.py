@@ -69,6 +69,7 @@ def worker_layout(config: EngineConfig) -> WorkerLayout:
         tokens_per_block=config.cache.tokens_per_block, dtype=config.dtype,
         ranks=tuple(RankLayout(r.rank, r.tp_rank, r.pp_rank, r.layer_range, r.kv_head_range)
                     for r in ranks),
+        cache_kind=first.cache_kind, kv_parts=first.kv_parts,
     )
 
 

@@ -9,8 +9,12 @@ block sizes: the same ``tokens_per_block`` on both sides moves whole blocks (the
 send straight from its cache), another one the token-major format, scattered into this
 rank's blocks on install::
 
-    "blocks": payload [n_src_blocks, nl, 2, nh, B_src, D]   (n_src_blocks = ceil(T / B_src))
-    "tokens": payload [nl, 2, nh, T, D]                      (any B on either side)
+    "blocks": payload [n_src_blocks, nl, P, nh, B_src, D]   (n_src_blocks = ceil(T / B_src))
+    "tokens": payload [nl, P, nh, T, D]                      (any B on either side)
+
+P is the layout's kv_parts (2: K, V; 1: an MLA latent, whose one cache head every context
+rank of a stage holds: ``plan_pulls`` reads it from one of them, so each context block's
+latent crosses to this rank once).
 
 ``into_blocks``: a "blocks" payload into a CPU cache over a client that reads into several
 buffers (``runs``) may land straight in the request's blocks (payload block i is this rank's
@@ -77,8 +81,9 @@ def plan_pull(params: ContextParams, dst: WorkerLayout, dst_rank: int, *, cache_
                           format=fmt, first_token=i == first, **stream)
         nl = piece.layers[1] - piece.layers[0]
         nh = piece.heads[1] - piece.heads[0]
-        shape = ((n_src_blocks, nl, 2, nh, src.tokens_per_block, src.head_dim)
-                 if fmt == "blocks" else (nl, 2, nh, params.num_tokens, src.head_dim))
+        p = src.kv_parts
+        shape = ((n_src_blocks, nl, p, nh, src.tokens_per_block, src.head_dim)
+                 if fmt == "blocks" else (nl, p, nh, params.num_tokens, src.head_dim))
         reads.append(PlannedRead(piece, req, shape))
     return PullPlan(tuple(reads), n_src_blocks,
                     into_blocks=runs and fmt == "blocks" and cache_device == "cpu")

@@ -7,6 +7,11 @@ KV cache of one rank (DESIGN.md section 1)::
 A layer works on ``kv_cache[:, i]`` = ``[num_blocks, 2, H_kv, B, D]``. Token at position ``p``
 of a sequence with block table ``bt`` lives at block ``bt[p // B]``, offset ``p % B``.
 
+An MLA (DeepSeek-V3) cache has one part and one head instead: ``[num_blocks, L, 1, 1, B, W]``,
+a latent row of W = kv_lora_rank + qk_rope_head_dim per token (``paged_latent_attention``; the
+PyTorch path on CPU and CUDA: the Triton kernels, the CPU decode kernel and CUDA graphs are
+MHA-only).
+
 One forward carries a batch laid out as (DESIGN.md section 5)::
 
     rows of q/k/v:    d_0 | d_1 | ... | d_{nd-1} | chunk nd ......... | chunk nd+1 ... |
@@ -105,9 +110,10 @@ class GatherWorkspace:
         return buf[:n].view(shape)
 
 
-def _gather_context(kv_layer: torch.Tensor, block_table: torch.Tensor,
-                    workspace: GatherWorkspace | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read the blocks of ``block_table`` ``[S, nb]`` as K and V ``[H_kv, S, nb*B, D]``.
+def _gather_parts(kv_layer: torch.Tensor, block_table: torch.Tensor,
+                  workspace: GatherWorkspace | None) -> torch.Tensor:
+    """Read the blocks of ``block_table`` ``[S, nb]`` as ``[P, H_kv, S, nb*B, D]``, P the
+    cache's kv_parts (2: K and V; 1: an MLA latent).
 
     Key index ``j`` of sequence ``s`` is its context position ``j`` (block ``j // B``, offset
     ``j % B``); positions beyond a sequence's length are padding the caller masks out.
@@ -115,16 +121,22 @@ def _gather_context(kv_layer: torch.Tensor, block_table: torch.Tensor,
     yields the attention layout directly: no second copy.
     """
     s, nb = block_table.shape
-    _, _, h, b, d = kv_layer.shape
-    kvp = kv_layer.permute(1, 2, 0, 3, 4)  # view [2, H_kv, N, B, D]
+    _, p, h, b, d = kv_layer.shape
+    kvp = kv_layer.permute(1, 2, 0, 3, 4)  # view [P, H_kv, N, B, D]
     idx = block_table.reshape(-1)          # [S*nb]: block of (seq s, chunk c) at s*nb + c
-    shape = (2, h, s * nb, b, d)
+    shape = (p, h, s * nb, b, d)
     if (workspace is not None and kv_layer.device.type == "cpu"
             and not (kv_layer.requires_grad and torch.is_grad_enabled())):
         ctx = torch.index_select(kvp, 2, idx, out=workspace.take(shape, kv_layer))
     else:
-        ctx = kvp[:, :, idx]                # [2, H_kv, S*nb, B, D]
-    ctx = ctx.view(2, h, s, nb * b, d)     # (S*nb, B) -> (S, nb*B): free, contiguous
+        ctx = kvp[:, :, idx]                # [P, H_kv, S*nb, B, D]
+    return ctx.view(p, h, s, nb * b, d)    # (S*nb, B) -> (S, nb*B): free, contiguous
+
+
+def _gather_context(kv_layer: torch.Tensor, block_table: torch.Tensor,
+                    workspace: GatherWorkspace | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[H_kv, S, nb*B, D]`` of the blocks of ``block_table`` (``_gather_parts``)."""
+    ctx = _gather_parts(kv_layer, block_table, workspace)
     return ctx[0], ctx[1]
 
 
@@ -145,7 +157,8 @@ def _attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         mask = mask[:, None].expand(s, g, n, seq_l).reshape(s, g * n, seq_l)
     out = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype),
                                          attn_mask=mask.unsqueeze(0), scale=scale)
-    return out.view(hkv, s, g, n, d).permute(1, 3, 0, 2, 4).reshape(s, n, hq, d)
+    dv = v.shape[-1]  # = D, except MLA's values (the latent's first columns)
+    return out.view(hkv, s, g, n, dv).permute(1, 3, 0, 2, 4).reshape(s, n, hq, dv)
 
 
 @lru_cache(maxsize=1)
@@ -248,4 +261,57 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer:
             mask = (keys[None, :] <= rows[:, None] + ctx).unsqueeze(0)  # [1, n, L]
             out[start:end] = _attend_grouped(q[start:end].unsqueeze(0), kc, vc, mask,
                                              scale)[0]
+    return out
+
+
+def paged_latent_attention(q: torch.Tensor, latent: torch.Tensor, kv_layer: torch.Tensor,
+                           meta: AttentionMetadata, scale: float, value_dim: int,
+                           workspace: GatherWorkspace | None = None) -> torch.Tensor:
+    """MLA over the latent cache: write the new rows, then attend (PyTorch, CPU and CUDA).
+
+    kv_layer ``[N, 1, 1, B, W]``: per token one row ``[c_kv (value_dim) | k_pe]`` shared by
+    every query head, so it is multi-query attention with one kv head whose keys are whole
+    rows and whose values are their first ``value_dim`` columns::
+
+        row:   c_kv[0 .. value_dim) | k_pe[value_dim .. W)
+        key:   ----------------- whole row ----------------
+        value: ------ c_kv -------
+
+    q ``[T, H, W]`` (queries already absorbed into the latent space), latent ``[T, W]``.
+    Returns ``[T, H, value_dim]``. The batch layout and masks are ``paged_attention``'s.
+    """
+    kv_layer[meta.slot_block, 0, 0, meta.slot_offset] = latent.to(kv_layer.dtype)
+    block_size = kv_layer.shape[3]
+    t, hq, _ = q.shape
+    out = q.new_empty(t, hq, value_dim)
+    nd = meta.num_decodes
+    qsl = meta.query_start_loc
+    if nd > 0:
+        # Decodes: rows [0, nd); key j of sequence i attended  <=>  j < decode_seq_lens[i].
+        nb = -(-max(meta.seq_lens[:nd]) // block_size)
+        ctx = _gather_parts(kv_layer, meta.block_tables[:nd, :nb], workspace)[0]
+        keys = torch.arange(nb * block_size, device=q.device)
+        mask = (keys[None, :] < meta.decode_seq_lens[:, None]).unsqueeze(1)  # [nd, 1, L]
+        out[:nd] = _attend_grouped(q[:nd].unsqueeze(1), ctx, ctx[..., :value_dim], mask,
+                                   scale).squeeze(1)
+    for i in range(nd, meta.num_seqs):
+        # Prefill chunk: rows [qsl[i], qsl[i+1]) = positions [ctx, seq_len) (paged_attention).
+        start, end = qsl[i], qsl[i + 1]
+        n = end - start
+        seq_len = meta.seq_lens[i]
+        past = seq_len - n
+        if past == 0:
+            qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, n, W]
+            ki = latent[start:end].to(q.dtype)[None, None]   # [1, 1, n, W]
+            oi = F.scaled_dot_product_attention(qi, ki, ki[..., :value_dim], is_causal=True,
+                                                scale=scale, enable_gqa=hq > 1)
+            out[start:end] = oi[0].transpose(0, 1)
+        else:
+            nb = -(-seq_len // block_size)
+            ctx = _gather_parts(kv_layer, meta.block_tables[i:i + 1, :nb], workspace)[0]
+            keys = torch.arange(nb * block_size, device=q.device)
+            rows = torch.arange(n, device=q.device)
+            mask = (keys[None, :] <= rows[:, None] + past).unsqueeze(0)  # [1, n, L]
+            out[start:end] = _attend_grouped(q[start:end].unsqueeze(0), ctx,
+                                             ctx[..., :value_dim], mask, scale)[0]
     return out

@@ -6,10 +6,13 @@ reads, in a fraction of its time) and writes ``config.json``, ``generation_confi
 ``tokenizer.json`` and ``tokenizer_config.json``, which ``disagg.model.loader``,
 ``disagg.tokenizer`` and ``transformers`` all load. Steps (docs/design-gguf.md):
 
-1. metadata: ``general.architecture`` must be ``llama``; ``llama.*`` keys give the config;
+1. metadata: ``general.architecture`` must be ``llama`` or ``qwen3``; its ``ARCH.*`` keys
+   give the config (``qwen3.attention.key_length``: Qwen3's head size, not hidden / heads);
 2. tensors: each is dequantized to float32 (``gguf.quants.dequantize``; types in
-   ``SUPPORTED_TYPES``), renamed to the HF Llama name, and ``attn_q`` / ``attn_k`` get
-   llama.cpp's rotary row permutation undone (``unpermute_rotary_rows``);
+   ``SUPPORTED_TYPES``) and renamed to the HF name; a llama file's ``attn_q`` / ``attn_k``
+   get llama.cpp's rotary row permutation undone (``unpermute_rotary_rows``). A qwen3 file
+   has none to undo (llama.cpp's converter permutes Llama's rows only: Qwen rotates halves,
+   as HF does) and adds ``blk.N.attn_q_norm`` / ``attn_k_norm`` (the per-head q/k norms);
 3. tokenizer: ``tokenizer.ggml.*`` becomes a ``tokenizers`` BPE: byte-level
    (``tokenizer.ggml.model == "gpt2"``) with the pre-tokenizer llama.cpp uses for
    ``tokenizer.ggml.pre``, or sentencepiece-style (``"llama"``: byte fallback, ``▁`` spaces,
@@ -70,7 +73,9 @@ SUPPORTED_TYPES = {
     "Q6_K": "6-bit, super-blocks of 256 = 16 x 16 with 8-bit scales",
 }
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+# general.architecture -> (HF architecture, model_type)
+SUPPORTED_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"),
+                           "qwen3": ("Qwen3ForCausalLM", "qwen3")}
 
 # llama.cpp token types (tokenizer.ggml.token_type)
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = (
@@ -112,6 +117,11 @@ _LAYER_TENSORS = {
     "ffn_down.weight": "mlp.down_proj.weight",
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+# Qwen3's per-head q/k norms (after "blk.N."), one [head_dim] weight each
+_QK_NORM_TENSORS = {
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -236,6 +246,7 @@ class _Arch:
     kv_heads: int
     head_dim: int
     vocab: int
+    qk_norm: bool = False  # qwen3: blk.N.attn_q_norm / attn_k_norm
 
 
 def _hf_config(meta: dict[str, Any], path: str, tied: bool, vocab: int) -> dict[str, Any]:
@@ -243,29 +254,35 @@ def _hf_config(meta: dict[str, Any], path: str, tied: bool, vocab: int) -> dict[
     if arch not in SUPPORTED_ARCHITECTURES:
         raise GGUFError(f"{path}: general.architecture = {arch!r} is not supported "
                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    hidden = _int(meta, "llama.embedding_length", path)
-    heads = _int(meta, "llama.attention.head_count", path)
-    kv_heads = _int(meta, "llama.attention.head_count_kv", path) if (
-        "llama.attention.head_count_kv" in meta) else heads
-    head_dim = (_int(meta, "llama.attention.key_length", path)
-                if "llama.attention.key_length" in meta else hidden // heads)
-    rope_dim = (_int(meta, "llama.rope.dimension_count", path)
-                if "llama.rope.dimension_count" in meta else head_dim)
+    # The config keys are named after the architecture: llama.embedding_length, qwen3.* ...
+    hidden = _int(meta, f"{arch}.embedding_length", path)
+    heads = _int(meta, f"{arch}.attention.head_count", path)
+    kv_heads = _int(meta, f"{arch}.attention.head_count_kv", path) if (
+        f"{arch}.attention.head_count_kv" in meta) else heads
+    head_dim = (_int(meta, f"{arch}.attention.key_length", path)
+                if f"{arch}.attention.key_length" in meta else hidden // heads)
+    if f"{arch}.attention.value_length" in meta and _int(
+            meta, f"{arch}.attention.value_length", path) != head_dim:
+        raise GGUFError(f"{path}: {arch}.attention.value_length = "
+                        f"{meta[f'{arch}.attention.value_length']} differs from the key length "
+                        f"{head_dim} (different k and v head sizes are not supported)")
+    rope_dim = (_int(meta, f"{arch}.rope.dimension_count", path)
+                if f"{arch}.rope.dimension_count" in meta else head_dim)
     if head_dim % 2:  # rotary pairs
         raise GGUFError(f"{path}: the head size {head_dim} is odd (rotary embeddings need pairs)")
-    if rope_dim != head_dim:  # HF Llama rotates the whole head
-        raise GGUFError(f"{path}: llama.rope.dimension_count = {rope_dim} differs from the "
+    if rope_dim != head_dim:  # HF Llama / Qwen3 rotate the whole head
+        raise GGUFError(f"{path}: {arch}.rope.dimension_count = {rope_dim} differs from the "
                         f"head size {head_dim} (partial rotary embeddings are not supported)")
     if heads % kv_heads:
-        raise GGUFError(f"{path}: llama.attention.head_count_kv = {kv_heads} does not divide "
-                        f"llama.attention.head_count = {heads}")
+        raise GGUFError(f"{path}: {arch}.attention.head_count_kv = {kv_heads} does not divide "
+                        f"{arch}.attention.head_count = {heads}")
     rope_scaling = None
-    scaling = meta.get("llama.rope.scaling.type", "none")
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling == "linear":
         rope_scaling = {"rope_type": "linear",
-                        "factor": float(_need(meta, "llama.rope.scaling.factor", path))}
+                        "factor": float(_need(meta, f"{arch}.rope.scaling.factor", path))}
     elif scaling != "none":
-        raise GGUFError(f"{path}: llama.rope.scaling.type = {scaling!r} is not supported "
+        raise GGUFError(f"{path}: {arch}.rope.scaling.type = {scaling!r} is not supported "
                         f"(supported: none, linear)")
     tokens = meta.get("tokenizer.ggml.tokens") or []
     bos = meta.get("tokenizer.ggml.bos_token_id")
@@ -273,24 +290,30 @@ def _hf_config(meta: dict[str, Any], path: str, tied: bool, vocab: int) -> dict[
                                  "tokenizer.ggml.eom_token_id") if k in meta]
     eos_ids = [int(i) for i in dict.fromkeys(eos_ids) if 0 <= int(i) < max(len(tokens), vocab)]
     pad = meta.get("tokenizer.ggml.padding_token_id")
+    hf_arch, model_type = SUPPORTED_ARCHITECTURES[arch]
+    layers = _int(meta, f"{arch}.block_count", path)
+    family: dict[str, Any] = ({"mlp_bias": False} if arch == "llama" else
+                              # qwen3: full attention on every layer, as the engine does
+                              {"use_sliding_window": False, "sliding_window": None,
+                               "max_window_layers": layers})
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [hf_arch],
+        "model_type": model_type,
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": _int(meta, "llama.feed_forward_length", path),
-        "num_hidden_layers": _int(meta, "llama.block_count", path),
+        "intermediate_size": _int(meta, f"{arch}.feed_forward_length", path),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": int(meta.get("llama.context_length", 2048)),
+        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
         # the file's float32 value as is (what llama.cpp and transformers use)
-        "rms_norm_eps": float(_need(meta, "llama.attention.layer_norm_rms_epsilon", path)),
-        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
+        "rms_norm_eps": float(_need(meta, f"{arch}.attention.layer_norm_rms_epsilon", path)),
+        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         "rope_scaling": rope_scaling,
         "attention_bias": False,
-        "mlp_bias": False,
+        **family,
         "attention_dropout": 0.0,
         "tie_word_embeddings": tied,
         "bos_token_id": None if bos is None else int(bos),
@@ -304,7 +327,7 @@ def _hf_config(meta: dict[str, Any], path: str, tied: bool, vocab: int) -> dict[
 def _arch(cfg: dict[str, Any]) -> _Arch:
     return _Arch(cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"],
                  cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"],
-                 cfg["vocab_size"])
+                 cfg["vocab_size"], qk_norm=cfg["model_type"] == "qwen3")
 
 
 def _expected_shapes(a: _Arch) -> dict[str, tuple[int, ...]]:
@@ -324,18 +347,22 @@ def _expected_shapes(a: _Arch) -> dict[str, tuple[int, ...]]:
         "input_layernorm.weight": (a.hidden,),
         "post_attention_layernorm.weight": (a.hidden,),
     }
+    if a.qk_norm:
+        layer.update({hf: (a.head_dim,) for hf in _QK_NORM_TENSORS.values()})
     for i in range(a.layers):
         shapes.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
     return shapes
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The HF Llama name of a GGUF tensor, or None when it has none."""
+def hf_tensor_name(gguf_name: str, qk_norm: bool = False) -> str | None:
+    """The HF name of a GGUF tensor, or None when it has none (``qk_norm``: a qwen3 file,
+    whose layers also hold the q/k norms)."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
+    layer_tensors = {**_LAYER_TENSORS, **_QK_NORM_TENSORS} if qk_norm else _LAYER_TENSORS
     parts = gguf_name.split(".", 2)  # blk . N . rest
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{int(parts[1])}.{_LAYER_TENSORS[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_tensors:
+        return f"model.layers.{int(parts[1])}.{layer_tensors[parts[2]]}"
     return None
 
 
@@ -345,33 +372,37 @@ def _gguf_tensor_name(hf_name: str) -> str:
         if h == hf_name:
             return g
     _, _, i, rest = hf_name.split(".", 3)  # model . layers . N . rest
-    return f"blk.{i}." + next(g for g, h in _LAYER_TENSORS.items() if h == rest)
+    return f"blk.{i}." + next(g for g, h in {**_LAYER_TENSORS, **_QK_NORM_TENSORS}.items()
+                              if h == rest)
 
 
 def read_tensors(reader: Any, path: str, cfg: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Every tensor as HF-named float32 numpy arrays, q/k unpermuted, shapes checked."""
+    """Every tensor as HF-named float32 numpy arrays, q/k unpermuted (llama), shapes
+    checked."""
     a = _arch(cfg)
     expected = _expected_shapes(a)
+    family = "Qwen3" if a.qk_norm else "Llama"
     out: dict[str, np.ndarray] = {}
     for t in reader.tensors:
-        name = hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name, a.qk_norm)
         if name is None:
             hint = (" (Llama 3.1-style rope scaling stored as frequency factors)"
                     if t.name == "rope_freqs.weight" else "")
-            raise GGUFError(f"{path}: tensor {t.name!r} is not supported by the Llama "
+            raise GGUFError(f"{path}: tensor {t.name!r} is not supported by the {family} "
                             f"importer{hint}")
         check_type(t.tensor_type.name, path, t.name)  # before the shape: the real reason
         shape = tuple(int(d) for d in reversed(t.shape))
         if name not in expected:
             raise GGUFError(f"{path}: tensor {t.name!r}: layer index beyond "
-                            f"llama.block_count = {a.layers}")
+                            f"{cfg['model_type']}.block_count = {a.layers}")
         if shape != expected[name]:
             raise GGUFError(f"{path}: tensor {t.name!r} has shape {shape}, the metadata implies "
                             f"{expected[name]}")
         w = dequantize(t.data, t.tensor_type.name, shape, path=path, name=t.name)
-        if name.endswith("self_attn.q_proj.weight"):
+        # llama.cpp permutes Llama's q/k rows for its pairwise rope; Qwen's are as in HF.
+        if name.endswith("self_attn.q_proj.weight") and not a.qk_norm:
             w = unpermute_rotary_rows(w, a.heads)
-        elif name.endswith("self_attn.k_proj.weight"):
+        elif name.endswith("self_attn.k_proj.weight") and not a.qk_norm:
             w = unpermute_rotary_rows(w, a.kv_heads)
         out[name] = w
     missing = [n for n in expected if n not in out and not (
@@ -543,7 +574,8 @@ def build_tokenizer(meta: dict[str, Any], path: str = "?") -> tuple[Any, dict[st
         "add_eos_token": add_eos,
         "clean_up_tokenization_spaces": False,
         "model_input_names": ["input_ids", "attention_mask"],
-        "model_max_length": int(meta.get("llama.context_length", 2048)),
+        "model_max_length": int(meta.get(f"{meta.get('general.architecture')}.context_length",
+                                         2048)),
         "added_tokens_decoder": {
             str(i): {"content": t.content, "lstrip": False, "normalized": False,
                      "rstrip": False, "single_word": False, "special": t.special}
@@ -582,9 +614,9 @@ def import_gguf(path: str, out_dir: str) -> str:
     if embd is None:
         raise GGUFError(f"{path}: tensor 'token_embd.weight' is missing")
     vocab = int(embd.shape[1])  # GGUF dims are [hidden, vocab]
-    if "llama.vocab_size" in meta and int(meta["llama.vocab_size"]) != vocab:
-        raise GGUFError(f"{path}: llama.vocab_size = {meta['llama.vocab_size']} but "
-                        f"token_embd.weight has {vocab} rows")
+    key = f"{meta.get('general.architecture')}.vocab_size"
+    if key in meta and int(meta[key]) != vocab:
+        raise GGUFError(f"{path}: {key} = {meta[key]} but token_embd.weight has {vocab} rows")
     cfg = _hf_config(meta, path, tied, vocab)
     tok, tok_cfg = build_tokenizer(meta, path)  # before the tensors: fails fast
     tensors = read_tensors(reader, path, cfg)
@@ -839,8 +871,8 @@ def add_model_cli(model_subparsers: Any) -> None:
     """Register ``disagg model import FILE.gguf DIR`` and ``disagg model fetch NAME [DIR]``
     under the ``model`` command (``disagg.model.tiny.add_cli`` creates it)."""
     p = model_subparsers.add_parser(
-        "import", help="convert a GGUF file (llama) to a Hugging Face folder",
-        description="Convert a llama-architecture GGUF file to a Hugging Face folder "
+        "import", help="convert a GGUF file (llama, qwen3) to a Hugging Face folder",
+        description="Convert a llama- or qwen3-architecture GGUF file to a Hugging Face folder "
                     "(config.json, float32 model.safetensors, tokenizer). Tensor types: "
                     f"{', '.join(SUPPORTED_TYPES)}.")
     p.add_argument("file", metavar="FILE.gguf")

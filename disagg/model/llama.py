@@ -1,8 +1,15 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3; Mixtral, Qwen3-MoE) over a paged
+KV cache.
 
 Reads like the paper: x -> [RMSNorm -> attention (RoPE, GQA) -> +x] -> [RMSNorm -> SwiGLU
--> +x] per layer, final RMSNorm, LM head. Parameter names follow Hugging Face
-(``model.layers.N.self_attn.q_proj.weight`` ...) so safetensors checkpoints load as they are.
+-> +x] per layer, final RMSNorm, LM head. Qwen3 adds an RMSNorm over each query and key head
+before RoPE (``q_norm`` / ``k_norm``) and sizes heads by its own ``head_dim`` (not
+hidden / heads: q is ``[heads * head_dim]`` wide, o_proj maps that back to hidden). Mixtral
+(Mistral attention) and Qwen3-MoE (Qwen3 attention) replace the SwiGLU of their sparse layers
+with routed experts (``moe.SparseMoeBlock``: Mixtral's ``block_sparse_moe``, Qwen3-MoE's
+``mlp``; Qwen3-MoE keeps the dense SwiGLU on its ``mlp_only_layers``). Parameter names
+follow Hugging Face (``model.layers.N.self_attn.q_proj.weight`` ...) so safetensors
+checkpoints load as they are.
 
 Tokens of the whole batch are flattened: activations are ``[T, hidden]``; the paged attention
 op (``attention.py``) splits them back into sequences with ``AttentionMetadata``.
@@ -17,6 +24,9 @@ Parallelism hooks (used by later issues):
   loader which slice of each checkpoint tensor to read. With more TP ranks than kv heads,
   each rank holds the one kv head its query heads read (replicated, as vLLM does).
   Embeddings, norms and the LM head are replicated on the ranks of their stage.
+- experts: under TP each expert's w1/w3 (gate/up) rows and w2 (down) columns split like the
+  dense MLP's; with ``expert_parallel`` each TP rank holds ``E / tp`` whole experts instead
+  (``moe.expert_range``). Routers are replicated; either way one all-reduce per layer.
 """
 
 from __future__ import annotations
@@ -31,6 +41,13 @@ from disagg.config import ConfigError, ModelConfig
 from disagg.layout import kv_head_replicas, tp_kv_head_range
 from disagg.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
 from disagg.model.kernels import SMALL_LINEAR_MAX_ROWS, LinearKernel, small_linear_applies
+from disagg.model.moe import (
+    MIXTRAL_EXPERT_NAMES,
+    QWEN_EXPERT_NAMES,
+    MoeExperts,
+    SparseMoeBlock,
+    expert_range,
+)
 from disagg.model.static_decode import StaticDecodeMeta
 
 # (x, weight, eps, residual) -> (weight * rms_norm(h), h), h = residual + x (x when None)
@@ -196,6 +213,9 @@ def _split(total: int, tp_size: int, what: str) -> int:
 
 
 class Attention(nn.Module):
+    """Paged GQA self-attention: q/k/v projections (column-parallel), optional per-head q/k
+    RMSNorm (Qwen3), RoPE, paged attention, o_proj (row-parallel, partials summed)."""
+
     def __init__(self, config: ModelConfig, tp_size: int,
                  reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
@@ -215,23 +235,52 @@ class Attention(nn.Module):
         self.k_proj = Linear(h, self.num_kv_heads * d, bias=qkv_bias)
         self.v_proj = Linear(h, self.num_kv_heads * d, bias=qkv_bias)
         self.o_proj = Linear(self.num_heads * d, h, bias=o_bias)
+        # Qwen3: RMSNorm over each head's d dims, one [d] weight for all q heads and one for
+        # all k heads (so every TP rank holds them whole).
+        self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self._reduce = reduce
         self.qkv: FusedRows | None = None  # fuse_projections: q, k, v in one GEMM
+        # fuse_projections (Qwen3): the q/k norm weights as one [hq + hkv, d] matrix, row h
+        # the weight of head h of the fused q|k columns, so one norm and one RoPE cover both.
+        self.qk_norm_rows: torch.Tensor | None = None
+        self.qk_norm_eps = config.rms_norm_eps
+
+    def fuse_qk_norms(self) -> None:
+        """Stack the q/k norm weights into ``qk_norm_rows`` (a copy: call once the weights
+        are loaded; nothing without q/k norms)."""
+        if self.q_norm is not None and self.k_norm is not None:
+            q_rows = self.q_norm.weight.detach().expand(self.num_heads, -1)
+            k_rows = self.k_norm.weight.detach().expand(self.num_kv_heads, -1)
+            self.qk_norm_rows = torch.cat([q_rows, k_rows])
+
+    def _norm_rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q ``[T, hq, d]``, k ``[T, hkv, d]`` -> RoPE(q_norm(q)), RoPE(k_norm(k)) (no norms
+        outside Qwen3). The norm comes first, as transformers' Qwen3Attention applies it."""
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata | StaticDecodeMeta,
                 workspace: GatherWorkspace | None = None) -> torch.Tensor:
         t, d, hq, hkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         if self.qkv is not None and self.qkv.pays(x):
-            # One GEMM; q and k are adjacent column ranges, so one RoPE covers both:
+            # One GEMM; q and k are adjacent column ranges:
             #   out [T, (hq + 2 hkv) d]: cols [0, hq d) q | [hq d, (hq + hkv) d) k | v
             out = self.qkv.matmul(x)
-            qk = apply_rope(out[:, :(hq + hkv) * d].view(t, hq + hkv, d), cos, sin)
-            q, k = qk.split((hq, hkv), dim=1)
             v = out[:, (hq + hkv) * d:].view(t, hkv, d)
+            qk = out[:, :(hq + hkv) * d].view(t, hq + hkv, d)
+            if self.q_norm is None or self.qk_norm_rows is not None:
+                if self.qk_norm_rows is not None:  # Qwen3: every head normalised at once
+                    qk = rms_norm_reference(qk, self.qk_norm_rows, self.qk_norm_eps)[0]
+                q, k = apply_rope(qk, cos, sin).split((hq, hkv), dim=1)  # one RoPE for both
+            else:
+                q, k = self._norm_rope(qk[:, :hq], qk[:, hq:], cos, sin)
         else:
-            q = apply_rope(self.q_proj(x).view(t, hq, d), cos, sin)
-            k = apply_rope(self.k_proj(x).view(t, hkv, d), cos, sin)
+            q, k = self._norm_rope(self.q_proj(x).view(t, hq, d), self.k_proj(x).view(t, hkv, d),
+                                   cos, sin)
             v = self.v_proj(x).view(t, hkv, d)
         if isinstance(meta, StaticDecodeMeta):  # a padded decode batch (CUDA graph bucket)
             o = meta.attend(q, k, v, kv_layer, self.scale)
@@ -266,28 +315,64 @@ class MLP(nn.Module):
         return self._reduce(self.down_proj(nn.functional.silu(gate) * up))
 
 
+def sparse_moe(config: ModelConfig, tp_rank: int, tp_size: int, expert_parallel: bool,
+               reduce: Callable[[torch.Tensor], torch.Tensor]) -> SparseMoeBlock:
+    """The routed experts of one Mixtral / Qwen3-MoE layer on this rank. Tensor parallel:
+    every expert, ``I / tp`` of each one's intermediate rows. Expert parallel: experts
+    ``expert_range(E, tp, tp_rank)``, whole."""
+    moe = config.moe
+    assert moe is not None
+    if expert_parallel:
+        lo, hi = expert_range(moe.num_experts, tp_size, tp_rank)
+        inter = moe.moe_intermediate_size
+    else:
+        lo, hi = 0, moe.num_experts
+        inter = _split(moe.moe_intermediate_size, tp_size, "moe_intermediate_size")
+    mixtral = config.architecture == "mixtral"
+    return SparseMoeBlock(
+        config.hidden_size, inter, moe.num_experts, moe.num_experts_per_tok,
+        moe.norm_topk_prob, reduce, expert_start=lo, num_local=hi - lo,
+        names=MIXTRAL_EXPERT_NAMES if mixtral else QWEN_EXPERT_NAMES,
+        # Qwen3-MoE casts the router weights to the activations' dtype; Mixtral keeps float32.
+        weights_in_act_dtype=not mixtral)
+
+
 class DecoderLayer(nn.Module):
+    """Pre-norm attention then pre-norm feed-forward, each added to the residual stream. The
+    feed-forward is the dense ``mlp``, or routed experts on a MoE model's sparse layers:
+    ``block_sparse_moe`` (Mixtral's name) or ``mlp`` (Qwen3-MoE's)."""
+
     def __init__(self, config: ModelConfig, tp_size: int,
-                 reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+                 reduce: Callable[[torch.Tensor], torch.Tensor], layer: int = 0,
+                 tp_rank: int = 0, expert_parallel: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, tp_size, reduce)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, tp_size, reduce)
+        ffn: nn.Module = (sparse_moe(config, tp_rank, tp_size, expert_parallel, reduce)
+                          if config.is_moe_layer(layer) else MLP(config, tp_size, reduce))
+        self.ffn_name = "block_sparse_moe" if config.architecture == "mixtral" else "mlp"
+        setattr(self, self.ffn_name, ffn)
+
+    @property
+    def feed_forward(self) -> nn.Module:
+        """The layer's MLP or ``SparseMoeBlock``, whatever the checkpoint calls it."""
+        return getattr(self, self.ffn_name)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata | StaticDecodeMeta,
                 workspace: GatherWorkspace | None = None) -> torch.Tensor:
         a = self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, meta, workspace)
         h, x = self.post_attention_layernorm.add_norm(a, x)  # x <- x + a; h = norm(x)
-        return x + self.mlp(h)
+        return x + self.feed_forward(h)
 
 
 class LlamaModel(nn.Module):
     """The decoder stack of one pipeline stage (HF's ``model.`` prefix)."""
 
     def __init__(self, config: ModelConfig, layer_range: tuple[int, int], tp_size: int,
-                 reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+                 reduce: Callable[[torch.Tensor], torch.Tensor], tp_rank: int = 0,
+                 expert_parallel: bool = False) -> None:
         super().__init__()
         start, end = layer_range
         self.is_first = start == 0
@@ -301,13 +386,14 @@ class LlamaModel(nn.Module):
         # Keyed by the *global* layer index so names match the checkpoint
         # ("model.layers.5..." on a stage holding layers [4, 8)).
         self.layers = nn.ModuleDict(
-            {str(g): DecoderLayer(config, tp_size, reduce) for g in range(start, end)})
+            {str(g): DecoderLayer(config, tp_size, reduce, g, tp_rank, expert_parallel)
+             for g in range(start, end)})
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last else None
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, layer_range: tuple[int, int] | None = None,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, expert_parallel: bool = False) -> None:
         super().__init__()
         n = config.num_hidden_layers
         start, end = layer_range if layer_range is not None else (0, n)
@@ -320,6 +406,8 @@ class LlamaForCausalLM(nn.Module):
         self.layer_range = (start, end)
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        # MoE layers: whole experts per TP rank (``sparse_moe``) instead of split experts.
+        self.expert_parallel = expert_parallel and config.moe is not None
         # Sum of the row-parallel partial outputs across TP ranks; identity at tp_size == 1.
         # The TP issue sets this (e.g. to a torch.distributed all-reduce).
         self.tp_all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -332,7 +420,8 @@ class LlamaForCausalLM(nn.Module):
         self.num_local_kv_heads = self.kv_head_range[1] - self.kv_head_range[0]
         self.rotary = RotaryEmbedding(config)
         self.workspace = GatherWorkspace()  # scratch for paged attention, shared by the layers
-        self.model = LlamaModel(config, self.layer_range, tp_size, self._reduce)
+        self.model = LlamaModel(config, self.layer_range, tp_size, self._reduce, tp_rank,
+                                self.expert_parallel)
         self.lm_head = (Linear(config.hidden_size, config.vocab_size, bias=False)
                         if self.model.is_last else None)
         self.tie_weights()
@@ -345,12 +434,16 @@ class LlamaForCausalLM(nn.Module):
 
     def fuse_projections(self) -> None:
         """q/k/v and gate/up as one GEMM each (``FusedRows``): fewer, larger matrix products
-        (a decode step's GEMMs per layer go from 7 to 4). Call once the weights are loaded."""
+        (a decode step's GEMMs per layer go from 7 to 4); a MoE layer's experts stacked into
+        ``[E, 2I, H]`` / ``[E, H, I]`` (``MoeExperts.fuse``). Call once the weights are loaded."""
         for layer in self.model.layers.values():
-            att, mlp = layer.self_attn, layer.mlp
+            att, mlp = layer.self_attn, layer.feed_forward
             if att.qkv is None:
                 att.qkv = FusedRows([att.q_proj, att.k_proj, att.v_proj])
-            if mlp.gate_up is None:
+                att.fuse_qk_norms()
+            if isinstance(mlp, SparseMoeBlock):
+                mlp.experts.fuse()
+            elif mlp.gate_up is None:
                 mlp.gate_up = FusedRows([mlp.gate_proj, mlp.up_proj])
 
     def use_norm_kernel(self, kernel: NormKernel | None) -> None:
@@ -364,7 +457,7 @@ class LlamaForCausalLM(nn.Module):
         """Let every projection and the LM head use ``kernel`` for few-row inputs (None: torch
         only). The runner sets it on CPU, as it sets the attention kernel."""
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear | MoeExperts):
                 module.small_m_kernel = kernel
 
     @property
@@ -382,16 +475,20 @@ class LlamaForCausalLM(nn.Module):
             raise NotImplementedError("tensor parallel forward needs tp_all_reduce to be set")
         return self.tp_all_reduce(x)
 
-    @staticmethod
-    def tp_shard_dim(name: str) -> int | None:
+    def tp_shard_dim(self, name: str) -> int | None:
         """Dimension along which a checkpoint tensor is split across TP ranks (None: whole).
 
         Column-parallel q/k/v/gate/up split their output rows (dim 0, biases too);
         row-parallel o/down split their input columns (dim 1; o_proj's bias is replicated).
+        Experts (Mixtral's w1/w3 gate/up, w2 down) split the same way, or not at all under
+        expert parallelism (each rank holds its experts whole); routers are replicated.
         """
-        if any(p in name for p in ("q_proj.", "k_proj.", "v_proj.", "gate_proj.", "up_proj.")):
+        if self.expert_parallel and ".experts." in name:
+            return None
+        if any(p in name for p in ("q_proj.", "k_proj.", "v_proj.", "gate_proj.", "up_proj.",
+                                   ".w1.", ".w3.")):
             return 0
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
+        if name.endswith(("o_proj.weight", "down_proj.weight", ".w2.weight")):
             return 1
         return None
 

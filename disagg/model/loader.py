@@ -17,6 +17,7 @@ from safetensors import safe_open
 from torch import nn
 
 from disagg.config import ModelConfig
+from disagg.model.deepseek import DeepseekV3ForCausalLM
 from disagg.model.llama import LlamaForCausalLM
 
 SINGLE_FILE = "model.safetensors"
@@ -89,8 +90,11 @@ def _read_tensor(handle: object, name: str, file_name: str, local_shape: tuple[i
 def load_model(model_dir: str, config: ModelConfig | None = None,
                dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
                layer_range: tuple[int, int] | None = None, tp_rank: int = 0,
-               tp_size: int = 1) -> LlamaForCausalLM:
+               tp_size: int = 1, expert_parallel: bool = False) -> LlamaForCausalLM:
     """Build the model (or one pipeline stage / TP rank of it) with weights from ``model_dir``.
+
+    ``expert_parallel``: a MoE model's TP rank holds and reads only its own experts, whole
+    (``tp_shard_dim``), instead of a slice of every expert.
 
     ``config`` defaults to ``ModelConfig.from_dir(model_dir)``. Raises ``FileNotFoundError``
     for a missing folder / file and ``CheckpointError`` for a missing tensor or wrong shape,
@@ -104,9 +108,11 @@ def load_model(model_dir: str, config: ModelConfig | None = None,
     device = torch.device(device)
     weight_map = checkpoint_weight_map(model_dir)
 
+    # MLA (DeepSeek-V3) has its own decoder with the same interface.
+    model_cls = DeepseekV3ForCausalLM if config.cache_kind == "mla" else LlamaForCausalLM
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, layer_range=layer_range, tp_rank=tp_rank,
-                                 tp_size=tp_size)
+        model = model_cls(config, layer_range=layer_range, tp_rank=tp_rank, tp_size=tp_size,
+                          expert_parallel=expert_parallel)
 
     # Group the parameters this rank holds by checkpoint file, so each file opens once.
     by_file: dict[str, list[tuple[str, str]]] = defaultdict(list)
@@ -129,7 +135,11 @@ def load_model(model_dir: str, config: ModelConfig | None = None,
                 dim = model.tp_shard_dim(pname)
                 shard = None if dim is None else model.tp_shard(pname, param.shape[dim])
                 tensor = _read_tensor(f, src, file_name, tuple(param.shape), shard)
-                _set_parameter(model, pname, tensor.to(device=device, dtype=dtype))
+                # Parameters a model keeps in float32 whatever the dtype (DeepSeek's routing
+                # bias, as transformers keeps it).
+                keep = pname.endswith(getattr(model, "float32_parameters", ()))
+                _set_parameter(model, pname, tensor.to(
+                    device=device, dtype=torch.float32 if keep else dtype))
     model.tie_weights()
     model.fuse_projections()
     model.eval()
@@ -145,17 +155,21 @@ def _set_parameter(model: nn.Module, name: str, value: torch.Tensor) -> None:
 def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int,
                    num_layers: int | None = None,
                    num_kv_heads: int | None = None) -> tuple[int, ...]:
-    """``[num_blocks, num_local_layers, 2, num_local_kv_heads, block_size, head_dim]``."""
-    return (num_blocks, num_layers or config.num_hidden_layers, 2,
-            num_kv_heads or config.num_key_value_heads, block_size, config.head_dim)
+    """``[num_blocks, num_local_layers, kv_parts, num_local_kv_heads, block_size, width]``:
+    kv_parts 2 (K, V) and width head_dim for MHA/GQA; 1 (the latent), one head and width
+    kv_lora_rank + qk_rope_head_dim for MLA (``ModelConfig.kv_parts`` / ``kv_cache_width``).
+    """
+    return (num_blocks, num_layers or config.num_hidden_layers, config.kv_parts,
+            num_kv_heads or config.num_key_value_heads, block_size, config.kv_cache_width)
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype | str,
                              num_layers: int | None = None,
                              num_kv_heads: int | None = None) -> int:
-    """Bytes of one block (all local layers, K and V, all local kv heads)."""
-    _, layers, two, heads, b, d = kv_cache_shape(config, 1, block_size, num_layers, num_kv_heads)
-    return layers * two * heads * b * d * as_torch_dtype(dtype).itemsize
+    """Bytes of one block (all local layers, every kv part, all local kv heads)."""
+    _, layers, parts, heads, b, d = kv_cache_shape(config, 1, block_size, num_layers,
+                                                   num_kv_heads)
+    return layers * parts * heads * b * d * as_torch_dtype(dtype).itemsize
 
 
 def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int,

@@ -20,12 +20,19 @@ import tempfile
 from typing import Any
 
 from disagg.env import cache_root
+from disagg.model.tiny_deepseek import deepseek_keys, deepseek_layer_weights
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
+# Families with routed experts (write_tiny_checkpoint's num_experts ... apply to them only).
+MOE_ARCHITECTURES = ("mixtral", "qwen3_moe")
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
@@ -259,6 +266,9 @@ def _weights(cfg: dict[str, Any], arch: str, seed: int, suppressed_ids: list[int
     branch = _TIED_BRANCH_GAIN if cfg["tie_word_embeddings"] else 1.0
     w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(vocab, hidden, std=1.0)}
     for i in range(cfg["num_hidden_layers"]):
+        if arch == "deepseek_v3":  # MLA + grouped experts: tiny_deepseek
+            w.update(deepseek_layer_weights(cfg, i, normal, torch.ones, branch))
+            continue
         p = f"model.layers.{i}."
         w[p + "self_attn.q_proj.weight"] = normal(heads * head_dim, hidden, std=proj)
         w[p + "self_attn.k_proj.weight"] = normal(kv_heads * head_dim, hidden, std=proj)
@@ -269,9 +279,16 @@ def _weights(cfg: dict[str, Any], arch: str, seed: int, suppressed_ids: list[int
             w[p + "self_attn.q_proj.bias"] = normal(heads * head_dim, std=0.1)
             w[p + "self_attn.k_proj.bias"] = normal(kv_heads * head_dim, std=0.1)
             w[p + "self_attn.v_proj.bias"] = normal(kv_heads * head_dim, std=0.1)
-        w[p + "mlp.gate_proj.weight"] = normal(inter, hidden, std=proj)
-        w[p + "mlp.up_proj.weight"] = normal(inter, hidden, std=proj)
-        w[p + "mlp.down_proj.weight"] = normal(hidden, inter, std=branch * inter ** -0.5)
+        if arch in ("qwen3", "qwen3_moe"):  # per-head q/k norms; not all ones, so a lost
+            # weight shows
+            w[p + "self_attn.q_norm.weight"] = 1.0 + normal(head_dim, std=0.1)
+            w[p + "self_attn.k_norm.weight"] = 1.0 + normal(head_dim, std=0.1)
+        if _is_moe_layer(cfg, i):
+            w.update(_expert_weights(cfg, p, normal, branch))
+        else:
+            w[p + "mlp.gate_proj.weight"] = normal(inter, hidden, std=proj)
+            w[p + "mlp.up_proj.weight"] = normal(inter, hidden, std=proj)
+            w[p + "mlp.down_proj.weight"] = normal(hidden, inter, std=branch * inter ** -0.5)
         w[p + "input_layernorm.weight"] = torch.ones(hidden)
         w[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
     w["model.norm.weight"] = torch.ones(hidden)
@@ -288,8 +305,68 @@ def _weights(cfg: dict[str, Any], arch: str, seed: int, suppressed_ids: list[int
     return {k: v.to(dtype).contiguous() for k, v in w.items()}
 
 
-def _check_shape(arch: str, dtype: str, sizes: dict[str, int]) -> int:
-    """Raise ValueError for arguments no checkpoint can have; returns ``head_dim``."""
+def _is_moe_layer(cfg: dict[str, Any], layer: int) -> bool:
+    """transformers' rule: routed experts on layers ``(i + 1) % decoder_sparse_step == 0``
+    outside ``mlp_only_layers`` (every layer of a Mixtral)."""
+    if cfg["model_type"] not in MOE_ARCHITECTURES:
+        return False
+    return (layer not in cfg.get("mlp_only_layers", [])
+            and (layer + 1) % cfg.get("decoder_sparse_step", 1) == 0)
+
+
+def _expert_weights(cfg: dict[str, Any], p: str, normal: Any, branch: float
+                    ) -> dict[str, Any]:
+    """A MoE layer's router and experts under the checkpoint names of its family (Mixtral:
+    ``block_sparse_moe.experts.E.w1/w3/w2``, Qwen3-MoE: ``mlp.experts.E.gate/up/down_proj``),
+    scaled like the dense MLP (router logits of std ~1: varied, rarely tied top-k choices)."""
+    hidden = cfg["hidden_size"]
+    if cfg["model_type"] == "mixtral":
+        experts, inter = cfg["num_local_experts"], cfg["intermediate_size"]
+        prefix, names = "block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        experts, inter = cfg["num_experts"], cfg["moe_intermediate_size"]
+        prefix, names = "mlp.", ("gate_proj", "up_proj", "down_proj")
+    w = {f"{p}{prefix}gate.weight": normal(experts, hidden, std=hidden ** -0.5)}
+    for e in range(experts):
+        q = f"{p}{prefix}experts.{e}."
+        w[q + names[0] + ".weight"] = normal(inter, hidden, std=hidden ** -0.5)
+        w[q + names[1] + ".weight"] = normal(inter, hidden, std=hidden ** -0.5)
+        w[q + names[2] + ".weight"] = normal(hidden, inter, std=branch * inter ** -0.5)
+    return w
+
+
+def _moe_keys(arch: str, num_experts: int, num_experts_per_tok: int,
+              moe_intermediate_size: int | None, mlp_only_layers: tuple[int, ...],
+              num_layers: int) -> dict[str, Any]:
+    """The MoE keys of ``config.json`` (as the hub checkpoints spell them); {} if dense."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    if num_experts < 1:
+        raise ValueError(f"num_experts: must be > 0, got {num_experts}")
+    if not 1 <= num_experts_per_tok <= num_experts:
+        raise ValueError(f"num_experts_per_tok: must be in [1, num_experts={num_experts}], "
+                         f"got {num_experts_per_tok}")
+    if arch == "mixtral":
+        if mlp_only_layers:
+            raise ValueError("mlp_only_layers: Mixtral has experts on every layer")
+        return {"num_local_experts": num_experts, "num_experts_per_tok": num_experts_per_tok,
+                "router_jitter_noise": 0.0, "output_router_logits": False}
+    bad = [i for i in mlp_only_layers if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"mlp_only_layers: {bad} not in [0, {num_layers})")
+    if moe_intermediate_size is not None and moe_intermediate_size < 1:
+        raise ValueError(f"moe_intermediate_size: must be > 0, got {moe_intermediate_size}")
+    return {"num_experts": num_experts, "num_experts_per_tok": num_experts_per_tok,
+            "moe_intermediate_size": moe_intermediate_size or 32, "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": list(mlp_only_layers),
+            "output_router_logits": False}
+
+
+def _check_shape(arch: str, dtype: str, sizes: dict[str, int],
+                 head_dim: int | None = None) -> int:
+    """Raise ValueError for arguments no checkpoint can have; returns ``head_dim`` (default
+    hidden / heads; qwen3 twice that, as Qwen3-0.6B's 128 with 1024 hidden over 16 heads, so
+    a test covers a head size independent of the hidden size)."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch: {arch!r} is not one of {sorted(ARCHITECTURES)}")
     if dtype not in ("float32", "bfloat16", "float16"):
@@ -304,10 +381,14 @@ def _check_shape(arch: str, dtype: str, sizes: dict[str, int]) -> int:
     if heads % kv_heads:
         raise ValueError(f"num_key_value_heads: {kv_heads} must divide "
                          f"num_attention_heads {heads}")
+    if head_dim is not None:
+        if head_dim <= 0 or head_dim % 2:
+            raise ValueError(f"head_dim: must be even and > 0 (RoPE pairs), got {head_dim}")
+        return head_dim
     head_dim = hidden // heads
     if head_dim % 2:
         raise ValueError(f"hidden_size / num_attention_heads = {head_dim} must be even (RoPE)")
-    return head_dim
+    return 2 * head_dim if arch == "qwen3" else head_dim
 
 
 def _model_config(arch: str, tok: Any, vocab_size: int, sizes: dict[str, int], head_dim: int,
@@ -337,11 +418,13 @@ def _model_config(arch: str, tok: Any, vocab_size: int, sizes: dict[str, int], h
     }
     if arch == "llama":
         cfg.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
-    elif arch == "mistral":
+    elif arch in ("mistral", "mixtral"):
         cfg["sliding_window"] = None  # full attention, like the engine
-    else:  # qwen2: q/k/v carry a bias; no sliding window
+    else:  # qwen2: q/k/v carry a bias; qwen3: no bias, q/k norms; no sliding window
         cfg.update(use_sliding_window=False, sliding_window=None,
                    max_window_layers=sizes["num_hidden_layers"])
+        if arch in ("qwen3", "qwen3_moe"):
+            cfg["attention_bias"] = False
     return cfg
 
 
@@ -382,20 +465,35 @@ def write_tiny_checkpoint(
     rope_theta: float = 10000.0,
     seed: int = 0,
     dtype: str = "float32",
+    head_dim: int | None = None,
+    num_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int | None = None,
+    mlp_only_layers: tuple[int, ...] = (),
 ) -> str:
     """Write a tiny random checkpoint of ``arch`` into ``out_dir`` (created; files overwritten).
 
     Returns ``out_dir``. The tokenizer has at most ``vocab_size`` tokens (the model's
-    vocabulary is exactly ``vocab_size``; extra rows are padding).
+    vocabulary is exactly ``vocab_size``; extra rows are padding). MoE families
+    (``MOE_ARCHITECTURES``) get ``num_experts`` experts, ``num_experts_per_tok`` per token;
+    Mixtral's are ``intermediate_size`` wide, Qwen3-MoE's ``moe_intermediate_size`` (default
+    32; renormalised top-k) with a dense MLP on ``mlp_only_layers``.
+    ``deepseek_v3``: MLA and grouped routed experts (``num_experts``, ``num_experts_per_tok``,
+    ``moe_intermediate_size``) plus a shared one, the first layer dense; its latent sizes are
+    ``tiny_deepseek.TINY_MLA`` (``num_key_value_heads`` does not apply).
     """
     sizes = {"hidden_size": hidden_size, "intermediate_size": intermediate_size,
              "num_hidden_layers": num_hidden_layers, "num_attention_heads": num_attention_heads,
              "num_key_value_heads": num_key_value_heads,
              "max_position_embeddings": max_position_embeddings}
-    head_dim = _check_shape(arch, dtype, sizes)
+    head_dim = _check_shape(arch, dtype, sizes, head_dim)
     tok = build_tokenizer(vocab_size)
     cfg = _model_config(arch, tok, vocab_size, sizes, head_dim, tie_word_embeddings,
                         rope_scaling, rope_theta, dtype)
+    cfg.update(_moe_keys(arch, num_experts, num_experts_per_tok, moe_intermediate_size,
+                         tuple(mlp_only_layers), num_hidden_layers))
+    if arch == "deepseek_v3":
+        cfg.update(deepseek_keys(cfg, num_experts, num_experts_per_tok, moe_intermediate_size))
     weights = _weights(cfg, arch, seed, _unreadable_ids(tok),
                        tok.get_vocab_size(with_added_tokens=True))
     _save(out_dir, cfg, tok, weights)
@@ -407,23 +505,24 @@ def write_tiny_checkpoint(
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
-def default_tiny_model_dir() -> str:
-    """Where the demo model lives: ``$DISAGG_CACHE/tiny-llama-vN`` (default ``~/.cache/disagg``)."""
-    return os.path.join(cache_root(), f"tiny-llama-v{TINY_FORMAT_VERSION}")
+def default_tiny_model_dir(arch: str = "llama") -> str:
+    """Where the built-in tiny model of ``arch`` lives: ``$DISAGG_CACHE/tiny-ARCH-vN`` (default
+    ``~/.cache/disagg``; the demo's is ``tiny-llama-vN``)."""
+    return os.path.join(cache_root(), f"tiny-{arch}-v{TINY_FORMAT_VERSION}")
 
 
 def _is_complete(path: str) -> bool:
     return all(os.path.isfile(os.path.join(path, f)) for f in _REQUIRED_FILES)
 
 
-def ensure_tiny_model(path: str | None = None) -> str:
-    """Return ``path`` (default: ``default_tiny_model_dir()``), writing the default tiny llama
-    there first if it is not there yet.
+def ensure_tiny_model(path: str | None = None, arch: str = "llama") -> str:
+    """Return ``path`` (default: ``default_tiny_model_dir(arch)``), writing the default tiny
+    ``arch`` checkpoint there first if it is not there yet.
 
     Atomic: the checkpoint is written to a temporary folder beside ``path`` and renamed into
     place, so concurrent callers and interrupted runs never see half a checkpoint.
     """
-    path = os.path.abspath(path or default_tiny_model_dir())
+    path = os.path.abspath(path or default_tiny_model_dir(arch))
     if _is_complete(path):
         return path
     if os.path.isdir(path) and os.listdir(path):
@@ -433,7 +532,7 @@ def ensure_tiny_model(path: str | None = None) -> str:
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tiny-", dir=parent)
     try:
-        write_tiny_checkpoint(tmp)
+        write_tiny_checkpoint(tmp, arch)
         try:
             os.rename(tmp, path)  # replaces an empty folder; fails if another writer won
         except OSError:
@@ -462,7 +561,10 @@ def _cmd_tiny(args: argparse.Namespace) -> int:
             intermediate_size=args.intermediate_size, num_hidden_layers=args.layers,
             num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
             max_position_embeddings=args.max_position_embeddings,
-            tie_word_embeddings=args.tie_word_embeddings, seed=args.seed, dtype=args.dtype)
+            tie_word_embeddings=args.tie_word_embeddings, seed=args.seed, dtype=args.dtype,
+            head_dim=args.head_dim, num_experts=args.num_experts,
+            num_experts_per_tok=args.experts_per_token,
+            moe_intermediate_size=args.moe_intermediate_size)
     except ValueError as e:
         print(f"error: {e}")
         return 1
@@ -486,6 +588,15 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--layers", type=int, default=2, help="number of decoder layers")
     p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA)")
+    p.add_argument("--head-dim", type=int, default=None,
+                   help="size of a head (default hidden / heads; qwen3: twice that)")
+    p.add_argument("--num-experts", type=int, default=8,
+                   help="experts per MoE layer (mixtral, qwen3_moe)")
+    p.add_argument("--experts-per-token", type=int, default=2,
+                   help="experts each token is routed to (MoE)")
+    p.add_argument("--moe-intermediate-size", type=int, default=None,
+                   help="qwen3_moe: an expert's intermediate size (default 32); Mixtral's "
+                        "experts use --intermediate-size")
     p.add_argument("--vocab-size", type=int, default=512)
     p.add_argument("--max-position-embeddings", type=int, default=2048)
     p.add_argument("--tie-word-embeddings", action="store_true")

@@ -3,7 +3,10 @@ cache memory or one gather into a reusable staging buffer.
 
 Cache (one tensor per rank, docs/DESIGN.md 1)::
 
-    kv: [N blocks, L local layers, 2 (K, V), H local kv heads, B tokens/block, D head_dim]
+    kv: [N blocks, L local layers, P parts, H local kv heads, B tokens/block, D width]
+
+P = 2 (K, V; D = head_dim), or 1 for an MLA latent (one head, D = kv_lora_rank +
+qk_rope_head_dim); the "2" below is P.
 
 A READ asks for blocks ``ids``, layers ``[l0, l1)``, heads ``[h0, h1)``; nl = l1-l0, nh = h1-h0::
 
@@ -126,12 +129,14 @@ def gather_views(pieces: list[np.ndarray], dst: np.ndarray) -> None:
 
 
 def payload_shape(kv_shape: tuple[int, ...], req: ReadRequest) -> tuple[int, ...]:
-    _, _, _, _, block, head_dim = kv_shape
+    """The payload of ``req`` from a cache of ``kv_shape`` (its kv_parts P: 2, or 1 for an
+    MLA latent): ``[n, nl, P, nh, B, D]`` ("blocks") or ``[nl, P, nh, T, D]`` ("tokens")."""
+    _, _, parts, _, block, head_dim = kv_shape
     nl = req.layer_slice[1] - req.layer_slice[0]
     nh = req.head_slice[1] - req.head_slice[0]
     if req.format == "blocks":
-        return (len(req.block_ids), nl, 2, nh, block, head_dim)
-    return (nl, 2, nh, req.num_tokens, head_dim)
+        return (len(req.block_ids), nl, parts, nh, block, head_dim)
+    return (nl, parts, nh, req.num_tokens, head_dim)
 
 
 @dataclass(frozen=True)
@@ -200,12 +205,12 @@ def gather_into(kv: torch.Tensor, req: ReadRequest, dst: torch.Tensor) -> None:
         for i, b, r in consecutive_runs(ids):
             _copy(dst[i:i + r], src[b:b + r])
         return
-    nl, _, nh, num_tokens, head_dim = dst.shape
+    nl, parts, nh, num_tokens, head_dim = dst.shape
     block = kv.shape[4]
     full = num_tokens // block  # blocks whose B tokens are all used
     for i, b, r in consecutive_runs(ids[:full]):
         # dst[..., i*B:(i+r)*B, :] split as [nl, 2, nh, r, B, D] <- src[b:b+r] (block dim 3rd)
-        _copy(dst[:, :, :, i * block:(i + r) * block].view(nl, 2, nh, r, block, head_dim),
+        _copy(dst[:, :, :, i * block:(i + r) * block].view(nl, parts, nh, r, block, head_dim),
               src[b:b + r].permute(1, 2, 3, 0, 4, 5))
     tail = num_tokens - full * block
     if tail:
@@ -222,10 +227,10 @@ def _device_gather_views(kv: torch.Tensor, req: ReadRequest, dst: torch.Tensor
     ids = req.block_ids
     if req.format == "blocks":
         return [(dst[i:i + r], src[b:b + r]) for i, b, r in consecutive_runs(ids)]
-    nl, _, nh, num_tokens, head_dim = dst.shape
+    nl, parts, nh, num_tokens, head_dim = dst.shape
     block = kv.shape[4]
     full = num_tokens // block
-    pairs = [(dst[:, :, :, i * block:(i + r) * block].view(nl, 2, nh, r, block, head_dim),
+    pairs = [(dst[:, :, :, i * block:(i + r) * block].view(nl, parts, nh, r, block, head_dim),
               src[b:b + r].permute(1, 2, 3, 0, 4, 5))
              for i, b, r in consecutive_runs(ids[:full])]
     tail = num_tokens - full * block
@@ -254,9 +259,10 @@ def gather_into_from_device(kv: torch.Tensor, req: ReadRequest, dst: torch.Tenso
                                                                   non_blocking=True)
             sel = kv[:, l0:l1, :, h0:h1].index_select(0, ids)  # [n, nl, 2, nh, B, D]
             if req.format == "tokens":
-                n, nl, _, nh, block, head_dim = sel.shape
+                n, nl, parts, nh, block, head_dim = sel.shape
                 # [n, nl, 2, nh, B, D] -> [nl, 2, nh, n*B, D]; keep tokens [0, T)
-                sel = sel.permute(1, 2, 3, 0, 4, 5).reshape(nl, 2, nh, n * block, head_dim)
+                sel = sel.permute(1, 2, 3, 0, 4, 5).reshape(nl, parts, nh, n * block,
+                                                            head_dim)
                 sel = sel[:, :, :, :req.num_tokens]
             dst.copy_(sel, non_blocking=True)
     stream.synchronize()

@@ -204,8 +204,10 @@ class KVTransferServer:
         runs: bool | None = None,
         progress: StreamProgress | None = None,
     ) -> None:
-        if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
-            raise ValueError(f"kv_cache must be [N, L, 2, H, B, D], got {tuple(kv_cache.shape)}")
+        if kv_cache.dim() != 6 or kv_cache.shape[2] not in (1, 2):
+            # kv parts: 2 (K, V), or 1 (an MLA latent)
+            raise ValueError(f"kv_cache must be [N, L, 2 or 1, H, B, D], got "
+                             f"{tuple(kv_cache.shape)}")
         if kv_cache.device.type not in ("cpu", "cuda"):
             raise ValueError(f"KVTransferServer serves CPU or CUDA KV caches, not "
                              f"{kv_cache.device.type}")

@@ -1,0 +1,204 @@
+"""Grouped MoE experts as two Triton kernels (CUDA): ``moe.grouped_experts`` without a host
+sync and without a Python loop over the experts.
+
+The (token, expert) pairs are laid out by expert on the device, each expert's run padded to a
+multiple of ``BLOCK_M`` rows, so that a program's ``BLOCK_M`` rows all belong to one expert::
+
+    pairs p = j * T + t (choice-major, as moe.group_by_expert)
+    slots  [0, BM)      [BM, 2 BM)   ...  expert 0's pairs, then padding (p = P: none)
+           [s_1, ...)                     expert 1's pairs ...          s_e multiple of BM
+    block b -> expert block_expert[b] (E_local past the last used block: the program exits)
+
+The number of blocks is bounded by shapes alone (``ceil(P / BM) + E_local``), so the launch
+sizes never depend on the routing: no ``.item()``, and the launch can be captured in a graph.
+
+``_gate_up_kernel``: grid (blocks, ceil(I / BN)); program (b, n) computes for its rows
+``silu(x @ gate[e, n-range].T) * (x @ up[e, n-range].T)`` (two float32 accumulators over
+``H`` in ``BK`` steps) into ``act[slot, n-range]``.
+``_down_kernel``: grid (blocks, ceil(H / BN)); program (b, n) computes
+``weight[p] * act[slots] @ down[e, n-range, :].T`` and writes row ``p`` of ``by_pair [P, H]``
+(every pair once: no atomics). The caller sums ``by_pair.view(k, T, H)`` over the choices, as
+``grouped_experts`` does. Pairs of other ranks' experts (expert parallel) are never placed:
+their rows stay zero.
+
+Checked against ``grouped_experts`` on CPU under ``TRITON_INTERPRET=1``
+(``tests/test_triton_moe.py``); ``triton_experts_kernel`` checks it on the device before a
+caller uses it. This module imports without triton (``HAS_TRITON`` False).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from disagg.model.moe import ExpertsFn, grouped_experts
+from disagg.model.triton_attention import HAS_TRITON, tl, triton
+
+logger = logging.getLogger("disagg.model")
+
+BLOCK_M = 16  # rows (pairs) per program; tl.dot needs >= 16
+
+
+if HAS_TRITON:
+    @triton.jit
+    def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, slot_pair_ptr, block_expert_ptr,
+                        num_tokens, num_pairs, hidden, inter, num_local,
+                        stride_x, stride_we, stride_wn, stride_act,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        b = tl.program_id(0)
+        n0 = tl.program_id(1) * BLOCK_N
+        e = tl.load(block_expert_ptr + b)
+        if e >= num_local:  # a block past the used ones
+            return
+        slots = b * BLOCK_M + tl.arange(0, BLOCK_M)
+        pairs = tl.load(slot_pair_ptr + slots)
+        live = pairs < num_pairs
+        tokens = tl.where(live, pairs % num_tokens, 0).to(tl.int64)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < inter
+        ks = tl.arange(0, BLOCK_K)
+        w_e = w13_ptr + e.to(tl.int64) * stride_we
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            k_ok = (k0 + ks) < hidden
+            xa = tl.load(x_ptr + tokens[:, None] * stride_x + (k0 + ks)[None, :],
+                         mask=live[:, None] & k_ok[None, :], other=0.0)
+            # gate rows [0, I) and up rows [I, 2I) of w13[e], read transposed: [BK, BN]
+            wg = tl.load(w_e + cols[None, :] * stride_wn + (k0 + ks)[:, None],
+                         mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+            wu = tl.load(w_e + (inter + cols)[None, :] * stride_wn + (k0 + ks)[:, None],
+                         mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+            acc_g = tl.dot(xa, wg, acc_g)
+            acc_u = tl.dot(xa, wu, acc_u)
+        # The activation rounds like PyTorch's: gate and up in the activations' dtype first.
+        g = acc_g.to(act_ptr.dtype.element_ty).to(tl.float32)
+        u = acc_u.to(act_ptr.dtype.element_ty).to(tl.float32)
+        h = g / (1.0 + tl.exp(-g)) * u
+        tl.store(act_ptr + slots[:, None].to(tl.int64) * stride_act + cols[None, :],
+                 h.to(act_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _down_kernel(act_ptr, w2_ptr, out_ptr, slot_pair_ptr, block_expert_ptr, weight_ptr,
+                     num_pairs, hidden, inter, num_local,
+                     stride_act, stride_we, stride_wn, stride_out,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        b = tl.program_id(0)
+        n0 = tl.program_id(1) * BLOCK_N
+        e = tl.load(block_expert_ptr + b)
+        if e >= num_local:
+            return
+        slots = b * BLOCK_M + tl.arange(0, BLOCK_M)
+        pairs = tl.load(slot_pair_ptr + slots)
+        live = pairs < num_pairs
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < hidden
+        ks = tl.arange(0, BLOCK_K)
+        w_e = w2_ptr + e.to(tl.int64) * stride_we
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            k_ok = (k0 + ks) < inter
+            a = tl.load(act_ptr + slots[:, None].to(tl.int64) * stride_act + (k0 + ks)[None, :],
+                        mask=live[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_e + cols[None, :] * stride_wn + (k0 + ks)[:, None],
+                        mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+            acc = tl.dot(a, w, acc)
+        # The expert's output rounds to the activations' dtype, then the router weight
+        # scales it in float32 (``grouped_experts``: ys * weights, cast after).
+        y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        wt = tl.load(weight_ptr + tl.where(live, pairs, 0), mask=live, other=0.0)
+        y = y * wt.to(tl.float32)[:, None]
+        rows = tl.where(live, pairs, 0).to(tl.int64)
+        tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :],
+                 y.to(out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])
+
+
+def pair_layout(ids: torch.Tensor, expert_start: int, num_local: int, block_m: int = BLOCK_M
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(slot_pair, block_expert)`` on ``ids``' device, without a host sync (see the module
+    doc): ``slot_pair[s]`` the pair in slot ``s`` (``P = ids.numel()`` for padding),
+    ``block_expert[b]`` the local expert of block ``b`` (``num_local`` for unused blocks)."""
+    t, k = ids.shape
+    num_pairs = t * k
+    dev = ids.device
+    local = ids.t().reshape(-1) - expert_start
+    local = torch.where((local >= 0) & (local < num_local), local, num_local)
+    order = torch.argsort(local, stable=True)
+    # scatter_add, not bincount: bincount reads the maximum on the host (a sync)
+    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=dev).scatter_add_(
+        0, local, torch.ones_like(local))[:num_local]
+    padded = (counts + block_m - 1) // block_m * block_m
+    start = torch.cumsum(counts, 0) - counts           # first sorted position of expert e
+    pstart = torch.cumsum(padded, 0) - padded          # its first slot
+    num_blocks = -(-num_pairs // block_m) + num_local  # bound: shapes only
+    slot_pair = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int64, device=dev)
+    sorted_e = local[order]
+    mine = sorted_e < num_local
+    e_safe = torch.where(mine, sorted_e, 0)
+    pos = torch.arange(num_pairs, device=dev)
+    dest = pstart[e_safe] + (pos - start[e_safe])
+    # Other ranks' pairs go to a slot past the end (dropped).
+    dest = torch.where(mine, dest, num_blocks * block_m)
+    spill = torch.cat([slot_pair, slot_pair.new_empty(1)])
+    spill.index_copy_(0, dest, order)
+    slot_pair = spill[:-1]
+    block_first = torch.arange(num_blocks, device=dev) * block_m
+    block_expert = torch.searchsorted(torch.cumsum(padded, 0), block_first, right=True)
+    return slot_pair, block_expert
+
+
+def triton_grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                           w13: torch.Tensor, w2: torch.Tensor, expert_start: int = 0
+                           ) -> torch.Tensor:
+    """``moe.grouped_experts`` in two Triton launches (an ``ExpertsFn``). ``x [T, H]`` dense
+    rows; ``w13 [E_local, 2I, H]`` / ``w2 [E_local, H, I]`` contiguous, in x's dtype."""
+    t, k = ids.shape
+    num_local, inter, hidden = w13.shape[0], w2.shape[-1], x.shape[1]
+    num_pairs = t * k
+    slot_pair, block_expert = pair_layout(ids, expert_start, num_local)
+    num_blocks = block_expert.shape[0]
+    act = torch.empty((slot_pair.shape[0], inter), dtype=x.dtype, device=x.device)
+    by_pair = torch.zeros((num_pairs, hidden), dtype=x.dtype, device=x.device)
+    w = weights.t().reshape(-1).contiguous()
+    bn, bk = 32, 32
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, bn))](
+        x, w13, act, slot_pair, block_expert, t, num_pairs, hidden, inter, num_local,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk)
+    _down_kernel[(num_blocks, triton.cdiv(hidden, bn))](
+        act, w2, by_pair, slot_pair, block_expert, w, num_pairs, hidden, inter, num_local,
+        act.stride(0), w2.stride(0), w2.stride(1), by_pair.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk)
+    return by_pair.view(k, t, hidden).sum(dim=0)
+
+
+def triton_experts_kernel(device: torch.device, dtype: torch.dtype, hidden: int,
+                          inter: int) -> ExpertsFn | None:
+    """``triton_grouped_experts`` once it compiled and matched ``grouped_experts`` on
+    ``device`` at the model's dtype and sizes (with and without expert parallelism); None
+    (with a warning) when triton is missing or the check fails."""
+    from disagg.model.attention import triton_available
+
+    if not (HAS_TRITON and triton_available()):
+        return None
+    g = torch.Generator(device=device).manual_seed(0)
+    e, k, t = 4, 2, 37
+    x = torch.randn(t, hidden, generator=g, device=device).to(dtype)
+    w13 = (torch.randn(e, 2 * inter, hidden, generator=g, device=device) / hidden ** 0.5
+           ).to(dtype)
+    w2 = (torch.randn(e, hidden, inter, generator=g, device=device) / inter ** 0.5).to(dtype)
+    probs = torch.softmax(torch.randn(t, e, generator=g, device=device), -1)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    try:
+        for lo, hi in ((0, e), (2, 4)):
+            got = triton_grouped_experts(x, ids, weights, w13[lo:hi], w2[lo:hi], lo)
+            want = grouped_experts(x, ids, weights, w13[lo:hi], w2[lo:hi], lo)
+            err = float((got.float() - want.float()).abs().max())
+            if not err <= tol * (1.0 + float(want.float().abs().max())):
+                raise ValueError(f"max abs error {err:.3g} against grouped_experts")
+    except Exception as exc:  # a compile error or a wrong result on this device
+        logger.warning("the Triton MoE kernel is not used (%r): PyTorch experts", exc)
+        return None
+    return triton_grouped_experts
