@@ -336,8 +336,9 @@ def serve_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
 
 def plot_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from disagg.bench.plot import plot_rate_match, plot_results
+    from disagg.bench.plot import plot_rate_match, plot_rate_match_layouts, plot_results
     from disagg.bench.ratematch import RESULT_KIND as RATE_MATCH_KIND
+    from disagg.bench.ratematch.layouts import RESULT_KIND as LAYOUTS_KIND
     from disagg.bench.runner import load_result
 
     results, rate_matches = [], []
@@ -345,7 +346,7 @@ def plot_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         try:
             with open(path, encoding="utf-8") as f:
                 head = json.load(f)
-            if isinstance(head, dict) and head.get("kind") == RATE_MATCH_KIND:
+            if isinstance(head, dict) and head.get("kind") in (RATE_MATCH_KIND, LAYOUTS_KIND):
                 rate_matches.append((path, head))  # drawn as its own curve PNG
             else:
                 results.append((path, load_result(path)))
@@ -357,7 +358,8 @@ def plot_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             print(path)
     for path, res in rate_matches:
         stem = os.path.splitext(os.path.basename(path))[0]
-        print(plot_rate_match(res, os.path.join(out_dir, stem + ".png"), title=args.title))
+        plot = plot_rate_match if res["kind"] == RATE_MATCH_KIND else plot_rate_match_layouts
+        print(plot(res, os.path.join(out_dir, stem + ".png"), title=args.title))
     return 0
 
 
@@ -375,9 +377,9 @@ def add_rate_match_cli(sub: argparse._SubParsersAction) -> None:
                     "tokens/s/user. See the disagg/bench/ratematch/ package docstring for the "
                     "method and ratematch/report.py for the JSON schema.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g = rm.add_argument_group("endpoints")
-    g.add_argument("--context-url", required=True, help="one context worker")
-    g.add_argument("--generation-url", required=True,
+    g = rm.add_argument_group("endpoints (or the layouts below)")
+    g.add_argument("--context-url", help="one context worker")
+    g.add_argument("--generation-url",
                    help="one generation worker started with --benchmark-gen-only")
     g.add_argument("--aggregated-url", help="one aggregated worker: the baseline curve")
     g.add_argument("--model", default="",
@@ -444,6 +446,24 @@ def add_rate_match_cli(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--verify-log-dir", metavar="DIR",
                    help="launch logs (default: a folder beside --save-result)")
 
+    g = rm.add_argument_group(
+        "layouts (instead of the endpoints: start one worker per layout on this machine, "
+        "measure each alone, rate-match every context x generation pair)")
+    g.add_argument("--ctx-layouts", metavar="L,L,...",
+                   help="context workers' layouts: tpN, ppN, tpN+ppM, tpN+ep (expert "
+                        "parallel, MoE models), comma-separated")
+    g.add_argument("--gen-layouts", metavar="L,L,...",
+                   help="generation workers' layouts (default: --ctx-layouts)")
+    g.add_argument("--serve-model", metavar="DIR",
+                   help="checkpoint folder the started workers serve")
+    g.add_argument("--serve-worker-config", metavar="YAML",
+                   help="options of every started worker (a `disagg serve --config` file; "
+                        "the layout's flags override its parallel sizes)")
+    g.add_argument("--serve-timeout", type=_positive_float, default=300.0,
+                   help="start-up limit of each worker (s)")
+    g.add_argument("--serve-log-dir", metavar="DIR",
+                   help="worker logs (default: a folder beside --save-result)")
+
     g = rm.add_argument_group("results")
     g.add_argument("--save-result", metavar="FILE", default="rate_match.json",
                    help="JSON result")
@@ -467,6 +487,13 @@ def rate_match_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     parent = os.path.dirname(os.path.abspath(args.save_result))
     if not os.path.isdir(parent):
         parser.error(f"--save-result: folder {parent!r} does not exist")
+    if args.ctx_layouts or args.gen_layouts:
+        return _rate_match_layouts(args, parser)
+    for flag, value in (("--context-url", args.context_url),
+                        ("--generation-url", args.generation_url)):
+        if not value:
+            parser.error(f"{flag}: required (or measure layouts: --ctx-layouts, "
+                         f"--serve-model)")
     tok_dir = args.tokenizer or (args.model if args.model and os.path.isdir(args.model)
                                  else None)
     if tok_dir is None:
@@ -524,3 +551,76 @@ def rate_match_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     plot_rate_match(result, png)
     print(f"Saved {args.save_result} and {png}", file=sys.stderr)
     return 0 if result["context"]["ctx_rate"] is not None else 1
+
+
+def _rate_match_layouts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``rate-match --ctx-layouts ... --serve-model DIR``: disagg/bench/ratematch/layouts.py."""
+    from disagg.bench.plot import plot_rate_match_layouts
+    from disagg.bench.ratematch import RateMatchConfig, save_result
+    from disagg.bench.ratematch.layouts import (
+        ServeSpec,
+        format_layouts,
+        parse_layouts,
+        run_layout_sweep,
+    )
+
+    for flag, value in (("--context-url", args.context_url),
+                        ("--generation-url", args.generation_url)):
+        if value:
+            parser.error(f"{flag}: not with --ctx-layouts / --gen-layouts (the sweep starts "
+                         f"its own workers)")
+    for flag, on in (("--colocated", args.colocated), ("--verify", args.verify)):
+        if on:
+            parser.error(f"{flag}: not with --ctx-layouts / --gen-layouts (a layout sweep "
+                         f"measures each worker alone and verifies nothing)")
+    if not args.ctx_layouts:
+        parser.error("--ctx-layouts: needed with --gen-layouts")
+    try:
+        ctx_layouts = parse_layouts(args.ctx_layouts, "--ctx-layouts")
+        gen_layouts = parse_layouts(args.gen_layouts or args.ctx_layouts, "--gen-layouts")
+    except ValueError as e:
+        parser.error(str(e))
+    if not args.serve_model or not os.path.isfile(os.path.join(args.serve_model,
+                                                               "config.json")):
+        parser.error("--serve-model: a checkpoint folder (with config.json) is needed with "
+                     "--ctx-layouts")
+    if args.serve_worker_config and not os.path.isfile(args.serve_worker_config):
+        parser.error(f"--serve-worker-config: no such file {args.serve_worker_config!r}")
+    tok_dir = args.tokenizer or args.serve_model
+    log_dir = args.serve_log_dir or os.path.splitext(
+        os.path.abspath(args.save_result))[0] + "-workers"
+    spec = ServeSpec(os.path.abspath(args.serve_model), log_dir,
+                     os.path.abspath(args.serve_worker_config)
+                     if args.serve_worker_config else None, args.serve_timeout)
+    try:
+        config = RateMatchConfig(
+            context_url="", generation_url="", aggregated_url=args.aggregated_url,
+            ttft_slo_ms=args.ttft_slo, isl=args.isl, osl=args.osl,
+            concurrencies=args.concurrency, agg_concurrencies=args.agg_concurrency,
+            model=args.model, ttft_percentile=args.ttft_percentile,
+            agg_devices=args.agg_devices, ctx_rate_start=args.ctx_rate_start,
+            ctx_max_probes=args.ctx_max_probes, ctx_tolerance=args.ctx_tolerance,
+            ctx_probe_seconds=args.ctx_probe_seconds, ctx_min_prompts=args.ctx_min_prompts,
+            gen_rounds=args.gen_rounds, num_warmups=args.num_warmups, seed=args.seed,
+            api_key=args.api_key, http_client=args.http_client,
+            request_timeout_s=args.request_timeout)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        tok = load_bench_tokenizer(tok_dir)
+    except (DatasetError, OSError) as e:
+        print(f"disagg bench rate-match: error: {e}", file=sys.stderr)
+        return 1
+    try:
+        result = asyncio.run(run_layout_sweep(
+            config, tok, spec, ctx_layouts, gen_layouts,
+            progress=None if args.no_progress else sys.stderr))
+    except (BenchmarkError, RuntimeError) as e:
+        print(f"disagg bench rate-match: error: {e}", file=sys.stderr)
+        return 1
+    print(format_layouts(result))
+    save_result(result, args.save_result)
+    png = args.plot or os.path.splitext(args.save_result)[0] + ".png"
+    plot_rate_match_layouts(result, png)
+    print(f"Saved {args.save_result} and {png} (worker logs: {log_dir})", file=sys.stderr)
+    return 0 if result["frontier"] else 1

@@ -8,6 +8,9 @@
   ratio), the rate-matched Pareto frontier (co-located results: also the frontier of the
   sides measured alone), the aggregated baseline and its frontier, the
   end-to-end (verify) points joined to their predictions, and any extra series a script adds.
+- ``plot_rate_match_layouts``: a layout sweep (``rate-match --ctx-layouts``): the same axes,
+  each (context layout, generation layout) pair's rate-matched points, the frontier over all
+  pairs (each of its points labelled with its pair), the aggregated baseline.
 """
 
 from __future__ import annotations
@@ -210,6 +213,45 @@ def plot_rate_match(result: dict[str, Any], path: str, title: str | None = None,
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_rate_match_layouts(result: dict[str, Any], path: str, title: str | None = None) -> str:
+    """Write a layout sweep's PNG to ``path`` (see the module docstring); returns ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for pair in result.get("pairs") or []:
+        if pair["rate_matched"]:
+            ax.plot(*_xy(pair["rate_matched"]), "o:", ms=4, lw=1, alpha=0.6,
+                    label=f"ctx {pair['context_layout']} | gen {pair['generation_layout']}")
+    front = result.get("frontier") or []
+    if front:
+        ax.plot(*_xy(front), "-", color="black", lw=2, label="frontier over all pairs")
+        for p in front:
+            ax.annotate(f"{p['context_layout']}|{p['generation_layout']} c{p['concurrency']}",
+                        (p["tokens_per_s_per_user"], p["tput_per_device"]),
+                        textcoords="offset points", xytext=(4, 3), fontsize=6)
+    if result.get("aggregated"):
+        _draw_aggregated(ax, result["aggregated"])
+    cfg = result.get("config", {})
+    ax.set_xlabel("tokens/s/user (1000 / mean TPOT ms)")
+    ax.set_ylabel("output tokens/s per device")
+    ax.set_title(title or f"Rate-matched throughput by layout (isl {cfg.get('isl')}, osl "
+                          f"{cfg.get('osl')}, TTFT p{cfg.get('ttft_percentile', 90):g} <= "
+                          f"{cfg.get('ttft_slo_ms', 0):g} ms)", fontsize=10)
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
