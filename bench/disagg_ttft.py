@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 
 from disagg import procs
-from disagg.cluster_auth import sign_http
+from disagg.cluster_auth import member_id_of, sign_http
 
 TOKEN = "bench-secret"
 LINE_PREFIX = "Transfer share of TTFT at"
@@ -75,7 +75,8 @@ def one(ctx: str, gen: str, prompt: list[int]) -> tuple[float, float]:
     # Signed as the router signs it: the generation worker trusts the context's addresses.
     data = json.dumps(gbody).encode()
     headers = {"Content-Type": "application/json",
-               **sign_http(TOKEN, "POST", "/v1/completions", data)}
+               **sign_http(TOKEN, "POST", "/v1/completions", data,
+                           audience=member_id_of(gen))}
     ttft = None
     with httpx.stream("POST", gen + "/v1/completions", content=data, headers=headers,
                       timeout=120) as r:

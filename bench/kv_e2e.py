@@ -49,7 +49,7 @@ import torch
 
 from bench import kv_transfer
 from disagg import procs
-from disagg.cluster_auth import sign_http
+from disagg.cluster_auth import member_id_of, sign_http
 from disagg.transfer import KVTransferClient, ReadRequest
 from disagg.transfer.payload import payload_shape
 
@@ -114,7 +114,8 @@ def one(client: httpx.Client, ctx: str, gen: str, prompt: list[int]) -> dict[str
         **dp, "request_type": "generation_only"}}).encode()
     # Signed as the router signs it: the generation worker trusts the context's addresses.
     headers = {"Content-Type": "application/json",
-               **sign_http(TOKEN, "POST", "/v1/completions", data)}
+               **sign_http(TOKEN, "POST", "/v1/completions", data,
+                           audience=member_id_of(gen))}
     t0 = time.perf_counter()
     tokens: list[float] = []
     with client.stream("POST", gen + "/v1/completions", content=data, headers=headers,

@@ -710,7 +710,7 @@ def router_sign_us(stream: bool, n: int = 3000) -> float:
     for _ in range(5):
         t0 = time.process_time()
         for _ in range(n):
-            signer.headers("POST", "/v1/completions", raw)
+            signer.headers("POST", "/v1/completions", raw, audience="0" * 32)
         runs.append((time.process_time() - t0) / n * 1e6)
     return statistics.median(runs)
 

@@ -5,17 +5,41 @@ cluster token (``--cluster-token`` or ``$DISAGG_CLUSTER_TOKEN``). It never cross
 members send HMAC-SHA256 proofs keyed by it instead, so a peer that does not hold the token
 learns nothing it can replay.
 
-HTTP (router -> worker calls, worker -> router registration) carries one header::
+HTTP (router -> worker calls, worker -> router registration, launcher -> worker) carries one
+header::
 
-    X-Disagg-Auth: v1;ts=<unix seconds>;nonce=<32 hex>;sig=<64 hex>
-    sig = HMAC(token, "disagg-http-v1", METHOD, PATH[?QUERY], ts, nonce, sha256(body))
+    X-Disagg-Auth: v2;aud=<member id>;ts=<unix seconds>;nonce=<32 hex>;sig=<64 hex>
+    sig = HMAC(token, "disagg-http-v2", aud, METHOD, PATH[?QUERY], ts, nonce, sha256(body))
 
-``HttpVerifier`` accepts it when the signature matches, ``ts`` is within ``window_s`` of its
-own clock (hosts need roughly synchronised clocks, as with any signed-request scheme), and the
-nonce was not seen before within the window (a captured request cannot be replayed).
+``HttpVerifier`` accepts it when ``aud`` is this member's own id, the signature matches,
+``ts`` is within ``window_s`` of its own clock (hosts need roughly synchronised clocks, as with
+any signed-request scheme) and the nonce was not seen before (a captured request cannot be
+replayed to the member it was sent to).
+
+The audience (``aud``) is the receiver's *member id*, a random id each member (a worker
+process, a router with all its processes) draws at start and publishes, unauthenticated, as
+``member_id`` in ``GET /health`` (an id, not a secret: knowing it does not let anyone sign).
+A request captured on its way to member A names A, so member B refuses it (401, "signed for
+member A") even though B holds the same token and never saw A's nonces. Why an id and not an
+address: a member cannot robustly know every name it is reached by (a Kubernetes Service name,
+a pod IP, a proxy in front, ``0.0.0.0`` binds), and the ``Host`` header is chosen by whoever
+sends the request (a replay would carry A's Host header to B), so neither can be checked by
+the receiver; its own id it always knows. A signer reads the id from ``/health`` before its
+first signed call (the router's health check does so on every round, so a restarted worker's
+new id is picked up before it is back in rotation; ``member_id_of`` for one-off callers).
+``v1`` headers (no audience) are refused with a message naming the upgrade.
+
+Replay store: a copy of a request fails the timestamp check once ``now - ts > window_s``, so a
+nonce needs remembering only while its ``ts`` is within the window. Nonces are kept in one set
+per ``ts`` second (a replay carries the same signed ``ts``, so only that set is searched) and a
+whole second is dropped when it leaves the window: O(1) per request, memory proportional to the
+signed-request rate. ``max_nonces`` (default ``DEFAULT_MAX_RATE`` signed requests/s held for
+the whole accepted ``ts`` span) bounds memory against a member gone wrong (only requests with a
+valid signature are remembered); a full store refuses rather than forgets (forgetting would
+open a replay). ``bench/auth_rate.py`` measures the sustained rate.
 
 The KV transfer protocol (``disagg/transfer/base.py``) uses ``hmac_hex`` for its own
-challenge-response over a fresh server nonce.
+challenge-response over a fresh server nonce (bound to that connection, so it is not affected).
 
 ``PeerAllowlist``: the context workers a generation worker may pull KV from when a request
 does not come signed by the cluster (``kv_peer_allowlist`` in the worker YAML). Entries are IP
@@ -30,10 +54,14 @@ import dataclasses
 import hashlib
 import hmac
 import ipaddress
+import json
+import math
+import re
 import secrets
 import threading
 import time
-from collections import OrderedDict
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,9 +70,14 @@ from disagg.env import API_KEY, CLUSTER_TOKEN
 
 CLUSTER_TOKEN_ENV = CLUSTER_TOKEN.name
 AUTH_HEADER = "X-Disagg-Auth"
-HTTP_SCHEME = "v1"
-DEFAULT_WINDOW_S = 120.0
-_HTTP_DOMAIN = b"disagg-http-v1"
+HTTP_SCHEME = "v2"
+DEFAULT_WINDOW_S = 60.0
+# The signed-request rate per member the replay store is sized for (req/s, sustained for the
+# whole window); far above what one process verifies over HTTP (bench/auth_rate.py).
+DEFAULT_MAX_RATE = 10_000
+MEMBER_ID_FIELD = "member_id"  # in GET /health
+_HTTP_DOMAIN = b"disagg-http-v2"
+_MEMBER_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 class AuthError(Exception):
@@ -81,6 +114,44 @@ def new_nonce() -> str:
     return secrets.token_hex(16)
 
 
+def new_member_id() -> str:
+    """A fresh member id (the audience signatures to this member name)."""
+    return secrets.token_hex(16)
+
+
+def valid_member_id(value: object) -> str:
+    """``value`` when it is a well-formed member id, else ValueError."""
+    if not isinstance(value, str) or not _MEMBER_ID.fullmatch(value):
+        raise ValueError(f"{MEMBER_ID_FIELD}: expected 1-64 characters of [A-Za-z0-9._-], "
+                         f"got {value!r}")
+    return value
+
+
+def member_id_from_health(payload: object) -> str:
+    """The member id in a ``GET /health`` answer (ValueError when there is none)."""
+    if not isinstance(payload, dict) or MEMBER_ID_FIELD not in payload:
+        raise ValueError(f"/health answer has no {MEMBER_ID_FIELD} (a member from before "
+                         f"audience-bound signatures?)")
+    return valid_member_id(payload[MEMBER_ID_FIELD])
+
+
+def member_id_of(base_url: str, timeout: float = 5.0) -> str:
+    """The member id of the server at ``base_url`` (``http://host:port``), read from its
+    ``/health`` (any status: a draining member still names itself). ValueError / OSError."""
+    req = urllib.request.Request(base_url.rstrip("/") + "/health")
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # a peer: no proxy
+    try:
+        with direct.open(req, timeout=timeout) as r:
+            raw = r.read()
+    except urllib.error.HTTPError as e:  # 503 while draining: the body still has the id
+        raw = e.read()
+    try:
+        payload = json.loads(raw)
+    except ValueError:
+        raise ValueError(f"{base_url}/health: not JSON") from None
+    return member_id_from_health(payload)
+
+
 def hmac_hex(token: str, *parts: bytes | str) -> str:
     """HMAC-SHA256 under ``token`` of ``parts``, each length-prefixed so that no two different
     part lists encode the same bytes (``("ab", "c")`` != ``("a", "bc")``)."""
@@ -100,19 +171,22 @@ def proofs_equal(given: object, expected: str) -> bool:
 # ---- HTTP -------------------------------------------------------------------------------------
 
 
-def _http_mac(token: str, method: str, path: str, ts: str, nonce: str, body: bytes) -> str:
-    return hmac_hex(token, _HTTP_DOMAIN, method.upper(), path, ts, nonce,
+def _http_mac(token: str, audience: str, method: str, path: str, ts: str, nonce: str,
+              body: bytes) -> str:
+    return hmac_hex(token, _HTTP_DOMAIN, audience, method.upper(), path, ts, nonce,
                     hashlib.sha256(body).digest())
 
 
-def sign_http(token: str, method: str, path: str, body: bytes = b"", *,
+def sign_http(token: str, method: str, path: str, body: bytes = b"", *, audience: str,
               now: float | None = None, nonce: str | None = None) -> dict[str, str]:
-    """The header that authenticates one request: ``{AUTH_HEADER: value}``. ``path`` is the
-    request target as the server sees it: the path plus ``?query`` when there is one."""
+    """The header that authenticates one request to the member ``audience`` (its member id,
+    from its ``/health``): ``{AUTH_HEADER: value}``. ``path`` is the request target as the
+    server sees it: the path plus ``?query`` when there is one."""
+    valid_member_id(audience)
     ts = str(int(time.time() if now is None else now))
     nonce = nonce or new_nonce()
-    sig = _http_mac(token, method, path, ts, nonce, body)
-    return {AUTH_HEADER: f"{HTTP_SCHEME};ts={ts};nonce={nonce};sig={sig}"}
+    sig = _http_mac(token, audience, method, path, ts, nonce, body)
+    return {AUTH_HEADER: f"{HTTP_SCHEME};aud={audience};ts={ts};nonce={nonce};sig={sig}"}
 
 
 class HttpSigner:
@@ -123,23 +197,28 @@ class HttpSigner:
         if not token:
             raise ValueError("a non-empty cluster token is required")
         self._keyed = hmac.new(token.encode(), digestmod=hashlib.sha256)
-        # (method, path) -> the keyed state with the domain, method and path in: the router
-        # signs a few paths over and over (capped: paths with a query vary).
-        self._prefixed: dict[tuple[str, str], Any] = {}
+        # (audience, method, path) -> the keyed state with the domain, audience, method and
+        # path in: the router signs a few paths to a few members over and over (capped: paths
+        # with a query vary).
+        self._prefixed: dict[tuple[str, str, str], Any] = {}
 
-    def headers(self, method: str, path: str, body: bytes = b"", *,
+    def headers(self, method: str, path: str, body: bytes = b"", *, audience: str,
                 now: float | None = None, nonce: str | None = None) -> dict[str, str]:
         ts = str(int(time.time() if now is None else now))
         nonce = nonce or new_nonce()
-        prefixed = self._prefixed.get((method, path))
+        key = (audience, method, path)
+        prefixed = self._prefixed.get(key)
         if prefixed is None:
-            if len(self._prefixed) >= 64:
+            valid_member_id(audience)
+            if len(self._prefixed) >= 1024:
                 self._prefixed.clear()
-            prefixed = self._prefixed[method, path] = _framed(
-                self._keyed.copy(), (_HTTP_DOMAIN, method.upper().encode(), path.encode()))
+            prefixed = self._prefixed[key] = _framed(
+                self._keyed.copy(),
+                (_HTTP_DOMAIN, audience.encode(), method.upper().encode(), path.encode()))
         mac = _framed(prefixed.copy(), (ts.encode(), nonce.encode(),
                                         hashlib.sha256(body).digest()))
-        return {AUTH_HEADER: f"{HTTP_SCHEME};ts={ts};nonce={nonce};sig={mac.hexdigest()}"}
+        return {AUTH_HEADER: f"{HTTP_SCHEME};aud={audience};ts={ts};nonce={nonce};"
+                             f"sig={mac.hexdigest()}"}
 
 
 def _framed(mac: Any, parts: tuple[bytes, ...]) -> Any:
@@ -150,9 +229,13 @@ def _framed(mac: Any, parts: tuple[bytes, ...]) -> Any:
     return mac
 
 
-def _parse_header(value: str) -> tuple[str, str, str]:
+def _parse_header(value: str) -> tuple[str, str, str, str]:
     scheme, _, rest = value.partition(";")
-    if scheme.strip() != HTTP_SCHEME:
+    scheme = scheme.strip()
+    if scheme == "v1":
+        raise AuthError(f"{AUTH_HEADER}: old signature format v1 (it names no audience): the "
+                        f"signer must be upgraded to {HTTP_SCHEME} (aud=<member id>)")
+    if scheme != HTTP_SCHEME:
         raise AuthError(f"{AUTH_HEADER}: unknown scheme (expected {HTTP_SCHEME})")
     fields: dict[str, str] = {}
     for item in rest.split(";"):
@@ -161,16 +244,18 @@ def _parse_header(value: str) -> tuple[str, str, str]:
             raise AuthError(f"{AUTH_HEADER}: malformed")
         fields[key] = val
     try:
-        ts, nonce, sig = fields["ts"], fields["nonce"], fields["sig"]
+        aud, ts, nonce, sig = fields["aud"], fields["ts"], fields["nonce"], fields["sig"]
     except KeyError as e:
         raise AuthError(f"{AUTH_HEADER}: missing {e.args[0]}") from None
+    if not _MEMBER_ID.fullmatch(aud):
+        raise AuthError(f"{AUTH_HEADER}: bad aud")
     if not ts.isdigit() or len(ts) > 12:
         raise AuthError(f"{AUTH_HEADER}: bad ts")
     if len(nonce) != 32 or not _is_hex(nonce):
         raise AuthError(f"{AUTH_HEADER}: bad nonce")
     if len(sig) != 64 or not _is_hex(sig):
         raise AuthError(f"{AUTH_HEADER}: bad sig")
-    return ts, nonce, sig
+    return aud, ts, nonce, sig
 
 
 def _is_hex(s: str) -> bool:
@@ -178,48 +263,82 @@ def _is_hex(s: str) -> bool:
 
 
 class HttpVerifier:
-    """Checks ``X-Disagg-Auth`` headers for one cluster token (see the module docstring).
+    """Checks ``X-Disagg-Auth`` headers addressed to one member (``member_id``; a fresh one
+    when not given) for one cluster token (see the module docstring).
 
-    Remembers the nonces of accepted requests for ``window_s`` (at most ``max_nonces``; when
-    full, requests are refused until old ones age out: a flood cannot push a nonce out early
-    and open a replay). Thread-safe.
+    Remembers the nonces of accepted requests while their ``ts`` is within ``window_s``, in
+    one set per ``ts`` second; at most ``max_nonces`` (default: ``max_rate`` per second over
+    the accepted ``ts`` span, even with clocks skewed by the whole window); when full,
+    requests are refused until old ones age out (a flood cannot push a nonce out early and
+    open a replay). Thread-safe.
     """
 
     def __init__(self, token: str, window_s: float = DEFAULT_WINDOW_S,
-                 max_nonces: int = 1 << 17, clock: Callable[[], float] = time.time) -> None:
+                 max_nonces: int | None = None, clock: Callable[[], float] = time.time,
+                 member_id: str | None = None, max_rate: int = DEFAULT_MAX_RATE) -> None:
         if not token:
             raise ValueError("a non-empty cluster token is required")
         if window_s <= 0:
             raise ValueError("window_s must be > 0")
         self._token = token
+        self.member_id = valid_member_id(member_id) if member_id else new_member_id()
         self.window_s = window_s
-        self.max_nonces = max_nonces
+        # The ts seconds held at one instant: [now - window, now + window] (+1 for a sweep
+        # that is up to a second late): ``max_rate`` per second for all of them never fills.
+        self.max_nonces = (max_nonces if max_nonces is not None
+                           else max_rate * (2 * math.ceil(window_s) + 2))
         self._clock = clock
-        self._seen: OrderedDict[str, float] = OrderedDict()  # nonce -> expiry, oldest first
+        self._seen: dict[int, set[int]] = {}  # ts -> 64-bit nonce prefixes accepted with it
+        self._count = 0
+        self._sweep_at = float("-inf")
         self._lock = threading.Lock()
 
     def check(self, header: str | None, method: str, path: str, body: bytes = b"") -> None:
-        """Raise ``AuthError`` unless ``header`` authenticates this request."""
+        """Raise ``AuthError`` unless ``header`` authenticates this request to this member."""
         if not header:
             raise AuthError(f"{AUTH_HEADER}: missing (requests between cluster members are "
                             f"signed with the cluster token)")
-        ts, nonce, sig = _parse_header(header)
+        aud, ts, nonce, sig = _parse_header(header)
+        if not hmac.compare_digest(aud, self.member_id):
+            raise AuthError(f"{AUTH_HEADER}: signed for member {aud}, not this one "
+                            f"({self.member_id}): a request for another member is not "
+                            f"accepted here")
         now = self._clock()
-        if abs(now - int(ts)) > self.window_s:
+        t = int(ts)
+        if abs(now - t) > self.window_s:
             raise AuthError(f"{AUTH_HEADER}: timestamp outside the {self.window_s:.0f} s "
                             f"window (are the hosts' clocks in sync?)")
-        if not hmac.compare_digest(sig, _http_mac(self._token, method, path, ts, nonce, body)):
+        if not hmac.compare_digest(sig, _http_mac(self._token, aud, method, path, ts, nonce,
+                                                  body)):
             raise AuthError(f"{AUTH_HEADER}: wrong signature (another cluster token?)")
+        # 64 random bits suffice against chance collisions; a forger cannot pick a nonce
+        # (the signature covers it).
+        key = int(nonce[:16], 16)
         with self._lock:
-            while self._seen and next(iter(self._seen.values())) < now:
-                self._seen.popitem(last=False)
-            if nonce in self._seen:
+            if now >= self._sweep_at:
+                self._sweep(now)
+            bucket = self._seen.get(t)
+            if bucket is not None and key in bucket:
                 raise AuthError(f"{AUTH_HEADER}: replayed request")
-            if len(self._seen) >= self.max_nonces:
-                raise AuthError(f"{AUTH_HEADER}: too many signed requests in the window")
-            # A copy passes the timestamp check until ts + window <= now + 2 * window: keep the
-            # nonce that long. Insertion order is expiry order (now only grows).
-            self._seen[nonce] = now + 2 * self.window_s
+            if self._count >= self.max_nonces:
+                raise AuthError(f"{AUTH_HEADER}: too many signed requests in the window "
+                                f"({self.max_nonces})")
+            if bucket is None:
+                bucket = self._seen[t] = set()
+            bucket.add(key)
+            self._count += 1
+
+    def _sweep(self, now: float) -> None:
+        """Forget the seconds whose copies fail the timestamp check (``now - ts > window``);
+        runs at most about once a second."""
+        for t in [t for t in self._seen if now - t > self.window_s]:
+            self._count -= len(self._seen.pop(t))
+        self._sweep_at = now + 1.0 if self._seen else now
+
+    @property
+    def remembered(self) -> int:
+        """Nonces held now."""
+        return self._count
 
     def is_valid(self, header: str | None, method: str, path: str, body: bytes = b"") -> bool:
         try:

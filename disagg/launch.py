@@ -52,7 +52,7 @@ from types import FrameType
 from typing import IO, Any, TypeVar
 
 from disagg import procs
-from disagg.cluster_auth import sign_http
+from disagg.cluster_auth import member_id_of, sign_http
 from disagg.contracts.cluster import ClusterConfig, RouterConfigError, load_cluster_config
 from disagg.contracts.plan import (
     TINY_MODEL,
@@ -744,12 +744,13 @@ def post_json(url: str, body: dict[str, Any], api_key: str | None, timeout: floa
 def _get(base_url: str, path: str, cluster_token: str | None) -> bytes | None:
     """GET ``path`` of a local server, signed with ``cluster_token`` (a worker answers
     /metrics and /server_info to the cluster); None when it cannot be read."""
-    headers = sign_http(cluster_token, "GET", path) if cluster_token else {}
     try:
+        headers = (sign_http(cluster_token, "GET", path, audience=member_id_of(base_url))
+                   if cluster_token else {})
         with LOCAL_HTTP.open(urllib.request.Request(base_url + path, headers=headers),
                              timeout=HEALTH_TIMEOUT_S) as resp:
             return bytes(resp.read())
-    except OSError:
+    except (OSError, ValueError):  # ValueError: no member id in its /health
         return None
 
 

@@ -145,14 +145,24 @@ def reference_server(model_dir: str, name: str = "tiny") -> Iterator[str]:
 
 
 def signed(token: str, method: str, path: str, body: Any = None,
-           headers: dict[str, str] | None = None) -> dict[str, Any]:
+           headers: dict[str, str] | None = None, *, to: str | None = None,
+           audience: str | None = None) -> dict[str, Any]:
     """httpx keyword arguments for a request signed with the cluster ``token`` (as the router
-    signs its calls): ``path`` with its query, ``body`` a JSON value sent as exactly the bytes
-    signed. ``httpx.post(url + path, **signed(TOKEN, "POST", path, body))``."""
-    from disagg.cluster_auth import sign_http
+    signs its calls) for the member at base URL ``to`` (its member id read from its /health)
+    or the member id ``audience``: ``path`` with its query, ``body`` a JSON value sent as
+    exactly the bytes signed. ``httpx.post(url + path, **signed(TOKEN, "POST", path, body,
+    to=url))``."""
+    from disagg.cluster_auth import member_id_of, sign_http
 
+    if audience is None:
+        if to is None:
+            raise ValueError("signed(): name the receiver (to=<base url> or audience=<id>)")
+        try:
+            audience = member_id_of(to)
+        except ValueError:  # a worker without a cluster token names none: nothing checks
+            audience = "no-member-id"
     data = b"" if body is None else json.dumps(body).encode()
-    h = {**(headers or {}), **sign_http(token, method, path, data)}
+    h = {**(headers or {}), **sign_http(token, method, path, data, audience=audience)}
     if body is not None:
         h["Content-Type"] = "application/json"
     return {"content": data, "headers": h} if body is not None else {"headers": h}
@@ -161,7 +171,7 @@ def signed(token: str, method: str, path: str, body: Any = None,
 def signed_post(url: str, path: str, body: Any, token: str, timeout: float = 60.0
                 ) -> httpx.Response:
     """POST ``body`` to ``url + path`` signed with the cluster ``token``."""
-    return httpx.post(url + path, timeout=timeout, **signed(token, "POST", path, body))
+    return httpx.post(url + path, timeout=timeout, **signed(token, "POST", path, body, to=url))
 
 
 # ---- a stand-in engine ---------------------------------------------------------------------------
@@ -266,7 +276,8 @@ class WorkerProc:
         return f"127.0.0.1:{self.port}"
 
     def info(self) -> dict[str, Any]:
-        kw = signed(self.cluster_token, "GET", "/server_info") if self.cluster_token else {}
+        kw = (signed(self.cluster_token, "GET", "/server_info", to=self.url)
+              if self.cluster_token else {})
         r = httpx.get(self.url + "/server_info", timeout=10, **kw)
         r.raise_for_status()
         return r.json()

@@ -1,21 +1,28 @@
-"""Cluster authentication primitives: signed HTTP requests, HMAC framing, the peer allow-list."""
+"""Cluster authentication primitives: signed HTTP requests bound to their audience, the replay
+store, HMAC framing, the peer allow-list."""
 
 from __future__ import annotations
+
+import hashlib
 
 import pytest
 
 from disagg.cluster_auth import (
     AUTH_HEADER,
+    DEFAULT_MAX_RATE,
     AuthError,
     HttpSigner,
     HttpVerifier,
     PeerAllowlist,
     hmac_hex,
+    member_id_from_health,
     proofs_equal,
     sign_http,
 )
 
 TOKEN = "s3cret-cluster-token"
+ME = "a" * 32  # the verifying member's id
+OTHER = "b" * 32
 
 
 class Clock:
@@ -26,23 +33,30 @@ class Clock:
         return self.t
 
 
+def verifier(clock: Clock, **kw: object) -> HttpVerifier:
+    return HttpVerifier(TOKEN, clock=clock, member_id=ME, **kw)  # type: ignore[arg-type]
+
+
+def sign(method: str, path: str, body: bytes = b"", *, now: float, token: str = TOKEN,
+         audience: str = ME) -> str:
+    return sign_http(token, method, path, body, audience=audience, now=now)[AUTH_HEADER]
+
+
 def test_signature_roundtrip_and_token_never_in_header() -> None:
     clock = Clock()
-    v = HttpVerifier(TOKEN, clock=clock)
-    h = sign_http(TOKEN, "POST", "/v1/completions", b'{"a":1}', now=clock.t)
-    assert TOKEN not in h[AUTH_HEADER]
-    v.check(h[AUTH_HEADER], "POST", "/v1/completions", b'{"a":1}')
+    v = verifier(clock)
+    h = sign("POST", "/v1/completions", b'{"a":1}', now=clock.t)
+    assert TOKEN not in h and f"aud={ME}" in h
+    v.check(h, "POST", "/v1/completions", b'{"a":1}')
 
 
 @pytest.mark.parametrize("change", ["method", "path", "body", "token"])
 def test_signature_binds_method_path_body_and_token(change: str) -> None:
     clock = Clock()
-    v = HttpVerifier(TOKEN, clock=clock)
+    v = verifier(clock)
     args = {"method": "POST", "path": "/kv_events?since=3", "body": b"x"}
-    token = TOKEN
-    if change == "token":
-        token = TOKEN + "x"
-    h = sign_http(token, args["method"], args["path"], args["body"], now=clock.t)[AUTH_HEADER]
+    token = TOKEN + "x" if change == "token" else TOKEN
+    h = sign(args["method"], args["path"], args["body"], now=clock.t, token=token)
     if change == "method":
         args["method"] = "GET"
     elif change == "path":
@@ -53,10 +67,42 @@ def test_signature_binds_method_path_body_and_token(change: str) -> None:
         v.check(h, args["method"], args["path"], args["body"])
 
 
+def test_a_request_for_one_member_is_refused_by_another() -> None:
+    """The issue's replay: a request captured on its way to member A, replayed to member B
+    (same cluster token, B never saw A's nonce), is refused by B; A refuses the copy too."""
+    clock = Clock()
+    a = HttpVerifier(TOKEN, clock=clock)
+    b = HttpVerifier(TOKEN, clock=clock)
+    assert a.member_id != b.member_id  # fresh ids by default
+    body = b'{"role": "generation"}'
+    h = sign("POST", "/admin/role", body, now=clock.t, audience=a.member_id)
+    a.check(h, "POST", "/admin/role", body)
+    with pytest.raises(AuthError, match=f"signed for member {a.member_id}, not this one"):
+        b.check(h, "POST", "/admin/role", body)
+    with pytest.raises(AuthError, match="replayed"):
+        a.check(h, "POST", "/admin/role", body)
+    # Rewriting aud to B's id breaks the signature (aud is in the signed bytes).
+    forged = h.replace(f"aud={a.member_id}", f"aud={b.member_id}")
+    with pytest.raises(AuthError, match="wrong signature"):
+        b.check(forged, "POST", "/admin/role", body)
+    assert b.remembered == 0
+
+
+def test_old_format_without_audience_is_refused_with_a_clear_message() -> None:
+    clock = Clock()
+    v = verifier(clock)
+    ts, nonce = str(int(clock.t)), "0123456789abcdef" * 2
+    # A correct v1 signature (the old scheme), made here the way old members made it.
+    sig = hmac_hex(TOKEN, b"disagg-http-v1", "GET", "/server_info", ts, nonce,
+                   hashlib.sha256(b"").digest())
+    with pytest.raises(AuthError, match="old signature format v1.*upgraded"):
+        v.check(f"v1;ts={ts};nonce={nonce};sig={sig}", "GET", "/server_info")
+
+
 def test_replay_is_refused_and_nonces_age_out() -> None:
     clock = Clock()
-    v = HttpVerifier(TOKEN, window_s=10, clock=clock)
-    h = sign_http(TOKEN, "GET", "/server_info", now=clock.t)[AUTH_HEADER]
+    v = verifier(clock, window_s=10)
+    h = sign("GET", "/server_info", now=clock.t)
     v.check(h, "GET", "/server_info")
     with pytest.raises(AuthError, match="replayed"):
         v.check(h, "GET", "/server_info")
@@ -64,40 +110,77 @@ def test_replay_is_refused_and_nonces_age_out() -> None:
     with pytest.raises(AuthError, match="window"):
         v.check(h, "GET", "/server_info")
     clock.t += 20
-    fresh = sign_http(TOKEN, "GET", "/server_info", now=clock.t)[AUTH_HEADER]
-    v.check(fresh, "GET", "/server_info")
-    assert len(v._seen) == 1  # the old nonce was forgotten
+    v.check(sign("GET", "/server_info", now=clock.t), "GET", "/server_info")
+    assert v.remembered == 1  # the old nonce was forgotten
 
 
 def test_replay_just_inside_the_window_is_still_refused() -> None:
     # Signed at the far future edge of the window, replayed at the far past edge.
     clock = Clock()
-    v = HttpVerifier(TOKEN, window_s=10, clock=clock)
-    h = sign_http(TOKEN, "GET", "/x", now=clock.t + 10)[AUTH_HEADER]
+    v = verifier(clock, window_s=10)
+    h = sign("GET", "/x", now=clock.t + 10)
     v.check(h, "GET", "/x")
-    clock.t += 20  # ts + window == now: still fresh
+    clock.t += 20  # now - ts == window: still fresh
     with pytest.raises(AuthError, match="replayed"):
+        v.check(h, "GET", "/x")
+    clock.t += 0.5  # past the window: stale, and its second may now be forgotten
+    with pytest.raises(AuthError, match="window"):
         v.check(h, "GET", "/x")
 
 
 def test_nonce_table_full_refuses_instead_of_forgetting() -> None:
     clock = Clock()
-    v = HttpVerifier(TOKEN, window_s=10, max_nonces=2, clock=clock)
+    v = verifier(clock, window_s=10, max_nonces=2)
     for _ in range(2):
-        v.check(sign_http(TOKEN, "GET", "/x", now=clock.t)[AUTH_HEADER], "GET", "/x")
+        v.check(sign("GET", "/x", now=clock.t), "GET", "/x")
     with pytest.raises(AuthError, match="too many"):
-        v.check(sign_http(TOKEN, "GET", "/x", now=clock.t)[AUTH_HEADER], "GET", "/x")
+        v.check(sign("GET", "/x", now=clock.t), "GET", "/x")
+
+
+@pytest.mark.parametrize("skew", [0.0, -9.0, 9.0])
+def test_the_stated_rate_is_never_refused(skew: float) -> None:
+    """``max_rate`` signed requests per second, sustained over several windows (with the
+    signer's clock skewed by nearly as much as the window allows), are all accepted, and the
+    store stays bounded and flat (it does not grow with time)."""
+    rate, window = 200, 10
+    clock = Clock()
+    v = verifier(clock, window_s=window, max_rate=rate)
+    held = []
+    for _second in range(5 * window):
+        for _i in range(rate):
+            clock.t += 1.0 / rate
+            v.check(sign("GET", "/x", now=clock.t + skew), "GET", "/x")
+        held.append(v.remembered)
+    assert max(held) <= v.max_nonces
+    steady = held[-2 * window:]
+    # A nonce is held while now - ts <= window: ~ rate x (window + skew) of them.
+    assert max(steady) <= rate * (window + max(skew, 0) + 2)
+    assert max(steady) - min(steady) <= 2 * rate
+
+
+def test_default_store_is_sized_for_the_default_rate() -> None:
+    v = HttpVerifier(TOKEN)
+    assert v.max_nonces >= DEFAULT_MAX_RATE * (2 * v.window_s + 1)
+
+
+def test_member_id_from_health() -> None:
+    assert member_id_from_health({"status": "ok", "member_id": ME}) == ME
+    for bad in ({"status": "ok"}, [], {"member_id": "x y"}, {"member_id": ""}):
+        with pytest.raises(ValueError, match="member_id"):
+            member_id_from_health(bad)
 
 
 @pytest.mark.parametrize("header", [
-    None, "", "v2;ts=1;nonce=0;sig=0", "v1", "v1;ts=1",
-    "v1;ts=x;nonce=" + "a" * 32 + ";sig=" + "b" * 64,
-    "v1;ts=1000000;nonce=" + "g" * 32 + ";sig=" + "b" * 64,
-    "v1;ts=1000000;nonce=" + "a" * 32 + ";sig=" + "b" * 63,
-    "v1;ts=1000000;ts=1000000;nonce=" + "a" * 32 + ";sig=" + "b" * 64,
+    None, "", "v3;aud=a;ts=1;nonce=0;sig=0", "v2", "v2;ts=1",
+    "v2;ts=1000000;nonce=" + "a" * 32 + ";sig=" + "b" * 64,  # no aud
+    "v2;aud=a b;ts=1000000;nonce=" + "a" * 32 + ";sig=" + "b" * 64,
+    f"v2;aud={ME};ts=x;nonce=" + "a" * 32 + ";sig=" + "b" * 64,
+    f"v2;aud={ME};ts=1000000;nonce=" + "g" * 32 + ";sig=" + "b" * 64,
+    f"v2;aud={ME};ts=1000000;nonce=" + "a" * 32 + ";sig=" + "b" * 63,
+    f"v2;aud={ME};ts=1000000;ts=1000000;nonce=" + "a" * 32 + ";sig=" + "b" * 64,
 ])
 def test_malformed_headers_are_refused(header: str | None) -> None:
-    v = HttpVerifier(TOKEN, clock=Clock())
+    v = verifier(Clock())
     with pytest.raises(AuthError):
         v.check(header, "GET", "/x")
     assert not v.is_valid(header, "GET", "/x")
@@ -138,15 +221,23 @@ def test_http_signer_signs_exactly_like_sign_http() -> None:
     signer = HttpSigner(TOKEN)
     calls = [("POST", "/v1/completions", b'{"a":1}'), ("get", "/x?y=1", b""),
              ("POST", "/p\u00e9", "é".encode()), ("POST", "/v1/completions", b'{"a":2}')]
-    calls += [("GET", f"/kv_events?since={i}", b"") for i in range(70)]  # past the cache cap
-    for method, path, body in calls * 2:  # (the second time from the cached prefix state)
-        nonce = "0123456789abcdef" * 2
-        assert signer.headers(method, path, body, now=clock.t, nonce=nonce) == sign_http(
-            TOKEN, method, path, body, now=clock.t, nonce=nonce)
-    v = HttpVerifier(TOKEN, clock=clock)
-    v.check(signer.headers("GET", "/server_info", now=clock.t)[AUTH_HEADER], "GET",
-            "/server_info")
-    a, b = (signer.headers("GET", "/x", now=clock.t)[AUTH_HEADER] for _ in range(2))
+    calls += [("GET", f"/kv_events?since={i}", b"") for i in range(1100)]  # past the cap
+    for audience in (ME, OTHER):
+        for method, path, body in calls * 2:  # (the second time from the cached state)
+            nonce = "0123456789abcdef" * 2
+            assert signer.headers(method, path, body, audience=audience, now=clock.t,
+                                  nonce=nonce) == sign_http(
+                TOKEN, method, path, body, audience=audience, now=clock.t, nonce=nonce)
+    v = verifier(clock)
+    v.check(signer.headers("GET", "/server_info", audience=ME, now=clock.t)[AUTH_HEADER],
+            "GET", "/server_info")
+    with pytest.raises(AuthError, match="signed for member"):
+        v.check(signer.headers("GET", "/server_info", audience=OTHER, now=clock.t)[
+            AUTH_HEADER], "GET", "/server_info")
+    a, b = (signer.headers("GET", "/x", audience=ME, now=clock.t)[AUTH_HEADER]
+            for _ in range(2))
     assert a != b  # a fresh nonce each time
     with pytest.raises(ValueError):
         HttpSigner("")
+    with pytest.raises(ValueError, match="member_id"):
+        signer.headers("GET", "/x", audience="not;an id")

@@ -117,7 +117,7 @@ def _post(url: str, path: str, body: dict[str, Any], token: str | None = TOKEN
     """POST as the router does: signed with the cluster token (``token=None``: unsigned)."""
     if token is None:
         return httpx.post(url + path, json=body, timeout=60)
-    return httpx.post(url + path, timeout=60, **signed(token, "POST", path, body))
+    return httpx.post(url + path, timeout=60, **signed(token, "POST", path, body, to=url))
 
 
 def _text_of(path: str, body: dict[str, Any]) -> str:
@@ -127,7 +127,8 @@ def _text_of(path: str, body: dict[str, Any]) -> str:
 
 def _stream(url: str, path: str, body: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     text, events = "", []
-    with httpx.stream("POST", url + path, timeout=60, **signed(TOKEN, "POST", path, body)) as r:
+    with httpx.stream("POST", url + path, timeout=60,
+                      **signed(TOKEN, "POST", path, body, to=url)) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -287,7 +288,8 @@ def test_generation_disconnect_frees_both_sides(tcp: dict[str, Worker]) -> None:
             "ignore_eos": True, "stream": True}
     answer = context_call(tcp["ctx"], C, body)
     with httpx.stream("POST", tcp["gen"].url + C, timeout=60,
-                      **signed(TOKEN, "POST", C, generation_body(C, body, answer))) as r:
+                      **signed(TOKEN, "POST", C, generation_body(C, body, answer),
+                               to=tcp["gen"].url)) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -526,7 +528,7 @@ def test_streamed_generation_abort_while_waiting_frees_its_blocks(
     ctx, gen = tcp["ctx"], tcp["gen"]
     body = {"model": NAME, "prompt": LONG, "max_tokens": 6, "temperature": 0, "stream": True}
     _, gbody = stream_bodies(ctx, C, body)
-    kw = signed(TOKEN, "POST", C, gbody)
+    kw = signed(TOKEN, "POST", C, gbody, to=gen.url)
     host, port = gen.url.removeprefix("http://").split(":")
     head = "".join(f"{k}: {v}\r\n" for k, v in kw["headers"].items())
     with socket.create_connection((host, int(port)), timeout=30) as sock:

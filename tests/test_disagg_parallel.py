@@ -243,7 +243,8 @@ def test_multi_rank_generation_abort_frees_both_sides(cluster: dict[str, Worker]
             "ignore_eos": True, "stream": True}
     answer = context_call(ctx, C, body)
     with httpx.stream("POST", gen.url + C, timeout=60,
-                      **signed(TOKEN, "POST", C, generation_body(C, body, answer))) as r:
+                      **signed(TOKEN, "POST", C, generation_body(C, body, answer),
+                               to=gen.url)) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -275,7 +276,7 @@ def test_multi_rank_abort_mid_pull_frees_the_blocks_without_the_context_side(
     answer = context_call(ctx, C, body)
     pids = _rank_pids(ctx.proc.pid)  # rank 0, rank 1 (and a helper process of torch's)
     assert len(pids) >= 2, pids
-    kw = signed(TOKEN, "POST", C, generation_body(C, body, answer))
+    kw = signed(TOKEN, "POST", C, generation_body(C, body, answer), to=gen.url)
     raw = kw["content"]
     head = "".join(f"{k}: {v}\r\n" for k, v in {
         **kw["headers"], "Host": "x", "Content-Length": str(len(raw))}.items())

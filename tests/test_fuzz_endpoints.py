@@ -46,7 +46,7 @@ from hypothesis import strategies as st
 from router_fixtures import LoopThread
 from server_fixtures import Listener, serve_in_thread, wait_for
 
-from disagg.cluster_auth import sign_http
+from disagg.cluster_auth import member_id_of, sign_http
 from disagg.config import build_engine_config
 from disagg.contracts import protocol as P
 from disagg.contracts.cluster import parse_cluster_config
@@ -56,6 +56,7 @@ from disagg.router.app import ROUTER_KEY, build_router_app, start_router
 from disagg.server.app import ServerSettings, build_app
 
 TOKEN = "fuzz-cluster-secret"
+AUDIENCE: dict[str, str] = {}  # name -> member id (the cluster fixture fills it)
 NAME = "tiny"
 B = 16
 MAX_MODEL_LEN = 64  # a chat request without max_tokens decodes at most this many tokens
@@ -367,6 +368,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: str
         router_url = f"http://127.0.0.1:{port}"
         wait_for(lambda: httpx.get(router_url + "/health", timeout=5).status_code == 200, 30,
                  what="router ready")
+        # The member ids signed requests name (read by the strategies, drawn after this).
+        AUDIENCE.update({name: member_id_of(url) for name, url in urls.items()},
+                        router=member_id_of(router_url))
         # A real context answer: forged generation_only params look exactly like it.
         r = httpx.post(urls["ctx"] + C, timeout=30, json={
             "model": NAME, "prompt": list(range(40, 40 + B + 3)), "max_tokens": 4,
@@ -571,7 +575,8 @@ def test_worker_lease_release(cluster: SimpleNamespace) -> None:
         for data, headers, sign in reqs:
             data = data.replace(b'"LIVE"', json.dumps(lease).encode())
             if sign:
-                headers = {**headers, **sign_http(TOKEN, "POST", RELEASE, data)}
+                headers = {**headers, **sign_http(TOKEN, "POST", RELEASE, data,
+                                                  audience=AUDIENCE["ctx"])}
             batch.append((data, headers))
         run_batch(cluster, "ctx", RELEASE, batch)
 
@@ -625,7 +630,8 @@ def register_body(draw: st.DrawFn) -> tuple[bytes, dict[str, str]]:
     if sign != "unsigned":
         token = "not-the-token" if sign == "other token" else TOKEN
         path = "/cluster/unregister" if sign == "other path" else REGISTER
-        headers = {**headers, **sign_http(token, "POST", path, data)}
+        headers = {**headers, **sign_http(token, "POST", path, data,
+                                          audience=AUDIENCE["router"])}
     return data, headers
 
 
@@ -839,7 +845,8 @@ def test_register_refuses_addresses_that_are_no_host_port(cluster: SimpleNamespa
         body = {"role": "generation", "url": url}
         data = json.dumps(body).encode()
         status, _, raw = cluster.loop.run(send(cluster.clients["router"], REGISTER, data, {
-            "Content-Type": "application/json", **sign_http(TOKEN, "POST", REGISTER, data)}))
+            "Content-Type": "application/json",
+            **sign_http(TOKEN, "POST", REGISTER, data, audience=AUDIENCE["router"])}))
         assert status == 400, (url, raw)
         assert json.loads(raw)["error"]["param"] == "url", (url, raw)
     assert set(m.by_url) == before
@@ -847,7 +854,8 @@ def test_register_refuses_addresses_that_are_no_host_port(cluster: SimpleNamespa
                         ("[::1]:3", "[::1]:3"), ("worker_1.example:4", "worker_1.example:4")):
         data = json.dumps({"role": "generation", "url": url}).encode()
         status, _, raw = cluster.loop.run(send(cluster.clients["router"], REGISTER, data, {
-            "Content-Type": "application/json", **sign_http(TOKEN, "POST", REGISTER, data)}))
+            "Content-Type": "application/json",
+            **sign_http(TOKEN, "POST", REGISTER, data, audience=AUDIENCE["router"])}))
         assert status == 200 and json.loads(raw)["url"] == normal, (url, raw)
         cluster.loop.run(_unregister(m, url))
         assert normal not in m.by_url

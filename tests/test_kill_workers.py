@@ -204,7 +204,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: str
 
 
 def _metric(w: WorkerProc, name: str) -> float:
-    text = httpx.get(w.url + "/metrics", timeout=10, **signed(TOKEN, "GET", "/metrics")).text
+    text = httpx.get(w.url + "/metrics", timeout=10, **signed(TOKEN, "GET", "/metrics",
+                                                                 to=w.url)).text
     return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 

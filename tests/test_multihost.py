@@ -92,7 +92,7 @@ class Cluster:
 
     def server_info(self, name: str) -> dict[str, Any]:
         r = httpx.get(self.url(name) + "/server_info", timeout=10,
-                      **signed(TOKEN, "GET", "/server_info"))
+                      **signed(TOKEN, "GET", "/server_info", to=self.url(name)))
         r.raise_for_status()
         return r.json()
 

@@ -25,7 +25,7 @@ from aiohttp import web
 from router_fixtures import DYNAMIC, ROUTER_TOKEN, LoopThread, metric, running_router
 
 from disagg import procs
-from disagg.cluster_auth import HttpSigner
+from disagg.cluster_auth import HttpSigner, member_id_from_health, member_id_of
 
 TYPE_ROLE = {"context_only": "context", "generation_only": "generation"}
 
@@ -55,11 +55,15 @@ class StubWorker:
 
         assert self.router_url is not None
         body = json.dumps({"role": self.role, "url": self.url}).encode()
-        headers = {"Content-Type": "application/json",
-                   **HttpSigner(ROUTER_TOKEN).headers("POST", "/cluster/register", body)}
-        async with aiohttp.ClientSession() as s, s.post(
-                self.router_url + "/cluster/register", data=body, headers=headers) as r:
-            assert r.status == 200, await r.text()
+        async with aiohttp.ClientSession() as s:
+            async with s.get(self.router_url + "/health") as r:  # names the router's id
+                router_id = member_id_from_health(await r.json())
+            headers = {"Content-Type": "application/json",
+                       **HttpSigner(ROUTER_TOKEN).headers("POST", "/cluster/register", body,
+                                                          audience=router_id)}
+            async with s.post(self.router_url + "/cluster/register", data=body,
+                              headers=headers) as r:
+                assert r.status == 200, await r.text()
 
     async def heartbeat(self) -> None:
         while True:
@@ -225,7 +229,7 @@ def signed_post(url: str, path: str, payload: dict[str, Any], token: str = ROUTE
                 timeout: float = 30) -> httpx.Response:
     body = json.dumps(payload).encode()
     headers = {"Content-Type": "application/json",
-               **HttpSigner(token).headers("POST", path, body)}
+               **HttpSigner(token).headers("POST", path, body, audience=member_id_of(url))}
     return httpx.post(url + path, content=body, headers=headers, timeout=timeout)
 
 

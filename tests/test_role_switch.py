@@ -150,7 +150,7 @@ def reference(model_dir: str) -> Iterator[str]:
 def post(url: str, path: str, body: Any, token: str | None = TOKEN) -> httpx.Response:
     if token is None:
         return httpx.post(url + path, json=body, timeout=60)
-    return httpx.post(url + path, timeout=60, **signed(token, "POST", path, body))
+    return httpx.post(url + path, timeout=60, **signed(token, "POST", path, body, to=url))
 
 
 def switch(w: WorkerProc, role: str) -> httpx.Response:
@@ -200,7 +200,7 @@ class Stream:
     def _run(self, gen: WorkerProc, body: dict[str, Any]) -> None:
         try:
             with httpx.stream("POST", gen.url + C, timeout=120,
-                              **signed(TOKEN, "POST", C, body)) as r:
+                              **signed(TOKEN, "POST", C, body, to=gen.url)) as r:
                 assert r.status_code == 200, r.read()
                 for line in r.iter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":
@@ -317,10 +317,32 @@ def test_bad_requests(workers: dict[str, WorkerProc], reference: str) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == "role", r.text
     r = post(reference, ROLE, {"role": "context"})  # aggregated: no KV transfer
     assert r.status_code == 400 and r.json()["error"]["param"] == "role", r.text
-    assert post(G.url, ROLE, {"role": "context"}, token=None).status_code == 401
-    assert post(G.url, ROLE, {"role": "context"}, token="not-the-token").status_code == 403
+    for token in (None, "not-the-token"):  # missing or wrong: 401, as everywhere else
+        r = post(G.url, ROLE, {"role": "context"}, token=token)
+        assert r.status_code == 401, r.text
+        assert r.json()["error"]["code"] == "unauthorized", r.text
     info = G.info()
     assert info["role_switch"] is None  # none of these started a switch
+
+
+def test_bad_signatures_are_401_as_everywhere(reference: str) -> None:
+    """/admin/role answers a missing, wrong or replayed signature with 401, as /server_info
+    does (it answered 403 to a wrong one); a valid one gets past the check (an aggregated
+    worker then refuses the role: 400)."""
+    body = {"role": "context"}
+    good = signed(TOKEN, "POST", ROLE, body, to=reference)
+    first = httpx.post(reference + ROLE, timeout=60, **good)
+    assert first.status_code == 400 and first.json()["error"]["param"] == "role", first.text
+    for kw in ({"json": body}, signed("not-the-token", "POST", ROLE, body, to=reference),
+               good):  # unsigned, wrong token, the same signature again
+        r = httpx.post(reference + ROLE, timeout=60, **kw)
+        assert r.status_code == 401, r.text
+        err = r.json()["error"]
+        assert (err["type"], err["code"]) == ("authentication_error", "unauthorized"), err
+        assert err["message"].startswith("/admin/role: needs a cluster signature"), err
+    r = httpx.get(reference + "/server_info", timeout=60,
+                  **signed("not-the-token", "GET", "/server_info", to=reference))
+    assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized", r.text
 
 
 @pytest.mark.skipif(not UCX_OK, reason=UCX_WHY)

@@ -73,8 +73,8 @@ class RecordingWorker:
                            "valid": self.verifier.is_valid(header, request.method,
                                                            request.raw_path, body)})
         path = request.path
-        if path == "/health":
-            return web.json_response({"status": "ok"})
+        if path == "/health":  # open; names the audience of signed calls (cluster_auth)
+            return web.json_response({"status": "ok", "member_id": self.verifier.member_id})
         if path == "/server_info":
             return web.json_response({"role": self.role, "tokens_per_block": 16,
                                       "worker_id": self.role, "model_dir": None})
@@ -136,8 +136,10 @@ def test_router_signs_its_calls_to_workers(loop: LoopThread, tiny_llama: str) ->
     assert {"/health", "/server_info", C, "/v1/models"} <= _targets(gen)
     for w in (ctx, gen):
         for call in w.calls:
-            if call["target"] == C and call["kind"] in (None, "context_only"):
-                # a whole (aggregated) request or a prefill: nothing depends on a signature
+            if (call["target"] == C and call["kind"] in (None, "context_only")
+                    or call["target"] == "/health"):
+                # a whole (aggregated) request or a prefill: nothing depends on a signature;
+                # /health is open (it is where the router learns the member id to sign for)
                 assert call["header"] is None, call
             else:
                 assert call["valid"], (w.role, call)
@@ -191,17 +193,18 @@ def test_registration_needs_a_cluster_signature(loop: LoopThread) -> None:
                            headers={"X-Disagg-Cluster-Token": TOKEN})
             assert r.status_code == 401
             r = httpx.post(url + path, timeout=10,
-                           **signed("another-cluster", "POST", path, payload))
+                           **signed("another-cluster", "POST", path, payload, to=url))
             assert r.status_code == 401
-            kw = signed(TOKEN, "POST", path, payload)
+            kw = signed(TOKEN, "POST", path, payload, to=url)
             r = httpx.post(url + path, timeout=10, headers=kw["headers"],
                            content=json.dumps({**payload, "url": "10.0.0.1:1"}).encode())
             assert r.status_code == 401  # the signature covers the body
         r = httpx.post(url + "/cluster/register", timeout=10,
-                       **signed(TOKEN, "POST", "/cluster/register", payload))
+                       **signed(TOKEN, "POST", "/cluster/register", payload, to=url))
         assert r.status_code == 200, r.text
         r = httpx.post(url + "/cluster/unregister", timeout=10,
-                       **signed(TOKEN, "POST", "/cluster/unregister", {"url": payload["url"]}))
+                       **signed(TOKEN, "POST", "/cluster/unregister", {"url": payload["url"]},
+                                to=url))
         assert r.status_code == 200 and r.json()["status"] == "unregistered"
 
 
@@ -216,7 +219,7 @@ def test_router_metrics_need_the_api_key_or_a_signature_unless_public(
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert httpx.get(url + "/metrics", timeout=10,
                          headers={"Authorization": "Bearer k"}).status_code == 200
-        r = httpx.get(url + "/metrics", timeout=10, **signed(TOKEN, "GET", "/metrics"))
+        r = httpx.get(url + "/metrics", timeout=10, **signed(TOKEN, "GET", "/metrics", to=url))
         assert r.status_code == 200 and "disagg_router_" in r.text
         assert httpx.get(url + "/health", timeout=10).status_code == 503  # open (no worker)
     with running_router({**cfg, "public_metrics": True}, loop) as url:

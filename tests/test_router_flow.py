@@ -208,3 +208,118 @@ def test_a_client_closing_after_done_is_a_success_not_a_disconnect(loop: LoopThr
             loop.loop.call_soon_threadsafe(worker.release.set)
     finally:
         loop.run(runner.cleanup())
+
+
+# -- Retry-After: a worker's passed on, the router's own set ------------------------------------
+
+
+class _BusyWorker:
+    """A worker of ``role`` whose OpenAI endpoints answer 503 ``queue_full`` with
+    ``Retry-After: retry_after`` (as a worker's full waiting queue does)."""
+
+    def __init__(self, role: str, retry_after: str) -> None:
+        self.posts = 0
+        app = web.Application()
+        # (its member id: the audience a signing router's calls name; not checked here)
+        app.router.add_get("/health", lambda r: web.json_response(
+            {"status": "ok", "member_id": f"busy-{role}"}))
+        app.router.add_get("/server_info", lambda r: web.json_response(
+            {"role": role, "tokens_per_block": 16, "worker_id": role, "model_dir": None}))
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            app.router.add_post(path, self.refuse)
+        self.retry_after = retry_after
+        self.app = app
+
+    async def refuse(self, request: web.Request) -> web.Response:
+        await request.read()
+        self.posts += 1
+        body = P.APIError(503, "the server is overloaded: waiting queue is full; retry later",
+                          type="server_overloaded", code="queue_full").body()
+        return web.json_response(body, status=503, headers={"Retry-After": self.retry_after})
+
+
+def _free_address() -> str:
+    """An address where nothing listens (a port just bound and closed)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+# Each request as the router's own HTTP/1.1 server takes it and (a query string) as aiohttp's.
+REQUESTS = [(path + query, stream) for path in ("/v1/completions", "/v1/chat/completions")
+            for query in ("", "?via=aiohttp") for stream in (False, True)]
+
+
+def _post(url: str, path: str, stream: bool) -> httpx.Response:
+    body: dict[str, Any] = {"model": "m", "max_tokens": 2, "stream": stream}
+    if path.startswith("/v1/chat"):
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = "hi"
+    return httpx.post(url + path, json=body, timeout=30)
+
+
+@pytest.mark.parametrize("disaggregated", [False, True], ids=["aggregated", "context"])
+def test_a_workers_retry_after_reaches_the_client(loop: LoopThread,
+                                                  disaggregated: bool) -> None:
+    """A worker's 503 ``queue_full`` is passed on with its ``Retry-After`` (its own value, not
+    the router's), streamed or not, whichever server of the router carries the request; in a
+    disaggregated cluster the context worker's refusal is the one passed on."""
+    busy = _BusyWorker("context" if disaggregated else "aggregated", "7")
+    spare = _BusyWorker("generation", "9")  # never reached: the context call failed first
+    runners = [loop.serve(busy.app), loop.serve(spare.app)]
+    try:
+        urls = [u.removeprefix("http://") for _, u in runners]
+        cfg: dict[str, Any] = {"max_retries": 1, "health_check_interval_sec": 0.2}
+        if disaggregated:
+            cfg |= {"context_servers": {"urls": urls[:1]},
+                    "generation_servers": {"urls": urls[1:]}}
+        else:
+            cfg |= {"generation_servers": {"urls": urls[:1]}}
+        with running_router(cfg, loop) as url:
+            wait_for(lambda: httpx.get(url + "/health").status_code == 200, 30, what="router")
+            for path, stream in REQUESTS:
+                r = _post(url, path, stream)
+                assert r.status_code == 503, (path, stream, r.text)
+                assert r.json()["error"]["code"] == "queue_full", (path, stream, r.text)
+                assert r.headers.get("Retry-After") == "7", (path, stream, r.headers)
+            assert busy.posts == len(REQUESTS) and spare.posts == 0
+    finally:
+        for runner, _ in runners:
+            loop.run(runner.cleanup())
+
+
+def test_the_routers_own_503s_say_when_to_retry(loop: LoopThread) -> None:
+    """No healthy worker: 503 ``no_healthy_worker`` with ``Retry-After:`` the router's
+    ``RETRY_AFTER_S``, streamed or not, on either server, for /v1/models and /health too."""
+    from disagg.router.replies import RETRY_AFTER_S
+
+    cfg = {"max_retries": 1, "health_check_interval_sec": 0.2,
+           "generation_servers": {"urls": [_free_address()]}}
+    want = str(RETRY_AFTER_S)
+    with running_router(cfg, loop, cluster_token=None) as url:
+        for path, stream in REQUESTS:
+            r = _post(url, path, stream)
+            assert r.status_code == 503, (path, stream, r.text)
+            assert r.json()["error"]["code"] == "no_healthy_worker", (path, stream, r.text)
+            assert r.headers.get("Retry-After") == want, (path, stream, r.headers)
+        r = httpx.get(url + "/v1/models", timeout=30)
+        assert r.status_code == 503 and r.headers.get("Retry-After") == want, r.headers
+        r = httpx.get(url + "/health", timeout=30)
+        assert r.status_code == 503 and r.headers.get("Retry-After") == want, r.headers
+
+
+def test_retry_after_passes_only_when_safe() -> None:
+    from disagg.router.replies import retry_after
+
+    assert retry_after("7") == {"Retry-After": "7"}
+    assert retry_after("Wed, 21 Oct 2026 07:28:00 GMT") == {
+        "Retry-After": "Wed, 21 Oct 2026 07:28:00 GMT"}
+    for bad in ("", "\x00", "\u00e9", "1" * 65):
+        assert retry_after(bad) is None, bad
+    # the router's own errors: a 503 carries it, others do not
+    assert Reply.error(503, "x").headers == {"Retry-After": "1"}
+    assert Reply.error(502, "x").headers is None
+    assert Reply.error(503, "x").answer().headers == {"Retry-After": "1"}

@@ -72,7 +72,7 @@ class Pair:
 
     def _app(self, handler: Any, role: str) -> web.Application:
         async def health(request: web.Request) -> web.Response:
-            return web.json_response({"status": "ok"})
+            return web.json_response({"status": "ok", "member_id": self.verifier.member_id})
 
         async def server_info(request: web.Request) -> web.Response:
             return self.server_info(role)

@@ -332,7 +332,17 @@ class FakeWorker:
         self.app = app
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+        """Healthy; in front of a real worker, under that worker's member id (a transparent
+        proxy: the router signs for the member its forwarded calls reach)."""
+        answer = {"status": "ok"}
+        if self.upstream:
+            import aiohttp
+
+            from disagg.cluster_auth import MEMBER_ID_FIELD
+
+            async with aiohttp.ClientSession() as s, s.get(self.upstream + "/health") as r:
+                answer[MEMBER_ID_FIELD] = (await r.json())[MEMBER_ID_FIELD]
+        return web.json_response(answer)
 
     async def server_info(self, request: web.Request) -> web.Response:
         return web.json_response({"role": self.role, "tokens_per_block": 16,
@@ -355,7 +365,8 @@ class FakeWorker:
                     data = json.loads(body)
                     data["stream"] = False
                     data.pop("stream_options", None)
-                    kw = signed(TOKEN, "POST", request.path, data)  # as the router signs
+                    kw = signed(TOKEN, "POST", request.path, data,  # as the router signs
+                                to=self.upstream)
                     async with s.post(self.upstream + request.path, data=kw["content"],
                                       headers=kw["headers"]) as r:
                         await r.read()
@@ -743,10 +754,12 @@ def test_lease_release_endpoint_needs_a_cluster_signature(workers: dict[str, Wor
     r = httpx.post(ctx.url + path, json=body, timeout=10,
                    headers={"X-Disagg-Cluster-Token": TOKEN})
     assert r.status_code == 401
-    r = httpx.post(ctx.url + path, timeout=10, **signed(TOKEN, "POST", path, body))
+    r = httpx.post(ctx.url + path, timeout=10, **signed(TOKEN, "POST", path, body, to=ctx.url))
     assert r.status_code == 200 and r.json() == {"ctx_request_id": "no-such-lease",
                                                  "released": False}
-    r = httpx.post(ctx.url + path, timeout=10, **signed(TOKEN, "POST", path, {"x": 1}))
+    r = httpx.post(ctx.url + path, timeout=10,
+                   **signed(TOKEN, "POST", path, {"x": 1}, to=ctx.url))
     assert r.status_code == 400 and r.json()["error"]["param"] == "ctx_request_id"
-    r = httpx.post(workers["gen"].url + path, timeout=10, **signed(TOKEN, "POST", path, body))
+    r = httpx.post(workers["gen"].url + path, timeout=10,
+                   **signed(TOKEN, "POST", path, body, to=workers["gen"].url))
     assert r.status_code == 404

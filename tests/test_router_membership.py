@@ -32,7 +32,7 @@ from test_router_live import (
 
 def _register(url: str, payload: dict[str, Any]) -> httpx.Response:
     return httpx.post(url + "/cluster/register", timeout=10,
-                      **signed(TOKEN, "POST", "/cluster/register", payload))
+                      **signed(TOKEN, "POST", "/cluster/register", payload, to=url))
 
 
 def _urls(url: str, pool: str) -> list[str]:
@@ -81,7 +81,8 @@ def test_register_heartbeat_expiry_and_readiness(loop: LoopThread) -> None:
             _register(url, {"role": "context", "url": addr})
             assert _urls(url, "context") == [addr]
             r = httpx.post(url + "/cluster/unregister",
-                           **signed(TOKEN, "POST", "/cluster/unregister", {"url": addr}))
+                           **signed(TOKEN, "POST", "/cluster/unregister", {"url": addr},
+                                    to=url))
             assert r.json()["status"] == "unregistered" and not _urls(url, "context")
     finally:
         loop.run(runner.cleanup())

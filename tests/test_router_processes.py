@@ -74,7 +74,8 @@ def test_two_processes_share_registrations_serve_and_report(tmp_path: Path,
         kids = _children(proc.pid)
         assert len(kids) == 2
         r = httpx.post(url + "/cluster/register", timeout=10, **signed(
-            ROUTER_TOKEN, "POST", "/cluster/register", {"role": "generation", "url": worker}))
+            ROUTER_TOKEN, "POST", "/cluster/register", {"role": "generation", "url": worker},
+            to=url))
         assert r.status_code == 200, r.text
 
         def both_see_it() -> bool:

@@ -116,12 +116,12 @@ def test_server_info_and_kv_events_need_a_signature_or_the_api_key(
         assert _get(app, path, headers=BEARER).status_code == 200
         assert _get(app, path, headers={"Authorization": "Bearer wrong"}).status_code == 401
     for app in (aggregated.key_token, aggregated.token):
-        r = _get(app, path, **signed(TOKEN, "GET", path))
+        r = _get(app, path, **signed(TOKEN, "GET", path, to=app))
         assert r.status_code == 200, r.text
         # the signature covers the token, the path and the query, and is good once
-        _assert_401(_get(app, path, **signed("another-token", "GET", path)), bare)
-        _assert_401(_get(app, bare + "?since=99", **signed(TOKEN, "GET", path)), bare)
-        kw = signed(TOKEN, "GET", path)
+        _assert_401(_get(app, path, **signed("another-token", "GET", path, to=app)), bare)
+        _assert_401(_get(app, bare + "?since=99", **signed(TOKEN, "GET", path, to=app)), bare)
+        kw = signed(TOKEN, "GET", path, to=app)
         assert _get(app, path, **kw).status_code == 200
         r = _get(app, path, **kw)
         _assert_401(r, bare)
@@ -147,7 +147,7 @@ def test_metrics_need_the_api_key_or_a_signature_unless_public(
     app = aggregated.key_token
     _assert_401(_get(app, "/metrics"), "/metrics")
     assert _get(app, "/metrics", headers=BEARER).status_code == 200
-    r = _get(app, "/metrics", **signed(TOKEN, "GET", "/metrics"))
+    r = _get(app, "/metrics", **signed(TOKEN, "GET", "/metrics", to=app))
     assert r.status_code == 200 and "disagg_" in r.text
     # public_metrics, or no API key at all: open
     for app in (aggregated.key_public, aggregated.token, aggregated.open):
@@ -156,6 +156,26 @@ def test_metrics_need_the_api_key_or_a_signature_unless_public(
     for app in (aggregated.key_token, aggregated.token):
         assert _get(app, "/health").status_code == 200
         assert _get(app, "/version").status_code == 200
+
+
+def test_a_signed_request_is_refused_by_another_member(aggregated: SimpleNamespace) -> None:
+    """Issue 40: a request captured on its way to one worker and replayed to another (same
+    cluster token, its own nonce store) is refused there, with a message saying why; each
+    worker names its member id in /health; an old-format (v1) signature is refused."""
+    a, b = aggregated.key_token, aggregated.token
+    ids = {app: _get(app, "/health").json()["member_id"] for app in (a, b)}
+    assert ids[a] != ids[b]
+    kw = signed(TOKEN, "GET", "/server_info", to=a)
+    assert f"aud={ids[a]}" in kw["headers"]["X-Disagg-Auth"]
+    assert _get(a, "/server_info", **kw).status_code == 200
+    r = _get(b, "/server_info", **kw)  # the captured copy, sent to the other member
+    _assert_401(r, "/server_info")
+    assert f"signed for member {ids[a]}, not this one" in r.json()["error"]["message"]
+    assert "replayed" in _get(a, "/server_info", **kw).json()["error"]["message"]
+    old = {"X-Disagg-Auth": f"v1;ts={int(time.time())};nonce={'0' * 32};sig={'0' * 64}"}
+    r = _get(b, "/server_info", headers=old)
+    _assert_401(r, "/server_info")
+    assert "old signature format v1" in r.json()["error"]["message"]
 
 
 # ---- disaggregated workers in this process --------------------------------------------------
@@ -224,7 +244,7 @@ def test_refused_trusted_request_releases_the_context_lease(
     context worker at once (it connects there), instead of leaving its KV until lease expiry."""
     signed_lis, listed_lis = listener(), listener()
     body = _gen_only(disagg, signed_lis.addr, "lease-signed", **extra)
-    r = httpx.post(disagg.gen + C, timeout=30, **signed(TOKEN, "POST", C, body))
+    r = httpx.post(disagg.gen + C, timeout=30, **signed(TOKEN, "POST", C, body, to=disagg.gen))
     assert 400 <= r.status_code < 500, r.text
     wait_for(lambda: signed_lis.connections > 0, 10, what="release sent to the context worker")
     body = _gen_only(disagg, listed_lis.addr, "lease-listed", **extra)
@@ -242,7 +262,7 @@ def test_signed_request_reads_from_the_named_context_worker(
     # No answer comes while the peer is silent: hang up (the worker aborts the request).
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(disagg.gen + C, timeout=httpx.Timeout(10, read=1.0),
-                   **signed(TOKEN, "POST", C, body))
+                   **signed(TOKEN, "POST", C, body, to=disagg.gen))
     wait_for(lambda: lis.connections > 0, 10, what="KV read from the named worker")
 
 
@@ -255,7 +275,7 @@ def test_lease_release_endpoint_needs_a_signature(disagg: SimpleNamespace) -> No
                    headers={"X-Disagg-Cluster-Token": TOKEN})
     _assert_401(r, path)
     # the signature covers the body
-    kw = signed(TOKEN, "POST", path, body)
+    kw = signed(TOKEN, "POST", path, body, to=disagg.ctx)
     r = httpx.post(disagg.ctx + path, timeout=10, headers=kw["headers"],
                    content=b'{"ctx_request_id": "another-lease"}')
     _assert_401(r, path)
@@ -265,7 +285,8 @@ def test_lease_release_endpoint_needs_a_signature(disagg: SimpleNamespace) -> No
     r = httpx.post(disagg.ctx + path, timeout=10, **kw)  # replayed
     _assert_401(r, path)
     r = httpx.post(disagg.ctx + path, timeout=10,
-                   **signed(TOKEN, "POST", path, {"x": 1}))
+                   **signed(TOKEN, "POST", path, {"x": 1}, to=disagg.ctx))
     assert r.status_code == 400 and r.json()["error"]["param"] == "ctx_request_id"
-    r = httpx.post(disagg.gen + path, timeout=10, **signed(TOKEN, "POST", path, body))
+    r = httpx.post(disagg.gen + path, timeout=10,
+                   **signed(TOKEN, "POST", path, body, to=disagg.gen))
     assert r.status_code == 404

@@ -146,6 +146,47 @@ def test_bad_constraints_are_the_requests_own_400(live: SimpleNamespace, body: d
     assert err["param"] == field and err["message"].startswith(field), err
 
 
+@pytest.mark.parametrize("body,field,kind", [
+    ({"structured_outputs": {"grammar": "start: start"}}, "structured_outputs", "grammar"),
+    ({"structured_outputs": {"grammar": "root ::= root"}}, "structured_outputs", "grammar"),
+    ({"structured_outputs": {"grammar": "start: a\na: a"}}, "structured_outputs", "grammar"),
+    ({"guided_grammar": "root ::= root"}, "guided_grammar", "grammar"),
+    ({"structured_outputs": {"regex": "[^\\s\\S]"}}, "structured_outputs", "regex"),
+    ({"guided_regex": "[^\\x00-\\U0010FFFF]"}, "guided_regex", "regex"),
+    # a forced prefix that never ends (it failed at the first sampled token)
+    ({"structured_outputs": {"grammar": 'start: "a" start'}}, "structured_outputs", "grammar"),
+    ({"guided_grammar": 'root ::= "{" root "}"'}, "guided_grammar", "grammar"),
+])
+def test_an_empty_language_is_the_requests_own_400(live: SimpleNamespace, body: dict[str, Any],
+                                                   field: str, kind: str) -> None:
+    """A grammar or regex that accepts no string (llguidance compiles it and fails at its
+    first mask or first token: it was a 500) is a 400 naming the field, for chat streamed or
+    not and for completions, before the engine takes a step for it."""
+    steps = live.engine.stats().steps_total
+    for path, extra in (("/v1/chat/completions", {"messages": MESSAGES}),
+                        ("/v1/chat/completions", {"messages": MESSAGES, "stream": True}),
+                        ("/v1/completions", {"prompt": "x", "stream": True}),
+                        ("/v1/completions", {"prompt": "x"})):
+        r = httpx.post(live.url + path, timeout=60,
+                       json={"model": NAME, "max_tokens": 4, **extra, **body})
+        assert r.status_code == 400, (path, extra, r.text)
+        err = r.json()["error"]
+        assert err["param"] == field, err
+        assert err["message"].startswith(f"{field}: the {kind} accepts no string"), err
+    assert live.engine.stats().steps_total == steps  # refused before it was queued
+
+
+def test_an_empty_language_that_branches_runs_to_max_tokens(live: SimpleNamespace) -> None:
+    """``start: ("a" | "b") start`` has no finite string, but its start branches (no forced
+    prefix to probe): it is not refused; its answer is "a"s and "b"s until max_tokens, not an
+    error."""
+    r = live.client.completions.create(
+        model=NAME, prompt="x", max_tokens=6, temperature=0,
+        extra_body={"structured_outputs": {"grammar": 'start: ("a" | "b") start'}})
+    ch = r.choices[0]
+    assert ch.finish_reason == "length" and ch.text and set(ch.text) <= {"a", "b"}, ch
+
+
 def test_auto_tool_choice_needs_a_parser(live: SimpleNamespace) -> None:
     body = {"model": NAME, "messages": MESSAGES, "max_tokens": 4, "tools": TOOLS}
     r = httpx.post(live.bare + "/v1/chat/completions", json=body, timeout=60)

@@ -135,8 +135,9 @@ def test_completions_regex_through_the_router(cluster: dict[str, str]) -> None:
 
 
 def test_bad_grammars_are_400_through_the_router(cluster: dict[str, str]) -> None:
-    """A regex the context worker cannot compile is the client's 400 (naming the field), and
-    tool_choice auto is answered by workers that have a parser."""
+    """A regex the context worker cannot compile, or a grammar that accepts no string, is the
+    client's 400 (naming the field), and tool_choice auto is answered by workers that have a
+    parser."""
     r = httpx.post(cluster["router"] + "/v1/completions", timeout=60, json={
         "model": NAME, "prompt": "x", "max_tokens": 4, "structured_outputs": {"regex": "(ab"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", r.text
@@ -144,6 +145,16 @@ def test_bad_grammars_are_400_through_the_router(cluster: dict[str, str]) -> Non
         "model": NAME, "messages": MESSAGES, "max_tokens": 4, "tools": TOOLS,
         "structured_outputs": {"choice": []}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", r.text
+    # a grammar with an empty language: the context worker's 400, streamed chat too
+    for grammar in ("start: start", "root ::= root", 'start: "a" start'):
+        for stream in (False, True):
+            r = httpx.post(cluster["router"] + "/v1/chat/completions", timeout=60, json={
+                "model": NAME, "messages": MESSAGES, "max_tokens": 4, "stream": stream,
+                "structured_outputs": {"grammar": grammar}})
+            assert r.status_code == 400, (grammar, stream, r.text)
+            err = r.json()["error"]
+            assert err["param"] == "structured_outputs", err
+            assert "the grammar accepts no string" in err["message"], err
     r = httpx.post(cluster["router"] + "/v1/chat/completions", timeout=60, json={
         "model": NAME, "messages": MESSAGES, "max_tokens": 4, "tools": TOOLS,
         "temperature": 0})

@@ -23,13 +23,15 @@ class Answer:
     """What the router answered one request with. ``streamed``: it was written to the request's
     ``ClientStream`` (status and headers included) and ``body`` is unused; else the server
     sends ``status``, ``content_type`` and ``body``. ``close``: the request's body was not read
-    whole, so the connection cannot carry another request."""
+    whole, so the connection cannot carry another request. ``headers``: more headers of a
+    whole answer (``Retry-After`` of a 503)."""
 
     status: int
     body: bytes = b""
     content_type: str = "application/json"
     streamed: bool = False
     close: bool = False
+    headers: Mapping[str, str] | None = None
 
 
 STREAMED = Answer(200, streamed=True)
@@ -84,7 +86,7 @@ class AiohttpStream(ClientStream):
         if answer.streamed and self.response is not None:
             return self.response
         resp = web.Response(status=answer.status, body=answer.body,
-                            content_type=answer.content_type)
+                            content_type=answer.content_type, headers=answer.headers)
         if answer.close:
             resp.force_close()
         return resp

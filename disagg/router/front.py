@@ -314,11 +314,13 @@ class FrontConnection(asyncio.Protocol, ClientStream):
                 return
         else:
             status = answer.status
+            extra = b"" if not answer.headers else "".join(
+                f"{k}: {v}\r\n" for k, v in answer.headers.items()).encode("latin-1")
             transport.write(b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n"
-                            b"Date: %s\r\n%s%s\r\n%s" % (
+                            b"Date: %s\r\n%s%s%s\r\n%s" % (
                                 status, REASONS.get(status, b"Unknown"),
                                 answer.content_type.encode("latin-1"), len(answer.body),
-                                self.front.date(), self._cors,
+                                self.front.date(), extra, self._cors,
                                 b"Connection: close\r\n" if close else b"", answer.body))
         self.task = None
         if close:

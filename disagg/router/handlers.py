@@ -29,7 +29,7 @@ from typing import Any
 from aiohttp import web
 
 from disagg import __version__
-from disagg.cluster_auth import AUTH_HEADER, AuthError, bearer_ok
+from disagg.cluster_auth import AUTH_HEADER, MEMBER_ID_FIELD, AuthError, bearer_ok
 from disagg.contracts import protocol as P
 from disagg.contracts.cluster import normalize_worker_url
 from disagg.contracts.responses import ResponseStore
@@ -43,7 +43,7 @@ from disagg.router.policies import RouteRequest
 from disagg.router.processes import from_sibling, merge_metrics
 from disagg.router.prompt_tokens import COMPLETIONS
 from disagg.router.relay import RequestState
-from disagg.router.replies import Reply, dumps, loads, parse_body
+from disagg.router.replies import RETRY_AFTER_S, Reply, dumps, loads, parse_body
 from disagg.router.responses import ResponsesRoutes
 from disagg.router.role_switch import SwitchBusy, SwitchRefused
 from disagg.router.router import Router
@@ -244,8 +244,11 @@ class Handlers:
 
     async def health(self, request: web.Request) -> web.Response:
         ready, why = self.router.membership.ready()
-        return web.json_response({"status": "ok" if ready else "unavailable", "reason": why},
-                                 status=200 if ready else 503)
+        answer: dict[str, Any] = {"status": "ok" if ready else "unavailable", "reason": why}
+        if self.router.verifier is not None:  # the audience of signatures to this router
+            answer[MEMBER_ID_FIELD] = self.router.verifier.member_id
+        return web.json_response(answer, status=200 if ready else 503,
+                                 headers=None if ready else {"Retry-After": str(RETRY_AFTER_S)})
 
     async def metrics(self, request: web.Request) -> web.Response:
         """The router's metrics; of every process, each sample labelled ``process``, when

@@ -51,12 +51,13 @@ class StaleConnection(UpstreamError):
 class Response:
     """A worker's answer: its head is in once ``Pool.post`` returns; its body follows."""
 
-    __slots__ = ("status", "content_type", "_conn", "_chunks", "_buffered", "_done", "_error",
-                 "_waiter")
+    __slots__ = ("status", "content_type", "retry_after", "_conn", "_chunks", "_buffered",
+                 "_done", "_error", "_waiter")
 
     def __init__(self, conn: _Conn) -> None:
         self.status = 0
         self.content_type = ""
+        self.retry_after = ""  # its Retry-After header ("": none), passed on to the client
         self._conn = conn
         self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
@@ -207,6 +208,8 @@ class _Conn(asyncio.Protocol):
             self._content_type = value
         elif n == b"content-length" or n == b"transfer-encoding":
             self._framed = True
+        elif n == b"retry-after" and self.resp is not None:
+            self.resp.retry_after = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
         resp = self.resp

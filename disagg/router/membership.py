@@ -6,17 +6,18 @@ of its role (``aggregated`` workers join the generation pool) and heartbeats by 
 again; it is dropped when no heartbeat came for ``inactive_timeout_sec``, or when its health
 checks have failed for that long, or when it unregisters (on drain).
 
-Health: every ``health_check_interval_sec`` the router GETs each worker's ``/health`` and
-``/server_info`` (role, tokens_per_block, worker_id, model_dir, kv_transfer), signed with the
-cluster token and with the pool's API key (``UpstreamAuth``); a worker out of rotation is
-probed every 0.5 s (or the interval, if shorter). A worker is in rotation only
-while healthy. Health comes from these checks, not from one request: a refused connection, or
-a 503 saying the worker drains or its engine is down, takes it out at once (the same as a
-failing check would); any other failed request only triggers a check now, and
-``REQUEST_FAILURE_THRESHOLD`` consecutive failed requests take it out (a request that got an
-answer resets the count). The next passing check puts it back. A worker whose role does not
-fit its pool (an aggregated worker where generation_only requests are sent) stays out, with the
-reason shown in ``GET /cluster_info``.
+Health: every ``health_check_interval_sec`` the router GETs each worker's ``/health`` (which
+names the worker's ``member_id``: the audience of every signed call to it, see ``cluster_auth``)
+and ``/server_info`` (role, tokens_per_block, worker_id, model_dir, kv_transfer), signed with
+the cluster token and with the pool's API key (``UpstreamAuth``); a worker out of rotation is
+probed every 0.5 s (or the interval, if shorter). A worker is in rotation only while healthy.
+Health comes from these checks, not from one request: a refused connection, or a 503 saying the
+worker drains or its engine is down, takes it out at once (the same as a failing check would);
+any other failed request only triggers a check now, and ``REQUEST_FAILURE_THRESHOLD``
+consecutive failed requests take it out (a request that got an answer resets the count). The
+next passing check puts it back. A worker whose role does not fit its pool (an aggregated worker
+where generation_only requests are sent) stays out, with the reason shown in ``GET
+/cluster_info``.
 
 KV index (kv_cache_aware sides, and generation workers under conditional disaggregation):
 the router polls each healthy worker's ``GET /kv_events?since=SEQ`` every
@@ -41,7 +42,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from disagg.cluster_auth import HttpSigner
+from disagg.cluster_auth import HttpSigner, member_id_from_health
 from disagg.contracts.cluster import ClusterConfig, PolicyConfig, normalize_worker_url
 from disagg.contracts.roles import Role
 from disagg.router.kv_index import KVEventsError, KVIndex
@@ -67,14 +68,22 @@ class UpstreamAuth:
         self._keys = {pool: {"Authorization": f"Bearer {key}"}
                       for pool, key in (api_keys or {}).items() if key}
 
-    def signature(self, method: str, path: str, body: bytes = b"") -> dict[str, str]:
-        """The signature header of one call (none without a cluster token)."""
-        return {} if self.signer is None else self.signer.headers(method, path, body)
+    def signature(self, method: str, path: str, body: bytes = b"", *,
+                  audience: str | None) -> dict[str, str]:
+        """The signature header of one call to the member ``audience`` (its member id; none
+        without a cluster token, or while the member id is unknown: the worker then answers
+        401 and its next health check learns the id)."""
+        if self.signer is None or audience is None:
+            return {}
+        return self.signer.headers(method, path, body, audience=audience)
 
-    def headers(self, pool: str, method: str, path: str, body: bytes = b"") -> dict[str, str]:
-        """Headers of one call to a worker of ``pool``: its API key and the signature;
-        ``path`` with its query, exactly as sent (the signature covers it)."""
-        return {**self._keys.get(pool, {}), **self.signature(method, path, body)}
+    def headers(self, pool: str, method: str, path: str, body: bytes = b"", *,
+                audience: str | None = None) -> dict[str, str]:
+        """Headers of one call to a worker of ``pool``: its API key and the signature for
+        ``audience`` (the worker's member id); ``path`` with its query, exactly as sent (the
+        signature covers it)."""
+        return {**self._keys.get(pool, {}),
+                **self.signature(method, path, body, audience=audience)}
 
 
 @dataclass(eq=False)
@@ -89,6 +98,7 @@ class Worker:
     kv: KVIndex | None = None
     role: str | None = None  # as the worker reports it
     worker_id: str | None = None
+    member_id: str | None = None  # from its /health: the audience of signed calls to it
     tokens_per_block: int | None = None
     model_dir: str | None = None
     kv_blocks_used: int | None = None
@@ -366,15 +376,28 @@ class Membership:
         w.last_check = time.monotonic()
         w.checking = True
         try:
+            # /health is open (unsigned); it names the member id signed calls must name.
             async with self.session.get(w.base + "/health", timeout=timeout,
                                         headers=self.auth.headers(w.pool, "GET", "/health")
                                         ) as r:
                 if r.status != 200:
                     why = f"/health answered {r.status}"
+                elif self.auth.signer is not None:
+                    member_id: str | None = None
+                    with contextlib.suppress(ValueError):  # also bad JSON
+                        member_id = member_id_from_health(await r.json(content_type=None))
+                    # None (a member that names no id: one without a cluster token, or from
+                    # before audience-bound signatures): calls to it go unsigned, and one
+                    # that wants a signature says so (401 on /server_info: the reason shown).
+                    if member_id != w.member_id and w.member_id is not None:
+                        logger.info("worker %s: member_id %s -> %s (restarted)", w.url,
+                                    w.member_id, member_id)
+                    w.member_id = member_id
             if why is None:
                 async with self.session.get(w.base + "/server_info", timeout=timeout,
-                                            headers=self.auth.headers(w.pool, "GET",
-                                                                      "/server_info")) as r:
+                                            headers=self.auth.headers(
+                                                w.pool, "GET", "/server_info",
+                                                audience=w.member_id)) as r:
                     if r.status == 401:  # say why: a missing or different cluster token
                         why = f"/server_info answered 401: {await _error_message(r)}"
                     elif r.status != 200:
@@ -462,7 +485,8 @@ class Membership:
             try:
                 path = f"/kv_events?since={w.kv.next_seq}"
                 async with self.session.get(w.base + path, timeout=timeout,
-                                            headers=self.auth.headers(w.pool, "GET", path)
+                                            headers=self.auth.headers(
+                                                w.pool, "GET", path, audience=w.member_id)
                                             ) as r:
                     if r.status != 200:
                         raise KVEventsError(f"/kv_events answered {r.status}")

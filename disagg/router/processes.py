@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import shutil
@@ -82,6 +83,15 @@ class ProcessInfo:
     def socket_path(self, index: int) -> str:
         assert self.socket_dir is not None
         return os.path.join(self.socket_dir, f"router-{index}.sock")
+
+    def member_id(self) -> str | None:
+        """The router's member id (``cluster_auth``), the same in all its processes: derived
+        from the host and the private channel's directory (fresh for each start) when there
+        are several; None (a fresh random one) when there is one."""
+        if self.count == 1 or self.socket_dir is None:
+            return None
+        where = f"{socket.gethostname()}|{os.path.realpath(self.socket_dir)}"
+        return "r" + hashlib.sha256(where.encode()).hexdigest()[:31]
 
     @property
     def siblings(self) -> list[int]:

@@ -23,7 +23,7 @@ from disagg.router.membership import Membership, Worker
 from disagg.router.metrics import RouterMetrics
 from disagg.router.policies import RouteRequest
 from disagg.router.prompt_tokens import CHAT
-from disagg.router.replies import Reply, dumps
+from disagg.router.replies import Reply, dumps, retry_after
 from disagg.router.upstream import Failed, UpstreamClient
 
 logger = logging.getLogger("disagg.router")
@@ -103,8 +103,9 @@ class Relay:
         self.metrics.gen_first_byte.observe(now - t0)
         self.metrics.gen_latency.observe(now - t0)
         if resp.status != 200:
-            st.outcome = "client_error"
-            return Answer(resp.status, body, resp.content_type or "application/json")
+            st.outcome = "client_error"  # (a 429's Retry-After passed on as a 503's is)
+            return Answer(resp.status, body, resp.content_type or "application/json",
+                          headers=retry_after(resp.retry_after))
         return Answer(200, body)
 
     async def _relay_stream(self, out: ClientStream, st: RequestState, w: Worker,

@@ -34,6 +34,23 @@ def loads(data: bytes) -> Any:
         return json.loads(data)
 
 
+# ``Retry-After`` of the router's own 503s (no healthy worker): the workers' own for a full
+# queue (``server.engine_errors.RETRY_AFTER_S``). Such a 503 costs the router no worker call,
+# and a worker taken out after a failed request is back at its next passing health check
+# (every ``health_check_interval_sec``, 2 s by default), a registering one at once: a client
+# waiting a second retries about when the answer can have changed, and not much later.
+RETRY_AFTER_S = 1
+_MAX_RETRY_AFTER = 64  # longest value passed on from a worker (an HTTP-date is 29 characters)
+
+
+def retry_after(value: str) -> dict[str, str] | None:
+    """``{"Retry-After": value}`` for a worker's header that is safe to pass on (delta-seconds
+    or an HTTP-date: printable ASCII), else None (dropped)."""
+    if value and len(value) <= _MAX_RETRY_AFTER and value.isascii() and value.isprintable():
+        return {"Retry-After": value}
+    return None
+
+
 PARAMS_KEY = "disaggregated_params"
 _KEY_PART = b'"disaggregated_params":'
 UTF8_BOM = b"\xef\xbb\xbf"
@@ -62,35 +79,43 @@ def with_params(data: bytes, body: Mapping[str, Any], params: Mapping[str, Any],
 
 class Reply(Exception):
     """Answer the client with this (an error, ours or a worker's passed through).
-    ``outcome``: the request's label in ``disagg_router_requests_total``."""
+    ``outcome``: the request's label in ``disagg_router_requests_total``; ``headers``: more
+    headers of the answer (a worker's ``Retry-After`` passed on)."""
 
     def __init__(self, status: int, body: bytes, content_type: str = "application/json",
-                 outcome: str = "client_error", close: bool = False) -> None:
+                 outcome: str = "client_error", close: bool = False,
+                 headers: Mapping[str, str] | None = None) -> None:
         super().__init__(status)
         self.status = status
         self.body = body
         self.content_type = content_type
         self.outcome = outcome
         self.close = close  # the request body was not read: the connection cannot be reused
+        self.headers = headers
 
     @classmethod
     def error(cls, status: int, message: str, type: str = "invalid_request_error",
               param: str | None = None, code: str | None = None,
               outcome: str | None = None, close: bool = False) -> Reply:
+        """The router's own error; a 503 tells the client when to retry (``RETRY_AFTER_S``)."""
         return cls(status, dumps(P.error_body(message, type, param, code)),
                    outcome=outcome or ("client_error" if status < 500 else "upstream_error"),
-                   close=close)
+                   close=close,
+                   headers={"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None)
 
     @classmethod
     def from_api_error(cls, e: P.APIError, close: bool = False) -> Reply:
         return cls(e.status, dumps(e.body()), close=close,
-                   outcome="client_error" if e.status < 500 else "upstream_error")
+                   outcome="client_error" if e.status < 500 else "upstream_error",
+                   headers=e.headers or None)
 
     def answer(self) -> Answer:
-        return Answer(self.status, self.body, self.content_type, close=self.close)
+        return Answer(self.status, self.body, self.content_type, close=self.close,
+                      headers=self.headers)
 
     def response(self) -> web.Response:
-        resp = web.Response(status=self.status, body=self.body, content_type=self.content_type)
+        resp = web.Response(status=self.status, body=self.body, content_type=self.content_type,
+                            headers=self.headers)
         if self.close:
             resp.force_close()
         return resp

@@ -129,7 +129,8 @@ class RoleSwitcher:
         """POST /admin/role, then poll until done: (outcome, detail)."""
         body = json.dumps({"role": role}).encode()
         headers = {"Content-Type": "application/json",
-                   **self.membership.auth.headers(w.pool, "POST", ADMIN_ROLE_PATH, body)}
+                   **self.membership.auth.headers(w.pool, "POST", ADMIN_ROLE_PATH, body,
+                                                 audience=w.member_id)}
         timeout = aiohttp.ClientTimeout(total=CALL_TIMEOUT_S)
         try:
             async with self.membership.session.post(w.base + ADMIN_ROLE_PATH, data=body,
@@ -156,7 +157,8 @@ class RoleSwitcher:
         try:
             async with self.membership.session.get(
                     w.base + "/server_info", timeout=timeout,
-                    headers=self.membership.auth.headers(w.pool, "GET", "/server_info")) as r:
+                    headers=self.membership.auth.headers(w.pool, "GET", "/server_info",
+                                                         audience=w.member_id)) as r:
                 if r.status != 200:
                     return None
                 info = await r.json()

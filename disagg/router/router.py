@@ -90,7 +90,9 @@ class Router:
         # The cluster secret (never sent): signs the calls to workers, verifies registrations.
         self.cluster_token = cluster_token_or_none(cluster_token)
         check_cluster_token(config, self.cluster_token, insecure_membership)
-        self.verifier = HttpVerifier(self.cluster_token) if self.cluster_token else None
+        # One member id for all the router's processes (any of them may get a registration).
+        self.verifier = (HttpVerifier(self.cluster_token, member_id=self.process.member_id())
+                         if self.cluster_token else None)
         if config.disagg_cluster is not None and self.verifier is None:
             logger.warning("--insecure-membership: /cluster/register accepts anyone (no "
                            "cluster token); use it only on a trusted network")

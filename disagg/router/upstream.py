@@ -28,7 +28,7 @@ from disagg.contracts.roles import Role
 from disagg.router import http1
 from disagg.router.membership import Membership, UpstreamAuth, Worker
 from disagg.router.metrics import RouterMetrics
-from disagg.router.replies import Reply, dumps
+from disagg.router.replies import Reply, dumps, retry_after
 
 logger = logging.getLogger("disagg.router")
 
@@ -152,15 +152,14 @@ class UpstreamClient:
         assert self.pool is not None
         host, port = _address(w.url)
         head = self._head(w, path)
-        sign = self.auth.signature
+        def sign() -> bytes:
+            return head + _lines(self.auth.signature("POST", path, data, audience=w.member_id))
+
         try:
-            return await self.pool.post(
-                host, port, head + _lines(sign("POST", path, data)) if signed else head, data)
+            return await self.pool.post(host, port, sign() if signed else head, data)
         except http1.StaleConnection:
             logger.debug("%s: pooled connection was stale; sending again", w.url)
-        return await self.pool.post(
-            host, port, head + _lines(sign("POST", path, data)) if signed else head, data,
-            fresh=True)
+        return await self.pool.post(host, port, sign() if signed else head, data, fresh=True)
 
     async def read(self, w: Worker, resp: http1.Response) -> bytes:
         """The whole answer; a connection that fails mid-answer is ``Failed``."""
@@ -185,9 +184,11 @@ class UpstreamClient:
             # what its /health says too: out until a check passes (a full queue is no reason)
             self.membership.mark_failed(w, "answered 503")
         kv = resp.status == 502 and code == KV_TRANSFER_FAILED
+        # (its Retry-After, a full queue's, reaches the client when no other worker serves it)
         return Failed(f"{w.url} answered {resp.status}",
                       Reply(resp.status, body, resp.content_type or "application/json",
-                            outcome="upstream_error"), kv_transfer=kv)
+                            outcome="upstream_error", headers=retry_after(resp.retry_after)),
+                      kv_transfer=kv)
 
     async def get(self, w: Worker, path: str) -> tuple[int, bytes, str]:
         """A signed GET on the pooled session: (status, body, content type), or ``Failed``
@@ -195,7 +196,8 @@ class UpstreamClient:
         assert self.session is not None
         try:
             async with self.session.get(w.base + path,
-                                        headers=self.auth.headers(w.pool, "GET", path)) as r:
+                                        headers=self.auth.headers(w.pool, "GET", path,
+                                                                  audience=w.member_id)) as r:
                 return r.status, await r.read(), r.content_type
         except aiohttp.ClientConnectorError as e:
             self.membership.mark_failed(w, f"unreachable: {e}")
@@ -223,7 +225,7 @@ class UpstreamClient:
         assert self.session is not None
         data = dumps({"ctx_request_id": lease_id})
         headers = {"Content-Type": "application/json",
-                   **self.auth.headers(w.pool, "POST", RELEASE_PATH, data)}
+                   **self.auth.headers(w.pool, "POST", RELEASE_PATH, data, audience=w.member_id)}
         try:
             async with self.session.post(w.base + RELEASE_PATH, headers=headers,
                                          data=data) as r:

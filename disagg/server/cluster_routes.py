@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from disagg import __version__
+from disagg.cluster_auth import MEMBER_ID_FIELD
 from disagg.contracts import protocol as P
 from disagg.contracts.roles import Role
 from disagg.kv_cache.hashing import BLOCK_HASH_SCHEME
@@ -35,11 +36,14 @@ class ClusterRoutes:
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
 
     async def health(self) -> JSONResponse:
+        # member_id: the audience signed calls to this worker must name (cluster_auth).
+        verifier = self.srv.access.verifier
+        me = {MEMBER_ID_FIELD: verifier.member_id} if verifier is not None else {}
         if self.srv.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
+            return JSONResponse({"status": "draining", **me}, status_code=503)
         if not self.srv.engine.is_healthy():
-            return JSONResponse({"status": "unhealthy"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+            return JSONResponse({"status": "unhealthy", **me}, status_code=503)
+        return JSONResponse({"status": "ok", **me})
 
     async def version(self) -> dict[str, str]:
         return {"version": __version__}

@@ -11,9 +11,9 @@ and registers again every ``heartbeat_interval_sec`` (the router's answer says h
 router drops a worker that stays silent for its ``inactive_timeout_sec``). When the worker
 starts draining (SIGTERM) it ``POST``s ``URL/cluster/unregister`` at once, so the router stops
 sending it new requests while the running ones finish. With ``$DISAGG_CLUSTER_TOKEN`` (or
-``--cluster-token``) set, every call is signed with it (``cluster_auth.sign_http``; the token
-itself is never sent). A router that is down or refuses is retried every second, logged once
-per distinct reason.
+``--cluster-token``) set, every call is signed with it for the router's member id from its
+``/health`` (``cluster_auth.sign_http``; the token itself is never sent). A router that is down
+or refuses is retried every second, logged once per distinct reason.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from disagg.addresses import host_port
-from disagg.cluster_auth import sign_http
+from disagg.cluster_auth import member_id_from_health, sign_http
 
 if TYPE_CHECKING:
     from disagg.contracts.roles import Role
@@ -157,13 +157,24 @@ class RouterRegistration:
                     timeout: float = TIMEOUT_S) -> Any:
         """POST ``payload`` to the router, signed over the exact bytes sent when this worker
         has a cluster token."""
+        import httpx
+
         url = self.router_url + path
         body = json.dumps(payload).encode()
         headers = {"Content-Type": "application/json"}
         if self.cluster_token:
+            # The router's member id (the signature's audience), read fresh from its /health
+            # each time: one GET per heartbeat, and a restarted router is never signed for
+            # under its old id. /health answers 503 until a worker is healthy, naming it too.
+            r = await client.get(self.router_url + "/health", timeout=timeout)
+            try:
+                audience = member_id_from_health(r.json())
+            except ValueError as e:  # JSONDecodeError is a ValueError
+                raise httpx.HTTPError(f"router {self.router_url}: {e}") from None
             target = urlsplit(url)
             signed_path = target.path + (f"?{target.query}" if target.query else "")
-            headers.update(sign_http(self.cluster_token, "POST", signed_path, body))
+            headers.update(sign_http(self.cluster_token, "POST", signed_path, body,
+                                     audience=audience))
         return await client.post(url, content=body, headers=headers, timeout=timeout)
 
     def _problem(self, why: str) -> None:

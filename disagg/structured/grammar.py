@@ -120,6 +120,7 @@ class GrammarCache:
         if matcher.is_error():
             raise StructuredSpecError(f"{spec.field}: invalid {spec.kind}: "
                                       f"{_first_line(matcher.get_error())}")
+        _refuse_empty(matcher, spec)
         with self._lock:
             self.misses += 1
             self._compiled[spec] = matcher
@@ -142,6 +143,38 @@ class GrammarCache:
     def matcher(self, spec: GrammarSpec) -> Matcher:
         """A fresh matcher for one request."""
         return Matcher(self.compile(spec).deep_copy())
+
+
+_NAMES = {"json": "JSON schema", "regex": "regex", "choice": "choice list",
+          "grammar": "grammar"}
+
+
+def _refuse_empty(matcher: Any, spec: GrammarSpec) -> None:
+    """Raise when no answer can be written under ``spec``, found on a copy of its start state
+    (once per compiled spec; a few ms at most, most of it for a long forced prefix):
+
+    - its first mask allows no token, not even EOS: the language is empty (``start: start``,
+      ``root ::= root``, the regex ``[^\\s\\S]``). llguidance compiles such a grammar and
+      fails only at that mask;
+    - the bytes every answer must start with (llguidance's forced prefix) cannot be consumed:
+      a prefix that never ends (``start: "a" start``: empty too) or too long for llguidance
+      (its "Too many items" limit), which fails at the first sampled token.
+
+    Either was the request's 500 after its first step; now its 400 before it is queued. An
+    empty language whose start branches (``start: ("a" | "b") start``) is not found here:
+    its answer runs to ``max_tokens``."""
+    probe = matcher.deep_copy()
+    probe.compute_bitmask()
+    if probe.is_error():
+        raise StructuredSpecError(
+            f"{spec.field}: the {_NAMES[spec.kind]} accepts no string (no token can start an "
+            f"answer: {_first_line(probe.get_error())})")
+    forced = probe.compute_ff_tokens()
+    if forced and (not probe.consume_token(forced[0]) or probe.is_error()):
+        raise StructuredSpecError(
+            f"{spec.field}: the {_NAMES[spec.kind]} accepts no string the grammar engine can "
+            f"follow (the prefix every answer must start with never ends, or is too long: "
+            f"{_first_line(probe.get_error())})")
 
 
 def _first_line(error: str) -> str:
