@@ -48,12 +48,17 @@ def wait_for(cond: Callable[[], Any], timeout: float = 20.0, interval: float = 0
 
 
 @contextlib.contextmanager
-def serve_in_thread(app: Any, timeout: float = 30.0) -> Iterator[str]:
-    """Run ``app`` with uvicorn (lifespan on) on an ephemeral port; yields its base URL."""
+def serve_in_thread(app: Any, timeout: float = 30.0, send_buffer: int | None = None
+                    ) -> Iterator[str]:
+    """Run ``app`` with uvicorn (lifespan on) on an ephemeral port; yields its base URL.
+    ``send_buffer``: SO_SNDBUF of its connections (set on the listening socket, which they
+    inherit), fixed instead of grown by the kernel."""
     import uvicorn
 
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if send_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning",

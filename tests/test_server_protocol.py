@@ -250,7 +250,7 @@ class _StatsEngine(StoppedEngine):
             num_running=3, num_waiting=2, num_preempted_total=1, kv_blocks_used=6,
             kv_blocks_total=8, kv_blocks_cached=1, prefix_cache_queries_tokens=100,
             prefix_cache_hit_tokens=40, last_step_batch_size=3, last_step_num_tokens=35,
-            steps_total=9)
+            steps_total=9, num_waiting_for_kv=1)
 
     def stats(self) -> SimpleNamespace:
         return self.stats_value
@@ -293,6 +293,7 @@ def test_metrics_render_and_move() -> None:
     # Engine state, read at scrape time.
     assert s[("disagg_num_requests_running", lbl)] == 3
     assert s[("disagg_num_requests_waiting", lbl)] == 2
+    assert s[("disagg_num_requests_waiting_for_kv", lbl)] == 1
     assert s[("disagg_iteration_batch_size", lbl)] == 3
     assert s[("disagg_iteration_num_tokens", lbl)] == 35
     assert s[("disagg_max_batch_size", lbl)] == 4

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from disagg.config import EngineConfig, build_engine_config
-from disagg.contracts.kv_mode import LOCAL, KVMode, Pull
+from disagg.contracts.kv_mode import LOCAL, ContextOnly, KVMode, Pull
 from disagg.contracts.params import ContextParams, LeaseRef
 from disagg.contracts.roles import Role, RoleDrain
 from disagg.engine.admission import context_only_params
@@ -51,9 +51,13 @@ class _Add:
 
 @dataclass(frozen=True)
 class _Abort:
-    """AsyncLLM command: abort a request (its consumer went away)."""
+    """AsyncLLM command: abort a request. ``lease_unread``: a two-call context request whose
+    consumer went away without its final output; if it ended already, the lease that output
+    names (under the request's id) is ended too: only that output could tell a reader of it.
+    (A streaming context request's lease is not: its reader knows its id from the router.)"""
 
     request_id: str
+    lease_unread: bool = False
 
 
 @dataclass(frozen=True)
@@ -213,7 +217,7 @@ class AsyncLLM:
             with self._sinks_lock:
                 self._sinks.pop(request_id, None)
             if not finished:  # consumer went away (client disconnect, cancel): free its blocks
-                self._cmds.put(_Abort(request_id))
+                self._cmds.put(_Abort(request_id, lease_unread=isinstance(mode, ContextOnly)))
                 self._wake.set()
 
     def release_lease(self, lease_id: str) -> bool:
@@ -298,6 +302,11 @@ class AsyncLLM:
                 out = self.engine.abort_request(cmd.request_id)
                 if out is not None:
                     self._deliver(cmd.request_id, out)
+                elif cmd.lease_unread and self.engine.release_lease(cmd.request_id):
+                    # Its prefill ended (and leased its blocks) just before the consumer went
+                    # away: the answer naming the lease is never read.
+                    logger.info("request %s: its answer was not read: lease released",
+                                cmd.request_id)
             elif isinstance(cmd, _SwitchRole):
                 if not cmd.started.set_running_or_notify_cancel():
                     pass  # the server gave up waiting for this turn: not started

@@ -443,7 +443,9 @@ class LLMEngine:
         last = self._last_sched
         return EngineStats(
             num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
+            # As vLLM counts them: a request whose prompt KV is being pulled waits too.
+            num_waiting=self.scheduler.num_waiting + self.scheduler.num_fetching,
+            num_waiting_for_kv=self.scheduler.num_fetching,
             num_preempted_total=self.scheduler.num_preemptions_total,
             kv_blocks_used=pool.used,
             kv_blocks_total=pool.total,

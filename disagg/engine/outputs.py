@@ -68,6 +68,8 @@ class EngineStats:
     """The engine's counters at one moment (``/metrics``, ``/server_info``)."""
 
     num_running: int
+    # Requests waiting: for admission (the queue) or, on a generation worker, for their prompt
+    # KV from a context worker (admitted, holding blocks: ``num_waiting_for_kv`` of them).
     num_waiting: int
     num_preempted_total: int
     kv_blocks_used: int
@@ -78,3 +80,4 @@ class EngineStats:
     last_step_batch_size: int
     last_step_num_tokens: int
     steps_total: int
+    num_waiting_for_kv: int = 0

@@ -182,8 +182,11 @@ class _EngineStatsCollector(Collector):
             return
         yield gauge("num_requests_running", "Requests in the running batch (scheduled each "
                     "iteration).", s.num_running)
-        yield gauge("num_requests_waiting", "Requests waiting for admission (queue depth).",
-                    s.num_waiting)
+        yield gauge("num_requests_waiting", "Requests waiting: for admission (queue depth) or "
+                    "for their prompt KV from a context worker.", s.num_waiting)
+        yield gauge("num_requests_waiting_for_kv", "Requests admitted that wait for their "
+                    "prompt KV from a context worker (part of num_requests_waiting).",
+                    s.num_waiting_for_kv)
         yield gauge("iteration_batch_size", "Requests scheduled in the last engine iteration.",
                     s.last_step_batch_size)
         yield gauge("iteration_num_tokens", "Tokens scheduled in the last engine iteration "

@@ -6,22 +6,37 @@ refusal by the engine (queue full, failed KV pull) still gets its own status; la
 reported in-band, as OpenAI does, before ``[DONE]``. A client that goes away (mid-stream or
 while waiting) has its engine requests aborted at once, which frees their KV blocks; it gets
 499 (nginx's "client closed request") when no answer was started.
+
+A two-call context answer names a lease that only the answer itself tells its reader of, so a
+client gone before its answer was written whole (before or at the end of the prefill, before
+or while the answer is written) has the lease ended at once (``ContextAnswer``), not at its
+TTL; the engine ends it too when the request had just ended (``AsyncLLM.generate``).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.types import Receive, Scope, Send
 
 from disagg.contracts import protocol as P
+from disagg.contracts.kv_mode import ContextOnly
 from disagg.server.fanout import Choice, FanOut
 from disagg.server.formats import Format
 from disagg.server.state import ClientGone, ServerState
 
+logger = logging.getLogger(__name__)
+
 CLIENT_CLOSED = 499
+# A context answer larger than this is written in pieces (``ContextAnswer``): asyncio's
+# default high-water mark of a transport's buffer.
+ANSWER_PIECE_BYTES = 64 * 1024
 
 
 async def respond(srv: ServerState, request: Request, choices: list[Choice], fmt: Format,
@@ -40,15 +55,72 @@ async def respond(srv: ServerState, request: Request, choices: list[Choice], fmt
     try:
         await srv.until_disconnect(request, _run(fan))
     except ClientGone:
+        release_unread(srv, choices)
         return Response(status_code=CLIENT_CLOSED)  # nobody reads it
     body = fmt.response(choices)
-    if choices[0].mode.is_context:
-        # The router's next call: null params mean the answer is final (EOS, stop, or
-        # max_tokens reached) and the context worker has freed the KV already.
-        final = choices[0].final
-        body["prompt_token_ids"] = list(choices[0].prompt_ids)
-        body["disaggregated_params"] = final.disaggregated_params if final is not None else None
-    return JSONResponse(body, headers={"X-Request-Id": fmt.rid})
+    headers = {"X-Request-Id": fmt.rid}
+    if not choices[0].mode.is_context:
+        return JSONResponse(body, headers=headers)
+    # The router's next call: null params mean the answer is final (EOS, stop, or
+    # max_tokens reached) and the context worker has freed the KV already.
+    final = choices[0].final
+    body["prompt_token_ids"] = list(choices[0].prompt_ids)
+    body["disaggregated_params"] = final.disaggregated_params if final is not None else None
+    if body["disaggregated_params"] is None:
+        return JSONResponse(body, headers=headers)
+    return ContextAnswer(body, headers=headers, on_unread=lambda: release_unread(srv, choices))
+
+
+def release_unread(srv: ServerState, choices: list[Choice]) -> None:
+    """End the lease of a two-call context request whose answer nobody read (a no-op for one
+    that made none, or whose lease is not made yet: the engine ends that one when it ends)."""
+    for c in choices:
+        if isinstance(c.mode, ContextOnly) and srv.engine.release_lease(c.request_id):
+            logger.info("request %s: the client left before its answer: lease released",
+                        c.request_id)
+
+
+class ContextAnswer(JSONResponse):
+    """A context answer whose lease ends (``on_unread``) unless the answer was written whole:
+    the client may be gone before it is written (seen before the first byte) or while it is.
+    A large answer goes out in pieces, each after the previous one left the server's buffer
+    (the server waits for a client that reads slowly), so a client gone meanwhile stops the
+    write; a disconnect wakes the readers of the request's messages before its writer, so it
+    is seen as soon as the write returns (the end of the answer wakes them only after). What
+    the last piece leaves in the buffers when the client goes is beyond the server's sight:
+    that lease ends at its TTL."""
+
+    def __init__(self, content: Any, headers: dict[str, str],
+                 on_unread: Callable[[], None]) -> None:
+        super().__init__(content, headers=headers)
+        self.on_unread = on_unread
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        gone = asyncio.ensure_future(_disconnected(receive))
+        written = False
+        try:
+            await asyncio.sleep(0)  # a client gone already: its disconnect is there at once
+            if not gone.done():
+                await send({"type": "http.response.start", "status": self.status_code,
+                            "headers": self.raw_headers})
+                body = memoryview(self.body)
+                for at in range(0, max(len(body), 1), ANSWER_PIECE_BYTES):
+                    end = at + ANSWER_PIECE_BYTES
+                    await send({"type": "http.response.body", "body": bytes(body[at:end]),
+                                "more_body": end < len(body)})
+                    if gone.done():
+                        break
+                written = not gone.done()  # (before any other task runs)
+        finally:
+            gone.cancel()
+            if not written:
+                self.on_unread()
+
+
+async def _disconnected(receive: Receive) -> None:
+    # The body was read: the next message can only be the disconnect.
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _run(fan: FanOut) -> None:
