@@ -157,11 +157,17 @@ class _LingeringWorker:
     def __init__(self) -> None:
         self.release: asyncio.Event | None = None
         app = web.Application()
-        app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
-        app.router.add_get("/server_info", lambda r: web.json_response(
-            {"role": "aggregated", "tokens_per_block": 16, "worker_id": "w", "model_dir": None}))
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/server_info", self.server_info)
         app.router.add_post("/v1/completions", self.completions)
         self.app = app
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"role": "aggregated", "tokens_per_block": 16,
+                                  "worker_id": "w", "model_dir": None})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         await request.read()
@@ -220,15 +226,21 @@ class _BusyWorker:
     def __init__(self, role: str, retry_after: str) -> None:
         self.posts = 0
         app = web.Application()
-        # (its member id: the audience a signing router's calls name; not checked here)
-        app.router.add_get("/health", lambda r: web.json_response(
-            {"status": "ok", "member_id": f"busy-{role}"}))
-        app.router.add_get("/server_info", lambda r: web.json_response(
-            {"role": role, "tokens_per_block": 16, "worker_id": role, "model_dir": None}))
+        self.role = role
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/server_info", self.server_info)
         for path in ("/v1/completions", "/v1/chat/completions"):
             app.router.add_post(path, self.refuse)
         self.retry_after = retry_after
         self.app = app
+
+    async def health(self, request: web.Request) -> web.Response:
+        # (its member id: the audience a signing router's calls name; not checked here)
+        return web.json_response({"status": "ok", "member_id": f"busy-{self.role}"})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"role": self.role, "tokens_per_block": 16,
+                                  "worker_id": self.role, "model_dir": None})
 
     async def refuse(self, request: web.Request) -> web.Response:
         await request.read()
