@@ -350,27 +350,6 @@ class DeepseekDecoderLayer(nn.Module):
         return x + self.mlp(h)
 
 
-class DeepseekModel(nn.Module):
-    """The decoder stack of one pipeline stage (HF's ``model.`` prefix; llama.LlamaModel's
-    layout: embed on the first stage, norm on the last, layers keyed by global index)."""
-
-    def __init__(self, config: ModelConfig, layer_range: tuple[int, int], tp_size: int,
-                 reduce: Callable[[torch.Tensor], torch.Tensor], tp_rank: int = 0,
-                 expert_parallel: bool = False) -> None:
-        super().__init__()
-        start, end = layer_range
-        self.is_first = start == 0
-        self.is_last = end == config.num_hidden_layers
-        self.embed_tokens = (nn.Embedding(config.vocab_size, config.hidden_size,
-                                          _weight=torch.empty(config.vocab_size,
-                                                              config.hidden_size))
-                             if self.is_first else None)
-        self.layers = nn.ModuleDict(
-            {str(g): DeepseekDecoderLayer(config, g, tp_size, reduce, tp_rank, expert_parallel)
-             for g in range(start, end)})
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last else None
-
-
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
     """DeepSeek-V3 with ``LlamaForCausalLM``'s interface (forward over the paged cache, the
     logits, the TP/PP hooks, the kernels the runner sets); its KV cache is the latent one:
@@ -382,35 +361,23 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: ModelConfig, layer_range: tuple[int, int] | None = None,
                  tp_rank: int = 0, tp_size: int = 1, expert_parallel: bool = False) -> None:
-        nn.Module.__init__(self)
         if config.mla is None or config.deepseek_moe is None:
             raise ConfigError("architecture: DeepseekV3ForCausalLM needs the MLA and MoE "
                               "fields of a deepseek_v3 config")
-        n = config.num_hidden_layers
-        start, end = layer_range if layer_range is not None else (0, n)
-        if not 0 <= start < end <= n:
-            raise ConfigError(f"layer_range: ({start}, {end}) is not a non-empty range "
-                              f"within [0, {n}]")
-        if not 0 <= tp_rank < tp_size:
-            raise ConfigError(f"tp_rank: {tp_rank} not in [0, {tp_size})")
-        self.config = config
-        self.layer_range = (start, end)
-        self.tp_rank = tp_rank
-        self.tp_size = tp_size
-        self.expert_parallel = expert_parallel
-        self.tp_all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self.layer_hook: Callable[[int], None] | None = None
-        self.num_local_layers = end - start
-        # One cache "head" (the latent), held whole by every TP rank.
-        self.kv_head_range = (0, 1)
-        self.num_local_kv_heads = 1
-        self.rotary = LatentRotary(config)
-        self.workspace = GatherWorkspace()
-        self.model = DeepseekModel(config, self.layer_range, tp_size, self._reduce, tp_rank,
-                                   expert_parallel)
-        self.lm_head = (Linear(config.hidden_size, config.vocab_size, bias=False)
-                        if self.model.is_last else None)
-        self.tie_weights()
+        super().__init__(config, layer_range, tp_rank, tp_size, expert_parallel)
+
+    def _has_experts(self) -> bool:
+        return True
+
+    def _kv_head_range(self) -> tuple[int, int]:
+        return (0, 1)  # one cache "head" (the latent), held whole by every TP rank
+
+    def _rotary(self) -> nn.Module:
+        return LatentRotary(self.config)
+
+    def _layer(self, g: int) -> nn.Module:
+        return DeepseekDecoderLayer(self.config, g, self.tp_size, self._reduce, self.tp_rank,
+                                    self.expert_parallel)
 
     def fuse_projections(self) -> None:
         """Stack each MoE layer's expert weights (``MoeExperts.fuse``); attention keeps its

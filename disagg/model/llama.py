@@ -368,11 +368,11 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """The decoder stack of one pipeline stage (HF's ``model.`` prefix)."""
+    """The decoder stack of one pipeline stage (HF's ``model.`` prefix); ``make_layer(g)``
+    builds global layer ``g`` (the family's decoder layer)."""
 
-    def __init__(self, config: ModelConfig, layer_range: tuple[int, int], tp_size: int,
-                 reduce: Callable[[torch.Tensor], torch.Tensor], tp_rank: int = 0,
-                 expert_parallel: bool = False) -> None:
+    def __init__(self, config: ModelConfig, layer_range: tuple[int, int],
+                 make_layer: Callable[[int], nn.Module]) -> None:
         super().__init__()
         start, end = layer_range
         self.is_first = start == 0
@@ -385,9 +385,7 @@ class LlamaModel(nn.Module):
                              if self.is_first else None)
         # Keyed by the *global* layer index so names match the checkpoint
         # ("model.layers.5..." on a stage holding layers [4, 8)).
-        self.layers = nn.ModuleDict(
-            {str(g): DecoderLayer(config, tp_size, reduce, g, tp_rank, expert_parallel)
-             for g in range(start, end)})
+        self.layers = nn.ModuleDict({str(g): make_layer(g) for g in range(start, end)})
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last else None
 
 
@@ -407,7 +405,7 @@ class LlamaForCausalLM(nn.Module):
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         # MoE layers: whole experts per TP rank (``sparse_moe``) instead of split experts.
-        self.expert_parallel = expert_parallel and config.moe is not None
+        self.expert_parallel = expert_parallel and self._has_experts()
         # Sum of the row-parallel partial outputs across TP ranks; identity at tp_size == 1.
         # The TP issue sets this (e.g. to a torch.distributed all-reduce).
         self.tp_all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -416,15 +414,28 @@ class LlamaForCausalLM(nn.Module):
         self.layer_hook: Callable[[int], None] | None = None
         self.num_local_layers = end - start
         # Global kv heads [lo, hi) of this rank (see disagg/layout.py for the drawing).
-        self.kv_head_range = tp_kv_head_range(config.num_key_value_heads, tp_size, tp_rank)
+        self.kv_head_range = self._kv_head_range()
         self.num_local_kv_heads = self.kv_head_range[1] - self.kv_head_range[0]
-        self.rotary = RotaryEmbedding(config)
+        self.rotary = self._rotary()
         self.workspace = GatherWorkspace()  # scratch for paged attention, shared by the layers
-        self.model = LlamaModel(config, self.layer_range, tp_size, self._reduce, tp_rank,
-                                self.expert_parallel)
+        self.model = LlamaModel(config, self.layer_range, self._layer)
         self.lm_head = (Linear(config.hidden_size, config.vocab_size, bias=False)
                         if self.model.is_last else None)
         self.tie_weights()
+
+    # What a family that reuses this class (deepseek.py) builds differently:
+    def _has_experts(self) -> bool:
+        return self.config.moe is not None
+
+    def _kv_head_range(self) -> tuple[int, int]:
+        return tp_kv_head_range(self.config.num_key_value_heads, self.tp_size, self.tp_rank)
+
+    def _rotary(self) -> nn.Module:
+        return RotaryEmbedding(self.config)
+
+    def _layer(self, g: int) -> nn.Module:
+        return DecoderLayer(self.config, self.tp_size, self._reduce, g, self.tp_rank,
+                            self.expert_parallel)
 
     def tie_weights(self) -> None:
         """Share embed_tokens' weight with lm_head when tied and both live on this stage."""
