@@ -202,17 +202,25 @@ def plot_rate_match(result: dict[str, Any], path: str, title: str | None = None,
         _draw_aggregated(ax, result["aggregated"])
     _draw_verify(ax, result.get("verify") or [])
     _draw_extra(ax, extra_series)
-    cfg = result.get("config", {})
+    return _save_rate_plot(fig, ax, path, title, "Rate-matched throughput",
+                           result.get("config", {}), 8)
+
+
+def _save_rate_plot(fig: Any, ax: Any, path: str, title: str | None, what: str,
+                    cfg: dict[str, Any], legend_size: int) -> str:
+    """Axes, title (the workload and SLO), legend; ``path`` written, the figure closed."""
+    import matplotlib.pyplot as plt
+
     ax.set_xlabel("tokens/s/user (1000 / mean TPOT ms)")
     ax.set_ylabel("output tokens/s per device")
-    ax.set_title(title or f"Rate-matched throughput (isl {cfg.get('isl')}, osl {cfg.get('osl')}, "
+    ax.set_title(title or f"{what} (isl {cfg.get('isl')}, osl {cfg.get('osl')}, "
                           f"TTFT p{cfg.get('ttft_percentile', 90):g} <= "
                           f"{cfg.get('ttft_slo_ms', 0):g} ms)", fontsize=10)
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8, loc="best")
+        ax.legend(fontsize=legend_size, loc="best")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -241,19 +249,5 @@ def plot_rate_match_layouts(result: dict[str, Any], path: str, title: str | None
                         textcoords="offset points", xytext=(4, 3), fontsize=6)
     if result.get("aggregated"):
         _draw_aggregated(ax, result["aggregated"])
-    cfg = result.get("config", {})
-    ax.set_xlabel("tokens/s/user (1000 / mean TPOT ms)")
-    ax.set_ylabel("output tokens/s per device")
-    ax.set_title(title or f"Rate-matched throughput by layout (isl {cfg.get('isl')}, osl "
-                          f"{cfg.get('osl')}, TTFT p{cfg.get('ttft_percentile', 90):g} <= "
-                          f"{cfg.get('ttft_slo_ms', 0):g} ms)", fontsize=10)
-    ax.set_xlim(left=0)
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save_rate_plot(fig, ax, path, title, "Rate-matched throughput by layout",
+                           result.get("config", {}), 7)
