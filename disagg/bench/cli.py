@@ -476,7 +476,6 @@ def add_rate_match_cli(sub: argparse._SubParsersAction) -> None:
 def rate_match_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from disagg.bench.plot import plot_rate_match
     from disagg.bench.ratematch import (
-        RateMatchConfig,
         format_rate_match,
         launch_verifier,
         run_rate_match,
@@ -517,22 +516,9 @@ def rate_match_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         verify = launch_verifier(os.path.abspath(args.verify_model), opts, log_dir,
                                  args.verify_timeout,
                                  progress=None if args.no_progress else sys.stderr)
-    try:
-        config = RateMatchConfig(
-            context_url=args.context_url, generation_url=args.generation_url,
-            aggregated_url=args.aggregated_url, ttft_slo_ms=args.ttft_slo, isl=args.isl,
-            osl=args.osl, concurrencies=args.concurrency,
-            agg_concurrencies=args.agg_concurrency, model=args.model,
-            ttft_percentile=args.ttft_percentile, ctx_devices=args.ctx_devices,
-            gen_devices=args.gen_devices, agg_devices=args.agg_devices,
-            ctx_rate_start=args.ctx_rate_start, ctx_max_probes=args.ctx_max_probes,
-            ctx_tolerance=args.ctx_tolerance, ctx_probe_seconds=args.ctx_probe_seconds,
-            ctx_min_prompts=args.ctx_min_prompts, gen_rounds=args.gen_rounds,
-            colocated=args.colocated,
-            num_warmups=args.num_warmups, seed=args.seed, api_key=args.api_key,
-            http_client=args.http_client, request_timeout_s=args.request_timeout)
-    except ValueError as e:
-        parser.error(str(e))
+    config = _rate_match_config(
+        args, parser, context_url=args.context_url, generation_url=args.generation_url,
+        ctx_devices=args.ctx_devices, gen_devices=args.gen_devices, colocated=args.colocated)
     try:
         tok = load_bench_tokenizer(tok_dir)
     except (DatasetError, OSError) as e:
@@ -553,10 +539,31 @@ def rate_match_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     return 0 if result["context"]["ctx_rate"] is not None else 1
 
 
+def _rate_match_config(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                       **mode: Any) -> Any:
+    """The ``RateMatchConfig`` of the options both modes share, plus ``mode``'s (the
+    endpoints' URLs and devices); a bad value is the parser's error naming it."""
+    from disagg.bench.ratematch import RateMatchConfig
+
+    try:
+        return RateMatchConfig(
+            aggregated_url=args.aggregated_url, ttft_slo_ms=args.ttft_slo, isl=args.isl,
+            osl=args.osl, concurrencies=args.concurrency,
+            agg_concurrencies=args.agg_concurrency, model=args.model,
+            ttft_percentile=args.ttft_percentile, agg_devices=args.agg_devices,
+            ctx_rate_start=args.ctx_rate_start, ctx_max_probes=args.ctx_max_probes,
+            ctx_tolerance=args.ctx_tolerance, ctx_probe_seconds=args.ctx_probe_seconds,
+            ctx_min_prompts=args.ctx_min_prompts, gen_rounds=args.gen_rounds,
+            num_warmups=args.num_warmups, seed=args.seed, api_key=args.api_key,
+            http_client=args.http_client, request_timeout_s=args.request_timeout, **mode)
+    except ValueError as e:
+        parser.error(str(e))
+
+
 def _rate_match_layouts(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``rate-match --ctx-layouts ... --serve-model DIR``: disagg/bench/ratematch/layouts.py."""
     from disagg.bench.plot import plot_rate_match_layouts
-    from disagg.bench.ratematch import RateMatchConfig, save_result
+    from disagg.bench.ratematch import save_result
     from disagg.bench.ratematch.layouts import (
         ServeSpec,
         format_layouts,
@@ -592,20 +599,8 @@ def _rate_match_layouts(args: argparse.Namespace, parser: argparse.ArgumentParse
     spec = ServeSpec(os.path.abspath(args.serve_model), log_dir,
                      os.path.abspath(args.serve_worker_config)
                      if args.serve_worker_config else None, args.serve_timeout)
-    try:
-        config = RateMatchConfig(
-            context_url="", generation_url="", aggregated_url=args.aggregated_url,
-            ttft_slo_ms=args.ttft_slo, isl=args.isl, osl=args.osl,
-            concurrencies=args.concurrency, agg_concurrencies=args.agg_concurrency,
-            model=args.model, ttft_percentile=args.ttft_percentile,
-            agg_devices=args.agg_devices, ctx_rate_start=args.ctx_rate_start,
-            ctx_max_probes=args.ctx_max_probes, ctx_tolerance=args.ctx_tolerance,
-            ctx_probe_seconds=args.ctx_probe_seconds, ctx_min_prompts=args.ctx_min_prompts,
-            gen_rounds=args.gen_rounds, num_warmups=args.num_warmups, seed=args.seed,
-            api_key=args.api_key, http_client=args.http_client,
-            request_timeout_s=args.request_timeout)
-    except ValueError as e:
-        parser.error(str(e))
+    # Each worker's URL and devices are the sweep's (layouts.run_layout_sweep).
+    config = _rate_match_config(args, parser, context_url="", generation_url="")
     try:
         tok = load_bench_tokenizer(tok_dir)
     except (DatasetError, OSError) as e:
