@@ -590,6 +590,79 @@ class CudaGraphConfig:
                  "must be >= 1")
 
 
+SPEC_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding of one worker (``--speculative-config``, vLLM's JSON shape).
+
+    ``method``: ``ngram`` (prompt lookup: the ``num_speculative_tokens`` tokens that followed
+    the most recent earlier occurrence of the sequence's last n tokens, n from
+    ``prompt_lookup_max`` down to ``prompt_lookup_min``) or ``draft_model`` (``model``: a
+    smaller checkpoint with the same vocabulary, run greedily for ``num_speculative_tokens``
+    steps on its own paged KV cache). The target checks every proposal in one forward
+    (``disagg.spec_decode``).
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        name = "speculative_config"
+        _require(self.method in SPEC_METHODS, f"{name}.method",
+                 f"one of {list(SPEC_METHODS)}, got {self.method!r}")
+        k = self.num_speculative_tokens
+        _require(isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= 32,
+                 f"{name}.num_speculative_tokens", f"must be an integer in [1, 32], got {k!r}")
+        if self.method == "ngram":
+            _require(self.model is None, f"{name}.model", "is for method draft_model only")
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            for field_name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                _require(v is None or (isinstance(v, int) and not isinstance(v, bool)
+                                       and v >= 1),
+                         f"{name}.{field_name}", f"must be an integer >= 1, got {v!r}")
+            # One given: the other equals it; none: n-grams of 1 to 4 tokens.
+            lo, hi = (lo if lo is not None else (hi if hi is not None else 1),
+                      hi if hi is not None else (lo if lo is not None else 4))
+            _require(lo <= hi, f"{name}.prompt_lookup_min",
+                     f"must be <= prompt_lookup_max ({lo} > {hi})")
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
+        else:
+            _require(isinstance(self.model, str) and bool(self.model), f"{name}.model",
+                     "method draft_model needs the draft checkpoint's folder (or .gguf file)")
+            for field_name in ("prompt_lookup_min", "prompt_lookup_max"):
+                _require(getattr(self, field_name) is None, f"{name}.{field_name}",
+                         "is for method ngram only")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | str | dict[str, Any] | None
+              ) -> SpeculativeConfig | None:
+        """From a JSON text (the CLI flag), a mapping (YAML, ``LLM(...)``) or None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"speculative_config: not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"speculative_config: must be a JSON object, got {value!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"speculative_config.{unknown[0]}: unknown key (known: "
+                              f"{', '.join(sorted(known))})")
+        for key in ("method", "num_speculative_tokens"):
+            if key not in value:
+                raise ConfigError(f"speculative_config.{key}: required")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs besides the weights."""
@@ -603,6 +676,7 @@ class EngineConfig:
     dtype: str = "float32"  # compute dtype actually used
     device: str = "cpu"  # "cpu" or "cuda[:N]"; picked at run time by ``pick_device``
     seed: int = 0
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, "dtype", f"one of {sorted(DTYPES)}")
@@ -629,7 +703,7 @@ ENGINE_OPTION_NAMES = (
     "enable_prefix_caching", "enforce_eager", "cuda_graph_max_batch_size",
     "max_batch_size", "max_num_tokens", "enable_chunked_context", "capacity_policy",
     "max_model_len", "max_queue", "tensor_parallel_size", "pipeline_parallel_size",
-    "pp_partition", "enable_expert_parallel", "dtype", "device", "seed",
+    "pp_partition", "enable_expert_parallel", "dtype", "device", "seed", "speculative_config",
 )
 
 
@@ -666,4 +740,5 @@ def build_engine_config(model_dir: str, **options: Any) -> EngineConfig:
         dtype=dtype,
         device=pick_device(options.get("device")),
         seed=int(options.get("seed") or 0),
+        speculative=SpeculativeConfig.parse(options.get("speculative_config")),
     )

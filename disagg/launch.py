@@ -53,7 +53,9 @@ from typing import IO, Any, TypeVar
 
 from disagg import procs
 from disagg.cluster_auth import member_id_of, sign_http
+from disagg.config import ConfigError
 from disagg.contracts.cluster import ClusterConfig, RouterConfigError, load_cluster_config
+from disagg.contracts.options import speculative_mapping
 from disagg.contracts.plan import (
     TINY_MODEL,
     TINY_MODELS,
@@ -255,6 +257,9 @@ def _resolved_yaml(plan: ClusterPlan, notes: list[str] | None) -> dict[str, Any]
             level["model"] = local_model(model)
         if level.get("chat_template") is not None:
             level["chat_template"] = resolve_chat_template(level["chat_template"], where)
+        if level.get("speculative_config") is not None:
+            level["speculative_config"] = resolve_speculative(level["speculative_config"],
+                                                              where)
     return data
 
 
@@ -279,6 +284,29 @@ def resolve_chat_template(value: Any, where: str) -> str:
     if is_template_text(value) and not os.path.isfile(os.path.expanduser(value)):
         return str(value)
     return os.path.abspath(os.path.expanduser(value))
+
+
+def resolve_speculative(value: Any, where: str) -> dict[str, Any]:
+    """A ``speculative_config`` (a mapping or its JSON text; the plan checked it) as the
+    mapping the workers read, its draft ``model`` made absolute as ``model`` is (relative to
+    the current folder: the workers' YAML lives elsewhere) and a ``.gguf`` draft imported once
+    here; LaunchError when the draft is neither a folder nor a GGUF file."""
+    try:
+        spec = speculative_mapping(value, "speculative_config", where)
+    except ConfigError as e:
+        raise LaunchError(str(e)) from None
+    if spec.get("model") is None:
+        return spec
+    ref = ModelRef(spec["model"], "path", where, "speculative_config.model")
+    path = os.path.abspath(os.path.expanduser(ref.written))
+    if ref.is_gguf and os.path.isfile(path):
+        spec["model"] = local_model(ref)
+    elif os.path.isdir(path):
+        spec["model"] = path
+    else:
+        raise LaunchError(f"{ref.said}: the draft checkpoint is not a folder or a .gguf file "
+                          f"({path})")
+    return spec
 
 
 def visible_gpus() -> list[str]:

@@ -68,8 +68,8 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    # Rows of the hidden states that get logits: the sampled ones (one per request in
-    # sample_request_ids, in order), then each request's prompt-logprob positions
+    # Rows of the hidden states that get logits: the sampled ones (1 + num_spec per request
+    # in sample_request_ids, in order), then each request's prompt-logprob positions
     # (ScheduledRequest.prompt_logit_positions, in schedule order).
     logits_indices: torch.Tensor
     sample_request_ids: list[str]  # request id of each sampled row, in order
@@ -346,7 +346,11 @@ class ModelRunner:
             seq_lens.append(r.start_pos + n)
             tables[i * width: i * width + len(r.block_ids)] = r.block_ids
             if r.sample:
-                logits_rows.append(query_start_loc[-1] - 1)  # last new token of the sequence
+                # the last new token, or the last 1 + num_spec (the decoded token and each
+                # draft: the target's choice after each of them): rows
+                # [query_start_loc[i+1] - 1 - num_spec, query_start_loc[i+1])
+                end = query_start_loc[-1]
+                logits_rows.extend(range(end - 1 - r.num_spec, end))
                 sample_ids.append(r.request_id)
             # position p is hidden row query_start_loc[i] + (p - start_pos)
             prompt_rows.extend(query_start_loc[-2] + p - r.start_pos
@@ -371,8 +375,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[list[str], torch.Tensor | None]:
-        """Run one step; return the sampling request ids and their logits ([S, V] float32),
-        followed by the prompt-logprob rows when the step has any ([S + P, V]).
+        """Run one step; return the sampling request ids and their logits ([S, V] float32:
+        1 + num_spec rows per request), followed by the prompt-logprob rows when the step has
+        any ([S + P, V]).
 
         A pure-decode step replays the CUDA graph of its bucket when there is one; its logits
         are then a view of the graph's output, valid until the next step."""

@@ -62,6 +62,10 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None]
     # Per row: None, or why sampling this row failed (only that request fails).
     errors: list[str | None]
+    # Speculative decoding (``disagg.spec_decode.verify``), per request: the drafts accepted
+    # before ``token_ids[i]`` and their logprob entries; None when no request had drafts.
+    accepted: list[list[int]] | None = None
+    accepted_logprobs: list[list[dict[int, float] | None]] | None = None
 
 
 class Sampler:

@@ -33,7 +33,8 @@ A request's state is ``num_computed_tokens`` (KV in the cache) catching up with 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 from disagg.config import CapacityPolicy, SchedulerConfig
 from disagg.kv_cache.manager import KVCacheManager
@@ -50,6 +51,19 @@ class ScheduledRequest:
     # Positions p < prompt_logits_end of this chunk also get logits (they score prompt token
     # p + 1: prompt_logprobs); 0 for requests that do not ask.
     prompt_logits_end: int = 0
+    # Speculative decoding. ``spec_slots``: draft tokens this decode may carry (the scheduler
+    # reserved slots and token budget for them); ``num_spec``: the drafts it carries, the last
+    # ``num_spec`` of ``token_ids`` (set by the engine, ``with_drafts``). Such an entry gets
+    # logits at each of its last 1 + num_spec positions: the target's check of every draft.
+    spec_slots: int = 0
+    num_spec: int = 0
+
+    def with_drafts(self, drafts: list[int]) -> ScheduledRequest:
+        """This decode carrying ``drafts`` (at most ``spec_slots``) after its last token."""
+        if not 0 < len(drafts) <= self.spec_slots or len(self.token_ids) != 1:
+            raise ValueError(f"{self.request_id}: {len(drafts)} drafts for a decode with "
+                             f"{self.spec_slots} draft slots")
+        return replace(self, token_ids=[*self.token_ids, *drafts], num_spec=len(drafts))
 
     @property
     def prompt_logit_positions(self) -> range:
@@ -104,13 +118,15 @@ class _Step:
         if sr is None:
             sr = self.prefills.pop(request_id, None)
         if sr is not None:
-            self.token_budget += len(sr.token_ids)
+            self.token_budget += len(sr.token_ids) + sr.spec_slots
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, num_spec_tokens: int = 0) -> None:
         self.config = config
+        # Speculative decoding: draft slots reserved per decode (0: off); see _spec_slots.
+        self.num_spec_tokens = num_spec_tokens
         self.kv = kv
         self.block_size = kv.block_size
         # The engine passes the resolved limit (config or the model's max positions).
@@ -310,13 +326,19 @@ class Scheduler:
                 continue
             if len(decodes) + len(st.prefills) >= max_batch or st.token_budget < 1:
                 break
+            k = self._spec_slots(req, st.token_budget) if self.num_spec_tokens else 0
             # Fast path: the table already holds the new token's slot (no allocation, so
-            # nothing to preempt); else the general allocation, which may preempt.
-            if (computed < kv.num_held_blocks(req.request_id) * block_size
-                    or self._allocate_running(req, 1, st)):
+            # nothing to preempt); else the general allocation, which may preempt. Draft
+            # slots (positions computed + 1 .. computed + k) never preempt: without room
+            # for them the request decodes one token.
+            held = kv.num_held_blocks(req.request_id) * block_size
+            if k and computed + k >= held and kv.allocate_slots(req, 1 + k) is None:
+                k = 0
+            if computed < held or k or self._allocate_running(req, 1, st):
                 decodes[req.request_id] = ScheduledRequest(
-                    req.request_id, [out[-1]], computed, kv.block_ids(req.request_id), True)
-                st.token_budget -= 1
+                    req.request_id, [out[-1]], computed, kv.block_ids(req.request_id), True,
+                    spec_slots=k)
+                st.token_budget -= 1 + k
 
         # 2. Continuing chunked prefills (and recomputation of preempted requests).
         for req in list(self.running) if others else ():
@@ -408,6 +430,15 @@ class Scheduler:
             st.prefills[req.request_id] = self._plan(req, n)
             st.token_budget -= n
 
+    def _spec_slots(self, req: Request, budget: int) -> int:
+        """Draft tokens a decoding request may carry this step: the configured number, less
+        where its output would pass ``max_tokens`` or ``max_model_len`` (a step emits up to
+        drafts + 1 tokens) or the step's token budget ends."""
+        room = req.sampling_params.max_tokens - req.num_output_tokens - 1
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - req.num_tokens - 1)
+        return max(0, min(self.num_spec_tokens, room, budget - 1))
+
     def _is_decoding(self, req: Request) -> bool:
         """Generation phase: the prompt is done and only the last sampled token is uncomputed."""
         return req.num_output_tokens > 0 and req.num_tokens - req.num_computed_tokens == 1
@@ -471,11 +502,16 @@ class Scheduler:
 
     # -- after the step ----------------------------------------------------------------------
 
-    def update_from_output(self, output: SchedulerOutput,
-                           sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, sampled: Mapping[str, int],
+                           accepted: Mapping[str, list[int]] | None = None) -> list[Request]:
         """Apply a finished step: advance ``num_computed_tokens``, cache the blocks that became
         full, append sampled tokens, check stops. Returns the requests finished by this call
         (and those rejected by ``add_request`` since the last call); their blocks are freed.
+
+        ``accepted[rid]``: of an entry carrying drafts, the drafts the target accepted (a
+        prefix of them); they are output tokens before ``sampled[rid]``, and only their KV (and
+        the decoded token's) stays computed: the rejected drafts' slots are written again
+        later. Stops are checked after each token; tokens after a stop are dropped.
 
         Plan entries of requests finished or aborted in between are ignored."""
         live: list[tuple[ScheduledRequest, Request]] = []
@@ -491,12 +527,16 @@ class Scheduler:
 
         finished, self._finished_early = self._finished_early, []
         for sr, req in live:
-            req.num_computed_tokens += len(sr.token_ids)
-            self.kv.cache_blocks(req, req.num_computed_tokens)
-            if not sr.sample:
-                continue
-            req.output_token_ids.append(sampled[sr.request_id])
-            status = self.check_stop(req)
+            if sr.num_spec:
+                status = self._append_verified(req, sr, (accepted or {}).get(sr.request_id, []),
+                                               sampled[sr.request_id])
+            else:
+                req.num_computed_tokens += len(sr.token_ids)
+                self.kv.cache_blocks(req, req.num_computed_tokens)
+                if not sr.sample:
+                    continue
+                req.output_token_ids.append(sampled[sr.request_id])
+                status = self.check_stop(req)
             if status is not None:
                 req.status = status  # before kv.free: a finished request's chain is dropped
                 if req.request_id in self._hold and status == RequestStatus.FINISHED_LENGTH:
@@ -509,6 +549,27 @@ class Scheduler:
         if finished:  # one pass instead of a list.remove per finished request
             self.running = [r for r in self.running if not r.is_finished()]
         return finished
+
+    def _append_verified(self, req: Request, sr: ScheduledRequest, accepted: list[int],
+                         token: int) -> RequestStatus | None:
+        """A decode that carried drafts: positions [start, start + 1 + num_spec) were
+        computed; the first 1 + len(accepted) of them hold real tokens (the decoded one and
+        the accepted drafts), so only those stay computed. Appends accepted + [token], one
+        at a time, up to the first stop."""
+        a = len(accepted)
+        if a > sr.num_spec or accepted != sr.token_ids[1:1 + a]:
+            raise ValueError(f"request {sr.request_id!r}: accepted tokens {accepted} are not a "
+                             f"prefix of its drafts {sr.token_ids[1:]}")
+        status = None
+        for t in (*accepted, token):
+            req.output_token_ids.append(t)
+            status = self.check_stop(req)
+            if status is not None:
+                break
+        # start + 1 + a, or fewer tokens when a stop cut the accepted ones short
+        req.num_computed_tokens = min(sr.start_pos + 1 + a, req.num_tokens - 1)
+        self.kv.cache_blocks(req, req.num_computed_tokens)
+        return status
 
     def check_stop(self, req: Request) -> RequestStatus | None:
         """Stop conditions after appending a token. Stops (EOS, stop tokens) win over length

@@ -19,8 +19,8 @@ CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 CONFIGS = sorted(CONFIGS_DIR.glob("*.yaml"))
 
 
-def test_there_are_the_five_examples():
-    assert len(CONFIGS) >= 5, CONFIGS
+def test_there_are_the_six_examples():
+    assert len(CONFIGS) >= 6, CONFIGS
     shapes = set()
     for path in CONFIGS:
         cfg = load_cluster_config(path)
@@ -41,8 +41,11 @@ def test_there_are_the_five_examples():
                 and gen.worker_options.get("enable_expert_parallel")
                 and gen.worker_options.get("tensor_parallel_size") == 2):
             shapes.add("moe, gen tp2+ep")
+        spec = gen.worker_options.get("speculative_config")
+        if spec is not None and ctx.worker_options.get("speculative_config") is None:
+            shapes.add("gen speculates")
     assert shapes == {"aggregated", "1ctx+1gen", "2ctx(tp2)+1gen(pp2)",
-                      "kv_cache_aware+conditional", "moe, gen tp2+ep"}
+                      "kv_cache_aware+conditional", "moe, gen tp2+ep", "gen speculates"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])

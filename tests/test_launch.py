@@ -252,6 +252,33 @@ def test_moe_config_launch_answers_greedy_as_aggregated(launch, tmp_path: Path):
     _assert_all_gone(launcher, 3)
 
 
+def test_spec_config_launch_answers_greedy_as_aggregated(launch, tmp_path: Path,
+                                                         tiny_llama: str):
+    """configs/disagg_spec_ngram.yaml: the generation worker speculates (prompt lookup); a
+    greedy answer through the router equals a non-speculative aggregated engine's, and the
+    generation worker's /metrics counts the drafts it checked."""
+    path, port = _config(tmp_path, "disagg_spec_ngram.yaml")
+    gen_url = "http://" + yaml.safe_load(Path(path).read_text())["generation_servers"]["urls"][0]
+    launcher = launch("-c", path, "--model", tiny_llama)
+    endpoint = launcher.wait_line(READY_RE).group(1)
+    prompt = "one two three one two three one two three one two"
+    body = {"model": tiny_llama, "prompt": prompt, "max_tokens": 24, "temperature": 0}
+    r = httpx.post(endpoint + "/v1/completions", timeout=60, json=body)
+    assert r.status_code == 200, r.text
+    from disagg import LLM, SamplingParams
+
+    with LLM(tiny_llama, kv_cache_tokens=1024) as llm:
+        want = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0))
+    assert r.json()["choices"][0]["text"] == want[0].outputs[0].text
+    metrics = httpx.get(gen_url + "/metrics", timeout=10).text
+    drafted = re.search(r"^disagg_spec_decode_num_draft_tokens_total\{[^}]*\} (\S+)$", metrics,
+                        re.M)
+    assert drafted and float(drafted.group(1)) > 0, metrics
+    launcher.proc.send_signal(signal.SIGTERM)
+    assert launcher.wait(60) == 0, launcher.stdout + launcher.stderr
+    _assert_all_gone(launcher, 3)
+
+
 def test_child_failing_at_start_up_prints_its_log_tail(launch, tmp_path: Path,
                                                        tiny_llama: str):
     path, _ = _config(tmp_path, "disagg_1ctx_1gen.yaml",

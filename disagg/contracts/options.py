@@ -11,6 +11,10 @@ keys of the cluster YAML (``worker_yaml_keys``, ``contracts/cluster.py``), ``run
 defaults to None, "the engine's own default", which lives in ``disagg.config``'s dataclasses
 (``engine_default`` reads it for ``--help``).
 
+``speculative_config`` is a JSON object (``SpeculativeConfig``, vLLM's shape): JSON text on the
+command line, a mapping or its JSON text in a YAML; ``coerce`` gives the YAMLs its mapping
+(checked, the lookup bounds filled in), ``WorkerOptions`` holds the ``SpeculativeConfig``.
+
 The lease TTL is ``kv_lease_ttl_s`` in the code and the cluster YAML; the flag is
 ``--kv-lease-ttl`` and a worker YAML also takes ``kv_lease_ttl`` (spellings users have).
 ``ucx_profile`` has no flag or key of its own: ``cache_transceiver_config.ucx_profile``.
@@ -38,6 +42,7 @@ from disagg.config import (
     EngineConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     read_yaml,
 )
 from disagg.contracts.roles import ROLES, Role
@@ -57,7 +62,8 @@ class Opt:
     ``flag`` / ``yaml`` say otherwise ("": none); ``yaml_aliases`` are further keys a worker
     YAML takes for it (not the cluster YAML)."""
 
-    # int, float, bool, str, list (of ints: "3,1" on the command line) or StrList
+    # int, float, bool, str, list (of ints: "3,1" on the command line), StrList or
+    # SpeculativeConfig (a JSON object: its text on the command line, a mapping in a YAML)
     type: type
     help: str
     choices: tuple[str, ...] | None = None
@@ -99,6 +105,8 @@ def coerce(name: str, opt: Opt, value: Any, where: str,
     (a ``ConfigError``) names the file and the key. None stays None."""
     if value is None:
         return None
+    if opt.type is SpeculativeConfig:
+        return speculative_mapping(value, name, where, error)
     ok = {
         bool: lambda v: isinstance(v, bool),
         int: lambda v: isinstance(v, int) and not isinstance(v, bool),
@@ -123,6 +131,23 @@ def coerce(name: str, opt: Opt, value: Any, where: str,
     if opt.ge is not None and not value >= opt.ge:
         raise error(f"{where}: {name}: must be >= {opt.ge:g}, got {value}")
     return value
+
+
+def speculative_mapping(value: Any, name: str = "speculative_config", where: str = "",
+                        error: type[ConfigError] = ConfigError) -> dict[str, Any]:
+    """A ``speculative_config`` value (JSON text, a mapping, a ``SpeculativeConfig``) as the
+    mapping a YAML holds: checked, the ngram lookup bounds filled in, unset keys left out (so
+    that a JSON string and the same mapping compare equal). ``error`` names ``where`` and the
+    key path under ``name`` (``generation_servers.speculative_config.method: ...``)."""
+    try:
+        spec = SpeculativeConfig.parse(dict(value) if isinstance(value, Mapping) else value)
+    except ConfigError as e:
+        # SpeculativeConfig names "speculative_config[.key]"; say where it is written.
+        text = str(e).removeprefix("speculative_config")
+        raise error(f"{where}: {name}{text}" if where else f"{name}{text}") from None
+    assert spec is not None
+    return {f.name: getattr(spec, f.name) for f in fields(spec)
+            if getattr(spec, f.name) is not None}
 
 
 # /v1/responses kept for previous_response_id (a worker's own, or the router's: the workers
@@ -248,6 +273,13 @@ class WorkerOptions:
                                 choices=("float32", "bfloat16", "float16"))
     device: str | None = _engine(str, "cpu or cuda[:N] (default: cuda when available)")
     seed: int | None = _engine(int, "engine seed for unseeded sampling")
+    speculative_config: SpeculativeConfig | None = _engine(
+        SpeculativeConfig, "speculative decoding, a JSON object: {\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": K, \"prompt_lookup_min\": N, \"prompt_lookup_max\": N} "
+        "(draft tokens looked up in the prompt and output so far) or {\"method\": "
+        "\"draft_model\", \"model\": DIR, \"num_speculative_tokens\": K} (a smaller checkpoint "
+        "with the same vocabulary); the model verifies K draft tokens per step (YAML: a "
+        "mapping or its JSON text)", metavar="JSON")
 
     def __post_init__(self) -> None:
         for name, opt in WORKER_OPTIONS.items():
@@ -261,6 +293,8 @@ class WorkerOptions:
                 value = tuple(value)  # frozen: hashable, never changed in place
             elif name == "role":
                 value = Role(value)
+            elif name == "speculative_config":
+                value = SpeculativeConfig.parse(value)  # coerce checked it: frozen, hashable
             object.__setattr__(self, name, value)
 
     @property
@@ -384,6 +418,8 @@ def worker_yaml(values: Mapping[str, Any]) -> dict[str, Any]:
                 value = list(value)
             elif isinstance(value, enum.Enum):  # role: its wire value
                 value = value.value
+            elif name == "speculative_config" and value is not None:
+                value = speculative_mapping(value)  # a mapping, as a YAML writes it
             out[key] = value
     if transceiver:
         out[TRANSCEIVER_KEY] = transceiver

@@ -94,6 +94,16 @@ class _Renderer:
                 raise DeployError(f"{plan.source}: model: {model.written!r} is a path: give "
                                   f"--model-pvc NAME or --model-host-path DIR (the volume "
                                   f"holding it, mounted at {model.mount_dir})")
+        for g in plan.groups:  # a pod mounts its model's volume only: the draft must be in it
+            draft = (g.options.get("speculative_config") or {}).get("model")
+            mount = None if g.model.generated else g.model.mount_dir.rstrip("/")
+            if draft is not None and (mount is None or not (
+                    draft == mount or draft.startswith(mount + "/"))):
+                raise DeployError(f"{plan.source}: {g.section}.speculative_config.model: "
+                                  f"{draft!r}: a pod sees only the model volume"
+                                  + (f" (mounted at {mount}): put the draft checkpoint in it"
+                                     if mount else ": give the model as a path, with the "
+                                     "draft checkpoint inside its volume"))
 
     # -- object helpers ---------------------------------------------------------------------
 

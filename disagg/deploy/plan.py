@@ -200,7 +200,8 @@ def build_plan(config_path: str, *, models_dir: str, absolute_only: bool,
         if g.model is None:
             raise DeployError(f"{g.where}: model: missing: {catalog.expected}")
         models[g.section] = target_model(g.model, models_dir, absolute_only)
-        groups.append(_plan_group(plan, g, models[g.section], drain_timeout, cpu))
+        groups.append(_plan_group(plan, g, models[g.section], drain_timeout, cpu,
+                                  absolute_only))
     router_model = _router_model(plan, models)
     router_options = _router_options(raw, cfg, models, minimal_instances, model_override,
                                      groups)
@@ -213,7 +214,7 @@ def build_plan(config_path: str, *, models_dir: str, absolute_only: bool,
 
 
 def _plan_group(plan: ClusterPlan, g: GroupPlan, model: ModelSource,
-                drain_timeout: float | None, cpu: bool) -> WorkerGroup:
+                drain_timeout: float | None, cpu: bool, absolute_only: bool) -> WorkerGroup:
     cfg = plan.config
     if not g.urls:
         raise DeployError(f"{g.where}.urls: missing: their ports are the workers' ports (the "
@@ -228,12 +229,34 @@ def _plan_group(plan: ClusterPlan, g: GroupPlan, model: ModelSource,
     opts["model"] = model.path
     if opts.get("chat_template") is not None:
         opts["chat_template"] = _template_text(opts["chat_template"], g.where)
+    if opts.get("speculative_config") is not None:
+        opts["speculative_config"] = _target_speculative(opts["speculative_config"], g.where,
+                                                         absolute_only)
     drain = float(drain_timeout if drain_timeout is not None else g.options.drain_timeout)
     opts["drain_timeout"] = drain
     device = g.options.device or "cuda"
     gpus = 0 if cpu or not device.startswith("cuda") else g.world
     return WorkerGroup(g.section, g.role.value, g.config.num_instances, ports, g.world, gpus,
                        drain, model, MappingProxyType(opts))
+
+
+def _target_speculative(value: Mapping[str, Any], where: str, absolute_only: bool
+                        ) -> dict[str, Any]:
+    """The group's ``speculative_config`` (the plan's checked mapping) with its draft
+    ``model`` where the workers read it, by ``target_model``'s rule for a model path: kept
+    when absolute, else an error (``absolute_only``) or made absolute here."""
+    spec = dict(value)
+    draft = spec.get("model")
+    if draft is None:
+        return spec
+    path = os.path.expanduser(draft)
+    if not os.path.isabs(path):
+        if absolute_only:
+            raise DeployError(f"{where}.speculative_config.model: {draft!r}: give an absolute "
+                              f"path (where the draft checkpoint is in the containers)")
+        path = os.path.abspath(path)
+    spec["model"] = os.path.normpath(path)
+    return spec
 
 
 def _template_text(value: Any, where: str) -> str:

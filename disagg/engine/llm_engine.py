@@ -46,8 +46,10 @@ from disagg.kv_connector.base import KVConnector
 from disagg.kv_connector.errors import KVTransferError
 from disagg.parallel.executor import WorkerDiedError
 from disagg.request import Request, RequestStatus, SamplingParams
-from disagg.sampler import Sampler
+from disagg.sampler import Sampler, SamplerOutput
 from disagg.scheduler import Scheduler, SchedulerOutput
+from disagg.spec_decode import make_proposer
+from disagg.spec_decode.verify import SpecCounters, accept, expand_rows
 from disagg.structured.grammar import GrammarCache
 from disagg.structured.mask import MaskFiller
 from disagg.tokenizer import Tokenizer, load_tokenizer
@@ -74,7 +76,15 @@ class LLMEngine:
         self.runner = make_executor(config, disagg)
         B = config.cache.tokens_per_block
         self.kv = KVCacheManager(self.runner.num_blocks, B, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len=config.max_model_len)
+        spec = config.speculative
+        self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len=config.max_model_len,
+                                   num_spec_tokens=spec.num_speculative_tokens if spec else 0)
+        try:  # speculative decoding (disagg.spec_decode); None: off
+            self.proposer = make_proposer(config, self.runner.num_blocks)
+        except BaseException:
+            self.runner.shutdown()
+            raise
+        self.spec_counters = SpecCounters()
         self.sampler = Sampler(torch.Generator().manual_seed(config.seed))
         self.grammars = GrammarCache(self.tokenizer.backend, config.model.vocab_size,
                                      self.tokenizer.eos_token_ids)
@@ -249,6 +259,8 @@ class LLMEngine:
             return
         st.ended = True
         req = st.request
+        if self.proposer is not None:
+            self.proposer.forget(req.request_id)
         if st.ctx_params is not None and st.detok.stopped and (
                 req.status == RequestStatus.FINISHED_LENGTH):
             req.status = RequestStatus.FINISHED_STOPPED  # a stop string: final
@@ -292,6 +304,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        if self.proposer is not None and sched.num_decodes:
+            sched = self._propose(sched)
         self._last_sched = sched
         self._steps += 1
         outputs: list[RequestOutput] = self._start_loads(sched) if sched.kv_fetches else []
@@ -307,7 +321,7 @@ class LLMEngine:
         try:
             if self.connector is not None:
                 self.connector.start_step(sched)
-            sampled, sampling_failed = self._execute(sched)
+            sampled, accepted, sampling_failed = self._execute(sched)
         except WorkerDiedError:
             raise  # not this step's fault: the engine cannot go on (AsyncLLM stops)
         except Exception as e:  # the step failed: fail its requests, keep the loop alive
@@ -321,13 +335,43 @@ class LLMEngine:
         for rid, err in sampling_failed:
             logger.warning("request %s: %s", rid, err)
             outputs += self._fail_requests([rid], err)
-        finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
-        outputs += self._outputs_of_step(sampled, finished)
+        # Output counts of the requests that checked drafts: their new tokens are walked
+        # one by one after the scheduler appended them (_walk_verified).
+        verified = {r.request_id: self._states[r.request_id].request.num_output_tokens
+                    for r in sched.scheduled if r.num_spec and r.request_id in sampled}
+        finished = {r.request_id
+                    for r in self.scheduler.update_from_output(sched, sampled, accepted)}
+        outputs += self._outputs_of_step(sampled, finished, verified)
         return self._collect_finished_without_step(outputs)
 
-    def _execute(self, sched: SchedulerOutput) -> tuple[dict[str, int], list[tuple[str, str]]]:
-        """Run the plan and sample: (token by request id, requests whose own sampling or
-        memory failed with why)."""
+    def _propose(self, sched: SchedulerOutput) -> SchedulerOutput:
+        """Fill the decodes' draft slots from the proposer (cut where a request's grammar
+        refuses a draft); decodes with drafts move behind the plain ones (the runner's
+        first ``num_decodes`` entries take exactly one token)."""
+        assert self.proposer is not None
+        decodes = sched.scheduled[:sched.num_decodes]
+        entries = [(self._states[r.request_id].request, r) for r in decodes if r.spec_slots]
+        if not entries:
+            return sched
+        drafts = self.proposer.propose(entries)
+        plain, checked = [], []
+        for r in decodes:
+            d = drafts.get(r.request_id, [])[:r.spec_slots]
+            m = self._states[r.request_id].matcher
+            if d and m is not None:
+                d = d[:m.valid_prefix(d)]
+            (checked.append(r.with_drafts(d)) if d else plain.append(r))
+        if not checked:
+            return sched
+        scheduled = plain + checked + sched.scheduled[sched.num_decodes:]
+        return replace(sched, scheduled=scheduled, num_decodes=len(plain),
+                       num_scheduled_tokens=sum(len(r.token_ids) for r in scheduled))
+
+    def _execute(self, sched: SchedulerOutput) -> tuple[
+            dict[str, int], dict[str, list[int]], list[tuple[str, str]]]:
+        """Run the plan and sample: (token by request id, the drafts accepted before it by
+        request id (requests that checked drafts), requests whose own sampling or memory
+        failed with why)."""
         oom_failed: list[tuple[str, str]] = []
         try:
             results = [self._run_step(sched)]
@@ -338,25 +382,32 @@ class LLMEngine:
             # A request too large for the memory left fails alone: re-run in smaller groups.
             results, oom_failed = run_isolating_oom(self._run_step, sched)
         sampled: dict[str, int] = {}
+        accepted: dict[str, list[int]] = {}
         sampling_failed: list[tuple[str, str]] = list(oom_failed)
         for rids, out in results:
             if out is None:
                 continue
-            for rid, tok, lp, err in zip(rids, out.token_ids, out.logprobs, out.errors,
-                                         strict=True):
+            for i, (rid, tok, lp, err) in enumerate(zip(rids, out.token_ids, out.logprobs,
+                                                        out.errors, strict=True)):
                 if err is not None:
                     sampling_failed.append((rid, err))
                     continue
                 sampled[rid] = tok
                 st = self._states[rid]
+                if out.accepted is not None and out.accepted[i]:
+                    accepted[rid] = out.accepted[i]
+                    if st.logprobs is not None and out.accepted_logprobs is not None:
+                        st.logprobs.extend(e or {} for e in out.accepted_logprobs[i])
                 if st.logprobs is not None and lp is not None:
                     st.logprobs.append(lp)
-        return sampled, sampling_failed
+        return sampled, accepted, sampling_failed
 
-    def _outputs_of_step(self, sampled: dict[str, int], finished: set[str]
-                         ) -> list[RequestOutput]:
+    def _outputs_of_step(self, sampled: dict[str, int], finished: set[str],
+                         verified: Mapping[str, int]) -> list[RequestOutput]:
         """Detokenize the sampled tokens (a stop string ends a request here) and build the
-        outputs; ``finished``: the requests the scheduler ended this step (updated)."""
+        outputs; ``finished``: the requests the scheduler ended this step (updated);
+        ``verified``: requests that checked drafts, with their output count before the
+        step."""
         outputs: list[RequestOutput] = []
         now = time.monotonic()
         for rid, tok in sampled.items():
@@ -364,6 +415,10 @@ class LLMEngine:
             if st.metrics.first_token_time is None:
                 st.metrics.first_token_time = now
             st.metrics.last_token_time = now
+            if rid in verified:
+                delta = self._walk_verified(st, verified[rid], finished)
+                outputs.append(self._make_output(st, delta, finished=rid in finished))
+                continue
             delta = st.detok.update(tok)
             if st.detok.stopped and rid not in finished:
                 st.request.stop_reason = st.detok.stop_reason
@@ -382,17 +437,65 @@ class LLMEngine:
             outputs.append(self._make_output(st, st.detok.flush(), finished=True))
         return outputs
 
+    def _walk_verified(self, st: RequestState, before: int, finished: set[str]) -> str:
+        """The tokens a draft-checking step appended (``output[before:]``), one at a time as
+        single steps would have seen them: detokenizer (a stop string ends the request at its
+        token), grammar matcher (a complete grammar ends it too); tokens after such an end are
+        dropped. Returns the new text."""
+        req, rid = st.request, st.request.request_id
+        new = req.output_token_ids[before:]
+        m = st.matcher
+        delta = ""
+        end = len(new)  # tokens kept
+        for i, t in enumerate(new):
+            delta += st.detok.update(t)
+            if m is not None and not m.consume(t):
+                req.error = m.error
+                end = i + 1
+                break
+            if st.detok.stopped or (m is not None and m.done):
+                end = i + 1
+                break
+        cut = end < len(new)  # the scheduler's own stop (or max_tokens) came later
+        if cut:
+            del req.output_token_ids[before + end:]
+            req.stop_reason = None
+        if st.logprobs is not None:
+            del st.logprobs[len(req.output_token_ids):]
+        if req.error is not None:
+            if rid not in finished:
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
+                finished.add(rid)
+            req.status = RequestStatus.FINISHED_ERROR
+        elif st.detok.stopped and (cut or rid not in finished):
+            req.stop_reason = st.detok.stop_reason
+            if rid not in finished:
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+                finished.add(rid)
+            req.status = RequestStatus.FINISHED_STOPPED
+        elif m is not None and m.done:  # ends with "stop", whatever the scheduler said
+            grammar_complete(self.scheduler, req, finished)
+        if rid in finished and not st.detok.stopped:
+            delta += st.detok.flush()
+        return delta
+
     def _run_step(self, sched: SchedulerOutput) -> StepResult:
         """Execute ``sched`` and sample its rows: (sampling request ids, their draws)."""
         rids, logits = self.runner.execute(sched)
-        if logits is not None and logits.shape[0] > len(rids):
-            score_prompts(self._states, sched, logits[len(rids):])
-            logits = logits[:len(rids)]
+        # each sampling entry's drafts (the last num_spec of its tokens), in rids' order
+        drafts = [sr.token_ids[len(sr.token_ids) - sr.num_spec:] if sr.num_spec else []
+                  for sr in sched.scheduled if sr.sample]
+        num_rows = len(rids) + sum(len(d) for d in drafts)
+        if logits is not None and logits.shape[0] > num_rows:
+            score_prompts(self._states, sched, logits[num_rows:])
+            logits = logits[:num_rows]
         if not rids:
             return [], None
         states = [self._states[rid] for rid in rids]
         params, banned, histories = sampling_inputs(states)
         matchers = [st.matcher for st in states]
+        if num_rows > len(rids):
+            return rids, self._verify(logits, states, params, histories, drafts)
         # A seeded draw depends on (seed, output position) only: a generation worker
         # continuing a context worker's first token draws what one worker would.
         out = self.sampler.sample(
@@ -404,6 +507,24 @@ class LLMEngine:
             forbidden=self._masks.forbidden(matchers, logits.device),
         )
         return rids, advance_grammars(matchers, out)
+
+    def _verify(self, logits: torch.Tensor, states: list[RequestState],
+                params: list[SamplingParams],
+                histories: list[tuple[list[int], list[int]]] | None,
+                drafts: list[list[int]]) -> SamplerOutput:
+        """Sample every checked position as single steps would (``spec_decode.verify``) and
+        keep the drafts the target drew itself. Matchers of requests with drafts advance in
+        ``_walk_verified``; the others' here."""
+        rows = expand_rows(params, [st.request.num_output_tokens for st in states],
+                           [st.banned_until_min for st in states], histories, drafts)
+        matchers = [st.matcher for st in states]
+        out = accept(self.sampler.sample(
+            logits, rows.params, rows.positions, rows.banned, rows.histories,
+            forbidden=self._masks.forbidden_with_drafts(matchers, drafts, logits.device)),
+            drafts)
+        self.spec_counters.record(drafts, out.accepted or [])
+        return advance_grammars([None if d else m for m, d in zip(matchers, drafts,
+                                                                    strict=True)], out)
 
     def _collect_finished_without_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         # The scheduler may end a request during schedule() (e.g. one that can never fit).
@@ -455,6 +576,10 @@ class LLMEngine:
             last_step_batch_size=len(last.scheduled) if last else 0,
             last_step_num_tokens=last.num_scheduled_tokens if last else 0,
             steps_total=self._steps,
+            spec_num_drafts=self.spec_counters.num_drafts,
+            spec_num_draft_tokens=self.spec_counters.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_counters.num_accepted_tokens,
+            spec_accepted_per_pos=tuple(self.spec_counters.accepted_per_pos),
         )
 
 

@@ -81,3 +81,10 @@ class EngineStats:
     last_step_num_tokens: int
     steps_total: int
     num_waiting_for_kv: int = 0
+    # Speculative decoding (``disagg.spec_decode``): verification rows that carried drafts,
+    # the draft tokens proposed in them, how many the target accepted, and how many of them
+    # were accepted at each draft position (index 0: the first draft token).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -173,7 +173,7 @@ def advance_grammars(matchers: list[Matcher | None], out: SamplerOutput) -> Samp
     for i, (m, tok) in enumerate(zip(matchers, out.token_ids, strict=True)):
         if m is not None and errors[i] is None and not m.consume(tok):
             errors[i] = m.error
-    return SamplerOutput(out.token_ids, out.logprobs, errors)
+    return replace(out, errors=errors)
 
 
 def grammar_complete(scheduler: Scheduler, req: Request, finished: set[str]) -> None:

@@ -161,6 +161,57 @@ def _attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.view(hkv, s, g, n, dv).permute(1, 3, 0, 2, 4).reshape(s, n, hq, dv)
 
 
+# Chunks of at most this many tokens over a cached context (speculative decoding's checks:
+# the decoded token and its drafts) are attended in one batched call, not one call each.
+SHORT_CHUNK = 33
+
+
+def _short_chunks_end(meta: AttentionMetadata) -> int:
+    """End of the run of sequences right after the decodes, ``[nd, end)``, whose chunks have
+    at most SHORT_CHUNK tokens and a cached context before them (the engine puts decodes
+    carrying drafts there)."""
+    qsl, i = meta.query_start_loc, meta.num_decodes
+    while (i < meta.num_seqs and qsl[i + 1] - qsl[i] <= SHORT_CHUNK
+           and meta.seq_lens[i] > qsl[i + 1] - qsl[i]):
+        i += 1
+    return i
+
+
+@dataclass(frozen=True)
+class _ShortChunks:
+    """Sequences ``[lo, hi)`` as one padded batch of ``S = hi - lo`` rows of ``n`` queries:
+    query j of sequence s is token ``min(j, n_s - 1)`` of its chunk (pads repeat the last
+    one), at position ``ctx_s + min(j, n_s - 1)``, attending keys ``<=`` that position."""
+
+    q_rows: torch.Tensor  # [S * n]: row of q for each padded query
+    mask: torch.Tensor    # [S, n, nb * B]
+    keep: torch.Tensor    # [T_short]: padded rows that are real, in q's order
+    nb: int               # blocks of the longest context
+
+
+def _short_chunk_plan(meta: AttentionMetadata, lo: int, hi: int, block_size: int,
+                      device: torch.device) -> _ShortChunks:
+    qsl = meta.query_start_loc
+    lens = [qsl[i + 1] - qsl[i] for i in range(lo, hi)]
+    n = max(lens)
+    rows: list[int] = []
+    pos: list[int] = []
+    keep: list[int] = []
+    for s, i in enumerate(range(lo, hi)):
+        ctx = meta.seq_lens[i] - lens[s]
+        for j in range(n):
+            jj = min(j, lens[s] - 1)
+            rows.append(qsl[i] + jj)
+            pos.append(ctx + jj)
+            if j < lens[s]:
+                keep.append(s * n + j)
+    nb = -(-max(meta.seq_lens[lo:hi]) // block_size)
+    keys = torch.arange(nb * block_size, device=device)
+    pos_t = torch.tensor(pos, device=device).view(hi - lo, n, 1)
+    return _ShortChunks(torch.tensor(rows, device=device), keys.view(1, 1, -1) <= pos_t,
+                        torch.tensor(keep, device=device), nb)
+
+
 @lru_cache(maxsize=1)
 def triton_available() -> bool:
     """Triton kernels usable for CUDA attention: triton imports and ``DISAGG_CUDA_ATTENTION``
@@ -234,7 +285,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer:
         mask = (keys[None, :] < meta.decode_seq_lens[:, None]).unsqueeze(1)  # [nd, 1, L]
         out[:nd] = _attend_grouped(q[:nd].unsqueeze(1), kc, vc, mask, scale).squeeze(1)
 
-    for i in range(nd, meta.num_seqs):
+    short = _short_chunks_end(meta) if meta.num_seqs > nd else nd
+    if short > nd:
+        # Short chunks over a context (decodes with drafts): one padded batch.
+        plan = _short_chunk_plan(meta, nd, short, block_size, q.device)
+        kc, vc = _gather_context(kv_layer, meta.block_tables[nd:short, :plan.nb], workspace)
+        qp = q.index_select(0, plan.q_rows).view(short - nd, -1, *q.shape[1:])
+        o = _attend_grouped(qp, kc, vc, plan.mask, scale)
+        out[qsl[nd]:qsl[short]] = o.reshape(-1, *q.shape[1:]).index_select(0, plan.keep)
+
+    for i in range(short, meta.num_seqs):
         # Prefill chunk: rows [qsl[i], qsl[i+1]) = positions [ctx, seq_len), ctx = seq_len - n.
         #
         #   keys:    0 ........ ctx-1 | ctx ........ seq_len-1
@@ -294,7 +354,15 @@ def paged_latent_attention(q: torch.Tensor, latent: torch.Tensor, kv_layer: torc
         mask = (keys[None, :] < meta.decode_seq_lens[:, None]).unsqueeze(1)  # [nd, 1, L]
         out[:nd] = _attend_grouped(q[:nd].unsqueeze(1), ctx, ctx[..., :value_dim], mask,
                                    scale).squeeze(1)
-    for i in range(nd, meta.num_seqs):
+    short = _short_chunks_end(meta) if meta.num_seqs > nd else nd
+    if short > nd:
+        # Short chunks over a context (decodes with drafts): one padded batch.
+        plan = _short_chunk_plan(meta, nd, short, block_size, q.device)
+        ctx = _gather_parts(kv_layer, meta.block_tables[nd:short, :plan.nb], workspace)[0]
+        qp = q.index_select(0, plan.q_rows).view(short - nd, -1, *q.shape[1:])
+        o = _attend_grouped(qp, ctx, ctx[..., :value_dim], plan.mask, scale)
+        out[qsl[nd]:qsl[short]] = o.reshape(-1, hq, value_dim).index_select(0, plan.keep)
+    for i in range(short, meta.num_seqs):
         # Prefill chunk: rows [qsl[i], qsl[i+1]) = positions [ctx, seq_len) (paged_attention).
         start, end = qsl[i], qsl[i + 1]
         n = end - start

@@ -23,7 +23,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from disagg.cluster_auth import api_key_or_none, cluster_token_or_none
-from disagg.config import ConfigError
+from disagg.config import ConfigError, SpeculativeConfig
 from disagg.contracts.options import (
     DISAGG_ROLES,
     WORKER_OPTIONS,
@@ -33,6 +33,7 @@ from disagg.contracts.options import (
     check_role,
     load_worker_yaml,
     option_help,
+    speculative_mapping,
 )
 from disagg.contracts.roles import Role
 from disagg.server.http_guard import SERVER_KEEP_ALIVE_S, uvicorn_options  # noqa: F401
@@ -74,6 +75,9 @@ def _add_option(p: Any, flag: str, name: str, opt: Opt) -> None:
     elif opt.type is StrList:
         p.add_argument(flag, dest=name, type=_str_list, default=None, metavar=opt.metavar,
                        help=help)
+    elif opt.type is SpeculativeConfig:
+        p.add_argument(flag, dest=name, type=_speculative, default=None, metavar=opt.metavar,
+                       help=help)
     else:
         p.add_argument(flag, dest=name, type=opt.type, choices=opt.choices, default=None,
                        metavar=opt.metavar, help=help)
@@ -89,6 +93,14 @@ def _int_list(text: str) -> list[int]:
 
 def _str_list(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _speculative(text: str) -> dict[str, Any]:
+    """``--speculative-config``'s JSON object, checked now (the message names the key)."""
+    try:
+        return speculative_mapping(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def resolve_options(args: argparse.Namespace) -> WorkerOptions:

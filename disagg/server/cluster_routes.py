@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from disagg import __version__
 from disagg.cluster_auth import MEMBER_ID_FIELD
 from disagg.contracts import protocol as P
+from disagg.contracts.options import speculative_mapping
 from disagg.contracts.roles import Role
 from disagg.kv_cache.hashing import BLOCK_HASH_SCHEME
 from disagg.layout import ParallelLayout
@@ -90,6 +91,8 @@ class ClusterRoutes:
             },
             "dtype": cfg.dtype,
             "device": cfg.device,
+            # {method, num_speculative_tokens, prompt_lookup_min/max | model}; null: none.
+            "speculative_config": _speculative(cfg),
             # Context / generation workers: worker_id, backend, transfer address(es).
             "kv_transfer": srv.transfer.info() if srv.transfer is not None else None,
             "kv_blocks_used": _blocks_used(engine),
@@ -144,3 +147,9 @@ def _blocks_used(engine: EngineClient) -> int | None:
         return int(engine.stats().kv_blocks_used)
     except Exception:
         return None
+
+
+def _speculative(cfg: Any) -> dict[str, Any] | None:
+    """The engine's speculative decoding config as /server_info shows it (None: off)."""
+    spec = getattr(cfg, "speculative", None)
+    return None if spec is None else speculative_mapping(spec)

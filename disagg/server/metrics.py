@@ -13,13 +13,17 @@ Why batches are small (seed 000) should be readable from these: compare
 load, or requests waiting), ``disagg_kv_blocks_used`` with ``disagg_kv_blocks_total`` (KV-capped),
 ``disagg_iteration_num_tokens`` with ``disagg_max_num_tokens`` (token-budget-capped), and the
 ``disagg_request_generation_tokens`` histogram (1-token outputs leave after one step).
+
+Speculative decoding (a worker with ``speculative_config``) adds the ``disagg_spec_decode_*``
+counters (drafts, draft tokens, accepted tokens, accepted tokens by draft position) and two
+gauges derived from them: the acceptance rate and the tokens emitted per verification forward.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -204,6 +208,37 @@ class _EngineStatsCollector(Collector):
         yield counter("num_preemptions", "Requests preempted (KV blocks taken back, to be "
                       "recomputed).", s.num_preempted_total)
         yield counter("engine_steps", "Engine iterations run.", s.steps_total)
+        yield from self._spec_decode(s, counter, gauge)
+
+    def _spec_decode(self, s: Any, counter: Callable[[str, str, float], Metric],
+                     gauge: Callable[[str, str, float], Metric]) -> Iterator[Metric]:
+        """Speculative decoding's counters (``disagg.spec_decode``), when the engine
+        speculates (configured to, or drafts counted)."""
+        drafts = getattr(s, "spec_num_drafts", 0)
+        config = getattr(self.engine, "config", None)
+        if getattr(config, "speculative", None) is None and not drafts:
+            return
+        proposed = s.spec_num_draft_tokens
+        accepted = s.spec_num_accepted_tokens
+        yield counter("spec_decode_num_drafts", "Verification rows that carried draft "
+                      "tokens (one per request per speculative step).", drafts)
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed for "
+                      "verification.", proposed)
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens the model accepted.",
+                      accepted)
+        per_pos = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by "
+            "their position in the draft (0: the first draft token).",
+            labels=["model_name", "position"])
+        for pos, n in enumerate(s.spec_accepted_per_pos):
+            per_pos.add_metric([self.model_name, str(pos)], n)
+        yield per_pos
+        yield gauge("spec_decode_acceptance_rate", "Accepted / proposed draft tokens since "
+                    "start (0 before any).", accepted / proposed if proposed else 0.0)
+        yield gauge("spec_decode_mean_tokens_per_forward", "Tokens emitted per verification "
+                    "forward of a request, (accepted + drafts) / drafts, since start (0 before "
+                    "any): 1 + the accepted draft tokens per step.",
+                    (accepted + drafts) / drafts if drafts else 0.0)
 
 
 class _TransferCollector(Collector):

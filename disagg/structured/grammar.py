@@ -210,6 +210,13 @@ class Matcher:
             return False
         return True
 
+    def valid_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many of ``token_ids`` the grammar would accept in a row from here (nothing is
+        consumed): speculative drafts are cut there."""
+        if self.error is not None or not token_ids:
+            return 0
+        return int(self.ll.validate_tokens(list(token_ids)))
+
     def replay(self, token_ids: Sequence[int]) -> bool:
         """Consume tokens another worker already sampled under this grammar (a generation
         worker continuing a context worker's first token)."""

@@ -36,6 +36,40 @@ class MaskFiller:
             ll.unsafe_compute_mask_ptr(base + i * stride, stride)
         return self.unpack(packed, device)
 
+    def forbidden_with_drafts(self, matchers: Sequence[Matcher | None],
+                              drafts: Sequence[Sequence[int]], device: torch.device
+                              ) -> torch.Tensor | None:
+        """As ``forbidden`` for a step whose request i has 1 + len(drafts[i]) rows: row j of
+        request i is its matcher's mask after its first j drafts (consumed to compute the
+        next row's mask, then rolled back: the matcher ends where it started, no token is
+        consumed twice). Drafts must be ones the grammar accepts (``Matcher.valid_prefix``);
+        rows past a draft it refused anyway keep the last mask (they are never used: that
+        draft is rejected)."""
+        if all(m is None or m.error is not None for m in matchers):
+            return None
+        words = (self.vocab_size + 31) // 32
+        packed = torch.full((sum(1 + len(d) for d in drafts), words), -1, dtype=torch.int32)
+        base, stride = packed.data_ptr(), words * 4
+        row = 0
+        for m, d in zip(matchers, drafts, strict=True):
+            if m is not None and m.error is None:
+                ll = m.ll
+                consumed = 0
+                for j in range(len(d) + 1):
+                    ll.unsafe_compute_mask_ptr(base + (row + j) * stride, stride)
+                    # validate first: consuming a refused token leaves the matcher in its
+                    # error state, which rollback does not undo
+                    if (j < len(d) and consumed == j and ll.validate_tokens([d[j]]) == 1
+                            and ll.consume_token(d[j])):
+                        consumed += 1
+                    elif j < len(d):  # refused: the rows after it keep this mask
+                        packed[row + j + 1:row + len(d) + 1] = packed[row + j]
+                        break
+                if consumed:
+                    ll.rollback(consumed)
+            row += 1 + len(d)
+        return self.unpack(packed, device)
+
     def unpack(self, packed: torch.Tensor, device: torch.device) -> torch.Tensor:
         """[rows, words] int32 (bit b of word w: token 32 w + b may be sampled) -> bool
         [rows, vocab_size], True where the token is forbidden: one shift of every word by
