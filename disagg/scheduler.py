@@ -9,6 +9,8 @@ One call to ``schedule`` plans one model step (an iteration):
    same queue: it gets blocks for its prompt and is listed in ``kv_fetches``; the engine's KV
    connector pulls the KV and the engine calls ``remote_kv_ready``, after which the request
    decodes like any other;
+4. with speculative decoding, last, draft slots for the decodes from the tokens and free
+   blocks left (``_grant_draft_slots``): the engine's proposer fills them;
 
 within ``max_batch_size`` requests and ``max_num_tokens`` tokens per step (a decode counts one
 token, a prefill chunk its length). A prompt that does not fit the tokens left waits for the
@@ -326,19 +328,13 @@ class Scheduler:
                 continue
             if len(decodes) + len(st.prefills) >= max_batch or st.token_budget < 1:
                 break
-            k = self._spec_slots(req, st.token_budget) if self.num_spec_tokens else 0
             # Fast path: the table already holds the new token's slot (no allocation, so
-            # nothing to preempt); else the general allocation, which may preempt. Draft
-            # slots (positions computed + 1 .. computed + k) never preempt: without room
-            # for them the request decodes one token.
-            held = kv.num_held_blocks(req.request_id) * block_size
-            if k and computed + k >= held and kv.allocate_slots(req, 1 + k) is None:
-                k = 0
-            if computed < held or k or self._allocate_running(req, 1, st):
+            # nothing to preempt); else the general allocation, which may preempt.
+            if (computed < kv.num_held_blocks(req.request_id) * block_size
+                    or self._allocate_running(req, 1, st)):
                 decodes[req.request_id] = ScheduledRequest(
-                    req.request_id, [out[-1]], computed, kv.block_ids(req.request_id), True,
-                    spec_slots=k)
-                st.token_budget -= 1 + k
+                    req.request_id, [out[-1]], computed, kv.block_ids(req.request_id), True)
+                st.token_budget -= 1
 
         # 2. Continuing chunked prefills (and recomputation of preempted requests).
         for req in list(self.running) if others else ():
@@ -358,6 +354,10 @@ class Scheduler:
         # for the running requests, and the preempted one would be re-admitted at once.
         if not st.preempted:
             self._admit_waiting(st)
+
+        # 4. Draft slots for speculative decoding, from what is left.
+        if self.num_spec_tokens:
+            self._grant_draft_slots(st)
 
         scheduled = list(st.decodes.values()) + list(st.prefills.values())
         return SchedulerOutput(
@@ -430,14 +430,28 @@ class Scheduler:
             st.prefills[req.request_id] = self._plan(req, n)
             st.token_budget -= n
 
+    def _grant_draft_slots(self, st: _Step) -> None:
+        """Give the step's decodes draft slots (oldest first) from the token budget and free
+        blocks left after every decode, chunk and admission got theirs: speculation never
+        delays a prompt and never preempts (a draft slot's block only comes from the free
+        pool, and under GUARANTEED_NO_EVICT from the request's own lifetime reservation).
+        A decode carrying k drafts has slots for positions [start, start + 1 + k)."""
+        for rid, sr in st.decodes.items():
+            if st.token_budget < 1:
+                break
+            k = self._spec_slots(self.requests[rid], st.token_budget)
+            if k and self.kv.allocate_slots(self.requests[rid], 1 + k) is not None:
+                st.decodes[rid] = replace(sr, block_ids=self.kv.block_ids(rid), spec_slots=k)
+                st.token_budget -= k
+
     def _spec_slots(self, req: Request, budget: int) -> int:
         """Draft tokens a decoding request may carry this step: the configured number, less
         where its output would pass ``max_tokens`` or ``max_model_len`` (a step emits up to
-        drafts + 1 tokens) or the step's token budget ends."""
+        drafts + 1 tokens) or the ``budget`` of tokens left for drafts ends."""
         room = req.sampling_params.max_tokens - req.num_output_tokens - 1
         if self.max_model_len is not None:
             room = min(room, self.max_model_len - req.num_tokens - 1)
-        return max(0, min(self.num_spec_tokens, room, budget - 1))
+        return max(0, min(self.num_spec_tokens, room, budget))
 
     def _is_decoding(self, req: Request) -> bool:
         """Generation phase: the prompt is done and only the last sampled token is uncomputed."""

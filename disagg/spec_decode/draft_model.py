@@ -128,9 +128,12 @@ class DraftModelProposer(Proposer):
             if c + n == N:
                 live[rid] = (N, sr.spec_slots, sr.block_ids)
         drafts: dict[str, list[int]] = {rid: [] for rid in live}
+        if not decodes and not chunks:
+            return {}
+        # run even when no request reaches N: the catch-up chunks' KV is recorded as computed
+        last = self._greedy(decodes + chunks, len(decodes))
         if not live:
             return {}
-        last = self._greedy(decodes + chunks, len(decodes))
         for j in range(1, max(k for _, k, _ in live.values()) + 1):
             for rid, tok in last.items():
                 drafts[rid].append(tok)
