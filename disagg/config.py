@@ -610,9 +610,15 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     model: str | None = None
+    # No drafts in a step with at least this many decodes (vLLM's name): a large batch is
+    # compute-bound, where checking drafts costs more than it saves. None: always.
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         name = "speculative_config"
+        d = self.disable_by_batch_size
+        _require(d is None or (isinstance(d, int) and not isinstance(d, bool) and d >= 1),
+                 f"{name}.disable_by_batch_size", f"must be an integer >= 1, got {d!r}")
         _require(self.method in SPEC_METHODS, f"{name}.method",
                  f"one of {list(SPEC_METHODS)}, got {self.method!r}")
         k = self.num_speculative_tokens

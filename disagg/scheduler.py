@@ -125,10 +125,13 @@ class _Step:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 max_model_len: int | None = None, num_spec_tokens: int = 0) -> None:
+                 max_model_len: int | None = None, num_spec_tokens: int = 0,
+                 spec_disable_batch_size: int | None = None) -> None:
         self.config = config
-        # Speculative decoding: draft slots reserved per decode (0: off); see _spec_slots.
+        # Speculative decoding: draft slots reserved per decode (0: off), none in a step of
+        # spec_disable_batch_size decodes or more; see _grant_draft_slots.
         self.num_spec_tokens = num_spec_tokens
+        self.spec_disable_batch_size = spec_disable_batch_size
         self.kv = kv
         self.block_size = kv.block_size
         # The engine passes the resolved limit (config or the model's max positions).
@@ -436,6 +439,9 @@ class Scheduler:
         delays a prompt and never preempts (a draft slot's block only comes from the free
         pool, and under GUARANTEED_NO_EVICT from the request's own lifetime reservation).
         A decode carrying k drafts has slots for positions [start, start + 1 + k)."""
+        limit = self.spec_disable_batch_size
+        if limit is not None and len(st.decodes) >= limit:
+            return
         for rid, sr in st.decodes.items():
             if st.token_budget < 1:
                 break

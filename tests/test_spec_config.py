@@ -366,3 +366,13 @@ def test_server_info_shows_the_speculative_config(tiny_llama: str) -> None:
         with serve_in_thread(app) as url:
             info = httpx.get(url + "/server_info", timeout=10).json()
         assert info["speculative_config"] == want
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])
+def test_disable_by_batch_size_is_a_positive_integer(value: Any) -> None:
+    with pytest.raises(ConfigError, match=r"^speculative_config\.disable_by_batch_size: "):
+        SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2,
+                                 "disable_by_batch_size": value})
+    ok = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 2, '
+                                 '"disable_by_batch_size": 8}')
+    assert ok is not None and ok.disable_by_batch_size == 8

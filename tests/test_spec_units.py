@@ -528,3 +528,20 @@ def test_forbidden_with_drafts_after_a_refused_draft(grammars: Any) -> None:
     assert want is not None and torch.equal(got[2], want[0])
     assert m.replay(ans) and m.ll.is_accepting()
     assert filler.forbidden_with_drafts([None], [[1]], cpu) is None
+
+
+def test_no_draft_slots_in_a_step_of_disable_by_batch_size_decodes() -> None:
+    kv = KVCacheManager(64, 4, enable_prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(max_num_tokens=64), kv, num_spec_tokens=3,
+                      spec_disable_batch_size=2)
+    sched.add_request(make_req("a", [1, 3, 4]))
+    prefill(sched)
+    # one decode: below the limit, it gets its slots
+    out = sched.schedule()
+    assert [(s.request_id, s.spec_slots) for s in out.scheduled] == [("a", 3)]
+    sched.update_from_output(out, {"a": 100})
+    sched.add_request(make_req("b", [5, 6, 7]))
+    prefill(sched)  # a decodes one token (b's prefill is the step's other entry), b starts
+    out = sched.schedule()
+    assert [(s.request_id, s.spec_slots) for s in out.scheduled] == [("a", 0), ("b", 0)]
+    check_pool(sched)

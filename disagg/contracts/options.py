@@ -278,7 +278,8 @@ class WorkerOptions:
         "\"num_speculative_tokens\": K, \"prompt_lookup_min\": N, \"prompt_lookup_max\": N} "
         "(draft tokens looked up in the prompt and output so far) or {\"method\": "
         "\"draft_model\", \"model\": DIR, \"num_speculative_tokens\": K} (a smaller checkpoint "
-        "with the same vocabulary); the model verifies K draft tokens per step (YAML: a "
+        "with the same vocabulary); the model verifies K draft tokens per step; "
+        "\"disable_by_batch_size\": N: no drafts in a step of N or more decodes (YAML: a "
         "mapping or its JSON text)", metavar="JSON")
 
     def __post_init__(self) -> None:

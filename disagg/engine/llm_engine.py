@@ -78,7 +78,9 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, B, config.cache.enable_prefix_caching)
         spec = config.speculative
         self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len=config.max_model_len,
-                                   num_spec_tokens=spec.num_speculative_tokens if spec else 0)
+                                   num_spec_tokens=spec.num_speculative_tokens if spec else 0,
+                                   spec_disable_batch_size=spec.disable_by_batch_size
+                                   if spec else None)
         try:  # speculative decoding (disagg.spec_decode); None: off
             self.proposer = make_proposer(config, self.runner.num_blocks)
         except BaseException:
