@@ -454,6 +454,12 @@ def add_rate_match_cli(sub: argparse._SubParsersAction) -> None:
                         "parallel, MoE models), comma-separated")
     g.add_argument("--gen-layouts", metavar="L,L,...",
                    help="generation workers' layouts (default: --ctx-layouts)")
+    g.add_argument("--gen-spec", metavar="S,S,...",
+                   help="speculation settings of the generation workers: each generation "
+                        "layout is measured once per setting (its worker started with "
+                        "--speculative-config): off, ngram[:K[:N]] (K draft tokens, n-grams "
+                        "of N), draft:K:DIR (a draft checkpoint), or JSON (an object or a "
+                        "list); e.g. off,ngram:4 (default: the worker config's own)")
     g.add_argument("--serve-model", metavar="DIR",
                    help="checkpoint folder the started workers serve")
     g.add_argument("--serve-worker-config", metavar="YAML",
@@ -486,7 +492,7 @@ def rate_match_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     parent = os.path.dirname(os.path.abspath(args.save_result))
     if not os.path.isdir(parent):
         parser.error(f"--save-result: folder {parent!r} does not exist")
-    if args.ctx_layouts or args.gen_layouts:
+    if args.ctx_layouts or args.gen_layouts or args.gen_spec is not None:
         return _rate_match_layouts(args, parser)
     for flag, value in (("--context-url", args.context_url),
                         ("--generation-url", args.generation_url)):
@@ -567,6 +573,7 @@ def _rate_match_layouts(args: argparse.Namespace, parser: argparse.ArgumentParse
     from disagg.bench.ratematch.layouts import (
         ServeSpec,
         format_layouts,
+        parse_gen_specs,
         parse_layouts,
         run_layout_sweep,
     )
@@ -581,10 +588,13 @@ def _rate_match_layouts(args: argparse.Namespace, parser: argparse.ArgumentParse
             parser.error(f"{flag}: not with --ctx-layouts / --gen-layouts (a layout sweep "
                          f"measures each worker alone and verifies nothing)")
     if not args.ctx_layouts:
-        parser.error("--ctx-layouts: needed with --gen-layouts")
+        parser.error("--ctx-layouts: needed with --gen-layouts"
+                     + (" / --gen-spec" if args.gen_spec else ""))
     try:
         ctx_layouts = parse_layouts(args.ctx_layouts, "--ctx-layouts")
         gen_layouts = parse_layouts(args.gen_layouts or args.ctx_layouts, "--gen-layouts")
+        gen_specs = (parse_gen_specs(args.gen_spec, "--gen-spec")
+                     if args.gen_spec is not None else None)
     except ValueError as e:
         parser.error(str(e))
     if not args.serve_model or not os.path.isfile(os.path.join(args.serve_model,
@@ -609,7 +619,7 @@ def _rate_match_layouts(args: argparse.Namespace, parser: argparse.ArgumentParse
     try:
         result = asyncio.run(run_layout_sweep(
             config, tok, spec, ctx_layouts, gen_layouts,
-            progress=None if args.no_progress else sys.stderr))
+            progress=None if args.no_progress else sys.stderr, gen_specs=gen_specs))
     except (BenchmarkError, RuntimeError) as e:
         print(f"disagg bench rate-match: error: {e}", file=sys.stderr)
         return 1

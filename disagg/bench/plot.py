@@ -238,13 +238,17 @@ def plot_rate_match_layouts(result: dict[str, Any], path: str, title: str | None
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for pair in result.get("pairs") or []:
         if pair["rate_matched"]:
+            spec = f" spec {pair['generation_spec']}" if "generation_spec" in pair else ""
             ax.plot(*_xy(pair["rate_matched"]), "o:", ms=4, lw=1, alpha=0.6,
-                    label=f"ctx {pair['context_layout']} | gen {pair['generation_layout']}")
+                    label=f"ctx {pair['context_layout']} | gen {pair['generation_layout']}"
+                          f"{spec}")
     front = result.get("frontier") or []
     if front:
         ax.plot(*_xy(front), "-", color="black", lw=2, label="frontier over all pairs")
         for p in front:
-            ax.annotate(f"{p['context_layout']}|{p['generation_layout']} c{p['concurrency']}",
+            spec = f" {p['generation_spec']}" if "generation_spec" in p else ""
+            ax.annotate(f"{p['context_layout']}|{p['generation_layout']}{spec} "
+                        f"c{p['concurrency']}",
                         (p["tokens_per_s_per_user"], p["tput_per_device"]),
                         textcoords="offset points", xytext=(4, 3), fontsize=6)
     if result.get("aggregated"):

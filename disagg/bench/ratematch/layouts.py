@@ -16,6 +16,20 @@ A layout is ``tpN``, ``ppN`` or both joined by ``+`` (``tp2+pp2``), with ``+ep``
 parallelism (MoE models: the experts partitioned over the tensor-parallel ranks, so ``tp`` must
 be at least 2). Co-located measurement and ``--verify`` are the endpoint mode's (a layout sweep
 measures every worker alone and verifies nothing).
+
+Speculative decoding (``--gen-spec off,ngram:4``): every generation layout is measured once per
+speculation setting, each a worker of its own started with ``--speculative-config`` (the
+generation worker is the one that speculates; the context side is unchanged). A setting is
+``off``, ``ngram[:K[:N]]`` (K draft tokens, n-grams of N tokens), ``draft:K:DIR`` (a draft
+checkpoint) or a JSON object of ``--speculative-config``'s shape; a JSON list holds any of
+them. Each (context layout, generation layout, setting) is a pair of its own, so the frontier
+and the table ``spec_effect`` show how the matched ctx:gen ratio moves when the generation
+side emits more tokens per forward. The worker's acceptance counters (its ``/metrics``) are
+kept beside each generation measurement. Caveat: a ``--benchmark-gen-only`` worker decodes as
+if the prompt's KV were in place without computing it, so what the target proposes to accept
+follows from that KV, not from a real prefill: acceptance rates here show the cost side
+(draft and verification work at the measured acceptance), not a workload's acceptance;
+``bench/spec_decode.py`` measures acceptance on real prompts.
 """
 
 from __future__ import annotations
@@ -23,7 +37,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
+import json
 import os
+import re
 import secrets
 import sys
 from collections.abc import Sequence
@@ -38,6 +54,7 @@ from disagg.bench.ratematch.model import pareto_frontier
 from disagg.bench.ratematch.report import _config_json, build_result
 from disagg.bench.ratematch.sweep import RateMatcher, note
 from disagg.bench.runner import BenchmarkConfig, resolve_model
+from disagg.config import ConfigError, SpeculativeConfig
 
 RESULT_KIND = "disagg-bench-rate-match-layouts"
 RESULT_VERSION = 1
@@ -108,6 +125,88 @@ def parse_layouts(text: str, what: str) -> tuple[Layout, ...]:
 
 
 @dataclass(frozen=True)
+class GenSpec:
+    """One speculation setting of the generation workers: ``label`` names it in the results,
+    ``config`` is ``--speculative-config``'s JSON object (None: speculation off)."""
+
+    label: str
+    config: dict[str, Any] | None = None
+
+    def serve_flags(self) -> list[str]:
+        return [] if self.config is None else ["--speculative-config",
+                                               json.dumps(self.config, sort_keys=True)]
+
+
+def _spec_config(value: Any) -> dict[str, Any]:
+    """A checked ``speculative_config`` as a JSON object (the lookup bounds filled in)."""
+    spec = SpeculativeConfig.parse(value)
+    assert spec is not None
+    return {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
+            if getattr(spec, f.name) is not None}
+
+
+def _spec_label(cfg: dict[str, Any]) -> str:
+    k = cfg["num_speculative_tokens"]
+    if cfg["method"] == "ngram":
+        lo, hi = cfg["prompt_lookup_min"], cfg["prompt_lookup_max"]
+        return f"ngram:{k}" + ("" if (lo, hi) == (1, 4) else f":{lo}-{hi}" if lo != hi
+                               else f":{hi}")
+    return f"draft:{k}:{os.path.basename(os.path.normpath(cfg['model']))}"
+
+
+def _gen_spec(item: Any) -> GenSpec:
+    """One setting: ``off`` / null, a short form or a JSON object (module docstring)."""
+    if item is None or (isinstance(item, str) and item.strip().lower() == "off"):
+        return GenSpec("off")
+    if isinstance(item, dict):
+        cfg = _spec_config(item)
+        return GenSpec(_spec_label(cfg), cfg)
+    if not isinstance(item, str):
+        raise ValueError(f"{item!r} is not off, a short form or a JSON object")
+    parts = item.strip().split(":", 2)
+    head = parts[0].lower()
+    nums = parts[1:]
+    if head == "ngram" and len(nums) <= 2 and all(n.isdigit() for n in nums):
+        obj: dict[str, Any] = {"method": "ngram",
+                               "num_speculative_tokens": int(nums[0]) if nums else 4}
+        if len(nums) == 2:
+            obj["prompt_lookup_max"] = int(nums[1])
+    elif head in ("draft", "draft_model") and len(nums) == 2 and nums[0].isdigit() and nums[1]:
+        obj = {"method": "draft_model", "num_speculative_tokens": int(nums[0]),
+               "model": os.path.abspath(nums[1])}
+        if not os.path.exists(obj["model"]):
+            raise ValueError(f"{item!r}: no draft checkpoint at {obj['model']!r}")
+    else:
+        raise ValueError(f"{item!r} is not off, ngram[:K[:N]], draft:K:DIR or a JSON object")
+    cfg = _spec_config(obj)
+    return GenSpec(_spec_label(cfg), cfg)
+
+
+def parse_gen_specs(text: str, what: str = "--gen-spec") -> tuple[GenSpec, ...]:
+    """``off,ngram:4,draft:3:DIR`` or JSON (an object, or a list of objects / short forms /
+    null); ValueError naming ``what``."""
+    text = text.strip()
+    try:
+        if text.startswith(("[", "{")):
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"not valid JSON: {e}") from None
+            items = value if isinstance(value, list) else [value]
+        else:
+            items = [s for s in (x.strip() for x in text.split(",")) if s]
+        if not items:
+            raise ValueError("give at least one setting (e.g. off,ngram:4)")
+        specs = tuple(_gen_spec(x) for x in items)
+    except (ValueError, ConfigError) as e:  # ConfigError names speculative_config's field
+        raise ValueError(f"{what}: {e}") from None
+    labels = [s.label for s in specs]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"{what}: a setting is listed twice ({', '.join(labels)})")
+    return specs
+
+
+@dataclass(frozen=True)
 class ServeSpec:
     """How the sweep starts its workers."""
 
@@ -123,10 +222,15 @@ class ServedWorker:
     the base URL on enter (once ``/health`` answers), stopped (SIGTERM, SIGKILL after
     ``stop_timeout_s``) on exit. RuntimeError with the log's tail when it does not start."""
 
-    def __init__(self, spec: ServeSpec, layout: Layout, role: str, served_name: str) -> None:
+    def __init__(self, spec: ServeSpec, layout: Layout, role: str, served_name: str,
+                 gen_spec: GenSpec | None = None) -> None:
         self.spec, self.layout, self.role, self.served_name = spec, layout, role, served_name
+        self.gen_spec = gen_spec  # a speculation setting (None: the worker's own config)
         self.proc: Any = None
-        self.log_path = os.path.join(spec.log_dir, f"{role}-{layout.name}.log")
+        self.cluster_token = secrets.token_hex(16)
+        tail = "" if gen_spec is None else "-spec-" + re.sub(r"[^A-Za-z0-9._-]+", "_",
+                                                             gen_spec.label)
+        self.log_path = os.path.join(spec.log_dir, f"{role}-{layout.name}{tail}.log")
 
     def command(self, port: int) -> list[str]:
         cmd = [sys.executable, "-m", "disagg.cli", "serve", self.spec.model_dir,
@@ -136,6 +240,8 @@ class ServedWorker:
             cmd += ["--config", self.spec.worker_config]
         if self.role == "generation":
             cmd.append("--benchmark-gen-only")
+        if self.gen_spec is not None:
+            cmd += self.gen_spec.serve_flags()
         return cmd
 
     def _spawn(self) -> str:
@@ -143,7 +249,7 @@ class ServedWorker:
         port = procs.free_port()
         # Workers of a role refuse to start without a cluster token; these serve only this
         # sweep's plain requests, so any fresh one will do.
-        env = {**os.environ, "DISAGG_CLUSTER_TOKEN": secrets.token_hex(16)}
+        env = {**os.environ, "DISAGG_CLUSTER_TOKEN": self.cluster_token}
         # Its own process group (stop() ends its rank processes with it), and SIGTERM when
         # the thread that spawned it (this process's main thread) ends first: a sweep never
         # leaves a worker behind.
@@ -179,15 +285,40 @@ async def _model_name(config: RateMatchConfig, url: str, tr: Transport) -> str:
     return await resolve_model(bc, tr)
 
 
+SPEC_METRICS = ("disagg_spec_decode_num_drafts_total", "disagg_spec_decode_num_draft_tokens_total",
+                "disagg_spec_decode_num_accepted_tokens_total")
+
+
+def spec_decode_counters(values: dict[str, float]) -> dict[str, Any] | None:
+    """A worker's speculation counters (``metric_values`` of ``SPEC_METRICS``) and the
+    acceptance rate and tokens per target forward derived from them; None when it exports
+    none (speculation off)."""
+    if not all(name in values for name in SPEC_METRICS):
+        return None
+    drafts, proposed, accepted = (int(values[name]) for name in SPEC_METRICS)
+    return {"num_drafts": drafts, "num_draft_tokens": proposed,
+            "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / proposed if proposed else None,
+            "tokens_per_target_forward": (accepted + drafts) / drafts if drafts else None}
+
+
+async def _spec_counters(url: str, worker: ServedWorker) -> dict[str, Any] | None:
+    from disagg.launch import metric_values
+
+    values = await asyncio.to_thread(metric_values, url, SPEC_METRICS, worker.cluster_token)
+    return spec_decode_counters(values)
+
+
 async def run_layout_sweep(
     config: RateMatchConfig, tok: TokenizerLike, spec: ServeSpec,
     ctx_layouts: Sequence[Layout], gen_layouts: Sequence[Layout], *,
-    progress: TextIO | None = sys.stderr,
+    progress: TextIO | None = sys.stderr, gen_specs: Sequence[GenSpec] | None = None,
 ) -> dict[str, Any]:
     """Measure one worker per layout, rate-match every pair; the JSON result
     (``layouts_result``'s shape). ``config``'s URLs and devices are replaced per worker;
     the workers serve the checkpoint under ``config.model`` (default: its folder's name);
-    ``config.aggregated_url``, when given, is measured once as the baseline."""
+    ``config.aggregated_url``, when given, is measured once as the baseline. ``gen_specs``:
+    every generation layout once per speculation setting (module docstring)."""
     if config.colocated:
         raise ValueError("colocated: a layout sweep measures each worker alone")
     agg_config = config
@@ -204,11 +335,18 @@ async def run_layout_sweep(
                 ctx = await RateMatcher(cfg, tok, tr, progress).sweep_context()
             contexts.append({"layout": lay.name, **ctx})
         for lay in gen_layouts:
-            note(progress, f"layouts: generation worker {lay.name}")
-            async with ServedWorker(spec, lay, "generation", served) as url:
-                cfg = dataclasses.replace(config, generation_url=url, gen_devices=lay.devices)
-                gen = await RateMatcher(cfg, tok, tr, progress).sweep_generation(None)
-            generations.append({"layout": lay.name, **gen})
+            for gs in gen_specs or (None,):
+                note(progress, f"layouts: generation worker {lay.name}"
+                     + ("" if gs is None else f", speculation {gs.label}"))
+                worker = ServedWorker(spec, lay, "generation", served, gs)
+                async with worker as url:
+                    cfg = dataclasses.replace(config, generation_url=url,
+                                              gen_devices=lay.devices)
+                    gen = await RateMatcher(cfg, tok, tr, progress).sweep_generation(None)
+                    if gs is not None:  # counted over the worker's whole run (warm-ups too)
+                        gen = {"spec": gs.label, "speculative_config": gs.config,
+                               "spec_decode": await _spec_counters(url, worker), **gen}
+                generations.append({"layout": lay.name, **gen})
         agg = None
         if agg_config.aggregated_url:
             # The baseline serves its own model name (--model, else its first listed).
@@ -236,7 +374,14 @@ def layouts_result(config: RateMatchConfig, spec: ServeSpec, contexts: list[dict
          "aggregated": null | rate-match's "aggregated"}
 
     A context layout whose worker met the SLO at no rate is in ``contexts`` (``ctx_rate``
-    null) and in no pair."""
+    null) and in no pair.
+
+    With speculation settings (``--gen-spec``) every generation entry also has ``spec`` (its
+    label), ``speculative_config`` (null: off) and ``spec_decode`` (the worker's counters:
+    ``spec_decode_counters``, null when off); pairs and frontier points have
+    ``generation_spec``; and ``spec_effect`` lists, per context layout, generation layout and
+    concurrency, each setting's ``ctx_per_gen``, ``tokens_per_s_per_user`` and
+    ``tput_per_device`` side by side (``spec_effect``)."""
     pairs = []
     for ctx in contexts:
         if ctx["ctx_rate"] is None:
@@ -246,11 +391,14 @@ def layouts_result(config: RateMatchConfig, spec: ServeSpec, contexts: list[dict
                                       gen_devices=gen["devices"])
             one = build_result(cfg, config.model, ctx, gen)
             pairs.append({"context_layout": ctx["layout"], "generation_layout": gen["layout"],
+                          **({"generation_spec": gen["spec"]} if "spec" in gen else {}),
                           "ctx_devices": ctx["devices"], "gen_devices": gen["devices"],
                           "ctx_rate": ctx["ctx_rate"], "rate_matched": one["rate_matched"],
                           "frontier": one["frontier"]})
     tagged = [{**p, "context_layout": pair["context_layout"],
-               "generation_layout": pair["generation_layout"]}
+               "generation_layout": pair["generation_layout"],
+               **({"generation_spec": pair["generation_spec"]}
+                  if "generation_spec" in pair else {})}
               for pair in pairs for p in pair["rate_matched"]]
     keep = pareto_frontier([(p["tokens_per_s_per_user"], p["tput_per_device"])
                             for p in tagged])
@@ -258,11 +406,38 @@ def layouts_result(config: RateMatchConfig, spec: ServeSpec, contexts: list[dict
     cfg_json = _config_json(config)
     for k in ("context_url", "generation_url", "ctx_devices", "gen_devices"):
         cfg_json.pop(k, None)  # per worker: in contexts / generations
-    return {"kind": RESULT_KIND, "version": RESULT_VERSION,
-            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "config": cfg_json, "model": config.model, "model_dir": spec.model_dir,
-            "contexts": contexts, "generations": generations, "pairs": pairs,
-            "frontier": frontier, "aggregated": agg}
+    out = {"kind": RESULT_KIND, "version": RESULT_VERSION,
+           "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+           "config": cfg_json, "model": config.model, "model_dir": spec.model_dir,
+           "contexts": contexts, "generations": generations, "pairs": pairs,
+           "frontier": frontier, "aggregated": agg}
+    if any("spec" in g for g in generations):
+        out["gen_specs"] = list(dict.fromkeys(g["spec"] for g in generations if "spec" in g))
+        out["spec_effect"] = spec_effect(pairs)
+    return out
+
+
+def spec_effect(pairs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """How speculation moves the rate match: per (context layout, generation layout,
+    concurrency), each setting's matched ``ctx_per_gen`` (context workers per generation
+    worker), ``tokens_per_s_per_user`` and ``tput_per_device``, in the settings' order, with
+    each ratio against ``off`` when it was measured."""
+    rows: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for pair in pairs:
+        for p in pair["rate_matched"]:
+            key = (pair["context_layout"], pair["generation_layout"], p["concurrency"])
+            row = rows.setdefault(key, {"context_layout": key[0], "generation_layout": key[1],
+                                        "concurrency": key[2], "by_spec": {}})
+            row["by_spec"][pair.get("generation_spec", "off")] = {
+                k: p[k] for k in ("ctx_per_gen", "tokens_per_s_per_user", "tput_per_device")}
+    for row in rows.values():
+        off = row["by_spec"].get("off")
+        if off is None:
+            continue
+        for v in row["by_spec"].values():
+            v["ctx_per_gen_vs_off"] = (v["ctx_per_gen"] / off["ctx_per_gen"]
+                                       if off["ctx_per_gen"] else None)
+    return list(rows.values())
 
 
 def format_layouts(result: dict[str, Any]) -> str:
@@ -277,19 +452,39 @@ def format_layouts(result: dict[str, Any]) -> str:
                      + ("no rate met the SLO" if rate is None else f"{rate:.3f} req/s"))
     for gen in result["generations"]:
         best = max(gen["points"], key=lambda p: p["output_throughput"])
-        lines.append(f"generation {gen['layout']:>7} ({gen['devices']:g} dev): up to "
+        sd = gen.get("spec_decode")
+        spec = "" if "spec" not in gen else f" spec {gen['spec']}" + (
+            "" if not sd or sd["acceptance_rate"] is None else
+            f" (acceptance {sd['acceptance_rate']:.2f}, "
+            f"{sd['tokens_per_target_forward']:.2f} tok/fwd)")
+        lines.append(f"generation {gen['layout']:>7}{spec} ({gen['devices']:g} dev): up to "
                      f"{best['output_throughput']:.1f} tok/s (concurrency "
                      f"{best['concurrency']}), "
                      f"{max(p['tokens_per_s_per_user'] for p in gen['points']):.2f} tok/s/user "
                      f"at best")
+    specs = "gen_specs" in result
     lines.append(f"{' frontier over all pairs ':-^78}")
-    lines.append(f"{'ctx':>10} {'gen':>10} {'conc':>5} {'tok/s/user':>11} {'ctx:gen':>9} "
-                 f"{'tok/s/dev':>10}")
+    lines.append(f"{'ctx':>10} {'gen':>10} " + (f"{'spec':>12} " if specs else "")
+                 + f"{'conc':>5} {'tok/s/user':>11} {'ctx:gen':>9} {'tok/s/dev':>10}")
     for p in result["frontier"]:
         lines.append(f"{p['context_layout']:>10} {p['generation_layout']:>10} "
-                     f"{p['concurrency']:>5} {p['tokens_per_s_per_user']:>11.2f} "
+                     + (f"{p.get('generation_spec', 'off'):>12} " if specs else "")
+                     + f"{p['concurrency']:>5} {p['tokens_per_s_per_user']:>11.2f} "
                      f"{p['ctx_per_gen']:>7.2f}:1 {p['tput_per_device']:>10.1f}")
     if not result["frontier"]:
         lines.append("(none: no context layout met the TTFT SLO)")
+    if specs and result.get("spec_effect"):
+        labels = result["gen_specs"]
+        lines.append(f"{' matched ctx:gen by speculation (tok/s/user) ':-^78}")
+        lines.append(f"{'ctx':>6} {'gen':>6} {'conc':>4} "
+                     + " ".join(f"{lbl[:18]:>18}" for lbl in labels))
+        for row in result["spec_effect"]:
+            cells = []
+            for lbl in labels:
+                v = row["by_spec"].get(lbl)
+                cells.append(f"{'-':>18}" if v is None else
+                             f"{v['ctx_per_gen']:>6.2f}:1 ({v['tokens_per_s_per_user']:>6.2f})")
+            lines.append(f"{row['context_layout']:>6} {row['generation_layout']:>6} "
+                         f"{row['concurrency']:>4} " + " ".join(cells))
     lines.append("=" * 78)
     return "\n".join(lines)
