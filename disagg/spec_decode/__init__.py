@@ -4,8 +4,9 @@ kept.
 
 One engine step with speculation (``LLMEngine.step``)::
 
-    schedule      each decode gets up to k draft slots (KV slots + token budget; never a
-                  preemption, never past max_tokens / max_model_len)
+    schedule      each decode gets up to k draft slots (KV slots + token budget) from what
+                  is left after decodes, chunks and admissions: never a preemption, never
+                  past max_tokens / max_model_len
     propose       the proposer fills them (``Proposer.propose``): ngram prompt lookup, or
                   a draft model over its own KV cache that shares the target's block tables;
                   drafts a request's grammar refuses are cut there
