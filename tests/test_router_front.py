@@ -302,3 +302,34 @@ def test_a_handler_error_is_a_500_or_a_cut_stream(loop: LoopThread, stream_first
         assert "unhandled error serving /v1/completions" in caplog.text
     finally:
         loop.run(_closed(server))  # (on its loop: Server.close is not thread-safe)
+
+
+@pytest.mark.parametrize("junk", [
+    bytes(range(256)),                                   # binary
+    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\xaa" * 64,  # a TLS ClientHello
+    b"\x00" * 64,
+    b"GET\t/ HTTP/1.1\r\n",                             # not a method then a space
+    b"A" * 40,                                          # no method is that long
+])
+def test_junk_gets_a_400_at_once(loop: LoopThread, junk: bytes) -> None:
+    """Bytes that cannot start an HTTP request are answered 400 (OpenAI error JSON) and the
+    connection closed at once: no wait for a line end that never comes (issue 40)."""
+    with front_router(loop) as rt, socket.create_connection(("127.0.0.1", rt.port)) as s:
+        s.settimeout(10)
+        s.sendall(junk)
+        data = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := s.recv(65536):
+                data += chunk
+        assert data.startswith(b"HTTP/1.1 400 Bad Request\r\n"), data
+        assert b"Connection: close" in data
+        body = json.loads(data.split(b"\r\n\r\n", 1)[1])
+        assert body["error"]["message"] == "not an HTTP/1.x request"
+        assert rt.stub.calls == 0
+
+
+@pytest.mark.parametrize("start", [b"P", b"POST", b"\r\nPOST /v1/comp", b"M-SEARCH * HTTP/1.1"])
+def test_the_start_of_a_request_is_not_junk(start: bytes) -> None:
+    from disagg.router.front import could_start_request
+
+    assert could_start_request(start)

@@ -107,6 +107,23 @@ class Front:
             c.close()
 
 
+# RFC 9110 token characters: what an HTTP method is made of.
+_TCHAR = frozenset(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+_MAX_METHOD = 32  # bytes of a method (aiohttp's and the common ones are far shorter)
+
+
+def could_start_request(buf: bytes | bytearray) -> bool:
+    """Whether ``buf`` may be the start of an HTTP/1.x request: (after empty lines, which
+    RFC 9112 lets a server skip) a method of token characters, then a space. False as soon as
+    a byte shows it cannot be one."""
+    head = bytes(buf[:_MAX_METHOD + 8]).lstrip(b"\r\n")
+    sp = head.find(b" ")
+    method = head[:sp] if sp >= 0 else head[:_MAX_METHOD + 1]
+    if sp == 0 or len(method) > _MAX_METHOD:
+        return False
+    return all(b in _TCHAR for b in method)
+
+
 class FrontConnection(asyncio.Protocol, ClientStream):
     """One client connection while its requests have the common shape (module docstring)."""
 
@@ -227,6 +244,12 @@ class FrontConnection(asyncio.Protocol, ClientStream):
         to aiohttp when it is not of the common shape)."""
         buf = self.buf
         if not buf:
+            return
+        if not could_start_request(buf):
+            # Junk (binary, TLS to this plain port): a 400 now, not a wait for a line end
+            # that may never come.
+            self._cors, self._need = b"", 0
+            self._answered(Reply.error(400, "not an HTTP/1.x request", close=True).answer())
             return
         end = buf.find(b"\r\n\r\n")
         if end < 0:
