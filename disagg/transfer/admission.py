@@ -22,6 +22,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger("disagg.transfer")
 
 REFUSAL_LOG_INTERVAL_S = 10.0  # at most one warning per interval about refused connections
+# How long a READ in flight may go on after its lease ended (expired, released, confirmed by
+# the other readers) before the server aborts it, closing that connection: a stalled reader
+# (a stopped or wedged generation worker) holds the blocks at most TTL + this. It bounds one
+# read's transfer when it starts just before its lease expires: 10 s moves ~25 GB on loopback
+# TCP (~2.5 GB/s here), ~10 GB at 1 GB/s across hosts; a rank's KV of a 128k-token prompt of
+# an 8B model is 16 GiB (bf16; 8 at TP 2). A read that starts with its lease fresh (the usual
+# case: the generation side pulls right after the context answer) has the whole TTL on top.
+READ_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -31,7 +39,9 @@ class ServerLimits:
     which at most ``max_pending_connections`` not yet authenticated (so stalled peers never
     take the slots of authenticated ones) and ``max_connections_per_peer`` from one peer host.
     An authenticated connection without a request for ``idle_timeout_s`` (None: never) is
-    closed. ``max_staging_buffers``: staging buffers kept for gathered payloads (0: none)."""
+    closed. ``max_staging_buffers``: staging buffers kept for gathered payloads (0: none).
+    ``read_grace_s``: a READ still in flight that long after its lease ended is aborted and
+    its connection closed (``READ_GRACE_S``)."""
 
     handshake_timeout_s: float = 10.0
     idle_timeout_s: float | None = 600.0
@@ -39,11 +49,13 @@ class ServerLimits:
     max_connections_per_peer: int = 64
     max_pending_connections: int = 128
     max_staging_buffers: int = 4
+    read_grace_s: float = READ_GRACE_S
 
     def __post_init__(self) -> None:
-        if not self.handshake_timeout_s > 0:
-            raise ValueError(f"handshake_timeout_s must be > 0, got "
-                             f"{self.handshake_timeout_s!r}")
+        for name in ("handshake_timeout_s", "read_grace_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
         if self.idle_timeout_s is not None and not self.idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s must be > 0 or None, got {self.idle_timeout_s!r}")
         for name, least in (("max_connections", 1), ("max_connections_per_peer", 1),

@@ -387,7 +387,8 @@ class LoopThread:
 
 class Connection(ABC):
     """One ordered, bidirectional message channel to a peer. Used by one coroutine at a time
-    (the server answers a connection's requests in order; the client holds a lock per peer).
+    (the server answers a connection's requests in order; a client request has a connection of
+    its pool to itself).
     Every method raises ``ConnectionClosedError`` when the peer is gone."""
 
     @abstractmethod

@@ -16,7 +16,9 @@ Lifecycle of one lease::
                       └─ clock >= expires_at (found by expire/check/pin)   ─► "expired"
     leaving "live" removes the lease from the table at once (new reads fail), but
     ``on_release(lease, reason)`` — which frees the blocks — waits until no read of it is in
-    flight (``pin`` / ``unpin``): blocks are never freed under a transfer.
+    flight (``pin`` / ``unpin``): blocks are never freed under a transfer. A read in flight is
+    bounded though: the transfer server aborts one still running ``read_grace_s`` after its
+    lease ended (``hold_left``), so a stalled reader holds no block past TTL + grace.
 
 The callback runs on whichever thread ended the lease, outside the lock: it should only
 enqueue the blocks for the engine to free on its own thread.
@@ -79,6 +81,7 @@ class _Record:
     confirmed: set[str] = field(default_factory=set)
     pins: int = 0
     ended: ReleaseReason | None = None  # set when it left the table; callback pending on pins
+    ended_at: float | None = None  # when it ended (an expired one: its expiry), table clock
 
 
 class LeaseTable:
@@ -225,6 +228,22 @@ class LeaseTable:
             raise err
         return done
 
+    def hold_left(self, lease_id: str) -> float:
+        """Seconds until the lease ends, negative once it has: a live lease's expiry (also
+        when no sweep has ended it yet), or for an ended one whose reads are still in flight,
+        when it ended (an expired one: at its expiry). 0.0 for an id in neither. The transfer
+        server bounds a read in flight by this plus its grace (``ServerLimits.read_grace_s``);
+        asked again, it follows an ``extend`` (later) or an early end (sooner)."""
+        with self._lock:
+            now = self._clock()
+            rec = self._live.get(lease_id)
+            if rec is not None:
+                return rec.lease.expires_at - now
+            rec = self._draining.get(lease_id)
+            if rec is not None and rec.ended_at is not None:
+                return rec.ended_at - now
+            return 0.0
+
     # ---- introspection --------------------------------------------------------------------
 
     def get(self, lease_id: str) -> Lease | None:
@@ -267,6 +286,7 @@ class LeaseTable:
     ) -> tuple[Lease, ReleaseReason] | None:
         lease_id = rec.lease.lease_id
         del self._live[lease_id]
+        rec.ended_at = min(self._clock(), rec.lease.expires_at)
         if reason == "expired":
             self._expired_total += 1
             self._tombstones[lease_id] = None

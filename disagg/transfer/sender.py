@@ -21,6 +21,12 @@ the wire::
 
 ``PayloadSource`` is a server's whole payload path: its cache, staging pool, gather thread
 and (GPU cache) whether payloads leave GPU memory through the transport itself.
+
+``within_lease`` bounds a READ from its pin to its end: a reader that stops reading (a stopped
+or wedged process: the socket's buffers fill, a UCX rendezvous is never answered) would hold
+the lease's blocks for ever; the server cancels a read still in flight ``read_grace_s`` after
+its lease ended and closes that connection. A cancelled read's gathers run to their end before
+its staging buffer is given back (the copies on the gather thread cannot be stopped).
 """
 
 from __future__ import annotations
@@ -28,11 +34,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import logging
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import torch
 
 from disagg.transfer.base import Connection, ReadRequest, TransportBackend
+from disagg.transfer.lease import LeaseTable
 from disagg.transfer.payload import (
     ReadPlan,
     StagingPool,
@@ -50,6 +58,61 @@ from disagg.transfer.payload import (
 logger = logging.getLogger("disagg.transfer")
 
 GATHER_INLINE_MAX_BYTES = 1 << 20  # bigger gathers run on a worker thread, not the I/O loop
+# A read in flight asks its lease's end again at least this often (seconds): an ``extend``
+# moves it later, an early end (released, confirmed) sooner.
+HOLD_CHECK_S = 1.0
+# The stats code (``disagg_kv_transfer_failures_total{code}``) of a read aborted by
+# ``within_lease``; never sent on the wire (the reader sees its connection closed).
+READ_STALLED = "read_stalled"
+
+T = TypeVar("T")
+
+
+class ReadStalled(Exception):
+    """A read was still in flight ``grace_s`` after its lease ended (``within_lease``)."""
+
+    def __init__(self, lease_id: str, grace_s: float) -> None:
+        super().__init__(f"{READ_STALLED}: the read of lease {lease_id!r} was still in flight "
+                         f"{grace_s:g}s after the lease ended")
+        self.lease_id = lease_id
+        self.grace_s = grace_s
+
+
+async def within_lease(work: Coroutine[Any, Any, T], leases: LeaseTable, lease_id: str,
+                       grace_s: float) -> T:
+    """Run ``work`` (a read of pinned lease ``lease_id``) to its end, or until ``grace_s``
+    after the lease ends (``LeaseTable.hold_left``, asked again at least every
+    ``HOLD_CHECK_S``); then cancel it, let it unwind (its cleanup runs: the transport's I/O
+    stopped, staging given back) and raise ``ReadStalled``. ``work`` runs in the calling task
+    (a timer cancels it): a read costs one timer, no task of its own."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    fired = False
+    timer: asyncio.TimerHandle | None = None
+
+    def check() -> None:
+        nonlocal fired, timer
+        left = leases.hold_left(lease_id) + grace_s
+        if left <= 0:
+            fired = True
+            task.cancel()
+        else:
+            timer = loop.call_later(min(left, HOLD_CHECK_S), check)
+
+    check()  # (the lease was just pinned: live, so this arms the timer)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if not fired:
+            raise
+        uncancel = getattr(task, "uncancel", None)  # Python 3.11+: tell ours from others
+        if uncancel is not None and uncancel() > 0:
+            raise  # cancelled from outside too (the server stops)
+        raise ReadStalled(lease_id, grace_s) from None
+    finally:
+        if timer is not None:
+            timer.cancel()
 
 
 class PayloadSource:
@@ -153,17 +216,25 @@ async def payload_source(kv: torch.Tensor, req: ReadRequest, plan: ReadPlan,
         if views is not None:
             return byte_views(views), None
     staging = staging_pool.acquire(plan.nbytes)
+    job: asyncio.Future[Any] | None = None
     try:
         dst = staging[:plan.nbytes].view(kv.dtype).view(plan.shape)
         loop = asyncio.get_running_loop()
         if stream is not None:  # GPU cache: gather there (into GPU or pinned)
-            await loop.run_in_executor(gather_pool, gather_into_from_device, kv, req, dst,
+            job = loop.run_in_executor(gather_pool, gather_into_from_device, kv, req, dst,
                                        stream)
         elif plan.nbytes <= GATHER_INLINE_MAX_BYTES or gather_pool is None:
             gather_into(kv, req, dst)
         else:  # numpy copies release the GIL: the loop keeps serving meanwhile
-            await loop.run_in_executor(gather_pool, gather_into, kv, req, dst)
+            job = loop.run_in_executor(gather_pool, gather_into, kv, req, dst)
+        if job is not None:
+            await asyncio.shield(job)  # a cancel must not orphan the copy (below)
     except BaseException:
+        if job is not None and not job.done():
+            # cancelled mid-gather: the copy still writes into the buffer, let it end first
+            await asyncio.wait((job,))
+            if not job.cancelled():
+                job.exception()  # retrieved: the cancel is what propagates
         staging_pool.release(staging)
         raise
     return [as_payload(staging[:plan.nbytes])], staging
@@ -197,7 +268,8 @@ async def send_parts(conn: Connection, pieces: list[list[Any]], staging: torch.T
             if dst is None:
                 yield p[0]
             else:
-                await next(queued)
+                # shielded: a cancel leaves the job in ``gathers`` for the caller to await
+                await asyncio.shield(next(queued))
                 yield dst
 
     await conn.send_payload_parts(produce(), len(pieces))

@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,14 +48,28 @@ from disagg.transfer.base import (
     parse_address,
 )
 from disagg.transfer.handshake import ClientSession, HandshakeError, ServerSession
-from disagg.transfer.lease import LeaseError, LeaseTable
+from disagg.transfer.lease import Lease, LeaseError, LeaseTable
 from disagg.transfer.payload import as_payload, consecutive_runs, dtype_name, slice_views
 from disagg.transfer.progress import StreamNotReady, StreamProgress
-from disagg.transfer.sender import PayloadSource
+from disagg.transfer.sender import READ_STALLED, PayloadSource, ReadStalled, within_lease
 from disagg.transfer.stats import TransferStats
 
 logger = logging.getLogger("disagg.transfer")
 
+# Connections a client keeps to one server (one context rank) at most: that many requests to
+# it run at once, one per connection (the wire answers a connection's requests one at a time);
+# more wait, in order, for the first to come free. A rank pulls a request's KV from a context
+# rank in one read, so this is how many requests' pulls from that rank overlap (one connection
+# made them queue: a round trip each). A streamed request's lane keeps one (its reads queue
+# in layer order). Against the server's ``max_connections_per_peer`` (64, per client host):
+# 8 ranks of a generation host, 8 each.
+MAX_CONNECTIONS_PER_PEER = 8
+# After the server refused one more connection (its per-host cap, say), a pool with connections
+# open waits for those and opens no other for this long.
+REFUSED_HOLD_S = 1.0
+# An idle pooled connection unused this long is closed (all but the last used): the pool
+# shrinks back after a burst, so idle connections do not hold the server's slots.
+POOL_IDLE_CLOSE_S = 5.0
 # A READ may split its payload into at most this many parts (UCX messages).
 MAX_PAYLOAD_PARTS = 4096
 # How a message transport's client splits the payload of a scattered table
@@ -185,7 +200,10 @@ class KVTransferServer:
     headers of at most ``PREAUTH_HEADER_MAX_BYTES`` until its handshake is done, the
     handshake's deadline, the connection caps (``admission``: extra connections are closed
     unread), and an idle authenticated connection is closed (the client reconnects
-    transparently).
+    transparently). A READ still in flight ``limits.read_grace_s`` after its lease ended (its
+    reader stopped reading) is aborted and its connection closed (``sender.within_lease``),
+    counted as ``read_stalled`` in ``stats``: a stalled reader holds no block past TTL +
+    grace, and fails only its own read.
     """
 
     def __init__(
@@ -437,6 +455,29 @@ class KVTransferServer:
             self.stats.record_failure(e.code)
             await conn.send_header(_error(e.code, str(e)))
             return
+        try:
+            # Bounded: a reader that stops reading would hold the lease's blocks for ever.
+            await within_lease(self._send_read(conn, msg, req, lease, streamed, first, t0),
+                               self.leases, req.lease_id, self.limits.read_grace_s)
+        except ReadStalled as e:
+            self.stats.record_failure(READ_STALLED)
+            self.leases.expire()  # an expired lease ends now: the unpin below frees its blocks
+            logger.warning("kv transfer server: aborted a read of lease %s (%d blocks) by %s, "
+                           "still in flight %gs after the lease ended (read_grace_s); closing "
+                           "that connection", req.lease_id, len(req.block_ids),
+                           conn.peer_host, e.grace_s)
+            # Closed before the unpin frees the blocks: a UCX reader that wakes up later may
+            # still complete its receive (a rendezvous it reads from this process's memory),
+            # and takes the closed connection for the failure it is (``UcxConnection``).
+            await conn.close()
+            raise ConnectionClosedError(str(e)) from None
+        finally:
+            self.leases.unpin(req.lease_id)
+
+    async def _send_read(self, conn: Connection, msg: Mapping[str, Any], req: ReadRequest,
+                         lease: Lease, streamed: bool, first: dict[str, Any] | None,
+                         t0: float) -> None:
+        """A pinned READ: its answer (or an error answer) and its payload."""
         staging: torch.Tensor | None = None
         gathers: list[asyncio.Future[Any]] = []
         try:
@@ -478,11 +519,15 @@ class KVTransferServer:
         finally:
             # A gather still queued or running writes into the staging buffer: let it finish
             # before the buffer serves another read (cancelling the asyncio future would not
-            # stop a copy already running on the gather thread).
-            await asyncio.gather(*gathers, return_exceptions=True)
+            # stop a copy already running on the gather thread). ``wait``: a cancel of this
+            # read meanwhile leaves them running, and the buffer is then dropped, not reused.
+            if gathers:
+                await asyncio.wait(gathers)
+                for g in gathers:
+                    if not g.cancelled():
+                        g.exception()  # retrieved: no "never retrieved" warning
             if staging is not None:
                 self.payload.staging.release(staging)
-            self.leases.unpin(req.lease_id)
 
 
 class ReadFuture(cf.Future):  # type: ignore[type-arg]
@@ -495,11 +540,62 @@ class ReadFuture(cf.Future):  # type: ignore[type-arg]
 
 
 @dataclass
-class _Peer:
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    conn: Connection | None = None
-    session: ClientSession | None = None  # the handshake state of ``conn``
+class _Link:
+    """One authenticated connection of a client's pool, with its handshake state."""
+
+    conn: Connection
+    session: ClientSession
+    idle_since: float = 0.0  # time.monotonic() when it last came back to the pool
+
+
+@dataclass
+class _PeerPool:
+    """The connections of one (address, lane) (loop thread only). A request takes an idle
+    connection, or opens one while fewer than ``cap`` are open, or waits in order for the next
+    that comes free; it has its connection to itself until it ends (the wire answers one
+    request at a time per connection).
+
+    ``slots``: connections open, being opened, or promised to a waiter (<= ``cap``); ``live``:
+    open ones (idle or in use); ``waiters``: each gets a connection, or None (a slot: open
+    one). ``hold_until``: after the server refused one more connection, open no other until
+    then while others are open or opening (wait for those)."""
+
+    cap: int
+    idle: list[_Link] = field(default_factory=list)
+    slots: int = 0
+    live: int = 0
+    waiters: deque[asyncio.Future[_Link | None]] = field(default_factory=deque)
+    hold_until: float = 0.0
     users: int = 0  # requests queued on or using it (a streaming lane closes at 0)
+    prune_timer: asyncio.TimerHandle | None = None  # closes connections idle for too long
+
+    def hand_on(self, link: _Link | None) -> None:
+        """A connection came free (``link``) or a slot did (None: one closed): to the first
+        waiter still waiting, else back to ``idle`` / the slot is given up."""
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(link)
+                return
+        if link is not None:
+            link.idle_since = time.monotonic()
+            self.idle.append(link)  # reused last in, first out: the rest may idle out
+        else:
+            self.slots -= 1
+
+    async def wait(self) -> _Link | None:
+        """The next connection (or slot) handed on."""
+        waiter: asyncio.Future[_Link | None] = asyncio.get_running_loop().create_future()
+        self.waiters.append(waiter)
+        try:
+            return await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():
+                self.hand_on(waiter.result())  # handed on, then cancelled: pass it along
+            else:
+                with contextlib.suppress(ValueError):
+                    self.waiters.remove(waiter)
+            raise
 
 
 class KVTransferClient:
@@ -516,7 +612,12 @@ class KVTransferClient:
 
     ``runs`` (None: ``DISAGG_KV_RUNS``): over a message transport (UCX), cut the payload of a
     scattered table into parts the server pipelines (``split_parts``); the pull code also
-    reads into the request's blocks only with it on."""
+    reads into the request's blocks only with it on.
+
+    Connections: a pool per server address (``_PeerPool``), at most
+    ``max_connections_per_peer`` open, each carrying one request at a time, each with its own
+    handshake: requests to one server run side by side, and one that stalls holds up only its
+    own connection. A streaming read gets a connection of its own (its lane)."""
 
     def __init__(
         self,
@@ -527,9 +628,15 @@ class KVTransferClient:
         connect_timeout_s: float = 5.0,
         stats: TransferStats | None = None,
         runs: bool | None = None,
+        max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER,
     ) -> None:
         if not token:
             raise ValueError("a non-empty cluster token is required")
+        if (not isinstance(max_connections_per_peer, int)
+                or isinstance(max_connections_per_peer, bool) or max_connections_per_peer < 1):
+            raise ValueError(f"max_connections_per_peer must be an int >= 1, got "
+                             f"{max_connections_per_peer!r}")
+        self.max_connections_per_peer = max_connections_per_peer
         self.backend = make_backend(backend)
         # Over a message transport, split payloads into parts the server can pipeline
         # (None: DISAGG_KV_RUNS; False: one message a payload, the path before).
@@ -538,12 +645,13 @@ class KVTransferClient:
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._token = token
-        # (address, lane) -> connection; lane "" for all requests but streaming reads (their
-        # lease id). Touched on the loop thread only.
-        self._peers: dict[tuple[str, str], _Peer] = {}
+        # (address, lane) -> its connections; lane "" for all requests but streaming reads
+        # (their lease id). Touched on the loop thread only.
+        self._peers: dict[tuple[str, str], _PeerPool] = {}
         # Reads started and not ended (loop thread only): ``close`` ends them before it drops
         # the connections, so none opens a connection after it or outlives it.
         self._reads: set[asyncio.Task[Any]] = set()
+        self._closing: set[asyncio.Task[Any]] = set()  # closes of pruned idle connections
         self._closed = False
         self._loop: LoopThread | None = self.backend.acquire_loop("client")
         # Known once the loop runs (UCX decides when its context starts).
@@ -770,15 +878,114 @@ class KVTransferClient:
         for task in reads:
             task.cancel()
         await asyncio.gather(*reads, return_exceptions=True)
-        for peer in list(self._peers.values()):
-            await self._drop(peer)
+        pools = list(self._peers.values())
         self._peers.clear()
+        for pool in pools:  # the connections in use are closed by their requests (_put_back)
+            await self._close_idle(pool)
+        await asyncio.gather(*self._closing, return_exceptions=True)
 
     @staticmethod
-    async def _drop(peer: _Peer) -> None:
-        conn, peer.conn, peer.session = peer.conn, None, None
-        if conn is not None:
-            await conn.close()
+    async def _close_idle(pool: _PeerPool) -> None:
+        if pool.prune_timer is not None:
+            pool.prune_timer.cancel()
+            pool.prune_timer = None
+        links, pool.idle = pool.idle, []
+        pool.live -= len(links)
+        pool.slots -= len(links)
+        for link in links:
+            await link.conn.close()
+
+    @staticmethod
+    async def _retire(pool: _PeerPool, link: _Link, keep_slot: bool = False) -> None:
+        """Close a connection of ``pool`` (broken, or the client is closing). Its slot goes to
+        the first waiter or is given up; ``keep_slot``: the caller opens another in it."""
+        pool.live -= 1
+        if not keep_slot:
+            pool.hand_on(None)
+            await link.conn.close()
+            return
+        try:
+            await link.conn.close()
+        except BaseException:
+            pool.hand_on(None)
+            raise
+
+    async def _put_back(self, pool: _PeerPool, link: _Link) -> None:
+        """A request ended and left its connection in a known state: it serves the next one."""
+        if self._closed or link.conn.closed:
+            await self._retire(pool, link)
+            return
+        pool.hand_on(link)
+        if len(pool.idle) > 1 and pool.prune_timer is None:
+            pool.prune_timer = asyncio.get_running_loop().call_later(
+                POOL_IDLE_CLOSE_S, self._prune, pool)
+
+    def _prune(self, pool: _PeerPool) -> None:
+        """Close the pool's connections idle for ``POOL_IDLE_CLOSE_S``, but the last used
+        (loop thread, a timer)."""
+        pool.prune_timer = None
+        if self._closed:
+            return
+        now = time.monotonic()
+        keep, stale = pool.idle[-1:], []
+        for link in pool.idle[:-1]:
+            (stale if now - link.idle_since >= POOL_IDLE_CLOSE_S else keep).append(link)
+        pool.idle = keep[1:] + keep[:1]  # the last used stays last
+        pool.live -= len(stale)
+        pool.slots -= len(stale)
+        loop = asyncio.get_running_loop()
+        for link in stale:
+            task = loop.create_task(link.conn.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        if len(pool.idle) > 1:
+            pool.prune_timer = loop.call_later(POOL_IDLE_CLOSE_S, self._prune, pool)
+
+    async def _acquire(self, address: str, pool: _PeerPool, slot_held: bool = False
+                       ) -> tuple[_Link, bool]:
+        """A connection of ``pool`` for one request, and whether it served one before: an
+        idle one, else a new one while fewer than the cap are open, else the first that comes
+        free (in order). ``slot_held``: the caller holds a slot already (open in it). Raises
+        ``TransferError`` (the connect or the handshake failed)."""
+        slot = slot_held
+        try:
+            while True:
+                while not slot and pool.idle:
+                    link = pool.idle.pop()
+                    if not link.conn.closed:
+                        return link, True
+                    pool.live -= 1  # closed while idle (a UCX endpoint that went): its slot
+                    slot = True  # is this request's
+                    await link.conn.close()
+                if (not slot and pool.slots < pool.cap
+                        and (pool.slots == 0 or time.monotonic() >= pool.hold_until)):
+                    pool.slots += 1
+                    slot = True
+                if not slot:
+                    got = await pool.wait()
+                    if got is not None:
+                        return got, True
+                    slot = True  # one closed: its slot was handed to this request
+                try:
+                    conn, session = await self._open(address)
+                except TransferError as e:
+                    if e.code != CONNECTION_FAILED or pool.slots == 1:
+                        raise  # (the slot goes to the next waiter: it tries for itself)
+                    # The server takes no more of our connections (its cap per host, say)
+                    # while others are open or opening: wait for one of those (only they wake
+                    # this request: no retry loop) and open no other for a while.
+                    logger.info("kv transfer: %s took no connection beyond %d (%s); waiting "
+                                "for one of those", address, pool.slots - 1, e)
+                    pool.slots -= 1
+                    slot = False
+                    pool.hold_until = time.monotonic() + REFUSED_HOLD_S
+                    continue
+                pool.live += 1
+                return _Link(conn, session), False
+        except BaseException:
+            if slot:
+                pool.hand_on(None)
+            raise
 
     async def _open(self, address: str) -> tuple[Connection, ClientSession]:
         """Connect and run the handshake (base.py); raises ``TransferError``."""
@@ -826,75 +1033,81 @@ class KVTransferClient:
         self, address: str, msg: dict[str, Any], payload: list[Any] | None = None,
         lane: str = "",
     ) -> dict[str, Any]:
-        """Send ``msg`` on the peer's cached connection (opened lazily), read the answer and
+        """Send ``msg`` on a connection of the peer's pool (``_acquire``), read the answer and
         then, for an ok READ, the payload into ``payload`` (its views, in order; one per part
-        over a message transport). ``lane`` (a streaming read's lease id) picks a connection
-        of its own, closed when no request of that lane is left."""
+        over a message transport). ``lane`` (a streaming read's lease id) picks a pool of
+        one connection of its own, closed when no request of that lane is left."""
         key = (address, lane)
-        peer = self._peers.get(key)
-        if peer is None:
-            peer = self._peers[key] = _Peer()
-        peer.users += 1
+        pool = self._peers.get(key)
+        if pool is None:
+            pool = self._peers[key] = _PeerPool(1 if lane else self.max_connections_per_peer)
+        pool.users += 1
         try:
-            async with peer.lock:  # one request at a time per connection
-                return await self._exchange(address, peer, msg, payload)
+            return await self._exchange(address, pool, msg, payload)
         finally:
-            peer.users -= 1
-            if lane and peer.users == 0:
-                if self._peers.get(key) is peer:
+            pool.users -= 1
+            if lane and pool.users == 0:
+                if self._peers.get(key) is pool:
                     del self._peers[key]
-                await self._drop(peer)
+                await self._close_idle(pool)
 
     async def _exchange(
-        self, address: str, peer: _Peer, msg: dict[str, Any], payload: Any
+        self, address: str, pool: _PeerPool, msg: dict[str, Any], payload: Any
     ) -> dict[str, Any]:
+        link, reused = await self._acquire(address, pool)
         for attempt in range(2):
-            reused = peer.conn is not None and not peer.conn.closed
-            if not reused:
-                await self._drop(peer)
-                peer.conn, peer.session = await self._open(address)
-            conn, session = peer.conn, peer.session
-            assert conn is not None and session is not None
-            settled = False
             try:
-                try:
-                    await conn.send_header(session.sign(msg))
-                    resp = await conn.recv_header()
-                except ConnectionClosedError as e:
-                    if reused and attempt == 0:
-                        # A stale cached connection (the peer restarted or dropped it): the
-                        # requests are idempotent, so retry once on a fresh connection.
-                        logger.info("kv transfer: reconnecting to %s (%s)", address, e)
-                        continue
-                    raise TransferError(CONNECTION_FAILED, str(e)) from None
-                except ProtocolError as e:
-                    raise TransferError(PROTOCOL_ERROR, str(e)) from None
-                if not resp.get("ok"):
-                    # A well-formed error answer leaves the connection usable, except
-                    # unauthorized: the server hangs up then.
-                    code = resp.get("code")
-                    settled = code in SERVER_CODES and code != UNAUTHORIZED
-                    _raise_if_error(resp)
-                if payload is not None:
-                    if resp.get("nbytes") != msg["nbytes"]:
-                        raise TransferError(PROTOCOL_ERROR, f"server announced "
-                                            f"{resp.get('nbytes')} bytes, expected "
-                                            f"{msg['nbytes']}")
-                    try:
-                        await conn.recv_payload_iov(payload)
-                    except ConnectionClosedError as e:
-                        raise TransferError(CONNECTION_FAILED,
-                                            f"peer failed mid-transfer: {e}") from None
-                    except ProtocolError as e:
-                        raise TransferError(PROTOCOL_ERROR, str(e)) from None
-                settled = True
-                return resp
-            finally:
-                if not settled:
-                    # Any failure, timeout or cancel mid-exchange leaves the stream in an
-                    # unknown state: invalidate the cached connection.
-                    await self._drop(peer)
+                resp = await self._exchange_on(link, msg, payload)
+            except ConnectionClosedError as e:  # before the answer
+                if reused and attempt == 0:
+                    # A stale idle connection (the peer restarted or dropped it): the requests
+                    # are idempotent, so retry once on a fresh connection, in the same slot.
+                    logger.info("kv transfer: reconnecting to %s (%s)", address, e)
+                    await self._retire(pool, link, keep_slot=True)
+                    link, reused = await self._acquire(address, pool, slot_held=True)
+                    continue
+                await self._retire(pool, link)
+                raise TransferError(CONNECTION_FAILED, str(e)) from None
+            except TransferError as e:
+                # A well-formed error answer leaves the connection usable, except
+                # unauthorized: the server hangs up then.
+                if e.remote and e.code != UNAUTHORIZED:
+                    await self._put_back(pool, link)
+                else:
+                    await self._retire(pool, link)
+                raise
+            except BaseException:
+                # A timeout or cancel mid-exchange leaves the stream in an unknown state.
+                await self._retire(pool, link)
+                raise
+            await self._put_back(pool, link)
+            return resp
         raise AssertionError("unreachable")
+
+    @staticmethod
+    async def _exchange_on(link: _Link, msg: dict[str, Any], payload: Any) -> dict[str, Any]:
+        """One request on ``link``. Raises ``ConnectionClosedError`` when the connection failed
+        before the answer (nothing of it read), else ``TransferError``."""
+        conn, session = link.conn, link.session
+        try:
+            await conn.send_header(session.sign(msg))
+            resp = await conn.recv_header()
+        except ProtocolError as e:
+            raise TransferError(PROTOCOL_ERROR, str(e)) from None
+        if not resp.get("ok"):
+            _raise_if_error(resp)
+        if payload is not None:
+            if resp.get("nbytes") != msg["nbytes"]:
+                raise TransferError(PROTOCOL_ERROR, f"server announced {resp.get('nbytes')} "
+                                    f"bytes, expected {msg['nbytes']}")
+            try:
+                await conn.recv_payload_iov(payload)
+            except ConnectionClosedError as e:
+                raise TransferError(CONNECTION_FAILED,
+                                    f"peer failed mid-transfer: {e}") from None
+            except ProtocolError as e:
+                raise TransferError(PROTOCOL_ERROR, str(e)) from None
+        return resp
 
 
 def _raise_if_error(resp: Mapping[str, Any]) -> None:

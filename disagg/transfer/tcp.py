@@ -174,6 +174,18 @@ class TcpConnection(Connection):
         self._watch = fut
         return fut
 
+    def peer_closed(self) -> bool:
+        """Whether the peer has closed (EOF or reset already here), asked without waiting:
+        False while it is open, whether or not it sent bytes (they stay unread)."""
+        if self._closed:
+            return True
+        try:
+            return not self._sock.recv(1, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+
     def stop_watching(self) -> None:
         """Synchronously: a later ``sock_recv_into`` registers its own reader on this fd."""
         fut, self._watch = self._watch, None

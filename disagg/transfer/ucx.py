@@ -439,12 +439,20 @@ class UcxConnection(Connection):
         await self.recv_payload_iov([out])
 
     async def recv_payload_iov(self, views: Any) -> None:
-        """One receive per view (part), all posted at once."""
+        """One receive per view (part), all posted at once. Complete only while the server's
+        TCP connection is still open: a server that aborted this read (its reader stalled
+        past the lease, ``sender.within_lease``) closes it before it frees the blocks, yet a
+        receive posted late may still complete, reading memory that may hold other KV by
+        then (a rendezvous reads the sender's memory)."""
         def post() -> list[Any]:
             tags = self._next_tags(len(views))
             return [self._ep.recv(v, tag=t, force_tag=True) for v, t in zip(views, tags,
                                                                              strict=True)]
         await self._io_start(post)
+        if self._ctl.peer_closed():
+            self._abort()
+            raise ConnectionClosedError(f"{self.peer}: the server closed the connection while "
+                                        f"the payload arrived (it aborted the read)")
 
     async def send_payload_parts(self, parts: Any, count: int) -> None:
         """Post each part's send as soon as it is produced: the next part is gathered while
