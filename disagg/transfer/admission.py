@@ -46,7 +46,8 @@ class ServerLimits:
     handshake_timeout_s: float = 10.0
     idle_timeout_s: float | None = 600.0
     max_connections: int = 512
-    max_connections_per_peer: int = 64
+    # (a generation host of 8 ranks pools up to 8 connections each, besides its streams)
+    max_connections_per_peer: int = 128
     max_pending_connections: int = 128
     max_staging_buffers: int = 4
     read_grace_s: float = READ_GRACE_S
