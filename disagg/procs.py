@@ -23,6 +23,12 @@ module is the one place that does it. The contract:
   child is local) and answers None instead of raising when nothing answers;
   ``wait_healthy`` polls ``/health`` until 200, raising ``NotHealthy`` when the child exits
   first or the deadline passes. Every wait here is bounded.
+- Whose ``/health`` answered: a port free a moment ago can be taken by another process before
+  the child binds it (the child then dies of "address in use" while the other answers). A
+  child given a launch id (``with_launch_id``: ``$DISAGG_LAUNCH_ID``, fresh for every start)
+  names it as ``launch_id`` in every ``/health`` answer (``disagg serve`` and ``disagg
+  router`` do); ``child_health`` tells its answer from another process's. The id is no
+  secret: it only says which process answered, and lets nobody call or sign anything.
 - ``stop`` / ``stop_all``: SIGTERM (the child drains and exits), a grace period, then SIGKILL to
   the whole process group, then a wait of at most ``kill_wait_s`` (a SIGKILLed process is gone at
   once unless stuck in the kernel: such a one is left, and its exit code stays None).
@@ -32,9 +38,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import enum
 import errno
+import http.client
+import json
 import os
 import random
+import secrets
 import signal
 import socket
 import subprocess
@@ -43,6 +53,9 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
+
+from disagg.env import LAUNCH_ID
 
 HEALTH_TIMEOUT_S = 2.0  # one /health request
 KILL_WAIT_S = 5.0  # after SIGKILL
@@ -50,6 +63,8 @@ STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
 _PR_SET_PDEATHSIG = 1
 # Local children only: never through an HTTP proxy from the environment.
 LOCAL_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+LAUNCH_ID_ENV = LAUNCH_ID.name  # a child's launch id (module docstring)
+LAUNCH_ID_FIELD = "launch_id"  # ... named in its GET /health
 
 
 class NotHealthy(RuntimeError):
@@ -74,13 +89,15 @@ def _preexec(die_with_parent: bool, cpus: frozenset[int] | None) -> Callable[[],
 def spawn(cmd: Sequence[str], log_path: str | Path | None, *,
           env: Mapping[str, str] | None = None, cwd: str | Path | None = None,
           header: bool = False, new_session: bool = True,
-          die_with_parent: bool = False, cpus: set[int] | None = None
-          ) -> subprocess.Popen[bytes]:
-    """Start ``cmd`` with its output in ``log_path`` (created or truncated; ``header``: the
-    command line first, as ``$ cmd``). ``env``: the child's whole environment (None: this
-    one's); ``cpus``: pin the child to those cores; ``log_path`` None: the child writes
-    where this process does. See the module docstring for the rest."""
-    with (open(log_path, "wb") if log_path is not None else contextlib.nullcontext()) as log:
+          die_with_parent: bool = False, cpus: set[int] | None = None,
+          append: bool = False) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` with its output in ``log_path`` (created or truncated, or ``append``ed
+    to: a restarted child's log keeps its earlier runs; ``header``: the command line first,
+    as ``$ cmd``). ``env``: the child's whole environment (None: this one's); ``cpus``: pin
+    the child to those cores; ``log_path`` None: the child writes where this process does.
+    See the module docstring for the rest."""
+    mode = "ab" if append else "wb"
+    with (open(log_path, mode) if log_path is not None else contextlib.nullcontext()) as log:
         if header and log is not None:
             log.write(f"$ {' '.join(cmd)}\n".encode())
             log.flush()
@@ -186,16 +203,79 @@ def health_ok(base_url: str) -> bool:
     return http_status(base_url + "/health") == 200
 
 
+def new_launch_id() -> str:
+    """A fresh launch id: 128 random bits as 32 hex digits."""
+    return secrets.token_hex(16)
+
+
+def with_launch_id(env: Mapping[str, str]) -> tuple[dict[str, str], str]:
+    """``env`` plus a fresh launch id for one child start, and the id."""
+    launch_id = new_launch_id()
+    return {**env, LAUNCH_ID_ENV: launch_id}, launch_id
+
+
+class ChildHealth(enum.Enum):
+    """What a child's ``/health`` port says (``child_health``)."""
+
+    OK = "ok"  # 200, naming the child's launch id
+    STARTING = "starting"  # it names the id but is not ready (503: loading, no worker yet)
+    OTHER = "other"  # an answer without the id: another process holds the port
+    DOWN = "down"  # nothing answers
+
+
+def health_answer(base_url: str, timeout: float = HEALTH_TIMEOUT_S
+                  ) -> tuple[int | None, dict[str, Any] | None]:
+    """GET ``base_url``/health: its status (None: nothing answers) and its JSON object
+    (None: none)."""
+    try:
+        with LOCAL_HTTP.open(base_url + "/health", timeout=timeout) as resp:
+            status, raw = int(resp.status), resp.read()
+    except urllib.error.HTTPError as e:  # 503 while starting or draining: the body still counts
+        status = int(e.code)
+        try:
+            raw = e.read()
+        except (OSError, http.client.HTTPException):
+            raw = b""
+    except (OSError, ValueError, http.client.HTTPException):  # refused, reset, timeout, cut
+        return None, None
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    return status, body if isinstance(body, dict) else None
+
+
+def child_health(base_url: str, launch_id: str | None, timeout: float = HEALTH_TIMEOUT_S
+                 ) -> ChildHealth:
+    """Whose answer ``base_url``/health is: the child started with ``launch_id`` (OK when
+    200, else STARTING), another process's (OTHER), or nobody's (DOWN). ``launch_id`` None: any
+    answer counts as the child's (one started without an id)."""
+    status, body = health_answer(base_url, timeout)
+    if status is None:
+        return ChildHealth.DOWN
+    if launch_id is not None and (body is None or body.get(LAUNCH_ID_FIELD) != launch_id):
+        return ChildHealth.OTHER
+    return ChildHealth.OK if status == 200 else ChildHealth.STARTING
+
+
 def wait_healthy(base_url: str, timeout: float, *, proc: subprocess.Popen | None = None,
-                 interval: float = 0.1, what: str = "the child") -> None:
-    """Poll ``base_url``/health until it answers 200. NotHealthy when ``proc`` (the child
+                 interval: float = 0.1, what: str = "the child",
+                 launch_id: str | None = None) -> None:
+    """Poll ``base_url``/health until it answers 200 (and, given the child's ``launch_id``,
+    names it: another process's answer does not count). NotHealthy when ``proc`` (the child
     behind it, if given) exits first or ``timeout`` seconds pass."""
     deadline = time.monotonic() + timeout
-    while not health_ok(base_url):
+    other = False
+    while True:
+        state = child_health(base_url, launch_id)
+        if state is ChildHealth.OK:
+            return
+        other = other or state is ChildHealth.OTHER
+        taken = f" ({base_url} answers /health as another process)" if other else ""
         if proc is not None and proc.poll() is not None:
-            raise NotHealthy(f"{what} exited with code {proc.returncode}")
+            raise NotHealthy(f"{what} exited with code {proc.returncode}{taken}")
         if time.monotonic() > deadline:
-            raise NotHealthy(f"{what} not healthy in {timeout:g} s")
+            raise NotHealthy(f"{what} not healthy in {timeout:g} s{taken}")
         time.sleep(interval)  # start-up polling, bounded by the deadline
 
 

@@ -194,7 +194,7 @@ def test_port_in_use_is_found_before_anything_starts(tmp_path: Path, tiny_llama:
         proc = subprocess.run([sys.executable, "-m", "disagg.cli", "launch", "-c", path,
                                "--log-dir", str(tmp_path / "logs")],
                               capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.returncode == 1, proc.stdout + proc.stderr
     assert f"gen0: 127.0.0.1:{port}: the port is already in use" in proc.stderr
     assert "started" not in proc.stdout  # nothing was started
 

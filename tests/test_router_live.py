@@ -448,6 +448,7 @@ def test_generation_failures_before_and_after_the_first_byte(
     try:
         cfg = disagg_config(workers, model_dir)
         cfg["generation_servers"]["urls"] = [fake_url.removeprefix("http://"), gen.addr]
+        cfg["max_migrations"] = 0  # the retries alone (migration: test_router_migration.py)
         with running_router(cfg, loop) as url:
             wait_for(lambda: httpx.get(url + "/health").status_code == 200, 30, what="router")
             want = _complete(_client(reference), C, True)[0]
@@ -732,6 +733,7 @@ def test_lease_freed_when_no_generation_worker_takes_the_request(
     try:
         cfg = disagg_config(workers, model_dir, max_retries=1)
         cfg["generation_servers"]["urls"] = [fake_url.removeprefix("http://")]
+        cfg["max_migrations"] = 0  # (else a context worker serves the move: migration)
         with running_router(cfg, loop) as url:
             wait_for(lambda: httpx.get(url + "/health").status_code == 200, 30, what="router")
             body = {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0}

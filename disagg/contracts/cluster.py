@@ -7,12 +7,15 @@ Shape::
     hostname: localhost           # where the router listens
     port: 8000
     max_retries: 1                # per side: another context / generation server after a failure
+    max_migrations: 3             # a request whose generation worker failed mid-answer goes on
+                                  # on another one (router.flow: migration), at most this often
     api_key: KEY                  # optional: clients send "Authorization: Bearer KEY" (or env
                                   # DISAGG_API_KEY)
     public_metrics: false         # true: the router's /metrics is open even with api_key
     health_check_interval_sec: 2  # router's /health polling of every worker
     upstream_timeout_sec: 300     # longest wait for the next byte from a worker
     processes: 1                  # router processes sharing the port (one a core; SO_REUSEPORT)
+    restart: no                   # disagg launch: on-failure starts a dead worker again
     kv_streaming: false           # true: context and generation calls at once, KV streamed by layer
     allowed_origins: [http://localhost:3000]  # CORS: browser origins ("*": any); default none
     model: /path/to/checkpoint    # any worker key at the top level is inherited by both sections
@@ -68,6 +71,7 @@ from disagg.contracts.roles import Role
 
 MAX_PROCESSES = 256  # router processes (``processes``)
 POLICY_TYPES = ("round_robin", "load_balancing", "kv_cache_aware")
+RESTART_POLICIES = ("no", "on-failure")  # ``restart`` (disagg launch)
 SECTIONS = ("context_servers", "generation_servers")
 ROLE_OF_SECTION = {"context_servers": Role.CONTEXT, "generation_servers": Role.GENERATION}
 
@@ -79,6 +83,9 @@ CLUSTER_OPTIONS: dict[str, Opt] = {
     "port": Opt(int, "the router's port; 0 picks a free one", default=8000),
     "max_retries": Opt(int, "per side: another context / generation server after a failure",
                        default=1, ge=0),
+    "max_migrations": Opt(int, "per request: times a request whose generation worker failed "
+                          "after taking it goes on on another worker (0: never)",
+                          default=3, ge=0),
     "api_key": Opt(str, "clients of the router send 'Authorization: Bearer KEY'"),
     "public_metrics": Opt(bool, "the router's /metrics is open even with api_key",
                           default=False),
@@ -88,6 +95,10 @@ CLUSTER_OPTIONS: dict[str, Opt] = {
                                 default=300.0, gt=0),
     "processes": Opt(int, "router processes sharing its port (SO_REUSEPORT); one a core",
                      default=1, ge=1),
+    # Read by disagg launch only (Kubernetes restarts pods itself; the router ignores it).
+    "restart": Opt(str, "disagg launch: a worker that dies after start-up stops the cluster "
+                   "(no) or is started again with backoff (on-failure)",
+                   choices=RESTART_POLICIES, default="no"),
     "kv_streaming": Opt(bool, "send a disaggregated request's context and generation calls at "
                         "once; the generation worker streams the prompt's KV layer by layer "
                         "(router.stream_flow)", default=False),
@@ -234,10 +245,12 @@ class ClusterConfig:
     public_metrics: bool = False
     planner: PlannerConfig | None = None  # the planner: section (run when enabled)
     processes: int = 1  # router processes sharing the port (router/processes.py)
+    restart: str = "no"  # disagg launch: no | on-failure (a dead worker is started again)
     kv_streaming: bool = False  # both calls at once, KV streamed by layer (stream_flow)
     allowed_origins: tuple[str, ...] = ()  # CORS origins ("*": any); () no CORS (disagg.cors)
     responses_store_size: int = RESPONSES_STORE_SIZE  # /v1/responses kept (router/responses)
     responses_store_ttl: float = RESPONSES_STORE_TTL_S
+    max_migrations: int = 3  # per request: generation worker failures survived (router.flow)
 
     @property
     def aggregated(self) -> bool:
@@ -273,6 +286,8 @@ def parse_cluster_config(data: Mapping[str, Any] | Any, source: str = "<config>"
             continue
         inherited[key] = _worker_value(err, key, key, value, worker_keys, top=True)
 
+    if data.get("restart") is False:  # YAML reads a bare `restart: no` as false
+        data = {**data, "restart": "no"}
     top = {key: _get(err, data, key, opt) for key, opt in CLUSTER_OPTIONS.items()}
     if top["processes"] > MAX_PROCESSES:
         raise err("processes", f"{top['processes']}: at most {MAX_PROCESSES}")
@@ -329,8 +344,9 @@ def parse_cluster_config(data: Mapping[str, Any] | Any, source: str = "<config>"
         source=source, health_check_interval_sec=top["health_check_interval_sec"],
         upstream_timeout_sec=top["upstream_timeout_sec"], public_metrics=top["public_metrics"],
         planner=planner, processes=top["processes"], kv_streaming=top["kv_streaming"],
+        restart=top["restart"],
         responses_store_size=top["responses_store_size"],
-        responses_store_ttl=top["responses_store_ttl"])
+        responses_store_ttl=top["responses_store_ttl"], max_migrations=top["max_migrations"])
 
 
 def parse_planner(err: _Errors, raw: Any) -> PlannerConfig:

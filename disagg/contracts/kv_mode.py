@@ -10,6 +10,8 @@ One frozen sum type, ``KVMode``, built once where the worker parses the HTTP req
 variant            wire (request_type, ...)    what the worker does
 =================  ==========================  =================================================
 ``Local``          none / context_and_gen.     an ordinary request: prefill and decode here
+                   (+ ``resume``: a migrated   (prompt + the tokens already streamed, then on)
+                   request)
 ``ContextOnly``    context_only                prefill, sample the first token, lease the KV
 ``ContextStream``  context_only + kv_stream_id  the same, the KV published layer by layer as it
                                                is computed, leased from the moment it is queued
@@ -34,8 +36,13 @@ from disagg.contracts.roles import Role
 
 @dataclass(frozen=True)
 class Local:
-    """An ordinary request: this worker computes its prompt KV and decodes (any role)."""
+    """An ordinary request: this worker computes its prompt KV and decodes (any role).
+    ``resumed``: a migrated request (``disaggregated_params.resume``, router.flow): the output
+    tokens another worker already streamed to the client. The request starts with them as its
+    outputs (as a preempted request does: its KV is recomputed here), so sampling, penalties,
+    ``min_tokens`` and ``max_tokens`` go on at output position ``len(resumed)``."""
 
+    resumed: tuple[int, ...] = ()
     needs_role: ClassVar[Role | None] = None
     is_context: ClassVar[bool] = False
 

@@ -52,3 +52,17 @@ def validate_request(config: EngineConfig, num_blocks: int, prompt_token_ids: li
             f"max_tokens: prompt + max_tokens = {total} tokens exceeds the KV cache "
             f"capacity of {capacity} tokens"
         )
+
+
+def validate_resumed(config: EngineConfig, resumed: tuple[int, ...],
+                     params: SamplingParams) -> None:
+    """A migrated request's output tokens so far (``Local.resumed``): ids of this model, and
+    fewer than ``max_tokens`` (the request must have a token left to generate)."""
+    field = "disaggregated_params.resume.output_token_ids"
+    vocab = config.model.vocab_size
+    bad = next((t for t in resumed if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"{field}: token id {bad} is out of range [0, {vocab})")
+    if len(resumed) >= params.max_tokens:
+        raise ValueError(f"{field}: {len(resumed)} tokens, but max_tokens is "
+                         f"{params.max_tokens}: nothing is left to generate")

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from disagg.config import EngineConfig, build_engine_config
-from disagg.contracts.kv_mode import LOCAL, Dummy, KVMode, Pull
+from disagg.contracts.kv_mode import LOCAL, Dummy, KVMode, Local, Pull
 from disagg.contracts.roles import RoleDrain
-from disagg.engine.admission import context_only_params, validate_request
+from disagg.engine.admission import context_only_params, validate_request, validate_resumed
 from disagg.engine.errors import QueueFullError
 from disagg.engine.execution import (
     StepResult,
@@ -132,13 +132,16 @@ class LLMEngine:
         token ends the request (or the client asked for one token) its blocks are leased to a
         generation worker. ``Pull``: a generation-only request whose prompt KV is pulled from
         the context worker its params name (into the prefix cache only when ``trusted``).
-        ``Dummy``: decode as if the prompt's KV were in place (a benchmarking aid)."""
+        ``Dummy``: decode as if the prompt's KV were in place (a benchmarking aid).
+        ``Local.resumed``: a migrated request, its outputs so far given (recomputed here)."""
         if request_id in self._states:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         ctx_params = params if mode.is_context else None
         if mode.is_context:
             params = context_only_params(params)
         self.validate(prompt_token_ids, params)
+        if isinstance(mode, Local) and mode.resumed:
+            validate_resumed(self.config, mode.resumed, params)
         max_queue = self.config.scheduler.max_queue
         if max_queue is not None and self.scheduler.num_waiting >= max_queue:
             raise QueueFullError(f"waiting queue is full ({max_queue} requests)")
@@ -154,7 +157,8 @@ class LLMEngine:
             req.arrival_time = arrival_time
         st = RequestState.new(req, self.tokenizer, prompt, ctx_params, mode)
         if params.structured is not None:
-            st.matcher = new_matcher(self.grammars, req, replay=isinstance(mode, Pull))
+            st.matcher = new_matcher(self.grammars, req, replay=isinstance(mode, Pull) or (
+                isinstance(mode, Local) and bool(mode.resumed)))
         self._states[request_id] = st
         self.scheduler.add_request(req)
         if self.connector is None:

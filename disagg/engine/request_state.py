@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from disagg.contracts.kv_mode import LOCAL, Dummy, KVMode, Pull
+from disagg.contracts.kv_mode import LOCAL, Dummy, KVMode, Local, Pull
 from disagg.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from disagg.kv_connector.errors import KVTransferError
 from disagg.request import Request, RequestStatus, SamplingParams
@@ -72,6 +72,13 @@ class RequestState:
             req.status = RequestStatus.WAITING_FOR_REMOTE_KV
             if logprobs is not None:
                 logprobs = list(remote.first_gen_logprobs or [{} for _ in req.output_token_ids])
+        resumed = mode.resumed if isinstance(mode, Local) else ()
+        if resumed:
+            # A migrated request: the tokens another worker streamed are its outputs (their KV
+            # is recomputed with the prompt's, as after a preemption); their logprobs went out.
+            req.output_token_ids = list(resumed)
+            if logprobs is not None:
+                logprobs = [{} for _ in resumed]
         # Before min_tokens, EOS and stop tokens are masked out so the model cannot pick them.
         banned = tuple(sorted(set(req.eos_token_ids) | set(params.stop_token_ids)))
         prompt_lps = prompt_ranks = None
@@ -82,7 +89,7 @@ class RequestState:
                 # (a generation_only request: the context worker scored the prompt)
                 prompt_lps = list(remote.prompt_logprobs)
                 prompt_ranks = list(remote.prompt_logprob_ranks or prompt_ranks)
-        return cls(
+        st = cls(
             prompt_lps=prompt_lps,
             prompt_ranks=prompt_ranks,
             request=req,
@@ -94,6 +101,14 @@ class RequestState:
             mode=mode,
             ctx_params=ctx_params,
         )
+        if resumed:
+            # The detokenizer as the failed worker's was after them (held-back text, a
+            # partial character): the text they made reached the client; the rest is new.
+            for t in resumed:
+                st.detok.update(t)
+            st.sent_tokens = len(resumed)
+            st.sent_logprobs = len(resumed) if logprobs is not None else 0
+        return st
 
     def output(self, delta_text: str, finished: bool) -> RequestOutput:
         """The request's next output: what is new since the last one (``delta_text``: the

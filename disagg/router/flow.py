@@ -26,6 +26,19 @@ lease now (``/kv_leases/release``).
 A request sent whole (aggregated cluster, several prompts, ``n > 1``, or conditional
 disaggregation's local prefill) takes the generation side's retries alone.
 
+Migration (``max_migrations`` per request): a generation worker that fails after it took the
+request (reached, then the connection lost before its answer or mid-stream, or an in-band server
+error) does not end it. The request goes whole (``request_type: context_and_generation``) to
+another generation worker (or, when none is left, to a context worker, which serves it as an
+aggregated worker would): when nothing reached the client, as it came (a restart: greedy and
+seeded outputs are the same); when the client's stream began, as a resumed request
+(``disaggregated_params.resume``: the token ids of the events relayed, which the workers sent in
+the stream because the router asked, and the answer's id and time): that worker recomputes the
+prompt and those tokens and streams the rest of the same answer (``server/disagg_requests``).
+Only a stream the next worker can continue exactly is resumed (``resumable``: one prompt, one
+choice, no echo, no tools); another one ends with an ``upstream_failed`` error event as before.
+Moves do not count against ``max_retries``; a worker that cannot be reached for one does.
+
 With ``kv_streaming`` the router's flow is ``stream_flow.StreamingFlow``: its ``first_try``
 sends both calls at once (the generation worker streams the KV layer by layer) and, when that
 fails before the client got anything, hands the request to the two calls here.
@@ -33,18 +46,19 @@ fails before the client got anything, hands the request to the two calls here.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from disagg.contracts.roles import RequestType, Role
-from disagg.router.client_io import Answer, ClientStream
+from disagg.router.client_io import STREAMED, Answer, ClientStream
 from disagg.router.membership import Membership, Worker
 from disagg.router.metrics import RouterMetrics
 from disagg.router.policies import Decision, RouteRequest, RoutingPolicy
-from disagg.router.prompt_tokens import COMPLETIONS
-from disagg.router.relay import Relay, RequestState, counted, final_answer
+from disagg.router.prompt_tokens import CHAT, COMPLETIONS
+from disagg.router.relay import Interrupted, Relay, RequestState, counted, final_answer
 from disagg.router.replies import Reply, dumps, loads, with_params
 from disagg.router.upstream import Failed, UpstreamClient, error_code
 
@@ -52,6 +66,10 @@ T = TypeVar("T")
 ROLE_SWITCHING = "role_switching"  # a worker's 503 code while it changes roles (role_switch)
 CONTEXT_ONLY = {"request_type": RequestType.CONTEXT_ONLY.value}
 CONTEXT_ONLY_JSON = dumps(CONTEXT_ONLY)
+# A request sent whole that reports its stream's token ids (a resumable one: migration).
+WHOLE_WITH_IDS = {"request_type": RequestType.CONTEXT_AND_GENERATION.value, "token_ids": True}
+WHOLE_WITH_IDS_JSON = dumps(WHOLE_WITH_IDS)
+logger = logging.getLogger("disagg.router")
 
 
 @dataclass
@@ -87,13 +105,14 @@ class RequestFlow:
 
     def __init__(self, policies: Mapping[str, RoutingPolicy], membership: Membership,
                  metrics: RouterMetrics, upstream: UpstreamClient, relay: Relay,
-                 max_retries: int) -> None:
+                 max_retries: int, max_migrations: int = 0) -> None:
         self.policies = policies
         self.membership = membership
         self.metrics = metrics
         self.upstream = upstream
         self.relay = relay
         self.max_retries = max_retries
+        self.max_migrations = max_migrations
 
     # -- picking -------------------------------------------------------------------------------
 
@@ -167,11 +186,84 @@ class RequestFlow:
     # -- one call: the request whole ----------------------------------------------------------
 
     async def whole(self, out: ClientStream, st: RequestState, path: str, data: bytes,
-                    route: RouteRequest, first: Worker | None = None) -> Answer:
-        """Send the request whole to generation workers (aggregated serving), with retries."""
+                    route: RouteRequest, first: Worker | None = None,
+                    body: dict[str, Any] | None = None) -> Answer:
+        """Send the request whole to generation workers (aggregated serving), with retries
+        (``body``: ``data`` parsed, when the router parsed it: a stream may then be resumed)."""
+        self.allow_moves(st, path, body)
+        sent = data
+        if st.ids_asked:
+            assert body is not None
+            sent = with_params(data, body, WHOLE_WITH_IDS, WHOLE_WITH_IDS_JSON)
         tries = Tries(Role.GENERATION, self.max_retries, first)
-        return await self.retrying(tries, route, lambda w: self.relay.call_and_relay(
-            out, st, w, path, data, route))
+        try:
+            return await self.retrying(tries, route, lambda w: self.relay.call_and_relay(
+                out, st, w, path, sent, route))
+        except Interrupted as cut:
+            return await self.migrate(out, st, path, body, data, route, cut)
+
+    # -- migration --------------------------------------------------------------------------
+
+    def allow_moves(self, st: RequestState, path: str, body: Mapping[str, Any] | None) -> None:
+        """The request may move ``max_migrations`` times; its stream reports token ids when
+        it could be resumed."""
+        st.migrations_left = self.max_migrations
+        st.ids_asked = self.max_migrations > 0 and body is not None and resumable(path, body)
+
+    async def migrate(self, out: ClientStream, st: RequestState, path: str,
+                      body: dict[str, Any] | None, data: bytes, route: RouteRequest,
+                      cut: Interrupted) -> Answer:
+        """Move the request after ``cut`` (module docstring): whole to another generation
+        worker (a context worker when none is left), resumed after what the client got; again
+        when that one fails too, while moves are left. When none can take it, the client's
+        stream ends with an error event (a request whose answer had not begun gets the last
+        worker's error)."""
+        gen = Tries(Role.GENERATION, self.max_retries)
+        # With no generation worker left, a context worker serves it whole (as an aggregated
+        # one would): the client's stream goes on. (One set of failed workers for both.)
+        ctx = Tries(Role.CONTEXT, self.max_retries, tried=gen.tried)
+        while True:
+            gen.tried.add(cut.worker.url)
+            tries = gen
+            if not self.membership.candidates(Role.GENERATION, gen.tried) and (
+                    self.membership.candidates(Role.CONTEXT, ctx.tried)):
+                tries = ctx
+            tries.last = cut.failed  # (the client's error if no worker is left)
+            st.migrations_left -= 1
+            kind = "resume" if st.started else "restart"
+            self.metrics.migrations.labels(kind).inc()
+            logger.warning("moving the request to another worker (%s, %d token(s) relayed): "
+                           "%s", kind, len(st.token_ids or ()), cut.why)
+            sent = data
+            if body is not None:
+                params: dict[str, Any] = {
+                    "request_type": RequestType.CONTEXT_AND_GENERATION.value}
+                if st.ids_asked:
+                    params["token_ids"] = True
+                if st.started:
+                    assert st.answer_id is not None and st.token_ids is not None
+                    params["resume"] = {"output_token_ids": st.token_ids,
+                                        "id": st.answer_id[0], "created": st.answer_id[1]}
+                sent = with_params(data, body, params)
+            try:
+                answer = await self.retrying(tries, route, lambda w, sent=sent: (
+                    self.relay.call_and_relay(out, st, w, path, sent, route)))
+            except Interrupted as again:
+                cut = again
+                continue
+            except Reply as r:
+                if not st.started:
+                    raise
+                await self.relay.end_with_error(out, st, "no worker could continue the "
+                                                f"stream: {r.body[:300].decode(errors='replace')}")
+                return STREAMED
+            if st.started and not answer.streamed and answer.status != 499:
+                # a refusal (4xx) after the stream began: the client cannot get it as such
+                await self.relay.end_with_error(out, st, "the worker continuing the stream "
+                                                f"refused it: {answer.status} "
+                                                f"{answer.body[:300].decode(errors='replace')}")
+                return STREAMED
+            return answer
 
     # -- two calls: the disaggregated flow ----------------------------------------------------
 
@@ -183,10 +275,14 @@ class RequestFlow:
         fell back) the two calls, with the tries that ``first_try`` recorded."""
         ctx = Tries(Role.CONTEXT, self.max_retries)
         gen = Tries(Role.GENERATION, self.max_retries, first_gen)
-        answer = await self.first_try(out, st, path, body, data, route, ctx, gen)
-        if answer is not None:
-            return answer
-        return await self.two_calls(out, st, path, body, data, route, ctx, gen)
+        self.allow_moves(st, path, body)
+        try:
+            answer = await self.first_try(out, st, path, body, data, route, ctx, gen)
+            if answer is not None:
+                return answer
+            return await self.two_calls(out, st, path, body, data, route, ctx, gen)
+        except Interrupted as cut:
+            return await self.migrate(out, st, path, body, data, route, cut)
 
     async def first_try(self, out: ClientStream, st: RequestState, path: str,
                         body: dict[str, Any], data: bytes, route: RouteRequest, ctx: Tries,
@@ -211,8 +307,10 @@ class RequestFlow:
             answer.pop("prompt_token_ids", None)  # (also in dp: the generation worker's)
             if dp is None:  # final after the first token: the context answer is the answer
                 return await final_answer(out, path, body, answer)
-            gen_data = with_params(data, body, {
-                **dp, "request_type": RequestType.GENERATION_ONLY.value})
+            gen_params = {**dp, "request_type": RequestType.GENERATION_ONLY.value}
+            if st.ids_asked:
+                gen_params["token_ids"] = True
+            gen_data = with_params(data, body, gen_params)
             lease = _Lease(ctx_worker, dp, gen_data, requested_tokens(path, body))
             try:
                 return await self._generation(out, st, path, route, gen, ctx, lease)
@@ -298,6 +396,21 @@ class _Lease:
     data: bytes  # the generation_only request
     max_tokens: int | None = None  # the output tokens asked for (the planner's TPOT sample)
     taken: bool = False  # a generation worker took it (and releases it on every path)
+
+
+def resumable(path: str, body: Mapping[str, Any]) -> bool:
+    """Can another worker continue this request's stream exactly after the tokens relayed?
+    Streamed, one prompt, one choice, no echo (the prompt went out with the first chunk), no
+    tools (their parser's state stays with the failed worker)."""
+    if body.get("stream") is not True or body.get("n", 1) not in (1, None):
+        return False
+    if path == COMPLETIONS:
+        p = body.get("prompt")
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
+            p = p[0]  # a batch of one prompt (handlers._unwrap_single_prompt)
+        return not body.get("echo") and (isinstance(p, str) or isinstance(p, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in p))
+    return path == CHAT and not body.get("tools")
 
 
 def requested_tokens(path: str, body: Mapping[str, Any]) -> int | None:

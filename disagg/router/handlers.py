@@ -35,6 +35,8 @@ from disagg.contracts.cluster import normalize_worker_url
 from disagg.contracts.responses import ResponseStore
 from disagg.contracts.roles import Role
 from disagg.cors import Cors
+from disagg.env import LAUNCH_ID
+from disagg.procs import LAUNCH_ID_FIELD
 from disagg.router.client_io import AiohttpStream, Answer, ClientStream
 from disagg.router.cors import install as install_cors
 from disagg.router.flow import Tries
@@ -120,7 +122,10 @@ class Handlers:
         router, flow = self.router, self.router.flow
         m = router.membership
         body, data = None, raw
-        if m.disaggregated or router.need_tokens:
+        if m.disaggregated or router.need_tokens or (
+                self.config.max_migrations and b'"stream"' in raw):
+            # (migration: a stream that may be resumed asks for its token ids, flow; a body
+            # without that key is no stream, and an aggregated router need not parse it)
             # The policies read the prompt: the schema's checks first. (The two calls need
             # none: the context worker checks the request as the generation worker would.)
             body, data = client_body(path, raw, check=router.need_tokens)
@@ -132,7 +137,7 @@ class Handlers:
             else:
                 route = router.route_request(path, body)
         if body is None or not m.disaggregated or not _splittable(path, body):
-            return await flow.whole(out, st, path, raw, route)
+            return await flow.whole(out, st, path, raw, route, body=body)
         first_gen = None
         cond = self.config.conditional_disagg
         if cond is not None and route.prompt is not None:
@@ -144,7 +149,7 @@ class Handlers:
             matched = kv.match(route.prompt) if kv is not None else 0
             if route.num_tokens - matched <= cond.max_local_prefill_length:
                 router.metrics.local_prefill.inc()
-                return await flow.whole(out, st, path, raw, route, first_gen)
+                return await flow.whole(out, st, path, raw, route, first_gen, body)
         return await flow.disaggregated(out, st, path, body, data, route, first_gen)
 
     async def read_body(self, request: web.Request) -> bytes:
@@ -247,6 +252,9 @@ class Handlers:
         answer: dict[str, Any] = {"status": "ok" if ready else "unavailable", "reason": why}
         if self.router.verifier is not None:  # the audience of signatures to this router
             answer[MEMBER_ID_FIELD] = self.router.verifier.member_id
+        launch_id = LAUNCH_ID.get()  # disagg launch's id of this child (procs.py)
+        if launch_id:
+            answer[LAUNCH_ID_FIELD] = launch_id
         return web.json_response(answer, status=200 if ready else 503,
                                  headers=None if ready else {"Retry-After": str(RETRY_AFTER_S)})
 

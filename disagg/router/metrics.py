@@ -8,6 +8,9 @@
   generation (or aggregated) call to its first byte and to its end;
   ``disagg_router_request_latency_seconds``: the whole request as the router saw it;
 - ``disagg_router_retries_total{role, reason}``: a try on another worker (or a new prefill);
+- ``disagg_router_migrations_total{kind}``: a request moved to another worker after its
+  generation worker failed while serving it (``flow``): kind = resume (the client's stream
+  goes on after the tokens it got) | restart (nothing had reached the client);
 - ``disagg_router_routing_decisions_total{role, policy, worker}``;
   ``disagg_router_local_prefill_total``: conditional disaggregation skipped the context side;
   ``disagg_router_lease_releases_total``: context leases freed because no generation worker
@@ -73,6 +76,10 @@ class RouterMetrics:
                                      ("role", "policy", "worker"), registry=r)
         self.retries = Counter(P + "retries", "Tries on another worker, or new prefills.",
                                ["role", "reason"], registry=r)
+        self.migrations = Counter(P + "migrations", "Requests moved to another worker after "
+                                  "their generation worker failed serving them, by kind: "
+                                  "resume (the stream goes on), restart (nothing was sent).",
+                                  ["kind"], registry=r)
         self.lease_releases = Counter(P + "lease_releases", "Context leases the router freed "
                                       "because no generation worker took the request.",
                                       registry=r)

@@ -4,6 +4,13 @@ already reports the context side's prefill, from the params it was given).
 
 A context worker's final answer (the first token ended the request) is the client's answer:
 ``final_answer`` sends it, as a stream when the client asked for one.
+
+Migration (``flow``): a generation worker that fails after it took the request raises
+``Interrupted`` instead of ending the client's stream with an error, while the request may still
+move (``RequestState.migrations_left``). When the flow asked for them (``token_ids``), each
+event's token ids come in an SSE comment line (``: token_ids 1,2``) that the relay takes out of
+the stream; they, the answer's id and time (its first chunk's) and whether a chunk carried a
+finish reason are what the next worker needs to continue the same answer.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from disagg.router.membership import Membership, Worker
 from disagg.router.metrics import RouterMetrics
 from disagg.router.policies import RouteRequest
 from disagg.router.prompt_tokens import CHAT
-from disagg.router.replies import Reply, dumps, retry_after
+from disagg.router.replies import Reply, dumps, loads, retry_after
 from disagg.router.upstream import Failed, UpstreamClient
 
 logger = logging.getLogger("disagg.router")
@@ -45,6 +52,95 @@ class RequestState:
     # When the first streamed bytes of the answer came (monotonic; None: not streamed): the
     # planner's TPOT sample starts there, after the KV pull and the first token.
     first_byte_at: float | None = None
+    # Migration (``flow``): moves left after a generation worker's failure; the client's
+    # stream began (its headers went out, maybe from a worker since failed); the token ids of
+    # the events relayed (None: not asked for, or the worker sent none: a stream that began
+    # cannot move then); the answer's (id, created); a chunk with a finish reason went out.
+    migrations_left: int = 0
+    started: bool = False
+    token_ids: list[int] | None = None
+    ids_asked: bool = False
+    answer_id: tuple[str, int] | None = None
+    finished: bool = False
+
+
+class Interrupted(Exception):
+    """The generation worker ``worker`` failed after it took the request (connection lost,
+    stream cut, an in-band server error): ``flow`` moves the request to another worker."""
+
+    def __init__(self, worker: Worker, why: str) -> None:
+        super().__init__(why)
+        self.worker = worker
+        self.why = why
+
+    @property
+    def failed(self) -> Failed:
+        """The failure, as the client's error when no worker is left to move to."""
+        return Failed(self.why)
+
+
+def can_move(st: RequestState) -> bool:
+    """May the request move after its generation worker failed now? Moves are left, and
+    either nothing reached the client or the relayed events' token ids are known (the next
+    worker continues after them) and no chunk finished the answer."""
+    if st.migrations_left <= 0:
+        return False
+    return not st.started or (st.token_ids is not None and st.answer_id is not None
+                              and not st.finished)
+
+
+TOKEN_IDS_LINE = b": token_ids "  # (server/respond.token_ids_line)
+_NL_TOKEN_IDS_LINE = b"\n" + TOKEN_IDS_LINE
+_ERROR_EVENT = b'data: {"error":'
+_FINISHED = b'"finish_reason":"'
+
+
+def take_token_ids(st: RequestState, events: bytes) -> bytes:
+    """``events`` (whole SSE events) without their token-id comment lines, whose ids are
+    added to ``st.token_ids``; the answer's id and time from its first chunk."""
+    out: list[bytes] = []
+    at = 0
+    while True:
+        # (a line's start: an event's first line; JSON data lines hold no raw newline)
+        if at == 0 and events.startswith(TOKEN_IDS_LINE):
+            i = 0
+        else:
+            i = events.find(_NL_TOKEN_IDS_LINE, max(at - 1, 0)) + 1
+            if i <= 0:
+                break
+        end = events.index(b"\n", i)
+        out.append(events[at:i])
+        ids = events[i + len(TOKEN_IDS_LINE):end]
+        if st.token_ids is None:
+            st.token_ids = []
+        if ids:
+            st.token_ids.extend(int(t) for t in ids.split(b","))
+        at = end + 1
+    if at:
+        out.append(events[at:])
+        events = b"".join(out)
+    if st.answer_id is None and events.startswith(b"data: {"):
+        try:
+            first = loads(events[6:events.index(b"\n")])
+            if isinstance(first.get("id"), str) and isinstance(first.get("created"), int):
+                st.answer_id = (first["id"], first["created"])
+        except (ValueError, AttributeError):
+            pass
+    return events
+
+
+def server_error_event(events: bytes) -> int:
+    """Where an in-band error event of the worker's own failure begins in ``events`` (-1:
+    none; a client error, ``invalid_request_error``, is relayed as it is)."""
+    i = events.find(_ERROR_EVENT)
+    if i < 0:
+        return -1
+    try:
+        error = loads(events[i + 6:events.index(b"\n", i)]).get("error")
+    except (ValueError, AttributeError):
+        return i
+    kind = error.get("type") if isinstance(error, dict) else None
+    return -1 if kind == "invalid_request_error" else i
 
 
 class counted:  # noqa: N801 (used as a function: ``with counted(w, route):``)
@@ -81,7 +177,8 @@ class Relay:
                              path: str, data: bytes, route: RouteRequest,
                              signed: bool = False) -> Answer:
         """One try on ``w``: relay its answer to the client. ``Failed`` if it fails before
-        the first byte reaches the client."""
+        the first byte reaches the client; ``Interrupted`` if ``w`` took the request and
+        failed while it may move (``can_move``)."""
         t0 = time.monotonic()
         resp: http1.Response | None = None
         with counted(w, route):
@@ -92,6 +189,11 @@ class Relay:
                 if resp.content_type == "text/event-stream" and resp.status == 200:
                     return await self._relay_stream(out, st, w, resp, t0)
                 return await self._relay_whole(st, w, resp, t0)
+            except Failed as f:
+                # Reached, then lost before any answer (no status): it died working on it.
+                if f.reached and f.reply is None and can_move(st):
+                    raise Interrupted(w, f.why) from None
+                raise
             finally:
                 if resp is not None:
                     resp.close()  # a no-op when fully read; else drops the connection (aborts)
@@ -110,9 +212,9 @@ class Relay:
 
     async def _relay_stream(self, out: ClientStream, st: RequestState, w: Worker,
                             resp: http1.Response, t0: float) -> Answer:
-        started = False
         pending = b""
         done = False
+        first = True  # this worker's first events (st.started: the client's stream began)
         try:
             async for chunk in resp.iter_any():
                 data = pending + chunk if pending else chunk
@@ -121,16 +223,28 @@ class Relay:
                     pending = data
                     continue
                 events, pending = data[:cut + 2], data[cut + 2:]
+                failed = False
+                if st.ids_asked:
+                    events = take_token_ids(st, events)
+                    failed_at = server_error_event(events)
+                    if failed_at >= 0 and can_move(st):  # its own failure, in-band
+                        events, failed = events[:failed_at], True
+                    st.finished = st.finished or _FINISHED in events
                 try:
-                    if not started:
-                        st.first_byte_at = time.monotonic()
-                        self.metrics.gen_first_byte.observe(st.first_byte_at - t0)
-                        started = True
-                        await out.start(200, SSE_HEADERS)
-                    await out.write(events)
+                    if first and (events or not failed):
+                        first = False
+                        if not st.started:
+                            st.first_byte_at = time.monotonic()
+                            self.metrics.gen_first_byte.observe(st.first_byte_at - t0)
+                            st.started = True
+                            await out.start(200, SSE_HEADERS)
+                    if events:
+                        await out.write(events)
                 except ConnectionError:  # the client went away: the caller closes upstream
                     st.outcome = "disconnected"
-                    return STREAMED if started else Answer(499)
+                    return STREAMED if st.started else Answer(499)
+                if failed:
+                    raise http1.UpstreamError("it reported a server error mid-stream")
                 done = events.endswith(DONE)
                 st.delivered = done
             if not done:
@@ -138,19 +252,28 @@ class Relay:
         except (http1.UpstreamError, asyncio.TimeoutError) as e:
             why = f"generation worker {w.url} failed mid-stream: {type(e).__name__}: {e}"
             self.membership.request_failed(w, why)
-            if not started:  # nothing sent yet: another worker may still serve it
+            if not st.started:  # nothing sent yet: another worker may still serve it
                 raise Failed(why) from None
-            logger.warning("%s", why)
-            st.outcome = "stream_error"
-            err = P.error_body(why, "upstream_error", code="upstream_failed")
-            with contextlib.suppress(ConnectionError):
-                await out.write(b"data: " + dumps(err) + b"\n\n" + DONE)
+            if can_move(st):
+                raise Interrupted(w, why) from None
+            self.metrics.gen_latency.observe(time.monotonic() - t0)
+            await self.end_with_error(out, st, why)
+            return STREAMED
         self.metrics.gen_latency.observe(time.monotonic() - t0)
         with contextlib.suppress(ConnectionError):
-            if not started:  # an empty but complete stream
+            if not st.started:  # an empty but complete stream
                 await out.start(200, SSE_HEADERS)
             await out.end()
         return STREAMED
+
+    async def end_with_error(self, out: ClientStream, st: RequestState, why: str) -> None:
+        """End a stream the client is reading with an in-band ``upstream_failed`` error."""
+        logger.warning("%s", why)
+        st.outcome = "stream_error"
+        err = P.error_body(why, "upstream_error", code="upstream_failed")
+        with contextlib.suppress(ConnectionError):
+            await out.write(b"data: " + dumps(err) + b"\n\n" + DONE)
+            await out.end()
 
 
 async def final_answer(out: ClientStream, path: str, body: Mapping[str, Any],

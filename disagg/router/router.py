@@ -114,7 +114,7 @@ class Router:
         self.relay = Relay(self.upstream, self.membership, self.metrics)
         flow = StreamingFlow if config.kv_streaming else RequestFlow
         self.flow = flow(self.policies, self.membership, self.metrics, self.upstream,
-                         self.relay, config.max_retries)
+                         self.relay, config.max_retries, config.max_migrations)
         self.body_timeout_s = P.BODY_TIMEOUT_S  # then 408 (tests shorten it)
         self.switcher = RoleSwitcher(self.membership, on_done=self._switch_done)
         self._switch_tasks: set[asyncio.Task[SwitchResult]] = set()

@@ -34,10 +34,12 @@ Fallback to the two calls (``flow``), only before any byte reached the client:
   it, so it is a worker without streaming): no failure counted, the same workers serve the
   two calls.
 
-Any other answer of G's (a 4xx) is the client's. Once bytes reached the client nothing is
-retried, and a C that fails then is ignored: G streams its answer only after its first token,
-which needs all of the prompt's KV. When G did not take the stream (it failed, refused, or the
-client left), C is asked to free the stream's lease (``/kv_leases/release``, idempotent there).
+Any other answer of G's (a 4xx) is the client's. G failing after its first bytes reached the
+client is a migration (``flow``): the stream goes on on another generation worker
+(``outcome="failed"`` here). Once bytes reached the client nothing else is retried, and a C
+that fails then is ignored: G streams its answer only after its first token, which needs all
+of the prompt's KV. When G did not take the stream (it failed, refused, or the client left),
+C is asked to free the stream's lease (``/kv_leases/release``, idempotent there).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from disagg.router.flow import RequestFlow, Tries, requested_tokens
 from disagg.router.membership import Worker
 from disagg.router.policies import RouteRequest
 from disagg.router.prompt_tokens import COMPLETIONS
-from disagg.router.relay import RequestState, counted
+from disagg.router.relay import Interrupted, RequestState, counted
 from disagg.router.replies import with_params
 from disagg.router.upstream import Failed
 
@@ -109,13 +111,17 @@ def streamable_request(path: str, body: Mapping[str, Any]) -> bool:
 
 
 def stream_bodies(body: Mapping[str, Any], data: bytes, stream_id: str,
-                  source: Mapping[str, Any]
+                  source: Mapping[str, Any], token_ids: bool = False
                   ) -> tuple[bytes, bytes]:
-    """The context_only and generation_only requests of one stream (module docstring)."""
+    """The context_only and generation_only requests of one stream (module docstring;
+    ``token_ids``: G reports its stream's token ids, for migration: ``flow``)."""
+    gen: dict[str, Any] = {"request_type": RequestType.GENERATION_ONLY.value,
+                           "kv_stream": {"ctx_request_id": stream_id, **source}}
+    if token_ids:
+        gen["token_ids"] = True
     return (with_params(data, body, {"request_type": RequestType.CONTEXT_ONLY.value,
                                      "kv_stream_id": stream_id}),
-            with_params(data, body, {"request_type": RequestType.GENERATION_ONLY.value,
-                                     "kv_stream": {"ctx_request_id": stream_id, **source}}))
+            with_params(data, body, gen))
 
 
 class StreamingFlow(RequestFlow):
@@ -161,7 +167,7 @@ class StreamingFlow(RequestFlow):
                       source: Mapping[str, Any], ctx: Tries, gen: Tries
                       ) -> Answer | None:
         """Both calls at once: G's answer, or None to fall back (module docstring)."""
-        ctx_data, gen_data = stream_bodies(body, data, s.id, source)
+        ctx_data, gen_data = stream_bodies(body, data, s.id, source, st.ids_asked)
         loop = asyncio.get_running_loop()
         c_task = loop.create_task(self._ctx_call(s, path, ctx_data, route))
         g_task = loop.create_task(self._gen_call(out, st, s, path, gen_data, route,
@@ -221,8 +227,15 @@ class StreamingFlow(RequestFlow):
                           max_tokens: int | None) -> Answer:
         """G's call, its answer relayed to the client (``Failed`` before the first byte)."""
         t0 = time.monotonic()
-        answer = await self.relay.call_and_relay(out, st, s.gen_worker, path, data, route,
-                                                 signed=True)
+        try:
+            answer = await self.relay.call_and_relay(out, st, s.gen_worker, path, data, route,
+                                                     signed=True)
+        except Interrupted as cut:
+            if st.started:
+                raise  # a migration: the stream goes on elsewhere (flow)
+            # Nothing reached the client: the two calls take over, as after any failure of
+            # the streaming try (which may be streaming's alone).
+            raise Failed(cut.why) from None
         if answer.status == 200:
             # The planner's generation sample starts where C's prefill ended (its answer,
             # or G's first bytes if those came first), as after the context call: G's wait

@@ -125,7 +125,8 @@ class UpstreamClient:
         the answer's head is ``Failed``. A pooled keep-alive connection that the worker had
         already closed (reset or closed before any response byte: the worker never saw the
         request) is no failure: the send is repeated at once on a new connection (with a new
-        signature: a nonce is accepted once)."""
+        signature: a nonce is accepted once). A worker that cannot be reached for that second
+        send may have died working on the first: a failure that reached it."""
         try:
             resp = await self._send(w, path, data, signed)
         except http1.ConnectError as e:  # never connected: it saw nothing
@@ -157,9 +158,17 @@ class UpstreamClient:
 
         try:
             return await self.pool.post(host, port, sign() if signed else head, data)
-        except http1.StaleConnection:
+        except http1.StaleConnection as e:
             logger.debug("%s: pooled connection was stale; sending again", w.url)
-        return await self.pool.post(host, port, sign() if signed else head, data, fresh=True)
+            stale = e
+        try:
+            return await self.pool.post(host, port, sign() if signed else head, data,
+                                        fresh=True)
+        except http1.ConnectError as e:
+            # Gone now: the connection that failed may have carried the request to a worker
+            # that died working on it (not "never reached": its lease may be read already).
+            self.membership.mark_failed(w, f"unreachable: {e}")
+            raise http1.UpstreamError(f"{stale}; then {e}") from None
 
     async def read(self, w: Worker, resp: http1.Response) -> bytes:
         """The whole answer; a connection that fails mid-answer is ``Failed``."""

@@ -14,8 +14,10 @@ from disagg.cluster_auth import MEMBER_ID_FIELD
 from disagg.contracts import protocol as P
 from disagg.contracts.options import speculative_mapping
 from disagg.contracts.roles import Role
+from disagg.env import LAUNCH_ID
 from disagg.kv_cache.hashing import BLOCK_HASH_SCHEME
 from disagg.layout import ParallelLayout
+from disagg.procs import LAUNCH_ID_FIELD
 from disagg.server.state import ServerState
 
 if TYPE_CHECKING:
@@ -27,6 +29,10 @@ class ClusterRoutes:
 
     def __init__(self, srv: ServerState) -> None:
         self.srv = srv
+        # The id ``disagg launch`` gave this process (procs.py): its /health says it is the
+        # child the launcher started, not another process on the port.
+        launch_id = LAUNCH_ID.get()
+        self._launch = {LAUNCH_ID_FIELD: launch_id} if launch_id else {}
 
     def register(self, app: FastAPI) -> None:
         app.add_api_route("/health", self.health, methods=["GET"])
@@ -40,6 +46,7 @@ class ClusterRoutes:
         # member_id: the audience signed calls to this worker must name (cluster_auth).
         verifier = self.srv.access.verifier
         me = {MEMBER_ID_FIELD: verifier.member_id} if verifier is not None else {}
+        me.update(self._launch)
         if self.srv.draining:
             return JSONResponse({"status": "draining", **me}, status_code=503)
         if not self.srv.engine.is_healthy():

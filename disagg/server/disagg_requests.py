@@ -14,6 +14,16 @@ publishes the KV layer by layer and then its first token; the generation worker 
 ``kv_stream`` (how to reach the context ranks), tokenizes the prompt itself, pulls the KV as
 it is computed, the first token with the last read, and goes on as after the two calls.
 
+Migration (the router's ``flow``: a generation worker failed mid-answer): the router asks,
+with ``disaggregated_params.token_ids: true`` on a streamed request, for each stream chunk's
+token ids, in an SSE comment line of the chunk's event (``: token_ids 1,2,3``; the router
+strips it); it resends the request to another worker as an ordinary one (``request_type:
+context_and_generation``) with ``resume: {output_token_ids, id, created}``: the tokens it
+relayed, and the id and time of the answer the client is reading. That worker runs it with
+those tokens as outputs already sent (``kv_mode.Local.resumed``) and streams what follows,
+without the chat role chunk, under the same id. Not signed: it only changes the sender's own
+answer (as a token-id prompt would).
+
 Lease rule: once a generation_only request's body was read, the lease it names is released on
 every path. The engine does it for a request it took; a request refused before that (bad field,
 wrong model, queue full...) releases it here at once instead of at lease expiry, but only toward
@@ -26,6 +36,7 @@ import contextlib
 import functools
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -34,13 +45,13 @@ from fastapi.responses import Response
 
 from disagg.cluster_auth import AUTH_HEADER
 from disagg.contracts import protocol as P
-from disagg.contracts.kv_mode import ContextOnly, ContextStream, Dummy, KVMode, Pull
+from disagg.contracts.kv_mode import ContextOnly, ContextStream, Dummy, KVMode, Local, Pull
 from disagg.contracts.params import ContextParams, LeaseRef, token_ids_hash, valid_stream_id
 from disagg.contracts.roles import RequestType, Role
 from disagg.layout import check_compatible
 from disagg.request import SamplingParams
 from disagg.server.fanout import Choice
-from disagg.server.formats import ChatFormat, Format
+from disagg.server.formats import ChatFormat, CompletionFormat, Format
 from disagg.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -176,6 +187,72 @@ def _token_ids(raw: Any) -> list[int]:
         raise P.bad_request("disaggregated_params.prompt_token_ids: expected a non-empty "
                             "list of token ids", param="disaggregated_params")
     return raw
+
+
+# ---- migration: token ids in the stream, a resumed request ---------------------------------
+
+_RESUME_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+
+
+def migration_fields(fmt: Format) -> None:
+    """Read the router's migration fields (module docstring) into ``fmt``: ``token_ids``
+    (each chunk's token ids in the stream) and ``resume`` (the answer's id and time, and the
+    tokens already streamed: ``fmt.resumed``). 400 naming the field when malformed."""
+    req = fmt.req
+    dp = req.disaggregated_params
+    if not isinstance(dp, dict):
+        return
+    fmt.token_ids = bool(req.stream) and dp.get("token_ids") is True
+    if "resume" not in dp:
+        return
+    where = "disaggregated_params.resume"
+    r = dp["resume"]
+    if req.request_type not in (None, RequestType.CONTEXT_AND_GENERATION):
+        raise P.bad_request(f"{where}: only with request_type context_and_generation",
+                            param=where)
+    if not isinstance(r, dict):
+        raise P.bad_request(f"{where}: must be an object", param=where)
+    ids, rid, created = r.get("output_token_ids"), r.get("id"), r.get("created")
+    if not (isinstance(ids, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+        raise P.bad_request(f"{where}.output_token_ids: expected a list of token ids "
+                            "(empty: only the chat role chunk went out)", param=where)
+    if not (isinstance(rid, str) and _RESUME_ID.fullmatch(rid)):
+        raise P.bad_request(f"{where}.id: 1-128 of A-Z a-z 0-9 _ . : -", param=where)
+    if not (isinstance(created, int) and not isinstance(created, bool) and created >= 0):
+        raise P.bad_request(f"{where}.created: expected a time in seconds", param=where)
+    # What a resumed stream cannot continue exactly: one choice, streamed, no echo (the prompt
+    # went out with the first chunk), no tools (their parser's state is not carried).
+    if not req.stream or req.n != 1:
+        raise P.bad_request(f"{where}: only a streamed request with n = 1 is resumed",
+                            param=where)
+    if isinstance(fmt, CompletionFormat) and (req.echo or len(req.prompts()) != 1):
+        raise P.bad_request(f"{where}: not with echo or several prompts", param=where)
+    if isinstance(fmt, ChatFormat) and req.tools:
+        raise P.bad_request(f"{where}: not with tools", param=where)
+    fmt.rid, fmt.created, fmt.resumed = rid, created, tuple(ids)
+
+
+def resume_choice(srv: ServerState, fmt: Format, choice: Choice) -> Choice:
+    """``choice`` (the request's one) continuing ``fmt.resumed``: its mode says so to the
+    engine, and its counts start after them (usage, completions' logprob text offsets)."""
+    if fmt.resumed is None:
+        return choice
+    where = "disaggregated_params.resume.output_token_ids"
+    vocab = srv.config.model.vocab_size
+    bad = next((t for t in fmt.resumed if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise P.bad_request(f"{where}: token id {bad} is out of range [0, {vocab})",
+                            param=where)
+    if len(fmt.resumed) >= choice.params.max_tokens:
+        raise P.bad_request(f"{where}: {len(fmt.resumed)} tokens, but max_tokens is "
+                            f"{choice.params.max_tokens}: nothing is left to generate",
+                            param=where)
+    choice.mode = Local(fmt.resumed)
+    choice.num_tokens = len(fmt.resumed)
+    if choice.params.logprobs is not None:
+        choice.text_offset = sum(len(srv.token_text(t)) for t in fmt.resumed)
+    return choice
 
 
 # ---- releasing the lease of a refused generation_only request --------------------------------

@@ -49,6 +49,9 @@ class Choice:
     pending_ids: list[int] = field(default_factory=list)
     pending_lps: list[dict[int, float]] = field(default_factory=list)
     text_offset: int = 0
+    # Token ids not yet reported in the stream (``Format.token_ids``): they go with the next
+    # chunk sent, as held-back logprobs do.
+    unreported_ids: list[int] = field(default_factory=list)
     # Its disaggregation mode (built by ``disagg_requests`` from disaggregated_params), handed
     # to the engine unchanged.
     mode: KVMode = LOCAL

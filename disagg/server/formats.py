@@ -40,6 +40,10 @@ class Format(abc.ABC):
         self.model = srv.model_name
         self.include_usage = req.include_usage_in_stream
         self.continuous_usage = req.continuous_usage_in_stream  # every chunk: running counts
+        # Migration (``disagg_requests.migration_fields``): each chunk's token ids in the
+        # stream for the router; the output tokens another worker streamed (a resumed answer).
+        self.token_ids = False
+        self.resumed: tuple[int, ...] | None = None
 
     def usage(self, choices: list[Choice]) -> dict[str, Any]:
         prompts: dict[int, list[Choice]] = {}
@@ -118,7 +122,8 @@ def cached_tokens(c: Choice) -> int:
     context worker's (it did the prefill; this worker pulled the KV)."""
     if isinstance(c.mode, Pull) and c.mode.params.cached_tokens is not None:
         return c.mode.params.cached_tokens
-    return c.final.num_cached_tokens if c.final is not None else 0
+    # (a resumed request's hit may cover some of its outputs too: only the prompt's count)
+    return min(c.final.num_cached_tokens, len(c.prompt_ids)) if c.final is not None else 0
 
 
 def final_output(c: Choice) -> Any:
@@ -274,7 +279,9 @@ class ChatFormat(Format):
         return answer
 
     def start_chunks(self, choices: list[Choice]) -> list[dict[str, Any]]:
-        # OpenAI opens each choice with a role-only delta.
+        # OpenAI opens each choice with a role-only delta (a resumed answer had it already).
+        if self.resumed is not None:
+            return []
         return [P.chat_chunk(self.rid, self.created, self.model,
                              [P.chat_chunk_choice(c.index, {"role": "assistant", "content": ""})],
                              self.running_usage(c), with_usage_field=self.include_usage)

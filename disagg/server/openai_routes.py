@@ -22,7 +22,13 @@ from disagg.contracts import protocol as P
 from disagg.contracts import responses as R
 from disagg.contracts.chat_prompt import render_chat
 from disagg.contracts.roles import RequestType
-from disagg.server.disagg_requests import disagg_choice, releasing_refused, request_type
+from disagg.server.disagg_requests import (
+    disagg_choice,
+    migration_fields,
+    releasing_refused,
+    request_type,
+    resume_choice,
+)
 from disagg.server.fanout import Choice
 from disagg.server.formats import ChatFormat, CompletionFormat, Format, ResponsesFormat
 from disagg.server.respond import respond
@@ -64,7 +70,9 @@ class OpenAIRoutes:
             logger.info("ignoring unknown request fields: %s", sorted(req.model_extra))
         srv.check_model(req.model)
         srv.check_accepting()
-        return fmt(srv, req, P.new_id(fmt.id_prefix))
+        out = fmt(srv, req, P.new_id(fmt.id_prefix))
+        migration_fields(out)  # (the router's: token ids in the stream, a resumed answer)
+        return out
 
     async def completions(self, request: Request) -> Response:
         t_arrival = time.monotonic()
@@ -87,6 +95,7 @@ class OpenAIRoutes:
                 index = pi * n + i  # OpenAI's order: choices of prompt 0, then prompt 1, ...
                 sub_id = rid if len(prompts) * n == 1 else f"{rid}-{index}"
                 choices.append(Choice(index, sub_id, pi, ids, text, P.choice_params(params, i)))
+        resume_choice(srv, fmt, choices[0])  # (a resumed request has one choice)
         return await respond(srv, request, choices, fmt, t_arrival)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -122,6 +131,7 @@ class OpenAIRoutes:
                    P.choice_params(params, i))
             for i in range(req.n)
         ]
+        resume_choice(srv, fmt, choices[0])  # (a resumed request has one choice)
         return await respond(srv, request, choices, fmt, t_arrival)
 
     async def responses(self, request: Request) -> Response:

@@ -132,14 +132,32 @@ async def _run(fan: FanOut) -> None:
             fan.abort()
 
 
+TOKEN_IDS_COMMENT = ": token_ids "  # an SSE comment line: clients ignore it
+
+
+def token_ids_line(ids: list[int]) -> str:
+    """The SSE comment line of a chunk's token ids (``disagg_requests``: migration); it opens
+    the chunk's event, so a reader that relays whole events never relays one without it."""
+    return TOKEN_IDS_COMMENT + ",".join(map(str, ids)) + "\n"
+
+
 async def sse_events(fan: FanOut, fmt: Format) -> AsyncIterator[str]:
     """The SSE events of a started fan-out, ending with ``[DONE]``."""
     try:
-        for chunk in fmt.start_chunks(fan.choices):
+        for i, chunk in enumerate(fmt.start_chunks(fan.choices)):
+            if fmt.token_ids and i == 0:
+                yield token_ids_line([])  # (no token yet: the router may resume after it)
             yield fmt.sse(chunk)
         async for c, out in fan.events():
             chunk = fmt.delta_chunk(c, out)
-            for one in chunk if isinstance(chunk, list) else [chunk] if chunk else []:
+            chunks = chunk if isinstance(chunk, list) else [chunk] if chunk else []
+            if fmt.token_ids:
+                c.unreported_ids.extend(out.outputs[0].delta_token_ids)
+                if chunks and c.unreported_ids:
+                    # The router's (it strips the line): the ids of the text sent so far.
+                    yield token_ids_line(c.unreported_ids)
+                    c.unreported_ids = []
+            for one in chunks:
                 yield fmt.sse(one)  # a list: tool-call deltas (name first, then arguments)
         if fmt.include_usage:
             yield fmt.sse(fmt.usage_chunk(fan.choices))
