@@ -199,8 +199,11 @@ def _serving(cluster: Cluster, names: list[str], before: dict[str, float]) -> st
     return None
 
 
-def test_cut_link_fails_the_request_and_the_router_routes_around(
+def test_cut_link_moves_the_request_and_the_router_routes_around(
         cluster: Cluster, reference: str) -> None:
+    """The link of the host decoding a stream is cut: after the router's upstream timeout the
+    stream goes on on the other generation host (migration: the tokens already streamed are
+    recomputed there), and the client's text is an uninterrupted run's."""
     gens = ["gen0", "late"]
     wait_for(lambda: len(cluster.pool_urls("generation")) == 2, 30, what="two generation hosts")
     before = {n: metric(cluster.url(n), "disagg_generation_tokens_total") for n in gens}
@@ -223,13 +226,12 @@ def test_cut_link_fails_the_request_and_the_router_routes_around(
                 t_cut = time.monotonic()
     assert victim is not None and t_cut is not None, "the stream ended before the cut"
     elapsed = time.monotonic() - t_cut
-    # Failed cleanly: an error event, not a finished answer, and no hang.
-    assert "error" in events[-1], events[-1]
-    assert not any(ch.get("finish_reason") == "length" for ev in events
-                   for ch in ev.get("choices", []))
-    assert elapsed < UPSTREAM_TIMEOUT_S + 10, elapsed
-    print(f"{cluster.backend}: cut {victim} after {len(events) - 1} chunks; the request "
-          f"failed {elapsed:.2f} s later: {events[-1]['error']}")
+    assert not any("error" in ev for ev in events), [ev for ev in events if "error" in ev]
+    text = "".join(ch.get("text", "") for ev in events for ch in ev.get("choices", []))
+    assert text == _complete(reference, PROMPTS[1], 480)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    print(f"{cluster.backend}: cut {victim} after 3 chunks; the stream went on elsewhere and "
+          f"ended {elapsed:.2f} s later")
     # The router drops the silent host and sends later requests to the other one.
     victim_url = f"{cluster.workers[victim].addr}:{PORT}"
     wait_for(lambda: victim_url not in cluster.pool_urls("generation"), 30,

@@ -108,7 +108,10 @@ def test_router_signs_its_calls_to_workers(loop: LoopThread, tiny_llama: str) ->
     ctx, gen = RecordingWorker("context"), RecordingWorker("generation")
     runners = [loop.serve(w.app) for w in (ctx, gen)]
     try:
+        # (max_migrations 0: a dropped generation call fails the request, and the lease is
+        # released by a signed call, checked below)
         cfg = {"model": tiny_llama, "health_check_interval_sec": 0.2, "max_retries": 0,
+               "max_migrations": 0,
                "context_servers": {"urls": [runners[0][1].removeprefix("http://")],
                                    "router": {"type": "kv_cache_aware",
                                               "kv_events_poll_interval_sec": 0.05}},

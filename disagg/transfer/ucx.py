@@ -448,6 +448,10 @@ class UcxConnection(Connection):
             tags = self._next_tags(len(views))
             return [self._ep.recv(v, tag=t, force_tag=True) for v, t in zip(views, tags,
                                                                              strict=True)]
+        if self._ctl.peer_closed():  # aborted before we posted (a reader that was stopped):
+            self._abort()            # its sends were cancelled, our receives would wait
+            raise ConnectionClosedError(f"{self.peer}: the server closed the connection "
+                                        f"before the payload (it aborted the read)")
         await self._io_start(post)
         if self._ctl.peer_closed():
             self._abort()
