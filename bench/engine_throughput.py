@@ -35,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -195,6 +196,20 @@ def decode_efficiency(model_dir: str, batch_size: int, ctx: int, steps: int) -> 
     return statistics.median(engine_times), statistics.median(bare_times)
 
 
+def machine_lines(load0: Sequence[float]) -> list[str]:
+    """The results files' machine lines: platform, torch and its threads, the CPU kernels in
+    use, the CPU model and the load average before (``load0``) and after the run."""
+    return [
+        f"- machine: {platform.machine()}, {os.cpu_count()} cores, {platform.system()}, "
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, device cpu, float32, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, CPU kernels "
+        f"{', '.join(k for k, on in kernels.status().items() if on) or 'none (PyTorch path)'}",
+        f"- CPU: {cpu_model()}; load average (1, 5, 15 min) before "
+        f"{', '.join(f'{x:.2f}' for x in load0)}, after "
+        f"{', '.join(f'{x:.2f}' for x in os.getloadavg())} (a shared machine)",
+    ]
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -264,13 +279,7 @@ def main() -> None:
     lines = [
         f"## engine_throughput ({time.strftime('%Y-%m-%d')})",
         "",
-        f"- machine: {platform.machine()}, {os.cpu_count()} cores, {platform.system()}, "
-        f"torch {torch.__version__}, threads {torch.get_num_threads()}, device cpu, float32, "
-        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, CPU kernels "
-        f"{', '.join(k for k, on in kernels.status().items() if on) or 'none (PyTorch path)'}",
-        f"- CPU: {cpu_model()}; load average (1, 5, 15 min) before "
-        f"{', '.join(f'{x:.2f}' for x in load0)}, after "
-        f"{', '.join(f'{x:.2f}' for x in os.getloadavg())} (a shared machine)",
+        *machine_lines(load0),
         f"- model: {describe_model(args.model)}, {n_params / 1e6:.1f} M parameters",
         f"- workload: {args.num_requests} requests, prompt {'-'.join(map(str, args.prompt_len))}"
         f", output {'-'.join(map(str, args.output_len))} tokens (seed {args.seed}), {e_tok} "

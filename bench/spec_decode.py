@@ -41,7 +41,6 @@ import os
 
 # As bench/engine_throughput.py: passive OpenMP waits keep runs on a shared 2-core box steady.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-import platform
 import shutil
 import statistics
 import sys
@@ -52,9 +51,8 @@ from typing import Any
 
 import torch
 
-from bench.engine_throughput import cpu_model, describe_model
+from bench.engine_throughput import describe_model, machine_lines
 from disagg.engine import LLMEngine
-from disagg.model import kernels
 from disagg.model.tiny import ensure_tiny_model
 from disagg.request import SamplingParams
 from disagg.tokenizer import Tokenizer, load_tokenizer
@@ -515,18 +513,6 @@ def run_model(args: argparse.Namespace, name: str, label: str, model_dir: str,
             "methods": {m.name: {"label": m.label, "speculative_config": m.spec}
                         for m in methods},
             "rows": rows, "headline": headline(label, rows, args.batches)}
-
-
-def machine_lines(load0: Sequence[float]) -> list[str]:
-    return [
-        f"- machine: {platform.machine()}, {os.cpu_count()} cores, {platform.system()}, "
-        f"torch {torch.__version__}, threads {torch.get_num_threads()}, device cpu, float32, "
-        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, CPU kernels "
-        f"{', '.join(k for k, on in kernels.status().items() if on) or 'none (PyTorch path)'}",
-        f"- CPU: {cpu_model()}; load average (1, 5, 15 min) before "
-        f"{', '.join(f'{x:.2f}' for x in load0)}, after "
-        f"{', '.join(f'{x:.2f}' for x in os.getloadavg())} (a shared machine)",
-    ]
 
 
 def render(result: dict[str, Any]) -> str:

@@ -54,7 +54,8 @@ from disagg.bench.ratematch.model import pareto_frontier
 from disagg.bench.ratematch.report import _config_json, build_result
 from disagg.bench.ratematch.sweep import RateMatcher, note
 from disagg.bench.runner import BenchmarkConfig, resolve_model
-from disagg.config import ConfigError, SpeculativeConfig
+from disagg.config import ConfigError
+from disagg.contracts.options import speculative_mapping
 
 RESULT_KIND = "disagg-bench-rate-match-layouts"
 RESULT_VERSION = 1
@@ -137,14 +138,6 @@ class GenSpec:
                                                json.dumps(self.config, sort_keys=True)]
 
 
-def _spec_config(value: Any) -> dict[str, Any]:
-    """A checked ``speculative_config`` as a JSON object (the lookup bounds filled in)."""
-    spec = SpeculativeConfig.parse(value)
-    assert spec is not None
-    return {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
-            if getattr(spec, f.name) is not None}
-
-
 def _spec_label(cfg: dict[str, Any]) -> str:
     k = cfg["num_speculative_tokens"]
     if cfg["method"] == "ngram":
@@ -159,7 +152,7 @@ def _gen_spec(item: Any) -> GenSpec:
     if item is None or (isinstance(item, str) and item.strip().lower() == "off"):
         return GenSpec("off")
     if isinstance(item, dict):
-        cfg = _spec_config(item)
+        cfg = speculative_mapping(item)
         return GenSpec(_spec_label(cfg), cfg)
     if not isinstance(item, str):
         raise ValueError(f"{item!r} is not off, a short form or a JSON object")
@@ -178,7 +171,7 @@ def _gen_spec(item: Any) -> GenSpec:
             raise ValueError(f"{item!r}: no draft checkpoint at {obj['model']!r}")
     else:
         raise ValueError(f"{item!r} is not off, ngram[:K[:N]], draft:K:DIR or a JSON object")
-    cfg = _spec_config(obj)
+    cfg = speculative_mapping(obj)
     return GenSpec(_spec_label(cfg), cfg)
 
 
