@@ -451,7 +451,13 @@ def test_tiny_cli_writes_moe_checkpoints(tmp_path, capsys: pytest.CaptureFixture
 
 # -- CUDA (skipped without a device; the Triton kernels also: tests/test_triton_moe.py) ------
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+_skip_without_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                        reason="needs a CUDA device")
+
+
+def needs_cuda(test: Callable[..., None]) -> Callable[..., None]:
+    """Marked ``gpu`` (bench/gpu/run_all.sh runs ``pytest -m gpu``) and skipped without CUDA."""
+    return pytest.mark.gpu(_skip_without_cuda(test))
 
 
 @needs_cuda

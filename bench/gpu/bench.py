@@ -206,7 +206,7 @@ def random_weights(seed: int = 0) -> Iterator[None]:
 
     def load(model_dir: str, config: ModelConfig | None = None, dtype: Any = torch.float32,
              device: Any = "cpu", layer_range: Any = None, tp_rank: int = 0,
-             tp_size: int = 1) -> LlamaForCausalLM:
+             tp_size: int = 1, expert_parallel: bool = False) -> LlamaForCausalLM:
         from disagg.model.loader import as_torch_dtype
 
         if layer_range not in (None, (0, config.num_hidden_layers)) or tp_size != 1:

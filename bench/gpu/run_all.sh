@@ -7,10 +7,12 @@
 #   pytest.log      pytest -m gpu tests/test_gpu.py (-v -rA, full tracebacks)
 #   bench.log       bench.fused_projections's and bench.gpu.bench's output
 #   gpu.md          the report bench.py writes (copy it to bench/results/gpu.md)
+#   profile.md      bench.gpu.profile_decode's report (profile.log: its output)
 #   checks/NAME.txt each check script's --out file (at most 4)
 #
 #   OUT=/tmp/out bash bench/gpu/run_all.sh
-#   STEPS=bench OUT=... bash bench/gpu/run_all.sh        # only some of: tests,checks,fused,bench
+#   STEPS=bench OUT=... bash bench/gpu/run_all.sh        # only some of: ipc,tests,profile,
+#                                                        # checks,fused,bench
 #   BENCH_ARGS="--sections llama8b" ...                  # extra bench.py arguments
 #   CHECKS=check_kv,check_graph ...                      # only these check scripts
 # Exit status: 0 when every step passed, else 1 (every step runs regardless).
@@ -18,7 +20,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 : "${OUT:?set OUT to the folder results go to}"
 TOTAL_S=${TOTAL_S:-530}
-STEPS=${STEPS:-tests,checks,fused,bench}
+STEPS=${STEPS:-ipc,tests,profile,checks,fused,bench}
 BENCH_ARGS=${BENCH_ARGS:-}
 PYTEST_ARGS=${PYTEST_ARGS:-}  # the GPU tests to run (pytest arguments; empty: tests/test_gpu.py)
 CHECKS=${CHECKS:-}  # comma list of check names (check_attn,...) to run; empty: all
@@ -99,8 +101,19 @@ tail -n +1 "$LOG"
 # ---- GPU tests
 if want tests; then
   # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
-  STEPLOG="$OUT/pytest.log" run "pytest -m gpu" "$(( $(left) < 150 ? $(left) - 5 : 150 ))" \
+  STEPLOG="$OUT/pytest.log" run "pytest -m gpu" "$(( $(left) < ${PYTEST_S:-150} ? $(left) - 5 : ${PYTEST_S:-150} ))" \
     python3 -m pytest -m gpu -v -rA --tb=long -p no:cacheprovider ${PYTEST_ARGS:-tests/test_gpu.py}
+fi
+
+# ---- CUDA IPC between two processes (what the same-node KV path needs), < 30 s
+if want ipc; then
+  run "bench.gpu.probe_ipc" "$(( $(left) < 60 ? $(left) - 5 : 60 ))" python3 -m bench.gpu.probe_ipc
+fi
+
+# ---- where a decode step's time goes (8B shape, batch 1 and 64), ~60 s on an H100
+if want profile; then
+  STEPLOG="$OUT/profile.log" run "bench.gpu.profile_decode" "$(( $(left) < 150 ? $(left) - 5 : 150 ))" \
+    python3 -m bench.gpu.profile_decode --out "$OUT/profile.md"
 fi
 
 # ---- device check scripts of the other parts (each: --out FILE, < 90 s)
