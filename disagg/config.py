@@ -425,9 +425,14 @@ class SchedulerConfig:
     capacity_policy: CapacityPolicy = CapacityPolicy.GUARANTEED_NO_EVICT
     max_model_len: int | None = None  # prompt + output limit; None = model's max positions
     max_queue: int | None = None  # waiting requests beyond which new ones are refused
+    # Launch the next plan of plain decodes before this step's outputs are built (the device
+    # computes while the host detokenizes); None: on for a CUDA worker (LLMEngine.step).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         _require(self.max_batch_size > 0, "max_batch_size", "must be > 0")
+        _require(self.async_scheduling in (None, True, False), "async_scheduling",
+                 "must be true or false")
         _require(self.max_num_tokens > 0, "max_num_tokens", "must be > 0")
         if not isinstance(self.capacity_policy, CapacityPolicy):
             try:
@@ -710,6 +715,7 @@ ENGINE_OPTION_NAMES = (
     "max_batch_size", "max_num_tokens", "enable_chunked_context", "capacity_policy",
     "max_model_len", "max_queue", "tensor_parallel_size", "pipeline_parallel_size",
     "pp_partition", "enable_expert_parallel", "dtype", "device", "seed", "speculative_config",
+    "async_scheduling",
 )
 
 

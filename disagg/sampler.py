@@ -23,7 +23,7 @@ top-p), as vLLM reports them by default.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +106,49 @@ class Sampler:
         except Exception:  # some row broke the batch: find it, fail only that request
             return self._row_by_row(logits, list(params), list(positions), banned, hist)
         return SamplerOutput(tokens, logprobs, [None] * n)
+
+    def sample_deferred(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        positions: Sequence[int],
+        banned_token_ids: Sequence[tuple[int, ...]] | None = None,
+        histories: Sequence[TokenHistory] | None = None,
+    ) -> Callable[[], SamplerOutput]:
+        """``sample`` (no grammar masks) with the device -> host read left for later: the
+        device work is queued now and its result is copied into pinned host memory behind it
+        (an event marks the copy); the returned function waits for that event only, never
+        for work queued after it (the next step's forward, under async scheduling), and
+        unpacks. On CPU the result is read at once. A batch whose device work cannot be queued
+        (a bad row) is sampled by ``sample`` now (row by row, rows failing alone)."""
+        n = len(params)
+        banned = list(banned_token_ids) if banned_token_ids else [()] * n
+        hist = list(histories) if histories is not None else None
+        try:
+            if logits.shape[0] != n or len(positions) != n or len(banned) != n:
+                raise ValueError(f"{logits.shape[0]} logit rows for {n} params")
+            x = logits if logits.dtype == torch.float32 else logits.float()
+            pen = PenaltyPlan.of(list(params), hist, x.shape[1])
+            if not any(banned) and all(p.temperature < SAMPLING_EPS and p.logprobs is None
+                                       for p in params):
+                # as _sample_rows' all-greedy path
+                x = torch.nan_to_num(x, nan=_NEG_INF, posinf=torch.finfo(torch.float32).max)
+                if pen is not None:
+                    x = apply_penalties(x, pen)
+                fetch = _to_host_later(x.argmax(dim=-1))
+                return lambda: SamplerOutput([int(t) for t in fetch()], [None] * n, [None] * n)
+            plan = _RowPlan.of(list(params), banned, x.shape[1])
+            u = self._uniforms([params[i] for i in plan.s_rows],
+                               [positions[i] for i in plan.s_rows])
+            fetch = _to_host_later(_sample_on_device(x, plan, u, pen, read=False))
+        except Exception:  # as sample(): find the row that broke the batch, now
+            out = self.sample(logits, params, positions, banned_token_ids, histories)
+            return lambda: out
+
+        def finish() -> SamplerOutput:
+            tokens, logprobs = _unpack(fetch(), n, plan)
+            return SamplerOutput(tokens, logprobs, [None] * n)
+        return finish
 
     def _row_by_row(self, logits: torch.Tensor, params: list[SamplingParams],
                     positions: list[int], banned: list[tuple[int, ...]],
@@ -202,9 +245,11 @@ class _RowPlan:
 
 
 def _sample_on_device(logits: torch.Tensor, plan: _RowPlan, u: list[float],
-                      pen: PenaltyPlan | None = None) -> list[float]:
+                      pen: PenaltyPlan | None = None, read: bool = True
+                      ) -> list[float] | torch.Tensor:
     """Tokens, then (when rows want logprobs) the chosen tokens' logprobs and each logprob
-    group's top-n ids and values, flattened into one list by one ``tolist``."""
+    group's top-n ids and values, flattened into one list by one ``tolist`` (``read`` False:
+    the flat float64 device tensor, not read)."""
     dev = logits.device
     # One float64 upload (integers below 2^53 are exact), laid out as
     #   s_rows | temps | top-k | top_p (p_rows) | p_rows | min_p | u | want_lp | ban rows
@@ -242,7 +287,25 @@ def _sample_on_device(logits: torch.Tensor, plan: _RowPlan, u: list[float],
         for k, gi in zip(plan.groups, group_idx, strict=True):
             top = torch.topk(raw_lp.index_select(0, gi.long()), k, dim=-1)
             down += [top.indices.flatten().double(), top.values.flatten().double()]
-    return torch.cat(down).tolist()
+    flat = torch.cat(down)
+    return flat.tolist() if read else flat
+
+
+def _to_host_later(t: torch.Tensor) -> Callable[[], list]:
+    """A function returning ``t.tolist()`` that, on CUDA, waits only for a copy into pinned
+    host memory queued now (an event after it), not for what the stream runs later."""
+    if t.device.type != "cuda":
+        values = t.tolist()
+        return lambda: values
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def fetch() -> list:
+        done.synchronize()
+        return host.tolist()
+    return fetch
 
 
 def _unpack(flat: list[float], n: int, plan: _RowPlan

@@ -56,15 +56,16 @@ from disagg import SamplingParams
 
 # Kernel classes, first match wins (lower-case substrings of the kernel's name).
 CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("attention", ("paged", "attn", "attention", "flash", "sdpa", "fmha")),
-    ("norm", ("rms", "norm")),
-    ("rope", ("rope", "rotary")),
-    ("sampling", ("argmax", "softmax", "topk", "sort", "multinomial", "exponential", "max_",
-                  "reduce", "cumsum", "log_")),
-    ("GEMM", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "matmul", "mm_", "splitk",
+    ("attention", ("paged", "attn", "attention", "flash", "sdpa", "fmha", "_decode_split",
+                   "_decode_reduce", "_prefill")),
+    ("GEMM", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "matmul", "splitk",
               "wgmma", "sm90")),
+    ("RoPE + KV write", ("rope", "rotary", "index_put", "neg_kernel", "catarraybatchedcopy")),
+    ("norm", ("rms", "norm")),
     ("activation", ("silu", "gelu", "act_and_mul", "swiglu")),
-    ("copies", ("memcpy", "memset", "copy", "cat", "index", "scatter", "gather", "fill")),
+    ("sampling", ("argmax", "softmax", "topk", "sort", "multinomial", "exponential",
+                  "nan_to_num", "cumsum")),
+    ("copies", ("memcpy", "memset", "copy", "index", "scatter", "gather", "fill")),
     ("elementwise", ("elementwise", "vectorized", "unrolled", "mul", "add")),
 )
 

@@ -248,6 +248,9 @@ class WorkerOptions:
         "activations + KV cache), in (0, 1]; workers sharing a GPU split it", metavar="F")
     enforce_eager: bool | None = _engine(bool, "CUDA: run decode steps eagerly, without CUDA "
                                          "graphs")
+    async_scheduling: bool | None = _engine(
+        bool, "launch the next step of plain decodes before this step's outputs are built, so "
+        "the device computes while the host detokenizes (default: on for CUDA)")
     cuda_graph_max_batch_size: int | None = _engine(
         int, "CUDA: largest decode batch captured as a CUDA graph", metavar="N")
     enable_prefix_caching: bool | None = _engine(bool, "reuse cached KV blocks of shared "

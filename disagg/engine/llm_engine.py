@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -97,6 +97,11 @@ class LLMEngine:
         self._states: dict[str, RequestState] = {}
         self._last_sched: SchedulerOutput | None = None
         self._steps = 0
+        # Async scheduling (see step()); None: on for CUDA, where the device runs ahead.
+        asched = config.scheduler.async_scheduling
+        self._async_scheduling = (config.device.startswith("cuda") if asched is None
+                                  else asched)
+        self._inflight: _InFlight | None = None
         self.connector: KVConnector | None = None  # None: an aggregated worker
         if disagg is not None:
             try:
@@ -302,6 +307,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Release the executor (stops and reaps the other ranks of a parallel worker)."""
+        self._inflight = None
         if self.connector is not None:
             self.connector.shutdown()
         self.runner.shutdown()
@@ -309,6 +315,8 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self._inflight is not None:  # async scheduling: the plan the last call launched
+            return self._complete(self._inflight)
         sched = self.scheduler.schedule()
         if self.proposer is not None and sched.num_decodes:
             sched = self._propose(sched)
@@ -335,7 +343,14 @@ class LLMEngine:
             outputs += self._fail_requests([r.request_id for r in sched.scheduled], repr(e))
             self.scheduler.update_from_output(sched, {})  # every plan entry is now stale
             return outputs
+        return self._finish_step(sched, sampled, accepted, sampling_failed, outputs)
 
+    def _finish_step(self, sched: SchedulerOutput, sampled: dict[str, int],
+                     accepted: dict[str, list[int]], sampling_failed: list[tuple[str, str]],
+                     outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Apply a step's sampled tokens (scheduler, then detokenizer and stops) and build
+        its outputs; under async scheduling the next plan is launched in between, so the
+        device runs it while this step's outputs are built."""
         # A request whose own sampling failed ends alone; its batch-mates go on. Finished
         # before update_from_output, which then ignores its plan entry.
         for rid, err in sampling_failed:
@@ -347,8 +362,92 @@ class LLMEngine:
                     for r in sched.scheduled if r.num_spec and r.request_id in sampled}
         finished = {r.request_id
                     for r in self.scheduler.update_from_output(sched, sampled, accepted)}
+        if self._async_scheduling:
+            outputs += self._launch_next()
         outputs += self._outputs_of_step(sampled, finished, verified)
         return self._collect_finished_without_step(outputs)
+
+    # ---- async scheduling -----------------------------------------------------------------
+    #
+    # One plan in flight at most. A call of step() reads the tokens of the plan launched by
+    # the call before (waiting for its sampling only, not for the plan launched after it),
+    # applies them to the scheduler, schedules and launches the next plan, and only then
+    # detokenizes and builds this step's outputs, while the device computes:
+    #
+    #   host:   read k | update k | schedule + launch k+1 | detokenize k, outputs k | read k+1
+    #   device: ... k  |          (idle)                  | forward + sample k+1 ...
+    #
+    # Only a plan of plain decodes is launched early (every running request decodes, none
+    # waits, no grammar, no drafts): their input tokens are known once step k is applied.
+    # A stop string found in step k's text (or an abort) ends a request whose next token is
+    # already in flight: that token is dropped (update_from_output ignores stale entries) and
+    # its KV lands in a block that was freed, which nothing can read before the stream has
+    # run it (every later write is queued behind it).
+
+    def _can_launch_next(self) -> bool:
+        if self.proposer is not None:
+            return False
+        sch = self.scheduler
+        if sch.waiting or not sch.running:
+            return False
+        for req in sch.running:
+            st = self._states.get(req.request_id)
+            if (st is None or st.matcher is not None
+                    or req.num_computed_tokens != req.num_tokens - 1):
+                return False
+        return True
+
+    def _launch_next(self) -> list[RequestOutput]:
+        """Schedule and launch the next plan now when it is all plain decodes (see above);
+        returns outputs owed by the scheduling itself (KV loads that failed to start)."""
+        if not self._can_launch_next():
+            return []
+        sched = self.scheduler.schedule()
+        self._last_sched = sched
+        self._steps += 1
+        outputs = self._start_loads(sched) if sched.kv_fetches else []
+        if not sched.scheduled:
+            self.scheduler.update_from_output(sched, {})
+            return outputs
+        if self.connector is not None:
+            self.connector.start_step(sched)
+        try:
+            self._inflight = self._launch(sched)
+        except WorkerDiedError:
+            raise
+        except torch.cuda.OutOfMemoryError:  # the synchronous path isolates the request
+            result = self._execute(sched)
+            self._inflight = _InFlight(sched, lambda: result)
+        except Exception as e:  # failed at launch: failed when read (the step's requests)
+            err = e
+            self._inflight = _InFlight(sched, lambda: _raise(err))
+        return outputs
+
+    def _launch(self, sched: SchedulerOutput) -> _InFlight:
+        """Queue the forward and the sampling of a plain-decode plan on the device; the
+        tokens are read by ``_complete`` (the next call of ``step``)."""
+        rids, logits = self.runner.execute(sched)
+        if not rids or logits is None:
+            return _InFlight(sched, lambda: ({}, {}, []))
+        states = [self._states[rid] for rid in rids]
+        params, banned, histories = sampling_inputs(states)
+        fetch = self.sampler.sample_deferred(
+            logits, params, [st.request.num_output_tokens for st in states], banned, histories)
+        return _InFlight(sched, lambda: self._merge_results([(rids, fetch())]))
+
+    def _complete(self, inflight: _InFlight) -> list[RequestOutput]:
+        self._inflight = None
+        sched = inflight.sched
+        try:
+            sampled, accepted, sampling_failed = inflight.finish()
+        except WorkerDiedError:
+            raise
+        except Exception as e:
+            logger.exception("engine step failed")
+            outputs = self._fail_requests([r.request_id for r in sched.scheduled], repr(e))
+            self.scheduler.update_from_output(sched, {})
+            return outputs
+        return self._finish_step(sched, sampled, accepted, sampling_failed, [])
 
     def _propose(self, sched: SchedulerOutput) -> SchedulerOutput:
         """Fill the decodes' draft slots from the proposer (cut where a request's grammar
@@ -387,19 +486,29 @@ class LLMEngine:
         if not results:
             # A request too large for the memory left fails alone: re-run in smaller groups.
             results, oom_failed = run_isolating_oom(self._run_step, sched)
+        sampled, accepted, sampling_failed = self._merge_results(results)
+        return sampled, accepted, sampling_failed + oom_failed
+
+    def _merge_results(self, results: list[tuple[list[str], SamplerOutput | None]]) -> tuple[
+            dict[str, int], dict[str, list[int]], list[tuple[str, str]]]:
+        """Sampled tokens, accepted drafts and per-request failures of a step's results;
+        logprobs go into the requests' states. Requests ended meanwhile (an abort while their
+        plan was in flight) are skipped."""
         sampled: dict[str, int] = {}
         accepted: dict[str, list[int]] = {}
-        sampling_failed: list[tuple[str, str]] = list(oom_failed)
+        sampling_failed: list[tuple[str, str]] = []
         for rids, out in results:
             if out is None:
                 continue
             for i, (rid, tok, lp, err) in enumerate(zip(rids, out.token_ids, out.logprobs,
                                                         out.errors, strict=True)):
+                st = self._states.get(rid)
+                if st is None:
+                    continue
                 if err is not None:
                     sampling_failed.append((rid, err))
                     continue
                 sampled[rid] = tok
-                st = self._states[rid]
                 if out.accepted is not None and out.accepted[i]:
                     accepted[rid] = out.accepted[i]
                     if st.logprobs is not None and out.accepted_logprobs is not None:
@@ -600,3 +709,16 @@ def role_drain(engine: LLMEngine) -> RoleDrain:
     # the requests whose mode needs the current role (context, or pulled / dummy KV)
     requests = sum(1 for st in engine._states.values() if st.mode.needs_role == connector.role)
     return RoleDrain(leases=leases, requests=requests, pulls=pulls)
+
+
+@dataclass
+class _InFlight:
+    """A launched plan (async scheduling): ``finish()`` waits for its sampled tokens and
+    returns (sampled, accepted, failed) as ``LLMEngine._execute`` does."""
+
+    sched: SchedulerOutput
+    finish: Callable[[], tuple[dict[str, int], dict[str, list[int]], list[tuple[str, str]]]]
+
+
+def _raise(e: BaseException) -> NoReturn:
+    raise e

@@ -42,6 +42,16 @@ BLOCK_M = 16  # rows (pairs) per program; tl.dot needs >= 16
 
 if HAS_TRITON:
     @triton.jit
+    def _mma(a, b, acc):
+        # float32 inputs: IEEE products (tl.dot's default is TF32, 3e-3 off the PyTorch
+        # reference on an H200, and the runner's check then refuses the kernel); 16-bit
+        # inputs: tensor cores, float32 accumulation.
+        if a.dtype == tl.float32:
+            return tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            return tl.dot(a, b, acc)
+
+    @triton.jit
     def _gate_up_kernel(x_ptr, w13_ptr, act_ptr, slot_pair_ptr, block_expert_ptr,
                         num_tokens, num_pairs, hidden, inter, num_local,
                         stride_x, stride_we, stride_wn, stride_act,
@@ -70,8 +80,8 @@ if HAS_TRITON:
                          mask=col_ok[None, :] & k_ok[:, None], other=0.0)
             wu = tl.load(w_e + (inter + cols)[None, :] * stride_wn + (k0 + ks)[:, None],
                          mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-            acc_g = tl.dot(xa, wg, acc_g)
-            acc_u = tl.dot(xa, wu, acc_u)
+            acc_g = _mma(xa, wg, acc_g)
+            acc_u = _mma(xa, wu, acc_u)
         # The activation rounds like PyTorch's: gate and up in the activations' dtype first.
         g = acc_g.to(act_ptr.dtype.element_ty).to(tl.float32)
         u = acc_u.to(act_ptr.dtype.element_ty).to(tl.float32)
@@ -103,7 +113,7 @@ if HAS_TRITON:
                         mask=live[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_e + cols[None, :] * stride_wn + (k0 + ks)[:, None],
                         mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-            acc = tl.dot(a, w, acc)
+            acc = _mma(a, w, acc)
         # The expert's output rounds to the activations' dtype, then the router weight
         # scales it in float32 (``grouped_experts``: ys * weights, cast after).
         y = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
