@@ -118,6 +118,10 @@ class PhaseTimer:
         return {k: statistics.median(s.get(k, 0.0) for s in self.steps) for k in names}
 
 
+def dev_is_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
 def sync(dev: str) -> None:
     if dev.startswith("cuda"):
         torch.cuda.synchronize()
@@ -152,6 +156,11 @@ def phases(eng: Any) -> Iterator[PhaseTimer]:
     pt.wrap(eng.sampler, "sample", "sample (incl. waiting for the device)")
     pt.wrap(eng.scheduler, "update_from_output", "scheduler update")
     pt.wrap(eng, "_outputs_of_step", "detokenize + outputs")
+    # async scheduling: the launch of the next plan, and the wait for a plan's tokens
+    pt.wrap(eng, "_launch_next", "schedule + launch the next plan (async)")
+    pt.wrap(eng.sampler, "sample_deferred", "sampling launch (async)")
+    if dev_is_cuda():
+        pt.wrap(torch.cuda.Event, "synchronize", "waiting for the device (async: event)")
     try:
         yield pt
     finally:
@@ -159,15 +168,18 @@ def phases(eng: Any) -> Iterator[PhaseTimer]:
 
 
 def timed_steps(eng: Any, n: int, dev: str, pt: PhaseTimer | None = None) -> list[float]:
+    """Wall time of each of ``n`` calls of ``engine.step()``, back to back: the device is
+    synchronised before the first only, so under async scheduling a call's time is the
+    pipeline's period (each call waits for the plan the call before launched)."""
     out = []
+    sync(dev)
     for _ in range(n):
-        sync(dev)
         t0 = time.perf_counter()
         eng.step()
-        sync(dev)
         out.append(time.perf_counter() - t0)
         if pt is not None:
             pt.end_step()
+    sync(dev)
     return out
 
 
@@ -247,7 +259,8 @@ def kernel_profile(step: Callable[[], Any], steps: int, dev: str) -> dict[str, A
 
 def profile_batch(eng: Any, batch: int, plan: Any, cfg: Any, wbytes: float, bw: float,
                   dev: str, steps: int) -> list[str]:
-    lines = [f"### Batch {batch}", ""]
+    mode = "async scheduling" if getattr(eng, "_async_scheduling", False) else "synchronous"
+    lines = [f"### Batch {batch}, {mode} engine loop", ""]
     total_steps = 6 + 2 * steps + 8
     start_decodes(eng, batch, plan.decode_ctx, total_steps + 4, cfg.vocab_size, seed=batch)
     timed_steps(eng, 3, dev)  # warm
@@ -322,7 +335,12 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU: code paths only)")
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--modes", default="sync,async",
+                    help="engine loops to profile, each batch in each: sync, async")
     args = ap.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or any(m not in ("sync", "async") for m in modes):
+        ap.error(f"--modes: a comma list of sync, async; got {args.modes!r}")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     plan = make_plan(args.quick or dev == "cpu")
     batches = tuple(int(b) for b in args.batches.split(","))
@@ -350,12 +368,17 @@ def main() -> int:
                              f"{runner_features(llm)}; weights read per step {gb(wbytes)}.")
                 lines.append("")
                 for b in batches:
-                    try:
-                        lines += profile_batch(eng, b, plan, cfg, wbytes, bw, dev, args.steps)
-                    except Exception:  # noqa: BLE001
-                        tb = traceback.format_exc()
-                        print(tb, flush=True)
-                        lines += [f"### Batch {b}: failed", "", "```", tb[-2500:], "```", ""]
+                    for mode in modes:
+                        # between batches nothing is in flight: the loop's mode may change
+                        eng._async_scheduling = mode == "async"
+                        try:
+                            lines += profile_batch(eng, b, plan, cfg, wbytes, bw, dev,
+                                                   args.steps)
+                        except Exception:  # noqa: BLE001
+                            tb = traceback.format_exc()
+                            print(tb, flush=True)
+                            lines += [f"### Batch {b} ({mode}): failed", "", "```", tb[-2500:],
+                                      "```", ""]
                     free_device(dev)
                     Path(args.out).write_text("\n".join(head + lines) + "\n")
             finally:
