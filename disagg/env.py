@@ -39,6 +39,11 @@ DISAGG_KV_RUNS             boolean         true                      false: KV p
                                                                      staged (gather, one UCX
                                                                      message, receive buffer +
                                                                      install; A/B only)
+DISAGG_KV_IPC              boolean         true                      false: never read a
+                                                                     context rank's GPU KV
+                                                                     cache mapped into this
+                                                                     process (same host, CUDA
+                                                                     IPC); move the bytes
 CUDA_VISIBLE_DEVICES       list of ids     unset: all GPUs           GPUs ``disagg launch`` may
                                                                      give its workers
 UCX_TLS                    str             unset                     UCX's transports: read only
@@ -215,6 +220,10 @@ KV_RUNS: EnvVar[bool] = EnvVar(
     "DISAGG_KV_RUNS", _bool_default_true, True,
     "false: KV payloads are gathered into a staging buffer, sent as one UCX message and "
     "received into a buffer then installed, as before runs were sent and received in place")
+KV_IPC: EnvVar[bool] = EnvVar(
+    "DISAGG_KV_IPC", _bool_default_true, True,
+    "false: a generation rank never maps a context rank's GPU KV cache (same host, CUDA IPC) "
+    "and reads it from there; the payload bytes travel over the transport instead")
 CUDA_VISIBLE_DEVICES: EnvVar[list[str] | None] = EnvVar(
     "CUDA_VISIBLE_DEVICES", _csv, None,
     "GPUs disagg launch may give its workers (unset: every GPU nvidia-smi lists)")
@@ -240,7 +249,7 @@ ROUTER_UVLOOP: EnvVar[bool | None] = EnvVar(
 
 VARIABLES: tuple[EnvVar, ...] = (
     CLUSTER_TOKEN, API_KEY, CPU_KERNELS, CUDA_ATTENTION, KERNEL_CACHE_DIR, CACHE, XDG_CACHE_HOME,
-    DIST_TIMEOUT_S, STARTUP_TIMEOUT_S, KV_DEVICE_DIRECT, KV_RECV_POOL, KV_RUNS,
+    DIST_TIMEOUT_S, STARTUP_TIMEOUT_S, KV_DEVICE_DIRECT, KV_RECV_POOL, KV_RUNS, KV_IPC,
     CUDA_VISIBLE_DEVICES,
     UCX_TLS, OPENAI_API_KEY, ROUTER_UVLOOP, LAUNCH_ID)
 

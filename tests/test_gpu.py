@@ -363,3 +363,145 @@ def test_speculative_decoding_on_cuda_is_exact(tmp_path: Path, method: str) -> N
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         assert llm.engine.stats().spec_num_draft_tokens > 0
     assert got == base
+
+
+# ---- same host: the context process's cache mapped into the reader's (CUDA IPC) --------------
+
+MAPPED_IDS = [17, 3, 4, 9, 0, 22, 11]
+
+
+def _mapped_cases() -> list[ReadRequest]:
+    ids = MAPPED_IDS
+    return [
+        ReadRequest("r", ids, (0, L), (0, H)),  # 7 runs: one index_select
+        ReadRequest("r", ids[1:3], (0, L), (0, H)),  # one run: one copy
+        ReadRequest("r", ids, (1, 3), (2, 4)),  # partial layers and heads
+        ReadRequest("r", ids, (0, L), (0, H), num_tokens=6 * B + 3, format="tokens"),
+        ReadRequest("r", ids[:4], (0, L), (1, 3), num_tokens=4 * B, format="tokens"),
+    ]
+
+
+def _mapped_server_main(seed: int, dtype: str, mapped: bool, events: object,
+                        cmds: object) -> None:
+    """The context side, a process of its own: a CUDA cache behind a TCP server."""
+    import time
+    import traceback
+
+    try:
+        kv = _kv(seed, getattr(torch, dtype), "cuda")
+        leases = LeaseTable(default_ttl_s=120.0)
+        leases.create("r", MAPPED_IDS, readers=1)
+        server = KVTransferServer(kv, leases, TOKEN, "tcp", mapped=mapped).start()
+        events.put(("ready", server.address))  # type: ignore[attr-defined]
+        expect = cmds.get(timeout=180)  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 10.0  # a last DONE may still be on its way: poll
+        snap = server.stats.snapshot()
+        while snap.transfers + snap.failed_transfers < expect and time.monotonic() < deadline:
+            time.sleep(0.01)
+            snap = server.stats.snapshot()
+        events.put(("stats", snap.mapped_transfers, snap.transfers,  # type: ignore[attr-defined]
+                    snap.failed_transfers))
+        server.stop()
+    except BaseException:
+        events.put(("error", traceback.format_exc()))  # type: ignore[attr-defined]
+
+
+class _MappedServer:
+    """``_mapped_server_main`` in a spawned process; ``stats()`` stops it."""
+
+    def __init__(self, seed: int, dtype: torch.dtype, mapped: bool) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.events, self.cmds = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=_mapped_server_main,
+                                args=(seed, str(dtype).removeprefix("torch."), mapped,
+                                      self.events, self.cmds), daemon=True)
+        self.proc.start()
+        ev = self.events.get(timeout=180)
+        assert ev[0] == "ready", ev
+        self.address: str = ev[1]
+
+    def stats(self, expect: int) -> tuple[int, int, int]:
+        """(mapped reads, reads, failed reads) once ``expect`` reads ended there (or 10 s)."""
+        self.cmds.put(expect)
+        ev = self.events.get(timeout=60)
+        assert ev[0] == "stats", ev
+        return ev[1], ev[2], ev[3]
+
+    def close(self) -> None:
+        self.cmds.put(0)
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mapped_reads_between_two_processes_on_one_gpu(dtype: torch.dtype) -> None:
+    """A reader process maps the context process's cache (CUDA IPC) and gathers each read from
+    it into its own GPU ``out``: the bytes equal the server's cache, over TCP (which cannot
+    move GPU memory at all), and both sides count mapped reads."""
+    from disagg.transfer.cuda_ipc import host_identity
+
+    if not host_identity():
+        pytest.skip("no host identity (/proc/sys/kernel/random/boot_id)")
+    server = _MappedServer(5, dtype, mapped=True)
+    try:
+        host = _kv(5, dtype)  # the same seeded bytes as the server's cache
+        client = KVTransferClient("tcp", TOKEN, timeout_s=60, mapped=True)
+        cases = _mapped_cases()
+        try:
+            for _ in range(2):  # the second round on the mapping of the first
+                for req in cases:
+                    out = torch.full(payload_shape(tuple(host.shape), req), -7.0, dtype=dtype,
+                                     device="cuda")
+                    res = client.read(server.address, req, out).result(60)
+                    assert res.mapped and res.device_direct and not res.zero_copy, res
+                    assert _bytes_equal(out.cpu(), _expected(host, req)), req
+            snap = client.stats.snapshot()
+            assert snap.mapped_transfers == 2 * len(cases) and snap.mapped_fallbacks == ()
+        finally:
+            client.close()
+        assert server.stats(2 * len(cases)) == (2 * len(cases), 2 * len(cases), 0)
+    finally:
+        server.close()
+
+
+def test_unmapped_server_and_gpu_out_over_tcp() -> None:
+    """A server with the mapped path off: a GPU ``out`` over TCP fails with not_mapped (no
+    byte sent), a pinned one reads through the transport as before."""
+    from disagg.transfer import TransferError
+    from disagg.transfer.base import NOT_MAPPED
+
+    server = _MappedServer(6, torch.float32, mapped=False)
+    try:
+        host = _kv(6, torch.float32)
+        client = KVTransferClient("tcp", TOKEN, timeout_s=60, mapped=True)
+        req = _mapped_cases()[0]
+        try:
+            out = torch.zeros(payload_shape(tuple(host.shape), req), device="cuda")
+            with pytest.raises(TransferError) as e:
+                client.read(server.address, req, out).result(60)
+            assert e.value.code == NOT_MAPPED
+            pinned = torch.zeros(payload_shape(tuple(host.shape), req), pin_memory=True)
+            res = client.read(server.address, req, pinned).result(60)
+            assert not res.mapped and _bytes_equal(pinned, _expected(host, req))
+        finally:
+            client.close()
+        assert server.stats(1) == (0, 1, 0)
+    finally:
+        server.close()
+
+
+def test_gather_mapped_on_cuda_equals_the_cpu_gather() -> None:
+    """The gather kernels on the device (index_select into a strided ``out`` included)."""
+    from disagg.transfer.cuda_ipc import gather_mapped
+
+    kv = _kv(8, torch.bfloat16, "cuda")
+    host = kv.cpu()
+    for req in _mapped_cases():
+        out = torch.empty(payload_shape(tuple(kv.shape), req), dtype=kv.dtype, device="cuda")
+        gather_mapped(kv, req, out)
+        torch.cuda.synchronize()
+        assert _bytes_equal(out.cpu(), _expected(host, req)), req

@@ -18,6 +18,8 @@ rank layouts and pull pieces ``disagg.layout``. Here:
   connections on one TCP socket bound to the configured host.
 - ``payload``: zero-copy views and gathers of the KV cache for a READ; ``sender``: where a
   server's payload bytes come from and how they go out (``PayloadSource``).
+- ``cuda_ipc``: same host, another process: the reader maps the server's GPU cache once (CUDA
+  IPC) and gathers its READs itself, no payload on the wire (``DISAGG_KV_IPC``).
 - ``progress``: ``StreamProgress``, which prompt KV of a streamed request exists (streaming
   READs wait there).
 - ``admission``: ``ServerLimits`` (a server's frozen knobs) and ``Admission`` (its connection

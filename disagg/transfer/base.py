@@ -16,8 +16,9 @@ every request carries a proof bound to it::
       checks the proof: a peer that cannot prove
       the token gets nothing but this HELLO
       (TransferError unauthorized)
-      AUTH {op, proof[, ucx_address, ucx_tag]} ──────►  1. proof of seq 0 (else: unauthorized,
-                                               ◄──────     hang up)  {ok[, ucx_address]}
+      AUTH {op, proof[, ucx_address, ucx_tag]  ──────►  1. proof of seq 0 (else: unauthorized,
+            [, ipc]}                           ◄──────     hang up)  {ok[, ucx_address]
+                                                           [, ipc | ipc_declined]}
       READ {op, lease_id, block_ids,           ──────►  1. proof of the next seq (else:
             layer_slice [l0,l1), head_slice                unauthorized, hang up)
             [h0,h1), num_tokens, format,                2. lease (unknown_/expired_lease)
@@ -41,6 +42,14 @@ every request carries a proof bound to it::
                                                            above from step 2 (lease, ...)
                                                ◄──────  {ok: true, ...[, first: {tokens,
                                                          logprobs}]} + payload, as above
+      READ {... as above, mapped: true, proof} ──────►  mapped (same host, ``cuda_ipc.py``):
+            (only where AUTH's answer had ipc)          1.-3. as READ; the lease stays pinned
+                                               ◄──────  {ok: true, nbytes, mapped: true,
+                                                         block_ids, device[, first]}: no payload
+      the client gathers the bytes from the server's cache, mapped in its process, checks
+      that the connection is still open (an aborted read closed it), then
+      DONE {op, lease_id, proof}               ──────►  the read is complete: counted, unpinned
+                                                        (no answer)
       RELEASE {op, lease_id, reader_id, proof} ──────►
                                                ◄──────  {ok: true, released}
       PING {op, proof}                         ──────►
@@ -61,6 +70,14 @@ cluster traffic on a private network).
 exist yet when such a READ arrives (the context request is still queued) and its blocks are
 not known to the reader; the server waits on its ``StreamProgress`` first. Its connection
 serves nothing else meanwhile, so the client gives each streamed request its own connection.
+
+``ipc`` (same host, ``cuda_ipc.py``): a client that can map a peer's cache offers
+``{kind, host, pid, client}`` in AUTH; a server whose cache can be shared with it (a CUDA cache,
+the same host identity, another process, ``DISAGG_KV_IPC`` on at both ends) answers with the
+cache's handle (``ipc``), otherwise with why not (``ipc_declined``). The client maps the cache
+once per server instance; a READ with ``mapped`` then moves no payload: the server validates,
+pins and answers as for any READ, the client gathers the bytes itself and says DONE, and only
+that (or the read's abort by ``within_lease``, which closes the connection) ends the pin.
 
 ``parts`` (UCX only; absent: one part): the byte lengths, in order, of the messages the
 payload travels as, each received into its own buffer (the receiver's runs of blocks, or
@@ -128,6 +145,9 @@ CONNECTION_FAILED = "connection_failed"  # connect refused, peer died (also mid-
 TIMEOUT = "timeout"
 SERVER_CODES = frozenset({UNKNOWN_LEASE, EXPIRED_LEASE, UNAUTHORIZED, BAD_REQUEST, TIMEOUT})
 CLOSED = "closed"  # the client was closed
+# A GPU ``out`` over a transport that moves host memory only, from a server whose cache is not
+# mapped (another host, or the mapping failed): nothing was sent.
+NOT_MAPPED = "not_mapped"
 PROTOCOL_ERROR = "protocol_error"  # malformed or inconsistent answer
 
 FORMATS = ("blocks", "tokens")
@@ -286,6 +306,9 @@ class ReadResult:
     # A streaming read with ``first_token``: the context worker's first token(s) and their
     # logprobs, {"tokens": [...], "logprobs": ...} (None otherwise).
     first: dict[str, Any] | None = None
+    # Same host: the client gathered the bytes from the server's cache mapped into its
+    # process (``cuda_ipc.py``); no payload crossed the transport.
+    mapped: bool = False
 
 
 def encode_header(obj: Mapping[str, Any]) -> bytes:
@@ -443,6 +466,11 @@ class Connection(ABC):
     @property
     @abstractmethod
     def closed(self) -> bool: ...
+
+    def peer_closed(self) -> bool:
+        """Whether the peer has closed the connection, asked without waiting (a mapped read
+        asks after its gather: a server that aborted the read closed it before the unpin)."""
+        return self.closed
 
     @property
     @abstractmethod

@@ -24,13 +24,14 @@ import numpy as np
 import torch
 
 from disagg.addresses import host_port
-from disagg.env import KV_RUNS
+from disagg.env import KV_IPC, KV_RUNS
 from disagg.transfer.admission import Admission, ServerLimits
 from disagg.transfer.backends import make_backend
 from disagg.transfer.base import (
     BAD_REQUEST,
     CLOSED,
     CONNECTION_FAILED,
+    NOT_MAPPED,
     PREAUTH_HEADER_MAX_BYTES,
     PROTOCOL_ERROR,
     SERVER_CODES,
@@ -46,6 +47,14 @@ from disagg.transfer.base import (
     TransferError,
     TransportBackend,
     parse_address,
+)
+from disagg.transfer.cuda_ipc import (
+    CacheExporter,
+    CacheSharing,
+    CudaIpcSharing,
+    MappedPeers,
+    answered_request,
+    client_offer,
 )
 from disagg.transfer.handshake import ClientSession, HandshakeError, ServerSession
 from disagg.transfer.lease import Lease, LeaseError, LeaseTable
@@ -204,6 +213,11 @@ class KVTransferServer:
     reader stopped reading) is aborted and its connection closed (``sender.within_lease``),
     counted as ``read_stalled`` in ``stats``: a stalled reader holds no block past TTL +
     grace, and fails only its own read.
+
+    ``mapped`` (None: ``DISAGG_KV_IPC``, default on): a client on this host, in another
+    process, gets the handle of a GPU cache in its AUTH answer and then gathers its reads
+    itself from the cache mapped into its process (``cuda_ipc.py``; ``sharing`` says how:
+    CUDA IPC unless a test plugs in another); such a READ is pinned until the client's DONE.
     """
 
     def __init__(
@@ -221,6 +235,8 @@ class KVTransferServer:
         limits: ServerLimits | None = None,
         runs: bool | None = None,
         progress: StreamProgress | None = None,
+        mapped: bool | None = None,
+        sharing: CacheSharing | None = None,
     ) -> None:
         if kv_cache.dim() != 6 or kv_cache.shape[2] not in (1, 2):
             # kv parts: 2 (K, V), or 1 (an MLA latent)
@@ -239,6 +255,10 @@ class KVTransferServer:
                                      KV_RUNS.get() if runs is None else runs)
         self.leases = leases
         self.progress = _checked_progress(progress, kv_cache)
+        # Same-host readers that may map the cache (None: DISAGG_KV_IPC).
+        self.exports = CacheExporter(kv_cache, sharing if sharing is not None
+                                     else CudaIpcSharing(),
+                                     KV_IPC.get() if mapped is None else mapped)
         self.stats = stats if stats is not None else TransferStats()
         self.stats.bind_leases(leases)
         # Identity and lifecycle.
@@ -350,13 +370,14 @@ class KVTransferServer:
         try:
             session = ServerSession(self._token, self.server_id, self.backend.name)
             try:
-                ok = await asyncio.wait_for(self._handshake(conn, session),
-                                            self.limits.handshake_timeout_s)
+                auth = await asyncio.wait_for(self._handshake(conn, session),
+                                              self.limits.handshake_timeout_s)
             except asyncio.TimeoutError:
                 door.handshake_timeouts += 1
                 return
-            if not ok:
+            if auth is None:
                 return
+            mapped = "ipc" in auth  # this connection's READs may be mapped ones
             door.authenticated()
             pending = False
             while True:
@@ -375,7 +396,7 @@ class KVTransferServer:
                     return
                 op = msg.get("op")
                 if op == "READ":
-                    await self._read(conn, msg)
+                    await self._read(conn, msg, session if mapped else None)
                 elif op == "RELEASE":
                     await conn.send_header(self._release(msg))
                 elif op == "PING":
@@ -393,38 +414,41 @@ class KVTransferServer:
             if task is not None:
                 self._tasks.discard(task)
 
-    async def _handshake(self, conn: Connection, session: ServerSession) -> bool:
-        """HELLO, then a proven AUTH (base.py). False: refused (answered, to be closed)."""
+    async def _handshake(self, conn: Connection, session: ServerSession
+                         ) -> dict[str, Any] | None:
+        """HELLO, then a proven AUTH (base.py): the AUTH answer sent. None: refused (answered,
+        to be closed)."""
         try:
             hello = await conn.recv_header(PREAUTH_HEADER_MAX_BYTES)
             answer = session.answer_hello(hello)
         except ProtocolError as e:
             await self._refuse(conn, BAD_REQUEST, str(e))
-            return False
+            return None
         except HandshakeError as e:
             if e.code == UNAUTHORIZED:
                 self.stats.record_failure(UNAUTHORIZED)
             await self._refuse(conn, e.code, e.message)
-            return False
+            return None
         await conn.send_header(answer)
         try:
             auth = await conn.recv_header(PREAUTH_HEADER_MAX_BYTES)
         except ProtocolError as e:
             await self._refuse(conn, BAD_REQUEST, str(e))
-            return False
+            return None
         # The first request is AUTH, proven like every later one (sequence number 0).
         if auth.get("op") != "AUTH" or not session.verify(auth):
             self.stats.record_failure(UNAUTHORIZED)
             await self._refuse(conn, UNAUTHORIZED, "bad AUTH proof (is this the same cluster "
                                                    "token?)")
-            return False
+            return None
         try:
             extra = await conn.attach_accept(auth)
         except ProtocolError as e:
             await self._refuse(conn, BAD_REQUEST, str(e))
-            return False
-        await conn.send_header({"ok": True, **extra})
-        return True
+            return None
+        answer = {"ok": True, **extra, **self.exports.answer(auth.get("ipc"))}
+        await conn.send_header(answer)
+        return answer
 
     @staticmethod
     async def _refuse(conn: Connection, code: str, message: str) -> None:
@@ -441,7 +465,10 @@ class KVTransferServer:
         except LeaseError as e:
             return _error(e.code, str(e))
 
-    async def _read(self, conn: Connection, msg: Mapping[str, Any]) -> None:
+    async def _read(self, conn: Connection, msg: Mapping[str, Any],
+                    mapped: ServerSession | None = None) -> None:
+        """A READ; ``mapped``: this connection was offered the mapped path (its session checks
+        the DONE that ends a mapped read)."""
         t0 = time.perf_counter()
         try:
             req = ReadRequest.from_wire(msg)
@@ -457,7 +484,8 @@ class KVTransferServer:
             return
         try:
             # Bounded: a reader that stops reading would hold the lease's blocks for ever.
-            await within_lease(self._send_read(conn, msg, req, lease, streamed, first, t0),
+            await within_lease(self._send_read(conn, msg, req, lease, streamed, first, t0,
+                                               mapped),
                                self.leases, req.lease_id, self.limits.read_grace_s)
         except ReadStalled as e:
             self.stats.record_failure(READ_STALLED)
@@ -476,8 +504,9 @@ class KVTransferServer:
 
     async def _send_read(self, conn: Connection, msg: Mapping[str, Any], req: ReadRequest,
                          lease: Lease, streamed: bool, first: dict[str, Any] | None,
-                         t0: float) -> None:
-        """A pinned READ: its answer (or an error answer) and its payload."""
+                         t0: float, mapped: ServerSession | None = None) -> None:
+        """A pinned READ: its answer (or an error answer) and its payload, or for a mapped
+        READ its answer and the reader's DONE."""
         staging: torch.Tensor | None = None
         gathers: list[asyncio.Future[Any]] = []
         try:
@@ -491,9 +520,15 @@ class KVTransferServer:
                     raise TransferError(BAD_REQUEST, f"receiver buffer of {msg.get('nbytes')} "
                                                      f"bytes, payload is {plan.nbytes}")
                 parts = parse_parts(msg.get("parts"), plan.nbytes)
+                if msg.get("mapped") is True and mapped is None:
+                    raise TransferError(BAD_REQUEST, "a mapped READ on a connection that was "
+                                                     "not offered the mapped path")
             except TransferError as e:
                 self.stats.record_failure(e.code)
                 await conn.send_header(_error(e.code, e.message))
+                return
+            if msg.get("mapped") is True and mapped is not None:
+                await self._mapped_read(conn, mapped, req, plan.nbytes, first, t0)
                 return
             source, staging = await self.payload.source(req, plan)
             pieces = [] if conn.stream else [slice_views(source, a, b)
@@ -529,6 +564,37 @@ class KVTransferServer:
             if staging is not None:
                 self.payload.staging.release(staging)
 
+    async def _mapped_read(self, conn: Connection, session: ServerSession, req: ReadRequest,
+                           nbytes: int, first: dict[str, Any] | None, t0: float) -> None:
+        """A pinned, validated mapped READ: the answer, then the reader gathers from our cache
+        and says DONE (no answer: the next request follows on this connection); only then does
+        the read end (its caller unpins). Anything but a proven DONE closes the connection
+        (``ConnectionClosedError``)."""
+        answer = _read_answer(nbytes, len(req.block_ids), False, first, self.payload.on_gpu,
+                              None)
+        answer.update(mapped=True, block_ids=list(req.block_ids))
+        await conn.send_header(answer)
+        try:
+            done = await conn.recv_header()
+        except ConnectionClosedError:
+            self.stats.record_failure(CONNECTION_FAILED)
+            raise
+        except ProtocolError as e:
+            self.stats.record_failure(BAD_REQUEST)
+            await self._refuse(conn, BAD_REQUEST, str(e))
+            raise ConnectionClosedError(f"malformed DONE: {e}") from None
+        if not session.verify(done):
+            self.stats.record_failure(UNAUTHORIZED)
+            await self._refuse(conn, UNAUTHORIZED, "bad request proof")
+            raise ConnectionClosedError("bad DONE proof")
+        if done.get("op") != "DONE" or done.get("lease_id") != req.lease_id:
+            self.stats.record_failure(BAD_REQUEST)
+            await self._refuse(conn, BAD_REQUEST, f"expected DONE of lease {req.lease_id!r} "
+                                                  f"after a mapped READ")
+            raise ConnectionClosedError("no DONE after a mapped READ")
+        self.stats.record_transfer(nbytes, len(req.block_ids), time.perf_counter() - t0,
+                                   device_direct=self.payload.on_gpu, mapped=True)
+
 
 class ReadFuture(cf.Future):  # type: ignore[type-arg]
     """``KVTransferClient.read``'s future. ``quiet``: set once the transport can no longer
@@ -546,6 +612,7 @@ class _Link:
     conn: Connection
     session: ClientSession
     idle_since: float = 0.0  # time.monotonic() when it last came back to the pool
+    ipc: dict[str, Any] | None = None  # the server's cache handle, offered in AUTH
 
 
 @dataclass
@@ -617,7 +684,13 @@ class KVTransferClient:
     Connections: a pool per server address (``_PeerPool``), at most
     ``max_connections_per_peer`` open, each carrying one request at a time, each with its own
     handshake: requests to one server run side by side, and one that stalls holds up only its
-    own connection. A streaming read gets a connection of its own (its lane)."""
+    own connection. A streaming read gets a connection of its own (its lane).
+
+    ``mapped`` (None: ``DISAGG_KV_IPC``, default on): offer in AUTH to map a server's cache
+    (``cuda_ipc.py``; same host, another process, CUDA here and there); a read from a server
+    that accepted it, into one ``out`` on the GPU holding that cache, is gathered here from the
+    mapped cache: no payload crosses the transport (``ReadResult.mapped``). Where the mapping
+    fails the read moves its bytes, counted in ``stats.mapped_fallbacks`` and logged once."""
 
     def __init__(
         self,
@@ -629,6 +702,8 @@ class KVTransferClient:
         stats: TransferStats | None = None,
         runs: bool | None = None,
         max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER,
+        mapped: bool | None = None,
+        sharing: CacheSharing | None = None,
     ) -> None:
         if not token:
             raise ValueError("a non-empty cluster token is required")
@@ -642,6 +717,12 @@ class KVTransferClient:
         # (None: DISAGG_KV_RUNS; False: one message a payload, the path before).
         self.runs = KV_RUNS.get() if runs is None else runs
         self.stats = stats if stats is not None else TransferStats()
+        # Same-host reads from a server's cache mapped here (None: DISAGG_KV_IPC); the AUTH
+        # offer is None when this process cannot map (off, no CUDA, unknown host identity).
+        sharing = sharing if sharing is not None else CudaIpcSharing()
+        self.mapped = KV_IPC.get() if mapped is None else mapped
+        self._ipc_offer = client_offer(sharing, uuid.uuid4().hex) if self.mapped else None
+        self._maps = MappedPeers(sharing, self.stats)
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._token = token
@@ -702,7 +783,9 @@ class KVTransferClient:
             raise ValueError("a list out must be CPU tensors of one dtype")
         staged: str | None = None
         if outs[0].device.type == "cuda":
-            if not self.device_payloads:
+            # Without the transport, only a mapped server's reads land in GPU memory (else
+            # the read fails with not_mapped, sending nothing).
+            if not self.device_payloads and self._ipc_offer is None:
                 raise ValueError(f"out is on {outs[0].device}, but this client cannot receive "
                                  f"into GPU memory ({self.device_support[1]}): pass pinned "
                                  f"host memory")
@@ -728,8 +811,9 @@ class KVTransferClient:
         # A streaming read waits on the server (wait_s) before its answer, on a connection
         # of its own request (lane: the lease id), so that it holds up no other request.
         lane = request.lease_id if streaming else ""
+        mapped_out = outs[0] if len(outs) == 1 and self._ipc_offer is not None else None
         return self._submit_read(self._read(address, msg, views, len(request.block_ids),
-                                            staged, lane),
+                                            staged, lane, mapped_out),
                                  extra_s=request.wait_s or 0.0)
 
     def cancel_and_wait(self, fut: ReadFuture, timeout_s: float) -> bool:
@@ -846,10 +930,12 @@ class KVTransferClient:
             raise
 
     async def _read(self, address: str, msg: dict[str, Any], views: list[Any],
-                    num_blocks: int, staged: str | None, lane: str = "") -> ReadResult:
+                    num_blocks: int, staged: str | None, lane: str = "",
+                    mapped_out: torch.Tensor | None = None) -> ReadResult:
         t0 = time.perf_counter()
         try:
-            resp = await self._request(address, msg, payload=views, lane=lane)
+            resp = await self._request(address, msg, payload=views, lane=lane,
+                                       mapped_out=mapped_out)
         except TransferError as e:
             self.stats.record_failure(e.code)
             raise
@@ -862,12 +948,15 @@ class KVTransferClient:
         server_staging = resp.get("staging")
         reason = str(server_staging) if server_staging else (staged or "")
         nbytes = int(msg["nbytes"])
+        mapped = resp.get("mapped") is True  # (_exchange_on lets it through a mapped read only)
         self.stats.record_transfer(nbytes, num_blocks, dt, zero_copy,
-                                   device_direct=into_device, staging_reason=staged)
+                                   device_direct=into_device, staging_reason=staged,
+                                   mapped=mapped)
         first = resp.get("first")
         return ReadResult(nbytes, num_blocks, dt, zero_copy,
                           device_direct=into_device and resp.get("device") is True,
-                          staging_reason=reason, first=first if isinstance(first, dict) else None)
+                          staging_reason=reason, first=first if isinstance(first, dict) else None,
+                          mapped=mapped)
 
     async def _release(self, address: str, msg: dict[str, Any]) -> bool:
         resp = await self._request(address, msg)
@@ -878,6 +967,7 @@ class KVTransferClient:
         for task in reads:
             task.cancel()
         await asyncio.gather(*reads, return_exceptions=True)
+        self._maps.clear()
         pools = list(self._peers.values())
         self._peers.clear()
         for pool in pools:  # the connections in use are closed by their requests (_put_back)
@@ -967,7 +1057,7 @@ class KVTransferClient:
                         return got, True
                     slot = True  # one closed: its slot was handed to this request
                 try:
-                    conn, session = await self._open(address)
+                    conn, session, ipc = await self._open(address)
                 except TransferError as e:
                     if e.code != CONNECTION_FAILED or pool.slots == 1:
                         raise  # (the slot goes to the next waiter: it tries for itself)
@@ -981,14 +1071,16 @@ class KVTransferClient:
                     pool.hold_until = time.monotonic() + REFUSED_HOLD_S
                     continue
                 pool.live += 1
-                return _Link(conn, session), False
+                return _Link(conn, session, ipc=ipc), False
         except BaseException:
             if slot:
                 pool.hand_on(None)
             raise
 
-    async def _open(self, address: str) -> tuple[Connection, ClientSession]:
-        """Connect and run the handshake (base.py); raises ``TransferError``."""
+    async def _open(self, address: str
+                    ) -> tuple[Connection, ClientSession, dict[str, Any] | None]:
+        """Connect and run the handshake (base.py): the connection, its session and the
+        server's cache handle if it offered one; raises ``TransferError``."""
         host, port = parse_address(address)
         try:
             conn = await self.backend.connect(host, port, self.connect_timeout_s)
@@ -997,10 +1089,10 @@ class KVTransferClient:
         session = ClientSession(self._token)
         ok = False
         try:
-            await asyncio.wait_for(self._handshake(address, conn, session),
-                                   self.connect_timeout_s)
+            ipc = await asyncio.wait_for(self._handshake(address, conn, session),
+                                         self.connect_timeout_s)
             ok = True
-            return conn, session
+            return conn, session, ipc
         except asyncio.TimeoutError:
             raise TransferError(TIMEOUT, f"no handshake with {address} within "
                                 f"{self.connect_timeout_s}s") from None
@@ -1013,7 +1105,8 @@ class KVTransferClient:
                 await conn.close()
 
     async def _handshake(self, address: str, conn: Connection, session: ClientSession
-                         ) -> None:
+                         ) -> dict[str, Any] | None:
+        """HELLO and AUTH; the server's cache handle if it offered one (``cuda_ipc.py``)."""
         await conn.send_header(session.hello())
         answer = await conn.recv_header(PREAUTH_HEADER_MAX_BYTES)
         _raise_if_error(answer)
@@ -1024,14 +1117,22 @@ class KVTransferClient:
         if session.backend != self.backend.name:
             raise TransferError(PROTOCOL_ERROR, f"{address} serves KV over "
                                 f"{session.backend}, this client speaks {self.backend.name}")
-        await conn.send_header(session.sign({"op": "AUTH", **conn.attach_offer()}))
+        auth = {"op": "AUTH", **conn.attach_offer()}
+        if self._ipc_offer is not None:
+            auth["ipc"] = self._ipc_offer
+        await conn.send_header(session.sign(auth))
         answer = await conn.recv_header()
         _raise_if_error(answer)
         await conn.attach_complete(answer)
+        if "ipc_declined" in answer:
+            logger.debug("kv transfer: %s reads move their bytes (no mapped cache): %s",
+                         address, answer["ipc_declined"])
+        ipc = answer.get("ipc")
+        return ipc if isinstance(ipc, dict) else None
 
     async def _request(
         self, address: str, msg: dict[str, Any], payload: list[Any] | None = None,
-        lane: str = "",
+        lane: str = "", mapped_out: torch.Tensor | None = None,
     ) -> dict[str, Any]:
         """Send ``msg`` on a connection of the peer's pool (``_acquire``), read the answer and
         then, for an ok READ, the payload into ``payload`` (its views, in order; one per part
@@ -1043,7 +1144,7 @@ class KVTransferClient:
             pool = self._peers[key] = _PeerPool(1 if lane else self.max_connections_per_peer)
         pool.users += 1
         try:
-            return await self._exchange(address, pool, msg, payload)
+            return await self._exchange(address, pool, msg, payload, mapped_out)
         finally:
             pool.users -= 1
             if lane and pool.users == 0:
@@ -1052,12 +1153,13 @@ class KVTransferClient:
                 await self._close_idle(pool)
 
     async def _exchange(
-        self, address: str, pool: _PeerPool, msg: dict[str, Any], payload: Any
+        self, address: str, pool: _PeerPool, msg: dict[str, Any], payload: Any,
+        mapped_out: torch.Tensor | None = None,
     ) -> dict[str, Any]:
         link, reused = await self._acquire(address, pool)
         for attempt in range(2):
             try:
-                resp = await self._exchange_on(link, msg, payload)
+                resp = await self._exchange_on(address, link, msg, payload, mapped_out)
             except ConnectionClosedError as e:  # before the answer
                 if reused and attempt == 0:
                     # A stale idle connection (the peer restarted or dropped it): the requests
@@ -1084,11 +1186,25 @@ class KVTransferClient:
             return resp
         raise AssertionError("unreachable")
 
-    @staticmethod
-    async def _exchange_on(link: _Link, msg: dict[str, Any], payload: Any) -> dict[str, Any]:
-        """One request on ``link``. Raises ``ConnectionClosedError`` when the connection failed
-        before the answer (nothing of it read), else ``TransferError``."""
+    async def _exchange_on(self, address: str, link: _Link, msg: dict[str, Any],
+                           payload: Any, mapped_out: torch.Tensor | None = None
+                           ) -> dict[str, Any]:
+        """One request on ``link`` (a READ with ``mapped_out``: mapped where the server offered
+        it and the mapping is usable for that ``out``). Raises ``ConnectionClosedError`` when
+        the connection failed before the answer (nothing of it read), else
+        ``TransferError``."""
         conn, session = link.conn, link.session
+        if payload is not None and mapped_out is not None:
+            cache = None
+            if link.ipc is not None and session.server_id is not None:
+                cache = await self._maps.get(address, session.server_id, link.ipc, mapped_out)
+            if cache is not None:
+                return await self._exchange_mapped(address, link, msg, cache, mapped_out)
+            if mapped_out.device.type == "cuda" and not self.device_payloads:
+                raise TransferError(NOT_MAPPED, f"out is on {mapped_out.device} and "
+                                    f"{address}'s cache is not mapped here (another host, or "
+                                    f"it could not be mapped: see the log and "
+                                    f"mapped_fallbacks); {self.device_support[1]}")
         try:
             await conn.send_header(session.sign(msg))
             resp = await conn.recv_header()
@@ -1100,6 +1216,8 @@ class KVTransferClient:
             if resp.get("nbytes") != msg["nbytes"]:
                 raise TransferError(PROTOCOL_ERROR, f"server announced {resp.get('nbytes')} "
                                     f"bytes, expected {msg['nbytes']}")
+            if "mapped" in resp:  # it waits for a DONE, we for a payload: neither comes
+                raise TransferError(PROTOCOL_ERROR, "a mapped answer to a READ that was not")
             try:
                 await conn.recv_payload_iov(payload)
             except ConnectionClosedError as e:
@@ -1107,6 +1225,53 @@ class KVTransferClient:
                                     f"peer failed mid-transfer: {e}") from None
             except ProtocolError as e:
                 raise TransferError(PROTOCOL_ERROR, str(e)) from None
+        return resp
+
+    async def _exchange_mapped(self, address: str, link: _Link, msg: dict[str, Any],
+                               cache: torch.Tensor, out: torch.Tensor) -> dict[str, Any]:
+        """A mapped READ (``cuda_ipc.py``): the server validates and pins, we gather from its
+        mapped ``cache`` into ``out`` and say DONE, which ends its pin. A server that aborted
+        the read (``within_lease``) closed the connection before it unpinned: a connection
+        found closed after the gather (or the DONE that cannot be sent) fails the read, as
+        ``UcxConnection.recv_payload_iov`` fails a payload whose connection closed meanwhile
+        (the blocks' reuse, an unpin, a free, a new prefill's writes, takes far longer than
+        the close takes to arrive here)."""
+        conn, session = link.conn, link.session
+        wire = {k: v for k, v in msg.items() if k != "parts"}  # no payload, no parts
+        wire["mapped"] = True
+        try:
+            await conn.send_header(session.sign(wire))
+            resp = await conn.recv_header()
+        except ProtocolError as e:
+            raise TransferError(PROTOCOL_ERROR, str(e)) from None
+        if not resp.get("ok"):
+            _raise_if_error(resp)
+        if resp.get("nbytes") != msg["nbytes"] or resp.get("mapped") is not True:
+            raise TransferError(PROTOCOL_ERROR, f"bad answer to a mapped READ: nbytes "
+                                f"{resp.get('nbytes')} (expected {msg['nbytes']}), mapped "
+                                f"{resp.get('mapped')!r}")
+        try:
+            req = answered_request(msg, resp, cache)
+        except (ValueError, TransferError) as e:
+            raise TransferError(PROTOCOL_ERROR, f"bad answer to a mapped READ: {e}") from None
+        try:
+            await self._maps.gather(cache, req, out)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug or a CUDA error: this peer's reads move bytes from now
+            why = f"gather failed: {type(e).__name__}: {e}"
+            self._maps.failed(address, cache, why)
+            logger.exception("kv transfer: mapped read from %s failed", address)
+            raise TransferError(PROTOCOL_ERROR, why) from None
+        aborted = TransferError(CONNECTION_FAILED, f"{address} aborted the mapped read (the "
+                                "connection closed before it confirmed the read): its blocks "
+                                "may have been reused under the gather")
+        if conn.peer_closed():
+            raise aborted
+        try:
+            await conn.send_header(session.sign({"op": "DONE", "lease_id": msg["lease_id"]}))
+        except ConnectionClosedError:
+            raise aborted from None
         return resp
 
 

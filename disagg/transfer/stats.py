@@ -46,6 +46,11 @@ class TransferStatsSnapshot:
     device_direct_transfers: int = 0
     host_staged_transfers: int = 0
     staging_reasons: tuple[tuple[str, int], ...] = ()  # sorted (reason, count)
+    # Same host: reads whose bytes the generation rank gathered itself from the context rank's
+    # cache, mapped into its process (``cuda_ipc.py``; no payload on the wire), and the reads
+    # that could not, although the server offered it, by reason (they moved the bytes).
+    mapped_transfers: int = 0
+    mapped_fallbacks: tuple[tuple[str, int], ...] = ()  # sorted (reason, count)
     # Generation side, per request and rank: copying the pulled payloads into the request's
     # blocks, and the whole pull (reads submitted -> installed; transfer + wake-up + install).
     installs: int = 0
@@ -73,6 +78,8 @@ class TransferStats:
         self._device_direct = 0
         self._host_staged = 0
         self._staging_reasons: dict[str, int] = {}
+        self._mapped = 0
+        self._mapped_fallbacks: dict[str, int] = {}
         self._failures: dict[str, int] = {}
         self._leases: _LeaseSource | None = None
         self._installs = 0
@@ -86,16 +93,18 @@ class TransferStats:
 
     def record_transfer(
         self, nbytes: int, nblocks: int, seconds: float, zero_copy: bool = False, *,
-        device_direct: bool = False, staging_reason: str | None = None,
+        device_direct: bool = False, staging_reason: str | None = None, mapped: bool = False,
     ) -> None:
         """``device_direct``: this end's payload memory was the GPU's; ``staging_reason`` (not
-        None): this end stood for a GPU cache but went through pinned host memory, because."""
+        None): this end stood for a GPU cache but went through pinned host memory, because;
+        ``mapped``: the reader gathered the bytes from the server's mapped cache."""
         with self._lock:
             self._transfers += 1
             self._bytes += nbytes
             self._blocks += nblocks
             self._zero_copy += int(zero_copy)
             self._device_direct += int(device_direct)
+            self._mapped += int(mapped)
             if staging_reason is not None:
                 self._host_staged += 1
                 reason = staging_reason or "unknown"
@@ -110,6 +119,12 @@ class TransferStats:
             self._install_s += install_s
             self._pulls += 1
             self._pull_s += pull_s
+
+    def record_mapped_fallback(self, reason: str) -> None:
+        """A read the server offered the mapped path moved its bytes instead, because."""
+        with self._lock:
+            reason = reason or "unknown"
+            self._mapped_fallbacks[reason] = self._mapped_fallbacks.get(reason, 0) + 1
 
     def record_failure(self, code: str) -> None:
         with self._lock:
@@ -141,6 +156,8 @@ class TransferStats:
                 device_direct_transfers=self._device_direct,
                 host_staged_transfers=self._host_staged,
                 staging_reasons=tuple(sorted(self._staging_reasons.items())),
+                mapped_transfers=self._mapped,
+                mapped_fallbacks=tuple(sorted(self._mapped_fallbacks.items())),
                 installs=self._installs, install_seconds_sum=self._install_s,
                 pulls=self._pulls, pull_seconds_sum=self._pull_s,
             )
@@ -160,11 +177,14 @@ def merge_snapshots(snaps: list[TransferStatsSnapshot]) -> TransferStatsSnapshot
         return first
     failures: dict[str, int] = {}
     reasons: dict[str, int] = {}
+    fallbacks: dict[str, int] = {}
     for s in snaps:
         for code, n in s.failures_by_code:
             failures[code] = failures.get(code, 0) + n
         for reason, n in s.staging_reasons:
             reasons[reason] = reasons.get(reason, 0) + n
+        for reason, n in s.mapped_fallbacks:
+            fallbacks[reason] = fallbacks.get(reason, 0) + n
     buckets = tuple((bound, sum(s.latency_buckets[i][1] for s in snaps))
                     for i, (bound, _) in enumerate(first.latency_buckets))
     return TransferStatsSnapshot(
@@ -183,6 +203,8 @@ def merge_snapshots(snaps: list[TransferStatsSnapshot]) -> TransferStatsSnapshot
         device_direct_transfers=sum(s.device_direct_transfers for s in snaps),
         host_staged_transfers=sum(s.host_staged_transfers for s in snaps),
         staging_reasons=tuple(sorted(reasons.items())),
+        mapped_transfers=sum(s.mapped_transfers for s in snaps),
+        mapped_fallbacks=tuple(sorted(fallbacks.items())),
         installs=sum(s.installs for s in snaps),
         install_seconds_sum=sum(s.install_seconds_sum for s in snaps),
         pulls=sum(s.pulls for s in snaps),

@@ -393,6 +393,9 @@ class UcxConnection(Connection):
     def peer_host(self) -> str:
         return self._ctl.peer_host
 
+    def peer_closed(self) -> bool:
+        return self.closed or self._ctl.peer_closed()
+
     async def send_header(self, obj: Mapping[str, Any]) -> None:
         await self._ctl.send_header(obj)
 
