@@ -150,13 +150,23 @@ class ModelRunner:
         limit = min(self.config.cuda_graph.cuda_graph_max_batch_size, sched.max_batch_size,
                     sched.max_num_tokens)
         capture = self.device.type == "cuda"
+        rope_store = None
+        m = self.config.model
+        if capture and m.cache_kind == "mha":
+            # RoPE + the K/V cache write in one launch (bit-identical to PyTorch on this
+            # device, checked first); None: apply_rope and index_put.
+            from disagg.model.triton_rope import triton_rope_store_kernel
+
+            rope_store = triton_rope_store_kernel(
+                self.device, self.dtype, m.num_attention_heads // self.layout.tp_size,
+                self.layout.num_local_kv_heads, m.head_dim, self.block_size)
         try:
             with torch.inference_mode():
                 return DecodeGraphs(
                     self.model, self.kv_cache, self.block_size,
                     max_blocks_per_seq=-(-self.config.max_model_len // self.block_size),
                     scratch_block=self.num_blocks, sizes=graph_batch_sizes(limit),
-                    decode=decode, capture=capture)
+                    decode=decode, capture=capture, rope_store=rope_store)
         except Exception:
             if not capture:
                 raise

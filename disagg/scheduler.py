@@ -60,6 +60,18 @@ class ScheduledRequest:
     spec_slots: int = 0
     num_spec: int = 0
 
+    @classmethod
+    def decode(cls, request_id: str, token: int, start_pos: int, block_ids: list[int]
+               ) -> ScheduledRequest:
+        """``ScheduledRequest(request_id, [token], start_pos, block_ids, True)``, built
+        without the frozen dataclass ``__init__`` (a setattr call per field): the scheduler
+        makes one per decoding request and step (test_scheduler checks the two agree)."""
+        self = object.__new__(cls)
+        self.__dict__.update(request_id=request_id, token_ids=[token], start_pos=start_pos,
+                             block_ids=block_ids, sample=True, prompt_logits_end=0,
+                             spec_slots=0, num_spec=0)
+        return self
+
     def with_drafts(self, drafts: list[int]) -> ScheduledRequest:
         """This decode carrying ``drafts`` (at most ``spec_slots``) after its last token."""
         if not 0 < len(drafts) <= self.spec_slots or len(self.token_ids) != 1:
@@ -318,7 +330,7 @@ class Scheduler:
         running = RequestStatus.RUNNING
         decodes = st.decodes
         kv = self.kv
-        block_size = self.block_size
+        new_decode = ScheduledRequest.decode
         others = False  # a running request that is not decoding (left for step 2)
         for req in list(self.running):  # a copy: preemption removes from self.running
             if req.status != running:
@@ -329,14 +341,16 @@ class Scheduler:
             if not out or len(req.prompt_token_ids) + len(out) - computed != 1:
                 others = True
                 continue
-            if len(decodes) + len(st.prefills) >= max_batch or st.token_budget < 1:
+            if len(decodes) >= max_batch or st.token_budget < 1:  # (no prefills planned yet)
                 break
             # Fast path: the table already holds the new token's slot (no allocation, so
             # nothing to preempt); else the general allocation, which may preempt.
-            if (computed < kv.num_held_blocks(req.request_id) * block_size
-                    or self._allocate_running(req, 1, st)):
-                decodes[req.request_id] = ScheduledRequest(
-                    req.request_id, [out[-1]], computed, kv.block_ids(req.request_id), True)
+            rid = req.request_id
+            table = kv.block_ids_if_holding(rid, computed + 1)
+            if table is None and self._allocate_running(req, 1, st):
+                table = kv.block_ids(rid)
+            if table is not None:
+                decodes[rid] = new_decode(rid, out[-1], computed, table)
                 st.token_budget -= 1
 
         # 2. Continuing chunked prefills (and recomputation of preempted requests).
@@ -366,7 +380,9 @@ class Scheduler:
         return SchedulerOutput(
             scheduled=scheduled,
             num_decodes=len(st.decodes),
-            num_scheduled_tokens=sum(len(s.token_ids) for s in scheduled),
+            # a decode is one token (its draft slots are not in token_ids)
+            num_scheduled_tokens=len(st.decodes) + sum(len(s.token_ids)
+                                                       for s in st.prefills.values()),
             preempted=st.preempted,
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -535,9 +551,10 @@ class Scheduler:
 
         Plan entries of requests finished or aborted in between are ignored."""
         live: list[tuple[ScheduledRequest, Request]] = []
+        requests, running = self.requests, RequestStatus.RUNNING  # (loops run per request)
         for sr in output.scheduled:
-            req = self.requests.get(sr.request_id)
-            if (req is None or req.status != RequestStatus.RUNNING
+            req = requests.get(sr.request_id)
+            if (req is None or req.status != running
                     or req.num_computed_tokens != sr.start_pos):
                 continue  # finished/aborted since the plan, or a stale plan
             if sr.sample and sr.request_id not in sampled:
@@ -546,17 +563,18 @@ class Scheduler:
             live.append((sr, req))
 
         finished, self._finished_early = self._finished_early, []
+        cache_blocks, check_stop = self.kv.cache_blocks, self.check_stop
         for sr, req in live:
             if sr.num_spec:
                 status = self._append_verified(req, sr, (accepted or {}).get(sr.request_id, []),
                                                sampled[sr.request_id])
             else:
                 req.num_computed_tokens += len(sr.token_ids)
-                self.kv.cache_blocks(req, req.num_computed_tokens)
+                cache_blocks(req, req.num_computed_tokens)
                 if not sr.sample:
                     continue
                 req.output_token_ids.append(sampled[sr.request_id])
-                status = self.check_stop(req)
+                status = check_stop(req)
             if status is not None:
                 req.status = status  # before kv.free: a finished request's chain is dropped
                 if req.request_id in self._hold and status == RequestStatus.FINISHED_LENGTH:
@@ -595,16 +613,19 @@ class Scheduler:
         """Stop conditions after appending a token. Stops (EOS, stop tokens) win over length
         when both hold; min_tokens only suppresses stops, never the length limits."""
         sp = req.sampling_params
-        token = req.output_token_ids[-1]
-        if req.num_output_tokens >= sp.min_tokens:
+        out = req.output_token_ids
+        token = out[-1]
+        num_out = len(out)  # (req.num_output_tokens: this runs per request and step)
+        if num_out >= sp.min_tokens:
             if not sp.ignore_eos and token in req.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if token in sp.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= sp.max_tokens:
+        if num_out >= sp.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if self.max_model_len is not None and req.num_tokens >= self.max_model_len:
+        if (self.max_model_len is not None
+                and len(req.prompt_token_ids) + num_out >= self.max_model_len):
             return RequestStatus.FINISHED_LENGTH
         return None
 

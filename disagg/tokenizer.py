@@ -70,6 +70,7 @@ class Tokenizer:
                  chat_template: str | None = None, extra_eos_token_ids: Iterable[int] = (),
                  name_or_path: str | None = None) -> None:
         self._tok = backend
+        self._decoded_one: dict[int, str] = {}  # decode_one's memo
         # Our encode() must give token ids only: a tokenizer.json may carry padding or
         # truncation settings meant for training.
         backend.no_truncation()
@@ -188,6 +189,15 @@ class Tokenizer:
     def decode_ints(self, ids: list[int]) -> str:
         """``decode(ids, skip_special_tokens=False)`` for a list of Python ints (no copy)."""
         return self._tok.decode(ids, skip_special_tokens=False)
+
+    def decode_one(self, token_id: int) -> str:
+        """``decode_ints([token_id])``, memoized: the detokenizer decodes each new token on
+        its own once per step and request (at most one string per vocabulary entry)."""
+        text = self._decoded_one.get(token_id)
+        if text is None:
+            text = self._decoded_one[token_id] = self._tok.decode([token_id],
+                                                                  skip_special_tokens=False)
+        return text
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids`` (invalid or incomplete UTF-8 becomes U+FFFD). Unlike transformers,
@@ -406,6 +416,7 @@ class IncrementalDetokenizer:
         self._prefix = 0
         self._read = len(context)
         self._prefix_text = tokenizer.decode(context, skip_special_tokens=False)
+        self._decode = tokenizer.decode_ints
         self._partial = 0  # characters of ids[read:]'s text already taken (complete ones)
         self._text = ""  # output text so far: emitted + held back (cut at a stop string)
         self._emitted = 0  # text[:emitted] has been returned
@@ -428,7 +439,13 @@ class IncrementalDetokenizer:
         if self._skip and self.tokenizer.is_special(token_id):
             return ""
         self._ids.append(token_id)
-        return self._advance(self._read_new(final=False), final=False)
+        new = self._read_new(final=False)
+        if not self._stops:  # nothing held back: every call returns all of its new text
+            if new:
+                self._text += new
+                self._emitted = len(self._text)
+            return new
+        return self._advance(new, final=False)
 
     def flush(self) -> str:
         """The request is over: return everything not yet emitted (held-back text, and the
@@ -443,14 +460,18 @@ class IncrementalDetokenizer:
 
     def _read_new(self, final: bool) -> str:
         """New complete text from ids[read:] (all of it when ``final``)."""
-        decode = self.tokenizer.decode_ints  # self._ids holds Python ints only
-        full = decode(self._ids[self._prefix:])
+        ids = self._ids  # Python ints only
+        full = self._decode(ids[self._prefix:])
         tail = full[len(self._prefix_text):]  # text of ids[read:]
         if final or not tail.endswith(_REPLACEMENT):
             new = tail[self._partial:]
-            # Everything is read: the read part becomes the context of the next window.
-            self._prefix, self._read, self._partial = self._read, len(self._ids), 0
-            self._prefix_text = decode(self._ids[self._prefix:self._read])
+            # Everything is read: the read part becomes the context of the next window
+            # (mostly the one new token: its text alone is memoized by the tokenizer).
+            prefix, self._read, self._partial = self._read, len(ids), 0
+            self._prefix = prefix
+            self._prefix_text = (self.tokenizer.decode_one(ids[prefix])
+                                 if self._read - prefix == 1
+                                 else self._decode(ids[prefix:self._read]))
             return new
         # The window ends inside a character: the text before the trailing U+FFFD run is final
         # (UTF-8 decoding of earlier bytes does not depend on later ones); take what's new.

@@ -64,6 +64,56 @@ def test_reference_decode_matches_a_loop(bsz: int) -> None:
     assert torch.count_nonzero(got[1]) == 0
 
 
+def _layout(rows: list[tuple[int, int, list[int]]], b: int, m: int, bs: int,
+            scratch: int) -> list[int]:
+    """The static inputs of bucket ``b`` as the module docstring lays them out, from
+    (token, position, block table) rows."""
+    n = len(rows)
+    head = [[t for t, _, _ in rows] + [0] * (b - n),
+            [p for _, p, _ in rows] + [0] * (b - n),
+            [tab[p // bs] for _, p, tab in rows] + [scratch] * (b - n),
+            [p % bs for _, p, _ in rows] + [0] * (b - n),
+            [p + 1 for _, p, _ in rows] + [0] * (b - n)]
+    tables = [(tab + [0] * m)[:m] for _, _, tab in rows] + [[0] * m] * (b - n)
+    return [x for part in head for x in part] + [x for tab in tables for x in tab]
+
+
+def test_load_writes_the_documented_layout_whatever_came_before() -> None:
+    """DecodeGraphs.load rewrites only the table rows that changed since the last load of the
+    same bucket: after any sequence of loads (tables growing, shrinking, replaced, rows
+    moving, batches shrinking, buckets changing, a caller's list changed in place) the host
+    and device buffers hold exactly the documented layout, padding rows included."""
+    from disagg.cuda_graph import DecodeGraphs
+    from disagg.scheduler import ScheduledRequest
+
+    bs, m, scratch = 4, 6, 50
+    graphs = DecodeGraphs(torch.nn.Identity(), torch.zeros(51, 1), bs, m, scratch,
+                          [1, 2, 4, 8, 16], paged_decode_reference, capture=False)
+    rng = random.Random(3)
+    tables = [[rng.randrange(50) for _ in range(rng.randint(1, m))] for _ in range(16)]
+    shared = tables[0]  # handed to load as the same list object each time
+    for step in range(400):  # (up to 8 rows and more take different paths)
+        n = rng.choice([1, 2, 3, 5, 8, 8, 9, 12, 16, 16]) if step % 50 else 16
+        for t in tables:
+            if rng.random() < 0.2 and len(t) < m:
+                t.append(rng.randrange(50))  # a decode reached a new block
+            elif rng.random() < 0.05:  # preempted and recomputed: another, shorter table
+                t[:] = [rng.randrange(50) for _ in range(rng.randint(1, len(t)))]
+        if rng.random() < 0.1:
+            rng.shuffle(tables)  # requests end and others take their rows
+        rows = [(rng.randrange(1, 500), rng.randrange(len(t) * bs), t) for t in tables[:n]]
+        sched = [ScheduledRequest(f"r{i}", [tok], p, t if t is shared else list(t), True)
+                 for i, (tok, p, t) in enumerate(rows)]
+        b = graphs.bucket_for(n)
+        graphs.load(sched, b)
+        want = _layout(rows, b, m, bs, scratch)
+        k = len(want)
+        assert graphs._host_np[:k].tolist() == want, step
+        assert graphs._dev[:k].tolist() == want, step
+    with pytest.raises(ValueError, match="r0: 7 blocks"):
+        graphs.load([ScheduledRequest("r0", [1], 0, list(range(m + 1)), True)], 1)
+
+
 def _padded_runner(monkeypatch: pytest.MonkeyPatch) -> list[ModelRunner]:
     made: list[ModelRunner] = []
 

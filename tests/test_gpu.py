@@ -505,3 +505,58 @@ def test_gather_mapped_on_cuda_equals_the_cpu_gather() -> None:
         gather_mapped(kv, req, out)
         torch.cuda.synchronize()
         assert _bytes_equal(out.cpu(), _expected(host, req)), req
+
+
+# ---- RoPE + the K/V write in one launch in the decode graphs (model/triton_rope.py) ----------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decode_graphs_with_the_rope_kernel_are_the_pytorch_path(
+        tmp_path: Path, arch: str, dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode graphs with RoPE + the K/V cache write in one Triton launch (accepted by the
+    runner's device check): the greedy tokens and logprobs of the same graphs with PyTorch's
+    RoPE and index_put, to the bit; float32 also the eager engine's (GEMMs of other row counts
+    there: logprobs to 1e-3). Qwen3: its q/k norms, then the kernel."""
+    import disagg.model.triton_rope as triton_rope
+    from disagg.model.tiny import write_tiny_checkpoint
+
+    model = write_tiny_checkpoint(str(tmp_path / arch), arch, seed=3)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (3, 17, 30, 9, 5)]
+    # different lengths: decode batches of 5, 4, 3 and 2 rows (buckets 8, 4, 4, 2)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2)
+              for n in (4, 16, 9, 12, 16)]
+    opts = dict(device="cuda", dtype=dtype, tokens_per_block=8, kv_cache_tokens=2048,
+                max_num_tokens=64, max_batch_size=8)
+    launches: list[int] = []
+    kernel = triton_rope.triton_rope_store
+
+    def spy(*args: torch.Tensor) -> torch.Tensor:
+        launches.append(int(args[0].shape[0]))
+        return kernel(*args)
+
+    def run(eager: bool = False) -> tuple[list[tuple[list[int], object]], bool]:
+        with LLM(model, **opts, enforce_eager=eager) as llm:  # type: ignore[arg-type]
+            outs = llm.generate(prompts, params)
+            graphs = llm.engine.runner.graphs
+            assert eager == (graphs is None)
+            assert eager or graphs.replays > 0  # type: ignore[union-attr]
+            with_kernel = graphs is not None and graphs.rope_store is not None
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], with_kernel
+
+    monkeypatch.setattr(triton_rope, "triton_rope_store", spy)
+    fused, used = run()
+    # the device check accepted it, every bucket was captured through it
+    assert used and {1, 2, 4, 8} <= set(launches), launches
+    monkeypatch.setattr(triton_rope, "triton_rope_store_kernel", lambda *a: None)
+    plain, used = run()
+    assert not used
+    assert fused == plain
+    if dtype == "float32":
+        eager, _ = run(eager=True)
+        for (ids, lps), (ids_e, lps_e) in zip(fused, eager, strict=True):
+            assert ids == ids_e
+            for a, b in zip(lps, lps_e, strict=True):  # type: ignore[call-overload]
+                assert a.keys() == b.keys()
+                assert list(a.values()) == pytest.approx(list(b.values()), abs=1e-3)

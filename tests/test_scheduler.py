@@ -669,3 +669,28 @@ def test_context_request_blocks_held_until_released() -> None:
     assert stats.used == 2 and stats.free + stats.used + stats.cached == stats.total
     assert sched.release_held("ctx") and not sched.release_held("ctx")
     assert sched.kv.stats().used == 0
+
+
+def test_decode_entries_equal_the_dataclass_built_ones() -> None:
+    """ScheduledRequest.decode (the scheduler's per-step constructor, which skips the frozen
+    __init__) gives the entry the dataclass would, with every field set; a decode plan made
+    by schedule() is exactly that entry."""
+    import dataclasses
+    import pickle
+
+    fast = ScheduledRequest.decode("r", 7, 12, [3, 4])
+    want = ScheduledRequest("r", [7], 12, [3, 4], True)
+    assert fast == want and repr(fast) == repr(want)
+    assert set(vars(fast)) == {f.name for f in dataclasses.fields(ScheduledRequest)}
+    assert pickle.loads(pickle.dumps(fast)) == want
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.start_pos = 1  # type: ignore[misc]
+    assert dataclasses.replace(fast, spec_slots=2).spec_slots == 2
+
+    s = make_sched(max_num_tokens=64)
+    s.add_request(make_req("a", list(range(10, 16)), eos=()))
+    out = s.schedule()
+    s.update_from_output(out, {"a": 9})
+    out = s.schedule()
+    assert out.num_decodes == 1 and out.num_scheduled_tokens == 1
+    assert out.scheduled == [ScheduledRequest("a", [9], 6, s.kv.block_ids("a"), True)]

@@ -271,6 +271,33 @@ def test_complete_text_before_a_split_character_streams_at_once() -> None:
     assert det.flush() == "\ufffd" and det.text == tok.decode([vocab[merged]] * 2)
 
 
+def test_random_token_streams_join_to_the_whole_decode(tok: Tokenizer) -> None:
+    """Without stop strings the pieces of a stream join to the output's text whatever the ids:
+    ``decode(ids)`` for a byte-level vocabulary (split characters included), the text after
+    the prompt's in ``decode(prompt + ids)`` for a sentencepiece-style decoder, whose text of
+    a token alone differs from its text in context (the detokenizer's memoized one-token
+    decodes must not change that)."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers
+
+    words = ["\u2581hello", "\u2581world", "\u2581", "a", "b", "\u2581caf\u00e9", "!", "<unk>"]
+    sp_backend = Backend(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    sp_backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    sp_backend.decoder = decoders.Metaspace()
+    sp = Tokenizer(sp_backend, {})
+    assert sp.decode_one(0) == "hello" and sp.decode_ints([3, 0]) == "a hello"
+    rng = random.Random(5)
+    for t, vocab in ((tok, tok.vocab_size), (sp, len(words) - 1)):
+        assert all(t.decode_one(i) == t.decode_ints([i]) for i in range(vocab))
+        for _ in range(100):
+            ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
+            prompt = [rng.randrange(vocab) for _ in range(rng.randint(0, 5))]
+            deltas, tail, det = _stream(t, prompt, ids, SamplingParams())
+            want = (t.decode(ids) if t is tok
+                    else t.decode(prompt + ids)[len(t.decode(prompt)):])
+            assert "".join(deltas) + tail == want == det.text
+
+
 def test_incomplete_character_at_end_is_flushed(tok: Tokenizer) -> None:
     ids = tok.encode("ok ", False) + _byte_ids(tok, "😀".encode()[:2])
     deltas, tail, det = _stream(tok, [], ids, SamplingParams())

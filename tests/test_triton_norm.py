@@ -13,35 +13,20 @@ import sys
 
 import pytest
 import torch
-from triton_fixtures import in_interpreter, run_interpreter_tests, spawns_interpreter
+from triton_fixtures import (
+    in_interpreter,
+    round_like_the_gpu,
+    run_interpreter_tests,
+    spawns_interpreter,
+)
 
 from disagg.model.llama import rms_norm_reference
-
-
-def _round_like_the_gpu(mp: pytest.MonkeyPatch) -> None:
-    """triton 3.6's interpreter casts float32 to bfloat16 by truncating the mantissa; a GPU
-    (LLVM's fptrunc) and torch round to nearest even. Cast that pair with torch instead
-    (interpreter only), so the kernel is checked for the rounding it gets on a device."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter as it
-
-    orig = it.InterpreterBuilder.cast_impl
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            t = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
-            return it.TensorHandle(t.view(torch.int16).numpy().view(np.uint16),
-                                   dst_type.scalar)
-        return orig(self, src, dst_type)
-
-    mp.setattr(it.InterpreterBuilder, "cast_impl", cast_impl)
 
 
 @pytest.fixture(scope="module")
 def tn():
     mp = pytest.MonkeyPatch()
-    _round_like_the_gpu(mp)
+    round_like_the_gpu(mp)
     yield importlib.import_module("disagg.model.triton_norm")
     mp.undo()
 

@@ -38,3 +38,24 @@ def run_interpreter_tests(test_file: str) -> None:
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, tail
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, tail
+
+
+def round_like_the_gpu(mp: pytest.MonkeyPatch) -> None:
+    """triton's interpreter (3.6 to 3.9 at least) casts float32 to bfloat16 by truncating the
+    mantissa; a GPU (LLVM's fptrunc) and torch round to nearest even. Cast that pair with torch
+    instead (interpreter only), so a kernel is checked for the rounding it gets on a device."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter as it
+
+    orig = it.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):  # type: ignore[no-untyped-def]
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            t = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
+            return it.TensorHandle(t.view(torch.int16).numpy().view(np.uint16),
+                                   dst_type.scalar)
+        return orig(self, src, dst_type)
+
+    mp.setattr(it.InterpreterBuilder, "cast_impl", cast_impl)

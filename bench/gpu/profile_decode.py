@@ -191,9 +191,11 @@ def device_forward_s(eng: Any, batch: int, dev: str, reps: int = 20) -> tuple[fl
     if graphs is None:
         return float("nan"), "no decode graphs in this runner"
     b = graphs.bucket_for(batch)
-    graph = graphs._graphs.get(b)
-    fn = graph.replay if graph is not None else (lambda: graphs._forward(b))
-    how = f"graph of bucket {b} replayed" if graph is not None else f"eager bucket {b}"
+    captured = b in graphs.captured
+    how = f"graph of bucket {b} replayed" if captured else f"eager bucket {b}"
+
+    def fn() -> torch.Tensor:
+        return graphs.rerun(b)
     # The static buffers still hold the last step's rows: replays rewrite the same KV slots.
     with torch.inference_mode():
         for _ in range(3):
@@ -259,7 +261,7 @@ def kernel_profile(step: Callable[[], Any], steps: int, dev: str) -> dict[str, A
 
 def profile_batch(eng: Any, batch: int, plan: Any, cfg: Any, wbytes: float, bw: float,
                   dev: str, steps: int) -> list[str]:
-    mode = "async scheduling" if getattr(eng, "_async_scheduling", False) else "synchronous"
+    mode = "async scheduling" if eng.async_scheduling else "synchronous"
     lines = [f"### Batch {batch}, {mode} engine loop", ""]
     total_steps = 6 + 2 * steps + 8
     start_decodes(eng, batch, plan.decode_ctx, total_steps + 4, cfg.vocab_size, seed=batch)
@@ -295,7 +297,7 @@ def profile_batch(eng: Any, batch: int, plan: Any, cfg: Any, wbytes: float, bw: 
             # kernels inside graph replays not traced: the same bucket's forward, eager
             b = graphs.bucket_for(batch)
             with torch.inference_mode():
-                ke = kernel_profile(lambda: graphs._forward(b), 4, dev)
+                ke = kernel_profile(lambda: graphs.rerun(b, eager=True), 4, dev)
             lines += kernel_lines(ke, f"graph kernels not traced; torch.profiler over 4 eager "
                                       f"forwards of bucket {b} (no sampling)")
     except Exception as e:  # noqa: BLE001 (a diagnostic: keep the rest)
@@ -370,7 +372,7 @@ def main() -> int:
                 for b in batches:
                     for mode in modes:
                         # between batches nothing is in flight: the loop's mode may change
-                        eng._async_scheduling = mode == "async"
+                        eng.set_async_scheduling(mode == "async")
                         try:
                             lines += profile_batch(eng, b, plan, cfg, wbytes, bw, dev,
                                                    args.steps)

@@ -297,6 +297,18 @@ class LLMEngine:
         if held is not None:
             self.scheduler.release_held(req.request_id)
 
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether ``step`` launches plans of plain decodes early (DESIGN 8)."""
+        return self._async_scheduling
+
+    def set_async_scheduling(self, on: bool) -> None:
+        """Switch the loop's mode between steps (benchmarks compare both in one engine); not
+        while a launched plan waits to be read."""
+        if self._inflight is not None:
+            raise RuntimeError("a launched plan is in flight: step() first")
+        self._async_scheduling = bool(on)
+
     def has_unfinished(self) -> bool:
         return bool(self._states)
 
@@ -525,27 +537,33 @@ class LLMEngine:
         step."""
         outputs: list[RequestOutput] = []
         now = time.monotonic()
+        states = self._states  # (the loop runs once per request and step)
         for rid, tok in sampled.items():
-            st = self._states[rid]
-            if st.metrics.first_token_time is None:
-                st.metrics.first_token_time = now
-            st.metrics.last_token_time = now
-            if rid in verified:
+            st = states[rid]
+            metrics = st.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            if verified and rid in verified:
                 delta = self._walk_verified(st, verified[rid], finished)
                 outputs.append(self._make_output(st, delta, finished=rid in finished))
                 continue
-            delta = st.detok.update(tok)
-            if st.detok.stopped and rid not in finished:
-                st.request.stop_reason = st.detok.stop_reason
+            detok = st.detok
+            delta = detok.update(tok)
+            if detok.stopped and rid not in finished:
+                st.request.stop_reason = detok.stop_reason
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
                 finished.add(rid)
             elif st.matcher is not None and st.matcher.done:
                 grammar_complete(self.scheduler, st.request, finished)
-            if rid in finished and not st.detok.stopped:
-                delta += st.detok.flush()
-            outputs.append(self._make_output(st, delta, finished=rid in finished))
+            if rid not in finished:
+                outputs.append(st.output(delta, False))  # (_make_output of one going on)
+                continue
+            if not detok.stopped:
+                delta += detok.flush()
+            outputs.append(self._make_output(st, delta, finished=True))
         # Requests the scheduler ended without sampling (errors) still owe a final output.
-        for rid in finished - set(sampled):
+        for rid in finished - set(sampled) if finished else ():
             st = self._states.get(rid)
             if st is None:  # aborted after the scheduler refused it: reported by the abort
                 continue
@@ -645,7 +663,7 @@ class LLMEngine:
         # The scheduler may end a request during schedule() (e.g. one that can never fit).
         reported = {o.request_id for o in outputs}
         for rid, st in list(self._states.items()):
-            if st.request.is_finished() and rid not in reported:
+            if rid not in reported and st.request.is_finished():
                 outputs.append(self._make_output(st, st.detok.flush(), finished=True))
         for o in outputs:
             if o.finished:

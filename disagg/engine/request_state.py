@@ -119,34 +119,28 @@ class RequestState:
         tokens = list(req.output_token_ids)
         delta_tokens = tokens[self.sent_tokens :]
         self.sent_tokens = len(tokens)
-        delta_lp = None
-        if self.logprobs is not None:
-            delta_lp = self.logprobs[self.sent_logprobs :]
-            self.sent_logprobs = len(self.logprobs)
+        lps = self.logprobs
+        all_lp = delta_lp = None
+        if lps is not None:
+            all_lp = list(lps)
+            delta_lp = lps[self.sent_logprobs :]
+            self.sent_logprobs = len(lps)
+        # Positional, in field order (test_request_state_output checks it): this runs once per
+        # request and step, and keyword calls of these dataclasses cost twice as much.
         comp = CompletionOutput(
-            index=0,
-            text=self.detok.text,
-            token_ids=tokens,
-            delta_text=delta_text,
-            delta_token_ids=delta_tokens,
-            logprobs=list(self.logprobs) if self.logprobs is not None else None,
-            delta_logprobs=delta_lp,
-            finish_reason=req.status.finish_reason if finished else None,
-            stop_reason=req.stop_reason if finished else None,
+            0, self.detok.text, tokens, delta_text, delta_tokens, all_lp, delta_lp,
+            req.status.finish_reason if finished else None,  # finish_reason
+            req.stop_reason if finished else None,  # stop_reason
         )
         return RequestOutput(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=[comp],
-            finished=finished,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-            metrics=self.metrics,
-            error=req.error if finished else None,
-            prompt=self.prompt,
-            disaggregated_params=self.disagg_out if finished else None,
-            kv_transfer_error=self.kv_error if finished else None,
-            prompt_logprobs=self.prompt_lps,
-            prompt_logprob_ranks=self.prompt_ranks,
+            req.request_id, req.prompt_token_ids, [comp], finished,
+            req.num_cached_tokens if req.num_cached_tokens > 0 else 0,  # num_cached_tokens
+            self.metrics,
+            req.error if finished else None,  # error
+            self.prompt,
+            self.disagg_out if finished else None,  # disaggregated_params
+            self.kv_error if finished else None,  # kv_transfer_error
+            self.prompt_lps, self.prompt_ranks,
         )
 
 
@@ -209,8 +203,9 @@ def sampling_inputs(states: list[RequestState]) -> tuple[
     """Per sampled row: its params, the tokens banned until ``min_tokens``, and (only when
     some row has penalties) its (prompt ids, output ids) history."""
     banned = [
-        st.banned_until_min
-        if st.request.num_output_tokens < st.request.sampling_params.min_tokens
+        st.banned_until_min  # () unless min_tokens > 0: most rows stop at the first test
+        if st.banned_until_min
+        and st.request.num_output_tokens < st.request.sampling_params.min_tokens
         else ()
         for st in states
     ]

@@ -55,6 +55,14 @@ class KVCacheManager:
         """A copy of the request's block table (empty when it holds none)."""
         return list(self._tables.get(request_id, ()))
 
+    def block_ids_if_holding(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """``block_ids(request_id)`` when its table already holds positions
+        ``[0, num_tokens)``, else None (the scheduler's decode fast path: one look-up)."""
+        table = self._tables.get(request_id)
+        if table is None or len(table) * self.block_size < num_tokens:
+            return None
+        return list(table)
+
     def num_held_blocks(self, request_id: str) -> int:
         """len(block_ids(request_id)) without the copy."""
         return len(self._tables.get(request_id, ()))

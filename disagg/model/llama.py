@@ -255,17 +255,20 @@ class Attention(nn.Module):
             self.qk_norm_rows = torch.cat([q_rows, k_rows])
 
     def _norm_rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   sin: torch.Tensor, rope: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """q ``[T, hq, d]``, k ``[T, hkv, d]`` -> RoPE(q_norm(q)), RoPE(k_norm(k)) (no norms
-        outside Qwen3). The norm comes first, as transformers' Qwen3Attention applies it."""
+        outside Qwen3; no RoPE when ``rope`` is False). The norm comes first, as transformers'
+        Qwen3Attention applies it."""
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return (apply_rope(q, cos, sin), apply_rope(k, cos, sin)) if rope else (q, k)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata | StaticDecodeMeta,
                 workspace: GatherWorkspace | None = None) -> torch.Tensor:
         t, d, hq, hkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
+        # A padded decode batch with the fused RoPE + K/V-write kernel: RoPE is its job.
+        rope = not (isinstance(meta, StaticDecodeMeta) and meta.rope_store is not None)
         if self.qkv is not None and self.qkv.pays(x):
             # One GEMM; q and k are adjacent column ranges:
             #   out [T, (hq + 2 hkv) d]: cols [0, hq d) q | [hq d, (hq + hkv) d) k | v
@@ -275,15 +278,18 @@ class Attention(nn.Module):
             if self.q_norm is None or self.qk_norm_rows is not None:
                 if self.qk_norm_rows is not None:  # Qwen3: every head normalised at once
                     qk = rms_norm_reference(qk, self.qk_norm_rows, self.qk_norm_eps)[0]
-                q, k = apply_rope(qk, cos, sin).split((hq, hkv), dim=1)  # one RoPE for both
+                if rope:
+                    qk = apply_rope(qk, cos, sin)  # one RoPE for both
+                q, k = qk.split((hq, hkv), dim=1)
             else:
-                q, k = self._norm_rope(qk[:, :hq], qk[:, hq:], cos, sin)
+                q, k = self._norm_rope(qk[:, :hq], qk[:, hq:], cos, sin, rope)
         else:
             q, k = self._norm_rope(self.q_proj(x).view(t, hq, d), self.k_proj(x).view(t, hkv, d),
-                                   cos, sin)
+                                   cos, sin, rope)
             v = self.v_proj(x).view(t, hkv, d)
         if isinstance(meta, StaticDecodeMeta):  # a padded decode batch (CUDA graph bucket)
-            o = meta.attend(q, k, v, kv_layer, self.scale)
+            o = (meta.attend(q, k, v, kv_layer, self.scale) if rope
+                 else meta.rope_attend(q, k, v, cos, sin, kv_layer, self.scale))
         else:
             o = paged_attention(q, k, v, kv_layer, meta, self.scale, workspace)
         # Row-parallel o_proj: sum the ranks' partial products, then add the (replicated)

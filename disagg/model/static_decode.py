@@ -1,6 +1,7 @@
 """The static decode batch the model attends over when it runs a padded decode step (a CUDA
 graph bucket, ``disagg.cuda_graph``): ``StaticDecodeMeta``, the paged-decode kernel contract
-(``DecodeFn``) and its implementations (Triton's, and a PyTorch reference).
+(``DecodeFn``) and its implementations (Triton's, and a PyTorch reference), and the contract of
+the optional RoPE + K/V-write kernel (``RopeStoreFn``: ``disagg.model.triton_rope``).
 
 Model side: the model's ``Attention`` takes a ``StaticDecodeMeta`` in place of
 ``AttentionMetadata``; nothing here knows the scheduler or the graphs that fill it.
@@ -17,6 +18,19 @@ import torch
 #              scale, num_splits) -> [S, Hq, D]
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, "int | None"],
                     torch.Tensor]
+
+# rope_store(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], cos [T, 1, D], sin [T, 1, D],
+#            kv_layer [N, 2, Hkv, B, D], slot_block [T], slot_offset [T]) -> RoPE(q) [T, Hq, D]
+# (contiguous); writes RoPE(k) and v into row t's slot, as store_kv does.
+RopeStoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                        torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_block: torch.Tensor,
+             slot_offset: torch.Tensor) -> None:
+    """Row t's K/V -> ``kv_layer[slot_block[t], {0: K, 1: V}, :, slot_offset[t]]``."""
+    kv_layer[slot_block, 0, :, slot_offset] = k.to(kv_layer.dtype)
+    kv_layer[slot_block, 1, :, slot_offset] = v.to(kv_layer.dtype)
 
 
 def triton_paged_decode() -> DecodeFn | None:
@@ -66,6 +80,9 @@ class StaticDecodeMeta:
     slot_offset: torch.Tensor  # [b] int64
     decode: DecodeFn
     num_splits: int | None = None  # None: paged_decode picks from shapes
+    # RoPE of q and k and the K/V write in one launch (CUDA, once the runner's device check
+    # accepted it); None: the model applies RoPE itself and ``attend`` writes K/V.
+    rope_store: RopeStoreFn | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -73,8 +90,16 @@ class StaticDecodeMeta:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_layer: torch.Tensor, scale: float) -> torch.Tensor:
-        # Row t's K/V -> kv_layer[slot_block[t], {0: K, 1: V}, :, slot_offset[t]]
-        kv_layer[self.slot_block, 0, :, self.slot_offset] = k.to(kv_layer.dtype)
-        kv_layer[self.slot_block, 1, :, self.slot_offset] = v.to(kv_layer.dtype)
+        """Decode attention of q (RoPE applied) after writing k (RoPE applied) and v."""
+        store_kv(k, v, kv_layer, self.slot_block, self.slot_offset)
+        return self.decode(q, kv_layer, self.block_tables, self.seq_lens, scale,
+                           self.num_splits)
+
+    def rope_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, kv_layer: torch.Tensor, scale: float) -> torch.Tensor:
+        """``attend`` for q and k *before* RoPE: ``rope_store`` rotates both and writes K/V."""
+        if self.rope_store is None:
+            raise ValueError("rope_attend needs a StaticDecodeMeta with rope_store set")
+        q = self.rope_store(q, k, v, cos, sin, kv_layer, self.slot_block, self.slot_offset)
         return self.decode(q, kv_layer, self.block_tables, self.seq_lens, scale,
                            self.num_splits)
