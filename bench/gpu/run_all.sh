@@ -103,6 +103,14 @@ if want tests; then
   # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
   STEPLOG="$OUT/pytest.log" run "pytest -m gpu" "$(( $(left) < ${PYTEST_S:-150} ? $(left) - 5 : ${PYTEST_S:-150} ))" \
     python3 -m pytest -m gpu -v -rA --tb=long -p no:cacheprovider ${PYTEST_ARGS:-tests/test_gpu.py}
+  # CPU tests that pick CUDA where it is present (e.g. tests/test_async_scheduling.py), all of
+  # their tests (no -m gpu): PYTEST_PLAIN names them, PYTEST_PLAIN_S caps them (default 60 s)
+  if [[ -n ${PYTEST_PLAIN:-} ]]; then
+    # shellcheck disable=SC2086  # PYTEST_PLAIN is a list of words
+    STEPLOG="$OUT/pytest.log" run "pytest (plain)" \
+      "$(( $(left) < ${PYTEST_PLAIN_S:-60} ? $(left) - 5 : ${PYTEST_PLAIN_S:-60} ))" \
+      python3 -m pytest -v -rA --tb=long -p no:cacheprovider ${PYTEST_PLAIN}
+  fi
 fi
 
 # ---- CUDA IPC between two processes (what the same-node KV path needs), < 30 s
