@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -72,6 +73,7 @@ class Sampler:
     def __init__(self, default_generator: torch.Generator | None = None) -> None:
         # The uniforms of unseeded requests (a CPU generator; None: torch's global one).
         self.default_generator = default_generator
+        self._pinned = _PinnedSlots()  # sample_deferred's reads
 
     def sample(
         self,
@@ -135,12 +137,12 @@ class Sampler:
                 x = torch.nan_to_num(x, nan=_NEG_INF, posinf=torch.finfo(torch.float32).max)
                 if pen is not None:
                     x = apply_penalties(x, pen)
-                fetch = _to_host_later(x.argmax(dim=-1))
+                fetch = self._pinned.later(x.argmax(dim=-1))
                 return lambda: SamplerOutput([int(t) for t in fetch()], [None] * n, [None] * n)
             plan = _RowPlan.of(list(params), banned, x.shape[1])
             u = self._uniforms([params[i] for i in plan.s_rows],
                                [positions[i] for i in plan.s_rows])
-            fetch = _to_host_later(_sample_on_device(x, plan, u, pen, read=False))
+            fetch = self._pinned.later(_sample_on_device(x, plan, u, pen, read=False))
         except Exception:  # as sample(): find the row that broke the batch, now
             out = self.sample(logits, params, positions, banned_token_ids, histories)
             return lambda: out
@@ -291,21 +293,43 @@ def _sample_on_device(logits: torch.Tensor, plan: _RowPlan, u: list[float],
     return flat.tolist() if read else flat
 
 
-def _to_host_later(t: torch.Tensor) -> Callable[[], list]:
-    """A function returning ``t.tolist()`` that, on CUDA, waits only for a copy into pinned
-    host memory queued now (an event after it), not for what the stream runs later."""
-    if t.device.type != "cuda":
-        values = t.tolist()
-        return lambda: values
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
+class _PinnedSlots:
+    """Reused pinned host buffers and CUDA events for deferred reads (``sample_deferred``):
+    a step's tokens are copied into a slot behind an event, read later; a slot is reused
+    only once its read is done (else a fresh one is made), so no step allocates pinned memory
+    or an event in the steady state."""
 
-    def fetch() -> list:
-        done.synchronize()
-        return host.tolist()
-    return fetch
+    def __init__(self, num: int = 2) -> None:
+        self._slots: list[list[Any]] = [[None, None, False] for _ in range(num)]  # buf, event, busy
+        self._next = 0
+
+    def later(self, t: torch.Tensor) -> Callable[[], list]:
+        """A function returning ``t.tolist()`` that, on CUDA, waits only for a copy into
+        pinned host memory queued now (an event after it), not for what the stream runs
+        later."""
+        if t.device.type != "cuda":
+            values = t.tolist()
+            return lambda: values
+        nbytes = t.numel() * t.element_size()
+        slot = self._slots[self._next]
+        self._next = (self._next + 1) % len(self._slots)
+        if slot[2]:  # still unread: never overwrite it
+            slot = [None, None, False]
+        if slot[0] is None or slot[0].numel() < nbytes:
+            slot[0] = torch.empty(max(nbytes, 4096), dtype=torch.uint8, pin_memory=True)
+        if slot[1] is None:
+            slot[1] = torch.cuda.Event()
+        host = slot[0][:nbytes].view(t.dtype).view(t.shape)
+        host.copy_(t, non_blocking=True)
+        slot[1].record()
+        slot[2] = True
+
+        def fetch() -> list:
+            slot[1].synchronize()
+            values = host.tolist()
+            slot[2] = False
+            return values
+        return fetch
 
 
 def _unpack(flat: list[float], n: int, plan: _RowPlan

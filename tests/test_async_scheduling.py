@@ -55,9 +55,11 @@ def _both(model: str, prompts: list[list[int]], params: Any, **opts: Any
 
 def test_default_is_on_for_cuda_only(tiny_llama: str) -> None:
     with LLM(tiny_llama, **OPTS) as llm:
-        assert llm.engine._async_scheduling is False  # device cpu here
+        assert llm.engine.async_scheduling is llm.engine.config.device.startswith("cuda")
     with LLM(tiny_llama, **OPTS, async_scheduling=True) as llm:
-        assert llm.engine._async_scheduling is True
+        assert llm.engine.async_scheduling is True
+        with pytest.raises(ValueError, match="async_scheduling"):
+            LLM(tiny_llama, **OPTS, async_scheduling="yes")
 
 
 def test_mixed_sampling_is_identical(tiny_llama: str) -> None:
@@ -208,6 +210,7 @@ def test_padded_graph_path_is_identical(tiny_llama: str, monkeypatch: pytest.Mon
     with LLM(tiny_llama, **opts, async_scheduling=True) as llm:
         launched = _launches(llm.engine)
         got = llm.generate(prompts, params)
-    assert made[1].graphs is not None and made[1].graphs.eager_runs > 0
+    graphs = made[1].graphs
+    assert graphs is not None and graphs.eager_runs + graphs.replays > 0  # (CUDA: captured)
     assert launched() > 0
     assert _summary(got) == _summary(want)

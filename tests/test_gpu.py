@@ -560,3 +560,18 @@ def test_decode_graphs_with_the_rope_kernel_are_the_pytorch_path(
             for a, b in zip(lps, lps_e, strict=True):  # type: ignore[call-overload]
                 assert a.keys() == b.keys()
                 assert list(a.values()) == pytest.approx(list(b.values()), abs=1e-3)
+
+
+# ---- async scheduling: deferred token reads ---------------------------------------------------
+
+
+def test_deferred_reads_reuse_pinned_slots_and_never_overwrite_an_unread_one() -> None:
+    from disagg.sampler import _PinnedSlots
+
+    slots = _PinnedSlots(num=2)
+    a = slots.later(torch.arange(5, device="cuda"))
+    b = slots.later(torch.arange(5, 10, device="cuda"))
+    c = slots.later(torch.arange(10, 15, device="cuda"))  # a's slot is unread: a fresh one
+    assert c() == list(range(10, 15)) and a() == list(range(5)) and b() == list(range(5, 10))
+    d = slots.later(torch.arange(3, dtype=torch.float64, device="cuda"))  # reused, read
+    assert d() == [0.0, 1.0, 2.0]
