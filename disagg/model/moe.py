@@ -23,10 +23,11 @@ rows back in pair order with one copy and sums each token's ``k`` rows::
 Within an expert the rows are transformers' (choice, then token), so each GEMM sees the rows
 transformers' eager loop gives it; with top-2 the sum is then bit-identical to it.
 
-``experts_forward`` is the entry point (router outputs -> expert outputs): on CUDA it takes the
-batched path (``batched_experts``: the pairs' weights gathered into one ``bmm``, no host sync)
-(up to ``BATCHED_MAX_PAIRS`` pairs, or while a CUDA graph is being captured) and everywhere
-else the grouped one. Both return this rank's *partial* sum: under tensor
+``experts_forward`` is the entry point (router outputs -> expert outputs): on CUDA
+``pick_experts_path`` chooses by shape between the Triton kernel (``triton_moe``, when the
+runner installed it), the batched path (``batched_experts``: the pairs' weights gathered into
+one ``bmm``, no host sync) and, outside a CUDA graph capture, the grouped one; elsewhere the
+grouped one. All return this rank's *partial* sum: under tensor
 parallelism each expert's intermediate dim is split like the dense MLP's (``w13`` rows and
 ``w2`` columns of ``I / tp``), under expert parallelism each rank holds whole experts
 ``[expert_start, expert_start + E_local)`` and skips the pairs of the others; either way the
@@ -40,6 +41,7 @@ parameters views of those (no second copy).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -153,12 +155,108 @@ def batched_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     return scaled.sum(dim=1)
 
 
-# Above this many (token, expert) pairs the batched path's weight gathers cost more than the
-# grouped path's host sync; decode batches of a GPU stay under it.
-BATCHED_MAX_PAIRS = 64
-
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                       int], torch.Tensor]
+
+# -- the path per shape on CUDA ---------------------------------------------------------------
+# Fitted to bench/results/gpu_moe_check.txt (H200, torch 2.11, bf16, eager, CUDA events; a
+# Qwen3-30B-A3B layer: H 2048, 128 experts x I 768, top-8; a Mixtral-8x7B layer: H 4096,
+# 8 experts x I 14336, top-2; 1 to 4096 tokens). See pick_experts_path.
+# The file's device-to-device copy, bytes/s: how fast the experts' weights are read.
+COPY_BW = 4.17e12
+# grouped at Mixtral x 4096 tokens (compute-bound): 2 * 8192 * 3 * 14336 * 4096 flop in 5.438 ms.
+GEMM_RATE = 531e12
+# grouped's host part (the count sync, then a GEMM pair per expert hit): least squares over
+# Qwen3 at 1/8/64/512 tokens (8/49/124/128 experts hit in 0.794/3.112/7.565/7.628 ms) of the
+# time less the hit experts' weight reads.
+GROUPED_HOST_S = 0.31e-3
+GROUPED_EXPERT_S = 0.055e-3
+# batched: Mixtral at 1/8 tokens gathered 0.70/5.64 GB of expert weights in 1.585/11.826 ms.
+# Qwen3's 0.08/0.60 GB took 0.275/0.561 ms (1.9 TB/s); the slower rate keeps large experts off.
+BATCHED_HOST_S = 0.12e-3
+BATCHED_BW = 0.48e12
+# The kernel's launches (pair layout + 2 Triton): Qwen3 at 8 tokens took 0.742 ms where its
+# weights need 0.111 ms (the roofline column).
+KERNEL_HOST_S = 0.63e-3
+# Not measured yet (the table's kernel had 16-row tiles): the re-tiled kernel's GEMM rate taken
+# as half of cuBLAS's, so compute-bound shapes stay on grouped until a device run says more.
+KERNEL_GEMM_RATE = GEMM_RATE / 2
+# Outside a capture the batched path's gathered copy of the weights is bounded (memory).
+BATCHED_MAX_BYTES = 2 << 30
+
+
+def expected_experts_hit(num_tokens: int, top_k: int, num_local: int) -> float:
+    """Distinct experts ``num_tokens`` tokens routed uniformly at random to ``top_k`` of
+    ``num_local`` each are expected to reach: ``E (1 - (1 - k/E)^T)`` (Qwen3 at 8 tokens:
+    51.6, measured 49; Mixtral at 8 tokens: 7.2, measured 7)."""
+    if num_local <= 0 or num_tokens <= 0:
+        return 0.0
+    miss = max(0.0, 1.0 - top_k / num_local)
+    return num_local * (1.0 - miss ** num_tokens)
+
+
+def estimate_experts_seconds(num_tokens: int, top_k: int, num_local: int, hidden: int,
+                             inter: int, itemsize: int) -> dict[str, float]:
+    """Estimated seconds of one eager call of each path on CUDA (``"kernel"``,
+    ``"batched"``, ``"grouped"``) for these shapes, from the constants above:
+
+    - grouped: its host part (count sync + a GEMM pair per expert hit) plus the device's
+      time, the larger of reading the hit experts' weights and the GEMMs' flops;
+    - kernel: its launches plus the same reads (it reads each hit expert's weights once per
+      block of ``triton_moe.pick_block_m`` rows: about once) or its flops at
+      ``KERNEL_GEMM_RATE``;
+    - batched: its launches plus every pair's gathered weights (``T k x 3 I H`` elements).
+    """
+    pairs = num_tokens * top_k
+    expert_bytes = 3 * inter * hidden * itemsize
+    hit = expected_experts_hit(num_tokens, top_k, num_local)
+    reads = hit * expert_bytes / COPY_BW
+    flops = 2.0 * pairs * 3 * inter * hidden
+    return {
+        "kernel": KERNEL_HOST_S + max(reads, flops / KERNEL_GEMM_RATE),
+        "batched": BATCHED_HOST_S + pairs * expert_bytes / BATCHED_BW,
+        "grouped": GROUPED_HOST_S + hit * GROUPED_EXPERT_S + max(reads, flops / GEMM_RATE),
+    }
+
+
+@functools.lru_cache(maxsize=4096)
+def pick_experts_path(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int,
+                      itemsize: int, capturing: bool, has_kernel: bool) -> str:
+    """The path ``experts_forward`` takes on CUDA: ``"kernel"`` (the Triton kernel; only
+    with ``has_kernel``), ``"batched"`` or ``"grouped"``. A pure function of the shapes
+    (``num_local`` experts of ``3 x inter x hidden`` elements of ``itemsize`` bytes).
+
+    - Inside a CUDA graph capture (decode) no host sync is allowed, so never grouped: the
+      kernel when there is one, else batched. By bytes the kernel never moves more: it
+      reads each hit expert's weights once per block of rows (at most once per pair) where
+      batched copies every pair's expert (``T k x 3 I H x itemsize`` bytes) before its
+      ``bmm``; its extra launches are the pair layout's small ops, which a graph replays
+      without host cost.
+    - Outside, the cheapest of ``estimate_experts_seconds`` (batched only while its gathered
+      copy stays under ``BATCHED_MAX_BYTES``). On the shapes it was fitted to, with the
+      kernel: Qwen3 at 1-2 tokens batched (measured at 1: 0.275 ms; grouped 0.794, the old
+      kernel 0.760); 4+ tokens the kernel (at 8 the table's best was batched, 0.561 ms
+      against the old kernel's 0.742: batched's estimate, 1.38 ms, uses Mixtral's slower
+      gather rate; grouped pays 55 us of host work per expert hit, 7.6 ms at 124+ experts);
+      Mixtral at 1-4 tokens grouped (measured 0.468 ms at 1), at 8-256 the kernel (the same
+      weight reads, its 0.63 ms of launches against grouped's 0.31 + 0.055 per expert: the
+      estimates are within 10%), at 512+ grouped (compute-bound: cuBLAS's 531 TFLOP/s
+      against the kernel's assumed half; measured 1.456 / 5.438 ms at 512 / 4096 tokens).
+      Without the kernel: batched for Qwen3 up to 16 tokens, grouped beyond and for Mixtral
+      (the table's fastest of the two on every row it timed both).
+    The kernel's host constant comes from the 16-row tiles' launches and its GEMM rate is an
+    assumption; the device run of ``bench.gpu.check_moe`` prints each pick and its time next
+    to every path's, eager and in a CUDA graph.
+    """
+    if capturing:
+        return "kernel" if has_kernel else "batched"
+    est = estimate_experts_seconds(num_tokens, top_k, num_local, hidden, inter, itemsize)
+    allowed = ["grouped"]
+    if has_kernel:
+        allowed.append("kernel")
+    if num_tokens * top_k * 3 * inter * hidden * itemsize <= BATCHED_MAX_BYTES:
+        allowed.append("batched")
+    return min(allowed, key=est.__getitem__)
 
 
 def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -167,16 +265,23 @@ def experts_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                     fused: ExpertsFn | None = None) -> torch.Tensor:
     """Router outputs -> this rank's partial expert output ``[T, H]`` (see the module doc).
 
-    The one interface every path shares: ``fused`` (a device kernel, e.g. the Triton one,
-    same arguments) when given, else on CUDA ``batched_experts`` for at most
-    ``BATCHED_MAX_PAIRS`` pairs (and always while capturing a CUDA graph: the grouped path
-    reads the row counts on the host), else ``grouped_experts``. Callers add shared experts and
-    all-reduce across the tensor/expert-parallel ranks themselves.
+    The one interface every path shares. On CUDA ``pick_experts_path`` chooses from the
+    shapes between ``fused`` (a device kernel, e.g. the Triton one, same arguments; when
+    given), ``batched_experts`` and (not while a CUDA graph is being captured: it reads the
+    row counts on the host) ``grouped_experts``. Elsewhere ``fused`` when given, else
+    ``grouped_experts``. Callers add shared experts and all-reduce across the
+    tensor/expert-parallel ranks themselves.
     """
-    if fused is not None:
+    if x.device.type != "cuda":
+        if fused is not None:
+            return fused(x, ids, weights, w13, w2, expert_start)
+        return grouped_experts(x, ids, weights, w13, w2, expert_start, kernel)
+    t, k = ids.shape
+    path = pick_experts_path(t, k, w13.shape[0], x.shape[1], w2.shape[-1], x.element_size(),
+                             torch.cuda.is_current_stream_capturing(), fused is not None)
+    if path == "kernel" and fused is not None:
         return fused(x, ids, weights, w13, w2, expert_start)
-    if x.device.type == "cuda" and (ids.numel() <= BATCHED_MAX_PAIRS
-                                    or torch.cuda.is_current_stream_capturing()):
+    if path == "batched":
         return batched_experts(x, ids, weights, w13, w2, expert_start)
     return grouped_experts(x, ids, weights, w13, w2, expert_start, kernel)
 
