@@ -19,6 +19,7 @@ from disagg.cuda_graph import DecodeGraphs, graph_batch_sizes
 from disagg.layout import ParallelLayout
 from disagg.model.attention import AttentionMetadata
 from disagg.model.kernels import paged_decode_kernel, small_linear_kernel
+from disagg.model.llama import GatedMLP
 from disagg.model.loader import allocate_kv_cache, kv_cache_bytes_per_block, load_model
 from disagg.model.moe import MoeExperts, use_experts_kernel
 from disagg.model.static_decode import DecodeFn, triton_paged_decode
@@ -117,6 +118,14 @@ class ModelRunner:
 
             self.model.use_norm_kernel(triton_norm_kernel(
                 self.device, self.dtype, config.model.hidden_size))
+            if any(isinstance(m, GatedMLP) for m in self.model.modules()):
+                # SwiGLU's silu(gate) * up in one launch (PyTorch's bits on this device,
+                # checked first); None: F.silu and the multiply.
+                from disagg.model.triton_silu_mul import triton_silu_mul_kernel
+
+                self.model.use_silu_mul_kernel(triton_silu_mul_kernel(
+                    self.device, self.dtype,
+                    max(1, config.model.intermediate_size // lay.tp_size)))
             if any(isinstance(m, MoeExperts) for m in self.model.modules()):
                 # Grouped experts in two launches, no host sync (checked on this device
                 # first); None: the PyTorch paths of moe.experts_forward.

@@ -55,7 +55,7 @@ from disagg.model.attention import (
     GatherWorkspace,
     paged_latent_attention,
 )
-from disagg.model.llama import Linear, LlamaForCausalLM, RMSNorm, _split, apply_rope
+from disagg.model.llama import GatedMLP, Linear, LlamaForCausalLM, RMSNorm, _split, apply_rope
 from disagg.model.moe import QWEN_EXPERT_NAMES, MoeExperts, expert_range
 from disagg.model.static_decode import StaticDecodeMeta
 
@@ -231,7 +231,7 @@ class LatentAttention(nn.Module):
 # ---- feed-forward: dense, and DeepSeek's routed experts ------------------------------------
 
 
-class SwiGLU(nn.Module):
+class SwiGLU(GatedMLP):
     """``down(silu(gate(x)) * up(x))`` with ``inter`` (this rank's share of) intermediate
     rows; returns the partial sum (the caller reduces)."""
 
@@ -242,7 +242,7 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DenseMLP(SwiGLU):
@@ -344,10 +344,14 @@ class DeepseekDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata | StaticDecodeMeta,
-                workspace: GatherWorkspace | None = None) -> torch.Tensor:
-        a = self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, meta, workspace)
+                workspace: GatherWorkspace | None = None,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``llama.DecoderLayer.forward``'s contract: the stream ``residual + x`` in,
+        ``(mlp, h)`` out (the stream ``h + mlp``, added by the next norm or the stage)."""
+        n, x = self.input_layernorm.add_norm(x, residual)  # x <- residual + x; n = norm(x)
+        a = self.self_attn(n, cos, sin, kv_layer, meta, workspace)
         h, x = self.post_attention_layernorm.add_norm(a, x)  # x <- x + a; h = norm(x)
-        return x + self.mlp(h)
+        return self.mlp(h), x
 
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):

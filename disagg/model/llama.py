@@ -53,6 +53,8 @@ from disagg.model.static_decode import StaticDecodeMeta
 # (x, weight, eps, residual) -> (weight * rms_norm(h), h), h = residual + x (x when None)
 NormKernel = Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor | None],
                       tuple[torch.Tensor, torch.Tensor]]
+# (gate, up) -> silu(gate) * up, rounded as silu_mul_reference rounds
+SiluMulKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -86,6 +88,24 @@ class RMSNorm(nn.Module):
         one kernel when there is one."""
         fn = self.kernel if self.kernel is not None else rms_norm_reference
         return fn(x, self.weight, self.eps, residual)
+
+
+def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up`` in PyTorch: two kernels on CUDA, each rounding to the
+    dtype once (silu computed in float32 for half precision)."""
+    return nn.functional.silu(gate) * up
+
+
+class GatedMLP(nn.Module):
+    """Base of a dense SwiGLU feed-forward: its ``silu(gate) * up`` is ``silu_mul_reference``,
+    or ``silu_mul_kernel`` when set (one launch, the same bits: ``triton_silu_mul``; the
+    runner sets it on CUDA, ``use_silu_mul_kernel``)."""
+
+    silu_mul_kernel: SiluMulKernel | None = None
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        fn = self.silu_mul_kernel if self.silu_mul_kernel is not None else silu_mul_reference
+        return fn(gate, up)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -299,7 +319,7 @@ class Attention(nn.Module):
         return out if self.o_proj.bias is None else out + self.o_proj.bias
 
 
-class MLP(nn.Module):
+class MLP(GatedMLP):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
     def __init__(self, config: ModelConfig, tp_size: int,
@@ -318,7 +338,7 @@ class MLP(nn.Module):
             gate, up = self.gate_up(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self._reduce(self.down_proj(nn.functional.silu(gate) * up))
+        return self._reduce(self.down_proj(self.silu_mul(gate, up)))
 
 
 def sparse_moe(config: ModelConfig, tp_rank: int, tp_size: int, expert_parallel: bool,
@@ -346,7 +366,11 @@ def sparse_moe(config: ModelConfig, tp_rank: int, tp_size: int, expert_parallel:
 class DecoderLayer(nn.Module):
     """Pre-norm attention then pre-norm feed-forward, each added to the residual stream. The
     feed-forward is the dense ``mlp``, or routed experts on a MoE model's sparse layers:
-    ``block_sparse_moe`` (Mixtral's name) or ``mlp`` (Qwen3-MoE's)."""
+    ``block_sparse_moe`` (Mixtral's name) or ``mlp`` (Qwen3-MoE's).
+
+    The feed-forward's add is left to what comes next: ``forward`` returns ``(ffn, h)``, the
+    stream being ``h + ffn``, and the next layer's first norm (or the final norm) adds it in
+    its own launch (``RMSNorm.add_norm``), to the bits ``h + ffn`` rounds to."""
 
     def __init__(self, config: ModelConfig, tp_size: int,
                  reduce: Callable[[torch.Tensor], torch.Tensor], layer: int = 0,
@@ -367,10 +391,14 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata | StaticDecodeMeta,
-                workspace: GatherWorkspace | None = None) -> torch.Tensor:
-        a = self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, meta, workspace)
+                workspace: GatherWorkspace | None = None,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on the stream ``residual + x`` (``x`` when None) -> ``(ffn, h)``: the
+        layer's output stream is ``h + ffn``, not added here (``LlamaForCausalLM.forward``)."""
+        n, x = self.input_layernorm.add_norm(x, residual)  # x <- residual + x; n = norm(x)
+        a = self.self_attn(n, cos, sin, kv_layer, meta, workspace)
         h, x = self.post_attention_layernorm.add_norm(a, x)  # x <- x + a; h = norm(x)
-        return x + self.feed_forward(h)
+        return self.feed_forward(h), x
 
 
 class LlamaModel(nn.Module):
@@ -470,6 +498,14 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, RMSNorm):
                 module.kernel = kernel
 
+    def use_silu_mul_kernel(self, kernel: SiluMulKernel | None) -> None:
+        """Let every dense SwiGLU (``GatedMLP``) use ``kernel`` for ``silu(gate) * up`` (None:
+        PyTorch). The runner sets it on CUDA once ``triton_silu_mul.triton_silu_mul_kernel``
+        found it bit-identical on the device."""
+        for module in self.modules():
+            if isinstance(module, GatedMLP):
+                module.silu_mul_kernel = kernel
+
     def use_linear_kernel(self, kernel: LinearKernel | None) -> None:
         """Let every projection and the LM head use ``kernel`` for few-row inputs (None: torch
         only). The runner sets it on CPU, as it sets the attention kernel."""
@@ -538,6 +574,10 @@ class LlamaForCausalLM(nn.Module):
         (``[T, hidden]``, the previous stage's output). The last stage returns the final
         normed hidden states, others the residual stream. ``kv_cache`` is this rank's cache;
         local layer ``i`` uses ``kv_cache[:, i]``.
+
+        A layer hands its feed-forward output and the stream before it apart (``DecoderLayer``);
+        the next layer's first norm, or the final one, adds them in its launch. A non-last
+        stage adds them at its end: its output crosses to the next stage as one tensor.
         """
         if self.model.embed_tokens is not None and hidden_states is None:
             x = self.model.embed_tokens(input_ids)
@@ -550,13 +590,14 @@ class LlamaForCausalLM(nn.Module):
                              f"{self.num_local_layers}")
         cos, sin = self.rotary(positions, x.dtype)
         hook = self.layer_hook
+        residual: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers.values()):
-            x = layer(x, cos, sin, kv_cache[:, i], meta, self.workspace)
+            x, residual = layer(x, cos, sin, kv_cache[:, i], meta, self.workspace, residual)
             if hook is not None:
                 hook(i)
         if self.model.norm is not None:
-            x = self.model.norm(x)
-        return x
+            return self.model.norm.add_norm(x, residual)[0]
+        return x if residual is None else residual + x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[S, hidden]`` (final normed states of the rows to sample) -> float32 ``[S, vocab]``."""
