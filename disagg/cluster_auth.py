@@ -155,12 +155,30 @@ def member_id_of(base_url: str, timeout: float = 5.0) -> str:
 def hmac_hex(token: str, *parts: bytes | str) -> str:
     """HMAC-SHA256 under ``token`` of ``parts``, each length-prefixed so that no two different
     part lists encode the same bytes (``("ab", "c")`` != ``("a", "bc")``)."""
+    return hmac_prefix(token, *parts).hexdigest()
+
+
+def hmac_prefix(token: str, *parts: bytes | str) -> hmac.HMAC:
+    """The state of ``hmac_hex(token, *parts, ...)`` after ``parts``: a prefix that many
+    proofs share is fed once, each proof then costs ``hmac_finish`` on the state (which
+    copies it), with the same result as ``hmac_hex`` of all the parts."""
     mac = hmac.new(token.encode(), digestmod=hashlib.sha256)
+    _feed(mac, parts)
+    return mac
+
+
+def hmac_finish(prefix: hmac.HMAC, *parts: bytes | str) -> str:
+    """``hmac_hex`` of the prefix's parts followed by ``parts`` (``prefix`` is not changed)."""
+    mac = prefix.copy()
+    _feed(mac, parts)
+    return mac.hexdigest()
+
+
+def _feed(mac: hmac.HMAC, parts: tuple[bytes | str, ...]) -> None:
     for part in parts:
         data = part.encode() if isinstance(part, str) else bytes(part)
         mac.update(len(data).to_bytes(8, "big"))
         mac.update(data)
-    return mac.hexdigest()
 
 
 def proofs_equal(given: object, expected: str) -> bool:

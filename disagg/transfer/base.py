@@ -192,6 +192,9 @@ def _slice_pair(value: Any, name: str) -> tuple[int, int]:
     return (start, stop)
 
 
+_PLAIN_INT = frozenset({int})
+
+
 @dataclass(frozen=True)
 class ReadRequest:
     """What a generation rank pulls from one context rank for one request.
@@ -220,7 +223,10 @@ class ReadRequest:
         if not isinstance(self.lease_id, str) or not self.lease_id:
             raise ValueError("lease_id must be a non-empty string")
         ids = tuple(self.block_ids)
-        if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids):
+        # (plain ints, checked at C speed: a READ of 8k tokens names 256 blocks; anything
+        # else, an int subclass say, goes through the exact check)
+        if not (set(map(type, ids)) <= _PLAIN_INT and (not ids or min(ids) >= 0)) and not all(
+                isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids):
             raise ValueError("block_ids must be non-negative ints")
         object.__setattr__(self, "block_ids", ids)
         object.__setattr__(self, "layer_slice", _slice_pair(self.layer_slice, "layer_slice"))
@@ -311,8 +317,25 @@ class ReadResult:
     mapped: bool = False
 
 
+# One encoder for every header (json.dumps with options builds a new one per call).
+_WIRE_JSON = json.JSONEncoder(separators=(",", ":"))
+
+
 def encode_header(obj: Mapping[str, Any]) -> bytes:
-    body = json.dumps(obj, separators=(",", ":")).encode()
+    return _frame(_WIRE_JSON.encode(obj).encode())
+
+
+def encode_signed(canonical_json: str, proof: str) -> bytes:
+    """``encode_header`` of a signed header from its canonical JSON and proof
+    (``ClientSession.sign_canonical``): the proof appended to the signed text itself (the
+    server parses the header and canonicalises it again: key order is free on the wire)."""
+    if not canonical_json.startswith("{") or not canonical_json.endswith("}"):
+        raise ValueError("a header is a JSON object")
+    sep = "," if canonical_json != "{}" else ""
+    return _frame(f'{canonical_json[:-1]}{sep}"proof":{_WIRE_JSON.encode(proof)}}}'.encode())
+
+
+def _frame(body: bytes) -> bytes:
     if len(body) + _LEN.size > HEADER_MAX_BYTES:
         raise ProtocolError(f"header of {len(body)} bytes exceeds {HEADER_MAX_BYTES}")
     return _LEN.pack(len(body)) + body
@@ -328,9 +351,9 @@ def header_length(prefix: bytes | memoryview | np.ndarray,
     return n
 
 
-def decode_header(body: bytes | memoryview) -> dict[str, Any]:
+def decode_header(body: bytes | bytearray | memoryview) -> dict[str, Any]:
     try:
-        obj = json.loads(bytes(body))
+        obj = json.loads(body if isinstance(body, (bytes, bytearray)) else bytes(body))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ProtocolError(f"header is not JSON: {e}") from None
     except RecursionError:  # "[[[[..." nested deeper than the parser goes
@@ -352,6 +375,20 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 # ---- event-loop thread ---------------------------------------------------------------------
+
+_timeout = getattr(asyncio, "timeout", None)  # Python 3.11+
+
+
+async def bounded(aw: Awaitable[T], timeout_s: float) -> T:
+    """``asyncio.wait_for(aw, timeout_s)`` run in the calling task where Python has
+    ``asyncio.timeout`` (3.11+): ``wait_for`` there wraps ``aw`` in a task of its own, a loop
+    turn to start it and one to see it end (bench/kv_read_overhead.py: each turn is a
+    measurable share of a small read). Raises ``TimeoutError`` as ``wait_for`` does."""
+    if _timeout is None:
+        return await asyncio.wait_for(aw, timeout_s)
+    async with _timeout(timeout_s):
+        return await aw
+
 
 
 class LoopThread:
@@ -421,6 +458,11 @@ class Connection(ABC):
     async def recv_header(self, max_bytes: int = HEADER_MAX_BYTES) -> dict[str, Any]:
         """Raises ``ProtocolError`` for a malformed header or one over ``max_bytes`` (checked
         on the length prefix, before the body is read)."""
+
+    async def send_encoded(self, data: bytes) -> None:
+        """Send a header encoded already (``encode_header``, ``encode_signed``); the
+        backends send the bytes as they are (this default decodes them again)."""
+        await self.send_header(decode_header(data[HEADER_PREFIX_BYTES:]))
 
     @abstractmethod
     async def send_payload(self, data: Any) -> None:

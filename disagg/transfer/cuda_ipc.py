@@ -385,22 +385,29 @@ def gather_mapped(kv: torch.Tensor, req: ReadRequest, out: torch.Tensor) -> None
         out_w[:, :, :, full * block:].copy_(src[ids[full], :, :, :, :tail], non_blocking=True)
 
 
-def answered_request(msg: Mapping[str, Any], resp: Mapping[str, Any],
+def answered_request(read: ReadRequest | Mapping[str, Any], resp: Mapping[str, Any],
                      cache: torch.Tensor) -> ReadRequest:
-    """The read a mapped answer asks the client to gather: the READ it sent, with the block
-    ids the server answered (a streaming read learns them here), checked against the mapped
-    cache before any kernel indexes it; raises ``ValueError``."""
-    req = ReadRequest.from_wire(msg)
+    """The read a mapped answer asks the client to gather: the READ it sent (``read``: as
+    built, or its wire header), with the block ids the server answered (a streaming read
+    learns them here), checked against the mapped cache before any kernel indexes it; raises
+    ``ValueError``."""
+    req = read if isinstance(read, ReadRequest) else ReadRequest.from_wire(read)
     ids = resp.get("block_ids")
     num_blocks, num_layers, _, num_heads, block, _ = cache.shape
-    if (not isinstance(ids, list) or not ids
-            or not all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b < num_blocks
-                       for b in ids)):
-        raise ValueError(f"block_ids must be a non-empty list of ids < {num_blocks}")
-    if req.wait_s is None and tuple(ids) != req.block_ids:
-        raise ValueError("the answer names other block ids than the READ")
-    req = dataclasses.replace(req, block_ids=tuple(ids), wait_s=None, tokens_hash=None,
-                              first_token=False)
+    if req.wait_s is None:
+        # The READ named its blocks (non-negative ints, checked when it was built): the
+        # answer must name the same, and the gather indexes the READ's own.
+        if not isinstance(ids, list) or tuple(ids) != req.block_ids:
+            raise ValueError("the answer names other block ids than the READ")
+        if max(req.block_ids) >= num_blocks:
+            raise ValueError(f"block_ids must be a non-empty list of ids < {num_blocks}")
+    else:
+        if (not isinstance(ids, list) or not ids
+                or not all(isinstance(b, int) and not isinstance(b, bool)
+                           and 0 <= b < num_blocks for b in ids)):
+            raise ValueError(f"block_ids must be a non-empty list of ids < {num_blocks}")
+        req = dataclasses.replace(req, block_ids=tuple(ids), wait_s=None, tokens_hash=None,
+                                  first_token=False)
     if req.layer_slice[1] > num_layers or req.head_slice[1] > num_heads:
         raise ValueError("layer or head slice beyond the mapped cache")
     if req.format == "tokens" and -(-req.num_tokens // block) != len(ids):
@@ -447,6 +454,7 @@ class MappedPeers:
         self.stats = stats
         self._peers: dict[str, _Peer] = {}
         self._streams: dict[torch.device, Any] = {}
+        self._events: dict[torch.device, list[Any]] = {}  # completed events, reused
         self._told: set[tuple[str, str, str]] = set()
 
     async def get(self, address: str, server_id: str, desc: Mapping[str, Any],
@@ -512,6 +520,7 @@ class MappedPeers:
         """Drop every mapping (the client closes)."""
         self._peers.clear()
         self._streams.clear()
+        self._events.clear()
 
     async def gather(self, cache: torch.Tensor, req: ReadRequest, out: torch.Tensor) -> None:
         """``out`` <- ``req``'s payload from the mapped ``cache``; its bytes are in place when
@@ -528,6 +537,9 @@ class MappedPeers:
             except BaseException:
                 stream.synchronize()  # a copy queued before the failure writes into out
                 raise
-            done = torch.cuda.Event()
+            # an event that has completed, reused: no CUDA event created (and destroyed) per read
+            free = self._events.setdefault(cache.device, [])
+            done = free.pop() if free else torch.cuda.Event()
             done.record(stream)
-        await wait_event(done)
+        await wait_event(done)  # (cancelled, it waits for the event before it raises)
+        free.append(done)

@@ -21,11 +21,13 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from disagg.cluster_auth import hmac_hex, new_nonce, proofs_equal
+from disagg.cluster_auth import hmac_finish, hmac_hex, hmac_prefix, new_nonce, proofs_equal
 
 PROTOCOL_VERSION = 1
 _DOMAIN = "disagg-kv-v1"
 NONCE_HEX_CHARS = 32
+# One encoder for every signed header (json.dumps with options builds a new one per call).
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
 class HandshakeError(Exception):
@@ -40,7 +42,7 @@ class HandshakeError(Exception):
 def canonical(header: Mapping[str, Any]) -> str:
     """The signed form of a header: sorted keys, no spaces, ASCII, without ``proof``."""
     body = {k: v for k, v in header.items() if k != "proof"}
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return _CANONICAL.encode(body)
 
 
 def valid_nonce(value: object) -> bool:
@@ -59,6 +61,12 @@ def request_proof(token: str, server_nonce: str, client_nonce: str, seq: int,
                     canonical(header))
 
 
+def _request_prefix(token: str, server_nonce: str, client_nonce: str) -> Any:
+    """``request_proof``'s HMAC state after the parts one connection's proofs share (fed once
+    per connection; ``hmac_finish`` of it with the seq and header is ``request_proof``)."""
+    return hmac_prefix(token, _DOMAIN, "request", server_nonce, client_nonce)
+
+
 class ClientSession:
     """The client's side of one connection: ``hello()``, ``accept(answer)``, then ``sign``
     each request in order."""
@@ -70,6 +78,7 @@ class ClientSession:
         self.server_id: str | None = None
         self.backend: str | None = None
         self._seq = 0
+        self._mac: Any = None  # request_proof's state for this connection, once accepted
 
     def hello(self) -> dict[str, Any]:
         return {"op": "HELLO", "version": PROTOCOL_VERSION, "client_nonce": self.client_nonce}
@@ -92,15 +101,21 @@ class ClientSession:
                                  "cluster token (another cluster's token, or not a disagg KV "
                                  "transfer server)")
         self.server_nonce, self.server_id, self.backend = nonce, server_id, backend
+        self._mac = _request_prefix(self._token, nonce, self.client_nonce)
 
     def sign(self, header: Mapping[str, Any]) -> dict[str, Any]:
         """``header`` plus its proof; consumes one sequence number."""
-        if self.server_nonce is None:
+        return {**header, "proof": self.sign_canonical(header)[1]}
+
+    def sign_canonical(self, header: Mapping[str, Any]) -> tuple[str, str]:
+        """``header``'s canonical JSON and its proof (``base.encode_signed`` makes the wire
+        header of them: one JSON encoding, not two); consumes one sequence number."""
+        if self._mac is None:
             raise RuntimeError("sign() before the server was accepted")
-        proof = request_proof(self._token, self.server_nonce, self.client_nonce, self._seq,
-                              header)
+        body = canonical(header)
+        proof = hmac_finish(self._mac, str(self._seq), body)
         self._seq += 1
-        return {**header, "proof": proof}
+        return body, proof
 
 
 class ServerSession:
@@ -114,6 +129,7 @@ class ServerSession:
         self.server_nonce = new_nonce()
         self.client_nonce: str | None = None
         self._seq = 0
+        self._mac: Any = None  # request_proof's state for this connection, after HELLO
 
     def answer_hello(self, msg: Mapping[str, Any]) -> dict[str, Any]:
         """The answer to a client's first header; raises ``HandshakeError``."""
@@ -129,6 +145,7 @@ class ServerSession:
                                  f"{NONCE_HEX_CHARS} lowercase hex digits")
         assert isinstance(nonce, str)
         self.client_nonce = nonce
+        self._mac = _request_prefix(self._token, self.server_nonce, nonce)
         return {"ok": True, "version": PROTOCOL_VERSION, "server_nonce": self.server_nonce,
                 "server_id": self.server_id, "backend": self.backend,
                 "proof": server_proof(self._token, nonce, self.server_nonce, self.server_id,
@@ -137,9 +154,8 @@ class ServerSession:
     def verify(self, msg: Mapping[str, Any]) -> bool:
         """Whether ``msg`` carries the proof for the next sequence number (constant time).
         Consumes the number either way: the caller hangs up after a False."""
-        if self.client_nonce is None:
+        if self._mac is None:
             return False
-        expected = request_proof(self._token, self.server_nonce, self.client_nonce,
-                                 self._seq, msg)
+        expected = hmac_finish(self._mac, str(self._seq), canonical(msg))
         self._seq += 1
         return proofs_equal(msg.get("proof"), expected)

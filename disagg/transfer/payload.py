@@ -27,6 +27,7 @@ pinned host memory once.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -148,11 +149,12 @@ class ReadPlan:
 
 def plan_read(
     kv: torch.Tensor, req: ReadRequest, leased: frozenset[int] | None = None,
-    device_ok: bool = False,
+    device_ok: bool = False, view: bool = True,
 ) -> ReadPlan:
     """Validate ``req`` against the cache (and the lease's blocks); raises
     ``TransferError(bad_request)``. ``device_ok``: the transport can send a GPU cache's memory
-    as is (else a GPU cache is never zero-copy)."""
+    as is (else a GPU cache is never zero-copy); ``view``: False: no zero-copy view (no
+    payload will be sent: a mapped READ)."""
     num_blocks, num_layers, _, num_heads, block, _ = kv.shape
     (l0, l1), (h0, h1) = req.layer_slice, req.head_slice
     if l1 > num_layers:
@@ -171,15 +173,15 @@ def plan_read(
                                          f"{-(-req.num_tokens // block)} blocks of {block}, "
                                          f"got {len(ids)}")
     shape = payload_shape(tuple(kv.shape), req)
-    nbytes = int(np.prod(shape)) * kv.element_size()
-    view = None
+    nbytes = math.prod(shape) * kv.element_size()
+    zero_copy = None
     single_full_block = req.format == "tokens" and len(ids) == 1 and req.num_tokens == block
-    if req.format == "blocks" or single_full_block:
+    if view and (req.format == "blocks" or single_full_block):
         if len(consecutive_runs(ids)) == 1:
             v = kv[ids[0]:ids[0] + len(ids), l0:l1, :, h0:h1]
             if v.is_contiguous() and (kv.device.type == "cpu" or device_ok):
-                view = v
-    return ReadPlan(shape, nbytes, view)
+                zero_copy = v
+    return ReadPlan(shape, nbytes, zero_copy)
 
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -170,9 +170,11 @@ class PayloadSource:
             self._gather_pool.shutdown(wait=True)
             self._gather_pool = None
 
-    def plan(self, req: ReadRequest, leased: frozenset[int] | None) -> ReadPlan:
-        """``plan_read`` over this cache (``leased``: the lease's blocks; None: any)."""
-        return plan_read(self.kv_cache, req, leased, self.device_direct)
+    def plan(self, req: ReadRequest, leased: frozenset[int] | None, view: bool = True
+             ) -> ReadPlan:
+        """``plan_read`` over this cache (``leased``: the lease's blocks; None: any;
+        ``view``: False when no payload is sent, so no zero-copy view is looked for)."""
+        return plan_read(self.kv_cache, req, leased, self.device_direct, view)
 
     @property
     def answer_device(self) -> bool:

@@ -46,6 +46,8 @@ from disagg.transfer.base import (
     ReadResult,
     TransferError,
     TransportBackend,
+    bounded,
+    encode_signed,
     parse_address,
 )
 from disagg.transfer.cuda_ipc import (
@@ -382,8 +384,7 @@ class KVTransferServer:
             pending = False
             while True:
                 try:
-                    msg = await asyncio.wait_for(conn.recv_header(),
-                                                 self.limits.idle_timeout_s)
+                    msg = await bounded(conn.recv_header(), self.limits.idle_timeout_s)
                 except (asyncio.TimeoutError, ConnectionClosedError):
                     return  # idle for too long, or the peer went away
                 except ProtocolError as e:
@@ -510,9 +511,11 @@ class KVTransferServer:
         staging: torch.Tensor | None = None
         gathers: list[asyncio.Future[Any]] = []
         try:
+            wants_map = msg.get("mapped") is True
             try:
                 leased = None if streamed else lease.block_set  # streamed: the engine's table
-                plan = self.payload.plan(req, leased)
+                # (a mapped READ sends no payload: no zero-copy view of the cache to build)
+                plan = self.payload.plan(req, leased, view=not wants_map)
                 if msg.get("dtype") != self.payload.dtype:
                     raise TransferError(BAD_REQUEST, f"dtype {msg.get('dtype')!r} != server "
                                                      f"cache dtype {self.payload.dtype!r}")
@@ -520,14 +523,14 @@ class KVTransferServer:
                     raise TransferError(BAD_REQUEST, f"receiver buffer of {msg.get('nbytes')} "
                                                      f"bytes, payload is {plan.nbytes}")
                 parts = parse_parts(msg.get("parts"), plan.nbytes)
-                if msg.get("mapped") is True and mapped is None:
+                if wants_map and mapped is None:
                     raise TransferError(BAD_REQUEST, "a mapped READ on a connection that was "
                                                      "not offered the mapped path")
             except TransferError as e:
                 self.stats.record_failure(e.code)
                 await conn.send_header(_error(e.code, e.message))
                 return
-            if msg.get("mapped") is True and mapped is not None:
+            if wants_map and mapped is not None:
                 await self._mapped_read(conn, mapped, req, plan.nbytes, first, t0)
                 return
             source, staging = await self.payload.source(req, plan)
@@ -603,6 +606,15 @@ class ReadFuture(cf.Future):  # type: ignore[type-arg]
     def __init__(self) -> None:
         super().__init__()
         self.quiet = threading.Event()
+
+
+@dataclass(frozen=True)
+class _MappedOut:
+    """A read that may be mapped (``KVTransferClient._exchange_mapped``): its one ``out`` and
+    the request as the caller built it (validated once, not parsed back from the wire)."""
+
+    out: torch.Tensor
+    request: ReadRequest
 
 
 @dataclass
@@ -801,17 +813,19 @@ class KVTransferClient:
         # it gathers part k+1; a consecutive one goes whole (one message per buffer). A
         # streaming read does not know the table: cut (a part inside one run costs no gather).
         streaming = request.wait_s is not None
-        split = self.runs and (streaming or len(consecutive_runs(request.block_ids)) > 1)
-        if not self.backend.stream_payloads and outs[0].device.type == "cpu" and (
-                split or len(views) > 1):
-            cuts = (split_parts([int(v.nbytes) for v in views]) if split
-                    else [(i, 0, int(v.nbytes)) for i, v in enumerate(views)])
-            views = [views[i][a:b] for i, a, b in cuts]
-            msg["parts"] = [b - a for _, a, b in cuts]
+        if not self.backend.stream_payloads and outs[0].device.type == "cpu":
+            # (a pass over the ids in Python: only where a payload may be cut)
+            split = self.runs and (streaming or len(consecutive_runs(request.block_ids)) > 1)
+            if split or len(views) > 1:
+                cuts = (split_parts([int(v.nbytes) for v in views]) if split
+                        else [(i, 0, int(v.nbytes)) for i, v in enumerate(views)])
+                views = [views[i][a:b] for i, a, b in cuts]
+                msg["parts"] = [b - a for _, a, b in cuts]
         # A streaming read waits on the server (wait_s) before its answer, on a connection
         # of its own request (lane: the lease id), so that it holds up no other request.
         lane = request.lease_id if streaming else ""
-        mapped_out = outs[0] if len(outs) == 1 and self._ipc_offer is not None else None
+        mapped_out = (_MappedOut(outs[0], request)
+                      if len(outs) == 1 and self._ipc_offer is not None else None)
         return self._submit_read(self._read(address, msg, views, len(request.block_ids),
                                             staged, lane, mapped_out),
                                  extra_s=request.wait_s or 0.0)
@@ -919,7 +933,7 @@ class KVTransferClient:
     async def _bounded(self, coro: Any, read: bool, extra_s: float = 0.0) -> Any:
         limit = self.timeout_s + extra_s
         try:
-            return await asyncio.wait_for(coro, limit)
+            return await bounded(coro, limit)
         except asyncio.TimeoutError:
             if read:  # failed transfers count reads only (as _read does)
                 self.stats.record_failure(TIMEOUT)
@@ -931,7 +945,7 @@ class KVTransferClient:
 
     async def _read(self, address: str, msg: dict[str, Any], views: list[Any],
                     num_blocks: int, staged: str | None, lane: str = "",
-                    mapped_out: torch.Tensor | None = None) -> ReadResult:
+                    mapped_out: _MappedOut | None = None) -> ReadResult:
         t0 = time.perf_counter()
         try:
             resp = await self._request(address, msg, payload=views, lane=lane,
@@ -1132,7 +1146,7 @@ class KVTransferClient:
 
     async def _request(
         self, address: str, msg: dict[str, Any], payload: list[Any] | None = None,
-        lane: str = "", mapped_out: torch.Tensor | None = None,
+        lane: str = "", mapped_out: _MappedOut | None = None,
     ) -> dict[str, Any]:
         """Send ``msg`` on a connection of the peer's pool (``_acquire``), read the answer and
         then, for an ok READ, the payload into ``payload`` (its views, in order; one per part
@@ -1154,7 +1168,7 @@ class KVTransferClient:
 
     async def _exchange(
         self, address: str, pool: _PeerPool, msg: dict[str, Any], payload: Any,
-        mapped_out: torch.Tensor | None = None,
+        mapped_out: _MappedOut | None = None,
     ) -> dict[str, Any]:
         link, reused = await self._acquire(address, pool)
         for attempt in range(2):
@@ -1187,7 +1201,7 @@ class KVTransferClient:
         raise AssertionError("unreachable")
 
     async def _exchange_on(self, address: str, link: _Link, msg: dict[str, Any],
-                           payload: Any, mapped_out: torch.Tensor | None = None
+                           payload: Any, mapped_out: _MappedOut | None = None
                            ) -> dict[str, Any]:
         """One request on ``link`` (a READ with ``mapped_out``: mapped where the server offered
         it and the mapping is usable for that ``out``). Raises ``ConnectionClosedError`` when
@@ -1195,18 +1209,19 @@ class KVTransferClient:
         ``TransferError``."""
         conn, session = link.conn, link.session
         if payload is not None and mapped_out is not None:
+            out = mapped_out.out
             cache = None
             if link.ipc is not None and session.server_id is not None:
-                cache = await self._maps.get(address, session.server_id, link.ipc, mapped_out)
+                cache = await self._maps.get(address, session.server_id, link.ipc, out)
             if cache is not None:
                 return await self._exchange_mapped(address, link, msg, cache, mapped_out)
-            if mapped_out.device.type == "cuda" and not self.device_payloads:
-                raise TransferError(NOT_MAPPED, f"out is on {mapped_out.device} and "
+            if out.device.type == "cuda" and not self.device_payloads:
+                raise TransferError(NOT_MAPPED, f"out is on {out.device} and "
                                     f"{address}'s cache is not mapped here (another host, or "
                                     f"it could not be mapped: see the log and "
                                     f"mapped_fallbacks); {self.device_support[1]}")
         try:
-            await conn.send_header(session.sign(msg))
+            await conn.send_encoded(encode_signed(*session.sign_canonical(msg)))
             resp = await conn.recv_header()
         except ProtocolError as e:
             raise TransferError(PROTOCOL_ERROR, str(e)) from None
@@ -1228,19 +1243,19 @@ class KVTransferClient:
         return resp
 
     async def _exchange_mapped(self, address: str, link: _Link, msg: dict[str, Any],
-                               cache: torch.Tensor, out: torch.Tensor) -> dict[str, Any]:
+                               cache: torch.Tensor, mapped_out: _MappedOut) -> dict[str, Any]:
         """A mapped READ (``cuda_ipc.py``): the server validates and pins, we gather from its
-        mapped ``cache`` into ``out`` and say DONE, which ends its pin. A server that aborted
-        the read (``within_lease``) closed the connection before it unpinned: a connection
-        found closed after the gather (or the DONE that cannot be sent) fails the read, as
-        ``UcxConnection.recv_payload_iov`` fails a payload whose connection closed meanwhile
-        (the blocks' reuse, an unpin, a free, a new prefill's writes, takes far longer than
-        the close takes to arrive here)."""
+        mapped ``cache`` into ``mapped_out.out`` and say DONE, which ends its pin. A server
+        that aborted the read (``within_lease``) closed the connection before it unpinned: a
+        connection found closed after the gather (or the DONE that cannot be sent) fails the
+        read, as ``UcxConnection.recv_payload_iov`` fails a payload whose connection closed
+        meanwhile (the blocks' reuse, an unpin, a free, a new prefill's writes, takes far
+        longer than the close takes to arrive here)."""
         conn, session = link.conn, link.session
         wire = {k: v for k, v in msg.items() if k != "parts"}  # no payload, no parts
         wire["mapped"] = True
         try:
-            await conn.send_header(session.sign(wire))
+            await conn.send_encoded(encode_signed(*session.sign_canonical(wire)))
             resp = await conn.recv_header()
         except ProtocolError as e:
             raise TransferError(PROTOCOL_ERROR, str(e)) from None
@@ -1251,11 +1266,11 @@ class KVTransferClient:
                                 f"{resp.get('nbytes')} (expected {msg['nbytes']}), mapped "
                                 f"{resp.get('mapped')!r}")
         try:
-            req = answered_request(msg, resp, cache)
+            req = answered_request(mapped_out.request, resp, cache)
         except (ValueError, TransferError) as e:
             raise TransferError(PROTOCOL_ERROR, f"bad answer to a mapped READ: {e}") from None
         try:
-            await self._maps.gather(cache, req, out)
+            await self._maps.gather(cache, req, mapped_out.out)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a bug or a CUDA error: this peer's reads move bytes from now
@@ -1263,16 +1278,20 @@ class KVTransferClient:
             self._maps.failed(address, cache, why)
             logger.exception("kv transfer: mapped read from %s failed", address)
             raise TransferError(PROTOCOL_ERROR, why) from None
-        aborted = TransferError(CONNECTION_FAILED, f"{address} aborted the mapped read (the "
-                                "connection closed before it confirmed the read): its blocks "
-                                "may have been reused under the gather")
         if conn.peer_closed():
-            raise aborted
+            raise _aborted(address)
         try:
-            await conn.send_header(session.sign({"op": "DONE", "lease_id": msg["lease_id"]}))
+            done = {"op": "DONE", "lease_id": msg["lease_id"]}
+            await conn.send_encoded(encode_signed(*session.sign_canonical(done)))
         except ConnectionClosedError:
-            raise aborted from None
+            raise _aborted(address) from None
         return resp
+
+
+def _aborted(address: str) -> TransferError:
+    return TransferError(CONNECTION_FAILED, f"{address} aborted the mapped read (the "
+                         "connection closed before it confirmed the read): its blocks may "
+                         "have been reused under the gather")
 
 
 def _raise_if_error(resp: Mapping[str, Any]) -> None:

@@ -139,6 +139,9 @@ class TcpConnection(Connection):
     async def send_header(self, obj: Mapping[str, Any]) -> None:
         await self._send(encode_header(obj))
 
+    async def send_encoded(self, data: bytes) -> None:
+        await self._send(data)
+
     async def recv_header(self, max_bytes: int = HEADER_MAX_BYTES) -> dict[str, Any]:
         if self._closed:
             raise ConnectionClosedError(f"{self.peer}: connection closed")

@@ -399,6 +399,9 @@ class UcxConnection(Connection):
     async def send_header(self, obj: Mapping[str, Any]) -> None:
         await self._ctl.send_header(obj)
 
+    async def send_encoded(self, data: bytes) -> None:
+        await self._ctl.send_encoded(data)
+
     async def recv_header(self, max_bytes: int = HEADER_MAX_BYTES) -> dict[str, Any]:
         return await self._ctl.recv_header(max_bytes)
 
