@@ -160,9 +160,21 @@ def _refuse_empty(matcher: Any, spec: GrammarSpec) -> None:
       a prefix that never ends (``start: "a" start``: empty too) or too long for llguidance
       (its "Too many items" limit), which fails at the first sampled token.
 
-    Either was the request's 500 after its first step; now its 400 before it is queued. An
-    empty language whose start branches (``start: ("a" | "b") start``) is not found here:
-    its answer runs to ``max_tokens``."""
+    - a grammar whose ``start`` derives no finite string though every mask allows a token
+      (``start: ("a" | "b") start``: its answer would run to ``max_tokens``), found on the
+      grammar's rules (``productive.start_unproductive``; only where it is certain).
+
+    Either of the first two was the request's 500 after its first step; now each is its 400
+    before it is queued."""
+    if spec.kind == "grammar":
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        from disagg.structured.productive import start_unproductive
+
+        if start_unproductive(any_to_lark(spec.text)):
+            raise StructuredSpecError(
+                f"{spec.field}: the grammar accepts no string (its start symbol derives no "
+                f"finite string: every way through it recurses)")
     probe = matcher.deep_copy()
     probe.compute_bitmask()
     if probe.is_error():
