@@ -30,13 +30,14 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+from bench.baseline import checkout, cpu_line, git, run_child
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = "graph run (DecodeGraphs.run: input load + forward)"
@@ -163,51 +164,16 @@ def _child(args: argparse.Namespace) -> None:
 
 
 def _run_child(cwd: str, args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
-    """This checkout's script in a subprocess started in ``cwd``: ``-m`` puts ``cwd`` first on
-    ``sys.path``, so the ``disagg`` found there is the one measured."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "bench.decode_host", "--child", "--model-dir", model_dir,
-           "--ctx", str(args.ctx), "--steps", str(args.steps), "--forward", args.forward,
-           "--batches", *map(str, args.batches)]
-    res = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, check=False,
-                         timeout=1800)
-    if res.returncode != 0:
-        raise RuntimeError(f"child in {cwd} failed:\n{res.stderr[-4000:]}")
-    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
-
-
-def _checkout(rev: str, into: str) -> str:
-    """A folder holding the ``disagg`` package as of git revision ``rev``."""
-    out = os.path.join(into, "baseline")
-    os.makedirs(out)
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "disagg"],
-                             capture_output=True, check=True, timeout=120).stdout
-    subprocess.run(["tar", "-x", "-C", out], input=archive, check=True, timeout=120)
-    return out
-
-
-def _git(*a: str) -> str:
-    res = subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True,
-                         check=False, timeout=60)
-    return res.stdout.strip()
+    return run_child(cwd, "bench.decode_host", [
+        "--child", "--model-dir", model_dir, "--ctx", str(args.ctx), "--steps", str(args.steps),
+        "--forward", args.forward, "--batches", *map(str, args.batches)])
 
 
 def _machine() -> list[str]:
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
-                       cpu)
-    except OSError:
-        pass
-    load = "/".join(f"{x:.2f}" for x in os.getloadavg())
-    return [f"machine: {cpu}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}; "
-            f"load average (1/5/15 min) at the start: {load}",
-            f"Python {platform.python_version()}, torch {torch.__version__}, one torch thread "
-            "per child process"]
+    return [cpu_line(), f"Python {platform.python_version()}, torch {torch.__version__}, one "
+                        "torch thread per child process"]
 
 
 def main() -> None:
@@ -240,7 +206,7 @@ def main() -> None:
                                           max_position_embeddings=8192 + 64)
         trees = {"after": str(ROOT)}
         if args.baseline:
-            trees = {"before": _checkout(args.baseline, tmp), "after": str(ROOT)}
+            trees = {"before": checkout(args.baseline, tmp), "after": str(ROOT)}
         runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for r in range(args.rounds):
             for name, cwd in trees.items():
@@ -255,16 +221,16 @@ def main() -> None:
                     for b in args.batches} for name, rs in runs.items()}
     digests = {name: {run[str(b)]["digest"] for run in rs for b in args.batches}
                for name, rs in runs.items()}
-    dirty = _git("diff", "--name-only", "HEAD", "--", "disagg")
+    dirty = git("diff", "--name-only", "HEAD", "--", "disagg")
     cmd = " ".join(["python -m bench.decode_host", *sys.argv[1:]])
     lines = [
         f"# Host time of a pure-decode engine.step() on CPU ({time.strftime('%Y-%m-%d')})", "",
         *[f"- {m}" for m in head],
         f"- command: `{cmd}` ({minutes:.1f} min); written by the script",
-        f"- after: this working tree, commit {_git('rev-parse', '--short', 'HEAD')}"
+        f"- after: this working tree, commit {git('rev-parse', '--short', 'HEAD')}"
         + (" with uncommitted changes to " + ", ".join(dirty.splitlines()) if dirty else "")
         + (f"; before: `git archive {args.baseline}` "
-           f"({_git('rev-parse', '--short', args.baseline)})" if args.baseline else ""),
+           f"({git('rev-parse', '--short', args.baseline)})" if args.baseline else ""),
         f"- engine: tiny llama checkpoint, {args.ctx}-token random prompts, greedy, ignore_eos, "
         "32 tokens per block, max_model_len 8256 (block tables 258 wide, as the 8B profile's), "
         "runner on the padded CUDA-graph input path run eagerly (`DecodeGraphs(capture=False)`, "

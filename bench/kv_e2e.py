@@ -48,12 +48,12 @@ import httpx
 import torch
 
 from bench import kv_transfer
+from bench.baseline import checkout
 from disagg import procs
 from disagg.cluster_auth import member_id_of, sign_http
 from disagg.transfer import KVTransferClient, ReadRequest
 from disagg.transfer.payload import payload_shape
 
-ROOT = Path(__file__).resolve().parent.parent  # this repository (``--baseline``'s git archive)
 TOKEN = "bench-secret"
 MAX_LEN = 8704  # 8192 prompt tokens + the answer, a multiple of the 16-token block
 METRICS = ("disagg_kv_transfer_seconds_sum", "disagg_kv_transfer_seconds_count",
@@ -265,17 +265,6 @@ BASELINE = "baseline"  # a third pair: the default path, workers of another git 
 def pair_names(args: argparse.Namespace) -> list[str]:
     """The worker pairs of a run, in the order their requests alternate."""
     return [*PATHS, BASELINE] if args.baseline else list(PATHS)
-
-
-def checkout(rev: str, into: str) -> str:
-    """The ``disagg`` package as of git revision ``rev`` of this repository, extracted under
-    ``into`` (the folder to put first on a worker's PYTHONPATH)."""
-    out = os.path.join(into, f"rev-{rev}")
-    os.makedirs(out, exist_ok=True)
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "disagg"],
-                             capture_output=True, check=True, timeout=60).stdout
-    subprocess.run(["tar", "-x", "-C", out], input=archive, check=True, timeout=60)
-    return out
 
 
 def report(args: argparse.Namespace, results: list[tuple[str, dict, dict]],

@@ -39,7 +39,6 @@ import multiprocessing as mp
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +46,8 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
+
+from bench.baseline import checkout, cpu_line, git, run_child
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "bench-read-overhead"
@@ -426,49 +427,15 @@ def _child(args: argparse.Namespace) -> None:
 
 
 def _run_child(cwd: str, args: argparse.Namespace) -> dict[str, Any]:
-    """This checkout's script in a subprocess started in ``cwd``: ``-m`` puts ``cwd`` first on
-    ``sys.path``, so the ``disagg`` found there is the one measured."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "bench.kv_read_overhead", "--child", "--reads",
-           str(args.reads), "--warmup", str(args.warmup), "--blocks", *map(str, args.blocks)]
-    res = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, check=False,
-                         timeout=1800)
-    if res.returncode != 0:
-        raise RuntimeError(f"child in {cwd} failed:\n{res.stderr[-4000:]}")
-    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
-
-
-def _checkout(rev: str, into: str) -> str:
-    """A folder holding the ``disagg`` package as of git revision ``rev``."""
-    out = os.path.join(into, "baseline")
-    os.makedirs(out)
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "disagg"],
-                             capture_output=True, check=True, timeout=120).stdout
-    subprocess.run(["tar", "-x", "-C", out], input=archive, check=True, timeout=120)
-    return out
-
-
-def _git(*a: str) -> str:
-    res = subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True,
-                         check=False, timeout=60)
-    return res.stdout.strip()
+    return run_child(cwd, "bench.kv_read_overhead", [
+        "--child", "--reads", str(args.reads), "--warmup", str(args.warmup),
+        "--blocks", *map(str, args.blocks)])
 
 
 def _machine() -> list[str]:
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
-                       cpu)
-    except OSError:
-        pass
-    load = "/".join(f"{x:.2f}" for x in os.getloadavg())
-    return [f"machine: {cpu}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}; "
-            f"load average (1/5/15 min) at the start: {load}",
-            f"Python {platform.python_version()}, torch {torch.__version__}"]
+    return [cpu_line(), f"Python {platform.python_version()}, torch {torch.__version__}"]
 
 
 def main() -> None:
@@ -496,7 +463,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="disagg-kvr-") as tmp:
         trees = {"after": str(ROOT)}
         if args.baseline:
-            trees = {"before": _checkout(args.baseline, tmp), "after": str(ROOT)}
+            trees = {"before": checkout(args.baseline, tmp), "after": str(ROOT)}
         runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for r in range(args.rounds):
             for name, cwd in trees.items():
@@ -504,17 +471,17 @@ def main() -> None:
                 runs[name].append(_run_child(cwd, args))
     minutes = (time.time() - t0) / 60
     cols = list(trees)
-    dirty = _git("diff", "--name-only", "HEAD", "--", "disagg")
+    dirty = git("diff", "--name-only", "HEAD", "--", "disagg")
     cmd = " ".join(["python -m bench.kv_read_overhead", *sys.argv[1:]])
     block_kib = 4 * SHAPE[1] * SHAPE[2] * SHAPE[3] * SHAPE[4] * SHAPE[5] / 1024
     lines = [
         f"# The fixed cost of one KV read, phase by phase ({time.strftime('%Y-%m-%d')})", "",
         *[f"- {m}" for m in head],
         f"- command: `{cmd}` ({minutes:.1f} min); written by the script",
-        f"- after: this working tree, commit {_git('rev-parse', '--short', 'HEAD')}"
+        f"- after: this working tree, commit {git('rev-parse', '--short', 'HEAD')}"
         + (" with uncommitted changes to " + ", ".join(dirty.splitlines()) if dirty else "")
         + (f"; before: `git archive {args.baseline}` "
-           f"({_git('rev-parse', '--short', args.baseline)})" if args.baseline else ""),
+           f"({git('rev-parse', '--short', args.baseline)})" if args.baseline else ""),
         f"- a read: {' / '.join(map(str, args.blocks))} consecutive blocks of a float32 cache "
         f"{list(SHAPE)} ({block_kib:.0f} KiB a block), all layers and heads, `blocks` format, "
         "into a preallocated CPU `out` (a 2k-token read of the 8B shape names 64 blocks, 8k "
