@@ -126,29 +126,16 @@ class Sampler:
         n = len(params)
         banned = list(banned_token_ids) if banned_token_ids else [()] * n
         hist = list(histories) if histories is not None else None
+        x = logits if logits.dtype == torch.float32 else logits.float()
         try:
-            if logits.shape[0] != n or len(positions) != n or len(banned) != n:
-                raise ValueError(f"{logits.shape[0]} logit rows for {n} params")
-            x = logits if logits.dtype == torch.float32 else logits.float()
-            pen = PenaltyPlan.of(list(params), hist, x.shape[1])
-            if not any(banned) and all(p.temperature < SAMPLING_EPS and p.logprobs is None
-                                       for p in params):
-                # as _sample_rows' all-greedy path
-                x = torch.nan_to_num(x, nan=_NEG_INF, posinf=torch.finfo(torch.float32).max)
-                if pen is not None:
-                    x = apply_penalties(x, pen)
-                fetch = self._pinned.later(x.argmax(dim=-1))
-                return lambda: SamplerOutput([int(t) for t in fetch()], [None] * n, [None] * n)
-            plan = _RowPlan.of(list(params), banned, x.shape[1])
-            u = self._uniforms([params[i] for i in plan.s_rows],
-                               [positions[i] for i in plan.s_rows])
-            fetch = self._pinned.later(_sample_on_device(x, plan, u, pen, read=False))
+            out, plan = self._launch_rows(x, list(params), list(positions), banned, hist)
         except Exception:  # as sample(): find the row that broke the batch, now
-            out = self.sample(logits, params, positions, banned_token_ids, histories)
-            return lambda: out
+            done = self.sample(logits, params, positions, banned_token_ids, histories)
+            return lambda: done
+        fetch = self._pinned.later(out)
 
         def finish() -> SamplerOutput:
-            tokens, logprobs = _unpack(fetch(), n, plan)
+            tokens, logprobs = _read_rows(fetch(), n, plan)
             return SamplerOutput(tokens, logprobs, [None] * n)
         return finish
 
@@ -185,9 +172,21 @@ class Sampler:
                      positions: list[int], banned: list[tuple[int, ...]],
                      histories: list[TokenHistory] | None = None,
                      ) -> tuple[list[int], list[dict[int, float] | None]]:
-        """The batch on the device: every per-row value goes up in one copy (from pinned memory,
-        non-blocking), tokens and logprobs come down in one ``tolist`` (the step's one host
-        sync); no per-row device work."""
+        """The batch on the device (``_launch_rows``), read back in one ``tolist`` (the step's
+        one host sync)."""
+        out, plan = self._launch_rows(logits, params, positions, banned, histories)
+        return _read_rows(out.tolist(), len(params), plan)
+
+    def _launch_rows(self, logits: torch.Tensor, params: list[SamplingParams],
+                     positions: list[int], banned: list[tuple[int, ...]],
+                     histories: list[TokenHistory] | None
+                     ) -> tuple[torch.Tensor, _RowPlan | None]:
+        """Queue the batch's sampling on the device: every per-row value goes up in one copy
+        (from pinned memory, non-blocking), no per-row device work, nothing read back. Returns
+        the device tensor to read and how to unpack it (``_read_rows``): the chosen ids and
+        no plan for an all-greedy batch without logprobs or bans (the usual decode batch: what
+        the general path computes then, without its host-side bookkeeping), else
+        ``_sample_on_device``'s flat tensor and its plan."""
         n = len(params)
         if logits.shape[0] != n or len(positions) != n or len(banned) != n:
             raise ValueError(f"{logits.shape[0]} logit rows for {n} params, "
@@ -195,16 +194,13 @@ class Sampler:
         pen = PenaltyPlan.of(params, histories, logits.shape[1])
         if not any(banned) and all(p.temperature < SAMPLING_EPS and p.logprobs is None
                                    for p in params):
-            # All greedy, no logprobs, nothing banned (the usual decode batch): what the general
-            # path below computes then, without its host-side bookkeeping.
             x = torch.nan_to_num(logits, nan=_NEG_INF, posinf=torch.finfo(torch.float32).max)
             if pen is not None:
                 x = apply_penalties(x, pen)
-            return x.argmax(dim=-1).tolist(), [None] * n
+            return x.argmax(dim=-1), None
         plan = _RowPlan.of(params, banned, logits.shape[1])
         u = self._uniforms([params[i] for i in plan.s_rows], [positions[i] for i in plan.s_rows])
-        flat = _sample_on_device(logits, plan, u, pen)  # the one device -> host sync
-        return _unpack(flat, n, plan)
+        return _sample_on_device(logits, plan, u, pen), plan
 
 
 @dataclass(frozen=True)
@@ -247,11 +243,10 @@ class _RowPlan:
 
 
 def _sample_on_device(logits: torch.Tensor, plan: _RowPlan, u: list[float],
-                      pen: PenaltyPlan | None = None, read: bool = True
-                      ) -> list[float] | torch.Tensor:
+                      pen: PenaltyPlan | None = None) -> torch.Tensor:
     """Tokens, then (when rows want logprobs) the chosen tokens' logprobs and each logprob
-    group's top-n ids and values, flattened into one list by one ``tolist`` (``read`` False:
-    the flat float64 device tensor, not read)."""
+    group's top-n ids and values, flattened into one float64 device tensor (read back by one
+    ``tolist``)."""
     dev = logits.device
     # One float64 upload (integers below 2^53 are exact), laid out as
     #   s_rows | temps | top-k | top_p (p_rows) | p_rows | min_p | u | want_lp | ban rows
@@ -289,8 +284,7 @@ def _sample_on_device(logits: torch.Tensor, plan: _RowPlan, u: list[float],
         for k, gi in zip(plan.groups, group_idx, strict=True):
             top = torch.topk(raw_lp.index_select(0, gi.long()), k, dim=-1)
             down += [top.indices.flatten().double(), top.values.flatten().double()]
-    flat = torch.cat(down)
-    return flat.tolist() if read else flat
+    return torch.cat(down)
 
 
 class _PinnedSlots:
@@ -330,6 +324,15 @@ class _PinnedSlots:
             slot[2] = False
             return values
         return fetch
+
+
+def _read_rows(values: list, n: int, plan: _RowPlan | None
+               ) -> tuple[list[int], list[dict[int, float] | None]]:
+    """What ``Sampler._launch_rows`` queued, read back: the ids of an all-greedy batch (no
+    plan), else ``_unpack`` of the flat list."""
+    if plan is None:
+        return [int(t) for t in values], [None] * n
+    return _unpack(values, n, plan)
 
 
 def _unpack(flat: list[float], n: int, plan: _RowPlan
