@@ -33,8 +33,15 @@ from server_fixtures import (
 )
 
 from disagg.contracts.cluster import parse_cluster_config
+from disagg.contracts.roles import Role
 from disagg.router.app import LINGER_S, ROUTER_KEY, build_router_app, start_router
-from disagg.router.membership import REQUEST_FAILURE_THRESHOLD
+from disagg.router.membership import (
+    HEALTH_TIMEOUT_S,
+    REQUEST_FAILURE_THRESHOLD,
+    UNRESPONSIVE_AFTER_S,
+    UNRESPONSIVE_FACTOR,
+    Membership,
+)
 
 TOKEN = "router-faults-secret"
 C, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -51,7 +58,8 @@ class StubWorker:
     is dropped unanswered (as by a worker that closed that idle keep-alive connection: the
     client finds out only when it sends on it); ``fail_next``: drop the next N /v1 requests;
     ``close``: every answer says ``Connection: close``; ``health_delay``: seconds /health
-    takes; ``status``: answer /v1 with this error status instead."""
+    takes; ``frozen``: /health answers nothing until it is cleared; ``status``: answer /v1
+    with this error status instead."""
 
     def __init__(self, role: str) -> None:
         self.role = role
@@ -59,6 +67,7 @@ class StubWorker:
         self.fail_next = 0
         self.close = False
         self.health_delay = 0.0
+        self.frozen = False  # /health answers nothing while set (a stopped process)
         self.status: int | None = None
         self.calls = 0  # /v1 requests received
         self.dropped = 0
@@ -83,6 +92,8 @@ class StubWorker:
 
     async def health(self, request: web.Request) -> web.Response:
         await asyncio.sleep(self.health_delay)
+        while self.frozen:
+            await asyncio.sleep(0.02)
         return web.json_response({"status": "ok"})
 
     async def server_info(self, request: web.Request) -> web.Response:
@@ -237,6 +248,56 @@ def test_one_failed_request_does_not_take_a_worker_out(loop: LoopThread) -> None
             w.stub.health_delay = 0.0
             wait_for(lambda: healthy(rt.url, w.addr), 10, 0.05, what="back in rotation")
             assert client.post(rt.url + C, json=BODY).status_code == 200
+
+
+def test_a_worker_that_stops_answering_leaves_rotation_before_its_check_times_out(
+        loop: LoopThread) -> None:
+    """Issue 40: a stopped worker (it accepts connections, answers nothing) got new requests
+    until its health check timed out (interval + HEALTH_TIMEOUT_S). Its check unanswered for
+    UNRESPONSIVE_AFTER_S takes it out while the other worker serves; answered again, it is
+    back."""
+    with stubs(loop, "aggregated", "aggregated") as (a, b):
+        cfg = {"health_check_interval_sec": 0.5, "max_retries": 0,
+               "generation_servers": {"urls": [a.addr, b.addr]}}
+        with router(loop, cfg) as rt, httpx.Client(timeout=30) as client:
+            wait_for(lambda: healthy(rt.url, a.addr) and healthy(rt.url, b.addr), 10,
+                     what="both in rotation")
+            a.stub.frozen = True
+            t0 = time.monotonic()
+            wait_for(lambda: not healthy(rt.url, a.addr), 10, 0.02, what="a out of rotation")
+            took = time.monotonic() - t0
+            # (at most one interval until the next check, UNRESPONSIVE_AFTER_S, one tick)
+            assert took < HEALTH_TIMEOUT_S, took
+            info = httpx.get(rt.url + "/cluster_info", timeout=5).json()
+            reason = next(w["reason"] for ws in info["workers"].values() for w in ws
+                          if w["url"] == a.addr)
+            assert "health check unanswered" in reason, reason
+            calls = a.stub.calls
+            for _ in range(4):
+                assert client.post(rt.url + C, json=BODY).status_code == 200
+            assert a.stub.calls == calls  # no new request went to the stopped one
+            a.stub.frozen = False
+            wait_for(lambda: healthy(rt.url, a.addr), 10, 0.02, what="a back in rotation")
+
+
+def test_the_last_worker_in_rotation_is_not_taken_out_for_a_slow_check() -> None:
+    """``_unresponsive``: only a healthy worker whose check is overdue, with another of its
+    pool in rotation, and overdue by the worker's own recent answers when they are slower."""
+    config = parse_cluster_config({"generation_servers": {"urls": ["127.0.0.1:1",
+                                                                   "127.0.0.1:2"]}}, "test")
+    m = Membership(config, {})
+    a, b = m.pools[Role.GENERATION]
+    for w in (a, b):
+        w.healthy, w.checking, w.last_check = True, True, 100.0
+    m._unresponsive(a, 100.0 + UNRESPONSIVE_AFTER_S / 2)
+    assert a.healthy  # not overdue yet
+    a.check_seconds.append(UNRESPONSIVE_AFTER_S)  # a worker that is slow to answer anyway
+    m._unresponsive(a, 100.0 + 2 * UNRESPONSIVE_AFTER_S)
+    assert a.healthy
+    m._unresponsive(a, 100.0 + UNRESPONSIVE_FACTOR * UNRESPONSIVE_AFTER_S + 0.1)
+    assert not a.healthy and "unanswered" in a.reason and a.failing_since is not None
+    m._unresponsive(b, 100.0 + 60.0)
+    assert b.healthy  # the last of its pool in rotation: its check's timeout decides
 
 
 # ---- item 3: the client's request reaches both workers as it came ------------------------------

@@ -11,6 +11,9 @@ names the worker's ``member_id``: the audience of every signed call to it, see `
 and ``/server_info`` (role, tokens_per_block, worker_id, model_dir, kv_transfer), signed with
 the cluster token and with the pool's API key (``UpstreamAuth``); a worker out of rotation is
 probed every 0.5 s (or the interval, if shorter). A worker is in rotation only while healthy.
+A check that goes unanswered (a stopped or wedged worker accepts connections and says nothing)
+takes the worker out after ``UNRESPONSIVE_AFTER_S`` rather than the check's timeout, unless it
+is the last of its pool in rotation (``_unresponsive``).
 Health comes from these checks, not from one request: a refused connection, or a 503 saying the
 worker drains or its engine is down, takes it out at once (the same as a failing check would);
 any other failed request only triggers a check now, and ``REQUEST_FAILURE_THRESHOLD``
@@ -38,6 +41,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +60,15 @@ UNHEALTHY_RECHECK_S = 0.5  # how often a worker out of rotation is probed again
 # Consecutive failed requests (reset, timeout, cut mid-answer) that take a worker out of
 # rotation without waiting for its health check; one failure alone never does.
 REQUEST_FAILURE_THRESHOLD = 3
+# A health check still unanswered this long (or UNRESPONSIVE_FACTOR times the slowest of the
+# worker's recent answers, when that is longer) takes a healthy worker out of rotation while
+# another worker of its pool is in it: a stopped (SIGSTOP) or wedged process still accepts
+# connections and answers nothing, and waiting for HEALTH_TIMEOUT_S sent it new requests for
+# up to the interval + 5 s. A worker that is only slow answers the same check and is back at
+# once; the last worker of a pool in rotation is never taken out for being slow.
+UNRESPONSIVE_AFTER_S = 1.0
+UNRESPONSIVE_FACTOR = 4.0
+RECENT_CHECKS = 8  # answered checks kept per worker for that threshold
 
 
 class UpstreamAuth:
@@ -105,7 +118,9 @@ class Worker:
     last_seen: float = field(default_factory=time.monotonic)  # last heartbeat / passing check
     failing_since: float | None = None
     last_check: float = 0.0
-    checking: bool = False  # a health check is in flight
+    checking: bool = False  # a health check is in flight (started at last_check)
+    # how long its latest answered checks took (UNRESPONSIVE_FACTOR's reference)
+    check_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_CHECKS))
     registration: dict[str, Any] | None = None
     requests_total: int = 0
     kv_poll_errors: int = 0
@@ -334,15 +349,33 @@ class Membership:
     async def _health_loop(self) -> None:
         # Healthy workers are checked every interval; unhealthy ones every tick, so that a
         # worker that comes back is in rotation again within half a second.
+        # Each check runs as a task of its own: one that hangs (a stopped worker) delays no
+        # other worker's, and is watched here while it is in flight (``_unresponsive``).
         interval = self.config.health_check_interval_sec
         tick = min(interval, UNHEALTHY_RECHECK_S)
         while True:
             await asyncio.sleep(tick)
             now = time.monotonic()
-            due = [w for w in list(self.by_url.values())
-                   if not w.healthy or now - w.last_check >= interval - tick / 2]
-            await asyncio.gather(*(self.check(w) for w in due), return_exceptions=True)
+            for w in list(self.by_url.values()):
+                if w.checking:
+                    self._unresponsive(w, now)
+                elif not w.healthy or now - w.last_check >= interval - tick / 2:
+                    self.spawn(self.check(w))
             self._expire()
+
+    def _unresponsive(self, w: Worker, now: float) -> None:
+        """Take healthy ``w`` out of rotation when its check in flight is overdue
+        (``UNRESPONSIVE_AFTER_S``) and another worker of its pool is in rotation."""
+        waited = now - w.last_check
+        slowest = max(w.check_seconds, default=0.0)
+        if (not w.healthy or waited < max(UNRESPONSIVE_AFTER_S, UNRESPONSIVE_FACTOR * slowest)
+                or not any(o.healthy for o in self.pools.get(w.pool, ()) if o is not w)):
+            return
+        why = f"health check unanswered for {waited:.1f} s"
+        logger.warning("worker %s (%s) out of rotation: %s", w.url, w.pool, why)
+        w.healthy, w.reason = False, why
+        if w.failing_since is None:
+            w.failing_since = now
 
     def _expire(self) -> None:
         dc = self.config.disagg_cluster
@@ -411,6 +444,7 @@ class Membership:
         finally:
             w.checking = False
         if info is not None:
+            w.check_seconds.append(time.monotonic() - w.last_check)
             why = self._apply_info(w, info)
         now = time.monotonic()
         if info is None:
