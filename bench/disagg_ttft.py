@@ -39,14 +39,16 @@ TOKEN = "bench-secret"
 LINE_PREFIX = "Transfer share of TTFT at"
 
 
-def start(model: str, role: str, backend: str, log: str) -> tuple[subprocess.Popen, str]:
+def start(model: str, role: str, backend: str, log: str, extra: tuple[str, ...] = ()
+          ) -> tuple[subprocess.Popen, str]:
+    """A worker of ``role`` on a free port (``extra``: more ``disagg serve`` flags)."""
     port = procs.free_port()
     env = {**os.environ, "DISAGG_CLUSTER_TOKEN": TOKEN}
     proc = procs.spawn(
         [sys.executable, "-m", "disagg.cli", "serve", model, "--port", str(port), "--role", role,
          "--kv-transfer-backend", backend, "--served-model-name", "m", "--log-level", "warning",
          "--kv-cache-tokens", "16384", "--max-num-tokens", "4096", "--max-model-len", "4096",
-         "--tokens-per-block", "16", "--no-enable-prefix-caching"], log, env=env)
+         "--tokens-per-block", "16", "--no-enable-prefix-caching", *extra], log, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         procs.wait_healthy(url, 120, proc=proc, interval=0.2, what=f"{role} worker")

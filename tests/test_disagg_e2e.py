@@ -31,6 +31,7 @@ from server_fixtures import (
     wait_all_healthy,
     wait_for,
 )
+from transfer_fixtures import FlippingRelay
 
 from disagg.transfer.ucx import ucx_available
 
@@ -541,3 +542,43 @@ def test_streamed_generation_abort_while_waiting_frees_its_blocks(
         reference, C, {**body, "stream": False})
     ctx.wait_blocks(0)
     gen.wait_blocks(0)
+
+
+# ---- integrity: a corrupted transfer is never served (issue 41, item 3) ----------------------
+
+
+def _integrity_failures(w: Worker) -> float:
+    m = re.search(r'^disagg_kv_transfer_failures_total\{[^}]*code="integrity_error"[^}]*\} (\S+)$',
+                  httpx.get(w.url + "/metrics", timeout=10).text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_kv_corrupted_in_transit_fails_that_request_only(tcp: dict[str, Worker],
+                                                         reference: str) -> None:
+    """One bit of the KV payload flipped on its way (a TCP relay between the generation
+    worker and the context worker's KV server): the generation worker's check fails that
+    request with 502 ``kv_transfer_failed`` naming the checksum, counts it, frees its blocks,
+    and serves the same request exactly from a clean transfer."""
+    ctx, gen = tcp["ctx"], tcp["gen"]
+    body = {"model": NAME, "prompt": " ".join([PROMPTS[1]] * 6), "max_tokens": 8,
+            "temperature": 0, "ignore_eos": True}
+    answer = context_call(ctx, C, body)
+    dp = answer["disaggregated_params"]
+    relay = FlippingRelay(dp["addresses"][0], times=1)
+    before = _integrity_failures(gen)
+    try:
+        via = {**answer, "disaggregated_params": {**dp, "addresses": [relay.address]}}
+        r = _post(gen.url, C, generation_body(C, body, via))
+        assert r.status_code == 502, r.text
+        err = r.json()["error"]
+        assert err["code"] == "kv_transfer_failed" and "checksum" in err["message"], err
+        assert relay.flipped == 1
+    finally:
+        relay.stop()
+    assert _integrity_failures(gen) == before + 1
+    gen.wait_blocks(0)
+    # The router would prefill again; the lease is released as it would release it.
+    r = _post(ctx.url, "/kv_leases/release", {"ctx_request_id": dp["ctx_request_id"]})
+    assert r.status_code == 200, r.text
+    ctx.wait_blocks(0)
+    assert disagg_text(ctx, gen, C, body) == ref_text(reference, C, body)

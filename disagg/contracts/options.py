@@ -198,6 +198,10 @@ class WorkerOptions:
     kv_lease_ttl_s: float = _option(
         30.0, float, "seconds a context worker keeps a request's KV for the generation worker",
         metavar="S", flag="--kv-lease-ttl", yaml_aliases=("kv_lease_ttl",))
+    kv_integrity: bool = _option(
+        True, bool, "check every KV payload a generation worker pulls against the checksum "
+        "the context worker sends after it (a mismatch fails that request; corrupted KV is "
+        "never used); --no-kv-integrity skips the check")
     # No flag or key of its own: cache_transceiver_config.ucx_profile sets it.
     ucx_profile: str = _option(
         "auto", str, "UCX transports of the KV transfer: auto (cross_host when the advertised "

@@ -148,7 +148,8 @@ class KVPuller:
         def connect(name: str) -> KVTransferClient:
             b = backend if name == backend.name.upper() else make_backend(name)
             client = KVTransferClient(b, settings.cluster_token,
-                                      timeout_s=settings.read_timeout_s, stats=stats)
+                                      timeout_s=settings.read_timeout_s, stats=stats,
+                                      integrity=settings.kv_integrity)
             _log_kv_path(client, kv_cache, f"kv pulls of rank {rank} over {b.name}")
             return client
 

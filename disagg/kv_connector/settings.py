@@ -26,6 +26,8 @@ class DisaggSettings:
     advertise_host: str | None = None
     kv_lease_ttl_s: float = WORKER_DEFAULTS.kv_lease_ttl_s
     ucx_profile: str = WORKER_DEFAULTS.ucx_profile
+    # Generation role: check each pulled payload against the context worker's checksum.
+    kv_integrity: bool = WORKER_DEFAULTS.kv_integrity
     read_timeout_s: float = 30.0
     # KV streaming: how long a streaming read may wait for the context worker to queue and
     # prefill the request (generation side), and how long a streaming lease lives before its
@@ -51,7 +53,7 @@ class DisaggSettings:
         return cls(role=options.role, cluster_token=cluster_token, backend=backend,
                    host=options.kv_transfer_host or options.host,
                    advertise_host=advertise_host, kv_lease_ttl_s=options.kv_lease_ttl_s,
-                   ucx_profile=options.ucx_profile,
+                   ucx_profile=options.ucx_profile, kv_integrity=options.kv_integrity,
                    kv_peer_allowlist=PeerAllowlist.parse(options.kv_peer_allowlist))
 
 

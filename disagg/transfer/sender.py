@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 import torch
 
 from disagg.transfer.base import Connection, ReadRequest, TransportBackend
+from disagg.transfer.integrity import payload_checksum
 from disagg.transfer.lease import LeaseTable
 from disagg.transfer.payload import (
     ReadPlan,
@@ -192,6 +193,14 @@ class PayloadSource:
         return await payload_source(self.kv_cache, req, plan, self.staging,
                                     self.runs and not self.on_gpu, self._gather_pool,
                                     self._stream)
+
+    def checksum(self, source: list[Any]) -> str:
+        """``integrity.payload_checksum`` of a payload ``source`` of this cache (any thread;
+        on a GPU, on the gather stream, behind the gathers that filled it)."""
+        if self._stream is None:
+            return payload_checksum(source)
+        with torch.cuda.stream(self._stream):
+            return payload_checksum(source)
 
     async def send_parts(self, conn: Connection, pieces: list[list[Any]],
                          staging: torch.Tensor | None, gathers: list[asyncio.Future[Any]]

@@ -59,6 +59,8 @@ from disagg.transfer.cuda_ipc import (
     client_offer,
 )
 from disagg.transfer.handshake import ClientSession, HandshakeError, ServerSession
+from disagg.transfer.integrity import ALGORITHM as INTEGRITY_ALGORITHM
+from disagg.transfer.integrity import INTEGRITY_ERROR, payload_checksum
 from disagg.transfer.lease import Lease, LeaseError, LeaseTable
 from disagg.transfer.payload import as_payload, consecutive_runs, dtype_name, slice_views
 from disagg.transfer.progress import StreamNotReady, StreamProgress
@@ -533,6 +535,13 @@ class KVTransferServer:
             if wants_map and mapped is not None:
                 await self._mapped_read(conn, mapped, req, plan.nbytes, first, t0)
                 return
+            integrity = msg.get("integrity")
+            if integrity is not None and integrity != INTEGRITY_ALGORITHM:
+                self.stats.record_failure(BAD_REQUEST)
+                await conn.send_header(_error(BAD_REQUEST, f"integrity must be "
+                                                           f"{INTEGRITY_ALGORITHM!r}, got "
+                                                           f"{integrity!r}"))
+                return
             source, staging = await self.payload.source(req, plan)
             pieces = [] if conn.stream else [slice_views(source, a, b)
                                              for a, b in _ranges(parts)]
@@ -541,12 +550,20 @@ class KVTransferServer:
                                   self.payload.answer_device, self.payload.answer_staging)
             if staging is None and not zero_copy:  # parts that span runs: gathered below
                 staging = self.payload.staging.acquire(plan.nbytes)
+            if integrity is not None:
+                answer["integrity"] = integrity  # its trailer follows the payload
             await conn.send_header(answer)
             try:
                 if conn.stream:
                     await conn.send_payload_iov(source)
                 else:
                     await self.payload.send_parts(conn, pieces, staging, gathers)
+                if integrity is not None:
+                    # The bytes as sent (the lease's pinned blocks, or the staging they were
+                    # gathered into), summed after the send: the reader checks what landed.
+                    checksum = await asyncio.get_running_loop().run_in_executor(
+                        None, self.payload.checksum, source)
+                    await conn.send_header({"checksum": checksum})
             except ConnectionClosedError:
                 self.stats.record_failure(CONNECTION_FAILED)
                 raise
@@ -716,6 +733,7 @@ class KVTransferClient:
         max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER,
         mapped: bool | None = None,
         sharing: CacheSharing | None = None,
+        integrity: bool = True,
     ) -> None:
         if not token:
             raise ValueError("a non-empty cluster token is required")
@@ -724,6 +742,8 @@ class KVTransferClient:
             raise ValueError(f"max_connections_per_peer must be an int >= 1, got "
                              f"{max_connections_per_peer!r}")
         self.max_connections_per_peer = max_connections_per_peer
+        # Every payload read is checked against the server's checksum (``integrity``).
+        self.integrity = integrity
         self.backend = make_backend(backend)
         # Over a message transport, split payloads into parts the server can pipeline
         # (None: DISAGG_KV_RUNS; False: one message a payload, the path before).
@@ -808,6 +828,8 @@ class KVTransferClient:
         views = [as_payload(t) for t in outs]  # views: the payload lands in `out` itself
         nbytes = sum(int(v.nbytes) for v in views)
         msg = request.to_wire(dtype_name(outs[0].dtype), nbytes)
+        if self.integrity:
+            msg["integrity"] = INTEGRITY_ALGORITHM
         # Message transport: one message per part. A scattered table (more than one run of
         # block ids: the server gathers) is cut into parts, so the server sends part k while
         # it gathers part k+1; a consecutive one goes whole (one message per buffer). A
@@ -1233,13 +1255,20 @@ class KVTransferClient:
                                     f"bytes, expected {msg['nbytes']}")
             if "mapped" in resp:  # it waits for a DONE, we for a payload: neither comes
                 raise TransferError(PROTOCOL_ERROR, "a mapped answer to a READ that was not")
+            checked = resp.get("integrity")
+            if msg.get("integrity") != checked:
+                raise TransferError(PROTOCOL_ERROR, f"asked for integrity "
+                                    f"{msg.get('integrity')!r}, the answer says {checked!r}")
             try:
                 await conn.recv_payload_iov(payload)
+                trailer = await conn.recv_header() if checked else None
             except ConnectionClosedError as e:
                 raise TransferError(CONNECTION_FAILED,
                                     f"peer failed mid-transfer: {e}") from None
             except ProtocolError as e:
                 raise TransferError(PROTOCOL_ERROR, str(e)) from None
+            if trailer is not None:
+                await _verify(address, trailer, payload)
         return resp
 
     async def _exchange_mapped(self, address: str, link: _Link, msg: dict[str, Any],
@@ -1286,6 +1315,20 @@ class KVTransferClient:
         except ConnectionClosedError:
             raise _aborted(address) from None
         return resp
+
+
+async def _verify(address: str, trailer: Mapping[str, Any], payload: list[Any]) -> None:
+    """Raise ``INTEGRITY_ERROR`` unless the bytes that landed in ``payload`` have the
+    checksum the server sent after them (computed off the loop thread: a pass over the
+    payload)."""
+    sent = trailer.get("checksum")
+    if not isinstance(sent, str):
+        raise TransferError(PROTOCOL_ERROR, "the payload's trailer has no checksum")
+    got = await asyncio.get_running_loop().run_in_executor(None, payload_checksum, payload)
+    if got != sent:
+        raise TransferError(INTEGRITY_ERROR, f"the KV payload from {address} does not match "
+                            f"its checksum ({INTEGRITY_ALGORITHM} {got} != {sent}): "
+                            f"corrupted in transit or on arrival; nothing of it is used")
 
 
 def _aborted(address: str) -> TransferError:
