@@ -21,6 +21,22 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("DISAGG_DIST_TIMEOUT_S", "60")
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """A native crash (SIGSEGV) prints the crashing thread's Python stack alone, not every
+    thread's (pytest's faulthandler plugin dumps all of them: a CI log that keeps the head
+    and the tail of the output lost the one that mattered). Same file as the plugin's."""
+    import faulthandler
+
+    try:
+        from _pytest.faulthandler import fault_handler_stderr_fd_key
+    except ImportError:  # another pytest: leave the plugin's setting
+        return
+    fd = config.stash.get(fault_handler_stderr_fd_key, None)
+    if fd is not None:
+        faulthandler.enable(file=fd, all_threads=False)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
     """``tiny_checkpoint(name="tiny", **kwargs)``: a folder ``.../name`` holding
