@@ -21,6 +21,7 @@ SUBCOMMAND_MODULES = (
     "disagg.router.cli",  # router
     "disagg.bench.cli",  # bench
     "disagg.deploy.cli",  # deploy k8s|slurm: render a many-machine deployment
+    "disagg.doctor",  # doctor: check a KV transfer link (bandwidth, latency, transports)
 )
 
 

@@ -18,6 +18,8 @@ command line, a mapping or its JSON text in a YAML; ``coerce`` gives the YAMLs i
 The lease TTL is ``kv_lease_ttl_s`` in the code and the cluster YAML; the flag is
 ``--kv-lease-ttl`` and a worker YAML also takes ``kv_lease_ttl`` (spellings users have).
 ``ucx_profile`` has no flag or key of its own: ``cache_transceiver_config.ucx_profile``.
+``expected_link_gbps`` is a YAML key without a ``disagg serve`` flag: a worker does not use it,
+``disagg doctor -c`` reads it (the link rate between hosts it judges against).
 
 ``coerce`` checks one YAML value against its ``Opt`` and names the key and the file on error;
 the cluster YAML's own keys are ``Opt`` tables in ``contracts/cluster.py``, checked by the same
@@ -202,6 +204,16 @@ class WorkerOptions:
         True, bool, "check every KV payload a generation worker pulls against the checksum "
         "the context worker sends after it (a mismatch fails that request; corrupted KV is "
         "never used); --no-kv-integrity skips the check")
+    kv_link_check: bool = _option(
+        False, bool, "at start-up, serve test blocks of this worker's KV layout (2048 tokens, "
+        "128-256 MiB) through its KV transfer backend on its KV address and pull them in a "
+        "second process: log the bandwidth, small-read latency and UCX transports beside "
+        "memcpy (an ERROR when below 0.2 of it); a transfer that fails stops the start "
+        "(disagg doctor checks a link between hosts)")
+    expected_link_gbps: float | None = _option(
+        None, float, "the KV link rate between hosts, GB/s (e.g. 12.5 for 100 Gb/s): what "
+        "`disagg doctor -c` judges a link to another host against (YAML only; the doctor's "
+        "flag: --expected-link-gbps)", metavar="GB/S", gt=0, flag="")
     # No flag or key of its own: cache_transceiver_config.ucx_profile sets it.
     ucx_profile: str = _option(
         "auto", str, "UCX transports of the KV transfer: auto (cross_host when the advertised "

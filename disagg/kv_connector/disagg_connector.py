@@ -139,6 +139,19 @@ class DisaggConnector(KVConnector):
             if any(a is None for a in peers.transfer_addresses):
                 raise RuntimeError("a rank of this worker has no KV transfer server")
             peers.on_event(wake)
+        # --kv-link-check: this layout's test blocks through this backend, pulled by another
+        # process (transfer/linkcheck.py); logged, in info(); a failed pull stops the start.
+        self.link_check: dict[str, object] | None = None
+        if settings.kv_link_check:
+            from disagg.transfer.linkcheck import startup_link_check
+
+            try:
+                self.link_check = startup_link_check(
+                    self.backend, kv_cache, settings.cluster_token, settings.host,
+                    settings.advertise_host)
+            except BaseException:
+                self.shutdown()
+                raise
 
     # ---- introspection / lifecycle ------------------------------------------------------------
 
@@ -176,7 +189,9 @@ class DisaggConnector(KVConnector):
                 "lease_ttl_s": self.settings.kv_lease_ttl_s if context else None,
                 # UCX: profile, UCX_TLS and the transports its context runs (None for TCP)
                 "ucx": describe() if (describe := getattr(self.backend, "describe", None))
-                else None}
+                else None,
+                # --kv-link-check's result (None when off)
+                "link_check": self.link_check}
 
     def stats_snapshot(self) -> TransferStatsSnapshot:
         # list(): one C-level copy under the GIL (the engine thread updates the dict).

@@ -28,6 +28,9 @@ class DisaggSettings:
     ucx_profile: str = WORKER_DEFAULTS.ucx_profile
     # Generation role: check each pulled payload against the context worker's checksum.
     kv_integrity: bool = WORKER_DEFAULTS.kv_integrity
+    # At start-up: test blocks through this worker's backend, pulled by a second process
+    # (transfer/linkcheck.py: startup_link_check).
+    kv_link_check: bool = WORKER_DEFAULTS.kv_link_check
     read_timeout_s: float = 30.0
     # KV streaming: how long a streaming read may wait for the context worker to queue and
     # prefill the request (generation side), and how long a streaming lease lives before its
@@ -54,6 +57,7 @@ class DisaggSettings:
                    host=options.kv_transfer_host or options.host,
                    advertise_host=advertise_host, kv_lease_ttl_s=options.kv_lease_ttl_s,
                    ucx_profile=options.ucx_profile, kv_integrity=options.kv_integrity,
+                   kv_link_check=options.kv_link_check,
                    kv_peer_allowlist=PeerAllowlist.parse(options.kv_peer_allowlist))
 
 

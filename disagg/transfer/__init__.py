@@ -25,6 +25,8 @@ rank layouts and pull pieces ``disagg.layout``. Here:
 - ``admission``: ``ServerLimits`` (a server's frozen knobs) and ``Admission`` (its connection
   caps and counters).
 - ``service``: ``KVTransferServer`` (context rank) and ``KVTransferClient`` (generation rank).
+- ``linkcheck``: test blocks between two processes, measured and judged (``disagg doctor``,
+  a worker's ``--kv-link-check``).
 
 Importing this package does not import torch; the torch-using names load on first access.
 """

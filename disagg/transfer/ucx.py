@@ -31,7 +31,9 @@ with RDMA      UCX_TLS += rc,ud (cross_host, where /sys/class/infiniband has a
 
 The transports UCX actually runs (``tl/device`` pairs of its context, e.g. ``tcp/eth0``) are
 logged when the context starts and shown in the worker's ``/server_info``
-(``kv_transfer.ucx``).
+(``kv_transfer.ucx``). Which of them one connection's endpoint selected (its lanes, and the
+protocol per message size) is ``endpoint_report`` (``ucp_ep_print_info``, through ctypes:
+ucxx does not expose it), read by ``disagg doctor`` (``linkcheck.py``).
 
 GPU memory ("device-direct"): in a process that has a CUDA device, the profile's ``UCX_TLS`` also
 names UCX's CUDA transports: ``cuda_ipc`` (a process maps the other's GPU memory: GPU to GPU on
@@ -578,3 +580,82 @@ class UcxBackend(TransportBackend):
 
     async def connect(self, host: str, port: int, timeout_s: float) -> Connection:
         return UcxConnection(await tcp_connect(host, port, timeout_s))
+
+
+# ---- what an endpoint selected (disagg doctor) -----------------------------------------------
+
+
+def _libucp() -> Any:
+    """libucp, as ucxx loaded it (its soname first: the library already in this process)."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libucp.so.0")
+    except OSError:
+        import libucx  # the wheel's own copy (ucxx loads it from there)
+
+        return ctypes.CDLL(os.path.join(os.path.dirname(libucx.__file__), "lib",
+                                        "libucp.so.0"))
+
+
+def endpoint_report(conn: Connection) -> str | None:
+    """``ucp_ep_print_info`` of a ``UcxConnection``'s endpoint: the lanes (``transport/device``)
+    UCX selected for this peer and the protocol of each message size, as UCX prints it. None
+    when ``conn`` has no live endpoint or the call is unavailable (never raises)."""
+    import ctypes
+    import ctypes.util
+
+    ep = getattr(conn, "_ep", None) if isinstance(conn, UcxConnection) else None
+    if ep is None or ep.closed:
+        return None
+    try:
+        handle = int(ep.ucp_endpoint)
+        libucp = _libucp()
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.open_memstream.restype = ctypes.c_void_p
+        libc.open_memstream.argtypes = [ctypes.POINTER(ctypes.c_char_p),
+                                        ctypes.POINTER(ctypes.c_size_t)]
+        libc.fclose.argtypes = [ctypes.c_void_p]
+        libc.free.argtypes = [ctypes.c_void_p]
+        libucp.ucp_ep_print_info.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        libucp.ucp_ep_print_info.restype = None
+        buf, size = ctypes.c_char_p(), ctypes.c_size_t()
+        stream = libc.open_memstream(ctypes.byref(buf), ctypes.byref(size))
+        if not stream:
+            return None
+        libucp.ucp_ep_print_info(ctypes.c_void_p(handle), ctypes.c_void_p(stream))
+        libc.fclose(ctypes.c_void_p(stream))  # flushes: buf and size are final now
+        try:
+            return ctypes.string_at(buf, size.value).decode(errors="replace")
+        finally:
+            libc.free(ctypes.cast(buf, ctypes.c_void_p))
+    except Exception as e:  # a UCX without the symbol, no libc: say nothing rather than fail
+        logger.debug("ucp_ep_print_info unavailable: %s", e)
+        return None
+
+
+_LANE = re.compile(r"lane\[\d+\]:\s+\d+:(\S+?/\S+?)\.\d+\s")
+_TAG_TABLE = re.compile(r"tagged message by ucp_tag_send\* from host memory")
+_ROW = re.compile(r"^#\s*\|\s*([^|]+?)\s*\|\s*([^|]+?)\s*\|\s*([^|]+?)\s*\|\s*$")
+
+
+def parse_endpoint_report(text: str) -> dict[str, Any]:
+    """From ``endpoint_report``'s text: ``lanes`` (``transport/device`` of each lane, in lane
+    order) and ``tag`` (the plain tag-send protocol per message size: ``[{"sizes", "protocol",
+    "transport"}]``; a payload part is one such message)."""
+    lanes = list(dict.fromkeys(_LANE.findall(text)))
+    rows: list[dict[str, str]] = []
+    in_table = False
+    for line in text.splitlines():
+        if _TAG_TABLE.search(line):
+            in_table, rows = True, []
+            continue
+        if not in_table:
+            continue
+        m = _ROW.match(line)
+        if m:
+            rows.append({"sizes": m.group(1), "protocol": m.group(2).removeprefix("(?) "),
+                         "transport": m.group(3)})
+        elif rows and not line.strip("# +-"):
+            break  # the table's end
+    return {"lanes": lanes, "tag": rows}
