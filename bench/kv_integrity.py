@@ -6,9 +6,11 @@ over a random checkpoint of SmolLM2-135M's shape (30 layers, 3 kv heads x 64, fl
 46 KiB per token, 94 MB at 2,048 tokens); one generation worker runs with the check
 (the default), the other with ``--no-kv-integrity``. Each rep sends the same fresh prompt
 through both (the router's two calls, ``bench.disagg_ttft.one``), the order alternating, so
-the two columns share the machine's moments. Beside it, in the same process: the checksum
-of one such payload (``payload_checksum``, the pass each side makes) timed directly, as a
-share of the median TTFT, which is what the check adds when nothing overlaps it.
+the two columns share the machine's moments. The check's cost is read where it is paid: the
+generation worker's KV read time (its ``disagg_kv_transfer_seconds``: submit -> payload
+checked), on minus off, as a share of the TTFT without the check; the paired TTFT difference
+is shown beside it (whole-request noise on a shared 2-core host is larger than the cost).
+For reference, one ``payload_checksum`` pass over such a payload timed alone here.
 
     python -m bench.kv_integrity [--tokens 2048] [--reps 8] [--out bench/results/kv_integrity.md]
 """
@@ -92,8 +94,9 @@ def main() -> None:
     on = statistics.median(r[0] for r in rows)
     off = statistics.median(r[1] for r in rows)
     paired = statistics.median(r[0] / r[1] - 1 for r in rows)
-    direct = 2 * ck / off  # the context worker's pass and the reader's, unoverlapped
-    verdict = "met" if direct <= TARGET and paired <= TARGET else "NOT met"
+    read_on, read_off = statistics.median(transfer["on"]), statistics.median(transfer["off"])
+    cost = (read_on - read_off) / off  # what the check adds to the read, share of TTFT
+    verdict = "met" if cost <= TARGET else "NOT met"
     lines = [
         f"# KV integrity check: its cost at {args.tokens:,} prompt tokens",
         "",
@@ -116,13 +119,15 @@ def main() -> None:
         f"| `--no-kv-integrity` | {off * 1e3:.0f} | "
         f"{statistics.median(transfer['off']) * 1e3:.1f} |",
         "",
-        f"- paired difference (median over reps of on/off - 1): **{paired * 100:+.1f}%** of "
-        f"TTFT (the noise between two identical requests on this machine is of this order: "
-        f"see the per-rep rows)",
-        f"- one checksum pass over the {kv_bytes / 1e6:.0f} MB payload: {ck * 1e3:.1f} ms "
-        f"({kv_bytes / ck / 1e9:.1f} GB/s); two passes (context worker + reader, none "
-        f"overlapped) = **{direct * 100:.1f}%** of the median TTFT without the check",
-        f"- target <= {TARGET * 100:.0f}% of TTFT: **{verdict}** (both measures)",
+        f"- the check's cost, where it is paid: KV read {read_on * 1e3:.1f} ms on vs "
+        f"{read_off * 1e3:.1f} ms off (medians) = **{cost * 100:+.1f}%** of the median TTFT "
+        f"without the check; target <= {TARGET * 100:.0f}%: **{verdict}**",
+        f"- paired TTFT difference (median over reps of on/off - 1): {paired * 100:+.1f}% "
+        f"(whole requests on a shared host: see the per-rep rows for the noise)",
+        f"- for reference, one `payload_checksum` pass over a {kv_bytes / 1e6:.0f} MB array "
+        f"alone on this process's main thread: {ck * 1e3:.1f} ms "
+        f"({kv_bytes / ck / 1e9:.1f} GB/s); inside the workers it overlaps the send on the "
+        f"context side and follows the payload on the reader's",
         "",
         "| rep | TTFT on (ms) | TTFT off (ms) | on/off - 1 |",
         "|---:|---:|---:|---:|",

@@ -550,20 +550,22 @@ class KVTransferServer:
                                   self.payload.answer_device, self.payload.answer_staging)
             if staging is None and not zero_copy:  # parts that span runs: gathered below
                 staging = self.payload.staging.acquire(plan.nbytes)
+            summing: asyncio.Future[str] | None = None
             if integrity is not None:
                 answer["integrity"] = integrity  # its trailer follows the payload
+                # The bytes to send (the lease's pinned blocks, or the staging they were
+                # gathered into: final either way), summed on another thread while they go
+                # out; the reader checks what landed against it.
+                summing = asyncio.get_running_loop().run_in_executor(
+                    None, self.payload.checksum, source)
             await conn.send_header(answer)
             try:
                 if conn.stream:
                     await conn.send_payload_iov(source)
                 else:
                     await self.payload.send_parts(conn, pieces, staging, gathers)
-                if integrity is not None:
-                    # The bytes as sent (the lease's pinned blocks, or the staging they were
-                    # gathered into), summed after the send: the reader checks what landed.
-                    checksum = await asyncio.get_running_loop().run_in_executor(
-                        None, self.payload.checksum, source)
-                    await conn.send_header({"checksum": checksum})
+                if summing is not None:
+                    await conn.send_header({"checksum": await asyncio.shield(summing)})
             except ConnectionClosedError:
                 self.stats.record_failure(CONNECTION_FAILED)
                 raise
