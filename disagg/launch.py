@@ -24,8 +24,9 @@ GGUF imported into the cache), else the built-in tiny random model (one line say
 context and one generation worker and the router on free local ports, the KV transfer backend
 left to its default (UCX when ucxx imports, else TCP). One chat request ("What is the capital
 of France?", greedy) goes through the router (context prefill, KV transfer, generation); the
-answer, the KV transport and bytes moved, and the time of each phase are printed before
-everything is stopped again. ``--model`` picks the demo's model instead.
+answer, the KV transport and bytes moved, and the time of each phase (the answer's own
+breakdown, asked with ``"timing": true``: ``disagg/timing.py``) are printed before everything
+is stopped again. ``--model`` picks the demo's model instead.
 
 Model: ``model: tiny`` (top level or in a server section) or ``--model tiny`` means the
 built-in tiny model; ``smollm2`` the packaged SmolLM2-135M-Instruct (fetched on first use); a
@@ -81,6 +82,7 @@ from disagg.contracts.plan import (
 )
 from disagg.env import CUDA_VISIBLE_DEVICES, EnvError
 from disagg.procs import HEALTH_TIMEOUT_S, KILL_WAIT_S, LOCAL_HTTP
+from disagg.timing import describe as describe_timing
 
 _T = TypeVar("_T")
 DEMO_MODEL = "smollm2"  # the demo's model when it can be fetched (disagg.model.gguf)
@@ -1024,8 +1026,9 @@ def demo_report(cluster: Cluster, before: Mapping[str, float]) -> list[str]:
 def demo_request(cluster: Cluster, message: str, max_tokens: int) -> int:
     plan = cluster.plan
     url = f"{cluster.endpoint}/v1/chat/completions"
+    # "timing": the answer carries the request's phase breakdown (disagg/timing.py)
     body = {"model": plan.model_name, "messages": [{"role": "user", "content": message}],
-            "max_tokens": max_tokens, "temperature": 0}
+            "max_tokens": max_tokens, "temperature": 0, "timing": True}
     token = cluster.env.get("DISAGG_CLUSTER_TOKEN")
     gen = next((c for c in cluster.children if c.spec.kind == "generation"), None)
     before = (cluster.blocking(metric_values, gen.base_url, _GEN_KV, token)
@@ -1046,6 +1049,9 @@ def demo_request(cluster: Cluster, message: str, max_tokens: int) -> int:
     cluster.say(f"usage: {json.dumps(data.get('usage'))}")
     for line in demo_report(cluster, before):
         cluster.say(line)
+    if isinstance(data.get("timing"), dict):
+        for line in describe_timing(data["timing"]):
+            cluster.say(line)
     return 0
 
 

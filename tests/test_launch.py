@@ -157,6 +157,9 @@ PHASES_RE = re.compile(r"request phases: context \(prefill \+ first token\) \d+ 
                        r"transfer \d+ ms \| generation \d+ ms \(KV transfer included\) \| "
                        r"whole request at the router \d+ ms")
 
+BREAKDOWN_RE = re.compile(r"where the time went \(TTFT [\d.]+ ms, total [\d.]+ ms\):\n"
+                          r"  router +route +[\d.]+ ms\n  router +context_network")
+
 
 def _assert_demo_report(out: str) -> None:
     """The demo's lines on the transfer (transport, blocks, bytes) and its timings."""
@@ -167,6 +170,8 @@ def _assert_demo_report(out: str) -> None:
     # The default backend: UCX when ucxx imports here (the workers run this interpreter).
     assert moved.group(1) == ("UCX" if ucx_available()[0] else "TCP"), out
     assert TIMINGS_RE.search(out) and PHASES_RE.search(out), out
+    # the answer's own breakdown ("timing": true), through both workers
+    assert BREAKDOWN_RE.search(out) and re.search(r"generation +kv_transfer +[\d.]+ ms", out), out
 
 
 def test_demo_answers_through_the_router_and_stops_on_ctrl_c(launch, tmp_path: Path):

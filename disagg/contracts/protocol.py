@@ -16,7 +16,15 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+    model_validator,
+)
 
 from disagg.contracts import tools as T
 from disagg.contracts.roles import REQUEST_TYPES
@@ -220,6 +228,8 @@ class _Request(NullIsAbsent):
     prompt_logprobs: StrictInt | None = None  # vLLM extension: logprobs of the prompt tokens
     # Disaggregated serving (router -> worker): {request_type, ...ContextParams}; see README.
     disaggregated_params: dict[str, Any] | None = None
+    # This project's: the answer carries the request's phase breakdown (disagg/timing.py).
+    timing: StrictBool = False
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* fields (disagg/structured/spec.py reads them; one constraint per request).
     response_format: dict[str, Any] | None = None

@@ -203,6 +203,7 @@ class LLMEngine:
         decoding requests whose pulled KV is in place, fail requests whose pull failed."""
         if self.connector is None:
             return []
+        polled = time.monotonic()  # (a pull's kv_install starts here: timing.py)
         done = self.connector.get_finished()
         for rid in done.leases_ended:
             self.scheduler.release_held(rid)
@@ -212,6 +213,7 @@ class LLMEngine:
         for rid in done.loaded:
             st = self._states.get(rid)
             if st is not None:
+                st.metrics.kv_poll_time = polled
                 outputs.append(self._kv_in_place(st, done.first.get(rid)))
         for rid, error in done.failed:
             logger.warning("request %s: %s", rid, error)
@@ -227,6 +229,8 @@ class LLMEngine:
         rid, now = st.request.request_id, time.monotonic()
         end = take_first(st, first, self.scheduler) if first is not None else None
         st.metrics.first_scheduled_time = st.metrics.first_scheduled_time or now
+        if st.metrics.kv_poll_time is None:  # (dummy KV: nothing was polled)
+            st.metrics.kv_poll_time = now
         st.metrics.first_token_time = now
         st.metrics.last_token_time = now
         delta = "".join(st.detok.update(t) for t in st.request.output_token_ids)
@@ -249,6 +253,7 @@ class LLMEngine:
         dummy: list[RequestOutput] = []
         for f in sched.kv_fetches:
             st = self._states[f.request_id]
+            st.metrics.kv_load_start_time = time.monotonic()
             if isinstance(st.mode, Dummy):
                 dummy.append(self._kv_in_place(st))
                 continue

@@ -14,13 +14,18 @@ from disagg.kv_connector.errors import KVTransferError
 @dataclass
 class RequestMetrics:
     """When a request arrived, was first scheduled, got its first and last token, ended
-    (``time.monotonic()`` seconds)."""
+    (``time.monotonic()`` seconds); a request whose prompt KV is pulled also when its reads
+    were submitted (``kv_load_start_time``) and when the engine loop's poll that found them
+    done began (``kv_poll_time``). The per-request phases (``disagg/timing.py``) are read
+    from these."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    kv_load_start_time: float | None = None
+    kv_poll_time: float | None = None
 
 
 @dataclass

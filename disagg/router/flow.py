@@ -39,6 +39,11 @@ Only a stream the next worker can continue exactly is resumed (``resumable``: on
 choice, no echo, no tools); another one ends with an ``upstream_failed`` error event as before.
 Moves do not count against ``max_retries``; a worker that cannot be reached for one does.
 
+Timing (``disagg/timing.py``, ``relay``): every call stamps the request's timeline (the
+context answer read ends ``context_call``); when the client asked for its timing, each worker
+call carries ``disaggregated_params.timing: true`` and the context answer's own ``timing`` is
+kept for the breakdown (``RequestState.ctx_timing``), which the client's answer then carries.
+
 With ``kv_streaming`` the router's flow is ``stream_flow.StreamingFlow``: its ``first_try``
 sends both calls at once (the generation worker streams the KV layer by layer) and, when that
 fails before the client got anything, hands the request to the two calls here.
@@ -52,13 +57,21 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from disagg import timing
 from disagg.contracts.roles import RequestType, Role
 from disagg.router.client_io import STREAMED, Answer, ClientStream
 from disagg.router.membership import Membership, Worker
 from disagg.router.metrics import RouterMetrics
 from disagg.router.policies import Decision, RouteRequest, RoutingPolicy
 from disagg.router.prompt_tokens import CHAT, COMPLETIONS
-from disagg.router.relay import Interrupted, Relay, RequestState, counted, final_answer
+from disagg.router.relay import (
+    Interrupted,
+    Relay,
+    RequestState,
+    call_sent,
+    counted,
+    final_answer,
+)
 from disagg.router.replies import Reply, dumps, loads, with_params
 from disagg.router.upstream import Failed, UpstreamClient, error_code
 
@@ -66,6 +79,7 @@ T = TypeVar("T")
 ROLE_SWITCHING = "role_switching"  # a worker's 503 code while it changes roles (role_switch)
 CONTEXT_ONLY = {"request_type": RequestType.CONTEXT_ONLY.value}
 CONTEXT_ONLY_JSON = dumps(CONTEXT_ONLY)
+WHOLE = {"request_type": RequestType.CONTEXT_AND_GENERATION.value}
 # A request sent whole that reports its stream's token ids (a resumable one: migration).
 WHOLE_WITH_IDS = {"request_type": RequestType.CONTEXT_AND_GENERATION.value, "token_ids": True}
 WHOLE_WITH_IDS_JSON = dumps(WHOLE_WITH_IDS)
@@ -192,7 +206,11 @@ class RequestFlow:
         (``body``: ``data`` parsed, when the router parsed it: a stream may then be resumed)."""
         self.allow_moves(st, path, body)
         sent = data
-        if st.ids_asked:
+        if st.timing:  # (the handler parsed the body of a request that asks for timing)
+            assert body is not None
+            sent = with_params(data, body, {
+                **(WHOLE_WITH_IDS if st.ids_asked else WHOLE), timing.FIELD: True})
+        elif st.ids_asked:
             assert body is not None
             sent = with_params(data, body, WHOLE_WITH_IDS, WHOLE_WITH_IDS_JSON)
         tries = Tries(Role.GENERATION, self.max_retries, first)
@@ -230,6 +248,7 @@ class RequestFlow:
                 tries = ctx
             tries.last = cut.failed  # (the client's error if no worker is left)
             st.migrations_left -= 1
+            st.moved = True  # (the breakdown: the router's own phases from here)
             kind = "resume" if st.started else "restart"
             self.metrics.migrations.labels(kind).inc()
             logger.warning("moving the request to another worker (%s, %d token(s) relayed): "
@@ -240,6 +259,8 @@ class RequestFlow:
                     "request_type": RequestType.CONTEXT_AND_GENERATION.value}
                 if st.ids_asked:
                     params["token_ids"] = True
+                if st.timing:
+                    params[timing.FIELD] = True
                 if st.started:
                     assert st.answer_id is not None and st.token_ids is not None
                     params["resume"] = {"output_token_ids": st.token_ids,
@@ -299,17 +320,20 @@ class RequestFlow:
                         body: dict[str, Any], data: bytes, route: RouteRequest, ctx: Tries,
                         gen: Tries) -> Answer:
         """The context call, then the generation call with its answer (module docstring)."""
-        ctx_data = with_params(data, body, CONTEXT_ONLY, CONTEXT_ONLY_JSON)
+        ctx_data = (with_params(data, body, {**CONTEXT_ONLY, timing.FIELD: True}) if st.timing
+                    else with_params(data, body, CONTEXT_ONLY, CONTEXT_ONLY_JSON))
         while True:
             ctx_worker, answer = await self.retrying(
-                ctx, route, lambda w: self._context_call(w, path, ctx_data, route))
+                ctx, route, lambda w: self._context_call(st, w, path, ctx_data, route))
             dp = answer.pop("disaggregated_params", None)
             answer.pop("prompt_token_ids", None)  # (also in dp: the generation worker's)
             if dp is None:  # final after the first token: the context answer is the answer
-                return await final_answer(out, path, body, answer)
+                return await final_answer(out, path, body, answer, st)
             gen_params = {**dp, "request_type": RequestType.GENERATION_ONLY.value}
             if st.ids_asked:
                 gen_params["token_ids"] = True
+            if st.timing:
+                gen_params[timing.FIELD] = True
             gen_data = with_params(data, body, gen_params)
             lease = _Lease(ctx_worker, dp, gen_data, requested_tokens(path, body))
             try:
@@ -320,10 +344,12 @@ class RequestFlow:
                 if not lease.taken:
                     self.upstream.release_lease(ctx_worker, dp.get("ctx_request_id"))
 
-    async def _context_call(self, w: Worker, path: str, data: bytes, route: RouteRequest
-                            ) -> tuple[Worker, dict[str, Any]]:
-        """One context_only try on ``w``: its answer (a 4xx is the client's answer)."""
+    async def _context_call(self, st: RequestState, w: Worker, path: str, data: bytes,
+                            route: RouteRequest) -> tuple[Worker, dict[str, Any]]:
+        """One context_only try on ``w``: its answer (a 4xx is the client's answer), its own
+        timing taken out of it (``st.ctx_timing``)."""
         t0 = time.monotonic()
+        call_sent(st, t0)
         resp = None
         with counted(w, route):
             try:
@@ -344,6 +370,10 @@ class RequestFlow:
                         raise ValueError("no disaggregated_params")
                 except ValueError as e:
                     raise Failed(f"{w.url}: malformed context answer: {e}") from None
+                st.timeline.end(timing.CONTEXT_CALL, t0 + dt)
+                worker_timing = answer.pop(timing.FIELD, None)
+                st.ctx_timing = (timing.Breakdown.from_json(worker_timing)
+                                 if worker_timing is not None else None)
                 return w, answer
             finally:
                 if resp is not None:

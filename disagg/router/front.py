@@ -147,6 +147,7 @@ class FrontConnection(asyncio.Protocol, ClientStream):
         self._fields = 0
         self._lengths: list[bytes] = []
         self._auth: str | None = None
+        self._timing: str | None = None  # X-Disagg-Timing (disagg/timing.py)
         self._origin: bytes | None = None
         self._odd = False  # a header that aiohttp must handle
         self._head_done = False
@@ -231,6 +232,8 @@ class FrontConnection(asyncio.Protocol, ClientStream):
             self._auth = value.decode("latin-1")
         elif n == b"origin":
             self._origin = value
+        elif n == b"x-disagg-timing":
+            self._timing = value.decode("latin-1")
         elif n in _HAND_OFF_HEADERS:
             self._odd = True
 
@@ -270,12 +273,13 @@ class FrontConnection(asyncio.Protocol, ClientStream):
         self._cors = (cors.fields(self._origin.decode("latin-1"))
                       if cors is not None and self._origin is not None else b"")
         self._stream_head, self._streaming, self._stream_ended = None, False, False
-        self.task = self.loop.create_task(self._serve(path, self._auth))
+        self.task = self.loop.create_task(self._serve(path, self._auth, self._timing))
 
     def _parse_head(self, head: bytes) -> str | None:
         """The path of a request head of the common shape; None: aiohttp's."""
         self._url, self._fields, self._lengths = b"", 0, []
         self._auth, self._origin, self._odd, self._head_done = None, None, False, False
+        self._timing = None
         try:
             self.parser.feed_data(head)
         except httptools.HttpParserError:  # (an Upgrade too): aiohttp answers it
@@ -307,10 +311,10 @@ class FrontConnection(asyncio.Protocol, ClientStream):
         self._need = 0
         return body
 
-    async def _serve(self, path: str, authorization: str | None) -> None:
+    async def _serve(self, path: str, authorization: str | None, timing: str | None) -> None:
         try:
             answer = await self.front.handlers.serve_openai(self, path, authorization,
-                                                            self._read_body)
+                                                            self._read_body, timing)
         except (asyncio.CancelledError, ConnectionError):  # the client left, or shutdown
             self.close()
             return

@@ -16,6 +16,11 @@ uncached prompt tokens.
 
 A client that disconnects cancels its handler (the server runs with handler cancellation):
 the upstream connection is closed, so the worker aborts the request and frees its KV.
+
+Timing (``disagg/timing.py``): every OpenAI request that succeeded has its phases observed in
+``disagg_request_phase_seconds``; one whose body has ``"timing": true`` (a non-boolean is a 400
+naming the field) or whose header ``X-Disagg-Timing`` says yes gets the whole request's
+breakdown in its answer (``flow``, ``relay``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any
 from aiohttp import web
 
 from disagg import __version__
+from disagg import timing as T
 from disagg.cluster_auth import AUTH_HEADER, MEMBER_ID_FIELD, AuthError, bearer_ok
 from disagg.contracts import protocol as P
 from disagg.contracts.cluster import normalize_worker_url
@@ -92,18 +98,25 @@ class Handlers:
         """The OpenAI endpoints as aiohttp serves them (``front`` serves the common case)."""
         out = AiohttpStream(request)
         answer = await self.serve_openai(out, request.path, request.headers.get("Authorization"),
-                                         lambda: self.read_body(request))
+                                         lambda: self.read_body(request),
+                                         request.headers.get(T.HEADER))
         return out.to_response(answer)
 
     async def serve_openai(self, out: ClientStream, path: str, authorization: str | None,
-                           read_body: Callable[[], Awaitable[bytes]]) -> Answer:
+                           read_body: Callable[[], Awaitable[bytes]],
+                           timing_header: str | None = None) -> Answer:
         """One OpenAI request, whichever server carries it: ``authorization``, its header;
-        ``read_body``, its body (raising ``Reply`` for a late, large or encoded one)."""
+        ``read_body``, its body (raising ``Reply`` for a late, large or encoded one);
+        ``timing_header``: its ``X-Disagg-Timing`` header."""
         st = RequestState(path)
-        t0 = time.monotonic()
+        t0 = st.timeline.start
         metrics = self.router.metrics
         try:
             self.check_authorization(authorization)
+            try:
+                st.timing = T.header_asks(timing_header)
+            except ValueError as e:
+                raise Reply.error(400, str(e), param=T.HEADER) from None
             return await self.route(out, st, path, await read_body())
         except Reply as r:
             st.outcome = r.outcome
@@ -115,6 +128,8 @@ class Handlers:
         finally:
             metrics.child(metrics.requests, path, st.outcome).inc()
             metrics.request_latency.observe(time.monotonic() - t0)
+            if st.outcome == "success":
+                metrics.phases.observe_timeline(st.timeline)
 
     async def route(self, out: ClientStream, st: RequestState, path: str, raw: bytes
                      ) -> Answer:
@@ -122,13 +137,19 @@ class Handlers:
         router, flow = self.router, self.router.flow
         m = router.membership
         body, data = None, raw
-        if m.disaggregated or router.need_tokens or (
-                self.config.max_migrations and b'"stream"' in raw):
+        if m.disaggregated or router.need_tokens or st.timing or (
+                self.config.max_migrations and b'"stream"' in raw) or b'"timing"' in raw:
             # (migration: a stream that may be resumed asks for its token ids, flow; a body
-            # without that key is no stream, and an aggregated router need not parse it)
+            # without that key is no stream, and an aggregated router need not parse it;
+            # timing: the workers are asked for theirs)
             # The policies read the prompt: the schema's checks first. (The two calls need
             # none: the context worker checks the request as the generation worker would.)
             body, data = client_body(path, raw, check=router.need_tokens)
+            asked = body.get(T.FIELD)
+            why = T.field_error(asked)
+            if why is not None:
+                raise Reply.error(400, why, param=T.FIELD)
+            st.timing = st.timing or asked is True
         route = RouteRequest()
         if router.need_tokens and body is not None:
             if len(raw) > LARGE_BODY_BYTES:  # tokenizing and hashing take milliseconds:

@@ -25,6 +25,10 @@
   ``disagg_router_role_switches_total{outcome}`` (done | failed | timeout),
   ``disagg_router_role_switch_seconds``; ``disagg_router_pool_workers{role}`` (the pool's
   members, read at scrape time);
+- ``disagg_request_phase_seconds{phase}``: each phase of a request that succeeded, as the
+  router saw it (``disagg/timing.py``): route, context_call, handover, generation_call, decode
+  (a kv_streaming request's context call, which runs beside the generation call, is observed
+  as context_call too);
 - per worker, read at scrape time: ``disagg_router_worker_active_requests{role, worker}``,
   ``disagg_router_worker_healthy{role, worker}``, ``disagg_router_kv_index_blocks{role,
   worker}``.
@@ -48,6 +52,8 @@ from prometheus_client.core import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
+
+from disagg import timing
 
 if TYPE_CHECKING:
     from disagg.router.membership import Membership
@@ -103,6 +109,11 @@ class RouterMetrics:
                                  "calls after a failed streaming try), failed (no fallback "
                                  "left, or the client left), not_streamable (the two calls).",
                                  ["outcome"], registry=r)
+        self.phases = LoopPhaseHistogram(
+            timing.METRIC, "Seconds of one phase of a request as the router saw it "
+            "(disagg/timing.py: route, context_call, handover, generation_call, decode), once "
+            "per request that succeeded.", timing.ROUTER_PHASES,
+            (*timing.PHASE_BUCKETS, float("inf")), registry=r)
         r.register(_WorkerCollector(membership))
         # Labelled children resolved once: prometheus_client's labels() checks and joins the
         # values under a lock on every call (~1.5% of the router's time under load).
@@ -205,6 +216,72 @@ class LoopHistogram(Collector):
         family = HistogramMetricFamily(self.name, self.doc)
         family.add_metric([], cumulative, self.sum)
         family.add_sample(self.name + "_created", {}, self.created)
+        yield family
+
+
+class LoopPhaseHistogram(Collector):
+    """A histogram with one label, ``phase`` (as ``LoopHistogram``: the event loop's thread
+    alone); the ``phases`` given exist from the start, at 0. A request's whole timeline is
+    handed over at once (``observe_timeline``: one append) and bucketed at the next scrape, or
+    once ``PENDING`` of them wait: off the request's path."""
+
+    PENDING = 4096
+
+    def __init__(self, name: str, doc: str, phases: tuple[str, ...],
+                 buckets: tuple[float, ...], *, registry: CollectorRegistry) -> None:
+        assert buckets[-1] == float("inf") and list(buckets) == sorted(buckets)
+        self.name, self.doc, self.bounds = name, doc, list(buckets)
+        self.counts: dict[str, list[int]] = {p: [0] * len(buckets) for p in phases}
+        self.sums: dict[str, float] = dict.fromkeys(phases, 0.0)
+        self.created = time.time()
+        self._pending: list[timing.Timeline] = []
+        registry.register(self)
+
+    def observe_timeline(self, tl: timing.Timeline) -> None:
+        """Each phase of ``tl`` (``Timeline.phases``), observed by the next scrape."""
+        pending = self._pending
+        pending.append(tl)
+        if len(pending) >= self.PENDING:
+            self._drain()
+
+    def _drain(self) -> None:
+        pending, self._pending = self._pending, []
+        counts, sums, bounds, find = self.counts, self.sums, self.bounds, bisect.bisect_left
+        for tl in pending:
+            at = tl.start
+            for name, t in tl.ends:  # (timing.consecutive, inlined: the router's hot loop)
+                if t > at:
+                    d, at = t - at, t
+                else:
+                    d = 0.0
+                c = counts.get(name)
+                if c is None:
+                    c = counts[name] = [0] * len(bounds)
+                    sums[name] = 0.0
+                c[find(bounds, d)] += 1
+                sums[name] += d
+
+    def observe(self, phase: str, value: float) -> None:
+        counts = self.counts.get(phase)
+        if counts is None:
+            counts = self.counts[phase] = [0] * len(self.bounds)
+            self.sums[phase] = 0.0
+        counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sums[phase] += value
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        self._drain()
+        family = HistogramMetricFamily(self.name, self.doc, labels=["phase"])
+        for phase, counts in list(self.counts.items()):
+            cumulative, total = [], 0
+            for bound, n in zip(self.bounds, counts, strict=True):
+                total += n
+                cumulative.append((floatToGoString(bound), total))
+            family.add_metric([phase], cumulative, self.sums[phase])
+            family.add_sample(self.name + "_created", {"phase": phase}, self.created)
         yield family
 
 

@@ -11,6 +11,14 @@ move (``RequestState.migrations_left``). When the flow asked for them (``token_i
 event's token ids come in an SSE comment line (``: token_ids 1,2``) that the relay takes out of
 the stream; they, the answer's id and time (its first chunk's) and whether a chunk carried a
 finish reason are what the next worker needs to continue the same answer.
+
+Timing (``disagg/timing.py``): the relay stamps the request's ``Timeline`` where a call is
+sent (the end of ``route``, or of ``handover`` after a context answer), where a stream's first
+byte or a whole answer came (``generation_call``) and where a stream ended (``decode``). When
+the client asked for its timing (``RequestState.timing``), the worker's own ``timing`` object
+(a whole answer's, or the stream's last chunk before ``[DONE]``) is replaced by the whole
+request's breakdown (``timing.router_breakdown``): the only case where the relay reads and
+rewrites what it relays.
 """
 
 from __future__ import annotations
@@ -20,9 +28,10 @@ import contextlib
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from disagg import timing as T
 from disagg.contracts import protocol as P
 from disagg.router import http1
 from disagg.router.client_io import STREAMED, Answer, ClientStream
@@ -62,6 +71,58 @@ class RequestState:
     ids_asked: bool = False
     answer_id: tuple[str, int] | None = None
     finished: bool = False
+    # Timing (module docstring): the router's stamps of the request (``start``: it came in);
+    # the client asked for the breakdown (the workers are asked for theirs); the context
+    # worker's breakdown of the context answer in use; moved to another worker (the workers'
+    # own timings are then left out of the breakdown: they cover another try).
+    timeline: T.Timeline = field(default_factory=T.Timeline)
+    timing: bool = False
+    ctx_timing: T.Breakdown | None = None
+    moved: bool = False
+
+
+def call_sent(st: RequestState, at: float) -> None:
+    """A worker call of the request is sent ``at``: the first one ends ``route``; the first
+    generation call after a context answer ends ``handover`` (retries: no new phase; their
+    time is the next answer's call phase)."""
+    tl = st.timeline
+    last = tl.last
+    if last is None:
+        tl.end(T.ROUTE, at)
+    elif last == T.CONTEXT_CALL:
+        tl.end(T.HANDOVER, at)
+
+
+def with_breakdown(st: RequestState, answer: dict[str, Any], streamed: bool) -> None:
+    """Replace the worker's ``timing`` in ``answer`` (a whole answer, or a stream's chunk that
+    carries it) by the whole request's breakdown (``timing.router_breakdown``)."""
+    gen = None if st.moved else T.Breakdown.from_json(answer.get(T.FIELD))
+    answer[T.FIELD] = T.router_breakdown(st.timeline, None if st.moved else st.ctx_timing,
+                                         gen, streamed).to_json()
+
+
+_TIMING_KEY = b'"timing":'
+
+
+def stream_breakdown(st: RequestState, events: bytes) -> bytes:
+    """``events`` with the worker's timing chunk (a ``data:`` event holding ``timing``) given
+    the whole request's breakdown; the stream's ``decode`` ends here."""
+    parts = events.split(b"\n\n")
+    for i, part in enumerate(parts):
+        if not (part.startswith(b"data: {") and _TIMING_KEY in part):
+            continue
+        try:
+            chunk = loads(part[6:])
+        except ValueError:
+            continue
+        if not isinstance(chunk, dict) or T.FIELD not in chunk:
+            continue  # (the key's bytes inside a string are escaped: \"timing\":)
+        if st.timeline.last != T.DECODE:
+            st.timeline.end(T.DECODE)
+        with_breakdown(st, chunk, streamed=True)
+        parts[i] = b"data: " + dumps(chunk)
+        return b"\n\n".join(parts)
+    return events
 
 
 class Interrupted(Exception):
@@ -180,6 +241,7 @@ class Relay:
         the first byte reaches the client; ``Interrupted`` if ``w`` took the request and
         failed while it may move (``can_move``)."""
         t0 = time.monotonic()
+        call_sent(st, t0)
         resp: http1.Response | None = None
         with counted(w, route):
             try:
@@ -208,6 +270,15 @@ class Relay:
             st.outcome = "client_error"  # (a 429's Retry-After passed on as a 503's is)
             return Answer(resp.status, body, resp.content_type or "application/json",
                           headers=retry_after(resp.retry_after))
+        st.timeline.end(T.GENERATION_CALL, now)
+        if st.timing:
+            try:
+                answer = loads(body)
+            except ValueError:
+                answer = None
+            if isinstance(answer, dict):
+                with_breakdown(st, answer, streamed=False)
+                body = dumps(answer)
         return Answer(200, body)
 
     async def _relay_stream(self, out: ClientStream, st: RequestState, w: Worker,
@@ -235,9 +306,12 @@ class Relay:
                         first = False
                         if not st.started:
                             st.first_byte_at = time.monotonic()
+                            st.timeline.end(T.GENERATION_CALL, st.first_byte_at)
                             self.metrics.gen_first_byte.observe(st.first_byte_at - t0)
                             st.started = True
                             await out.start(200, SSE_HEADERS)
+                    if st.timing and _TIMING_KEY in events:  # (after the first byte's stamp)
+                        events = stream_breakdown(st, events)
                     if events:
                         await out.write(events)
                 except ConnectionError:  # the client went away: the caller closes upstream
@@ -260,6 +334,8 @@ class Relay:
             await self.end_with_error(out, st, why)
             return STREAMED
         self.metrics.gen_latency.observe(time.monotonic() - t0)
+        if st.timeline.last != T.DECODE:
+            st.timeline.end(T.DECODE)
         with contextlib.suppress(ConnectionError):
             if not st.started:  # an empty but complete stream
                 await out.start(200, SSE_HEADERS)
@@ -277,16 +353,30 @@ class Relay:
 
 
 async def final_answer(out: ClientStream, path: str, body: Mapping[str, Any],
-                       answer: dict[str, Any]) -> Answer:
-    """The context worker's final answer, as a stream if the client asked for one."""
+                       answer: dict[str, Any], st: RequestState | None = None) -> Answer:
+    """The context worker's final answer, as a stream if the client asked for one (with the
+    request's breakdown when ``st`` asked for its timing)."""
     try:  # ``stream`` and ``include_usage`` as the workers read them ("true", 1, ...)
         req = P.validate_request(path, body)  # (rare: the context worker took the body)
     except P.APIError as e:
         raise Reply.from_api_error(e) from None
+    timing = None
+    if st is not None and st.timing:
+        timing = T.router_breakdown(st.timeline, st.ctx_timing, None, False).to_json()
     if not req.stream:
+        if timing is not None:
+            answer[T.FIELD] = timing
         return Answer(200, dumps(answer))
     chunks = _as_chunks(answer, path == CHAT, req.include_usage_in_stream,
                         req.continuous_usage_in_stream)
+    if timing is not None:  # in the usage chunk, else in a last chunk of its own
+        if req.include_usage_in_stream:
+            chunks[-1][T.FIELD] = timing
+        else:
+            chunks.append({"id": answer.get("id"), "object": "chat.completion.chunk"
+                           if path == CHAT else "text_completion",
+                           "created": answer.get("created"), "model": answer.get("model"),
+                           "choices": [], T.FIELD: timing})
     await out.start(200, SSE_HEADERS)
     await out.write(b"".join(b"data: " + dumps(c) + b"\n\n" for c in chunks) + DONE)
     await out.end()

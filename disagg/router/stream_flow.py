@@ -34,6 +34,11 @@ Fallback to the two calls (``flow``), only before any byte reached the client:
   it, so it is a worker without streaming): no failure counted, the same workers serve the
   two calls.
 
+Timing (``disagg/timing.py``): the request's consecutive phases are those of G's call (its
+``kv_transfer`` includes C's prefill, which it waits for); C's call runs beside them and is
+observed on its own (``disagg_request_phase_seconds{phase="context_call"}``); C's own phases
+are on its ``/metrics``, not in the client's breakdown.
+
 Any other answer of G's (a 4xx) is the client's. G failing after its first bytes reached the
 client is a migration (``flow``): the stream goes on on another generation worker
 (``outcome="failed"`` here). Once bytes reached the client nothing else is retried, and a C
@@ -53,6 +58,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from disagg import timing as T
 from disagg.contracts.roles import RequestType, Role
 from disagg.router.client_io import Answer, ClientStream
 from disagg.router.flow import RequestFlow, Tries, requested_tokens
@@ -111,14 +117,17 @@ def streamable_request(path: str, body: Mapping[str, Any]) -> bool:
 
 
 def stream_bodies(body: Mapping[str, Any], data: bytes, stream_id: str,
-                  source: Mapping[str, Any], token_ids: bool = False
+                  source: Mapping[str, Any], token_ids: bool = False, timing: bool = False
                   ) -> tuple[bytes, bytes]:
     """The context_only and generation_only requests of one stream (module docstring;
-    ``token_ids``: G reports its stream's token ids, for migration: ``flow``)."""
+    ``token_ids``: G reports its stream's token ids, for migration: ``flow``; ``timing``: G
+    reports its timing, the client asked for the breakdown)."""
     gen: dict[str, Any] = {"request_type": RequestType.GENERATION_ONLY.value,
                            "kv_stream": {"ctx_request_id": stream_id, **source}}
     if token_ids:
         gen["token_ids"] = True
+    if timing:
+        gen[T.FIELD] = True
     return (with_params(data, body, {"request_type": RequestType.CONTEXT_ONLY.value,
                                      "kv_stream_id": stream_id}),
             with_params(data, body, gen))
@@ -167,7 +176,8 @@ class StreamingFlow(RequestFlow):
                       source: Mapping[str, Any], ctx: Tries, gen: Tries
                       ) -> Answer | None:
         """Both calls at once: G's answer, or None to fall back (module docstring)."""
-        ctx_data, gen_data = stream_bodies(body, data, s.id, source, st.ids_asked)
+        ctx_data, gen_data = stream_bodies(body, data, s.id, source, st.ids_asked,
+                                           st.timing)
         loop = asyncio.get_running_loop()
         c_task = loop.create_task(self._ctx_call(s, path, ctx_data, route))
         g_task = loop.create_task(self._gen_call(out, st, s, path, gen_data, route,
@@ -214,6 +224,8 @@ class StreamingFlow(RequestFlow):
                                    f"{answer[:300].decode(errors='replace')}")
                 s.ctx_answered_at = now = time.monotonic()
                 self.metrics.ctx_latency.observe(now - t0)
+                # beside the generation call, not one of the request's consecutive phases
+                self.metrics.phases.observe(T.CONTEXT_CALL, now - t0)
                 self.membership.load.context(now - t0)  # the planner's TTFT sample
             except Failed as f:
                 s.lease_possible = s.lease_possible and f.reached

@@ -31,6 +31,7 @@ class Format(abc.ABC):
 
     request_model: type[P.CompletionRequest] | type[P.ChatCompletionRequest]
     id_prefix: str  # of the response's id
+    chunk_object: str  # a stream chunk's "object"
 
     def __init__(self, srv: ServerState, req: Any, rid: str) -> None:
         self.srv = srv
@@ -44,6 +45,8 @@ class Format(abc.ABC):
         # stream for the router; the output tokens another worker streamed (a resumed answer).
         self.token_ids = False
         self.resumed: tuple[int, ...] | None = None
+        # The answer carries its phase breakdown (``request_timing``; the routes decide).
+        self.timing = False
 
     def usage(self, choices: list[Choice]) -> dict[str, Any]:
         prompts: dict[int, list[Choice]] = {}
@@ -103,6 +106,12 @@ class Format(abc.ABC):
     def usage_chunk(self, choices: list[Choice]) -> dict[str, Any]:
         """The last chunk of a stream whose client asked for usage."""
 
+    def timing_chunk(self, timing: dict[str, Any]) -> dict[str, Any]:
+        """The last chunk of a stream that asked for its timing but not for usage (with
+        usage, the usage chunk carries it): no choice, the ``timing`` object."""
+        return {"id": self.rid, "object": self.chunk_object, "created": self.created,
+                "model": self.model, "choices": [], "timing": timing}
+
     def take_logprobs(self, c: Choice, comp: Any, flush: bool) -> tuple[list[int],
                                                                          list[dict[int, float]]]:
         """The delta's tokens and logprobs, held back while the delta has no text yet."""
@@ -149,6 +158,7 @@ class CompletionFormat(Format):
 
     request_model = P.CompletionRequest
     id_prefix = "cmpl"
+    chunk_object = "text_completion"
 
     def __init__(self, srv: ServerState, req: Any, rid: str) -> None:
         super().__init__(srv, req, rid)
@@ -242,6 +252,7 @@ class CompletionFormat(Format):
 class ChatFormat(Format):
     request_model = P.ChatCompletionRequest
     id_prefix = "chatcmpl"
+    chunk_object = "chat.completion.chunk"
 
     def __init__(self, srv: ServerState, req: Any, rid: str) -> None:
         super().__init__(srv, req, rid)

@@ -14,6 +14,11 @@ load, or requests waiting), ``disagg_kv_blocks_used`` with ``disagg_kv_blocks_to
 ``disagg_iteration_num_tokens`` with ``disagg_max_num_tokens`` (token-budget-capped), and the
 ``disagg_request_generation_tokens`` histogram (1-token outputs leave after one step).
 
+Per-request phases (``disagg/timing.py``): ``disagg_request_phase_seconds{phase}``, one
+observation per phase of every request that succeeded (admission, queue, prefill,
+context_answer, kv_wait, kv_transfer, kv_install, first_token, decode, finish; each label set
+exists from the start, at 0).
+
 Speculative decoding (a worker with ``speculative_config``) adds the ``disagg_spec_decode_*``
 counters (drafts, draft tokens, accepted tokens, accepted tokens by draft position) and two
 gauges derived from them: the acceptance rate and the tokens emitted per verification forward.
@@ -22,7 +27,7 @@ gauges derived from them: the acceptance rate and the tokens emitted per verific
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
@@ -39,6 +44,8 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+
+from disagg import timing
 
 if TYPE_CHECKING:
     from disagg.engine.client import EngineClient
@@ -97,6 +104,14 @@ class ServerMetrics:
         self.gen_len = Histogram(
             PREFIX + "request_generation_tokens", "Generated tokens of finished requests.",
             labels, buckets=TOKEN_BUCKETS, registry=reg)
+        self.phase_seconds = Histogram(
+            timing.METRIC, "Seconds of one phase of a request on this worker (disagg/timing.py:"
+            " admission, queue, prefill, context_answer, kv_wait, kv_transfer, kv_install, "
+            "first_token, decode, finish), once per request that succeeded.",
+            labels + ["phase"], buckets=timing.PHASE_BUCKETS, registry=reg)
+        # resolved once (labels() takes a lock and joins the values each call)
+        self._phase_children = {p: self.phase_seconds.labels(model_name, p)
+                                for p in timing.WORKER_PHASES}
         reg.register(_EngineStatsCollector(engine, model_name, max_batch_size, max_num_tokens))
         reg.register(_TransferCollector(engine, model_name))
 
@@ -137,6 +152,15 @@ class ServerMetrics:
         self.gen_len.labels(m).observe(num_generated)
         if queue_s is not None:
             self.queue_time.labels(m).observe(queue_s)
+
+    def phases(self, phases: Iterable[tuple[str, float]]) -> None:
+        """One request's phases (``request_timing``)."""
+        for name, seconds in phases:
+            child = self._phase_children.get(name)
+            if child is None:
+                child = self._phase_children[name] = self.phase_seconds.labels(
+                    self.model_name, name)
+            child.observe(seconds)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

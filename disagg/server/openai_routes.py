@@ -31,6 +31,7 @@ from disagg.server.disagg_requests import (
 )
 from disagg.server.fanout import Choice
 from disagg.server.formats import ChatFormat, CompletionFormat, Format, ResponsesFormat
+from disagg.server.request_timing import timing_asked
 from disagg.server.respond import respond
 from disagg.server.state import ServerState
 
@@ -72,6 +73,7 @@ class OpenAIRoutes:
         srv.check_accepting()
         out = fmt(srv, req, P.new_id(fmt.id_prefix))
         migration_fields(out)  # (the router's: token ids in the stream, a resumed answer)
+        out.timing = timing_asked(request, req)
         return out
 
     async def completions(self, request: Request) -> Response:

@@ -11,6 +11,10 @@ A two-call context answer names a lease that only the answer itself tells its re
 client gone before its answer was written whole (before or at the end of the prefill, before
 or while the answer is written) has the lease ended at once (``ContextAnswer``), not at its
 TTL; the engine ends it too when the request had just ended (``AsyncLLM.generate``).
+
+Each answer's phases (``request_timing``) are recorded once it is built, and sent when the
+request asked: a JSON answer's top-level ``timing``; a stream's in its usage chunk, or in a
+last chunk of its own (``choices: []``) before ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -25,10 +29,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.types import Receive, Scope, Send
 
+from disagg import timing as T
 from disagg.contracts import protocol as P
 from disagg.contracts.kv_mode import ContextOnly
 from disagg.server.fanout import Choice, FanOut
 from disagg.server.formats import Format
+from disagg.server.request_timing import RequestTiming
 from disagg.server.state import ClientGone, ServerState
 
 logger = logging.getLogger(__name__)
@@ -41,15 +47,18 @@ ANSWER_PIECE_BYTES = 64 * 1024
 
 async def respond(srv: ServerState, request: Request, choices: list[Choice], fmt: Format,
                   t_arrival: float) -> Response:
-    """Run ``choices`` and answer ``request`` (streamed when the client asked for a stream)."""
+    """Run ``choices`` and answer ``request`` (streamed when the client asked for a stream).
+    Its phases are recorded once the answer is built, and go in it when it asked for them
+    (``request_timing``)."""
     fan = FanOut(srv, choices, t_arrival)
+    timer = RequestTiming(t_arrival, fmt.timing)
     if fmt.req.stream and not choices[0].mode.is_context:  # (a context answer is whole)
         try:
             await srv.until_disconnect(request, fan.start())
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
         return StreamingResponse(
-            sse_events(fan, fmt), media_type="text/event-stream",
+            sse_events(fan, fmt, timer), media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Request-Id": fmt.rid},
             background=BackgroundTask(fan.abort_if_unfinished))
     try:
@@ -60,15 +69,22 @@ async def respond(srv: ServerState, request: Request, choices: list[Choice], fmt
     body = fmt.response(choices)
     headers = {"X-Request-Id": fmt.rid}
     if not choices[0].mode.is_context:
+        _add_timing(body, timer.finish(srv, choices))
         return JSONResponse(body, headers=headers)
     # The router's next call: null params mean the answer is final (EOS, stop, or
     # max_tokens reached) and the context worker has freed the KV already.
     final = choices[0].final
     body["prompt_token_ids"] = list(choices[0].prompt_ids)
     body["disaggregated_params"] = final.disaggregated_params if final is not None else None
+    _add_timing(body, timer.finish(srv, choices))
     if body["disaggregated_params"] is None:
         return JSONResponse(body, headers=headers)
     return ContextAnswer(body, headers=headers, on_unread=lambda: release_unread(srv, choices))
+
+
+def _add_timing(body: dict[str, Any], timing: dict[str, Any] | None) -> None:
+    if timing is not None:
+        body[T.FIELD] = timing
 
 
 def release_unread(srv: ServerState, choices: list[Choice]) -> None:
@@ -141,16 +157,23 @@ def token_ids_line(ids: list[int]) -> str:
     return TOKEN_IDS_COMMENT + ",".join(map(str, ids)) + "\n"
 
 
-async def sse_events(fan: FanOut, fmt: Format) -> AsyncIterator[str]:
-    """The SSE events of a started fan-out, ending with ``[DONE]``."""
+async def sse_events(fan: FanOut, fmt: Format, timer: RequestTiming | None = None
+                     ) -> AsyncIterator[str]:
+    """The SSE events of a started fan-out, ending with ``[DONE]``; ``timer``: the request's
+    timing (its first chunk stamped; its phases recorded at the end, and sent in the last
+    chunk when asked)."""
     try:
         for i, chunk in enumerate(fmt.start_chunks(fan.choices)):
+            if timer is not None:
+                timer.sent()
             if fmt.token_ids and i == 0:
                 yield token_ids_line([])  # (no token yet: the router may resume after it)
             yield fmt.sse(chunk)
         async for c, out in fan.events():
             chunk = fmt.delta_chunk(c, out)
             chunks = chunk if isinstance(chunk, list) else [chunk] if chunk else []
+            if timer is not None and chunks:
+                timer.sent()
             if fmt.token_ids:
                 c.unreported_ids.extend(out.outputs[0].delta_token_ids)
                 if chunks and c.unreported_ids:
@@ -159,8 +182,14 @@ async def sse_events(fan: FanOut, fmt: Format) -> AsyncIterator[str]:
                     c.unreported_ids = []
             for one in chunks:
                 yield fmt.sse(one)  # a list: tool-call deltas (name first, then arguments)
+        timing = timer.finish(fan.server, fan.choices) if timer is not None else None
         if fmt.include_usage:
-            yield fmt.sse(fmt.usage_chunk(fan.choices))
+            last = fmt.usage_chunk(fan.choices)
+            if timing is not None:
+                last[T.FIELD] = timing
+            yield fmt.sse(last)
+        elif timing is not None:
+            yield fmt.sse(fmt.timing_chunk(timing))
     except P.APIError as e:  # headers are gone: report in-band, as OpenAI does
         yield fmt.sse_error(e.body())
     finally:

@@ -1,0 +1,97 @@
+"""A worker's per-request timing (``disagg/timing.py`` has the phases and the arithmetic).
+
+The server stamps what only it sees: when the HTTP request came in (the route's first line),
+when a stream's first chunk went to the HTTP server, when the answer was built. The engine
+stamps the rest on the request's ``RequestMetrics`` (queued, first scheduled, KV reads
+submitted, the poll that found them done, first and last token). ``RequestTiming.finish``
+turns them into the request's phases once its answer is built: observed in
+``disagg_request_phase_seconds{phase}`` for every request that succeeded, and returned as the
+answer's ``timing`` object when the request asked for it (``asked``: the body's ``timing:
+true``, the router's ``disaggregated_params.timing: true``, or the header ``X-Disagg-Timing:
+1``). A request with several choices is timed by its first one.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+
+from disagg import timing as T
+from disagg.contracts import protocol as P
+from disagg.contracts.kv_mode import Dummy, KVMode, Pull
+from disagg.engine.outputs import RequestMetrics
+
+if TYPE_CHECKING:
+    from disagg.server.fanout import Choice
+    from disagg.server.state import ServerState
+
+
+def timing_asked(request: Request, req: Any) -> bool:
+    """Whether the request asks for its timing (module docstring); 400 naming the header
+    when its value is neither yes nor no (the body's field is checked by its schema)."""
+    try:
+        if T.header_asks(request.headers.get(T.HEADER)):
+            return True
+    except ValueError as e:
+        raise P.bad_request(str(e), param=T.HEADER) from None
+    if getattr(req, "timing", False) is True:
+        return True
+    dp = getattr(req, "disaggregated_params", None)
+    return isinstance(dp, dict) and dp.get(T.FIELD) is True
+
+
+def worker_stamps(mode: KVMode, m: RequestMetrics, first_sent: float | None, done: float
+                  ) -> tuple[list[tuple[str, float | None]], str, float | None]:
+    """The request's phase ends (``timing.consecutive``), the phase that ends at the first
+    token the client sees, and that token's stamp: a streamed answer's first chunk
+    (``first_sent``), else the engine's first token."""
+    if mode.is_context:
+        return ([(T.ADMISSION, m.arrival_time), (T.QUEUE, m.first_scheduled_time),
+                 (T.PREFILL, m.first_token_time), (T.CONTEXT_ANSWER, done)], T.PREFILL,
+                m.first_token_time)
+    if isinstance(mode, Pull | Dummy):
+        head: list[tuple[str, float | None]] = [
+            (T.ADMISSION, m.arrival_time), (T.KV_WAIT, m.kv_load_start_time),
+            (T.KV_TRANSFER, m.kv_poll_time), (T.KV_INSTALL, m.first_token_time)]
+        first = T.KV_INSTALL
+    else:
+        head = [(T.ADMISSION, m.arrival_time), (T.QUEUE, m.first_scheduled_time),
+                (T.PREFILL, m.first_token_time)]
+        first = T.PREFILL
+    if first_sent is not None:
+        head.append((T.FIRST_TOKEN, first_sent))
+        return (head + [(T.DECODE, m.last_token_time), (T.FINISH, done)], T.FIRST_TOKEN,
+                first_sent)
+    return head + [(T.DECODE, m.last_token_time), (T.FINISH, done)], first, m.first_token_time
+
+
+class RequestTiming:
+    """One HTTP request's timing on a worker (module docstring)."""
+
+    __slots__ = ("received", "asked", "first_sent")
+
+    def __init__(self, received: float, asked: bool) -> None:
+        self.received = received
+        self.asked = asked
+        self.first_sent: float | None = None
+
+    def sent(self) -> None:
+        """A stream chunk goes out now (only the first one counts)."""
+        if self.first_sent is None:
+            self.first_sent = time.monotonic()
+
+    def finish(self, srv: ServerState, choices: list[Choice]) -> dict[str, Any] | None:
+        """The answer is built: record the phases of its first choice in the server's
+        metrics; the ``timing`` object when asked (None otherwise, or when that choice has
+        no engine output: aborted)."""
+        done = time.monotonic()
+        final = choices[0].final if choices else None
+        if final is None:
+            return None
+        ends, first, first_at = worker_stamps(choices[0].mode, final.metrics, self.first_sent,
+                                              done)
+        b = T.worker_breakdown(srv.role.value, self.received, ends, first, first_at)
+        srv.metrics.phases((p.name, p.seconds) for p in b.phases)
+        return b.to_json() if self.asked else None
