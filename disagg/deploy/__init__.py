@@ -4,5 +4,6 @@
 ``plan`` validates the YAML (the router's own loader) and decides what runs where: one router,
 one worker group per server section (``num_instances`` replicas of ``tensor_parallel_size *
 pipeline_parallel_size`` ranks each), every worker joining the router with ``--router-url``.
-``k8s`` turns a plan into Kubernetes manifests, ``slurm`` into an sbatch script.
+``k8s`` turns a plan into Kubernetes manifests, ``slurm`` into an sbatch script; ``grafana``
+builds the Grafana dashboard of a cluster (``deploy/grafana/``, and ``k8s --monitoring``).
 """

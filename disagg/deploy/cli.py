@@ -37,7 +37,7 @@ _COMMON_FLAGS = (("model", "--model"), ("drain_timeout", "--drain-timeout"), ("c
 _K8S_FLAGS = (*_COMMON_FLAGS, ("image", "--image"), ("namespace", "--namespace"),
               ("name", "--name"), ("model_pvc", "--model-pvc"),
               ("model_host_path", "--model-host-path"), ("service_type", "--service-type"),
-              ("secret", "--secret"))
+              ("secret", "--secret"), ("monitoring", "--monitoring"))
 _SLURM_FLAGS = (*_COMMON_FLAGS, ("job_name", "--job-name"), ("time", "--time"),
                 ("partition", "--partition"), ("account", "--account"),
                 ("startup_timeout", "--startup-timeout"))
@@ -51,7 +51,7 @@ def run_k8s(args: argparse.Namespace) -> int:
                               image=args.image, model_pvc=args.model_pvc,
                               model_host_path=args.model_host_path,
                               service_type=args.service_type or "ClusterIP",
-                              secret=args.secret)
+                              secret=args.secret, monitoring=args.monitoring)
         plan = build_plan(args.config, models_dir=k8s.MODELS_DIR, absolute_only=True,
                           minimal_instances="one", model_override=args.model,
                           drain_timeout=args.drain_timeout, cpu=args.cpu)
@@ -123,6 +123,10 @@ def add_cli(sub: Any) -> None:
     k.add_argument("--secret", action="store_true",
                    help="also write secret.yaml with a fresh random cluster token (default: "
                         "create the Secret with kubectl, as the rendered README says)")
+    k.add_argument("--monitoring", action="store_true",
+                   help="also write monitoring.yaml: a prometheus-operator PodMonitor per "
+                        "component and the Grafana dashboard in a ConfigMap labelled "
+                        "grafana_dashboard: \"1\" (deploy/grafana/README.md)")
     k.set_defaults(func=run_k8s)
 
     s = targets.add_parser("slurm", help="an sbatch script",

@@ -10,6 +10,16 @@ Rendered objects (``NAME`` from ``--name``, default ``disagg``)::
     NAME-cluster-token     Secret      only with --secret (a fresh random token), else
                                        created with kubectl (the rendered README says how)
 
+With ``--monitoring`` (``monitoring.yaml``; without it the output is the same as before)::
+
+    NAME-router, NAME-<role>  PodMonitor  (prometheus-operator, monitoring.coreos.com/v1) per
+                                       component: its pods' ``http`` port, ``/metrics``
+    NAME-grafana-dashboard ConfigMap   the dashboard of ``disagg.deploy.grafana``, labelled
+                                       ``grafana_dashboard: "1"`` for Grafana's sidecar
+    NAME-metrics-auth      Secret      (in config-secret.yaml) only when a component's
+                                       ``/metrics`` needs its API key (no ``public_metrics``):
+                                       the key per component, sent as a bearer token
+
 A worker pod runs ``disagg serve --config /etc/disagg/<role>.yaml --host 0.0.0.0 --port PORT
 --router-url http://NAME-router:PORT --advertise-host $(POD_IP)``: it registers the pod's IP
 (downward API) with the router, so ``kubectl scale`` adds or removes workers and nothing else
@@ -27,12 +37,14 @@ Models: ``tiny`` / packaged names are written by an init container into an ``emp
 from __future__ import annotations
 
 import secrets
+import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from disagg import __version__
+from disagg.deploy import grafana
 from disagg.deploy.plan import BIND_ALL, DeployError, DeployPlan, WorkerGroup, dump_yaml
 
 MODELS_DIR = "/models"  # generated models (tiny, packaged) live here in the pods
@@ -42,6 +54,7 @@ TOKEN_KEY = "token"
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 STARTUP_PROBE_S = 10  # period of the startup probe ...
 STARTUP_PROBE_FAILURES = 180  # ... a 30 minute model load (a big checkpoint, kernels)
+GRAFANA_DASHBOARD_LABEL = "grafana_dashboard"  # what Grafana's dashboard sidecar looks for
 
 
 @dataclass(frozen=True)
@@ -53,6 +66,7 @@ class K8sOptions:
     model_host_path: str | None = None
     service_type: str = "ClusterIP"
     secret: bool = False  # render secret.yaml with a fresh random token
+    monitoring: bool = False  # PodMonitors and the Grafana dashboard ConfigMap
 
     def __post_init__(self) -> None:
         if self.model_pvc and self.model_host_path:
@@ -266,6 +280,45 @@ class _Renderer:
                 "metadata": self.meta(f"{self.opts.name}-cluster-token", "config"),
                 "stringData": {TOKEN_KEY: secrets.token_hex(32)}}
 
+    # -- monitoring (--monitoring) ----------------------------------------------------------
+
+    def metrics_keys(self) -> dict[str, str]:
+        """Component -> the API key its ``/metrics`` needs (an API key and no
+        ``public_metrics``; the same rule as the scrape annotations)."""
+        keys = {}
+        if self.plan.api_key and not self.plan.public_metrics:
+            keys["router"] = self.plan.api_key
+        for g in self.plan.groups:
+            key = g.options.get("api_key")
+            if key and not g.options.get("public_metrics"):
+                keys[g.role] = key
+        return keys
+
+    def pod_monitor(self, component: str, needs_key: bool) -> dict[str, Any]:
+        """The prometheus-operator PodMonitor of one component's pods (workers have no
+        Service: they register with the router by pod IP)."""
+        endpoint: dict[str, Any] = {"port": "http", "path": "/metrics"}
+        if needs_key:
+            endpoint["authorization"] = {"type": "Bearer", "credentials": {
+                "name": f"{self.opts.name}-metrics-auth", "key": component}}
+        return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
+                "metadata": self.meta(f"{self.opts.name}-{component}", component),
+                "spec": {"jobLabel": "app.kubernetes.io/component",
+                         "selector": {"matchLabels": self.labels(component)},
+                         "podMetricsEndpoints": [endpoint]}}
+
+    def dashboard(self) -> dict[str, Any]:
+        """The Grafana dashboard as a ConfigMap Grafana's dashboard sidecar loads."""
+        meta = self.meta(f"{self.opts.name}-grafana-dashboard", "monitoring")
+        meta["labels"][GRAFANA_DASHBOARD_LABEL] = "1"
+        return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
+                "data": {grafana.FILE: grafana.dashboard_json()}}
+
+    def metrics_auth(self, keys: Mapping[str, str]) -> dict[str, Any]:
+        return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                "metadata": self.meta(f"{self.opts.name}-metrics-auth", "monitoring"),
+                "stringData": dict(keys)}
+
 
 def render(plan: DeployPlan, opts: K8sOptions) -> dict[str, list[dict[str, Any]]]:
     """File name -> the manifests in it (``secret.yaml`` only with ``opts.secret``; the YAMLs
@@ -277,6 +330,13 @@ def render(plan: DeployPlan, opts: K8sOptions) -> dict[str, list[dict[str, Any]]
         files[f"{g.role}.yaml"] = [r.worker(g)]
     if opts.secret:
         files["secret.yaml"] = [r.secret()]
+    if opts.monitoring:
+        keys = r.metrics_keys()
+        if keys:  # next to the keys it repeats: the file only its owner reads
+            files["config-secret.yaml"].append(r.metrics_auth(keys))
+        files["monitoring.yaml"] = [
+            *(r.pod_monitor(c, c in keys) for c in ("router", *(g.role for g in plan.groups))),
+            r.dashboard()]
     return files
 
 
@@ -329,7 +389,8 @@ def render_readme(plan: DeployPlan, opts: K8sOptions, command: str) -> str:
         command=command, source=plan.source, image=image, dockerfile=dockerfile, ns=ns,
         name=name, port=plan.router_port, groups=groups, models=models, secret=secret,
         first=plan.groups[-1].role, keys=_api_key_note(plan),
-        config_kind="a Secret" if plan.holds_api_keys else "a ConfigMap")
+        config_kind="a Secret" if plan.holds_api_keys else "a ConfigMap",
+        monitoring=_monitoring_section(plan, opts))
 
 
 def _api_key_note(plan: DeployPlan) -> str:
@@ -340,6 +401,49 @@ def _api_key_note(plan: DeployPlan) -> str:
             "(`config-secret.yaml`, file mode 0600, the keys as written: do not commit it), "
             "not a ConfigMap. Pods whose `/metrics` needs the key (no `public_metrics`) "
             "carry no scrape annotations.")
+
+
+def _monitoring_section(plan: DeployPlan, opts: K8sOptions) -> str:
+    """The README's monitoring section (``--monitoring`` only)."""
+    if not opts.monitoring:
+        return ""
+    r = _Renderer(plan, opts)
+    keys = r.metrics_keys()
+    components = "\n".join(f"- `{opts.name}-{c}`" for c in ("router",
+                                                             *(g.role for g in plan.groups)))
+    auth = "\n\n" + textwrap.fill(
+        f"The `/metrics` of {' and '.join(f'`{opts.name}-{c}`' for c in keys)} needs its API "
+        f"key (no `public_metrics`): its PodMonitor sends it as a bearer token from the Secret "
+        f"`{opts.name}-metrics-auth` (in `config-secret.yaml`, a key per component). Or set "
+        f"`public_metrics: true` and re-render.", 96, break_on_hyphens=False) if keys else ""
+    ns = f" -n {opts.namespace}" if opts.namespace else ""
+    return _MONITORING.format(components=components, name=opts.name, ns=ns, auth=auth,
+                              file=grafana.FILE, label=GRAFANA_DASHBOARD_LABEL)
+
+
+_MONITORING = """
+## 5. Monitoring
+
+`monitoring.yaml` holds, for the prometheus-operator (its CRDs installed: kube-prometheus-stack,
+or the operator alone), a PodMonitor per component, scraping `/metrics` on its pods' `http`
+port (`job` = the component):
+
+{components}
+
+and the Grafana dashboard (the repository's `deploy/grafana/{file}`) in
+the ConfigMap `{name}-grafana-dashboard`, labelled `{label}: "1"` for Grafana's
+dashboard sidecar.{auth}
+
+A Prometheus picks only the monitors its `podMonitorSelector` selects: kube-prometheus-stack's
+wants the label `release: <its release name>` unless installed with
+`prometheus.prometheusSpec.podMonitorSelectorNilUsesHelmValues=false`:
+
+    kubectl{ns} label podmonitor -l app.kubernetes.io/instance={name} release=<release>
+
+Its Grafana sidecar reads dashboards in Grafana's own namespace unless
+`grafana.sidecar.dashboards.searchNamespace` is `ALL`; the dashboard's data source is a
+variable (any Prometheus).
+"""
 
 
 _README = """\
@@ -381,7 +485,7 @@ Every member reads `DISAGG_CLUSTER_TOKEN` from the Secret `{name}-cluster-token`
 
 Each pod's `/metrics` carries `prometheus.io/scrape` annotations. A worker being deleted drains:
 it leaves the router at once and finishes its requests within its drain timeout.{keys}
-"""
+{monitoring}"""
 
 
 def manifest_docs(files: Mapping[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
