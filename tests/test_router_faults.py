@@ -503,6 +503,70 @@ def test_router_bookkeeping_stays_bounded_under_load_and_churn(
         assert not m.by_url and not m._spawned and not rt.router.upstream.background
 
 
+
+def _raw_post(port: int, body: dict[str, Any], read: int) -> None:
+    """POST ``body`` to /v1/completions on a connection of its own, read ``read`` bytes of the
+    answer (0: none) and close it."""
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json"
+                  b"\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
+        if read:
+            s.recv(read)
+
+
+def test_closed_connections_are_freed_at_once_not_by_the_cycle_collector(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every client connection and every worker connection that ends is freed when it ends
+    (reference counting), with no cycle collection (gc off here). Before, each one's
+    httptools parser held its protocol's bound methods (and a worker connection cancelled
+    while connecting kept its transport): a reference cycle, so every closed connection, with
+    its transport and handler task (~2 KB), waited for the collector, which the router runs
+    once every 50,000 net allocations (``cli.tune_gc``). Under ``bench/soak.py``'s mix (over
+    half the requests on a connection of their own, 12% disconnects) a few MiB of them piled
+    up between two collections, a sawtooth in the router's RSS. On uvloop, as the router
+    runs."""
+    import gc
+
+    from disagg.router.front import FrontConnection
+    from disagg.router.http1 import _Conn
+
+    uvloop = pytest.importorskip("uvloop")
+    monkeypatch.setenv("DISAGG_CLUSTER_TOKEN", TOKEN)
+    lt = LoopThread(uvloop.new_event_loop)
+    try:
+        with stubs(lt, "context", "generation") as (c, g), \
+                router(lt, disaggregated(c.addr, g.addr)) as rt:
+            g.stub.close = True  # each generation answer ends its worker connection
+            pool = rt.router.upstream.pool
+
+            def left() -> dict[str, int]:
+                """Router connection objects not freed (those the pool holds are live)."""
+                n = {"FrontConnection": 0, "_Conn": -len(pool._all)}
+                for o in gc.get_objects():
+                    if type(o) is FrontConnection or type(o) is _Conn:
+                        n[type(o).__name__] += 1
+                return n
+
+            gc.collect()
+            gc.disable()
+            try:
+                before = left()
+                for i in range(15):
+                    with httpx.Client(timeout=10) as client:  # a connection per request
+                        r = client.post(rt.url + C, json={**BODY, "stream": i % 2 == 0})
+                        assert r.status_code == 200, r.text
+                    _raw_post(rt.port, {**BODY, "stream": True}, read=1)  # leaves mid-answer
+                    _raw_post(rt.port, {**BODY, "stream": True}, read=0)  # leaves at once
+                with contextlib.suppress(TimeoutError):
+                    wait_for(lambda: left() == before, 5, what="connections freed")
+                assert left() == before
+            finally:
+                gc.enable()
+    finally:
+        lt.close()
+
+
 # ---- a real context + generation pair --------------------------------------------------------
 
 

@@ -177,11 +177,14 @@ class _Conn(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        parser = self.parser
+        if parser is None:  # aborted: the rest is not read
+            return
         self.got_bytes = True
         if self._timer is not None:
             self._progress = self.loop.time()
         try:
-            self.parser.feed_data(data)
+            parser.feed_data(data)
         except httptools.HttpParserError as e:
             self._fail(UpstreamError(f"malformed answer: {e}"))
             self.abort()
@@ -196,6 +199,7 @@ class _Conn(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.pool._forget(self)
+        self._unlink()
         why = f"connection lost: {exc}" if exc else "the worker closed the connection"
         self._fail(StaleConnection(why) if self.used and not self.got_bytes
                    else UpstreamError(why))
@@ -295,12 +299,21 @@ class _Conn(asyncio.Protocol):
 
     def abort(self) -> None:
         self.resp = None
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         if not self.closed and self.transport is not None:
             self.closed = True
             self.transport.abort()
+        self._unlink()
+
+    def _unlink(self) -> None:
+        """A connection that ended lets go of what holds it: its read timer (held by the loop
+        until it fires), its parser (this protocol's bound methods) and transport. The last two
+        were reference cycles that kept every ended connection (transport, answer, futures)
+        alive until the next cycle collection, which the router runs rarely (``cli.tune_gc``)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.parser = None  # type: ignore[assignment]  # data_received checks
+        self.transport = None
 
 
 class Pool:
@@ -349,13 +362,24 @@ class Pool:
         return None
 
     async def _connect(self, key: tuple[str, int]) -> _Conn:
+        made: list[_Conn] = []
+
+        def protocol() -> _Conn:
+            made.append(_Conn(self, key))
+            return made[-1]
+
         try:
-            _, conn = await asyncio.wait_for(
-                self.loop.create_connection(lambda: _Conn(self, key), *key),
-                self.connect_timeout_s)
-        except (OSError, asyncio.TimeoutError) as e:
-            raise ConnectError(f"cannot connect to {key[0]}:{key[1]}: "
-                               f"{type(e).__name__}: {e}") from None
+            _, conn = await asyncio.wait_for(self.loop.create_connection(protocol, *key),
+                                             self.connect_timeout_s)
+        except BaseException as e:
+            # Cancelled once connected (the client left): uvloop closes the socket without
+            # calling connection_lost, so the protocol is ended here.
+            for c in made:
+                c.abort()
+            if isinstance(e, (OSError, asyncio.TimeoutError)):
+                raise ConnectError(f"cannot connect to {key[0]}:{key[1]}: "
+                                   f"{type(e).__name__}: {e}") from None
+            raise
         self._all.add(conn)
         return conn
 
