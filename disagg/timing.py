@@ -7,8 +7,8 @@ earlier than the one before it counts as that one: its phase took 0 s; a stamp n
 None, drops its phase and its time goes to the next one). The same stamps feed three exports:
 the ``disagg_request_phase_seconds{phase}`` histograms of each process's ``/metrics`` (every
 request that succeeded), the answer's ``timing`` object when the client asks for it (body
-``"timing": true`` or header ``X-Disagg-Timing: 1``), and, later, trace spans (one span per
-phase, from the same stamps).
+``"timing": true`` or header ``X-Disagg-Timing: 1``), and trace spans (one span per phase,
+from the same stamps: ``disagg/tracing.py``).
 
 A worker's phases (``server/request_timing.py`` reads the engine's ``RequestMetrics``)::
 

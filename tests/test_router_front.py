@@ -267,7 +267,8 @@ class _Failing:
         self.stream_first = stream_first
 
     async def serve_openai(self, out: Any, path: str, authorization: str | None,
-                           read_body: Any, timing_header: str | None = None) -> Any:
+                           read_body: Any, timing_header: str | None = None,
+                           traceparent: str | None = None) -> Any:
         await read_body()
         if self.stream_first:
             await out.start(200, {"Content-Type": "text/event-stream"})

@@ -18,6 +18,8 @@ Shape::
     restart: no                   # disagg launch: on-failure starts a dead worker again
     kv_streaming: false           # true: context and generation calls at once, KV streamed by layer
     allowed_origins: [http://localhost:3000]  # CORS: browser origins ("*": any); default none
+    otlp_traces_endpoint: http://localhost:4318/v1/traces  # the router's traces (disagg.tracing;
+                                  # a section's key: its workers'); default off (or OTEL_*)
     model: /path/to/checkpoint    # any worker key at the top level is inherited by both sections
     context_servers:              # optional: without it the cluster is aggregated
       num_instances: 2            # must equal len(urls)
@@ -61,6 +63,7 @@ from disagg.contracts.options import (
     StrList,
     WorkerOptions,
     check_origins,
+    check_otlp_endpoint,
     check_transceiver,
     coerce,
     options_from_yaml,
@@ -111,6 +114,9 @@ CLUSTER_OPTIONS: dict[str, Opt] = {
                                 default=RESPONSES_STORE_SIZE, ge=0),
     "responses_store_ttl": Opt(float, "seconds a stored response is kept",
                                default=RESPONSES_STORE_TTL_S, gt=0),
+    # The router's traces; a section's otlp_traces_endpoint is its workers' (a worker key).
+    "otlp_traces_endpoint": Opt(str, "OTLP/HTTP receiver of the router's request traces "
+                                "(disagg.tracing; default: the OTEL_* variables, else off)"),
 }
 SECTION_OPTIONS: dict[str, Opt] = {
     "num_instances": Opt(int, "workers in the section; must equal len(urls)", ge=0),
@@ -251,6 +257,7 @@ class ClusterConfig:
     responses_store_size: int = RESPONSES_STORE_SIZE  # /v1/responses kept (router/responses)
     responses_store_ttl: float = RESPONSES_STORE_TTL_S
     max_migrations: int = 3  # per request: generation worker failures survived (router.flow)
+    otlp_traces_endpoint: str | None = None  # the router's traces (disagg.tracing); None: OTEL_*
 
     @property
     def aggregated(self) -> bool:
@@ -297,6 +304,11 @@ def parse_cluster_config(data: Mapping[str, Any] | Any, source: str = "<config>"
         origins = check_origins(top["allowed_origins"])
     except ValueError as e:
         raise err("allowed_origins", str(e).partition(": ")[2]) from None
+    if top["otlp_traces_endpoint"] is not None:
+        try:
+            check_otlp_endpoint(top["otlp_traces_endpoint"])
+        except ValueError as e:
+            raise err("otlp_traces_endpoint", str(e).partition(": ")[2]) from None
 
     cluster = None
     if data.get("disagg_cluster") is not None:
@@ -346,7 +358,8 @@ def parse_cluster_config(data: Mapping[str, Any] | Any, source: str = "<config>"
         planner=planner, processes=top["processes"], kv_streaming=top["kv_streaming"],
         restart=top["restart"],
         responses_store_size=top["responses_store_size"],
-        responses_store_ttl=top["responses_store_ttl"], max_migrations=top["max_migrations"])
+        responses_store_ttl=top["responses_store_ttl"], max_migrations=top["max_migrations"],
+        otlp_traces_endpoint=top["otlp_traces_endpoint"])
 
 
 def parse_planner(err: _Errors, raw: Any) -> PlannerConfig:
@@ -430,6 +443,11 @@ def _worker_value(err: _Errors, key: str, name: str, value: Any, worker_keys: di
     if key == "allowed_origins":  # the worker's own, checked as the worker will
         try:
             check_origins(value)
+        except ValueError as e:
+            raise err(name, str(e).partition(": ")[2]) from None
+    if key == "otlp_traces_endpoint":  # (the workers', checked as they will)
+        try:
+            check_otlp_endpoint(value)
         except ValueError as e:
             raise err(name, str(e).partition(": ")[2]) from None
     return value

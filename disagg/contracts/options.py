@@ -231,6 +231,11 @@ class WorkerOptions:
     router_url: str | None = _option(
         None, str, "register with this router (a disagg YAML with disagg_cluster) and "
         "heartbeat; unregister on drain", metavar="URL")
+    otlp_traces_endpoint: str | None = _option(
+        None, str, "send OpenTelemetry traces of the requests to this OTLP/HTTP receiver (e.g. "
+        "http://localhost:4318/v1/traces; a URL without a path gets /v1/traces; needs pip "
+        "install 'disagg[tracing]') (default: the OTEL_EXPORTER_OTLP_* variables, else off)",
+        metavar="URL")
     log_level: str = _option("info", str, "log level",
                              choices=("critical", "error", "warning", "info", "debug"))
     tool_call_parser: str | None = _option(
@@ -505,6 +510,25 @@ def check_origins(values: Any, name: str = "allowed_origins") -> tuple[str, ...]
                              f"no trailing slash), or * for any")
         out.append(v)
     return tuple(dict.fromkeys(out))
+
+
+_OTLP_URL = re.compile(r"(https?)://([^/\s?#]+)(/\S*)?", re.IGNORECASE)
+OTLP_TRACES_PATH = "/v1/traces"
+
+
+def check_otlp_endpoint(url: Any, name: str = "otlp_traces_endpoint") -> str:
+    """An OTLP/HTTP traces URL as configured (``http(s)://host[:port][/path]``) -> the URL
+    the spans go to (without a path: ``/v1/traces``); ValueError naming ``name`` otherwise
+    (``disagg/tracing.py``)."""
+    if not isinstance(url, str) or not url.strip():
+        raise ValueError(f"{name}: expected an http(s):// URL, got {url!r}")
+    m = _OTLP_URL.fullmatch(url.strip())
+    if m is None:
+        raise ValueError(f"{name}: {url!r} is not an http:// or https:// URL of an OTLP/HTTP "
+                         f"receiver (e.g. http://localhost:4318/v1/traces)")
+    if m.group(3) in (None, "", "/"):
+        return f"{m.group(1)}://{m.group(2)}{OTLP_TRACES_PATH}"
+    return url.strip()
 
 
 # Keys of a disagg YAML server section that describe the cluster, not one worker.

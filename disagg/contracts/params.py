@@ -76,6 +76,9 @@ class ContextParams:
     # token with the last read (no block ids, no first token yet).
     stream: bool = False
     cached_tokens: int | None = None  # the context side's prefix-cache hit (None: unknown)
+    # Tracing (disagg/tracing.py): the generation worker's own, never on the wire of the
+    # answer: the W3C traceparent of its kv_transfer span, which its KV READs carry.
+    traceparent: str | None = None
 
     @classmethod
     def from_stream(cls, d: Any, prompt_token_ids: list[int]) -> ContextParams:

@@ -70,6 +70,7 @@ from disagg.kv_connector.settings import SWEEP_INTERVAL_S, DisaggSettings
 from disagg.kv_connector.stream import StreamPublisher, stream_items
 from disagg.request import Request, RequestStatus
 from disagg.scheduler import KVFetch, SchedulerOutput
+from disagg.tracing import kv_read_hook
 from disagg.transfer.backends import make_backend
 from disagg.transfer.lease import Lease, LeaseTable
 from disagg.transfer.service import KVTransferServer
@@ -135,6 +136,8 @@ class DisaggConnector(KVConnector):
                                        advertise_host=settings.advertise_host,
                                        sweep_interval_s=None,
                                        progress=self.streams.progress).start()
+        # Traced READs (a generation worker's kv_transfer span named): a span each.
+        self.server.on_traced_read = kv_read_hook(settings.otlp_traces_endpoint)
         if peers is not None:
             if any(a is None for a in peers.transfer_addresses):
                 raise RuntimeError("a rank of this worker has no KV transfer server")

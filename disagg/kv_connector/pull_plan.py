@@ -78,7 +78,8 @@ def plan_pull(params: ContextParams, dst: WorkerLayout, dst_rank: int, *, cache_
         req = ReadRequest(lease_id=params.ctx_request_id, block_ids=src_blocks,
                           layer_slice=piece.src_layer_slice,
                           head_slice=piece.src_head_slice, num_tokens=params.num_tokens,
-                          format=fmt, first_token=i == first, **stream)
+                          format=fmt, first_token=i == first,
+                          traceparent=params.traceparent, **stream)
         nl = piece.layers[1] - piece.layers[0]
         nh = piece.heads[1] - piece.heads[0]
         p = src.kv_parts

@@ -42,6 +42,7 @@ from disagg.kv_connector.messages import (
 from disagg.kv_connector.pull import KVPuller, Pull, worker_layout
 from disagg.kv_connector.settings import SWEEP_INTERVAL_S, DisaggSettings
 from disagg.kv_connector.stream import StreamPublisher, install_hook
+from disagg.tracing import kv_read_hook
 from disagg.transfer.backends import make_backend
 from disagg.transfer.lease import Lease, LeaseTable
 from disagg.transfer.service import KVTransferServer
@@ -93,6 +94,8 @@ class RankTransfer:
                                        advertise_host=settings.advertise_host,
                                        sweep_interval_s=SWEEP_INTERVAL_S,
                                        progress=self.streams.progress).start()
+        # Traced READs (a generation worker's kv_transfer span named): a span each.
+        self.server.on_traced_read = kv_read_hook(settings.otlp_traces_endpoint)
         # Installs run here, not on the transport's thread (which must keep progressing).
         self._installer = cf.ThreadPoolExecutor(1, thread_name_prefix=f"disagg-install{rank}")
 

@@ -38,6 +38,9 @@ class DisaggSettings:
     stream_wait_s: float = 600.0
     # Generation role: context workers that requests not signed by the cluster may name.
     kv_peer_allowlist: PeerAllowlist = field(default_factory=PeerAllowlist)
+    # Tracing (disagg/tracing.py): the OTLP/HTTP endpoint, resolved (None: off); the transfer
+    # server makes a span of each READ that carries a traceparent.
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))
@@ -49,16 +52,19 @@ class DisaggSettings:
 
     @classmethod
     def from_options(cls, options: WorkerOptions, *, cluster_token: str, backend: str,
-                     advertise_host: str | None = None) -> DisaggSettings:
+                     advertise_host: str | None = None,
+                     otlp_traces_endpoint: str | None = None) -> DisaggSettings:
         """The settings of the worker ``options`` describe; what is decided when it starts
         comes resolved: the cluster token (the option or the environment), the backend (the
-        option or the default), the KV address peers use. ValueError for a bad allowlist."""
+        option or the default), the KV address peers use, the traces' endpoint (the option
+        or the OTEL_* variables). ValueError for a bad allowlist."""
         return cls(role=options.role, cluster_token=cluster_token, backend=backend,
                    host=options.kv_transfer_host or options.host,
                    advertise_host=advertise_host, kv_lease_ttl_s=options.kv_lease_ttl_s,
                    ucx_profile=options.ucx_profile, kv_integrity=options.kv_integrity,
                    kv_link_check=options.kv_link_check,
-                   kv_peer_allowlist=PeerAllowlist.parse(options.kv_peer_allowlist))
+                   kv_peer_allowlist=PeerAllowlist.parse(options.kv_peer_allowlist),
+                   otlp_traces_endpoint=otlp_traces_endpoint)
 
 
 # How often expired leases are ended: by the engine loop on rank 0, by the transfer server's own

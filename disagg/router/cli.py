@@ -29,7 +29,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from disagg import env
+from disagg import env, tracing
 from disagg.cluster_auth import api_key_or_none
 from disagg.contracts.cluster import (
     MAX_PROCESSES,
@@ -70,6 +70,11 @@ def add_cli(subparsers: Any) -> None:
                    help="CORS: browser origins (scheme://host[:port], or *) the router answers "
                    "with CORS headers, replacing the YAML's allowed_origins (default: none, no "
                    "CORS headers)")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry traces of the requests to this OTLP/HTTP receiver "
+                   "(e.g. http://localhost:4318/v1/traces; needs pip install "
+                   "'disagg[tracing]'), replacing the YAML's otlp_traces_endpoint (default: "
+                   "the OTEL_EXPORTER_OTLP_* variables, else off)")
     p.add_argument("--processes", type=int, default=None, metavar="N",
                    help="router processes sharing the port (SO_REUSEPORT; one a core; "
                    "default: the YAML's processes, 1)")
@@ -123,6 +128,12 @@ def configured(args: argparse.Namespace) -> ClusterConfig:
         except ValueError as e:
             raise RouterConfigError(str(e)) from None
         config = dataclasses.replace(config, allowed_origins=origins)
+    if args.otlp_traces_endpoint is not None:
+        try:  # (the URL and the tracing extra, named by the flag)
+            tracing.configured(args.otlp_traces_endpoint, tracing.FLAG)
+        except tracing.TracingError as e:
+            raise RouterConfigError(str(e)) from None
+        config = dataclasses.replace(config, otlp_traces_endpoint=args.otlp_traces_endpoint)
     if args.planner:
         if config.planner is None:
             raise RouterConfigError(f"{config.source}: planner: missing: --planner needs a "
@@ -150,6 +161,8 @@ def _child_argv(args: argparse.Namespace, host: str) -> list[str]:
         argv.append("--insecure-membership")
     if args.kv_streaming is not None:
         argv.append("--kv-streaming" if args.kv_streaming else "--no-kv-streaming")
+    if args.otlp_traces_endpoint is not None:
+        argv += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
     if args.planner:  # (only process 0 runs it)
         argv.append("--planner")
     return argv

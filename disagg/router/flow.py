@@ -353,7 +353,9 @@ class RequestFlow:
         resp = None
         with counted(w, route):
             try:
-                resp = await self.upstream.post(w, path, data)
+                resp = await self.upstream.post(
+                    w, path, data,
+                    trace=b"" if st.trace is None else st.trace.call(timing.CONTEXT_CALL, w.url))
                 if resp.status >= 500:
                     raise await self.upstream.error_answer(w, resp)
                 body = await self.upstream.read(w, resp)

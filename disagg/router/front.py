@@ -148,6 +148,7 @@ class FrontConnection(asyncio.Protocol, ClientStream):
         self._lengths: list[bytes] = []
         self._auth: str | None = None
         self._timing: str | None = None  # X-Disagg-Timing (disagg/timing.py)
+        self._traceparent: str | None = None  # W3C trace context (disagg/tracing.py)
         self._origin: bytes | None = None
         self._odd = False  # a header that aiohttp must handle
         self._head_done = False
@@ -203,6 +204,7 @@ class FrontConnection(asyncio.Protocol, ClientStream):
             return
         self.lost = True
         self.front.conns.discard(self)
+        self._unlink()
         if self._keep_alive is not None:
             self._keep_alive.cancel()
         if self._drain is not None and not self._drain.done():
@@ -234,6 +236,8 @@ class FrontConnection(asyncio.Protocol, ClientStream):
             self._origin = value
         elif n == b"x-disagg-timing":
             self._timing = value.decode("latin-1")
+        elif n == b"traceparent":
+            self._traceparent = value.decode("latin-1")
         elif n in _HAND_OFF_HEADERS:
             self._odd = True
 
@@ -273,13 +277,14 @@ class FrontConnection(asyncio.Protocol, ClientStream):
         self._cors = (cors.fields(self._origin.decode("latin-1"))
                       if cors is not None and self._origin is not None else b"")
         self._stream_head, self._streaming, self._stream_ended = None, False, False
-        self.task = self.loop.create_task(self._serve(path, self._auth, self._timing))
+        self.task = self.loop.create_task(self._serve(path, self._auth, self._timing,
+                                                      self._traceparent))
 
     def _parse_head(self, head: bytes) -> str | None:
         """The path of a request head of the common shape; None: aiohttp's."""
         self._url, self._fields, self._lengths = b"", 0, []
         self._auth, self._origin, self._odd, self._head_done = None, None, False, False
-        self._timing = None
+        self._timing = self._traceparent = None
         try:
             self.parser.feed_data(head)
         except httptools.HttpParserError:  # (an Upgrade too): aiohttp answers it
@@ -311,10 +316,12 @@ class FrontConnection(asyncio.Protocol, ClientStream):
         self._need = 0
         return body
 
-    async def _serve(self, path: str, authorization: str | None, timing: str | None) -> None:
+    async def _serve(self, path: str, authorization: str | None, timing: str | None,
+                     traceparent: str | None) -> None:
         try:
             answer = await self.front.handlers.serve_openai(self, path, authorization,
-                                                            self._read_body, timing)
+                                                            self._read_body, timing,
+                                                            traceparent)
         except (asyncio.CancelledError, ConnectionError):  # the client left, or shutdown
             self.close()
             return
@@ -399,6 +406,13 @@ class FrontConnection(asyncio.Protocol, ClientStream):
 
     # -- the connection's end or hand-off ---------------------------------------------------------
 
+    def _unlink(self) -> None:
+        """Drop the parser once the connection is lost or handed off: it holds this protocol's
+        bound methods, a reference cycle that kept every closed connection (its transport, its
+        handler task) alive until the next cycle collection, which the router runs rarely
+        (``cli.tune_gc``): ~2 KB a connection, thousands of them between two collections."""
+        self.parser = None  # type: ignore[assignment]  # never used once lost
+
     def close(self) -> None:
         if self.transport is not None and not self.lost:
             self.transport.close()
@@ -432,6 +446,7 @@ class FrontConnection(asyncio.Protocol, ClientStream):
         assert transport is not None and self.task is None
         self.lost = True
         self.front.conns.discard(self)
+        self._unlink()
         if self._keep_alive is not None:
             self._keep_alive.cancel()
         data, self.buf = self.buf, b""

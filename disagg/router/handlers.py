@@ -21,6 +21,10 @@ Timing (``disagg/timing.py``): every OpenAI request that succeeded has its phase
 ``disagg_request_phase_seconds``; one whose body has ``"timing": true`` (a non-boolean is a 400
 naming the field) or whose header ``X-Disagg-Timing`` says yes gets the whole request's
 breakdown in its answer (``flow``, ``relay``).
+
+Tracing (``disagg/tracing.py``; ``otlp_traces_endpoint``): with a tracer, each OpenAI request
+continues the client's ``traceparent`` (or starts a trace), its calls carry theirs, and its
+spans are made from its timeline once its handler ends (``Router.tracer`` None: one check).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from typing import Any
 
 from aiohttp import web
 
-from disagg import __version__
+from disagg import __version__, tracing
 from disagg import timing as T
 from disagg.cluster_auth import AUTH_HEADER, MEMBER_ID_FIELD, AuthError, bearer_ok
 from disagg.contracts import protocol as P
@@ -99,18 +103,24 @@ class Handlers:
         out = AiohttpStream(request)
         answer = await self.serve_openai(out, request.path, request.headers.get("Authorization"),
                                          lambda: self.read_body(request),
-                                         request.headers.get(T.HEADER))
+                                         request.headers.get(T.HEADER),
+                                         request.headers.get(tracing.HEADER))
         return out.to_response(answer)
 
     async def serve_openai(self, out: ClientStream, path: str, authorization: str | None,
                            read_body: Callable[[], Awaitable[bytes]],
-                           timing_header: str | None = None) -> Answer:
+                           timing_header: str | None = None,
+                           traceparent: str | None = None) -> Answer:
         """One OpenAI request, whichever server carries it: ``authorization``, its header;
         ``read_body``, its body (raising ``Reply`` for a late, large or encoded one);
-        ``timing_header``: its ``X-Disagg-Timing`` header."""
+        ``timing_header``: its ``X-Disagg-Timing`` header; ``traceparent``: its W3C trace
+        context (continued when the router traces)."""
         st = RequestState(path)
         t0 = st.timeline.start
         metrics = self.router.metrics
+        tracer = self.router.tracer
+        if tracer is not None:
+            st.trace = tracer.begin(traceparent)
         try:
             self.check_authorization(authorization)
             try:
@@ -126,10 +136,14 @@ class Handlers:
                 st.outcome = "disconnected"
             raise
         finally:
+            end = time.monotonic()
             metrics.child(metrics.requests, path, st.outcome).inc()
-            metrics.request_latency.observe(time.monotonic() - t0)
+            metrics.request_latency.observe(end - t0)
             if st.outcome == "success":
                 metrics.phases.observe_timeline(st.timeline)
+            if st.trace is not None:  # (after the answer is written: not on its way)
+                asyncio.get_running_loop().call_soon(_trace_request, self.router.tracer, st,
+                                                     end)
 
     async def route(self, out: ClientStream, st: RequestState, path: str, raw: bytes
                      ) -> Answer:
@@ -457,6 +471,16 @@ class Handlers:
                                   f"({AUTH_HEADER}): {why}", "authentication_error",
                                   code="invalid_cluster_signature")
         return parse_body(raw)
+
+
+def _trace_request(tracer: tracing.Tracer | None, st: RequestState, end: float) -> None:
+    """The request's spans (``tracing``): its root from its start to ``end``, one per phase
+    of its timeline (the calls' spans carry the ids their ``traceparent`` named)."""
+    assert tracer is not None and st.trace is not None
+    tracer.request_spans(st.trace, f"POST {st.endpoint}", st.timeline.start, st.timeline.ends,
+                         end, tracing.router_request_attributes(st.endpoint, st.outcome),
+                         None if st.outcome in ("success", "client_error") else st.outcome,
+                         tracing.ROUTER_CALLS)
 
 
 def late_body(timeout_s: float) -> Reply:

@@ -41,6 +41,7 @@ from disagg.router.policies import RouteRequest
 from disagg.router.prompt_tokens import CHAT
 from disagg.router.replies import Reply, dumps, loads, retry_after
 from disagg.router.upstream import Failed, UpstreamClient
+from disagg.tracing import Trace
 
 logger = logging.getLogger("disagg.router")
 
@@ -79,6 +80,8 @@ class RequestState:
     timing: bool = False
     ctx_timing: T.Breakdown | None = None
     moved: bool = False
+    # Its trace when the router traces (``disagg/tracing.py``): the calls' traceparent ids.
+    trace: Trace | None = None
 
 
 def call_sent(st: RequestState, at: float) -> None:
@@ -245,7 +248,9 @@ class Relay:
         resp: http1.Response | None = None
         with counted(w, route):
             try:
-                resp = await self.upstream.post(w, path, data, signed)
+                resp = await self.upstream.post(
+                    w, path, data, signed,
+                    b"" if st.trace is None else st.trace.call(T.GENERATION_CALL, w.url))
                 if resp.status >= 500:
                     raise await self.upstream.error_answer(w, resp)
                 if resp.content_type == "text/event-stream" and resp.status == 200:

@@ -4,8 +4,10 @@ Parts: the sides' routing policies (``policies``), the workers (``membership``),
 tokens for the policies that need them (``prompt_tokens``), the client of the workers
 (``upstream``), the relay of their answers (``relay``), the request flow with its retries
 (``flow``; ``stream_flow`` with ``kv_streaming``), the Prometheus metrics (``metrics``),
-role switches (``role_switch``) and, with ``planner.enabled`` / ``--planner``, the planner
-(``planner_loop`` over ``planner``). The HTTP handlers (``handlers``) use them.
+role switches (``role_switch``), with ``planner.enabled`` / ``--planner`` the planner
+(``planner_loop`` over ``planner``) and, with ``otlp_traces_endpoint`` (or the ``OTEL_*``
+variables), the tracer of its requests (``disagg/tracing.py``). The HTTP handlers
+(``handlers``) use them.
 
 Cluster authentication: the router signs (``cluster_auth.HttpSigner``, with the token from
 ``$DISAGG_CLUSTER_TOKEN``) the calls whose handling depends on it: the generation_only call (a
@@ -45,6 +47,7 @@ from disagg.router.relay import Relay
 from disagg.router.role_switch import RoleSwitcher, SwitchResult
 from disagg.router.stream_flow import StreamingFlow
 from disagg.router.upstream import UpstreamClient
+from disagg.tracing import ROUTER_SERVICE, Tracer, TracingError, configured, tracer_for
 
 logger = logging.getLogger("disagg.router")
 
@@ -125,6 +128,18 @@ class Router:
                                        .labels(d.action, d.from_role or "", d.to_role or "")
                                        .inc())
         self._trim_task: asyncio.Task[None] | None = None
+        # Tracing (None: off, one check a request): the YAML's / --otlp-traces-endpoint's
+        # endpoint, else the OTEL_* variables'.
+        try:
+            endpoint = configured(config.otlp_traces_endpoint,
+                                  f"{config.source}: otlp_traces_endpoint")
+        except TracingError as e:
+            raise RouterConfigError(str(e)) from None
+        self.tracer: Tracer | None = (None if endpoint is None
+                                      else tracer_for(endpoint, ROUTER_SERVICE))
+        if self.tracer is not None:
+            logger.info("tracing: OTLP/HTTP spans to %s (service %s)", endpoint,
+                        self.tracer.service)
 
     @property
     def primary(self) -> bool:
@@ -190,6 +205,8 @@ class Router:
         await self.flow.close()
         await self.upstream.close()
         await self.siblings.close()
+        if self.tracer is not None:  # the spans of the last requests (stopped at exit)
+            await asyncio.to_thread(self.tracer.flush)
 
 
 def _malloc_trim() -> Any:

@@ -68,6 +68,7 @@ from disagg.router.prompt_tokens import COMPLETIONS
 from disagg.router.relay import Interrupted, RequestState, counted
 from disagg.router.replies import with_params
 from disagg.router.upstream import Failed
+from disagg.tracing import Trace
 
 logger = logging.getLogger("disagg.router")
 
@@ -179,7 +180,7 @@ class StreamingFlow(RequestFlow):
         ctx_data, gen_data = stream_bodies(body, data, s.id, source, st.ids_asked,
                                            st.timing)
         loop = asyncio.get_running_loop()
-        c_task = loop.create_task(self._ctx_call(s, path, ctx_data, route))
+        c_task = loop.create_task(self._ctx_call(s, path, ctx_data, route, st.trace))
         g_task = loop.create_task(self._gen_call(out, st, s, path, gen_data, route,
                                                    requested_tokens(path, body)))
         for t in (c_task, g_task):
@@ -206,15 +207,18 @@ class StreamingFlow(RequestFlow):
             if not s.taken and s.lease_possible:
                 self.upstream.release_lease(s.ctx_worker, s.id)
 
-    async def _ctx_call(self, s: _Stream, path: str, data: bytes, route: RouteRequest) -> None:
+    async def _ctx_call(self, s: _Stream, path: str, data: bytes, route: RouteRequest,
+                        trace: Trace | None = None) -> None:
         """C's call: read its answer whole and drop it (``Failed``: connection or 5xx;
-        ``_Refused``: a 4xx)."""
+        ``_Refused``: a 4xx). ``trace``: the request's (its span beside the timeline's)."""
         w = s.ctx_worker
         t0 = time.monotonic()
         resp = None
         with counted(w, route):
             try:
-                resp = await self.upstream.post(w, path, data, signed=True)
+                resp = await self.upstream.post(
+                    w, path, data, signed=True,
+                    trace=b"" if trace is None else trace.call(T.CONTEXT_CALL, w.url))
                 if resp.status >= 500:
                     raise await self.upstream.error_answer(w, resp)
                 answer = await self.upstream.read(w, resp)
@@ -226,6 +230,8 @@ class StreamingFlow(RequestFlow):
                 self.metrics.ctx_latency.observe(now - t0)
                 # beside the generation call, not one of the request's consecutive phases
                 self.metrics.phases.observe(T.CONTEXT_CALL, now - t0)
+                if trace is not None:
+                    trace.side.append((T.CONTEXT_CALL, t0, now))
                 self.membership.load.context(now - t0)  # the planner's TTFT sample
             except Failed as f:
                 s.lease_possible = s.lease_possible and f.reached

@@ -119,16 +119,17 @@ class UpstreamClient:
         if self.session is not None:
             await self.session.close()
 
-    async def post(self, w: Worker, path: str, data: bytes, signed: bool = False
-                   ) -> http1.Response:
-        """Send (``signed``: with the cluster signature over ``data``); a failure to get
+    async def post(self, w: Worker, path: str, data: bytes, signed: bool = False,
+                   trace: bytes = b"") -> http1.Response:
+        """Send (``signed``: with the cluster signature over ``data``; ``trace``: header
+        lines added to the head, the call's ``traceparent``); a failure to get
         the answer's head is ``Failed``. A pooled keep-alive connection that the worker had
         already closed (reset or closed before any response byte: the worker never saw the
         request) is no failure: the send is repeated at once on a new connection (with a new
         signature: a nonce is accepted once). A worker that cannot be reached for that second
         send may have died working on the first: a failure that reached it."""
         try:
-            resp = await self._send(w, path, data, signed)
+            resp = await self._send(w, path, data, signed, trace)
         except http1.ConnectError as e:  # never connected: it saw nothing
             self.membership.mark_failed(w, f"unreachable: {e}")
             raise Failed(f"{w.url}: {e}", reached=False) from None
@@ -149,10 +150,13 @@ class UpstreamClient:
                                                          self.headers[w.pool])
         return head
 
-    async def _send(self, w: Worker, path: str, data: bytes, signed: bool) -> http1.Response:
+    async def _send(self, w: Worker, path: str, data: bytes, signed: bool, trace: bytes = b""
+                    ) -> http1.Response:
         assert self.pool is not None
         host, port = _address(w.url)
         head = self._head(w, path)
+        if trace:
+            head += trace
         def sign() -> bytes:
             return head + _lines(self.auth.signature("POST", path, data, audience=w.member_id))
 

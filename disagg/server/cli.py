@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from disagg import tracing
 from disagg.cluster_auth import api_key_or_none, cluster_token_or_none
 from disagg.config import ConfigError, SpeculativeConfig
 from disagg.contracts.options import (
@@ -146,7 +147,8 @@ def run_server(options: WorkerOptions) -> int:
                                                     options.advertise_host, options.router_url,
                                                     role)
         template, origins = _api_settings(options.chat_template, options.allowed_origins)
-        disagg_settings = _disagg_settings(options, kv_advertise)
+        traces = _traces_endpoint(options.otlp_traces_endpoint)
+        disagg_settings = _disagg_settings(options, kv_advertise, traces)
         config, engine = _start_engine(model_dir, options.engine_options(), disagg_settings)
     except _StartError as e:
         print(f"disagg serve: error: {e}", file=sys.stderr)
@@ -155,7 +157,8 @@ def run_server(options: WorkerOptions) -> int:
     from disagg.server.app import ServerSettings, build_app
 
     settings = ServerSettings.from_options(options, api_key=api_key, cluster_token=cluster_token,
-                                           chat_template=template, allowed_origins=origins)
+                                           chat_template=template, allowed_origins=origins,
+                                           otlp_traces_endpoint=traces)
     app = build_app(engine, settings)
     server = _uvicorn_server(app, engine, host=host, port=port, log_level=options.log_level,
                              drain_timeout=options.drain_timeout)
@@ -166,6 +169,8 @@ def run_server(options: WorkerOptions) -> int:
                     if template == options.chat_template else options.chat_template)
     if origins:
         logger.info("CORS: allowed origins %s", ", ".join(origins))
+    if traces is not None:
+        logger.info("tracing: OTLP/HTTP spans to %s", traces)
     if engine.transfer is not None:
         logger.info("kv transfer: %s", engine.transfer.info())
     if config.parallel.world_size > 1:
@@ -259,11 +264,23 @@ def kv_transfer_backend_or_default(backend: str | None) -> str:
     return name
 
 
-def _disagg_settings(options: WorkerOptions, kv_advertise_host: str | None = None) -> Any:
+def _traces_endpoint(value: str | None) -> str | None:
+    """Where the worker's traces go (``disagg/tracing.py``: the flag, else the OTEL_*
+    variables; None: off); ``_StartError`` (exit 2) for a bad URL, or the flag without the
+    tracing extra installed."""
+    try:
+        return tracing.configured(value, tracing.FLAG)
+    except tracing.TracingError as e:
+        raise _StartError(2, str(e)) from None
+
+
+def _disagg_settings(options: WorkerOptions, kv_advertise_host: str | None = None,
+                     traces: str | None = None) -> Any:
     """Check the role and the KV transfer options; the ``DisaggSettings`` of a context or
     generation worker (None for an aggregated one), with what is decided at start resolved:
-    the cluster token, the backend's default, the UCX profile (logged). ``_StartError``
-    (exit 2) on a bad role, a missing cluster token or a bad lease ttl."""
+    the cluster token, the backend's default, the UCX profile (logged), the traces' endpoint
+    (``traces``). ``_StartError`` (exit 2) on a bad role, a missing cluster token or a bad
+    lease ttl."""
     role = options.role
     try:
         check_role(role, options.world_size)
@@ -281,7 +298,7 @@ def _disagg_settings(options: WorkerOptions, kv_advertise_host: str | None = Non
         backend = kv_transfer_backend_or_default(options.kv_transfer_backend)
         settings = DisaggSettings.from_options(
             options, cluster_token=resolve_cluster_token(options.cluster_token),
-            backend=backend, advertise_host=kv_advertise_host)
+            backend=backend, advertise_host=kv_advertise_host, otlp_traces_endpoint=traces)
         if backend == "UCX":
             _, why = resolve_ucx_profile(options.ucx_profile,
                                          settings.advertise_host or settings.host)

@@ -33,6 +33,7 @@ addresses this worker may trust (releasing means connecting).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -53,6 +54,7 @@ from disagg.request import SamplingParams
 from disagg.server.fanout import Choice
 from disagg.server.formats import ChatFormat, CompletionFormat, Format
 from disagg.server.state import ServerState
+from disagg.timing import KV_TRANSFER
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +161,8 @@ def disagg_choice(srv: ServerState, request: Request, fmt: Format,
     if remote is not None:
         # Only KV the cluster vouches for may be reused by other requests: anyone else could
         # send KV that does not belong to prompt_token_ids.
+        if fmt.trace is not None and fmt.trace.sampled:  # its READs name its kv_transfer span
+            remote = dataclasses.replace(remote, traceparent=fmt.trace.traceparent(KV_TRANSFER))
         mode = Pull(remote, trusted=signed)
     else:
         mode = Dummy() if dummy else ContextOnly()

@@ -16,6 +16,7 @@ from disagg.server.tool_calls import ToolCalls
 
 if TYPE_CHECKING:
     from disagg.server.state import ServerState
+    from disagg.tracing import Trace
 
 
 class Format(abc.ABC):
@@ -47,6 +48,8 @@ class Format(abc.ABC):
         self.resumed: tuple[int, ...] | None = None
         # The answer carries its phase breakdown (``request_timing``; the routes decide).
         self.timing = False
+        # Its trace when the worker traces (``disagg/tracing.py``; None: off).
+        self.trace: Trace | None = None
 
     def usage(self, choices: list[Choice]) -> dict[str, Any]:
         prompts: dict[int, list[Choice]] = {}

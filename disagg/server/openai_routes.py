@@ -34,6 +34,7 @@ from disagg.server.formats import ChatFormat, CompletionFormat, Format, Response
 from disagg.server.request_timing import timing_asked
 from disagg.server.respond import respond
 from disagg.server.state import ServerState
+from disagg.tracing import HEADER
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class OpenAIRoutes:
         out = fmt(srv, req, P.new_id(fmt.id_prefix))
         migration_fields(out)  # (the router's: token ids in the stream, a resumed answer)
         out.timing = timing_asked(request, req)
+        if srv.tracer is not None:  # (off: this check alone)
+            out.trace = srv.tracer.begin(request.headers.get(HEADER))
         return out
 
     async def completions(self, request: Request) -> Response:

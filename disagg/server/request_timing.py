@@ -9,10 +9,16 @@ turns them into the request's phases once its answer is built: observed in
 answer's ``timing`` object when the request asked for it (``asked``: the body's ``timing:
 true``, the router's ``disaggregated_params.timing: true``, or the header ``X-Disagg-Timing:
 1``). A request with several choices is timed by its first one.
+
+Traced (``disagg/tracing.py``: the worker has a tracer and the request's ``trace``), the same
+stamps become its spans: the server span (HTTP request in -> answer built) under the caller's
+``traceparent``, one child per phase; a pull's ``kv_transfer`` span has the id its KV READs
+name (``disagg_requests``), so the context worker's ``kv_read`` spans sit under it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +28,7 @@ from disagg import timing as T
 from disagg.contracts import protocol as P
 from disagg.contracts.kv_mode import Dummy, KVMode, Pull
 from disagg.engine.outputs import RequestMetrics
+from disagg.tracing import Trace, worker_request_attributes
 
 if TYPE_CHECKING:
     from disagg.server.fanout import Choice
@@ -70,12 +77,15 @@ def worker_stamps(mode: KVMode, m: RequestMetrics, first_sent: float | None, don
 class RequestTiming:
     """One HTTP request's timing on a worker (module docstring)."""
 
-    __slots__ = ("received", "asked", "first_sent")
+    __slots__ = ("received", "asked", "first_sent", "trace", "name")
 
-    def __init__(self, received: float, asked: bool) -> None:
+    def __init__(self, received: float, asked: bool, trace: Trace | None = None,
+                 path: str = "") -> None:
         self.received = received
         self.asked = asked
         self.first_sent: float | None = None
+        self.trace = trace  # (None: not traced)
+        self.name = "POST " + path if trace is not None else ""  # its server span's
 
     def sent(self) -> None:
         """A stream chunk goes out now (only the first one counts)."""
@@ -94,4 +104,9 @@ class RequestTiming:
                                               done)
         b = T.worker_breakdown(srv.role.value, self.received, ends, first, first_at)
         srv.metrics.phases((p.name, p.seconds) for p in b.phases)
+        if self.trace is not None and srv.tracer is not None:  # (made once the answer left)
+            asyncio.get_running_loop().call_soon(
+                srv.tracer.request_spans, self.trace, self.name, self.received, ends, done,
+                worker_request_attributes(srv.role.value, choices[0].request_id,
+                                          len(choices[0].prompt_ids), choices[0].num_tokens))
         return b.to_json() if self.asked else None

@@ -14,7 +14,8 @@ TTL; the engine ends it too when the request had just ended (``AsyncLLM.generate
 
 Each answer's phases (``request_timing``) are recorded once it is built, and sent when the
 request asked: a JSON answer's top-level ``timing``; a stream's in its usage chunk, or in a
-last chunk of its own (``choices: []``) before ``[DONE]``.
+last chunk of its own (``choices: []``) before ``[DONE]``. A traced request's spans are made
+from the same stamps then (``disagg/tracing.py``).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ async def respond(srv: ServerState, request: Request, choices: list[Choice], fmt
     Its phases are recorded once the answer is built, and go in it when it asked for them
     (``request_timing``)."""
     fan = FanOut(srv, choices, t_arrival)
-    timer = RequestTiming(t_arrival, fmt.timing)
+    timer = RequestTiming(t_arrival, fmt.timing, fmt.trace,
+                          request.scope["path"] if fmt.trace is not None else "")
     if fmt.req.stream and not choices[0].mode.is_context:  # (a context answer is whole)
         try:
             await srv.until_disconnect(request, fan.start())

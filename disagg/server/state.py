@@ -25,6 +25,7 @@ from disagg.server.access import Access
 from disagg.server.engine_errors import unavailable
 from disagg.server.metrics import ServerMetrics
 from disagg.server.role_switch import RoleSwitcher
+from disagg.tracing import WORKER_SERVICE, Tracer, tracer_for
 
 if TYPE_CHECKING:
     from disagg.engine.client import EngineClient
@@ -63,6 +64,8 @@ class ServerSettings:
     # /v1/responses kept for previous_response_id and GET: how many (0: none), for how long.
     responses_store_size: int = WORKER_DEFAULTS.responses_store_size
     responses_store_ttl: float = WORKER_DEFAULTS.responses_store_ttl
+    # Tracing (disagg/tracing.py): the OTLP/HTTP endpoint, resolved (None: off).
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         check_role(self.role)  # ValueError naming ``role``
@@ -71,10 +74,12 @@ class ServerSettings:
     @classmethod
     def from_options(cls, options: WorkerOptions, *, api_key: str | None,
                      cluster_token: str | None, chat_template: str | None,
-                     allowed_origins: tuple[str, ...]) -> ServerSettings:
+                     allowed_origins: tuple[str, ...],
+                     otlp_traces_endpoint: str | None = None) -> ServerSettings:
         """The settings of the worker ``options`` describe (``options.model`` set); what is
         resolved when it starts is given: the API key and cluster token (the option or the
-        environment), the chat template's text, the checked CORS origins."""
+        environment), the chat template's text, the checked CORS origins, the traces'
+        endpoint (the option or the OTEL_* variables)."""
         assert options.model is not None
         return cls(model_dir=options.model, served_model_name=options.served_model_name,
                    role=options.role, api_key=api_key, cluster_token=cluster_token,
@@ -83,7 +88,8 @@ class ServerSettings:
                    tool_call_parser=options.tool_call_parser, chat_template=chat_template,
                    allowed_origins=allowed_origins,
                    responses_store_size=options.responses_store_size,
-                   responses_store_ttl=options.responses_store_ttl)
+                   responses_store_ttl=options.responses_store_ttl,
+                   otlp_traces_endpoint=otlp_traces_endpoint)
 
     @property
     def model_name(self) -> str:
@@ -127,6 +133,10 @@ class ServerState:
         self.access = Access(settings.api_key, settings.cluster_token, settings.public_metrics,
                              transfer.settings if transfer is not None else None)
         self.body_timeout_s = P.BODY_TIMEOUT_S  # then 408 (tests shorten it)
+        # Tracing (None: off, one check a request): spans of each request from its stamps.
+        endpoint = settings.otlp_traces_endpoint
+        self.tracer: Tracer | None = (None if endpoint is None
+                                      else tracer_for(endpoint, WORKER_SERVICE))
 
     def _decode_one(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -123,6 +123,7 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 
 from disagg.cluster_auth import CLUSTER_TOKEN_ENV, resolve_cluster_token  # noqa: F401 (re-exported)
+from disagg.tracing import valid_traceparent
 from disagg.transfer.lease import EXPIRED_LEASE, UNKNOWN_LEASE
 
 logger = logging.getLogger("disagg.transfer")
@@ -218,6 +219,9 @@ class ReadRequest:
     wait_s: float | None = None
     tokens_hash: str | None = None
     first_token: bool = False  # streaming: answer once the first token exists, with it
+    # Tracing (disagg/tracing.py): the reader's kv_transfer span, as a W3C traceparent; the
+    # server makes its span of the read under it. A malformed one is dropped, never refused.
+    traceparent: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.lease_id, str) or not self.lease_id:
@@ -278,6 +282,8 @@ class ReadRequest:
             msg["tokens_hash"] = self.tokens_hash
         if self.first_token:
             msg["first_token"] = True
+        if self.traceparent is not None:
+            msg["traceparent"] = self.traceparent
         return msg
 
     @classmethod
@@ -290,6 +296,7 @@ class ReadRequest:
                 num_tokens=msg.get("num_tokens", 0), format=msg.get("format", "blocks"),
                 wait_s=msg.get("wait_s"), tokens_hash=msg.get("tokens_hash"),
                 first_token=msg.get("first_token", False),
+                traceparent=valid_traceparent(msg.get("traceparent")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise TransferError(BAD_REQUEST, f"malformed READ: {e}") from None

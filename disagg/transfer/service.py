@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -276,6 +276,10 @@ class KVTransferServer:
         self._loop: LoopThread | None = None
         self._listener: Listener | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        # Tracing (disagg/tracing.py; set by the worker that traces): called with a served
+        # READ's traceparent, its start and end (wall-clock ns) and its attributes, for a READ
+        # that carries one. None: READs are not traced.
+        self.on_traced_read: Callable[[str, int, int, dict[str, Any]], None] | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -472,7 +476,7 @@ class KVTransferServer:
                     mapped: ServerSession | None = None) -> None:
         """A READ; ``mapped``: this connection was offered the mapped path (its session checks
         the DONE that ends a mapped read)."""
-        t0 = time.perf_counter()
+        t0 = arrived = time.perf_counter()
         try:
             req = ReadRequest.from_wire(msg)
             first = None
@@ -488,7 +492,7 @@ class KVTransferServer:
         try:
             # Bounded: a reader that stops reading would hold the lease's blocks for ever.
             await within_lease(self._send_read(conn, msg, req, lease, streamed, first, t0,
-                                               mapped),
+                                               mapped, arrived),
                                self.leases, req.lease_id, self.limits.read_grace_s)
         except ReadStalled as e:
             self.stats.record_failure(READ_STALLED)
@@ -507,9 +511,11 @@ class KVTransferServer:
 
     async def _send_read(self, conn: Connection, msg: Mapping[str, Any], req: ReadRequest,
                          lease: Lease, streamed: bool, first: dict[str, Any] | None,
-                         t0: float, mapped: ServerSession | None = None) -> None:
+                         t0: float, mapped: ServerSession | None = None,
+                         arrived: float | None = None) -> None:
         """A pinned READ: its answer (or an error answer) and its payload, or for a mapped
-        READ its answer and the reader's DONE."""
+        READ its answer and the reader's DONE. ``arrived``: when the READ came in (a streamed
+        one waited for its layers since; its traced span starts there)."""
         staging: torch.Tensor | None = None
         gathers: list[asyncio.Future[Any]] = []
         try:
@@ -533,7 +539,8 @@ class KVTransferServer:
                 await conn.send_header(_error(e.code, e.message))
                 return
             if wants_map and mapped is not None:
-                await self._mapped_read(conn, mapped, req, plan.nbytes, first, t0)
+                await self._mapped_read(conn, mapped, req, plan.nbytes, first, t0, arrived,
+                                        streamed)
                 return
             integrity = msg.get("integrity")
             if integrity is not None and integrity != INTEGRITY_ALGORITHM:
@@ -573,6 +580,9 @@ class KVTransferServer:
                 plan.nbytes, len(req.block_ids), time.perf_counter() - t0,
                 zero_copy, device_direct=answer["device"],
                 staging_reason=answer.get("staging"))
+            if req.traceparent is not None and self.on_traced_read is not None:
+                self._traced(req, conn, plan.nbytes, t0, arrived, streamed=streamed,
+                             zero_copy=zero_copy)
         finally:
             # A gather still queued or running writes into the staging buffer: let it finish
             # before the buffer serves another read (cancelling the asyncio future would not
@@ -587,7 +597,8 @@ class KVTransferServer:
                 self.payload.staging.release(staging)
 
     async def _mapped_read(self, conn: Connection, session: ServerSession, req: ReadRequest,
-                           nbytes: int, first: dict[str, Any] | None, t0: float) -> None:
+                           nbytes: int, first: dict[str, Any] | None, t0: float,
+                           arrived: float | None = None, streamed: bool = False) -> None:
         """A pinned, validated mapped READ: the answer, then the reader gathers from our cache
         and says DONE (no answer: the next request follows on this connection); only then does
         the read end (its caller unpins). Anything but a proven DONE closes the connection
@@ -616,6 +627,28 @@ class KVTransferServer:
             raise ConnectionClosedError("no DONE after a mapped READ")
         self.stats.record_transfer(nbytes, len(req.block_ids), time.perf_counter() - t0,
                                    device_direct=self.payload.on_gpu, mapped=True)
+        if req.traceparent is not None and self.on_traced_read is not None:
+            self._traced(req, conn, nbytes, t0, arrived, streamed=streamed, mapped=True)
+
+    def _traced(self, req: ReadRequest, conn: Connection, nbytes: int, t0: float,
+                arrived: float | None, **flags: bool) -> None:
+        """Hand a served, traced READ to ``on_traced_read``: from its arrival (``arrived``)
+        to now, with its bytes, blocks, the transfer's own seconds (``t0``: after a streamed
+        READ's wait) and how it went out; a failing hook is logged, never the READ's."""
+        now, end_ns = time.perf_counter(), time.time_ns()
+        start = t0 if arrived is None else arrived
+        attributes: dict[str, Any] = {
+            "disagg.kv.bytes": nbytes, "disagg.kv.blocks": len(req.block_ids),
+            "disagg.kv.layers": f"{req.layer_slice[0]}:{req.layer_slice[1]}",
+            "disagg.kv.transfer_s": now - t0,
+            "disagg.kv.backend": self.backend.name, "client.address": conn.peer_host,
+            **{f"disagg.kv.{k}": v for k, v in flags.items()}}
+        assert req.traceparent is not None and self.on_traced_read is not None
+        try:
+            self.on_traced_read(req.traceparent, end_ns - int((now - start) * 1e9), end_ns,
+                                attributes)
+        except Exception:  # (tracing must not fail a READ that was served)
+            logger.exception("kv transfer server: tracing a READ failed")
 
 
 class ReadFuture(cf.Future):  # type: ignore[type-arg]
