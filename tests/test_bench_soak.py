@@ -76,7 +76,7 @@ def test_answer_checks() -> None:
 def test_short_live_soak(tmp_path: Path) -> None:
     out = tmp_path / "soak.md"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cp = subprocess.run([sys.executable, "-m", "bench.soak", "--seconds", "15", "--clients",
+    cp = subprocess.run([sys.executable, "-m", "bench.soak", "--seconds", "8", "--clients",
                          "2", "--out", str(out), "--work-dir", str(tmp_path / "work")],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert out.exists(), cp.stdout[-3000:] + cp.stderr[-3000:]
@@ -96,7 +96,7 @@ def test_short_live_soak(tmp_path: Path) -> None:
         row = rows[f"{p.name} (pid {p.pid})"]
         assert isinstance(row["slope_mib_h"], float), row
         assert f"| {row['process']} |" in text
-    # 15 s is mostly warm-up: a worker's RSS may still be rising; nothing else may fail.
+    # 8 s is mostly warm-up: a worker's RSS may still be rising; nothing else may fail.
     assert all(f.startswith("RSS of ") for f in raw["failures"]), raw["failures"]
     assert cp.returncode == (1 if raw["failures"] else 0), cp.stderr[-3000:]
     assert "**0 errors**" in text
