@@ -213,8 +213,14 @@ class RecordingProxy:
                 t.start()
                 self._threads.append(t)
 
+    def _down(self, chunk: bytearray, seen: int) -> bytearray:
+        """A server -> client chunk at byte ``seen`` of its connection, as relayed (a
+        subclass may change it)."""
+        return chunk
+
     def _pump(self, src: socket.socket, dst: socket.socket, rec: bytearray | None) -> None:
         src.settimeout(0.1)
+        seen = 0  # server -> client bytes relayed on this connection
         while not self._stop.is_set():
             try:
                 chunk = src.recv(1 << 16)
@@ -226,6 +232,9 @@ class RecordingProxy:
                 break
             if rec is not None:
                 rec += chunk
+            else:
+                chunk = self._down(bytearray(chunk), seen)
+                seen += len(chunk)
             try:
                 dst.sendall(chunk)
             except OSError:
@@ -272,75 +281,24 @@ def listening_addresses(port: int) -> set[str]:
     return found
 
 
-class FlippingRelay:
-    """A TCP relay in front of ``target`` that flips one bit of the server -> client stream:
-    at byte ``flip_at`` of each connection, or (``flip_at`` None) in the middle of the first
-    chunk of at least ``min_chunk`` bytes it relays (headers are far smaller: a payload's),
-    ``times`` times in all."""
+class FlippingRelay(RecordingProxy):
+    """A ``RecordingProxy`` that flips one bit of the server -> client stream: at byte
+    ``flip_at`` of each connection, or (``flip_at`` None) in the middle of the first chunk of
+    at least ``min_chunk`` bytes it relays (headers are far smaller: a payload's), ``times``
+    times in all."""
 
     def __init__(self, target: str, flip_at: int | None = None, min_chunk: int = 2048,
                  times: int = 1 << 30) -> None:
-        self.target = split_address(target)
-        self.flip_at = flip_at
-        self.min_chunk = min_chunk
-        self.times = times
+        self.flip_at, self.min_chunk, self.times = flip_at, min_chunk, times
         self.flipped = 0
-        self._lst = socket.create_server(("127.0.0.1", 0))
-        self._lst.settimeout(0.1)
-        self.address = f"127.0.0.1:{self._lst.getsockname()[1]}"
-        self._stop = threading.Event()
-        self._socks: list[socket.socket] = []
-        self._threads = [threading.Thread(target=self._accept, daemon=True)]
-        self._threads[0].start()
+        super().__init__(target)
 
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                down, _ = self._lst.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            up = socket.create_connection(self.target, timeout=5)
-            self._socks += [down, up]
-            for src, dst, flip in ((down, up, False), (up, down, True)):
-                t = threading.Thread(target=self._pump, args=(src, dst, flip), daemon=True)
-                t.start()
-                self._threads.append(t)
-
-    def _pump(self, src: socket.socket, dst: socket.socket, flip: bool) -> None:
-        src.settimeout(0.1)
-        seen = 0
-        while not self._stop.is_set():
-            try:
-                chunk = bytearray(src.recv(1 << 16))
-            except TimeoutError:
-                continue
-            except OSError:
-                break
-            if not chunk:
-                break
-            at = (len(chunk) // 2 if self.flip_at is None and len(chunk) >= self.min_chunk
-                  else None if self.flip_at is None or not seen <= self.flip_at < seen + len(chunk)
-                  else self.flip_at - seen)
-            if flip and at is not None and self.flipped < self.times:
-                chunk[at] ^= 0x10
-                self.flipped += 1
-            seen += len(chunk)
-            try:
-                dst.sendall(chunk)
-            except OSError:
-                break
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(5)
-        for s in self._socks:
-            s.close()
-        self._lst.close()
+    def _down(self, chunk: bytearray, seen: int) -> bytearray:
+        if self.flip_at is None:
+            at = len(chunk) // 2 if len(chunk) >= self.min_chunk else None
+        else:
+            at = self.flip_at - seen if seen <= self.flip_at < seen + len(chunk) else None
+        if at is not None and self.flipped < self.times:
+            chunk[at] ^= 0x10
+            self.flipped += 1
+        return chunk
