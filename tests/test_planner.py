@@ -188,8 +188,9 @@ def test_planner_loop_window_starts_after_the_last_switch() -> None:
 
     cluster = parse_cluster_config({**BASE, "planner": {"ttft_slo_ms": 100, "tpot_slo_ms": 10,
                                                         "window_s": 10, "interval_s": 1,
-                                                        "min_samples": 2}})
+                                                        "min_samples": 2, "enabled": True}})
     m = Membership(cluster, _policy_configs(cluster))
+    assert m.load.keep_s == 10  # the planner's window (a router without one keeps no sample)
     for w in m.by_url.values():
         w.healthy, w.role = True, w.pool.value
     switcher = RoleSwitcher(m)
@@ -238,3 +239,24 @@ def test_load_windows_streamed_and_whole_generation_samples() -> None:
     assert [round(x, 6) for x in lw.latencies_ms("generation", 0.0)] == [100.0, 200.0]
     assert [round(x, 6) for x in lw.waits_ms(0.0)] == [300.0]
     assert lw.completed(0.0) == 2 and lw.waits_ms(101.5) == []
+
+
+def test_load_windows_drop_samples_older_than_keep_s_and_keep_none_without_planner() -> None:
+    from disagg.router.load import LoadWindows
+
+    lw = LoadWindows(keep_s=10.0)
+    for t in range(100):  # one context call and one streamed generation call a second
+        lw.context(0.5, now=float(t))
+        lw.generation(1.0, 5, now=float(t), first_byte_at=t - 0.5)
+    # only the last 10 s (t = 89..99) are held: older ones went when newer were added
+    assert lw.latencies_ms("context", 0.0) == [500.0] * 11
+    assert len(lw.latencies_ms("generation", 0.0)) == 11
+    assert len(lw.waits_ms(0.0)) == 11 and lw.completed(0.0) == 11
+    assert lw.mean_tokens(0.0) == 5.0
+
+    off = LoadWindows(keep_s=0.0)  # the router without a planner
+    off.context(0.5, now=1.0)
+    off.generation(1.0, 5, now=1.0, first_byte_at=0.5)
+    assert off.latencies_ms("context", 0.0) == [] and off.completed(0.0) == 0
+    with pytest.raises(ValueError, match="keep_s"):
+        LoadWindows(keep_s=-1.0)

@@ -175,7 +175,10 @@ class Membership:
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
         self._health_task: asyncio.Task[None] | None = None
         self._spawned: set[asyncio.Task[Any]] = set()
-        self.load = LoadWindows()  # the router's latency samples per side (the planner's)
+        # the router's latency samples per side, read by the planner only (none kept without it)
+        planner = config.planner
+        self.load = LoadWindows(planner.window_s if planner is not None and planner.enabled
+                                else 0.0)
         for role in ROLES:
             group = config.group(role)
             for url in group.urls if group else ():
