@@ -392,6 +392,11 @@ class CacheConfig:
     workers sharing one GPU split it, like vLLM's ``gpu_memory_utilization``) each bound the
     number of blocks; the smallest capacity wins, as in TensorRT-LLM. With none of them set a
     CUDA worker uses ``gpu_memory_fraction=0.9``, a CPU worker 0.1 of free RAM.
+
+    Offload tiers (``disagg.engine.kv_offload``; all unset: none): prefix-cached blocks
+    evicted from the pool go to a host-memory tier of ``kv_offload_host_gib`` and from there
+    (or directly, without a host tier) to a disk tier of ``kv_offload_disk_gib`` under
+    ``kv_offload_disk_dir``; a prefix hit in a tier is copied back before the request runs.
     """
 
     tokens_per_block: int = 32
@@ -399,6 +404,9 @@ class CacheConfig:
     kv_cache_fraction: float | None = None
     gpu_memory_fraction: float | None = None
     enable_prefix_caching: bool = True
+    kv_offload_host_gib: float | None = None
+    kv_offload_disk_dir: str | None = None
+    kv_offload_disk_gib: float | None = None
 
     def __post_init__(self) -> None:
         _require(self.tokens_per_block > 0, "tokens_per_block", "must be > 0")
@@ -413,6 +421,26 @@ class CacheConfig:
                      and not isinstance(self.gpu_memory_fraction, bool)
                      and 0.0 < self.gpu_memory_fraction <= 1.0, "gpu_memory_fraction",
                      f"must be a number in (0, 1], got {self.gpu_memory_fraction!r}")
+        for name in ("kv_offload_host_gib", "kv_offload_disk_gib"):
+            value = getattr(self, name)
+            if value is not None:
+                _require(isinstance(value, (int, float)) and not isinstance(value, bool)
+                         and 0.0 < value < float("inf"), name,
+                         f"must be a positive number of GiB, got {value!r}")
+        _require((self.kv_offload_disk_dir is None) == (self.kv_offload_disk_gib is None),
+                 "kv_offload_disk_dir" if self.kv_offload_disk_dir is None
+                 else "kv_offload_disk_gib",
+                 "a disk tier needs both kv_offload_disk_dir and kv_offload_disk_gib")
+        if self.kv_offload and not self.enable_prefix_caching:
+            _require(False, "kv_offload_host_gib" if self.kv_offload_host_gib is not None
+                     else "kv_offload_disk_dir",
+                     "offload tiers keep prefix-cached blocks: they need "
+                     "enable_prefix_caching")
+
+    @property
+    def kv_offload(self) -> bool:
+        """Whether any offload tier is configured."""
+        return self.kv_offload_host_gib is not None or self.kv_offload_disk_dir is not None
 
 
 @dataclass(frozen=True)
@@ -693,6 +721,16 @@ class EngineConfig:
         _require(self.dtype in DTYPES, "dtype", f"one of {sorted(DTYPES)}")
         # Fail on a model that cannot be split this way now, not in a spawned rank.
         check_parallel_split(self.model, self.parallel)
+        if self.cache.kv_offload:
+            name = ("kv_offload_host_gib" if self.cache.kv_offload_host_gib is not None
+                    else "kv_offload_disk_dir")
+            # A tier copies one process's whole blocks; ranks of a parallel worker each hold
+            # a slice, and a draft model's cache would be left behind.
+            _require(self.parallel.world_size == 1, name, "offload tiers need a worker of one "
+                     "rank (tensor_parallel_size and pipeline_parallel_size 1)")
+            _require(self.speculative is None or self.speculative.method != "draft_model",
+                     name, "offload tiers do not keep a draft model's KV: not with "
+                     "speculative_config method draft_model")
 
     @property
     def max_model_len(self) -> int:
@@ -711,7 +749,8 @@ def pick_device(requested: str | None = None) -> str:
 ENGINE_OPTION_NAMES = (
     # (option name accepted by LLM(...) / serve / YAML) -> where it goes; see build_engine_config
     "tokens_per_block", "kv_cache_tokens", "kv_cache_fraction", "gpu_memory_fraction",
-    "enable_prefix_caching", "enforce_eager", "cuda_graph_max_batch_size",
+    "enable_prefix_caching", "kv_offload_host_gib", "kv_offload_disk_dir", "kv_offload_disk_gib",
+    "enforce_eager", "cuda_graph_max_batch_size",
     "max_batch_size", "max_num_tokens", "enable_chunked_context", "capacity_policy",
     "max_model_len", "max_queue", "tensor_parallel_size", "pipeline_parallel_size",
     "pp_partition", "enable_expert_parallel", "dtype", "device", "seed", "speculative_config",

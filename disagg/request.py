@@ -3,7 +3,8 @@
 A request's progress is one number: ``num_computed_tokens`` (tokens whose KV is in the cache)
 catching up with ``num_tokens`` (prompt + generated so far). When they are equal after a step,
 the request samples its next token. Waiting for KV that another worker computed is a state of
-its own (``WAITING_FOR_REMOTE_KV``): the tokens are known, the KV arrives by transfer.
+its own (``WAITING_FOR_REMOTE_KV``): the tokens are known, the KV arrives by transfer; so is
+waiting for prefix blocks copied back from an offload tier (``WAITING_FOR_TIER_KV``).
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ class SamplingParams:
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    WAITING_FOR_TIER_KV = "waiting_for_tier_kv"  # prefix blocks coming back from a tier
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"  # EOS, stop token or stop string

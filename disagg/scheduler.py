@@ -9,6 +9,9 @@ One call to ``schedule`` plans one model step (an iteration):
    same queue: it gets blocks for its prompt and is listed in ``kv_fetches``; the engine's KV
    connector pulls the KV and the engine calls ``remote_kv_ready``, after which the request
    decodes like any other;
+   a request whose prefix chain goes on in the offload tiers after the pool's hits
+   (WAITING_FOR_TIER_KV) gets blocks for those too and is listed in ``kv_loads``; the engine
+   copies them back and calls ``tier_kv_ready``, after which it prefills the rest;
 4. with speculative decoding, last, draft slots for the decodes from the tokens and free
    blocks left (``_grant_draft_slots``): the engine's proposer fills them;
 
@@ -98,6 +101,16 @@ class KVFetch:
 
 
 @dataclass(frozen=True)
+class KVLoad:
+    """Blocks allocated for prefix blocks that an offload tier holds: ``block_ids[i]`` gets
+    the block cached as ``block_hashes[i]``; they follow the request's pool hits."""
+
+    request_id: str
+    block_ids: list[int]
+    block_hashes: list[int]
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]  # decodes (1 token each) first, then prefill chunks
     num_decodes: int  # len of the leading decode part
@@ -106,6 +119,7 @@ class SchedulerOutput:
     num_running: int  # after scheduling (for metrics)
     num_waiting: int
     kv_fetches: list[KVFetch] = field(default_factory=list)  # transfers to start now
+    kv_loads: list[KVLoad] = field(default_factory=list)  # tier copies to start now
 
 
 @dataclass
@@ -117,6 +131,7 @@ class _Step:
     prefills: dict[str, ScheduledRequest] = field(default_factory=dict)
     preempted: list[str] = field(default_factory=list)
     fetches: list[KVFetch] = field(default_factory=list)
+    loads: list[KVLoad] = field(default_factory=list)
 
     @property
     def num_scheduled(self) -> int:
@@ -159,6 +174,9 @@ class Scheduler:
         self.running: list[Request] = []  # in start order: the last started is the last one
         # WAITING_FOR_REMOTE_KV requests holding blocks while their KV is being pulled.
         self.fetching: dict[str, Request] = {}
+        # WAITING_FOR_TIER_KV requests: their load, and whether this is their first admission
+        # (a recomputation after preemption hitting its own blocks is no prompt-cache hit).
+        self.loading: dict[str, tuple[Request, KVLoad, bool]] = {}
         # Context-only requests whose blocks outlive them (leased to a generation worker):
         # marked by hold_blocks_on_finish, then block ids by request id until release_held.
         self._hold: set[str] = set()
@@ -189,6 +207,10 @@ class Scheduler:
     @property
     def num_fetching(self) -> int:
         return len(self.fetching)
+
+    @property
+    def num_loading(self) -> int:
+        return len(self.loading)
 
     @property
     def num_finished_unreported(self) -> int:
@@ -266,8 +288,13 @@ class Scheduler:
         if req is None:
             return None
         fetching = False
+        loading = self.loading.pop(request_id, None)
         if req.status == RequestStatus.RUNNING:
             _remove_identical(self.running, req)
+        elif loading is not None:
+            assert self.kv.tiers is not None
+            self.kv.tiers.unpin(loading[1].block_hashes)
+            fetching = True  # the copies may still write into its blocks
         elif self.fetching.pop(request_id, None) is None:
             _remove_identical(self.waiting, req)
         else:
@@ -302,6 +329,24 @@ class Scheduler:
             self.kv.cache_blocks(req, req.num_computed_tokens)
         else:
             self.kv.never_cache(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def tier_kv_ready(self, request_id: str, num_loaded: int) -> None:
+        """The first ``num_loaded`` blocks of a loading request's ``KVLoad`` are in place
+        (all of them, or fewer when a copy failed its check: the rest is computed). The
+        request is RUNNING and prefills from after them from the next step."""
+        req, load, first = self.loading.pop(request_id)
+        if not 0 <= num_loaded <= len(load.block_ids):
+            raise ValueError(f"{request_id}: {num_loaded} of {len(load.block_ids)} blocks loaded")
+        assert self.kv.tiers is not None
+        self.kv.tiers.unpin(load.block_hashes)
+        tokens = num_loaded * self.block_size
+        req.num_computed_tokens += tokens
+        self.kv.cache_blocks(req, req.num_computed_tokens)
+        if first:
+            req.num_cached_tokens += tokens
+            self.prefix_cache_hit_tokens += tokens
         req.status = RequestStatus.RUNNING
         self.running.append(req)
 
@@ -387,6 +432,7 @@ class Scheduler:
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_fetches=st.fetches,
+            kv_loads=st.loads,
         )
 
     def _admit_waiting(self, st: _Step) -> None:
@@ -397,7 +443,8 @@ class Scheduler:
         promised = 0
         if self.no_evict:
             promised = sum(self._unallocated_lifetime_blocks(r)
-                           for r in (*self.running, *self.fetching.values()))
+                           for r in (*self.running, *self.fetching.values(),
+                                     *(r for r, _, _ in self.loading.values())))
         while self.waiting:
             req = self.waiting[0]
             if req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
@@ -422,6 +469,14 @@ class Scheduler:
             if req.sampling_params.prompt_logprobs is not None:
                 # Its prompt logprobs need every prompt position's logits: no prefix hit.
                 hits, num_hit_tokens = [], 0
+            elif self.kv.tiers is not None:
+                tier = self.kv.get_tier_blocks(req, len(hits))
+                if tier:
+                    if not self._admit_loading(req, hits, tier, st, promised):
+                        break
+                    if self.no_evict:
+                        promised += self._unallocated_lifetime_blocks(req)
+                    continue
             n = self._chunk_size(req, num_hit_tokens, st.token_budget)
             if n == 0:
                 break  # does not fit this step; FCFS: everything behind it waits too
@@ -448,6 +503,35 @@ class Scheduler:
                 promised += self._unallocated_lifetime_blocks(req)
             st.prefills[req.request_id] = self._plan(req, n)
             st.token_budget -= n
+
+    def _admit_loading(self, req: Request, hits: list[int], tier: list[int], st: _Step,
+                       promised: int) -> bool:
+        """Admit the waiting request at the queue's head whose prefix goes on in the offload
+        tiers after its pool ``hits``: blocks for the hits and the ``tier`` blocks, no compute
+        this step; it waits in ``loading`` (WAITING_FOR_TIER_KV) for ``tier_kv_ready``.
+        False (nothing changed) when the blocks are not there."""
+        B = self.block_size
+        if self.no_evict:
+            need = self.kv.blocks_needed(self.lifetime_tokens(req)) - len(hits)
+            if self.kv.num_free_blocks - self.kv.num_free_among(hits) - promised < need:
+                return False
+        # the table becomes hits [0, h) + tier blocks [h, h + t): tokens [0, (h + t) * B)
+        if self.kv.allocate_slots(req, len(tier) * B, hits) is None:
+            return False
+        assert self.kv.tiers is not None
+        self.kv.tiers.pin(tier)
+        self.waiting.popleft()
+        req.status = RequestStatus.WAITING_FOR_TIER_KV
+        req.num_computed_tokens = len(hits) * B
+        first = req.num_cached_tokens < 0
+        if first:  # (as for a pool hit; the tier's tokens count once they are in place)
+            req.num_cached_tokens = len(hits) * B
+            self.prefix_cache_queries_tokens += req.num_prompt_tokens
+            self.prefix_cache_hit_tokens += len(hits) * B
+        load = KVLoad(req.request_id, self.kv.block_ids(req.request_id)[len(hits):], tier)
+        self.loading[req.request_id] = (req, load, first)
+        st.loads.append(load)
+        return True
 
     def _grant_draft_slots(self, st: _Step) -> None:
         """Give the step's decodes draft slots (oldest first) from the token budget and free

@@ -55,6 +55,7 @@ from disagg.structured.mask import MaskFiller
 from disagg.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
+    from disagg.engine.kv_offload import KVOffload
     from disagg.kv_connector.settings import DisaggSettings
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,18 @@ class LLMEngine:
         self.tokenizer: Tokenizer = load_tokenizer(config.model_dir)
         self.runner = make_executor(config, disagg)
         B = config.cache.tokens_per_block
-        self.kv = KVCacheManager(self.runner.num_blocks, B, config.cache.enable_prefix_caching)
+        # Offload tiers below the KV cache (kv_offload.py); None: none configured.
+        self.offload: KVOffload | None = None
+        if config.cache.kv_offload:
+            from disagg.engine.kv_offload import KVOffload
+
+            try:
+                self.offload = KVOffload(config.cache, self.runner.kv_cache, wake)
+            except BaseException:
+                self.runner.shutdown()
+                raise
+        self.kv = KVCacheManager(self.runner.num_blocks, B, config.cache.enable_prefix_caching,
+                                 tiers=self.offload.index if self.offload else None)
         spec = config.speculative
         self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len=config.max_model_len,
                                    num_spec_tokens=spec.num_speculative_tokens if spec else 0,
@@ -187,11 +199,14 @@ class LLMEngine:
         """True when a step could make progress (requests that only wait for their KV
         transfer do not count: the loop waits for the transfer instead of spinning)."""
         sch = self.scheduler
-        return len(sch.requests) > sch.num_fetching or sch.num_finished_unreported > 0
+        return (len(sch.requests) > sch.num_fetching + sch.num_loading
+                or sch.num_finished_unreported > 0)
 
     def idle_wait_s(self) -> float:
         """How long an idle loop may sleep without a wake-up: short while the connector has
         reads in flight or leases to expire."""
+        if self.offload is not None and self.offload.busy:
+            return 0.05
         return 0.1 if self.connector is not None and self.connector.busy() else 0.5
 
     def release_lease(self, lease_id: str) -> bool:
@@ -200,7 +215,10 @@ class LLMEngine:
 
     def service_transfers(self) -> list[RequestOutput]:
         """Engine thread, never blocks: free blocks of ended leases, expire leases, start
-        decoding requests whose pulled KV is in place, fail requests whose pull failed."""
+        decoding requests whose pulled KV is in place, fail requests whose pull failed; and
+        let requests whose prefix came back from an offload tier compute the rest."""
+        if self.offload is not None:
+            self._poll_offload()
         if self.connector is None:
             return []
         polled = time.monotonic()  # (a pull's kv_install starts here: timing.py)
@@ -220,6 +238,25 @@ class LLMEngine:
             outputs.extend(self._fail_requests([rid], error))
             self.scheduler.release_draining(rid)  # its reads ended: nothing writes any more
         return self._collect_finished_without_step(outputs) if outputs else outputs
+
+    def _poll_offload(self) -> None:
+        """Loads from the offload tiers that finished: their requests run (what did not
+        come is computed); an aborted one's blocks are free again (nothing writes them)."""
+        assert self.offload is not None
+        sch = self.scheduler
+        for done in self.offload.poll(lambda rid: rid in sch.loading):
+            if done.request_id in sch.loading:
+                sch.tier_kv_ready(done.request_id, done.num_loaded)
+            else:
+                sch.release_draining(done.request_id)
+
+    def _offload_plan(self, sched: SchedulerOutput) -> None:
+        """Right after ``schedule()``: copy the blocks it evicted into the tiers (nothing has
+        written them yet: pulls and the step start after this) and start its tier loads."""
+        assert self.offload is not None
+        self.offload.offload(self.kv.take_evicted())
+        if sched.kv_loads:
+            self.offload.start(sched.kv_loads)
 
     def _kv_in_place(self, st: RequestState, first: Mapping[str, Any] | None = None
                      ) -> RequestOutput:
@@ -327,6 +364,8 @@ class LLMEngine:
         self._inflight = None
         if self.connector is not None:
             self.connector.shutdown()
+        if self.offload is not None:
+            self.offload.close()
         self.runner.shutdown()
 
     # ---- the step -------------------------------------------------------------------------
@@ -334,7 +373,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self._inflight is not None:  # async scheduling: the plan the last call launched
             return self._complete(self._inflight)
+        if self.offload is not None:
+            if self.offload.busy and not self.has_schedulable():
+                self.offload.wait(0.05)  # (an offline loop: only tier loads are left)
+            self._poll_offload()
         sched = self.scheduler.schedule()
+        if self.offload is not None:
+            self._offload_plan(sched)
         if self.proposer is not None and sched.num_decodes:
             sched = self._propose(sched)
         self._last_sched = sched
@@ -420,6 +465,8 @@ class LLMEngine:
         if not self._can_launch_next():
             return []
         sched = self.scheduler.schedule()
+        if self.offload is not None:
+            self._offload_plan(sched)
         self._last_sched = sched
         self._steps += 1
         outputs = self._start_loads(sched) if sched.kv_fetches else []
@@ -703,7 +750,8 @@ class LLMEngine:
         return EngineStats(
             num_running=self.scheduler.num_running,
             # As vLLM counts them: a request whose prompt KV is being pulled waits too.
-            num_waiting=self.scheduler.num_waiting + self.scheduler.num_fetching,
+            num_waiting=(self.scheduler.num_waiting + self.scheduler.num_fetching
+                         + self.scheduler.num_loading),
             num_waiting_for_kv=self.scheduler.num_fetching,
             num_preempted_total=self.scheduler.num_preemptions_total,
             kv_blocks_used=pool.used,
@@ -718,6 +766,7 @@ class LLMEngine:
             spec_num_draft_tokens=self.spec_counters.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_counters.num_accepted_tokens,
             spec_accepted_per_pos=tuple(self.spec_counters.accepted_per_pos),
+            kv_offload=self.offload.stats() if self.offload is not None else None,
         )
 
 

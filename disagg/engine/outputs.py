@@ -7,6 +7,7 @@ engine.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from disagg.kv_connector.errors import KVTransferError
 
@@ -93,3 +94,5 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # Offload tiers (``engine/kv_offload.py``'s ``OffloadStats``); None: no tier configured.
+    kv_offload: Any = None

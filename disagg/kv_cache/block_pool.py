@@ -66,6 +66,10 @@ class BlockPool:
         self._num_cached_free = 0  # blocks with ref 0 and a hash (kept for O(1) stats)
         # Pending events as (kind, hashes); merged while consecutive kinds agree.
         self._events: list[tuple[EventKind, list[int]]] = []
+        # (block_id, block_hash) of cached blocks taken by allocate, oldest first, while
+        # record_evictions is on (offload tiers copy them out before they are written).
+        self.record_evictions = False
+        self._evicted: list[tuple[int, int]] = []
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -92,6 +96,11 @@ class BlockPool:
             total=self.num_blocks,
         )
 
+    def take_evicted(self) -> list[tuple[int, int]]:
+        """Drain the ``(block_id, block_hash)`` evicted since the last call, oldest first."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
     def take_events(self) -> list[KVCacheEvent]:
         """Drain the events recorded since the last call, oldest first."""
         events = [KVCacheEvent(kind, hashes) for kind, hashes in self._events]
@@ -115,6 +124,8 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 evicted.append(block.block_hash)
+                if self.record_evictions:
+                    self._evicted.append((block_id, block.block_hash))
                 del self._cached[block.block_hash]
                 block.block_hash = None
                 self._num_cached_free -= 1

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from disagg.kv_cache.block_pool import BlockPool, BlockPoolStats, KVCacheEvent
 from disagg.kv_cache.hashing import extend_block_hashes
+from disagg.kv_cache.tiers import TierIndex
 from disagg.request import Request
 
 _NEVER = 1 << 62  # "registered up to" mark of a never_cache request: beyond any table
@@ -18,12 +19,16 @@ _NEVER = 1 << 62  # "registered up to" mark of a never_cache request: beyond any
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, tiers: TierIndex | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        # Offload tiers below the pool (None: none): evicted cached blocks are recorded for
+        # them, and a prefix chain may go on in them after the pool's hits end.
+        self.tiers = tiers if enable_prefix_caching else None
+        self.pool.record_evictions = self.tiers is not None
         self._tables: dict[str, list[int]] = {}
         # Leading blocks of each table already registered in the prefix cache (or skipped as
         # duplicates): cache_blocks continues from here.
@@ -100,6 +105,21 @@ class KVCacheManager:
                 break  # the chain breaks at the first miss: later blocks depend on this one
             hits.append(block_id)
         return hits, len(hits) * self.block_size
+
+    def get_tier_blocks(self, req: Request, num_hit_blocks: int) -> list[int]:
+        """Hashes of the request's full blocks after its ``num_hit_blocks`` pool hits that the
+        offload tiers hold, as one unbroken chain (same cap as ``get_computed_blocks``: one
+        token is left to compute)."""
+        if self.tiers is None:
+            return []
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hashes = self.block_hashes(req)[num_hit_blocks:max_blocks]
+        return hashes[:self.tiers.chain_hits(hashes)]
+
+    def take_evicted(self) -> list[tuple[int, int]]:
+        """``(block_id, block_hash)`` of the cached blocks evicted since the last call (only
+        with tiers), oldest first: their bytes are still in place until the next step runs."""
+        return self.pool.take_evicted()
 
     # -- mutations ---------------------------------------------------------------------------
 

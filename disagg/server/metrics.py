@@ -233,6 +233,35 @@ class _EngineStatsCollector(Collector):
                       "recomputed).", s.num_preempted_total)
         yield counter("engine_steps", "Engine iterations run.", s.steps_total)
         yield from self._spec_decode(s, counter, gauge)
+        yield from self._kv_offload(getattr(s, "kv_offload", None))
+
+    def _kv_offload(self, o: Any) -> Iterator[Metric]:
+        """The offload tiers' sizes and traffic (``engine/kv_offload.py``), when configured."""
+        if o is None:
+            return
+        labels = ["model_name", "tier"]
+        families = (
+            (GaugeMetricFamily, "kv_offload_blocks", "Blocks held by each offload tier.",
+             (o.host_blocks, o.disk_blocks)),
+            (GaugeMetricFamily, "kv_offload_capacity_blocks", "Blocks each offload tier can "
+             "hold (0: none, or the disk tier was turned off after a write failed).",
+             (o.host_capacity, o.disk_capacity)),
+            (CounterMetricFamily, "kv_offload_stored_blocks", "Blocks copied into each tier "
+             "(evicted from the KV cache; disk: also demoted from the host tier).",
+             (o.stored_host, o.stored_disk)),
+            (CounterMetricFamily, "kv_offload_loaded_blocks", "Prefix blocks copied back "
+             "into the KV cache from each tier (prefix hits).", (o.loaded_host, o.loaded_disk)),
+        )
+        for cls, name, doc, (host, disk) in families:
+            m = cls(PREFIX + name, doc, labels=labels)
+            m.add_metric([self.model_name, "host"], host)
+            m.add_metric([self.model_name, "disk"], disk)
+            yield m
+        failed = CounterMetricFamily(
+            PREFIX + "kv_offload_failed_blocks", "Tier blocks that failed their checksum or "
+            "could not be read: never used, computed again.", labels=["model_name"])
+        failed.add_metric([self.model_name], o.failed_loads)
+        yield failed
 
     def _spec_decode(self, s: Any, counter: Callable[[str, str, float], Metric],
                      gauge: Callable[[str, str, float], Metric]) -> Iterator[Metric]:
