@@ -404,6 +404,8 @@ class CacheConfig:
     kv_cache_fraction: float | None = None
     gpu_memory_fraction: float | None = None
     enable_prefix_caching: bool = True
+    # Checksums of KV bytes from elsewhere: tier blocks here, pulled payloads in the connector.
+    kv_integrity: bool = True
     kv_offload_host_gib: float | None = None
     kv_offload_disk_dir: str | None = None
     kv_offload_disk_gib: float | None = None
@@ -749,7 +751,8 @@ def pick_device(requested: str | None = None) -> str:
 ENGINE_OPTION_NAMES = (
     # (option name accepted by LLM(...) / serve / YAML) -> where it goes; see build_engine_config
     "tokens_per_block", "kv_cache_tokens", "kv_cache_fraction", "gpu_memory_fraction",
-    "enable_prefix_caching", "kv_offload_host_gib", "kv_offload_disk_dir", "kv_offload_disk_gib",
+    "enable_prefix_caching", "kv_integrity", "kv_offload_host_gib", "kv_offload_disk_dir",
+    "kv_offload_disk_gib",
     "enforce_eager", "cuda_graph_max_batch_size",
     "max_batch_size", "max_num_tokens", "enable_chunked_context", "capacity_policy",
     "max_model_len", "max_queue", "tensor_parallel_size", "pipeline_parallel_size",

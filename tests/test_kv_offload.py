@@ -226,3 +226,24 @@ def test_disagg_serve_with_host_and_disk_tiers(tiny_llama, reference, tmp_path) 
         assert "disagg_kv_offload_failed_blocks_total" in metrics
     finally:
         stop_all([w])
+
+
+def test_integrity_off_takes_no_checksum_and_serves_what_the_tier_holds(
+        tiny_llama, reference) -> None:
+    """``kv_integrity: false``: tier blocks are neither summed nor checked (for those who
+    measured the cost and want it gone): exact as long as the bytes are intact, and a
+    corrupted block is served (what the check exists for)."""
+    from disagg.engine.kv_tiers import UNCHECKED
+
+    expected, block_bytes = reference
+    llm = LLM(tiny_llama, kv_cache_tokens=KV_TOKENS, tokens_per_block=B,
+              kv_offload_host_gib=_gib(200, block_bytes), kv_integrity=False)
+    _, second, cached = _two_rounds(llm)
+    assert second == expected and cached == [48] * 6
+    offload = llm.engine.offload
+    assert offload is not None and offload.host is not None
+    assert set(offload.host._checksums) <= {UNCHECKED, None}
+    offload.host.data.fill_(7.0)
+    corrupted = [llm.generate([p], PARAMS)[0].outputs[0].token_ids for p in _conversations()]
+    assert corrupted != expected and llm.engine.stats().kv_offload.failed_loads == 0
+    llm.engine.shutdown()

@@ -200,10 +200,6 @@ class WorkerOptions:
     kv_lease_ttl_s: float = _option(
         30.0, float, "seconds a context worker keeps a request's KV for the generation worker",
         metavar="S", flag="--kv-lease-ttl", yaml_aliases=("kv_lease_ttl",))
-    kv_integrity: bool = _option(
-        True, bool, "check every KV payload a generation worker pulls against the checksum "
-        "the context worker sends after it (a mismatch fails that request; corrupted KV is "
-        "never used); --no-kv-integrity skips the check")
     kv_link_check: bool = _option(
         False, bool, "at start-up, serve test blocks of this worker's KV layout (2048 tokens, "
         "128-256 MiB) through its KV transfer backend on its KV address and pull them in a "
@@ -276,6 +272,12 @@ class WorkerOptions:
         int, "CUDA: largest decode batch captured as a CUDA graph", metavar="N")
     enable_prefix_caching: bool | None = _engine(bool, "reuse cached KV blocks of shared "
                                                  "prompt prefixes")
+    kv_integrity: bool | None = _engine(
+        bool, "check KV bytes that come from elsewhere against the checksum taken where they "
+        "were written: each payload a generation worker pulls (the context worker sends it "
+        "after the payload; a mismatch fails that request) and each block read back from an "
+        "offload tier (a mismatch: the block is computed again); corrupted KV is never used; "
+        "--no-kv-integrity skips both")
     kv_offload_host_gib: float | None = _engine(
         float, "host-memory tier for prefix-cached KV blocks evicted from the KV cache, in GiB "
         "(pinned on CUDA; default: none)", metavar="GIB")

@@ -6,7 +6,8 @@ Who does what:
 - ``kv_cache/tiers.TierIndex`` (torch-free, engine thread): which hash is in which tier; the
   scheduler reads it at admission and pins what a load will read;
 - ``engine/kv_tiers`` ``HostTier`` / ``DiskTier``: the bytes, each block with the checksum
-  of its bytes taken when it left the KV cache, checked whenever it is read back;
+  of its bytes taken when it left the KV cache, checked whenever it is read back (unless
+  ``kv_integrity`` is off: then neither);
 - this module: ``offload`` runs on the engine thread right after ``schedule()`` (the
   evicted blocks still hold their bytes: nothing has written them yet) and makes the
   index's copies in order; ``start`` hands a plan's ``KVLoad`` s to one loader thread,
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from disagg.config import CacheConfig, ConfigError
-from disagg.engine.kv_tiers import DiskTier, HostTier
+from disagg.engine.kv_tiers import UNCHECKED, DiskTier, HostTier
 from disagg.kv_cache.tiers import Demote, DiskDrop, OffloadOp, TierIndex, ToDisk, ToHost
 from disagg.scheduler import KVLoad
 from disagg.transfer.integrity import payload_checksum
@@ -79,6 +80,7 @@ class KVOffload:
     def __init__(self, cache: CacheConfig, kv_cache: torch.Tensor,
                  wake: Callable[[], None] | None = None) -> None:
         self.kv_cache = kv_cache
+        self.integrity = cache.kv_integrity  # checksums taken and checked (kv_integrity)
         self._wake = wake or (lambda: None)
         block_shape = tuple(kv_cache.shape[1:])
         block_bytes = kv_cache[0].numel() * kv_cache.element_size()
@@ -89,7 +91,8 @@ class KVOffload:
             if host_slots < 1:
                 raise ConfigError(f"kv_offload_host_gib: {cache.kv_offload_host_gib} GiB holds "
                                   f"no KV block ({block_bytes} bytes)")
-            self.host = HostTier(block_shape, kv_cache.dtype, host_slots, pin=kv_cache.is_cuda)
+            self.host = HostTier(block_shape, kv_cache.dtype, host_slots, pin=kv_cache.is_cuda,
+                                 check=cache.kv_integrity)
         self.disk: DiskTier | None = None
         disk_blocks = 0
         if cache.kv_offload_disk_dir is not None and cache.kv_offload_disk_gib is not None:
@@ -205,7 +208,8 @@ class KVOffload:
             elif isinstance(op, ToDisk):
                 assert self.disk is not None
                 data = self.kv_cache[op.block_id].to("cpu", copy=True)
-                self.disk.write(op.block_hash, data, payload_checksum([data]))
+                self.disk.write(op.block_hash, data,
+                                payload_checksum([data]) if self.integrity else UNCHECKED)
                 self._stored["disk"] += 1
             elif isinstance(op, DiskDrop):
                 assert self.disk is not None

@@ -87,12 +87,22 @@ def _load_stream(device: torch.device) -> torch.cuda.Stream:
         return stream
 
 
+# The checksum recorded for a block stored with the check off (``kv_integrity`` false): not
+# hex, so no real checksum equals it; such a block is installed unchecked.
+UNCHECKED = "unchecked-------"
+
+
 def _verified_install(src: torch.Tensor, expected: str, kv_cache: torch.Tensor,
                       block_id: int) -> str:
     """Copy ``src`` (one block in host memory) into ``kv_cache[block_id]`` if its checksum is
     ``expected``; returns the checksum found (the block is untouched when it differs). On a GPU
     the checksum is taken over the bytes that landed in device memory, and the copy is complete
-    when this returns."""
+    when this returns. ``expected`` UNCHECKED: copied without a check."""
+    if expected == UNCHECKED:
+        kv_cache[block_id].copy_(src)
+        if kv_cache.device.type == "cuda":
+            torch.cuda.current_stream(kv_cache.device).synchronize()
+        return UNCHECKED
     if kv_cache.device.type != "cuda":
         found = payload_checksum([src])
         if found == expected:
@@ -139,7 +149,9 @@ class HostTier:
     each with the checksum of the block last stored in it."""
 
     def __init__(self, block_shape: tuple[int, ...], dtype: torch.dtype, num_slots: int,
-                 pin: bool) -> None:
+                 pin: bool, check: bool = True) -> None:
+        """``check`` False (``kv_integrity`` off): no checksum is taken or checked."""
+        self.check = check
         if num_slots < 1:
             raise ValueError(f"num_slots must be at least 1, got {num_slots}")
         self.block_shape = tuple(int(d) for d in block_shape)
@@ -179,7 +191,8 @@ class HostTier:
             batch_slots = slots_sorted[lo:lo + per_batch]
             ids = torch.tensor(ids_sorted[lo:lo + per_batch], dtype=torch.long, device=device)
             gathered = kv_cache.index_select(0, ids)  # one gather, on the cache's device
-            sums = [payload_checksum([gathered[i]]) for i in range(len(batch_slots))]
+            sums = ([payload_checksum([gathered[i]]) for i in range(len(batch_slots))]
+                    if self.check else [UNCHECKED] * len(batch_slots))
             for slot in batch_slots:  # a load racing this sees "never stored", not old sums
                 self._checksums[slot] = None
             for start, stop in _runs(batch_slots):

@@ -27,7 +27,7 @@ class DisaggSettings:
     kv_lease_ttl_s: float = WORKER_DEFAULTS.kv_lease_ttl_s
     ucx_profile: str = WORKER_DEFAULTS.ucx_profile
     # Generation role: check each pulled payload against the context worker's checksum.
-    kv_integrity: bool = WORKER_DEFAULTS.kv_integrity
+    kv_integrity: bool = True  # (the option's default, an engine option: CacheConfig's)
     # At start-up: test blocks through this worker's backend, pulled by a second process
     # (transfer/linkcheck.py: startup_link_check).
     kv_link_check: bool = WORKER_DEFAULTS.kv_link_check
@@ -61,7 +61,8 @@ class DisaggSettings:
         return cls(role=options.role, cluster_token=cluster_token, backend=backend,
                    host=options.kv_transfer_host or options.host,
                    advertise_host=advertise_host, kv_lease_ttl_s=options.kv_lease_ttl_s,
-                   ucx_profile=options.ucx_profile, kv_integrity=options.kv_integrity,
+                   ucx_profile=options.ucx_profile,
+                   kv_integrity=options.kv_integrity is not False,
                    kv_link_check=options.kv_link_check,
                    kv_peer_allowlist=PeerAllowlist.parse(options.kv_peer_allowlist),
                    otlp_traces_endpoint=otlp_traces_endpoint)
