@@ -188,3 +188,31 @@ def test_no_tier_hit_without_tiers_or_for_prompt_logprobs() -> None:
     s.add_request(Request("C", A_PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=0)))
     out = s.schedule()
     assert out.kv_loads == [] and out.scheduled[0].start_pos == 0
+
+
+@pytest.mark.parametrize("host,disk", [(8, 0), (1, 0), (1, 1), (0, 2)])
+def test_kv_events_count_a_block_cached_while_the_pool_or_a_tier_holds_it(host, disk) -> None:
+    """What a KV-aware router rebuilds from the events equals pool + tiers, whatever moved
+    where: a hash evicted into a tier is not reported removed; one that left the last tier
+    is, then."""
+    tiers = TierIndex(host_slots=host, disk_blocks=disk)
+    s = _evict_a(tiers)
+    s.add_request(_req("C", A_PROMPT))
+    for _ in range(10):  # (loads are not run here: tier_kv_ready by hand)
+        out = s.schedule()
+        tiers.offload(s.kv.take_evicted())
+        for load in out.kv_loads:
+            s.tier_kv_ready(load.request_id, len(load.block_ids))
+        done = s.update_from_output(out, {r.request_id: 7 for r in out.scheduled if r.sample})
+        if any(r.request_id == "C" for r in done):
+            break
+    seen: set[int] = set()
+    for ev in s.kv.take_events():
+        if ev.kind == "stored":
+            seen.update(ev.block_hashes)
+        else:
+            seen.difference_update(ev.block_hashes)
+    pool = {b.block_hash for b in s.kv.pool.blocks if b.block_hash is not None}
+    assert seen == pool | set(tiers.host_order()) | set(tiers.disk_order())
+    h0, _ = hash_token_blocks(A_PROMPT, B)
+    assert h0 in seen  # A's first block: back in the pool or still in a tier

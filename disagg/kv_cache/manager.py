@@ -76,7 +76,29 @@ class KVCacheManager:
         return self.pool.stats()
 
     def take_events(self) -> list[KVCacheEvent]:
-        return self.pool.take_events()
+        """The pool's events; with offload tiers a block counts as cached while the pool or
+        a tier holds it: a ``removed`` hash that went to a tier is left out, and a hash that
+        left the last tier (and is not in the pool) is reported removed then."""
+        events = self.pool.take_events()
+        if self.tiers is None:
+            return events
+        tiers, pool = self.tiers, self.pool
+
+        def gone(h: int) -> bool:
+            return tiers.lookup(h) is None and pool.get_cached_block(h) is None
+
+        out: list[KVCacheEvent] = []
+        for ev in events:
+            if ev.kind == "removed":
+                hashes = [h for h in ev.block_hashes if gone(h)]
+                if hashes:
+                    out.append(KVCacheEvent("removed", hashes))
+            else:
+                out.append(ev)
+        left = [h for h in tiers.take_gone() if gone(h)]
+        if left:
+            out.append(KVCacheEvent("removed", left))
+        return out
 
     def num_free_among(self, block_ids: Sequence[int]) -> int:
         """How many of these blocks are at ref 0: a prefix hit on one takes it out of the free

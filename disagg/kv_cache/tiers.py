@@ -87,6 +87,9 @@ class TierIndex:
         self._free_slots: list[int] = list(range(host_slots - 1, -1, -1))  # pop() -> 0 first
         self._disk: OrderedDict[int, None] = OrderedDict()  # hash, LRU order
         self._pins: dict[int, int] = {}  # hash -> loads in flight
+        # Hashes that left every tier since ``take_gone`` (dropped, discarded): the KV events
+        # report them removed unless the pool holds them.
+        self._gone: list[int] = []
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -117,6 +120,11 @@ class TierIndex:
     def disk_order(self) -> list[int]:
         """Disk entries' hashes, the next dropped first (tests)."""
         return list(self._disk)
+
+    def take_gone(self) -> list[int]:
+        """Hashes that left every tier since the last call, in order."""
+        gone, self._gone = self._gone, []
+        return gone
 
     def stats(self) -> TierStats:
         return TierStats(len(self._host), self.host_capacity, len(self._disk),
@@ -173,9 +181,11 @@ class TierIndex:
         Its host slot is free again; a disk entry's file is the caller's to delete."""
         if block_hash in self._host:
             self._free_slots.append(self._host.pop(block_hash))
+            self._gone.append(block_hash)
             return "host"
         if block_hash in self._disk:
             del self._disk[block_hash]
+            self._gone.append(block_hash)
             return "disk"
         return None
 
@@ -185,6 +195,7 @@ class TierIndex:
         gone = list(self._disk)
         self._disk.clear()
         self.disk_capacity = 0
+        self._gone.extend(gone)
         return gone
 
     # -- internals ---------------------------------------------------------------------------
@@ -201,6 +212,8 @@ class TierIndex:
         if self.disk_capacity and victim not in self._disk and self._make_disk_room(ops):
             self._disk[victim] = None
             ops.append(Demote(slot, victim))
+        elif victim not in self._disk:
+            self._gone.append(victim)
         return slot
 
     def _make_disk_room(self, ops: list[OffloadOp]) -> bool:
@@ -211,4 +224,5 @@ class TierIndex:
                 return False
             del self._disk[victim]
             ops.append(DiskDrop(victim))
+            self._gone.append(victim)
         return True
