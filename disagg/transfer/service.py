@@ -1277,13 +1277,7 @@ class KVTransferClient:
                                     f"{address}'s cache is not mapped here (another host, or "
                                     f"it could not be mapped: see the log and "
                                     f"mapped_fallbacks); {self.device_support[1]}")
-        try:
-            await conn.send_encoded(encode_signed(*session.sign_canonical(msg)))
-            resp = await conn.recv_header()
-        except ProtocolError as e:
-            raise TransferError(PROTOCOL_ERROR, str(e)) from None
-        if not resp.get("ok"):
-            _raise_if_error(resp)
+        resp = await _ask(conn, session, msg)
         if payload is not None:
             if resp.get("nbytes") != msg["nbytes"]:
                 raise TransferError(PROTOCOL_ERROR, f"server announced {resp.get('nbytes')} "
@@ -1318,13 +1312,7 @@ class KVTransferClient:
         conn, session = link.conn, link.session
         wire = {k: v for k, v in msg.items() if k != "parts"}  # no payload, no parts
         wire["mapped"] = True
-        try:
-            await conn.send_encoded(encode_signed(*session.sign_canonical(wire)))
-            resp = await conn.recv_header()
-        except ProtocolError as e:
-            raise TransferError(PROTOCOL_ERROR, str(e)) from None
-        if not resp.get("ok"):
-            _raise_if_error(resp)
+        resp = await _ask(conn, session, wire)
         if resp.get("nbytes") != msg["nbytes"] or resp.get("mapped") is not True:
             raise TransferError(PROTOCOL_ERROR, f"bad answer to a mapped READ: nbytes "
                                 f"{resp.get('nbytes')} (expected {msg['nbytes']}), mapped "
@@ -1350,6 +1338,20 @@ class KVTransferClient:
         except ConnectionClosedError:
             raise _aborted(address) from None
         return resp
+
+
+async def _ask(conn: Connection, session: ClientSession, msg: dict[str, Any]
+               ) -> dict[str, Any]:
+    """Send ``msg`` signed for this connection and read the answer's header; an error answer
+    raises its ``TransferError``, a connection that closed first ``ConnectionClosedError``."""
+    try:
+        await conn.send_encoded(encode_signed(*session.sign_canonical(msg)))
+        resp = await conn.recv_header()
+    except ProtocolError as e:
+        raise TransferError(PROTOCOL_ERROR, str(e)) from None
+    if not resp.get("ok"):
+        _raise_if_error(resp)
+    return resp
 
 
 async def _verify(address: str, trailer: Mapping[str, Any], payload: list[Any]) -> None:
