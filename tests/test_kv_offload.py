@@ -95,7 +95,8 @@ def test_host_then_disk_tier_and_disk_alone(tiny_llama, reference, tmp_path) -> 
                     kv_offload_disk_dir=str(tmp_path / "tier"),
                     kv_offload_disk_gib=_gib(400, block_bytes))
     # the folder was emptied when this worker started: nothing of the last one is served
-    assert [f for f in os.listdir(tmp_path / "tier") if f.endswith(".kv")] == []
+    assert disk_only.engine.offload.disk.folder == str(tmp_path / "tier" / "worker-0")
+    assert [f for f in os.listdir(tmp_path / "tier" / "worker-0") if f.endswith(".kv")] == []
     _, second, cached = _two_rounds(disk_only)
     s = disk_only.engine.stats().kv_offload
     assert second == expected and cached == [48] * 6
@@ -118,7 +119,7 @@ def test_tiers_keep_their_sizes_with_more_prefixes_than_fit(tiny_llama, referenc
         s = llm.engine.stats().kv_offload
         assert s.host_blocks <= 10 and s.disk_blocks <= 20
     assert offload.disk is not None and offload.disk.flush()
-    files = [f for f in os.listdir(tmp_path / "tier") if f.endswith(".kv")]
+    files = [f for f in os.listdir(offload.disk.folder) if f.endswith(".kv")]
     assert len(files) == offload.index.stats().disk_blocks <= 20
     assert llm.generate(_conversations(), PARAMS)[0].outputs[0].token_ids == expected[0]
     llm.engine.shutdown()
@@ -141,9 +142,11 @@ def test_corrupted_host_and_disk_blocks_are_never_served(tiny_llama, reference,
     # change the tokens): the header and the stored checksum stay as they were
     offload.host.data.fill_(7.0)
     payload = block_bytes
-    for name in os.listdir(tmp_path / "tier"):
+    folder = tmp_path / "tier" / "worker-0"
+    assert offload.disk.folder == str(folder)
+    for name in os.listdir(folder):
         if name.endswith(".kv"):
-            path = tmp_path / "tier" / name
+            path = folder / name
             raw = bytearray(path.read_bytes())
             raw[-payload:] = bytes(range(256)) * (payload // 256) + bytes(payload % 256)
             path.write_bytes(bytes(raw))
@@ -177,6 +180,21 @@ def test_a_failing_disk_turns_the_disk_tier_off_and_no_request_fails(
     assert not s.disk_enabled and s.disk_capacity == 0 and s.disk_blocks == 0
     assert s.loaded_host > 0  # the host tier went on
     llm.engine.shutdown()
+
+
+def test_workers_sharing_a_disk_dir_take_a_folder_each(tiny_llama, tmp_path) -> None:
+    """Two workers (a cluster YAML section's instances) given one kv_offload_disk_dir: each
+    takes a worker-N folder no other live one holds; a restart takes a free one again."""
+    opts = dict(kv_cache_tokens=KV_TOKENS, tokens_per_block=B,
+                kv_offload_disk_dir=str(tmp_path / "tier"), kv_offload_disk_gib=0.01)
+    a, b = LLM(tiny_llama, **opts), LLM(tiny_llama, **opts)
+    folders = {a.engine.offload.disk.folder, b.engine.offload.disk.folder}
+    assert folders == {str(tmp_path / "tier" / "worker-0"), str(tmp_path / "tier" / "worker-1")}
+    a.engine.shutdown()
+    c = LLM(tiny_llama, **opts)
+    assert c.engine.offload.disk.folder == str(tmp_path / "tier" / "worker-0")
+    b.engine.shutdown()
+    c.engine.shutdown()
 
 
 def test_bad_tier_options_name_the_field(tiny_llama, tmp_path) -> None:

@@ -17,7 +17,8 @@ Who does what:
   that failed.
 
 Sizes: ``kv_offload_host_gib`` and ``kv_offload_disk_gib`` turned into whole blocks (a
-disk block is its file: header + payload). The disk tier is emptied when the worker
+disk block is its file: header + payload). Workers may share a ``kv_offload_disk_dir``:
+each uses the first ``worker-N`` folder in it that no live worker holds, emptied when it
 starts; when a write fails (disk full) it is dropped with a warning and the worker goes on
 with the host tier alone: no request fails for a tier.
 """
@@ -25,6 +26,7 @@ with the host tier alone: no request fails for a tier.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections import deque
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from disagg.config import CacheConfig, ConfigError
-from disagg.engine.kv_tiers import UNCHECKED, DiskTier, HostTier
+from disagg.engine.kv_tiers import UNCHECKED, DiskTier, FolderInUseError, HostTier
 from disagg.kv_cache.tiers import Demote, DiskDrop, OffloadOp, TierIndex, ToDisk, ToHost
 from disagg.scheduler import KVLoad
 from disagg.transfer.integrity import payload_checksum
@@ -42,6 +44,9 @@ from disagg.transfer.integrity import payload_checksum
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
+# Workers sharing one kv_offload_disk_dir (a cluster YAML section names one for all its
+# instances) each take the first of its worker-N subfolders no live worker holds.
+MAX_DISK_WORKERS = 64
 # Blocks queued for the disk writer at most: past it (a disk slower than the evictions) a
 # block going to disk is dropped instead of held in memory until written.
 MAX_DISK_QUEUE = 256
@@ -74,6 +79,18 @@ class OffloadStats:
     dropped_disk: int = 0  # blocks not written to disk: the writer was too far behind
 
 
+def open_disk_tier(folder: str, block_shape: tuple[int, ...], dtype: torch.dtype) -> DiskTier:
+    """The disk tier in ``folder/worker-N`` for the first N no other live worker holds (its
+    lock); emptied as it opens."""
+    for n in range(MAX_DISK_WORKERS):
+        try:
+            return DiskTier(os.path.join(folder, f"worker-{n}"), block_shape, dtype)
+        except FolderInUseError:
+            continue
+    raise ConfigError(f"kv_offload_disk_dir: {folder}: its {MAX_DISK_WORKERS} worker-N "
+                      f"folders are all in use by other workers")
+
+
 class KVOffload:
     """One worker's offload tiers over its KV cache (module docstring)."""
 
@@ -96,7 +113,7 @@ class KVOffload:
         self.disk: DiskTier | None = None
         disk_blocks = 0
         if cache.kv_offload_disk_dir is not None and cache.kv_offload_disk_gib is not None:
-            disk = DiskTier(cache.kv_offload_disk_dir, block_shape, kv_cache.dtype)
+            disk = open_disk_tier(cache.kv_offload_disk_dir, block_shape, kv_cache.dtype)
             disk_blocks = int(cache.kv_offload_disk_gib * GIB) // disk.file_bytes
             if disk_blocks < 1:
                 disk.close()

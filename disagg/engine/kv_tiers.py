@@ -230,6 +230,10 @@ class HostTier:
         return self.data[slot].clone(), checksum
 
 
+class FolderInUseError(ConfigError):
+    """Another live process holds the disk tier's folder."""
+
+
 # ---- disk -------------------------------------------------------------------------------------
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -315,7 +319,7 @@ class DiskTier:
             os.close(fd)
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 who = f" (pid {holder})" if holder.isdigit() else ""
-                raise ConfigError(
+                raise FolderInUseError(
                     f"kv_offload_disk_dir: {self.folder} is in use by another worker{who}; "
                     "give each worker a folder of its own") from e
             raise ConfigError(f"kv_offload_disk_dir: cannot lock {lock_path}: {e}") from e
