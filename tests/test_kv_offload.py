@@ -123,6 +123,8 @@ def test_tiers_keep_their_sizes_with_more_prefixes_than_fit(tiny_llama, referenc
     assert len(files) == offload.index.stats().disk_blocks <= 20
     assert llm.generate(_conversations(), PARAMS)[0].outputs[0].token_ids == expected[0]
     llm.engine.shutdown()
+    # a clean shutdown deletes the tier's files (a crash leaves them to the next start)
+    assert [f for f in os.listdir(offload.disk.folder) if f.endswith(".kv")] == []
 
 
 def test_corrupted_host_and_disk_blocks_are_never_served(tiny_llama, reference,

@@ -260,7 +260,8 @@ class DiskTier:
     """Blocks as files under a folder this worker owns, written off the engine thread.
 
     The tier is emptied when it starts: every ``*.kv`` file and ``*.kv.tmp`` temporary left in
-    the folder by an earlier run is removed (their blocks' index died with that run). The
+    the folder by an earlier run is removed (their blocks' index died with that run); a clean
+    ``close`` deletes them too. The
     folder is locked (``flock`` on ``.lock``) while the tier is open; a folder another live
     process holds is a ``ConfigError`` naming ``kv_offload_disk_dir``.
     """
@@ -471,7 +472,8 @@ class DiskTier:
 
     def close(self, timeout: float = 10.0) -> None:
         """Drop the writes not yet done, stop the writer (waiting at most ``timeout``
-        seconds) and release the folder. Idempotent."""
+        seconds), delete the tier's files (nothing can use them: the next start empties the
+        folder anyway) and release the folder. Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -482,6 +484,11 @@ class DiskTier:
         if self._writer.is_alive():
             logger.warning("KV disk tier: the writer of %s did not stop within %.0f s",
                            self.folder, timeout)
+        else:
+            try:
+                self._empty_folder()
+            except ConfigError as e:
+                logger.warning("KV disk tier: %s", e)
         self._release_folder()
 
     def __enter__(self) -> DiskTier:
