@@ -65,6 +65,7 @@ from typing import Any
 
 import httpx
 
+from bench.baseline import machine_busy_s, proc_cpu_s
 from disagg.bench.client import make_transport
 from disagg.bench.datasets import load_bench_tokenizer, sample_random
 from disagg.bench.plot import plot_rate_match
@@ -89,25 +90,9 @@ SIZES = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
              max_position_embeddings=2048)
 NAME = "m"
 TOKEN = "bench-disagg-vs-aggregated"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 # --------------------------------------------------------------------------- processes
-
-
-def proc_cpu_s(pid: int) -> float:
-    """utime + stime of a live process (all its threads), seconds."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # fields 14, 15 of stat(5)
-
-
-def machine_busy_s() -> float:
-    """CPU seconds all processes have used since boot (every core), from /proc/stat."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = v[:8]
-    return (user + nice + system + irq + softirq + steal) / CLK_TCK
 
 
 @dataclass

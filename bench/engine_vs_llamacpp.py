@@ -39,8 +39,9 @@ What runs (issue 43's baseline):
   script waits (at most ``--quiet-wait`` s) for a quiet spell of the shared machine and
   records the load and the CPU other processes used during the run.
 
-The module's top level imports the standard library only: its ``--child llamacpp`` and
-``--child quantize`` modes run in llama-cpp-python's venv, where disagg and torch are absent.
+The module's top level imports the standard library only (and ``bench.baseline``, which does
+too): its ``--child llamacpp`` and ``--child quantize`` modes run in llama-cpp-python's venv,
+where disagg and torch are absent.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.baseline import CLK_TCK, machine_busy_s, wait_quiet
+
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_CPP_PYTHON = "0.3.36"  # llama-cpp-python's sdist (its vendored llama.cpp is what runs)
 # The CPU build llama-cpp-python makes by default (shared libraries, native SIMD), plus the
@@ -82,7 +85,6 @@ BUILD_MARKER_VERSION = 1
 # llama_ftype values (llama.h) of the files made for llama.cpp.
 FTYPES = {"F32": 0, "Q8_0": 7, "Q4_1": 3}
 QUANTS = ("F32", "Q8_0", "Q4_1")
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 QUIET_CORES = 0.5  # a run waits for a window in which others use at most this many cores
 QUIET_WINDOW_S = 2.0
 CHILD_TIMEOUT_S = 900.0
@@ -93,30 +95,10 @@ NAME = "smollm2"
 # -- the machine ---------------------------------------------------------------------------------
 
 
-def machine_busy_s() -> float:
-    """CPU seconds all processes have used since boot (every core), from /proc/stat."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = v[:8]
-    return (user + nice + system + irq + softirq + steal) / CLK_TCK
-
-
 def own_cpu_s() -> float:
     """CPU seconds of this process and its reaped children."""
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     return ru.ru_utime + ru.ru_stime + sum(os.times()[:2])
-
-
-def wait_quiet(max_wait_s: float) -> float:
-    """Wait (at most ``max_wait_s``) for a window in which the machine is nearly idle: the
-    seconds waited."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < max_wait_s:
-        b0 = machine_busy_s()
-        time.sleep(QUIET_WINDOW_S)  # a measurement window, not a wait for an event
-        if (machine_busy_s() - b0) / QUIET_WINDOW_S <= QUIET_CORES:
-            break
-    return time.monotonic() - t0
 
 
 def children_of(pid: int) -> list[int]:
@@ -475,7 +457,7 @@ class Run:
 
 def offline_run(sys_: System, repeat: int, a: argparse.Namespace, prompts_file: Path,
                 lc: LlamaCpp | None) -> Run:
-    waited = wait_quiet(a.quiet_wait)
+    waited = wait_quiet(a.quiet_wait, QUIET_CORES, QUIET_WINDOW_S)
     run = Run(sys_.name, repeat, os.getloadavg()[0], waited)
     argv = ["-m", "bench.engine_vs_llamacpp", "--child", sys_.kind, "--model", sys_.model,
             "--prompts", str(prompts_file), "--threads", str(a.threads), "--ctx",
@@ -569,7 +551,7 @@ def serve_run(sys_: System, repeat: int, a: argparse.Namespace, work: list[list[
               logs: Path, lc: LlamaCpp | None) -> ServeRun:
     from disagg import procs
 
-    waited = wait_quiet(a.quiet_wait)
+    waited = wait_quiet(a.quiet_wait, QUIET_CORES, QUIET_WINDOW_S)
     run = ServeRun(sys_.name, repeat, os.getloadavg()[0], waited)
     port = procs.free_port()
     cmd, env = server_cmd(sys_, a, port, lc)

