@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from bench.baseline import machine_busy_s
 from disagg import LLM, SamplingParams
 from disagg.model import kernels
 from disagg.model.loader import load_model
@@ -57,18 +58,6 @@ SHAPES: dict[str, dict[str, Any]] = {
                           moe_intermediate_size=256),
 }
 LAYER_TOKENS = (1, 8, 64, 512)
-
-
-def clock_tick() -> int:
-    return os.sysconf("SC_CLK_TCK")
-
-
-def machine_busy_s() -> float:
-    """CPU seconds every process has used since boot (all cores), from /proc/stat."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = v[:8]
-    return (user + nice + system + irq + softirq + steal) / clock_tick()
 
 
 def own_cpu_s() -> float:

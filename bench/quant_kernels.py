@@ -59,7 +59,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from bench.baseline import cpu_line, git
+from bench.baseline import cpu_line, git, machine_busy_s
 from disagg.model.gguf import default_fetch_dir
 from disagg.model.kernels import small_linear_kernel
 
@@ -637,13 +637,6 @@ def cpu_flags() -> dict[str, bool]:
     except OSError:
         flags = []
     return {name: name in flags for name in CPU_FLAGS}
-
-
-def machine_busy_s() -> float:
-    """CPU seconds all processes have used since boot (all cores), from /proc/stat."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / os.sysconf("SC_CLK_TCK")
 
 
 def own_cpu_s() -> float:
