@@ -1,5 +1,6 @@
 """Helpers for the router tests: an asyncio loop in a thread that serves in-process aiohttp
-apps, the router app of a config on an ephemeral port, and Prometheus samples by label."""
+apps, the router app of a config on an ephemeral port, an in-process worker's app for it, and
+Prometheus samples by label."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from disagg.router.app import build_router_app, start_router
 
 # The cluster token of the router tests' workers (``running_router`` hands it to the router).
 ROUTER_TOKEN = "router-test-secret"
+# In-process workers behind a router (``worker_app``): a small cache, short prompts.
+WORKER_OPTIONS = dict(tokens_per_block=16, kv_cache_tokens=2048, max_model_len=512,
+                      max_num_tokens=256, max_batch_size=8)
 # A dynamic cluster (workers register themselves): fast health checks, one generation worker
 # needed for /health, silent workers dropped after a second.
 DYNAMIC = {"health_check_interval_sec": 0.2, "disagg_cluster": {
@@ -65,6 +69,25 @@ def running_router(config: ClusterConfig | dict[str, Any], loop: LoopThread | No
     finally:
         if own:
             lt.close()
+
+
+def worker_app(model_dir: str, role: str, name: str = "tiny",
+               otlp_traces_endpoint: str | None = None) -> Any:
+    """The HTTP app of a worker of ``role`` (context / generation over TCP, or aggregated) on
+    ``WORKER_OPTIONS``, holding ``ROUTER_TOKEN``; serve it with
+    ``server_fixtures.serve_in_thread``."""
+    from disagg.config import build_engine_config
+    from disagg.engine import AsyncLLM
+    from disagg.kv_connector.settings import DisaggSettings
+    from disagg.server.app import ServerSettings, build_app
+
+    disagg = (DisaggSettings(role=role, cluster_token=ROUTER_TOKEN, backend="TCP",
+                             otlp_traces_endpoint=otlp_traces_endpoint)
+              if role != "aggregated" else None)
+    engine = AsyncLLM(build_engine_config(model_dir, **WORKER_OPTIONS), disagg=disagg)
+    return build_app(engine, ServerSettings(model_dir=model_dir, served_model_name=name,
+                                            role=role, cluster_token=ROUTER_TOKEN,
+                                            otlp_traces_endpoint=otlp_traces_endpoint))
 
 
 def metric(url: str, name: str, **labels: str) -> float:

@@ -32,19 +32,13 @@ import httpx
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from router_fixtures import ROUTER_TOKEN, LoopThread, running_router
+from router_fixtures import LoopThread, running_router, worker_app
 from server_fixtures import serve_in_thread, wait_for
 
-from disagg.config import build_engine_config
 from disagg.deploy import grafana
-from disagg.engine import AsyncLLM
-from disagg.kv_connector.settings import DisaggSettings
-from disagg.server.app import ServerSettings, build_app
 
 REPO = Path(__file__).resolve().parent.parent
 NAME = "tiny"
-OPTIONS = dict(tokens_per_block=16, kv_cache_tokens=2048, max_model_len=512, max_num_tokens=256,
-               max_batch_size=8)
 TARGET_LABELS = {"instance", "job"}  # added by Prometheus to every scraped series
 # The variables at "All" (their allValue), to see that a selector matches live samples.
 ALL = {"$model": ".+", "$instance": ".*", "$role": ".*"}
@@ -378,18 +372,11 @@ def test_the_module_writes_the_folder(tmp_path: Path) -> None:
 # ---- live: router + context + generation (TCP) -----------------------------------------------
 
 
-def _app(model_dir: str, role: str) -> Any:
-    disagg = DisaggSettings(role=role, cluster_token=ROUTER_TOKEN, backend="TCP")
-    engine = AsyncLLM(build_engine_config(model_dir, **OPTIONS), disagg=disagg)
-    return build_app(engine, ServerSettings(model_dir=model_dir, served_model_name=NAME,
-                                            role=role, cluster_token=ROUTER_TOKEN))
-
-
 @pytest.fixture(scope="module")
 def cluster(model_dir: str, loop: LoopThread) -> Iterator[SimpleNamespace]:
     with contextlib.ExitStack() as stack:
-        ctx = stack.enter_context(serve_in_thread(_app(model_dir, "context")))
-        gen = stack.enter_context(serve_in_thread(_app(model_dir, "generation")))
+        ctx = stack.enter_context(serve_in_thread(worker_app(model_dir, "context")))
+        gen = stack.enter_context(serve_in_thread(worker_app(model_dir, "generation")))
         config = {"model": model_dir, "health_check_interval_sec": 0.2,
                   "context_servers": {"urls": [ctx.removeprefix("http://")],
                                       "router": {"type": "kv_cache_aware"}},

@@ -25,19 +25,13 @@ from typing import Any
 
 import httpx
 import pytest
-from router_fixtures import ROUTER_TOKEN, LoopThread, running_router
+from router_fixtures import LoopThread, running_router, worker_app
 from server_fixtures import serve_in_thread, wait_for
 
 from disagg import timing as T
-from disagg.config import build_engine_config
-from disagg.engine import AsyncLLM
-from disagg.kv_connector.settings import DisaggSettings
-from disagg.server.app import ServerSettings, build_app
 
 NAME = "tiny"
 C, CHAT = "/v1/completions", "/v1/chat/completions"
-OPTIONS = dict(tokens_per_block=16, kv_cache_tokens=2048, max_model_len=512, max_num_tokens=256,
-               max_batch_size=8)
 SUM_TOL_S = 5e-4
 CLIENT_SLACK_S = 0.05
 PROMPT = "The harbour was quiet and the boats rocked slowly in the evening light"
@@ -124,20 +118,12 @@ def test_opt_in_words() -> None:
 # ---- live: router + context + generation (TCP), and an aggregated worker ----------------------
 
 
-def _app(model_dir: str, role: str) -> Any:
-    disagg = (DisaggSettings(role=role, cluster_token=ROUTER_TOKEN, backend="TCP")
-              if role != "aggregated" else None)
-    engine = AsyncLLM(build_engine_config(model_dir, **OPTIONS), disagg=disagg)
-    return build_app(engine, ServerSettings(model_dir=model_dir, served_model_name=NAME,
-                                            role=role, cluster_token=ROUTER_TOKEN))
-
-
 @pytest.fixture(scope="module")
 def cluster(model_dir: str, loop: LoopThread) -> Iterator[SimpleNamespace]:
     with contextlib.ExitStack() as stack:
-        ctx = stack.enter_context(serve_in_thread(_app(model_dir, "context")))
-        gen = stack.enter_context(serve_in_thread(_app(model_dir, "generation")))
-        agg = stack.enter_context(serve_in_thread(_app(model_dir, "aggregated")))
+        ctx = stack.enter_context(serve_in_thread(worker_app(model_dir, "context")))
+        gen = stack.enter_context(serve_in_thread(worker_app(model_dir, "generation")))
+        agg = stack.enter_context(serve_in_thread(worker_app(model_dir, "aggregated")))
         config = {"model": model_dir, "health_check_interval_sec": 0.2,
                   "context_servers": {"urls": [ctx.removeprefix("http://")]},
                   "generation_servers": {"urls": [gen.removeprefix("http://")]}}

@@ -30,22 +30,16 @@ from typing import Any
 
 import httpx
 import pytest
-from router_fixtures import ROUTER_TOKEN, LoopThread, running_router
+from router_fixtures import LoopThread, running_router, worker_app
 from server_fixtures import serve_in_thread, wait_for
 
 from bench.otlp_receiver import Receiver, Span
 from disagg import timing as T
 from disagg import tracing
-from disagg.config import build_engine_config
 from disagg.contracts.cluster import RouterConfigError, parse_cluster_config
-from disagg.engine import AsyncLLM
-from disagg.kv_connector.settings import DisaggSettings
-from disagg.server.app import ServerSettings, build_app
 
 NAME = "tiny"
 CHAT = "/v1/chat/completions"
-OPTIONS = dict(tokens_per_block=16, kv_cache_tokens=2048, max_model_len=512, max_num_tokens=256,
-               max_batch_size=8)
 PROMPT = "The harbour was quiet and the boats rocked slowly in the evening light"
 DUR_TOL_S = 5e-6  # the breakdown's 1 us rounding, the spans' ns
 CLOCK_TOL_S = 1e-3
@@ -157,15 +151,6 @@ def test_off_imports_nothing_of_opentelemetrys_sdk() -> None:
 # ---- live: router + context + generation (TCP), spans to a receiver ----------------------------
 
 
-def _app(model_dir: str, role: str, endpoint: str) -> Any:
-    disagg = DisaggSettings(role=role, cluster_token=ROUTER_TOKEN, backend="TCP",
-                            otlp_traces_endpoint=endpoint)
-    engine = AsyncLLM(build_engine_config(model_dir, **OPTIONS), disagg=disagg)
-    return build_app(engine, ServerSettings(model_dir=model_dir, served_model_name=NAME,
-                                            role=role, cluster_token=ROUTER_TOKEN,
-                                            otlp_traces_endpoint=endpoint))
-
-
 @pytest.fixture(scope="module")
 def cluster(model_dir: str, loop: LoopThread) -> Iterator[SimpleNamespace]:
     with contextlib.ExitStack() as stack, pytest.MonkeyPatch.context() as mp:
@@ -174,8 +159,9 @@ def cluster(model_dir: str, loop: LoopThread) -> Iterator[SimpleNamespace]:
         mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "20")  # ms: the batches go out at once
         receiver = stack.enter_context(Receiver())
         stack.callback(tracing.close_all, receiver.url)  # (before the receiver closes)
-        ctx = stack.enter_context(serve_in_thread(_app(model_dir, "context", receiver.url)))
-        gen = stack.enter_context(serve_in_thread(_app(model_dir, "generation", receiver.url)))
+        ctx, gen = (stack.enter_context(serve_in_thread(worker_app(
+            model_dir, role, otlp_traces_endpoint=receiver.url)))
+            for role in ("context", "generation"))
         config = {"model": model_dir, "health_check_interval_sec": 0.2,
                   "otlp_traces_endpoint": receiver.url,
                   "context_servers": {"urls": [ctx.removeprefix("http://")]},
