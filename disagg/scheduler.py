@@ -279,28 +279,29 @@ class Scheduler:
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish a request from outside (a stop string, an abort, an error): frees its blocks,
-        or moves them to ``draining`` when its KV was being pulled. Returns it, or None if it
-        is unknown or already finished. An entry of it in a plan already handed out is ignored
-        by ``update_from_output``."""
+        or moves them to ``draining`` when its KV was being pulled or copied back from a tier.
+        Returns it, or None if it is unknown or already finished. An entry of it in a plan
+        already handed out is ignored by ``update_from_output``."""
         if not status.finished:
             raise ValueError(f"{status} is not a finished status")
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        fetching = False
+        # a pull (remote KV) or a tier load may still write into its blocks
+        being_written = False
         loading = self.loading.pop(request_id, None)
         if req.status == RequestStatus.RUNNING:
             _remove_identical(self.running, req)
         elif loading is not None:
             assert self.kv.tiers is not None
             self.kv.tiers.unpin(loading[1].block_hashes)
-            fetching = True  # the copies may still write into its blocks
+            being_written = True
         elif self.fetching.pop(request_id, None) is None:
             _remove_identical(self.waiting, req)
         else:
-            fetching = True
+            being_written = True
         req.status = status  # before kv.free: a finished request's hash chain is dropped
-        if fetching:  # the transfer may still write into them: not reusable yet
+        if being_written:  # not reusable until the writer stopped (release_draining)
             self.draining[request_id] = self.kv.detach(req)
         else:
             self.kv.free(req)
