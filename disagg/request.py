@@ -164,6 +164,9 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None
+    # WAITING_FOR_REMOTE_KV: the prompt positions [0, remote_tokens) whose KV is pulled (a
+    # peer's prefix, the rest computed here); None: the whole prompt (a generation_only pull).
+    remote_tokens: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

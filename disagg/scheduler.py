@@ -8,7 +8,8 @@ One call to ``schedule`` plans one model step (an iteration):
    a request whose KV comes from another worker (WAITING_FOR_REMOTE_KV) takes its place in the
    same queue: it gets blocks for its prompt and is listed in ``kv_fetches``; the engine's KV
    connector pulls the KV and the engine calls ``remote_kv_ready``, after which the request
-   decodes like any other;
+   decodes like any other (a peer's prefix, ``Request.remote_tokens``: blocks for those tokens,
+   and after ``remote_kv_ready`` it prefills the rest; ``remote_kv_failed``: all of it);
    a request whose prefix chain goes on in the offload tiers after the pool's hits
    (WAITING_FOR_TIER_KV) gets blocks for those too and is listed in ``kv_loads``; the engine
    copies them back and calls ``tier_kv_ready``, after which it prefills the rest;
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field, replace
 
 from disagg.config import CapacityPolicy, SchedulerConfig
 from disagg.kv_cache.manager import KVCacheManager
-from disagg.request import Request, RequestStatus
+from disagg.request import Request, RequestStatus, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -193,6 +194,7 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.prefix_cache_queries_tokens = 0
         self.prefix_cache_hit_tokens = 0
+        self.peer_prefix_tokens = 0  # prompt tokens whose KV was pulled from a peer's cache
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -321,17 +323,50 @@ class Scheduler:
 
     def remote_kv_ready(self, request_id: str, cache: bool = True) -> None:
         """The prompt KV of a fetching request is in its blocks: it decodes from the next step
-        (its last sampled token, from the context worker, is the one token left to compute).
-        ``cache=False``: the blocks' contents are not the prompt's (benchmark gen-only), so
-        they must never serve a prefix hit."""
+        (its last sampled token, from the context worker, is the one token left to compute);
+        a peer's prefix (``remote_tokens``): it prefills the rest from the next step.
+        ``cache=False``: the blocks' contents are not the prompt's (benchmark gen-only), or
+        not vouched for (an unsigned pull), so they must never serve a prefix hit."""
         req = self.fetching.pop(request_id)
-        req.num_computed_tokens = req.num_prompt_tokens
+        if req.remote_tokens is None:
+            req.num_computed_tokens = req.num_prompt_tokens
+        else:
+            req.num_computed_tokens = req.num_cached_tokens = req.remote_tokens
+            self.peer_prefix_tokens += req.remote_tokens
         if cache:
             self.kv.cache_blocks(req, req.num_computed_tokens)
         else:
             self.kv.never_cache(req)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
+
+    def remote_kv_failed(self, request_id: str) -> None:
+        """A fetching request's pull of a peer's prefix failed (it ended: nothing writes its
+        blocks any more): it computes the whole prompt in the blocks it holds, from the next
+        step. (A whole-prompt pull that fails fails its request instead.)"""
+        req = self.fetching.pop(request_id)
+        if req.remote_tokens is None:
+            raise ValueError(f"{request_id}: not a prefix pull")
+        req.remote_tokens = None
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def lease_prefix(self, lease_id: str, token_ids: list[int]) -> list[int]:
+        """Hold the pool blocks that cache the leading full blocks of ``token_ids`` (at most
+        ``(len - 1) // B`` of them: the asker computes at least the last token) under
+        ``lease_id`` in ``held``, for a peer to pull (``release_held`` frees them). Returns
+        their ids, tokens ``[0, len * B)``; empty (nothing held) on no hit."""
+        if lease_id in self.held or lease_id in self.requests:
+            raise ValueError(f"{lease_id!r} is in use")
+        probe = Request(lease_id, list(token_ids), SamplingParams())
+        hits, _ = self.kv.get_computed_blocks(probe)
+        if hits:
+            self.kv.allocate_slots(probe, 0, hits)  # references them: never evicted meanwhile
+        blocks = self.kv.detach(probe)  # (also drops the probe's hashes)
+        if blocks:
+            self.held[lease_id] = blocks
+        return blocks
 
     def tier_kv_ready(self, request_id: str, num_loaded: int) -> None:
         """The first ``num_loaded`` blocks of a loading request's ``KVLoad`` are in place
@@ -454,7 +489,8 @@ class Scheduler:
                     need = self.kv.blocks_needed(self.lifetime_tokens(req))
                     if self.kv.num_free_blocks - promised < need:
                         break
-                if self.kv.allocate_slots(req, req.num_prompt_tokens) is None:
+                remote = req.num_prompt_tokens if req.remote_tokens is None else req.remote_tokens
+                if self.kv.allocate_slots(req, remote) is None:
                     break
                 self.waiting.popleft()
                 req.num_cached_tokens = max(req.num_cached_tokens, 0)
@@ -462,7 +498,7 @@ class Scheduler:
                 if self.no_evict:
                     promised += self._unallocated_lifetime_blocks(req)
                 st.fetches.append(KVFetch(req.request_id, self.kv.block_ids(req.request_id),
-                                          req.num_prompt_tokens))
+                                          remote))
                 continue
             if st.num_scheduled >= max_batch or st.token_budget < 1:
                 break

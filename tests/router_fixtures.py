@@ -72,18 +72,19 @@ def running_router(config: ClusterConfig | dict[str, Any], loop: LoopThread | No
 
 
 def worker_app(model_dir: str, role: str, name: str = "tiny",
-               otlp_traces_endpoint: str | None = None) -> Any:
-    """The HTTP app of a worker of ``role`` (context / generation over TCP, or aggregated) on
-    ``WORKER_OPTIONS``, holding ``ROUTER_TOKEN``; serve it with
-    ``server_fixtures.serve_in_thread``."""
+               otlp_traces_endpoint: str | None = None, kv_peer_reuse: bool = False) -> Any:
+    """The HTTP app of a worker of ``role`` (context / generation over TCP, or aggregated;
+    ``kv_peer_reuse``: any role over TCP) on ``WORKER_OPTIONS``, holding ``ROUTER_TOKEN``;
+    serve it with ``server_fixtures.serve_in_thread``."""
     from disagg.config import build_engine_config
     from disagg.engine import AsyncLLM
     from disagg.kv_connector.settings import DisaggSettings
     from disagg.server.app import ServerSettings, build_app
 
     disagg = (DisaggSettings(role=role, cluster_token=ROUTER_TOKEN, backend="TCP",
-                             otlp_traces_endpoint=otlp_traces_endpoint)
-              if role != "aggregated" else None)
+                             otlp_traces_endpoint=otlp_traces_endpoint,
+                             kv_peer_reuse=kv_peer_reuse)
+              if role != "aggregated" or kv_peer_reuse else None)
     engine = AsyncLLM(build_engine_config(model_dir, **WORKER_OPTIONS), disagg=disagg)
     return build_app(engine, ServerSettings(model_dir=model_dir, served_model_name=name,
                                             role=role, cluster_token=ROUTER_TOKEN,

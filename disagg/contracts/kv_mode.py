@@ -23,6 +23,12 @@ variant            wire (request_type, ...)    what the worker does
 Whether a context request's blocks are leased also depends on the client's ``max_tokens``
 (one token is final: nothing is leased); that is not the mode's business and travels beside it.
 ``RequestType`` stays the word on the wire; the mode is what the worker made of it.
+
+Beside the mode, also not a variant: a ``PrefixPull`` (the request's top-level ``kv_prefix``,
+issue 41): the KV of the prompt's first tokens is cached on a peer worker, which leased it
+(``POST /kv_prefix``); this worker pulls it instead of computing it, then computes the rest.
+It goes with ``Local`` and ``ContextOnly`` requests (an ordinary request on any role, a
+context worker's prefill), never with a ``Pull`` (that pulls the whole prompt already).
 """
 
 from __future__ import annotations
@@ -97,5 +103,22 @@ class Dummy:
 
 
 KVMode = Local | ContextOnly | ContextStream | Pull | Dummy
+
+
+@dataclass(frozen=True)
+class PrefixPull:
+    """KV of the prompt's first ``params.num_tokens`` tokens, leased by a peer worker
+    (``params.prompt_token_ids`` are those tokens, a proper prefix of the prompt; the lease id
+    is ``params.ctx_request_id``). The worker pulls it into the request's first blocks and
+    computes the rest; when its own prefix cache holds as much it gives the lease back instead;
+    a failed pull is not the request's failure: it computes the prefix itself. ``trusted`` as
+    for ``Pull``: signed by the cluster, the pulled KV may serve other requests' prefix hits."""
+
+    params: ContextParams
+    trusted: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return self.params.num_tokens
 
 LOCAL = Local()

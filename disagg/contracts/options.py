@@ -200,6 +200,11 @@ class WorkerOptions:
     kv_lease_ttl_s: float = _option(
         30.0, float, "seconds a context worker keeps a request's KV for the generation worker",
         metavar="S", flag="--kv-lease-ttl", yaml_aliases=("kv_lease_ttl",))
+    kv_peer_reuse: bool = _option(
+        False, bool, "KV prefix reuse across workers: lease this worker's cached prefixes to "
+        "peers (POST /kv_prefix) and pull a peer's when the router names one (a request's "
+        "kv_prefix) instead of recomputing it; any role (an aggregated worker then runs a "
+        "KV transfer server too)")
     kv_link_check: bool = _option(
         False, bool, "at start-up, serve test blocks of this worker's KV layout (2048 tokens, "
         "128-256 MiB) through its KV transfer backend on its KV address and pull them in a "

@@ -127,15 +127,18 @@ class ContextParams:
         }
 
     @classmethod
-    def from_dict(cls, d: Any, prompt_token_ids: list[int] | None = None) -> ContextParams:
+    def from_dict(cls, d: Any, prompt_token_ids: list[int] | None = None,
+                  prefix: bool = False) -> ContextParams:
         """Validate what a client sent; ``prompt_token_ids`` may come from the request body.
-        ``DisaggParamsError`` names the field (``disaggregated_params.<field>: ...``)."""
+        ``DisaggParamsError`` names the field (``disaggregated_params.<field>: ...``).
+        ``prefix``: a peer's prefix lease (``kv_prefix``): no first token (KV only)."""
         if not isinstance(d, dict):
             raise DisaggParamsError("disaggregated_params: must be an object")
         f = {name: _field(d, name, kind) for name, kind in FIELD_TYPES.items()}
         first = _int_list("first_gen_tokens", f["first_gen_tokens"])
-        if not first:
-            raise DisaggParamsError("disaggregated_params.first_gen_tokens: must not be empty")
+        if bool(first) == prefix:
+            raise DisaggParamsError("disaggregated_params.first_gen_tokens: " + (
+                "must be empty in a prefix lease" if prefix else "must not be empty"))
         backend, layout, addresses = _transport(f, "")
         prompt = prompt_token_ids if prompt_token_ids is not None else d.get("prompt_token_ids")
         prompt_ids = _int_list("prompt_token_ids", prompt)

@@ -228,6 +228,9 @@ class _Request(NullIsAbsent):
     prompt_logprobs: StrictInt | None = None  # vLLM extension: logprobs of the prompt tokens
     # Disaggregated serving (router -> worker): {request_type, ...ContextParams}; see README.
     disaggregated_params: dict[str, Any] | None = None
+    # Peer prefix reuse (router -> worker, signed): a peer's prefix lease to pull (``POST
+    # /kv_prefix``'s answer, a ContextParams object without a first token); see README.
+    kv_prefix: dict[str, Any] | None = None
     # This project's: the answer carries the request's phase breakdown (disagg/timing.py).
     timing: StrictBool = False
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older

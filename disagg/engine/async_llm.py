@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from disagg.config import EngineConfig, build_engine_config
-from disagg.contracts.kv_mode import LOCAL, ContextOnly, KVMode, Pull
+from disagg.contracts.kv_mode import LOCAL, ContextOnly, KVMode, PrefixPull, Pull
 from disagg.contracts.params import ContextParams, LeaseRef
 from disagg.contracts.roles import Role, RoleDrain
 from disagg.engine.admission import context_only_params
@@ -47,6 +47,15 @@ class _Add:
     prompt: str | None
     arrival_time: float
     mode: KVMode
+    prefix: PrefixPull | None = None
+
+
+@dataclass(frozen=True)
+class _LeasePrefix:
+    """AsyncLLM command: ``LLMEngine.lease_prefix`` (a peer asks for cached KV)."""
+
+    token_ids: list[int]
+    result: cf.Future[ContextParams | None]
 
 
 @dataclass(frozen=True)
@@ -171,10 +180,12 @@ class AsyncLLM:
         params: SamplingParams,
         prompt: str | None = None,
         mode: KVMode = LOCAL,
+        prefix: PrefixPull | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Queue a request (``mode``: its disaggregation mode, ``contracts/kv_mode.py``) and
-        yield its outputs until the finished one. Refusals (bad input, queue full, engine
-        down) raise before the first output; a pulled request's lease is released then."""
+        """Queue a request (``mode``: its disaggregation mode, ``contracts/kv_mode.py``;
+        ``prefix``: a peer's prefix lease to pull) and yield its outputs until the finished
+        one. Refusals (bad input, queue full, engine down) raise before the first output; a
+        pulled request's lease (and a prefix lease) is released then."""
         try:
             if not self.is_healthy():
                 raise EngineDeadError(f"engine is not running: {self._error!r}")
@@ -190,6 +201,8 @@ class AsyncLLM:
         except BaseException:
             if isinstance(mode, Pull):  # refused: the context worker must not hold the KV
                 self.release_remote(mode.params)
+            if prefix is not None:
+                self.release_remote(prefix.params)
             raise
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
@@ -199,7 +212,7 @@ class AsyncLLM:
             self._sinks[request_id] = (loop, sink)
             self._pending_adds += 1
         self._cmds.put(_Add(request_id, list(prompt_token_ids), params, prompt,
-                            time.monotonic(), mode))
+                            time.monotonic(), mode, prefix))
         self._wake.set()
         finished = False
         try:
@@ -229,6 +242,16 @@ class AsyncLLM:
         self._cmds.put(_ReleaseLease(lease_id))
         self._wake.set()
         return True
+
+    async def lease_prefix(self, token_ids: list[int]) -> ContextParams | None:
+        """Lease the cached KV of ``token_ids``' leading full blocks for a peer (the engine
+        thread does it between steps): its params, or None when none is cached."""
+        if not self.is_healthy():
+            raise EngineDeadError(f"engine is not running: {self._error!r}")
+        cmd = _LeasePrefix(list(token_ids), cf.Future())
+        self._cmds.put(cmd)
+        self._wake.set()
+        return await asyncio.wrap_future(cmd.result)
 
     async def abort(self, request_id: str) -> None:
         self._cmds.put(_Abort(request_id))
@@ -293,7 +316,7 @@ class AsyncLLM:
                 try:
                     self.engine.add_request(
                         cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.prompt,
-                        cmd.arrival_time, mode=cmd.mode)
+                        cmd.arrival_time, mode=cmd.mode, prefix=cmd.prefix)
                 except Exception as e:  # validation raced with a config change, queue full, ...
                     if isinstance(cmd.mode, Pull):
                         self.release_remote(cmd.mode.params)
@@ -307,6 +330,12 @@ class AsyncLLM:
                     # away: the answer naming the lease is never read.
                     logger.info("request %s: its answer was not read: lease released",
                                 cmd.request_id)
+            elif isinstance(cmd, _LeasePrefix):
+                if cmd.result.set_running_or_notify_cancel():
+                    try:
+                        cmd.result.set_result(self.engine.lease_prefix(cmd.token_ids))
+                    except Exception as e:
+                        cmd.result.set_exception(e)
             elif isinstance(cmd, _SwitchRole):
                 if not cmd.started.set_running_or_notify_cancel():
                     pass  # the server gave up waiting for this turn: not started

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from disagg.config import EngineConfig
-    from disagg.contracts.kv_mode import KVMode
+    from disagg.contracts.kv_mode import KVMode, PrefixPull
     from disagg.contracts.params import ContextParams, LeaseRef
     from disagg.contracts.roles import Role, RoleDrain
     from disagg.engine.outputs import EngineStats, RequestOutput
@@ -83,10 +83,11 @@ class EngineClient(Protocol):
     # ---- requests ----------------------------------------------------------------------------
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 prompt: str | None = None, mode: KVMode = ...
-                 ) -> AsyncIterator[RequestOutput]:
+                 prompt: str | None = None, mode: KVMode = ...,
+                 prefix: PrefixPull | None = None) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs until the finished one (refusals raise
-        before the first: ``QueueFullError``, ``EngineDeadError``, ValueError)."""
+        before the first: ``QueueFullError``, ``EngineDeadError``, ValueError). ``prefix``:
+        a peer's prefix lease to pull (given back on every path)."""
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (its blocks are freed; its generator ends with an aborted output)."""
@@ -95,6 +96,10 @@ class EngineClient(Protocol):
 
     def release_lease(self, lease_id: str) -> bool:
         """End a context lease now (thread-safe); True if it was live."""
+
+    async def lease_prefix(self, token_ids: list[int]) -> ContextParams | None:
+        """Lease the cached KV of ``token_ids``' leading full blocks for a peer
+        (``kv_peer_reuse``): its params, or None when none is cached."""
 
     def release_remote(self, lease: ContextParams | LeaseRef) -> None:
         """Give back the context lease of a generation_only request refused before the engine

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -21,7 +22,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 
 from disagg.config import EngineConfig, build_engine_config
-from disagg.contracts.kv_mode import LOCAL, Dummy, KVMode, Local, Pull
+from disagg.contracts.kv_mode import LOCAL, ContextOnly, Dummy, KVMode, Local, PrefixPull, Pull
+from disagg.contracts.params import ContextParams
 from disagg.contracts.roles import RoleDrain
 from disagg.engine.admission import context_only_params, validate_request, validate_resumed
 from disagg.engine.errors import QueueFullError
@@ -114,6 +116,8 @@ class LLMEngine:
         self._async_scheduling = (config.device.startswith("cuda") if asched is None
                                   else asched)
         self._inflight: _InFlight | None = None
+        # Peer prefix reuse (kv_peer_reuse): leases made for peers, pulls done and failed.
+        self.peer_prefix_leases = self.peer_prefix_pulls = self.peer_prefix_failed = 0
         self.connector: KVConnector | None = None  # None: an aggregated worker
         if disagg is not None:
             try:
@@ -143,6 +147,7 @@ class LLMEngine:
         prompt: str | None = None,
         arrival_time: float | None = None,
         mode: KVMode = LOCAL,
+        prefix: PrefixPull | None = None,
     ) -> None:
         """Queue a request. ``mode`` (``contracts/kv_mode.py``): where its prompt KV comes from
         and where it goes. A context mode prefills and samples one token only; unless that
@@ -150,7 +155,27 @@ class LLMEngine:
         generation worker. ``Pull``: a generation-only request whose prompt KV is pulled from
         the context worker its params name (into the prefix cache only when ``trusted``).
         ``Dummy``: decode as if the prompt's KV were in place (a benchmarking aid).
-        ``Local.resumed``: a migrated request, its outputs so far given (recomputed here)."""
+        ``Local.resumed``: a migrated request, its outputs so far given (recomputed here).
+        ``prefix``: a peer leased the KV of the prompt's first tokens (``PrefixPull``): pulled
+        instead of computed, unless this worker's own cache holds as much (then the lease
+        goes back at once). Its lease goes back on every path, a refusal's (raise) included."""
+        give_back = prefix is not None and self.connector is not None
+        if request_id in self._states:
+            if give_back:
+                self.connector.release_remote(prefix.params)  # type: ignore[union-attr]
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        try:
+            self._add_request(request_id, prompt_token_ids, params, prompt, arrival_time, mode,
+                              prefix)
+        except BaseException:
+            # (this request's state, if it got one: its prefix was handed over or not)
+            if give_back and ((st := self._states.get(request_id)) is None or st.prefix is None):
+                self.connector.release_remote(prefix.params)  # type: ignore[union-attr]
+            raise
+
+    def _add_request(self, request_id: str, prompt_token_ids: list[int],
+                     params: SamplingParams, prompt: str | None, arrival_time: float | None,
+                     mode: KVMode, prefix: PrefixPull | None) -> None:
         if request_id in self._states:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         ctx_params = params if mode.is_context else None
@@ -176,6 +201,9 @@ class LLMEngine:
         if params.structured is not None:
             st.matcher = new_matcher(self.grammars, req, replay=isinstance(mode, Pull) or (
                 isinstance(mode, Local) and bool(mode.resumed)))
+        if prefix is not None and self._use_prefix(req, mode, prefix):
+            req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+            req.remote_tokens = prefix.num_tokens
         self._states[request_id] = st
         self.scheduler.add_request(req)
         if self.connector is None:
@@ -184,6 +212,28 @@ class LLMEngine:
         lease = ctx_params is not None and ctx_params.max_tokens > 1
         if self.connector.add_request(request_id, mode, lease) and not req.is_finished():
             self.scheduler.hold_blocks_on_finish(request_id)
+        if prefix is not None:
+            if req.remote_tokens is None or req.is_finished():
+                self.connector.release_remote(prefix.params)  # not pulled: given back now
+            else:
+                st.prefix = prefix
+                self.connector.add_prefix(request_id, prefix.params)
+
+    def _use_prefix(self, req: Request, mode: KVMode, prefix: PrefixPull) -> bool:
+        """Whether ``req`` pulls the peer's prefix: a ``Local`` or ``ContextOnly`` request
+        that scores no prompt tokens, whose prompt goes on after the prefix, and whose own
+        prefix cache holds less. ValueError for a prefix that is not this prompt's."""
+        if self.connector is None:
+            raise ValueError("kv_prefix: this worker cannot pull KV (no kv_peer_reuse)")
+        n = prefix.num_tokens
+        if not 0 < n < req.num_prompt_tokens or (
+                req.prompt_token_ids[:n] != list(prefix.params.prompt_token_ids)):
+            raise ValueError("kv_prefix.prompt_token_ids: not a leading part of this prompt")
+        if not isinstance(mode, (Local, ContextOnly)) or (
+                req.sampling_params.prompt_logprobs is not None):
+            return False  # (prompt logprobs need every prompt position computed here)
+        _, own = self.kv.get_computed_blocks(req)
+        return own < n
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort and free the request's blocks now; returns its final output, if it existed."""
@@ -213,6 +263,24 @@ class LLMEngine:
         """Engine thread: end a context lease now (the router gave up on the answer)."""
         return self.connector is not None and self.connector.release_lease(lease_id)
 
+    def lease_prefix(self, token_ids: list[int]) -> ContextParams | None:
+        """Engine thread (``POST /kv_prefix``): lease the pool blocks that cache the leading
+        full blocks of ``token_ids`` for a peer to pull; their params, or None when none is
+        cached. The blocks stay referenced (never evicted) until the lease ends."""
+        if self.connector is None:
+            raise ValueError("kv_prefix: this worker has no KV transfer (no kv_peer_reuse)")
+        lease_id = f"prefix-{uuid.uuid4().hex}"
+        blocks = self.scheduler.lease_prefix(lease_id, token_ids)
+        if not blocks:
+            return None
+        try:
+            params = self.connector.lease_prefix(lease_id, token_ids, blocks)
+        except BaseException:
+            self.scheduler.release_held(lease_id)
+            raise
+        self.peer_prefix_leases += 1
+        return params
+
     def service_transfers(self) -> list[RequestOutput]:
         """Engine thread, never blocks: free blocks of ended leases, expire leases, start
         decoding requests whose pulled KV is in place, fail requests whose pull failed; and
@@ -230,9 +298,19 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         for rid in done.loaded:
             st = self._states.get(rid)
-            if st is not None:
+            if st is not None and st.prefix is not None:  # a peer's prefix: prefill the rest
+                self.scheduler.remote_kv_ready(rid, cache=st.prefix.trusted)
+                self.peer_prefix_pulls += 1
+                st.prefix = None
+            elif st is not None:
                 st.metrics.kv_poll_time = polled
                 outputs.append(self._kv_in_place(st, done.first.get(rid)))
+        for rid, error in done.prefix_failed:
+            logger.warning("request %s: %s; it computes that prefix itself", rid, error)
+            self.scheduler.remote_kv_failed(rid)
+            self.peer_prefix_failed += 1
+            if (st := self._states.get(rid)) is not None:
+                st.prefix = None
         for rid, error in done.failed:
             logger.warning("request %s: %s", rid, error)
             outputs.extend(self._fail_requests([rid], error))
@@ -767,6 +845,10 @@ class LLMEngine:
             spec_num_accepted_tokens=self.spec_counters.num_accepted_tokens,
             spec_accepted_per_pos=tuple(self.spec_counters.accepted_per_pos),
             kv_offload=self.offload.stats() if self.offload is not None else None,
+            peer_prefix_leases=self.peer_prefix_leases,
+            peer_prefix_pulls=self.peer_prefix_pulls,
+            peer_prefix_failed=self.peer_prefix_failed,
+            peer_prefix_tokens=self.scheduler.peer_prefix_tokens,
         )
 
 

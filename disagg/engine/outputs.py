@@ -96,3 +96,9 @@ class EngineStats:
     spec_accepted_per_pos: tuple[int, ...] = ()
     # Offload tiers (``engine/kv_offload.py``'s ``OffloadStats``); None: no tier configured.
     kv_offload: Any = None
+    # Peer prefix reuse (kv_peer_reuse): prefix leases made for peers, pulls of a peer's
+    # prefix done and failed (computed instead), and the prompt tokens those pulls brought.
+    peer_prefix_leases: int = 0
+    peer_prefix_pulls: int = 0
+    peer_prefix_failed: int = 0
+    peer_prefix_tokens: int = 0

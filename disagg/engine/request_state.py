@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from disagg.contracts.kv_mode import LOCAL, Dummy, KVMode, Local, Pull
+from disagg.contracts.kv_mode import LOCAL, Dummy, KVMode, Local, PrefixPull, Pull
 from disagg.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from disagg.kv_connector.errors import KVTransferError
 from disagg.request import Request, RequestStatus, SamplingParams
@@ -48,6 +48,8 @@ class RequestState:
     prompt_ranks: list[int | None] | None = None
     # Structured outputs: where the output is in its grammar (None: unconstrained).
     matcher: Matcher | None = None
+    # A peer's prefix this request pulls (``kv_mode.PrefixPull``); None once given back.
+    prefix: PrefixPull | None = None
 
     @classmethod
     def new(cls, req: Request, tokenizer: Tokenizer, prompt: str | None,

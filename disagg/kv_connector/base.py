@@ -100,9 +100,13 @@ class FinishedTransfers:
     # Requests that ended while their KV was arriving, whose transfer can no longer write
     # into their blocks on any rank: the engine frees those blocks now.
     loads_stopped: list[str] = field(default_factory=list)
+    # Requests whose pull of a peer's prefix (``add_prefix``) failed, every rank's reads
+    # ended and the lease given back: they compute the prefix themselves.
+    prefix_failed: list[tuple[str, KVTransferError]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.leases_ended or self.loaded or self.failed or self.loads_stopped)
+        return bool(self.leases_ended or self.loaded or self.failed or self.loads_stopped
+                    or self.prefix_failed)
 
 
 class KVConnector(ABC):
@@ -124,6 +128,24 @@ class KVConnector(ABC):
         client asked for more than its first token, whose blocks go under a lease if it
         finishes by length. Returns True if the scheduler must hold its blocks when it finishes
         by length (see the block rule in the module docstring)."""
+
+    @abstractmethod
+    def add_prefix(self, request_id: str, params: ContextParams) -> None:
+        """After ``add_request``: the request (``Local`` or ``ContextOnly``) pulls the KV of
+        its first ``params.num_tokens`` prompt tokens from the peer's prefix lease ``params``
+        names (``kv_mode.PrefixPull``), through ``start_load`` as a pull; once in place it is
+        reported in ``loaded`` (no first token: the request computes the rest), a failure in
+        ``prefix_failed`` (never ``failed``: the request computes the prefix). The lease goes
+        back on every path, as a pull's. A context request's own lease (``add_request``
+        answered True) is made as usual once it finishes."""
+
+    @abstractmethod
+    def lease_prefix(self, lease_id: str, token_ids: list[int], block_ids: list[int]
+                     ) -> ContextParams:
+        """Put ``block_ids`` (held by the scheduler under ``lease_id``: the cached blocks of
+        ``token_ids``' first ``len(block_ids)`` blocks) under a lease for a peer to pull
+        (``POST /kv_prefix``); the params name them (no first token). Its end comes through
+        ``get_finished`` (``leases_ended``) like a context lease's. Engine thread."""
 
     @abstractmethod
     def request_finished(self, request: Request, held_blocks: list[int] | None,

@@ -45,6 +45,7 @@ from disagg.contracts.kv_mode import ContextOnly, ContextStream, KVMode, Pull
 from disagg.contracts.params import ContextParams, LeaseRef
 from disagg.contracts.roles import Role
 from disagg.kv_connector.base import FinishedTransfers, KVConnector
+from disagg.kv_connector.errors import KVTransferError
 from disagg.kv_connector.messages import (
     AnnounceLeases,
     CancelFetch,
@@ -100,8 +101,7 @@ class DisaggConnector(KVConnector):
 
     def __init__(self, settings: DisaggSettings, config: EngineConfig, kv_cache: torch.Tensor,
                  wake: Callable[[], None], peers: RankPeers | None = None) -> None:
-        if settings.role not in (Role.CONTEXT, Role.GENERATION):
-            raise ValueError(f"role: {settings.role!r} has no KV transfer")
+        # (an aggregated worker has a connector only for peer prefix reuse: kv_peer_reuse)
         self.settings = settings
         self.role = Role(settings.role)
         self.worker_id = uuid.uuid4().hex  # a restarted worker is a new worker
@@ -233,6 +233,36 @@ class DisaggConnector(KVConnector):
             return True
         return False
 
+    def add_prefix(self, request_id: str, params: ContextParams) -> None:
+        before = self._records.pop(request_id, None)  # a context request's MAY_LEASE
+        self._records[request_id] = KVRecord(
+            KVStatus.AWAITING_BLOCKS, params=params, prefix=True,
+            after=before.status if before is not None else None)
+
+    def lease_prefix(self, lease_id: str, token_ids: list[int], block_ids: list[int]
+                     ) -> ContextParams:
+        if self.leases is None:
+            raise RuntimeError("no lease table")
+        # blocks [0, n) hold tokens [0, n * B): whole blocks only
+        n = len(block_ids) * self.layout.tokens_per_block
+        if not 0 < n < len(token_ids):
+            raise ValueError(f"{len(block_ids)} blocks for a prompt of {len(token_ids)} tokens")
+        if self.peers is not None:  # every rank leases its slice of the same blocks
+            self.peers.send_all(AnnounceLeases(((lease_id, tuple(block_ids)),)))
+            self._records[lease_id] = KVRecord(KVStatus.LEASED, self._all_ranks())
+        try:
+            lease = self.leases.create(lease_id, list(block_ids), readers=1)
+        except BaseException:
+            self._records.pop(lease_id, None)
+            self._send(ReleaseLeases((lease_id,)))
+            raise
+        return ContextParams(
+            ctx_request_id=lease_id, first_gen_tokens=[], prompt_token_ids=list(token_ids[:n]),
+            worker_id=self.worker_id, backend=self.backend.name.upper(),
+            addresses=self.addresses, block_ids=list(block_ids), num_tokens=n,
+            layout=self.layout,
+            lease_expiry=time.time() + (lease.expires_at - time.monotonic()), cached_tokens=n)
+
     def _all_ranks(self) -> set[int]:
         """Where a new lease lives, when that is tracked (multi-rank workers; records.py)."""
         return set(range(self.world_size)) if self.peers is not None else set()
@@ -340,8 +370,18 @@ class DisaggConnector(KVConnector):
         rid = fetch.request_id
         rec = self._records[rid]
         assert rec.status is KVStatus.AWAITING_BLOCKS and rec.params is not None, rec.status
-        rec.pull = self.puller.start(rid, rec.params, list(fetch.block_ids),
-                                     lambda _f: self._wake())
+        try:
+            rec.pull = self.puller.start(rid, rec.params, list(fetch.block_ids),
+                                         lambda _f: self._wake())
+        except Exception as e:
+            if not rec.prefix:
+                raise
+            # a peer's prefix: the request computes it (reported by the next get_finished)
+            logger.warning("request %s: the pull of a peer's prefix cannot start: %r", rid, e)
+            rec.status = KVStatus.FAILED
+            rec.remote_error = KVTransferError.because(f": {e!r}")
+            self._wake()
+            return
         rec.status = KVStatus.PULLING
         if self.peers is not None:
             rec.ranks = set(range(1, self.world_size))
@@ -359,13 +399,25 @@ class DisaggConnector(KVConnector):
         (loaded; the data is here: the context side may free its blocks), or failed."""
         self._take_events()
         for rid, rec in list(self._records.items()):
+            if rec.prefix and rec.status is KVStatus.FAILED and rec.pull is None:
+                # (its pull could not start: start_load)
+                assert rec.params is not None and rec.remote_error is not None
+                self._prefix_done(rid, rec)
+                done.prefix_failed.append((rid, rec.remote_error))
+                continue
             if rec.status is not KVStatus.PULLING or rec.ranks:
                 continue
             assert rec.pull is not None and rec.params is not None
             if not rec.pull.done:
                 continue
             outcome = self.puller.finish(rec.pull, rec.remote_error)
-            if isinstance(outcome, Loaded):
+            if rec.prefix:
+                self._prefix_done(rid, rec)
+                if isinstance(outcome, Loaded):
+                    done.loaded.append(rid)
+                else:
+                    done.prefix_failed.append((rid, outcome))
+            elif isinstance(outcome, Loaded):
                 del self._records[rid]
                 done.loaded.append(rid)
                 if outcome.first is not None:
@@ -374,6 +426,16 @@ class DisaggConnector(KVConnector):
             else:
                 self._records[rid] = KVRecord(KVStatus.FAILED, params=rec.params)
                 done.failed.append((rid, outcome))
+
+    def _prefix_done(self, request_id: str, rec: KVRecord) -> None:
+        """A peer's prefix pull ended on every rank (in place or failed): the lease goes back,
+        the record becomes what the request was before it (a context request's MAY_LEASE)."""
+        assert rec.params is not None
+        self.release_remote(rec.params)
+        if rec.after is None:
+            del self._records[request_id]
+        else:
+            self._records[request_id] = KVRecord(rec.after)
 
     def _stop_pull(self, request_id: str, rec: KVRecord) -> None:
         """Cancel the reads of a request that ended while its KV was arriving (or before it

@@ -27,6 +27,11 @@ Generation side (``ranks``: PULLING: ranks >= 1 yet to report ``FetchDone``; STO
     AWAITING_BLOCKS | PULLING | FAILED ──request_finished: the lease given back──► STOPPING(ranks)
     STOPPING ──get_finished: every rank quiet (loads_stopped)──► (none)
 
+A peer's prefix (``add_prefix``, any role; ``prefix``): AWAITING_BLOCKS and PULLING as above;
+when every rank is done, loaded or failed (``prefix_failed``: the request computes it), the
+lease is given back and the record becomes ``after`` (a context request's MAY_LEASE: it still
+prefills and may lease its own blocks) or goes. A prefix lease this worker made for a peer
+(``lease_prefix``) is a LEASED record (multi-rank) or only a lease (one rank).
 The thread hand-off queues (lease ends, quiet ranks) stay beside the records: they are events
 from other threads, applied to the records on the engine thread.
 """
@@ -72,6 +77,8 @@ class KVRecord:
     params: ContextParams | None = None  # REMOTE_STATUSES: the lease to give back
     pull: Pull | None = None  # PULLING: rank 0's share
     remote_error: KVTransferError | None = None  # PULLING: the first rank >= 1 to fail
+    prefix: bool = False  # REMOTE_STATUSES: a peer's prefix (the request computes the rest)
+    after: KVStatus | None = None  # a prefix pull's: the status once it is done (or none)
 
     @property
     def live_on(self) -> set[int] | None:

@@ -16,7 +16,9 @@ class DisaggSettings:
     options' (``WORKER_DEFAULTS``); ``ucx_profile`` ``auto`` is resolved here against the
     address peers use (``transfer.ucx.resolve_ucx_profile``), so it is always concrete."""
 
-    role: Role  # Role.CONTEXT or Role.GENERATION ("context" / "generation": converted)
+    # Role.CONTEXT or Role.GENERATION ("context" / "generation": converted); AGGREGATED for
+    # an aggregated worker with kv_peer_reuse (prefix leases and pulls only)
+    role: Role
     cluster_token: str
     # This worker's backend, resolved (the context side serves with it): a worker that names
     # none gets UCX when ucxx imports, else TCP (server/cli.kv_transfer_backend_or_default).
@@ -31,6 +33,8 @@ class DisaggSettings:
     # At start-up: test blocks through this worker's backend, pulled by a second process
     # (transfer/linkcheck.py: startup_link_check).
     kv_link_check: bool = WORKER_DEFAULTS.kv_link_check
+    # Peer prefix reuse (POST /kv_prefix, a request's kv_prefix): any role.
+    kv_peer_reuse: bool = WORKER_DEFAULTS.kv_peer_reuse
     read_timeout_s: float = 30.0
     # KV streaming: how long a streaming read may wait for the context worker to queue and
     # prefill the request (generation side), and how long a streaming lease lives before its
@@ -64,6 +68,7 @@ class DisaggSettings:
                    ucx_profile=options.ucx_profile,
                    kv_integrity=options.kv_integrity is not False,
                    kv_link_check=options.kv_link_check,
+                   kv_peer_reuse=options.kv_peer_reuse,
                    kv_peer_allowlist=PeerAllowlist.parse(options.kv_peer_allowlist),
                    otlp_traces_endpoint=otlp_traces_endpoint)
 

@@ -145,7 +145,7 @@ def run_server(options: WorkerOptions) -> int:
         # Before loading anything: fail fast on a role or options we cannot serve.
         http_host, kv_advertise = _advertised_hosts(host, options.kv_transfer_host,
                                                     options.advertise_host, options.router_url,
-                                                    role)
+                                                    role, options.kv_peer_reuse)
         template, origins = _api_settings(options.chat_template, options.allowed_origins)
         traces = _traces_endpoint(options.otlp_traces_endpoint)
         disagg_settings = _disagg_settings(options, kv_advertise, traces)
@@ -215,7 +215,8 @@ class _StartError(Exception):
 
 
 def _advertised_hosts(host: str, kv_transfer_host: str | None, advertise_host: str | None,
-                      router_url: str | None, role: str) -> tuple[str | None, str | None]:
+                      router_url: str | None, role: str, kv_peer_reuse: bool = False
+                      ) -> tuple[str | None, str | None]:
     """``(HTTP host registered with the router, KV transfer host handed to peers)``; None where
     the worker has no such peer (no router / an aggregated worker). Each choice is logged;
     ``_StartError`` (exit 2) when no address a peer could reach exists."""
@@ -226,7 +227,7 @@ def _advertised_hosts(host: str, kv_transfer_host: str | None, advertise_host: s
         if router_url:
             http = advertise_address(host, advertise_host=advertise_host, router_url=router_url)
             logger.info("advertising HTTP address %s to the router (%s)", http.host, http.why)
-        if role in DISAGG_ROLES:
+        if role in DISAGG_ROLES or kv_peer_reuse:
             # A specific --kv-transfer-host is the KV address itself (a separate network).
             own = kv_transfer_host is not None and not is_wildcard(kv_transfer_host)
             kv = advertise_address(kv_transfer_host or host, router_url=router_url,
@@ -287,7 +288,7 @@ def _disagg_settings(options: WorkerOptions, kv_advertise_host: str | None = Non
         if options.benchmark_gen_only and role != Role.GENERATION:
             raise ValueError(f"benchmark_gen_only: needs role 'generation', not "
                              f"{role.value!r}")
-        if role not in DISAGG_ROLES:
+        if role not in DISAGG_ROLES and not options.kv_peer_reuse:
             return None
         from disagg.cluster_auth import resolve_cluster_token
         from disagg.kv_connector.settings import DisaggSettings

@@ -1,9 +1,10 @@
 """The cluster's endpoints of a worker (what routers, launchers and Prometheus call):
 ``/health``, ``/version``, ``/server_info``, ``/kv_events``, ``/kv_leases/release``,
-``/metrics``. Who may call them: ``access``."""
+``/kv_prefix``, ``/metrics``. Who may call them: ``access``."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -24,6 +25,10 @@ if TYPE_CHECKING:
     from disagg.engine.client import EngineClient
 
 
+# How long /kv_prefix waits for the engine thread (it answers between two steps).
+LEASE_PREFIX_TIMEOUT_S = 10.0
+
+
 class ClusterRoutes:
     """The cluster's endpoints over one ``ServerState``."""
 
@@ -39,6 +44,7 @@ class ClusterRoutes:
         app.add_api_route("/version", self.version, methods=["GET"])
         app.add_api_route("/server_info", self.server_info, methods=["GET"])
         app.add_api_route("/kv_leases/release", self.release_lease, methods=["POST"])
+        app.add_api_route("/kv_prefix", self.lease_prefix, methods=["POST"])
         app.add_api_route("/kv_events", self.kv_events, methods=["GET"])
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
 
@@ -102,6 +108,8 @@ class ClusterRoutes:
             "speculative_config": _speculative(cfg),
             # Context / generation workers: worker_id, backend, transfer address(es).
             "kv_transfer": srv.transfer.info() if srv.transfer is not None else None,
+            # Peer prefix reuse: POST /kv_prefix leases cached prefixes, kv_prefix pulls one.
+            "kv_peer_reuse": srv.peer_reuse,
             "kv_blocks_used": _blocks_used(engine),
         }
 
@@ -111,7 +119,8 @@ class ClusterRoutes:
         signature."""
         srv = self.srv
         rt = srv.transfer
-        if rt is None or rt.role != Role.CONTEXT:  # (a draining context worker: still context)
+        # (a draining context worker: still context; prefix leases: any role)
+        if rt is None or rt.role != Role.CONTEXT and not srv.peer_reuse:
             raise P.APIError(404, f"no KV leases on a {srv.role.value!r} worker",
                              type="not_found_error")
         raw = await srv.read_body(request)
@@ -125,6 +134,28 @@ class ClusterRoutes:
                                 param="ctx_request_id") from None
         return JSONResponse({"ctx_request_id": lease_id,
                              "released": srv.engine.release_lease(lease_id)})
+
+    async def lease_prefix(self, request: Request) -> JSONResponse:
+        """Cluster-internal (a router reusing this worker's cache for a request it sends to a
+        peer, ``kv_peer_reuse``): lease the cached KV of the prompt's leading full blocks.
+        ``{"prompt_token_ids": [...]}`` -> ``{"num_tokens": n, "kv_prefix": params | null}``
+        (n = 0: none cached). Needs a cluster signature."""
+        srv = self.srv
+        if not srv.peer_reuse:
+            raise P.APIError(404, "no KV prefix leases: this worker was not started with "
+                             "--kv-peer-reuse", type="not_found_error")
+        raw = await srv.read_body(request)
+        srv.access.check_signed(request, raw, "/kv_prefix")
+        ids = P.parse_json_object(raw).get("prompt_token_ids")
+        if not (isinstance(ids, list) and ids and len(ids) <= srv.max_model_len and all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
+            raise P.bad_request("prompt_token_ids: expected a non-empty list of token ids, "
+                                f"at most max_model_len={srv.max_model_len}",
+                                param="prompt_token_ids")
+        params = await asyncio.wait_for(srv.engine.lease_prefix(ids), LEASE_PREFIX_TIMEOUT_S)
+        if params is None:
+            return JSONResponse({"num_tokens": 0, "kv_prefix": None})
+        return JSONResponse({"num_tokens": params.num_tokens, "kv_prefix": params.to_dict()})
 
     async def kv_events(self, request: Request, since: int = 0) -> dict[str, Any]:
         """The KV cache's stored / removed block hashes since event ``since`` (routers poll

@@ -46,7 +46,15 @@ from fastapi.responses import Response
 
 from disagg.cluster_auth import AUTH_HEADER
 from disagg.contracts import protocol as P
-from disagg.contracts.kv_mode import ContextOnly, ContextStream, Dummy, KVMode, Local, Pull
+from disagg.contracts.kv_mode import (
+    ContextOnly,
+    ContextStream,
+    Dummy,
+    KVMode,
+    Local,
+    PrefixPull,
+    Pull,
+)
 from disagg.contracts.params import ContextParams, LeaseRef, token_ids_hash, valid_stream_id
 from disagg.contracts.roles import RequestType, Role
 from disagg.layout import check_compatible
@@ -259,6 +267,53 @@ def resume_choice(srv: ServerState, fmt: Format, choice: Choice) -> Choice:
     return choice
 
 
+# ---- a peer's prefix (kv_prefix) --------------------------------------------------------------
+
+
+def apply_prefix(srv: ServerState, request: Request, fmt: Format, choices: list[Choice]
+                 ) -> None:
+    """A request's ``kv_prefix`` (peer prefix reuse, ``kv_mode.PrefixPull``): its one choice
+    pulls that KV. Checked as a generation_only request's params are (400 naming the field;
+    only a cluster-signed request, or one naming allowlisted peers, may make this worker
+    connect); a request it does not fit (several choices, generation_only, prompt logprobs)
+    gives the lease back at once and runs as if it had none. From here the lease is the
+    engine's to give back (``prefix_taken``)."""
+    raw = fmt.req.kv_prefix
+    if raw is None:
+        return
+    rt = srv.transfer
+    if rt is None or not srv.peer_reuse:
+        raise P.bad_request("kv_prefix: this worker was not started with --kv-peer-reuse",
+                            param="kv_prefix")
+    signed = srv.access.is_signed(request, srv.body_of(request) or b"")
+    try:
+        params = ContextParams.from_dict(raw, prefix=True)
+    except ValueError as e:
+        raise P.bad_request(str(e).replace("disaggregated_params", "kv_prefix", 1),
+                            param="kv_prefix") from None
+    denied = None if signed else srv.access.peer_allowlist.first_denied(params.addresses)
+    if denied is not None:
+        raise P.bad_request(
+            f"kv_prefix.addresses: {denied!r} is not a trusted peer: the request is not "
+            f"signed by the cluster ({AUTH_HEADER}) and its host is not in this worker's "
+            f"kv_peer_allowlist", param="kv_prefix.addresses")
+    try:
+        check_compatible(params.layout, rt.layout)
+    except ValueError as e:
+        raise P.bad_request(f"kv_prefix.{e}", param="kv_prefix") from None
+    c = choices[0]
+    n = params.num_tokens
+    if len(choices) == 1 and not (0 < n < len(c.prompt_ids)
+                                  and c.prompt_ids[:n] == params.prompt_token_ids):
+        raise P.bad_request("kv_prefix.prompt_token_ids: not a leading part of this prompt",
+                            param="kv_prefix")
+    request.state.prefix_taken = True
+    if len(choices) != 1 or not isinstance(c.mode, (Local, ContextOnly)):
+        srv.engine.release_remote(params)
+        return
+    c.prefix = PrefixPull(params, trusted=signed)
+
+
 # ---- releasing the lease of a refused generation_only request --------------------------------
 
 
@@ -284,16 +339,41 @@ def releasing_refused(srv: ServerState, handler: Handler) -> Handler:
 
 
 def release_refused(srv: ServerState, request: Request, body: bytes) -> None:
-    """Release the lease a refused generation_only request names (see the module docstring)."""
-    if srv.role is not Role.GENERATION or getattr(request.state, "lease_taken", False):
-        return
+    """Release the lease a refused generation_only request names (see the module docstring),
+    and a refused request's peer prefix lease (``kv_prefix``)."""
     if srv.transfer is None:
+        return
+    if not getattr(request.state, "prefix_taken", False):
+        ref = prefix_lease_of(body)
+        if ref is not None and srv.access.trusts_addresses(request, body, list(ref.addresses)):
+            logger.info("request refused: releasing peer prefix lease %s", ref.ctx_request_id)
+            srv.engine.release_remote(ref)
+    if srv.role is not Role.GENERATION or getattr(request.state, "lease_taken", False):
         return
     ref = lease_of(body)
     if ref is None or not srv.access.trusts_addresses(request, body, list(ref.addresses)):
         return
     logger.info("request refused: releasing context lease %s", ref.ctx_request_id)
     srv.engine.release_remote(ref)
+
+
+def prefix_lease_of(body: bytes) -> LeaseRef | None:
+    """The peer prefix lease a request body names (``kv_prefix``), if it names one."""
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    kp = data.get("kv_prefix") if isinstance(data, dict) else None
+    return _lease_ref(kp) if isinstance(kp, dict) else None
+
+
+def _lease_ref(d: dict[str, Any]) -> LeaseRef | None:
+    lease, backend, addresses = d.get("ctx_request_id"), d.get("backend"), d.get("addresses")
+    if not (isinstance(lease, str) and isinstance(backend, str)
+            and backend.upper() in ("UCX", "TCP") and isinstance(addresses, list)
+            and addresses and all(isinstance(a, str) for a in addresses)):
+        return None
+    return LeaseRef(lease, backend.upper(), tuple(addresses))
 
 
 def lease_of(body: bytes) -> ContextParams | LeaseRef | None:
@@ -310,10 +390,4 @@ def lease_of(body: bytes) -> ContextParams | LeaseRef | None:
         prompt = None if "prompt_token_ids" in dp else data.get("prompt")
         return ContextParams.from_dict(dp, prompt_token_ids=prompt if isinstance(
             prompt, list) else None)
-    lease, backend, addresses = (dp.get("ctx_request_id"), dp.get("backend"),
-                                 dp.get("addresses"))
-    if not (isinstance(lease, str) and isinstance(backend, str)
-            and backend.upper() in ("UCX", "TCP") and isinstance(addresses, list)
-            and addresses and all(isinstance(a, str) for a in addresses)):
-        return None
-    return LeaseRef(lease, backend.upper(), tuple(addresses))
+    return _lease_ref(dp)

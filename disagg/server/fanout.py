@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from disagg.contracts import protocol as P
-from disagg.contracts.kv_mode import LOCAL, KVMode
+from disagg.contracts.kv_mode import LOCAL, KVMode, PrefixPull
 from disagg.engine.outputs import RequestOutput
 from disagg.request import SamplingParams
 from disagg.server.engine_errors import (
@@ -55,6 +55,8 @@ class Choice:
     # Its disaggregation mode (built by ``disagg_requests`` from disaggregated_params), handed
     # to the engine unchanged.
     mode: KVMode = LOCAL
+    # A peer's prefix lease this choice pulls (``kv_prefix``: ``disagg_requests.prefix_of``).
+    prefix: PrefixPull | None = None
 
 
 class FanOut:
@@ -75,8 +77,9 @@ class FanOut:
 
     async def _pump(self, c: Choice) -> None:
         try:
+            extra = {} if c.prefix is None else {"prefix": c.prefix}
             gen = self.server.engine.generate(c.request_id, c.prompt_ids, c.params,
-                                              prompt=c.prompt_text, mode=c.mode)
+                                              prompt=c.prompt_text, mode=c.mode, **extra)
             async for out in gen:
                 self.queue.put_nowait((c, out))
         except asyncio.CancelledError:

@@ -229,6 +229,14 @@ class _EngineStatsCollector(Collector):
                       "cache.", s.prefix_cache_queries_tokens)
         yield counter("prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache.",
                       s.prefix_cache_hit_tokens)
+        yield counter("kv_peer_prefix_leases", "Prefix leases made for peers (POST "
+                      "/kv_prefix, kv_peer_reuse).", getattr(s, "peer_prefix_leases", 0))
+        yield counter("kv_peer_prefix_pulls", "Requests whose prompt prefix was pulled from "
+                      "a peer's cache.", getattr(s, "peer_prefix_pulls", 0))
+        yield counter("kv_peer_prefix_failed", "Pulls of a peer's prefix that failed (the "
+                      "request computed it).", getattr(s, "peer_prefix_failed", 0))
+        yield counter("kv_peer_prefix_tokens", "Prompt tokens whose KV was pulled from a "
+                      "peer's cache instead of computed.", getattr(s, "peer_prefix_tokens", 0))
         yield counter("num_preemptions", "Requests preempted (KV blocks taken back, to be "
                       "recomputed).", s.num_preempted_total)
         yield counter("engine_steps", "Engine iterations run.", s.steps_total)

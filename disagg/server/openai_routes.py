@@ -23,6 +23,7 @@ from disagg.contracts import responses as R
 from disagg.contracts.chat_prompt import render_chat
 from disagg.contracts.roles import RequestType
 from disagg.server.disagg_requests import (
+    apply_prefix,
     disagg_choice,
     migration_fields,
     releasing_refused,
@@ -87,6 +88,7 @@ class OpenAIRoutes:
         kind = request_type(srv, req, len(prompts))
         if kind is not None:
             choice = disagg_choice(srv, request, fmt, prompts[0], None, kind)
+            apply_prefix(srv, request, fmt, [choice])
             return await respond(srv, request, [choice], fmt, t_arrival)
         choices: list[Choice] = []
         n = req.n
@@ -101,6 +103,7 @@ class OpenAIRoutes:
                 sub_id = rid if len(prompts) * n == 1 else f"{rid}-{index}"
                 choices.append(Choice(index, sub_id, pi, ids, text, P.choice_params(params, i)))
         resume_choice(srv, fmt, choices[0])  # (a resumed request has one choice)
+        apply_prefix(srv, request, fmt, choices)
         return await respond(srv, request, choices, fmt, t_arrival)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -122,6 +125,7 @@ class OpenAIRoutes:
         if kind is RequestType.GENERATION_ONLY and "prompt_token_ids" in req.disaggregated_params:
             # The context worker's token ids are the prompt (no second tokenization).
             choice = disagg_choice(srv, request, fmt, None, None, kind)
+            apply_prefix(srv, request, fmt, [choice])
             return await respond(srv, request, [choice], fmt, t_arrival)
         text = render_chat(srv.engine.tokenizer, messages, **req.template_kwargs())
         # The template writes the special tokens (bos) itself (add_special_tokens: false).
@@ -129,6 +133,7 @@ class OpenAIRoutes:
                                 field="messages")
         if kind is not None:
             choice = disagg_choice(srv, request, fmt, ids, text, kind)
+            apply_prefix(srv, request, fmt, [choice])
             return await respond(srv, request, [choice], fmt, t_arrival)
         params = req.to_sampling_params(len(ids), srv.max_model_len, srv.kv_capacity_tokens())
         choices = [
@@ -137,6 +142,7 @@ class OpenAIRoutes:
             for i in range(req.n)
         ]
         resume_choice(srv, fmt, choices[0])  # (a resumed request has one choice)
+        apply_prefix(srv, request, fmt, choices)
         return await respond(srv, request, choices, fmt, t_arrival)
 
     async def responses(self, request: Request) -> Response:

@@ -147,6 +147,13 @@ class ServerState:
         return self.engine.transfer
 
     @property
+    def peer_reuse(self) -> bool:
+        """Whether this worker leases cached prefixes to peers and pulls theirs
+        (``kv_peer_reuse``)."""
+        rt = self.transfer
+        return rt is not None and rt.settings.kv_peer_reuse
+
+    @property
     def serving_role(self) -> Role:
         """The role the engine serves: its KV connector's (the one owner of a context /
         generation worker's role, which may switch at run time), else the role at start."""
