@@ -726,10 +726,8 @@ class EngineConfig:
         if self.cache.kv_offload:
             name = ("kv_offload_host_gib" if self.cache.kv_offload_host_gib is not None
                     else "kv_offload_disk_dir")
-            # A tier copies one process's whole blocks; ranks of a parallel worker each hold
-            # a slice, and a draft model's cache would be left behind.
-            _require(self.parallel.world_size == 1, name, "offload tiers need a worker of one "
-                     "rank (tensor_parallel_size and pipeline_parallel_size 1)")
+            # A tier copies the target model's blocks (every rank its own slice): a draft
+            # model's cache would be left behind.
             _require(self.speculative is None or self.speculative.method != "draft_model",
                      name, "offload tiers do not keep a draft model's KV: not with "
                      "speculative_config method draft_model")

@@ -205,8 +205,9 @@ def test_bad_tier_options_name_the_field(tiny_llama, tmp_path) -> None:
             kv_offload_host_gib=1e-9)
     with pytest.raises(ConfigError, match="kv_offload_disk_gib: a disk tier needs both"):
         LLM(tiny_llama, kv_offload_disk_dir=str(tmp_path))
-    with pytest.raises(ConfigError, match="kv_offload_host_gib: .*one rank"):
-        LLM(tiny_llama, kv_offload_host_gib=1, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="kv_offload_host_gib: .*draft model"):
+        LLM(tiny_llama, kv_offload_host_gib=1, speculative_config={
+            "method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 2})
 
 
 def test_disagg_serve_with_host_and_disk_tiers(tiny_llama, reference, tmp_path) -> None:
@@ -269,12 +270,14 @@ def test_integrity_off_takes_no_checksum_and_serves_what_the_tier_holds(
     llm.engine.shutdown()
 
 
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)],
+                         ids=["one-rank", "tp2"])
 def test_concurrent_requests_with_aborts_while_loading_leave_nothing_held(
-        tiny_llama, reference, tmp_path) -> None:
+        tiny_llama, reference, tmp_path, tp: int) -> None:
     """Many concurrent requests over shared prefixes through AsyncLLM, some cancelled at
-    random points (while their blocks come back from a tier too): every finished answer is
-    the reference's, and at the end no block is held, none drains, no load is in flight and
-    the pool adds up."""
+    random points (while their blocks come back from a tier too, on every rank of a TP=2
+    worker): every finished answer is the reference's, and at the end no block is held, none
+    drains, no load is in flight and the pool adds up."""
     import asyncio
 
     from disagg.engine import AsyncLLM
@@ -285,7 +288,8 @@ def test_concurrent_requests_with_aborts_while_loading_leave_nothing_held(
 
     async def main() -> None:
         engine = AsyncLLM.from_options(
-            tiny_llama, kv_cache_tokens=KV_TOKENS, tokens_per_block=B,
+            tiny_llama, kv_cache_tokens=KV_TOKENS, tokens_per_block=B, device="cpu",
+            tensor_parallel_size=tp,
             kv_offload_host_gib=_gib(12, block_bytes),
             kv_offload_disk_dir=str(tmp_path / "tier"),
             kv_offload_disk_gib=_gib(200, block_bytes))
@@ -334,3 +338,97 @@ def test_concurrent_requests_with_aborts_while_loading_leave_nothing_held(
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+# ---- multi-rank workers: every rank keeps its own slice's tier bytes --------------------------
+
+
+def _rank_files(folder: object) -> set[str]:
+    return {f for f in os.listdir(folder) if f.endswith(".kv")} if os.path.isdir(folder) else set()
+
+
+def _corrupt_payloads(folder: object, payload: int) -> int:
+    """Overwrite the payload of every block file in ``folder`` (header and checksum kept)."""
+    n = 0
+    for name in _rank_files(folder):
+        path = os.path.join(folder, name)
+        with open(path, "r+b") as f:
+            f.seek(-payload, os.SEEK_END)
+            f.write(bytes(range(256)) * (payload // 256) + bytes(payload % 256))
+        n += 1
+    return n
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_multi_rank_worker_tiers_are_exact_and_a_rank_corrupted_block_is_recomputed(
+        tiny_llama, reference, tmp_path, tp: int, pp: int) -> None:
+    """A TP=2 / PP=2 worker (real rank processes, gloo): evicted prefixes come back from the
+    host and the disk tier of every rank, greedy outputs exactly those without tiers; rank
+    1 keeps its files in worker-0/rank-1. Then only rank 1's disk blocks are corrupted: they
+    are detected there and recomputed, never served; then only rank 0's host slots. Last,
+    rank 1's disk fails: the disk tier is off for the whole worker, no request fails."""
+    from server_fixtures import wait_for
+
+    expected, block_bytes = reference
+    llm = LLM(tiny_llama, kv_cache_tokens=KV_TOKENS, tokens_per_block=B, device="cpu",
+              tensor_parallel_size=tp, pipeline_parallel_size=pp,
+              kv_offload_host_gib=_gib(12, block_bytes),
+              kv_offload_disk_dir=str(tmp_path / "tier"),
+              kv_offload_disk_gib=_gib(400, block_bytes))
+    try:
+        offload = llm.engine.offload
+        assert offload is not None and offload.world_size == 2
+        assert offload.host is not None and offload.disk is not None
+        # a tier block is its slices on both ranks: 12 blocks' worth holds 12 host slots
+        assert sum(llm.engine.runner.kv_block_bytes) == block_bytes
+        assert offload.index.host_capacity == 12
+        first, second, cached = _two_rounds(llm)
+        assert first == expected and second == expected and cached == [48] * 6
+        s = llm.engine.stats().kv_offload
+        assert s.loaded_host > 0 and s.loaded_disk > 0 and s.failed_loads == 0
+        assert s.host_blocks <= 12 and s.disk_enabled
+
+        # every block on disk has its rank-1 slice in rank 1's own folder
+        rank0, rank1 = tmp_path / "tier" / "worker-0", tmp_path / "tier" / "worker-0" / "rank-1"
+        assert offload.disk.folder == str(rank0) and offload.disk.flush()
+        on_disk = {f"{h:016x}.kv" for h in offload.index.disk_order()}
+        assert on_disk and _rank_files(rank0) == on_disk
+        wait_for(lambda: _rank_files(rank1) == on_disk, 30, what="rank 1's disk writes")
+
+        # rank 1's disk slices corrupted (rank 0's intact): caught on rank 1, recomputed
+        payload = block_bytes // 2  # (each rank holds half a block here)
+        assert _corrupt_payloads(rank1, payload) == len(on_disk)
+        outs = [llm.generate([p], PARAMS)[0] for p in _conversations()]
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        after_disk = llm.engine.stats().kv_offload
+        assert after_disk.failed_loads > 0
+        # the failed entries were forgotten on every rank (their files deleted)
+        assert offload.disk.flush()
+        now_on_disk = {f"{h:016x}.kv" for h in offload.index.disk_order()}
+        assert now_on_disk != on_disk and _rank_files(rank0) == now_on_disk
+        wait_for(lambda: _rank_files(rank1) == now_on_disk, 30, what="rank 1's deletions")
+
+        # rank 0's host slices corrupted (rank 1's intact): caught on rank 0, recomputed
+        offload.host.data.fill_(7.0)
+        outs = [llm.generate([p], PARAMS)[0] for p in _conversations()]
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        s = llm.engine.stats().kv_offload
+        assert s.failed_loads > after_disk.failed_loads
+
+        # rank 1's disk fails (its folder gone): the worker's disk tier is off, no request
+        # fails, the host tier goes on
+        os.rename(rank1, tmp_path / "tier" / "gone")
+        for p in _conversations(seed=9):  # new blocks: demotions write to disk
+            llm.generate([p], PARAMS)
+        _, second, _ = _two_rounds(llm)
+        assert second == expected
+        s = llm.engine.stats().kv_offload
+        assert not s.disk_enabled and s.disk_capacity == 0 and s.disk_blocks == 0
+        pool = llm.engine.kv.stats()
+        assert pool.free + pool.used + pool.cached == pool.total and pool.used == 0
+        assert not offload.busy
+    finally:
+        llm.shutdown()
+    # a clean stop deletes every rank's files
+    assert _rank_files(tmp_path / "tier" / "worker-0") == set()

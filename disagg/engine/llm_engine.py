@@ -46,7 +46,7 @@ from disagg.engine.request_state import (
 from disagg.kv_cache.manager import KVCacheManager
 from disagg.kv_connector.base import KVConnector
 from disagg.kv_connector.errors import KVTransferError
-from disagg.parallel.executor import WorkerDiedError
+from disagg.parallel.executor import DistributedExecutor, WorkerDiedError
 from disagg.request import Request, RequestStatus, SamplingParams
 from disagg.sampler import Sampler, SamplerOutput
 from disagg.scheduler import Scheduler, SchedulerOutput
@@ -84,7 +84,9 @@ class LLMEngine:
             from disagg.engine.kv_offload import KVOffload
 
             try:
-                self.offload = KVOffload(config.cache, self.runner.kv_cache, wake)
+                # a multi-rank worker: the executor drives the other ranks' tiers
+                peers = self.runner if isinstance(self.runner, DistributedExecutor) else None
+                self.offload = KVOffload(config.cache, self.runner.kv_cache, wake, peers=peers)
             except BaseException:
                 self.runner.shutdown()
                 raise

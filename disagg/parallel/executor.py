@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from disagg.config import ConfigError, EngineConfig
+from disagg.engine.kv_offload_messages import TierEvent, TierMessage
 from disagg.env import STARTUP_TIMEOUT_S
 from disagg.kv_connector.messages import TransferEvent, TransferMessage
 from disagg.layout import ParallelLayout
@@ -112,6 +113,8 @@ class _Resources:
     event_conns: list[Connection] = field(default_factory=list)  # rank r's events (r - 1)
     events: deque[TransferEvent] = field(default_factory=deque)
     event_callback: Callable[[], None] | None = None
+    tier_events: deque[TierEvent] = field(default_factory=deque)  # the offload tiers' own
+    tier_callback: Callable[[], None] | None = None
     stopping: threading.Event = field(default_factory=threading.Event)
     store: Any = None  # the TCPStore rank 0 serves the rendezvous from
     comm: RankComm | None = None
@@ -151,7 +154,8 @@ def _watch_ranks(executor: weakref.ReferenceType[DistributedExecutor], res: _Res
 
 
 def _read_events(res: _Resources) -> None:
-    """Reader thread: the ranks' transfer events, in arrival order."""
+    """Reader thread: the ranks' events, in arrival order; the KV connector's and the offload
+    tiers' each to their own queue."""
     conns = list(res.event_conns)
     while conns and not res.stopping.is_set():
         try:
@@ -164,8 +168,12 @@ def _read_events(res: _Resources) -> None:
             except (EOFError, OSError):  # the rank is gone: the monitor reports it
                 conns.remove(c)  # type: ignore[arg-type]
                 continue
-            res.events.append(ev)
-            cb = res.event_callback
+            if isinstance(ev, TierEvent):
+                res.tier_events.append(ev)
+                cb = res.tier_callback
+            else:
+                res.events.append(ev)
+                cb = res.event_callback
             if cb is not None:
                 cb()
 
@@ -184,8 +192,9 @@ class DistributedExecutor:
         self._procs = self._res.procs
         self._conns = self._res.conns
         # KV transfer (context / generation workers): the transfer server addresses from the
-        # ranks' Ready (their events arrive on _res.event_conns).
+        # ranks' Ready (their events arrive on _res.event_conns, and so do the offload tiers').
         self.transfer_addresses: list[str | None] = []
+        self.kv_block_bytes: list[int] = []  # one KV block's bytes on each rank
         self._finalizer = weakref.finalize(self, _release, self._res, STOP_GRACE_S)
         device = rank_device(config.device, 0)
         if device.type == "cuda" and (device.index or 0) + world > torch.cuda.device_count():
@@ -208,8 +217,8 @@ class DistributedExecutor:
             level = logging.getLogger().getEffectiveLevel()
             for lay in self.layouts[1:]:
                 parent_conn, child_conn = ctx.Pipe()
-                ev_read, ev_write = (ctx.Pipe(duplex=False) if disagg is not None
-                                     else (None, None))
+                events = disagg is not None or config.cache.kv_offload
+                ev_read, ev_write = ctx.Pipe(duplex=False) if events else (None, None)
                 p = ctx.Process(
                     target=rank_main, name=f"disagg-rank{lay.rank}", daemon=True,
                     args=(config, lay, "127.0.0.1", self._res.store.port, os.getpid(),
@@ -231,6 +240,9 @@ class DistributedExecutor:
                                       device=device)
             ready = self._wait_all(Ready, time.monotonic() + startup_timeout_s())
             self.transfer_addresses = [ready[r].transfer_address for r in range(1, world)]
+            kv = self.runner.kv_cache
+            self.kv_block_bytes = [kv[0].numel() * kv.element_size(),
+                                   *(ready[r].kv_block_bytes for r in range(1, world))]
         except BaseException:
             # The other ranks may be blocked in the rendezvous: no point asking them to stop.
             self._res.stopping.set()
@@ -302,9 +314,10 @@ class DistributedExecutor:
         """Rank 0's own slice of the KV cache (its layers, its kv heads)."""
         return self.runner.kv_cache
 
-    def send_all(self, msg: TransferMessage) -> None:
-        """A transfer control message to every other rank (engine thread, like ``execute``):
-        in order with the steps, so rank r handles it before the next step."""
+    def send_all(self, msg: TransferMessage | TierMessage) -> None:
+        """A transfer or offload tier control message to every other rank (engine thread,
+        like ``execute``): in order with the steps, so rank r handles it before the next
+        step."""
         if self.error is not None:
             raise WorkerDiedError(self.error)
         data = encode(msg)
@@ -325,6 +338,25 @@ class DistributedExecutor:
 
     def on_event(self, callback: Callable[[], None]) -> None:
         self._res.event_callback = callback
+
+    # ---- offload tiers: control out, events in (engine.kv_offload.TierPeers) ------------------
+
+    def ask_all(self, msg: TierMessage, kind: type, timeout_s: float) -> list[Any]:
+        """Send ``msg`` to every other rank and return each one's ``kind`` answer (rank
+        order; engine thread, between steps)."""
+        self.send_all(msg)
+        return self._answers(kind, timeout_s)
+
+    def take_tier_events(self) -> list[TierEvent]:
+        out = []
+        while True:
+            try:
+                out.append(self._res.tier_events.popleft())
+            except IndexError:
+                return out
+
+    def on_tier_event(self, callback: Callable[[], None]) -> None:
+        self._res.tier_callback = callback
 
     # ---- failure --------------------------------------------------------------------------
 

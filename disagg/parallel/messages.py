@@ -1,10 +1,12 @@
 """Rank 0 <-> rank r messages on a parallel worker's control pipe (frozen, picklable).
 
 Rank 0 sends control messages to every other rank, in step order; a rank answers on the same
-pipe only the messages that ask (``GetStats``, ``Probe``) and reports its start-up (``Loaded``,
-``Ready``) or its death (``RankFailed``). KV transfer control messages
-(``disagg.kv_connector.messages.TransferMessage``) travel on the same pipe, to the rank's
-``RankTransfer``; their events come back on a pipe of their own.
+pipe only the messages that ask (``GetStats``, ``Probe``, the offload tiers' ``TierSetup``)
+and reports its start-up (``Loaded``, ``Ready``) or its death (``RankFailed``). KV transfer
+control messages (``disagg.kv_connector.messages.TransferMessage``) travel on the same pipe,
+to the rank's ``RankTransfer``, and so do the offload tiers' (``disagg.engine.
+kv_offload_messages.TierMessage``, to its ``RankOffload``); their events come back on a pipe
+of their own (one per rank, both kinds).
 """
 
 from __future__ import annotations
@@ -64,10 +66,12 @@ class Loaded:
 @dataclass(frozen=True)
 class Ready:
     """Serving steps; ``transfer_address``: the rank's KV transfer server (context / generation
-    worker: every rank serves one, whatever its role at start)."""
+    worker: every rank serves one, whatever its role at start); ``kv_block_bytes``: one block
+    of its KV cache (the offload tiers size a block as its slices on every rank)."""
 
     pid: int
     transfer_address: str | None
+    kv_block_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,11 @@ the spawned ranks (1 .. world_size-1; rank 0 is the engine's own process).
 
 Two planes:
 - control (rank 0 -> rank r, pickled ``messages``): a ``multiprocessing`` pipe per rank carries
-  each step's ``SchedulerOutput`` (and stop / stats requests, KV transfer control). A rank
-  blocks on its pipe while the engine is idle, however long, and sees EOF at once if rank 0
-  dies. Pipes rather than a collective so that no collective ever waits on an idle server (a
-  timeout would fire) and no extra gloo group is needed next to NCCL.
+  each step's ``SchedulerOutput`` (and stop / stats requests, KV transfer control, the KV
+  offload tiers' copies and loads). A rank blocks on its pipe while the engine is idle,
+  however long, and sees EOF at once if rank 0 dies. Pipes rather than a collective so that
+  no collective ever waits on an idle server (a timeout would fire) and no extra gloo group
+  is needed next to NCCL.
 - data (torch.distributed, gloo on CPU / NCCL on CUDA): the TP all-reduce of the row-parallel
   partial sums, hidden states from stage s to stage s+1 (each TP rank to the same TP rank of
   the next stage: after the all-reduce they hold identical activations), and the sampling
@@ -32,6 +33,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -40,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from disagg.config import EngineConfig
+from disagg.engine.kv_offload_messages import TierEvent, TierMessage, TierSetup, TierSetupReply
 from disagg.env import DIST_TIMEOUT_S
 from disagg.kv_connector.messages import TransferEvent, TransferMessage
 from disagg.layout import ParallelLayout
@@ -59,6 +62,7 @@ from disagg.runner import ModelRunner
 from disagg.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
+    from disagg.engine.kv_offload_rank import RankOffload
     from disagg.kv_connector.rank import RankTransfer
     from disagg.kv_connector.settings import DisaggSettings
 
@@ -280,9 +284,10 @@ def rank_main(config: EngineConfig, layout: ParallelLayout, store_host: str, sto
     on the block count, allocate the KV cache, start this rank's KV transfer part (context /
     generation workers), tell rank 0 (``Ready``). Then execute the messages rank 0 sends until
     ``Stop`` (exit 0) or until rank 0 is gone / a step fails (exit 1, the traceback sent to
-    rank 0 first). Transfer control messages go to ``RankTransfer``; its events go back on
-    ``events``. Ignores SIGINT / SIGTERM: a Ctrl-C or a group-wide SIGTERM is rank 0's to
-    handle, and rank 0 stops its ranks after draining.
+    rank 0 first). Transfer control messages go to ``RankTransfer``, offload tier messages to
+    ``RankOffload`` (made by ``TierSetup``); their events go back on ``events``. Ignores
+    SIGINT / SIGTERM: a Ctrl-C or a group-wide SIGTERM is rank 0's to handle, and rank 0 stops
+    its ranks after draining.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -292,25 +297,32 @@ def rank_main(config: EngineConfig, layout: ParallelLayout, store_host: str, sto
                         format=f"%(asctime)s %(levelname)s rank{layout.rank} %(name)s: "
                                f"%(message)s")
     try:
-        worker, transfer = _start_rank(config, layout, store_host, store_port, conn,
-                                       timeout_s, disagg, events)
+        worker, transfer, emit = _start_rank(config, layout, store_host, store_port, conn,
+                                             timeout_s, disagg, events)
     except BaseException:
         _report_and_exit(conn, "startup")
         return
+    tiers: list[RankOffload] = []  # made by rank 0's TierSetup, if it sends one
     try:
-        _serve(conn, worker, transfer)
+        _serve(conn, worker, transfer, emit, tiers)
     except BaseException:
         _report_and_exit(conn, "step")
     if transfer is not None:
         transfer.shutdown()
+    for t in tiers:
+        t.close()
     worker.comm.close()
+
+
+Emit = Callable[[TransferEvent | TierEvent], None]
 
 
 def _start_rank(config: EngineConfig, layout: ParallelLayout, store_host: str, store_port: int,
                 conn: Connection, timeout_s: float, disagg: DisaggSettings | None,
-                events: Connection | None) -> tuple[StageWorker, RankTransfer | None]:
+                events: Connection | None
+                ) -> tuple[StageWorker, RankTransfer | None, Emit | None]:
     """Load the shard, join the group, allocate the cache, start the transfer part; report
-    ``Ready``."""
+    ``Ready``. Returns the function that sends an event to rank 0 (None: no event pipe)."""
     device = rank_device(config.device, layout.rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -327,30 +339,39 @@ def _start_rank(config: EngineConfig, layout: ParallelLayout, store_host: str, s
 
     runner = ModelRunner(config, layout, agree_num_blocks=agree, device=device)
     worker = StageWorker(runner, comm)
-    transfer = None
-    if disagg is not None:
-        from disagg.kv_connector.rank import RankTransfer
-
-        assert events is not None
+    emit: Emit | None = None
+    if events is not None:
         send_lock = threading.Lock()
 
-        def emit(event: TransferEvent) -> None:
-            with send_lock:  # server, sweep and installer threads all report
+        def send_event(event: TransferEvent | TierEvent) -> None:
+            # server, sweep, installer, tier loader and disk writer threads all report
+            with send_lock:
                 try:
                     events.send(event)
                 except OSError:  # rank 0 is gone; the main loop will notice
                     pass
 
+        emit = send_event
+
+    transfer = None
+    if disagg is not None:
+        from disagg.kv_connector.rank import RankTransfer
+
+        assert emit is not None
         transfer = RankTransfer(disagg, config, layout.rank, runner.kv_cache, emit,
                                 model=runner.model)
-    conn.send(Ready(os.getpid(), transfer.address if transfer is not None else None))
+    kv = runner.kv_cache
+    conn.send(Ready(os.getpid(), transfer.address if transfer is not None else None,
+                    kv[0].numel() * kv.element_size()))
     logger.debug("rank %d ready: layers %s, kv heads %s, %d blocks", layout.rank,
                  layout.layer_range, layout.kv_head_range, runner.num_blocks)
-    return worker, transfer
+    return worker, transfer, emit
 
 
-def _serve(conn: Connection, worker: StageWorker, transfer: RankTransfer | None) -> None:
-    """Handle rank 0's messages until ``Stop``; exits the process if rank 0 is gone."""
+def _serve(conn: Connection, worker: StageWorker, transfer: RankTransfer | None,
+           emit: Emit | None, tiers: list[RankOffload]) -> None:
+    """Handle rank 0's messages until ``Stop``; exits the process if rank 0 is gone.
+    ``tiers``: where the offload tiers' part goes once ``TierSetup`` made it."""
     comm = worker.comm
     while True:
         try:
@@ -363,6 +384,12 @@ def _serve(conn: Connection, worker: StageWorker, transfer: RankTransfer | None)
             if transfer is None:
                 raise RuntimeError(f"{msg!r} sent to a rank without KV transfer")
             transfer.handle(msg)
+        elif isinstance(msg, TierSetup):
+            conn.send(_open_tiers(msg, worker, emit, tiers))
+        elif isinstance(msg, TierMessage):
+            if not tiers:
+                raise RuntimeError(f"{msg!r} sent to a rank without offload tiers")
+            tiers[0].handle(msg)
         elif isinstance(msg, GetStats):
             conn.send(StatsReply(asdict(comm.stats)))
         elif isinstance(msg, ResetStats):
@@ -373,6 +400,22 @@ def _serve(conn: Connection, worker: StageWorker, transfer: RankTransfer | None)
             return
         else:
             raise RuntimeError(f"unknown control message {msg!r}")
+
+
+def _open_tiers(setup: TierSetup, worker: StageWorker, emit: Emit | None,
+                tiers: list[RankOffload]) -> TierSetupReply:
+    """Open this rank's offload tiers; a failure (a folder it cannot use) is the answer, for
+    rank 0 to report, not the rank's death."""
+    from disagg.engine.kv_offload_rank import RankOffload
+
+    rank = worker.layout.rank
+    if tiers or emit is None:
+        return TierSetupReply(rank, "offload tiers: set up twice, or no event pipe")
+    try:
+        tiers.append(RankOffload(setup, rank, worker.runner.kv_cache, emit))
+    except Exception as e:  # noqa: BLE001 - reported to rank 0, which fails the start-up
+        return TierSetupReply(rank, str(e) or repr(e))
+    return TierSetupReply(rank, None)
 
 
 def _report_and_exit(conn: Connection, phase: str) -> None:
