@@ -10,8 +10,10 @@ in a ``worker-N`` folder of its own). Each worker's KV cache is deliberately sma
 earlier turns are evicted before its next turn comes. Configurations: ``off`` (no tier, the
 reference), ``host`` (a host tier of ``--host-gib``), ``host+disk`` (a smaller host tier,
 ``--disk-host-gib``, over a disk tier of ``--disk-gib``: what the host tier cannot hold is
-served from disk) and ``integrity-off`` (host+disk's tiers with ``kv_integrity: false``).
-Peer reuse (a worker reading a prefix from another worker) is not built: the report says so.
+served from disk) and ``integrity-off`` (host+disk's tiers with ``kv_integrity: false``);
+``peer`` (no tier, peer prefix reuse: both workers ``kv_peer_reuse: true``, the router's
+``peer_reuse: true``: a turn routed to the worker that does not hold its history pulls it from
+the one that does, when that one's KV cache still holds it) and ``host+disk+peer`` (both).
 
 The workload: ``--conversations`` conversations of ``--turns`` turns, all sharing one system
 prompt (``--system-words`` words); each turn's messages are the previous turn's, the
@@ -30,7 +32,7 @@ chunk) p50 / p99, the workload's wall time, the workers' RSS at the end and the 
 other processes on the machine meanwhile.
 
     python -m bench.kv_tiers [--model smollm2|tiny|DIR] [--conversations 40] [--turns 6]
-                             [--configs off,host,host+disk,integrity-off]
+                             [--configs off,host,host+disk,integrity-off,peer,...]
                              [--out bench/results/kv_tiers.md]
 
 Writes the report (``--out``) and the raw numbers beside it (``.json``: every request). Exits 1
@@ -69,7 +71,7 @@ START_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 300.0
 STOP_GRACE_S = 30.0
 GIB = 1 << 30
-CONFIG_NAMES = ("off", "host", "host+disk", "integrity-off")
+CONFIG_NAMES = ("off", "host", "host+disk", "integrity-off", "peer", "host+disk+peer")
 DEFAULT_CONFIGS = ",".join(CONFIG_NAMES)
 POLICIES = ("kv_cache_aware", "round_robin", "load_balancing")
 # Offload series of a worker's /metrics (counters with their _total suffix).
@@ -78,6 +80,10 @@ HITS = "disagg_prefix_cache_hit_tokens_total"
 LOADED = "disagg_kv_offload_loaded_blocks_total"
 STORED = "disagg_kv_offload_stored_blocks_total"
 FAILED = "disagg_kv_offload_failed_blocks_total"
+PEER_PULLS = "disagg_kv_peer_prefix_pulls_total"
+PEER_FAILED = "disagg_kv_peer_prefix_failed_total"
+PEER_TOKENS = "disagg_kv_peer_prefix_tokens_total"
+PEER_LEASES = "disagg_kv_peer_prefix_leases_total"
 HELD = "disagg_kv_offload_blocks"
 CAPACITY = "disagg_kv_offload_capacity_blocks"
 PREEMPTIONS = "disagg_num_preemptions_total"
@@ -89,8 +95,6 @@ WORDS = ("the", "a", "cluster", "router", "worker", "token", "cache", "block", "
          "morning", "code", "list", "name", "three", "numbers", "explain", "short", "long",
          "question", "answer", "garden", "winter", "summer", "bridge", "train", "letter",
          "history", "planet", "ocean", "forest", "market", "recipe", "bread", "coffee")
-PEER_REUSE_LINE = ("- peer reuse (a worker reading a prefix from the other worker's cache or "
-                   "tiers) is not built at this commit: no row for it")
 METRIC_RE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})?\s+(\S+)$')
 
 
@@ -105,6 +109,7 @@ class TierConfig:
     host_gib: float | None = None
     disk_gib: float | None = None
     integrity: bool = True
+    peer: bool = False  # peer prefix reuse (workers' kv_peer_reuse, the router's peer_reuse)
 
     def worker_options(self, disk_dir: Path) -> dict[str, Any]:
         """The section's tier keys (the workers of a section share ``disk_dir``: each takes
@@ -117,18 +122,21 @@ class TierConfig:
             out["kv_offload_disk_gib"] = self.disk_gib
         if not self.integrity:
             out["kv_integrity"] = False  # (also the KV transfers' check: none here)
+        if self.peer:
+            out["kv_peer_reuse"] = True
         return out
 
     def describe(self) -> str:
+        peer = ", peer prefix reuse" if self.peer else ""
         if self.host_gib is None and self.disk_gib is None:
-            return "no tier"
+            return "no tier" + peer
         parts = []
         if self.host_gib is not None:
             parts.append(f"host {self.host_gib:g} GiB")
         if self.disk_gib is not None:
             parts.append(f"disk {self.disk_gib:g} GiB")
         return " + ".join(parts) + " per worker" + ("" if self.integrity
-                                                    else ", `kv_integrity: false`")
+                                                    else ", `kv_integrity: false`") + peer
 
 
 def build_configs(names: list[str], host_gib: float, disk_host_gib: float,
@@ -139,7 +147,10 @@ def build_configs(names: list[str], host_gib: float, disk_host_gib: float,
     table = {"off": TierConfig("off"), "host": TierConfig("host", host_gib),
              "host+disk": TierConfig("host+disk", disk_host_gib, disk_gib),
              "integrity-off": TierConfig("integrity-off", disk_host_gib, disk_gib,
-                                         integrity=False)}
+                                         integrity=False),
+             "peer": TierConfig("peer", peer=True),
+             "host+disk+peer": TierConfig("host+disk+peer", disk_host_gib, disk_gib,
+                                          peer=True)}
     return [table[n] for n in names]
 
 
@@ -340,7 +351,9 @@ class Cluster(soak.Cluster):
             "max_model_len": args.max_model_len,
             "generation_servers": {
                 "num_instances": 2, "urls": [f"127.0.0.1:{p}" for p in self.ports],
-                "router": {"type": args.policy}, **cfg.worker_options(work / "tier")}}
+                "router": {"type": args.policy,
+                           **({"peer_reuse": True} if cfg.peer else {})},
+                **cfg.worker_options(work / "tier")}}
         self.yaml_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
 
     def worker_pids(self) -> dict[str, int]:
@@ -440,6 +453,8 @@ def summarize(run: dict[str, Any], reference: dict[str, Any] | None,
         "latency_p50_s": percentile([t["latency_s"] for t in ok], 0.5),
         "wall_s": run["wall_s"], "other_cpu_s": run["other_cpu_s"],
         "preemptions": delta(run, PREEMPTIONS), "failed_blocks": delta(run, FAILED),
+        "peer_pulls": delta(run, PEER_PULLS), "peer_failed": delta(run, PEER_FAILED),
+        "peer_tokens": delta(run, PEER_TOKENS), "peer_leases": delta(run, PEER_LEASES),
         "rss_mib": sum(v for v in run["rss_mib"].values() if v is not None),
         "router_matched": _router_delta(run, ROUTER_MATCHED),
         "router_prompt": _router_delta(run, ROUTER_PROMPT),
@@ -514,6 +529,21 @@ def headline(cfg: dict[str, Any], s: dict[str, Any], off: dict[str, Any] | None,
             + f"; worker RSS at the end {off['rss_mib']:.0f} -> {s['rss_mib']:.0f} MiB (both)")
 
 
+def peer_line(runs: list[dict[str, Any]], sums: list[dict[str, Any]]) -> str:
+    """What peer prefix reuse did in the configurations that had it (the workers' metrics)."""
+    parts = [f"{r['config']['name']}: {s['peer_pulls']:,.0f} turns pulled "
+             f"{s['peer_tokens']:,.0f} prompt tokens from the other worker "
+             f"({s['peer_leases']:,.0f} leases made, {s['peer_failed']:,.0f} pulls failed and "
+             f"computed instead)" for r, s in zip(runs, sums, strict=True)
+             if r["config"].get("peer")]
+    if not parts:
+        return "- peer prefix reuse: not in this run's configurations"
+    return ("- peer prefix reuse (a turn routed to a worker without its history pulls the "
+            "other worker's cached prefix; only what that worker's KV cache holds, not its "
+            "tiers): " + "; ".join(parts) + ". The pulled tokens count as cached tokens in "
+            "the tables (usage), not in the prefix hit rate (the workers' own cache)")
+
+
 def report(data: dict[str, Any]) -> str:
     import yaml
 
@@ -566,7 +596,7 @@ def report(data: dict[str, Any]) -> str:
     for r, s in zip(runs, sums, strict=True):
         L.append("- " + headline(r["config"], s, None if r["config"]["name"] == "off" else off,
                                  block_mib))
-    L.append(PEER_REUSE_LINE)
+    L.append(peer_line(runs, sums))
     L.append(data["integrity_line"])
     if off is not None:
         L.append("- answers identical to tiers off (greedy), per configuration: " + "; ".join(
@@ -811,6 +841,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = [n for n in names if n not in CONFIG_NAMES]
     if bad or not names or len(set(names)) != len(names):
         p.error(f"--configs: {args.configs!r}: each of {', '.join(CONFIG_NAMES)} at most once")
+    if args.policy != "kv_cache_aware" and any(n.endswith("peer") for n in names):
+        p.error("--configs: the peer configurations need --policy kv_cache_aware (the router "
+                "names the peer from its KV indexes)")
     # 'off' first: the others are compared with it
     args.config_names = sorted(names, key=lambda n: n != "off")
     args.json_out = str(Path(args.out).with_suffix(".json"))

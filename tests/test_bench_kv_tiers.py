@@ -17,7 +17,7 @@ import pytest
 from bench import kv_tiers
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = ("off", "host", "host+disk", "integrity-off")
+CONFIGS = ("off", "host", "host+disk", "integrity-off")  # the live run's (no peer reuse)
 
 
 def test_percentile_and_config_checks() -> None:
@@ -27,10 +27,16 @@ def test_percentile_and_config_checks() -> None:
     args = kv_tiers.parse_args(["--configs", "host,off"])
     assert args.config_names == ["off", "host"]  # the reference first
     with pytest.raises(SystemExit):
-        kv_tiers.parse_args(["--configs", "off,peer"])
+        kv_tiers.parse_args(["--configs", "off,nope"])
+    with pytest.raises(SystemExit):  # the router names the peer from its KV indexes
+        kv_tiers.parse_args(["--configs", "off,peer", "--policy", "round_robin"])
+    peer = kv_tiers.build_configs(["peer", "host+disk+peer"], 1, 0.5, 2)
+    assert peer[0].worker_options(Path("/d")) == {"kv_peer_reuse": True}
+    assert peer[1].worker_options(Path("/d"))["kv_offload_disk_gib"] == 2
+    assert peer[0].describe() == "no tier, peer prefix reuse"
     with pytest.raises(SystemExit):
         kv_tiers.parse_args(["--host-gib", "0"])
-    assert kv_tiers.parse_args([]).config_names == list(CONFIGS)
+    assert kv_tiers.parse_args([]).config_names == list(kv_tiers.CONFIG_NAMES)
 
 
 @pytest.mark.slow
@@ -43,7 +49,7 @@ def test_smallest_live_run_writes_the_report(tmp_path: Path) -> None:
            "--turns", "2", "--clients", "1", "--policy", "round_robin", "--system-words", "0",
            "--user-words", "3", "--max-tokens", "8", "--kv-cache-tokens", "128",
            "--tokens-per-block", "8", "--host-gib", "0.001", "--disk-host-gib",
-           "0.00001", "--disk-gib", "0.01",
+           "0.00001", "--disk-gib", "0.01", "--configs", ",".join(CONFIGS),
            "--out", str(out), "--work-dir", str(tmp_path / "work")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cp = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -55,7 +61,7 @@ def test_smallest_live_run_writes_the_report(tmp_path: Path) -> None:
         assert section in text, section
     assert "4 conversations x 2 turns" in text.split("\n", 3)[2]  # scaled down, said first
     assert "built-in tiny random model" in text
-    assert kv_tiers.PEER_REUSE_LINE in text
+    assert "- peer prefix reuse: not in this run's configurations" in text
     assert "- tier checksum on vs off: the checksums' own cost, measured: " in text
     assert "result: **PASS**" in text
     runs = {r["config"]["name"]: (r, s) for r, s in zip(data["runs"], data["summaries"],

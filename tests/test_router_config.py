@@ -190,6 +190,21 @@ INVALID = [
     ("negative weight", {"generation_servers": {**GEN, "router": {
         "type": "kv_cache_aware", "load_weight": -1}}},
      "generation_servers.router.load_weight: must be >= 0, got -1.0"),
+    ("peer weight above 1", {"generation_servers": {**GEN, "router": {
+        "type": "kv_cache_aware", "peer_reuse": True, "peer_weight": 1.5}}},
+     "generation_servers.router.peer_weight: must be <= 1, got 1.5"),
+    ("peer weight negative", {"generation_servers": {**GEN, "router": {
+        "type": "kv_cache_aware", "peer_weight": -0.1}}},
+     "generation_servers.router.peer_weight: must be >= 0, got -0.1"),
+    ("peer min tokens", {"generation_servers": {**GEN, "router": {
+        "type": "kv_cache_aware", "peer_min_tokens": 0}}},
+     "generation_servers.router.peer_min_tokens: must be >= 1, got 0"),
+    ("peer reuse type", {"context_servers": {"urls": ["a:1"], "router": {
+        "type": "kv_cache_aware", "peer_reuse": "yes"}}, "generation_servers": GEN},
+     "context_servers.router.peer_reuse: expected bool, got 'yes'"),
+    ("peer reuse on round robin", {"generation_servers": {**GEN, "router": {
+        "peer_reuse": True}}},
+     "generation_servers.router.peer_reuse: unknown option of the round_robin router"),
     ("poll interval", {"generation_servers": {**GEN, "router": {
         "kv_events_poll_interval_sec": 0}}},
      "generation_servers.router.kv_events_poll_interval_sec: must be > 0, got 0.0"),
@@ -268,3 +283,25 @@ def test_cli_reports_bad_config_and_serves_a_good_one(tmp_path: Path) -> None:
         if proc2.poll() is None:
             proc2.kill()
             proc2.wait(10)
+
+
+def test_peer_reuse_options_and_defaults() -> None:
+    """kv_cache_aware's peer_reuse options (KV prefix reuse across workers): defaults off, 0.5,
+    64; set ones kept; a PolicyConfig built in code is checked as the YAML is."""
+    from types import MappingProxyType
+
+    from disagg.contracts.cluster import PolicyConfig
+
+    cfg = parse_cluster_config({"context_servers": {"urls": ["a:1"], "router": {
+        "type": "kv_cache_aware", "peer_reuse": True, "peer_weight": 1, "peer_min_tokens": 16}},
+        "generation_servers": {**GEN, "router": {"type": "kv_cache_aware"}}}, "t.yaml")
+    assert cfg.context_servers is not None and cfg.generation_servers is not None
+    ctx, gen = cfg.context_servers.router, cfg.generation_servers.router
+    assert (ctx.option("peer_reuse"), ctx.option("peer_weight"),
+            ctx.option("peer_min_tokens")) == (True, 1.0, 16)
+    assert (gen.option("peer_reuse"), gen.option("peer_weight"),
+            gen.option("peer_min_tokens")) == (False, 0.5, 64)
+    with pytest.raises(RouterConfigError, match=r"router\.peer_weight: must be <= 1, got 2"):
+        PolicyConfig("kv_cache_aware", options=MappingProxyType({"peer_weight": 2}))
+    with pytest.raises(RouterConfigError, match=r"router\.peer_min_tokens: expected int"):
+        PolicyConfig("kv_cache_aware", options=MappingProxyType({"peer_min_tokens": 1.5}))

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from disagg.router.replies import dumps, loads, with_params
+from disagg.router.replies import dumps, loads, with_fields, with_params
 
 
 def test_dumps_is_compact_and_falls_back_where_orjson_refuses() -> None:
@@ -39,3 +39,20 @@ def test_with_params_adds_the_member_to_the_client_s_bytes(raw: bytes, spliced: 
         assert out.startswith(raw.rstrip()[:-1])
     assert with_params(raw, body, params, b'{"request_type":"x"}') == (
         out if not spliced else out.replace(b"context_only", b"x"))
+
+
+@pytest.mark.parametrize(("raw", "spliced"), [
+    (b'{"a":1}', True), (b'{ "a": 1 }\n', True), (b"{}", False),
+    (b'{"kv_prefix":null,"a":1}', False), (b'\xef\xbb\xbf{"a":1}', False),
+])
+def test_with_fields_adds_each_member_to_the_client_s_bytes(raw: bytes, spliced: bool) -> None:
+    """The context call with a peer's prefix lease: two members at once."""
+    body = json.loads(raw.decode("utf-8-sig"))
+    fields = {"disaggregated_params": {"request_type": "context_only"},
+              "kv_prefix": {"ctx_request_id": "prefix-1", "num_tokens": 64}}
+    out = with_fields(raw, body, fields)
+    assert json.loads(out) == {**body, **fields}
+    if spliced:
+        assert out.startswith(raw.rstrip()[:-1])
+        assert out == with_params(raw, body, fields["disaggregated_params"])[:-1] + (
+            b',"kv_prefix":' + dumps(fields["kv_prefix"]) + b"}")

@@ -28,9 +28,10 @@ class FakeWorker:
     active_requests: int = 0
     active_tokens: int = 0
     kv: KVIndex | None = field(default_factory=KVIndex)
+    kv_peer_reuse: bool = False
 
 
-def _policy(kind: str, use_tokens: bool = False, **options: float):
+def _policy(kind: str, use_tokens: bool = False, **options: float | bool):
     return make_policy(PolicyConfig(kind, use_tokens, MappingProxyType(options)))
 
 
@@ -192,3 +193,120 @@ def test_router_hashes_match_a_real_workers_events() -> None:
     assert idx.resyncs == 1
     assert idx.match(PromptHashes(follow)) == kv.get_computed_blocks(
         Request("r3", follow, SamplingParams(max_tokens=1)))[1]
+
+
+# ---- peer_reuse: KV prefix reuse across workers ----------------------------------------------
+
+
+def _peer_policy(**options: float | bool) -> KVCacheAwarePolicy:
+    policy = _policy("kv_cache_aware", **{"peer_reuse": True, "peer_min_tokens": 16,
+                                          **options})
+    assert isinstance(policy, KVCacheAwarePolicy) and policy.needs_peers
+    return policy
+
+
+def test_peer_reuse_scores_a_peers_prefix_at_peer_weight() -> None:
+    prompt = list(range(200, 280))  # 80 tokens: 20 blocks of 4
+    req = RouteRequest.from_token_ids(prompt)
+    a = _holding("a", prompt[:64], kv_peer_reuse=True)  # 64 tokens, 16 blocks
+    b = _holding("b", prompt[:8], kv_peer_reuse=True, active_requests=0)
+    a.active_requests = 40  # 16 - 10 = 6
+    policy = _peer_policy()
+    d = policy.select([a, b], req, peers=[a, b])
+    # b: 8 own tokens + 0.5 * (64 - 8) = 36 tokens = 9 blocks; a: 16 - 0.25 * 40 = 6
+    assert d.scores == {"a": pytest.approx(6.0), "b": pytest.approx(9.0)}
+    assert d.worker is b and d.matched_tokens == 8
+    assert d.peer is a and d.peer_tokens == 64
+    # peer_weight 0: a peer's blocks count nothing, b's own 2 blocks lose to a's 6
+    d = _peer_policy(peer_weight=0.0).select([a, b], req, peers=[a, b])
+    assert d.worker is a and d.peer is None and d.peer_tokens == 0
+    # without peer_reuse the peers change nothing (and none is named)
+    d = _policy("kv_cache_aware").select([a, b], req, peers=[a, b])
+    assert d.scores == {"a": pytest.approx(6.0), "b": pytest.approx(2.0)} and d.peer is None
+
+
+def test_peer_reuse_names_no_peer_below_min_tokens() -> None:
+    prompt = list(range(300, 400))
+    req = RouteRequest.from_token_ids(prompt)
+    a = _holding("a", prompt[:40], kv_peer_reuse=True, active_requests=100)
+    b = _holding("b", prompt[:20], kv_peer_reuse=True)
+    # advantage 40 - 20 = 20 tokens: a pull at min 16, none at min 24 (nor any credit)
+    d = _peer_policy().select([a, b], req, peers=[a, b])
+    assert d.worker is b and d.peer is a and d.peer_tokens == 40
+    assert d.score == pytest.approx((20 + 0.5 * 20) / 4)
+    d = _peer_policy(peer_min_tokens=24).select([a, b], req, peers=[a, b])
+    assert d.worker is b and d.peer is None and d.score == pytest.approx(20 / 4)
+
+
+def test_peer_reuse_needs_both_ends_to_advertise_it() -> None:
+    prompt = list(range(500, 600))
+    req = RouteRequest.from_token_ids(prompt)
+    policy = _peer_policy()
+    # a peer without kv_peer_reuse (it cannot lease) is no peer
+    a = _holding("a", prompt[:64], kv_peer_reuse=False, active_requests=100)
+    b = FakeWorker("b", kv_peer_reuse=True)
+    d = policy.select([a, b], req, peers=[a, b])
+    assert d.worker is b and d.peer is None and d.scores["b"] == 0.0
+    # a candidate without kv_peer_reuse (it cannot pull) gets no credit and names no peer
+    a.kv_peer_reuse = True
+    b.kv_peer_reuse = False
+    d = policy.select([a, b], req, peers=[a, b])
+    assert d.worker is b and d.peer is None and d.scores["b"] == 0.0
+    b.kv_peer_reuse = True
+    d = policy.select([a, b], req, peers=[a, b])
+    assert d.worker is b and d.peer is a and d.scores["b"] == pytest.approx(8.0)
+
+
+def test_peer_reuse_a_candidate_is_not_its_own_peer() -> None:
+    """The best peer of the candidate holding the longest prefix is the next best one; a
+    peer outside the candidates (another pool, a tried worker) counts too."""
+    prompt = list(range(700, 800))
+    req = RouteRequest.from_token_ids(prompt)
+    a = _holding("a", prompt[:80], kv_peer_reuse=True)
+    b = _holding("b", prompt[:48], kv_peer_reuse=True)
+    g = _holding("g", prompt[:96], kv_peer_reuse=True)  # a generation worker, say
+    policy = _peer_policy(load_weight=0.0)
+    d = policy.select([a, b], req, peers=[a, b, g])
+    # a: 80 + 0.5 * 16 = 88; b: 48 + 0.5 * 48 = 72
+    assert d.worker is a and d.peer is g and d.peer_tokens == 96
+    assert d.scores == {"a": pytest.approx(22.0), "b": pytest.approx(18.0)}
+    # with g gone, a's best peer would be b (shorter: none), b's is a
+    d = policy.select([b], req, peers=[a, b])
+    assert d.worker is b and d.peer is a and d.peer_tokens == 80
+    d = policy.select([a], req, peers=[a, b])
+    assert d.peer is None and d.score == pytest.approx(20.0)
+
+
+def test_peer_reuse_ties_are_deterministic() -> None:
+    """Equal peers: the least loaded, then the first in the peers' order; equal candidates
+    rotate as always."""
+    prompt = list(range(900, 1000))
+    req = RouteRequest.from_token_ids(prompt)
+    p1 = _holding("p1", prompt[:64], kv_peer_reuse=True, active_requests=2)
+    p2 = _holding("p2", prompt[:64], kv_peer_reuse=True, active_requests=1)
+    p3 = _holding("p3", prompt[:64], kv_peer_reuse=True, active_requests=1)
+    c1, c2 = FakeWorker("c1", kv_peer_reuse=True), FakeWorker("c2", kv_peer_reuse=True)
+    policy = _peer_policy()
+    picks = [policy.select([c1, c2], req, peers=[p1, p2, p3]) for _ in range(4)]
+    assert [d.worker.url for d in picks] == ["c1", "c2", "c1", "c2"]
+    assert {d.peer.url for d in picks if d.peer is not None} == {"p2"}
+    assert all(d.peer_tokens == 64 for d in picks)
+    p2.active_requests = 5
+    assert policy.select([c1, c2], req, peers=[p1, p2, p3]).peer is p3
+    # the same state and call sequence: the same decisions
+    again = _peer_policy()
+    p2.active_requests = 1
+    assert [again.select([c1, c2], req, peers=[p1, p2, p3]).worker.url
+            for _ in range(4)] == [d.worker.url for d in picks]
+
+
+def test_peer_reuse_ignores_peers_with_unusable_indexes() -> None:
+    prompt = list(range(40, 140))
+    req = RouteRequest.from_token_ids(prompt)
+    stale = FakeWorker("stale", kv_peer_reuse=True)  # never synced: matches nothing
+    none = FakeWorker("none", kv=None, kv_peer_reuse=True)
+    c = FakeWorker("c", kv_peer_reuse=True)
+    d = _peer_policy().select([c], req, peers=[stale, none])
+    assert d.worker is c and d.peer is None
+    d = _peer_policy().select([c], RouteRequest(), peers=[stale])  # no prompt known
+    assert d.peer is None

@@ -154,9 +154,19 @@ POLICY_OPTIONS: dict[str, dict[str, Opt]] = {
         "match_weight": Opt(float, "score per matched block", default=1.0, ge=0),
         "load_weight": Opt(float, "score per active request (or per block of active tokens)",
                            default=0.25, ge=0),
+        # KV prefix reuse across workers (router.policies, router.flow: kv_prefix).
+        "peer_reuse": Opt(bool, "credit a candidate with a longer prefix cached on a peer "
+                          "that advertises kv_peer_reuse; the chosen worker pulls it",
+                          default=False),
+        "peer_weight": Opt(float, "what a block a peer holds counts, of a block the candidate "
+                           "holds itself (0..1: the transfer's cost)", default=0.5, ge=0),
+        "peer_min_tokens": Opt(int, "the smallest advantage, in prompt tokens, of a peer's "
+                               "prefix worth a pull", default=64, ge=1),
         **_COMMON_POLICY_OPTIONS,
     },
 }
+# Upper bounds of policy options (``Opt`` has lower ones only).
+_POLICY_MAX: dict[str, float] = {"peer_weight": 1.0}
 
 # planner: (``disagg.router.planner.PlannerConfig`` checks the values' ranges)
 PLANNER_OPTIONS: dict[str, Opt] = {
@@ -194,6 +204,13 @@ class PolicyConfig:
     use_tokens: bool = False
     # Every other key of the `router:` mapping as given; option() fills in the defaults.
     options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    def __post_init__(self) -> None:
+        # A config built in code is checked as a YAML one is (the YAML's already was, with
+        # its file and section in the message).
+        if self.type in POLICY_OPTIONS:
+            for name, value in self.options.items():
+                policy_option(self.type, name, value, f"router.{name}", "router config")
 
     def option(self, name: str) -> Any:
         if name in self.options:
@@ -503,19 +520,28 @@ def _parse_policy(err: _Errors, key: str, raw: Any) -> PolicyConfig:
     kind = raw.get("type", "round_robin")
     if kind not in POLICY_TYPES:
         raise err(f"{key}.type", f"unknown router type {kind!r}; one of {list(POLICY_TYPES)}")
-    known = POLICY_OPTIONS[kind]
     options: dict[str, Any] = {}
     for name, value in raw.items():
         if name == "type":
             continue
-        if name not in known:
-            raise err(f"{key}.{name}", f"unknown option of the {kind} router; known: "
-                      f"{', '.join(['type', *known])}")
-        if value is not None:
-            options[name] = coerce(f"{key}.{name}", known[name], value, err.source,
-                                   RouterConfigError)
+        if value is not None or name not in POLICY_OPTIONS[kind]:
+            options[name] = policy_option(kind, name, value, f"{key}.{name}", err.source)
     use_tokens = bool(options.pop("use_tokens", False))
     return PolicyConfig(kind, use_tokens, MappingProxyType(options))
+
+
+def policy_option(kind: str, name: str, value: Any, key: str, source: str) -> Any:
+    """A ``kind`` router's option ``name`` checked (known, type, bounds) and coerced;
+    ``RouterConfigError`` ``"SOURCE: KEY: what"`` otherwise."""
+    known = POLICY_OPTIONS[kind]
+    if name not in known:
+        raise RouterConfigError(f"{source}: {key}: unknown option of the {kind} router; "
+                                f"known: {', '.join(['type', *known])}")
+    value = coerce(key, known[name], value, source, RouterConfigError)
+    top = _POLICY_MAX.get(name)
+    if value is not None and top is not None and value > top:
+        raise RouterConfigError(f"{source}: {key}: must be <= {top:g}, got {value}")
+    return value
 
 
 def _parse_group(err: _Errors, section: str, raw: Any, inherited: Mapping[str, Any],

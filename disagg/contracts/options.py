@@ -285,12 +285,14 @@ class WorkerOptions:
         "--no-kv-integrity skips both")
     kv_offload_host_gib: float | None = _engine(
         float, "host-memory tier for prefix-cached KV blocks evicted from the KV cache, in GiB "
-        "(pinned on CUDA; default: none)", metavar="GIB")
+        "for the whole worker, all its ranks together (pinned on CUDA; default: none)",
+        metavar="GIB")
     kv_offload_disk_dir: str | None = _engine(
         str, "disk tier for evicted prefix-cached KV blocks: a folder this worker owns (emptied "
         "when the worker starts; needs --kv-offload-disk-gib)", metavar="DIR")
     kv_offload_disk_gib: float | None = _engine(
-        float, "size of the disk tier in GiB", metavar="GIB")
+        float, "size of the disk tier in GiB (the whole worker, all its ranks together)",
+        metavar="GIB")
     max_batch_size: int | None = _engine(int, "requests per iteration", metavar="N")
     max_num_tokens: int | None = _engine(int, "tokens per iteration", metavar="N")
     enable_chunked_context: bool | None = _engine(bool, "split long prompts over iterations")

@@ -44,6 +44,18 @@ context answer read ends ``context_call``); when the client asked for its timing
 call carries ``disaggregated_params.timing: true`` and the context answer's own ``timing`` is
 kept for the breakdown (``RequestState.ctx_timing``), which the client's answer then carries.
 
+KV prefix reuse across workers (a side's kv_cache_aware policy with ``peer_reuse``): when the
+policy's decision names a peer (a worker holding a longer prefix of the prompt than the one
+chosen: ``policies.KVCacheAwarePolicy``), the try asks that peer for a lease on it (signed
+``POST /kv_prefix``, at most ``upstream.PREFIX_TIMEOUT_S``; any failure: the try goes on
+without) and forwards the request with the lease as its top-level ``kv_prefix``, signed: the
+chosen worker pulls the blocks and gives the lease back. Unless that worker answered (< 400),
+the router gives the lease back itself (``/kv_leases/release`` to the peer: it failed before
+answering, refused the request, or the client left); a retry on another worker asks for a
+new lease if its own decision names a peer. Where: requests sent whole in an aggregated
+cluster and the context call of the two calls (never a generation_only call; in a
+disaggregated cluster the generation side is given no peers).
+
 With ``kv_streaming`` the router's flow is ``stream_flow.StreamingFlow``: its ``first_try``
 sends both calls at once (the generation worker streams the KV layer by layer) and, when that
 fails before the client got anything, hands the request to the two calls here.
@@ -72,8 +84,15 @@ from disagg.router.relay import (
     counted,
     final_answer,
 )
-from disagg.router.replies import Reply, dumps, loads, with_params
-from disagg.router.upstream import Failed, UpstreamClient, error_code
+from disagg.router.replies import PARAMS_KEY, Reply, dumps, loads, with_fields, with_params
+from disagg.router.upstream import (
+    KV_PREFIX,
+    Failed,
+    PrefixError,
+    PrefixLease,
+    UpstreamClient,
+    error_code,
+)
 
 T = TypeVar("T")
 ROLE_SWITCHING = "role_switching"  # a worker's 503 code while it changes roles (role_switch)
@@ -100,6 +119,7 @@ class Tries:
     last: Failed | None = None
     retry_reason: tuple[str, str] | None = None  # (role, reason) of the next try's retry
     counted: bool = True  # its retries count in disagg_router_retries_total (not /v1/models')
+    decision: Decision | None = None  # the policy's decision for the worker of the current try
 
     def failed(self, w: Worker, f: Failed, exclude: bool = True) -> None:
         """Record ``f`` on ``w`` (``exclude``: never pick ``w`` again for this request)."""
@@ -140,7 +160,13 @@ class RequestFlow:
         if not candidates:
             return None
         policy = self.policies[role]
-        decision = policy.select(candidates, route)
+        peers: list[Worker] = []
+        # (a generation worker of a disaggregated cluster gets generation_only requests, which
+        # take no kv_prefix)
+        if policy.needs_peers and route.prompt is not None and (
+                role == Role.CONTEXT or not self.membership.disaggregated):
+            peers = self.membership.peers()
+        decision = policy.select(candidates, route, peers)
         w = decision.worker
         self.metrics.child(self.metrics.decisions, role, policy.name, w.url).inc()
         if policy.needs_kv_index and route.num_tokens:
@@ -168,7 +194,10 @@ class RequestFlow:
             d = self.pick(tries.role, route, tries.tried, tries.avoid)
             if d is None:
                 raise self.no_worker(tries.role, tries.last)
+            tries.decision = d
             w = d.worker  # type: ignore[assignment]
+        elif tries.decision is not None and tries.decision.worker is not w:
+            tries.decision = None  # (a first worker picked elsewhere: no decision of ours)
         if tries.retry_reason is not None:
             if tries.counted:
                 self.metrics.retries.labels(*tries.retry_reason).inc()
@@ -206,19 +235,73 @@ class RequestFlow:
         (``body``: ``data`` parsed, when the router parsed it: a stream may then be resumed)."""
         self.allow_moves(st, path, body)
         sent = data
+        params: dict[str, Any] | None = None
         if st.timing:  # (the handler parsed the body of a request that asks for timing)
             assert body is not None
-            sent = with_params(data, body, {
-                **(WHOLE_WITH_IDS if st.ids_asked else WHOLE), timing.FIELD: True})
+            params = {**(WHOLE_WITH_IDS if st.ids_asked else WHOLE), timing.FIELD: True}
+            sent = with_params(data, body, params)
         elif st.ids_asked:
             assert body is not None
+            params = WHOLE_WITH_IDS
             sent = with_params(data, body, WHOLE_WITH_IDS, WHOLE_WITH_IDS_JSON)
         tries = Tries(Role.GENERATION, self.max_retries, first)
+
+        async def call(w: Worker) -> Answer:
+            lease = None if body is None else await self.prefix_lease(tries, w, route)
+            if lease is None:
+                return await self.relay.call_and_relay(out, st, w, path, sent, route)
+            assert body is not None
+            fields = {KV_PREFIX: lease.params} if params is None else {
+                PARAMS_KEY: params, KV_PREFIX: lease.params}
+            answer = None
+            try:
+                answer = await self.relay.call_and_relay(
+                    out, st, w, path, with_fields(data, body, fields), route, signed=True)
+                return answer
+            finally:
+                self.prefix_done(lease, answer is not None and answer.status < 400)
+
         try:
-            return await self.retrying(tries, route, lambda w: self.relay.call_and_relay(
-                out, st, w, path, sent, route))
+            return await self.retrying(tries, route, call)
         except Interrupted as cut:
             return await self.migrate(out, st, path, body, data, route, cut)
+
+    # -- KV prefix reuse across workers (module docstring) ------------------------------------
+
+    async def prefix_lease(self, tries: Tries, w: Worker, route: RouteRequest
+                           ) -> PrefixLease | None:
+        """The lease of the peer that ``tries``' decision for ``w`` names, or None (no peer
+        named, none leased, or the call failed: the try goes on without)."""
+        d = tries.decision
+        if d is None or d.peer is None or d.worker is not w or route.prompt is None:
+            return None
+        peer: Worker = d.peer  # type: ignore[assignment]
+        metrics = self.metrics
+        # ``w`` is this request's already while it waits: other requests' decisions see it.
+        w.active_requests += 1
+        w.active_tokens += route.num_tokens
+        try:
+            lease = await self.upstream.ask_prefix(peer, route.prompt.token_ids)
+        except PrefixError as e:
+            logger.info("no prefix lease for %s: %s", w.url, e)
+            metrics.child(metrics.kv_prefix, "failed").inc()
+            return None
+        finally:
+            w.active_requests -= 1
+            w.active_tokens -= route.num_tokens
+        if lease is None:
+            metrics.child(metrics.kv_prefix, "none").inc()
+            return None
+        metrics.child(metrics.kv_prefix, "got").inc()
+        metrics.kv_prefix_tokens.inc(lease.num_tokens)
+        return lease
+
+    def prefix_done(self, lease: PrefixLease, taken: bool) -> None:
+        """The try that carried ``lease`` ended: the peer frees it unless the chosen worker
+        took the request (which gives it back itself; a release is idempotent there)."""
+        if not taken:
+            self.upstream.release_lease(lease.peer, lease.lease_id,
+                                        self.metrics.kv_prefix_releases)
 
     # -- migration --------------------------------------------------------------------------
 
@@ -320,11 +403,26 @@ class RequestFlow:
                         body: dict[str, Any], data: bytes, route: RouteRequest, ctx: Tries,
                         gen: Tries) -> Answer:
         """The context call, then the generation call with its answer (module docstring)."""
-        ctx_data = (with_params(data, body, {**CONTEXT_ONLY, timing.FIELD: True}) if st.timing
+        ctx_params = {**CONTEXT_ONLY, timing.FIELD: True} if st.timing else CONTEXT_ONLY
+        ctx_data = (with_params(data, body, ctx_params) if st.timing
                     else with_params(data, body, CONTEXT_ONLY, CONTEXT_ONLY_JSON))
+
+        async def context_try(w: Worker) -> tuple[Worker, dict[str, Any]]:
+            lease = await self.prefix_lease(ctx, w, route)
+            if lease is None:
+                return await self._context_call(st, w, path, ctx_data, route)
+            taken = False
+            try:
+                result = await self._context_call(st, w, path, with_fields(
+                    data, body, {PARAMS_KEY: ctx_params, KV_PREFIX: lease.params}), route,
+                    signed=True)
+                taken = True  # it answered 200: it had the lease
+                return result
+            finally:
+                self.prefix_done(lease, taken)
+
         while True:
-            ctx_worker, answer = await self.retrying(
-                ctx, route, lambda w: self._context_call(st, w, path, ctx_data, route))
+            ctx_worker, answer = await self.retrying(ctx, route, context_try)
             dp = answer.pop("disaggregated_params", None)
             answer.pop("prompt_token_ids", None)  # (also in dp: the generation worker's)
             if dp is None:  # final after the first token: the context answer is the answer
@@ -345,16 +443,17 @@ class RequestFlow:
                     self.upstream.release_lease(ctx_worker, dp.get("ctx_request_id"))
 
     async def _context_call(self, st: RequestState, w: Worker, path: str, data: bytes,
-                            route: RouteRequest) -> tuple[Worker, dict[str, Any]]:
+                            route: RouteRequest, signed: bool = False
+                            ) -> tuple[Worker, dict[str, Any]]:
         """One context_only try on ``w``: its answer (a 4xx is the client's answer), its own
-        timing taken out of it (``st.ctx_timing``)."""
+        timing taken out of it (``st.ctx_timing``). ``signed``: it carries a kv_prefix."""
         t0 = time.monotonic()
         call_sent(st, t0)
         resp = None
         with counted(w, route):
             try:
                 resp = await self.upstream.post(
-                    w, path, data,
+                    w, path, data, signed,
                     trace=b"" if st.trace is None else st.trace.call(timing.CONTEXT_CALL, w.url))
                 if resp.status >= 500:
                     raise await self.upstream.error_answer(w, resp)

@@ -22,11 +22,14 @@ next passing check puts it back. A worker whose role does not fit its pool (an a
 where generation_only requests are sent) stays out, with the reason shown in ``GET
 /cluster_info``.
 
-KV index (kv_cache_aware sides, and generation workers under conditional disaggregation):
-the router polls each healthy worker's ``GET /kv_events?since=SEQ`` every
-``router.kv_events_poll_interval_sec`` (default 0.1 s) and applies the answer to the worker's
-``KVIndex`` (see ``kv_index``); the answer carries ``tokens_per_block`` and ``worker_id``, so a
-restart with another block size resyncs the index before anything is matched again.
+KV index (kv_cache_aware sides, generation workers under conditional disaggregation, and
+every worker of both pools when a side's policy has ``peer_reuse``: a prefix may be pulled
+from any worker, in a disaggregated cluster from a generation worker that decoded the
+conversation's previous turn): the router polls each healthy worker's ``GET
+/kv_events?since=SEQ`` every ``router.kv_events_poll_interval_sec`` (default 0.1 s) and
+applies the answer to the worker's ``KVIndex`` (see ``kv_index``); the answer carries
+``tokens_per_block`` and ``worker_id``, so a restart with another block size resyncs the index
+before anything is matched again.
 
 Role switches (``role_switch``): a worker being switched by the router (``switching``: the
 target role), or whose ``/server_info`` shows a ``role_switch`` under way, is out of rotation
@@ -127,6 +130,9 @@ class Worker:
     request_failures: int = 0  # consecutive failed requests (reset by any answer)
     switching: str | None = None  # the role the router is switching it to
     remote_switch: dict[str, Any] | None = None  # its /server_info role_switch (None: none)
+    # Its /server_info says ``kv_peer_reuse: true``: it leases its cached prefixes to peers
+    # (POST /kv_prefix) and pulls a request's ``kv_prefix`` (router.flow).
+    kv_peer_reuse: bool = False
     # Its last /server_info ``kv_transfer`` (worker_id, backend, addresses, layout): where a
     # generation worker streams a context worker's KV from (``stream_flow``); kept while a
     # check fails (a worker that restarted elsewhere fails the pull, and the router falls back).
@@ -145,6 +151,7 @@ class Worker:
             "requests_total": self.requests_total, "worker_id": self.worker_id,
             "tokens_per_block": self.tokens_per_block, "kv_blocks_used": self.kv_blocks_used,
             "switching_to": self.switching, "role_switch": self.remote_switch,
+            "kv_peer_reuse": self.kv_peer_reuse,
             "kv_transfer": None if self.kv_transfer is None else {
                 k: self.kv_transfer.get(k) for k in ("backend", "addresses")},
             "kv_index": None if self.kv is None else {
@@ -166,6 +173,8 @@ class Membership:
         self.kv_roles = {role for role, p in policies.items() if p.type == "kv_cache_aware"}
         if config.conditional_disagg is not None:
             self.kv_roles.add(Role.GENERATION)
+        if any(p.type == "kv_cache_aware" and p.option("peer_reuse") for p in policies.values()):
+            self.kv_roles.update(ROLES)  # a peer may be any worker (the module docstring)
         self.on_model_dir = on_model_dir  # a worker's checkpoint folder (tokenizer discovery)
         # called with a worker dropped from its pool (the router forgets its metric series)
         self.on_remove: Callable[[Worker], None] | None = None
@@ -194,6 +203,12 @@ class Membership:
     def candidates(self, pool: str, exclude: set[str] | frozenset[str] = frozenset()
                    ) -> list[Worker]:
         return [w for w in self.pools[pool] if w.healthy and w.url not in exclude]
+
+    def peers(self) -> list[Worker]:
+        """The workers a candidate may pull a cached prefix from (``peer_reuse``): healthy,
+        advertising ``kv_peer_reuse``, with a usable KV index; both pools."""
+        return [w for w in self.by_url.values()
+                if w.healthy and w.kv_peer_reuse and w.kv is not None and w.kv.usable]
 
     def _add(self, w: Worker) -> None:
         self.by_url[w.url] = w
@@ -481,6 +496,7 @@ class Membership:
             logger.info("worker %s restarted (worker_id %s -> %s)", w.url, w.worker_id,
                         worker_id)
         w.role, w.worker_id = role, worker_id
+        w.kv_peer_reuse = info.get("kv_peer_reuse") is True
         kt = info.get("kv_transfer")
         w.kv_transfer = dict(kt) if isinstance(kt, Mapping) else None
         rs = info.get("role_switch")

@@ -18,6 +18,13 @@
 - ``disagg_router_kv_matched_tokens_total{role, worker}`` and
   ``disagg_router_kv_prompt_tokens_total{role}``: prompt tokens found in the chosen worker's
   cache by kv_cache_aware routing, of all prompt tokens it routed;
+- KV prefix reuse across workers (``peer_reuse``, ``flow``):
+  ``disagg_router_kv_prefix_leases_total{outcome}``: the router's ``POST /kv_prefix`` calls to
+  a peer, outcome = got (a lease) | none (the peer held nothing to lease) | failed (an error
+  answer, a timeout, a malformed answer); their sum is the calls asked.
+  ``disagg_router_kv_prefix_tokens_total``: prompt tokens leased (the got answers'
+  ``num_tokens``); ``disagg_router_kv_prefix_releases_total``: leases the router gave back
+  (the chosen worker did not take the request, or the peer's answer was unusable);
 - ``disagg_router_kv_stream_requests_total{outcome}`` (``kv_streaming`` only): streamed |
   fell_back | failed | not_streamable (``stream_flow``);
 - the planner and role switches: ``disagg_router_planner_decisions_total{action, from_role,
@@ -96,6 +103,16 @@ class RouterMetrics:
                                   registry=r)
         self.kv_prompt = Counter(P + "kv_prompt_tokens", "Prompt tokens routed by "
                                  "kv_cache_aware.", ["role"], registry=r)
+        self.kv_prefix = Counter(P + "kv_prefix_leases", "POST /kv_prefix calls to peers "
+                                 "(peer_reuse), by outcome: got (a lease), none (nothing to "
+                                 "lease), failed (error, timeout, malformed answer).",
+                                 ["outcome"], registry=r)
+        self.kv_prefix_tokens = Counter(P + "kv_prefix_tokens", "Prompt tokens of the prefix "
+                                        "leases got from peers (peer_reuse).", registry=r)
+        self.kv_prefix_releases = Counter(P + "kv_prefix_releases", "Prefix leases the router "
+                                          "gave back: the chosen worker did not take the "
+                                          "request (or the peer's answer was unusable).",
+                                          registry=r)
         self.planner_decisions = Counter(P + "planner_decisions", "Planner decisions (flip, or "
                                          "hold while a side is over its SLO).",
                                          ["action", "from_role", "to_role"], registry=r)

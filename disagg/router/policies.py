@@ -2,7 +2,9 @@
 
 A policy only ranks; the caller passes the candidates (healthy workers of the side, minus
 those already tried for this request) and keeps the load counters (``Worker.active_requests``
-/ ``active_tokens``: the router's own in-flight traffic, exact for it).
+/ ``active_tokens``: the router's own in-flight traffic, exact for it). A policy with
+``needs_peers`` (kv_cache_aware with ``peer_reuse``) is also passed the peers: the workers, of
+either side, whose cached prefix a candidate could pull (``Membership.peers``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class RoutedWorker(Protocol):
     active_requests: int
     active_tokens: int
     kv: KVIndex | None
+    kv_peer_reuse: bool  # it serves POST /kv_prefix and pulls a request's kv_prefix
 
 
 @dataclass
@@ -43,6 +46,10 @@ class Decision:
     matched_tokens: int = 0  # prompt tokens found in the worker's KV cache (kv_cache_aware)
     score: float | None = None
     scores: dict[str, float] = field(default_factory=dict)  # every candidate's (debugging)
+    # peer_reuse: the peer whose cached prefix ``worker`` should pull, and that prefix's length
+    # in prompt tokens as the router's index of the peer has it (None / 0: no pull)
+    peer: RoutedWorker | None = None
+    peer_tokens: int = 0
 
 
 class RoutingPolicy(ABC):
@@ -53,12 +60,15 @@ class RoutingPolicy(ABC):
       workers share the load instead of the first one taking everything);
     - never blocks or does I/O (it runs on the router's event loop for every request);
     - reads load from ``active_requests`` (or ``active_tokens`` with ``use_tokens``), which
-      the router increments when it sends a request and decrements when the request ends.
+      the router increments when it sends a request and decrements when the request ends;
+    - ``peers`` (passed only when ``needs_peers``) are read like the candidates: their KV
+      indexes and ``kv_peer_reuse``, nothing else.
     """
 
     name: str = ""
     needs_tokens = False  # the router must tokenize the prompt before calling select
     needs_kv_index = False  # the router must keep a KVIndex of each worker of this side
+    needs_peers = False  # select takes the peers (the router keeps every worker's KVIndex)
 
     def __init__(self, config: PolicyConfig) -> None:
         self.config = config
@@ -70,7 +80,8 @@ class RoutingPolicy(ABC):
         return worker
 
     @abstractmethod
-    def select(self, candidates: Sequence[RoutedWorker], request: RouteRequest) -> Decision:
+    def select(self, candidates: Sequence[RoutedWorker], request: RouteRequest,
+               peers: Sequence[RoutedWorker] = ()) -> Decision:
         ...
 
 
@@ -79,7 +90,8 @@ class RoundRobinPolicy(RoutingPolicy):
 
     name = "round_robin"
 
-    def select(self, candidates: Sequence[RoutedWorker], request: RouteRequest) -> Decision:
+    def select(self, candidates: Sequence[RoutedWorker], request: RouteRequest,
+               peers: Sequence[RoutedWorker] = ()) -> Decision:
         return Decision(self._rotate(candidates))
 
 
@@ -92,7 +104,8 @@ class LoadBalancingPolicy(RoutingPolicy):
         super().__init__(config)
         self.needs_tokens = config.use_tokens
 
-    def select(self, candidates: Sequence[RoutedWorker], request: RouteRequest) -> Decision:
+    def select(self, candidates: Sequence[RoutedWorker], request: RouteRequest,
+               peers: Sequence[RoutedWorker] = ()) -> Decision:
         if self.config.use_tokens:
             loads = [w.active_tokens for w in candidates]
         else:
@@ -113,6 +126,15 @@ class KVCacheAwarePolicy(RoutingPolicy):
     ``load`` = active requests, or with ``use_tokens`` active prompt tokens in the same block
     units. Defaults: match_weight 1, load_weight 0.25. A worker whose index is not synced yet
     (or whose block size just changed) matches nothing.
+
+    ``peer_reuse`` (KV prefix reuse across workers): a candidate ``w`` that advertises
+    ``kv_peer_reuse`` and matches ``m_w`` tokens itself, while a peer other than ``w`` holds
+    ``M`` (the longest match among the ``peers``), is scored with the effective match ``m_w +
+    peer_weight * (M - m_w)`` when ``M - m_w >= peer_min_tokens``: ``w`` would pull the peer's
+    blocks, which costs more than holding them (``peer_weight`` < 1) and less than computing
+    them. Below that advantage, or for a candidate that cannot pull, no pull is made and none
+    is credited. The Decision then names the peer (the longest match; equal ones: the least
+    loaded, then the first in ``peers``' order) and its ``peer_tokens`` (``M``).
     """
 
     name = "kv_cache_aware"
@@ -123,24 +145,69 @@ class KVCacheAwarePolicy(RoutingPolicy):
         super().__init__(config)
         self.match_weight = float(config.option("match_weight"))
         self.load_weight = float(config.option("load_weight"))
+        self.needs_peers = bool(config.option("peer_reuse"))
+        self.peer_weight = float(config.option("peer_weight"))
+        self.peer_min_tokens = int(config.option("peer_min_tokens"))
 
-    def select(self, candidates: Sequence[RoutedWorker], request: RouteRequest) -> Decision:
-        matched = [w.kv.match(request.prompt) if w.kv is not None and request.prompt
-                   is not None else 0 for w in candidates]
+    def select(self, candidates: Sequence[RoutedWorker], request: RouteRequest,
+               peers: Sequence[RoutedWorker] = ()) -> Decision:
+        prompt = request.prompt
+        matched = [w.kv.match(prompt) if w.kv is not None and prompt is not None else 0
+                   for w in candidates]
         sizes = [w.kv.tokens_per_block for w in candidates
                  if w.kv is not None and w.kv.tokens_per_block]
         unit = float(min(sizes)) if sizes else 1.0
+        pulls: list[tuple[RoutedWorker, int] | None] = [None] * len(candidates)
+        if self.needs_peers and peers and prompt is not None:
+            pulls = self._pulls(candidates, matched, peers, prompt)
         scores = []
-        for w, m in zip(candidates, matched, strict=True):
+        for w, m, pull in zip(candidates, matched, pulls, strict=True):
             load = (w.active_tokens / unit) if self.config.use_tokens else w.active_requests
-            scores.append(self.match_weight * (m / unit) - self.load_weight * load)
+            effective = m if pull is None else m + self.peer_weight * (pull[1] - m)
+            scores.append(self.match_weight * (effective / unit) - self.load_weight * load)
         best = max(scores)
         # Float noise must not break a tie between equal workers.
         tied = [i for i, s in enumerate(scores) if best - s <= 1e-9]
         i = tied[self._turn % len(tied)]
         self._turn += 1
+        pull = pulls[i]
         return Decision(candidates[i], matched[i], scores[i],
-                        {w.url: s for w, s in zip(candidates, scores, strict=True)})
+                        {w.url: s for w, s in zip(candidates, scores, strict=True)},
+                        peer=None if pull is None else pull[0],
+                        peer_tokens=0 if pull is None else pull[1])
+
+    def _pulls(self, candidates: Sequence[RoutedWorker], matched: Sequence[int],
+               peers: Sequence[RoutedWorker], prompt: PromptHashes
+               ) -> list[tuple[RoutedWorker, int] | None]:
+        """Per candidate: the peer it would pull from and that peer's match, or None."""
+        # The two best peers (a candidate that is itself the best peer takes the second).
+        first: tuple[int, int, RoutedWorker] | None = None  # (tokens, -load, peer)
+        second: tuple[int, int, RoutedWorker] | None = None
+        known = {w.url: m for w, m in zip(candidates, matched, strict=True)}
+        for p in peers:
+            if not p.kv_peer_reuse or p.kv is None:
+                continue
+            m = known.get(p.url)
+            if m is None:
+                m = p.kv.match(prompt)
+            if m <= 0:
+                continue
+            key = (m, -p.active_requests)
+            if first is None or key > first[:2]:
+                first, second = (m, -p.active_requests, p), first
+            elif second is None or key > second[:2]:
+                second = (m, -p.active_requests, p)
+        if first is None:
+            return [None] * len(candidates)
+        out: list[tuple[RoutedWorker, int] | None] = []
+        for w, m in zip(candidates, matched, strict=True):
+            best = second if first[2].url == w.url else first
+            if (w.kv_peer_reuse and best is not None
+                    and best[0] - m >= self.peer_min_tokens):
+                out.append((best[2], best[0]))
+            else:
+                out.append(None)
+        return out
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {

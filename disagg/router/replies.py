@@ -52,6 +52,10 @@ def retry_after(value: str) -> dict[str, str] | None:
 
 
 PARAMS_KEY = "disaggregated_params"
+# Members of a worker request that only the router sets (a client's is refused: the router
+# signs some requests, and a worker trusts what a signed request names). kv_prefix: a peer's
+# prefix lease (KV prefix reuse across workers, ``flow``).
+ROUTER_SET = (PARAMS_KEY, "kv_prefix")
 _KEY_PART = b'"disaggregated_params":'
 UTF8_BOM = b"\xef\xbb\xbf"
 
@@ -75,6 +79,18 @@ def with_params(data: bytes, body: Mapping[str, Any], params: Mapping[str, Any],
             or b"\0" in data[:4] or data.startswith(UTF8_BOM)):
         return dumps({**body, PARAMS_KEY: params})
     return b"%s,%s%s}" % (data[:end], _KEY_PART, dumps(params) if encoded is None else encoded)
+
+
+def with_fields(data: bytes, body: Mapping[str, Any], fields: Mapping[str, Any]) -> bytes:
+    """``data`` (the JSON object ``body``, as bytes) with the top-level members ``fields``
+    added, as ``with_params`` adds its one (``body`` encoded instead when that cannot be done
+    safely, or when it has one of the keys already)."""
+    end = data.rfind(b"}")
+    if (end < 0 or not body or any(k in body for k in fields) or data[end + 1:].strip()
+            or b"\0" in data[:4] or data.startswith(UTF8_BOM)):
+        return dumps({**body, **fields})
+    members = b"".join(b",%s:%s" % (dumps(k), dumps(v)) for k, v in fields.items())
+    return b"%s%s}" % (data[:end], members)
 
 
 class Reply(Exception):
@@ -127,7 +143,7 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         body = P.parse_json_object(raw)
     except P.APIError as e:
         raise Reply.from_api_error(e) from None
-    if body.get("disaggregated_params") is not None:
-        raise Reply.error(400, "disaggregated_params: set by the router, not by clients",
-                          param="disaggregated_params")
+    for key in ROUTER_SET:
+        if body.get(key) is not None:
+            raise Reply.error(400, f"{key}: set by the router, not by clients", param=key)
     return body

@@ -18,9 +18,10 @@ the cluster token:
 
 Streamed when the request would take the two calls (one prompt, one choice, no local prefill)
 and also: no ``prompt_logprobs`` (nor completions' ``echo`` with logprobs or ``max_tokens: 0``:
-G never computes the prompt's logits), and C's ``kv_transfer`` is known with addresses and a
-layout. Else the two calls serve it (``disagg_router_kv_stream_requests_total{outcome=
-"not_streamable"}``).
+G never computes the prompt's logits), C's ``kv_transfer`` is known with addresses and a
+layout, and the context policy's decision names no peer to pull a prefix from (``peer_reuse``,
+``flow``: the streamed context call carries no ``kv_prefix``; the two calls' does). Else the
+two calls serve it (``disagg_router_kv_stream_requests_total{outcome="not_streamable"}``).
 
 Fallback to the two calls (``flow``), only before any byte reached the client:
 
@@ -158,7 +159,8 @@ class StreamingFlow(RequestFlow):
             return None
         ctx_w = self.next_worker(ctx, route)
         source = stream_source(ctx_w)
-        if source is None:
+        peer = ctx.decision is not None and ctx.decision.peer is not None
+        if source is None or peer:
             ctx.first = ctx_w  # the policy's pick stands for the two calls (counted once)
             self._count(NOT_STREAMABLE)
             return None

@@ -2,6 +2,9 @@
 key, cluster signatures), one send with the stale-connection rule, a worker's error answer as a
 typed failure, and fire-and-forget lease releases.
 
+KV prefix reuse (``peer_reuse``): ``ask_prefix`` is the signed ``POST /kv_prefix`` to a peer,
+within ``PREFIX_TIMEOUT_S``; a prefix lease is given back with the same ``release_lease``.
+
 The requests of the hot path (the OpenAI calls, ``/tokenize``) go through the lean HTTP/1.1
 client (``http1``): their request heads are prepared once per worker and path, the answers
 come back as bytes. Health checks, KV event polls, ``/v1/models`` and lease releases use an
@@ -18,6 +21,8 @@ import asyncio
 import functools
 import json
 import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -28,7 +33,7 @@ from disagg.contracts.roles import Role
 from disagg.router import http1
 from disagg.router.membership import Membership, UpstreamAuth, Worker
 from disagg.router.metrics import RouterMetrics
-from disagg.router.replies import Reply, dumps, retry_after
+from disagg.router.replies import Reply, dumps, loads, retry_after
 
 logger = logging.getLogger("disagg.router")
 
@@ -37,6 +42,29 @@ CONNECT_TIMEOUT_S = 5.0
 UPSTREAM_KEEP_ALIVE_S = 4.0
 KV_TRANSFER_FAILED = "kv_transfer_failed"  # the error code of a generation worker's failed pull
 RELEASE_PATH = "/kv_leases/release"
+PREFIX_PATH = "/kv_prefix"
+# A peer's /kv_prefix answer is a lookup and a lease: waited for this long at most (the request
+# waits for it: a peer that does not answer by then is not worth it, and the request goes on
+# without).
+PREFIX_TIMEOUT_S = 2.0
+KV_PREFIX = "kv_prefix"  # the key of the forwarded request that carries the peer's lease
+
+
+class PrefixError(Exception):
+    """A peer's /kv_prefix call failed (its message says why); the request goes on without."""
+
+
+@dataclass(frozen=True)
+class PrefixLease:
+    """A peer's lease on a prompt's first ``num_tokens`` tokens' KV (its /kv_prefix answer)."""
+
+    peer: Worker
+    num_tokens: int
+    params: Mapping[str, Any]  # the answer's kv_prefix object (a ContextParams dict)
+
+    @property
+    def lease_id(self) -> str:
+        return str(self.params["ctx_request_id"])
 
 
 class Failed(Exception):
@@ -223,18 +251,65 @@ class UpstreamClient:
         """Idle keep-alive connections of the hot path to ``w``."""
         return 0 if self.pool is None else self.pool.idle_count(*_address(w.url))
 
+    # -- prefix leases (peer_reuse) -------------------------------------------------------------
+
+    async def ask_prefix(self, w: Worker, token_ids: Sequence[int]) -> PrefixLease | None:
+        """Peer ``w``'s lease on the longest cached prefix of ``token_ids`` (signed ``POST
+        /kv_prefix``): None when it holds none; ``PrefixError`` when the call fails (not
+        answered within ``PREFIX_TIMEOUT_S``, an error status, a malformed answer). A 404
+        says ``w`` has no kv_peer_reuse (any more): it is no peer until its next health check
+        says otherwise."""
+        assert self.session is not None
+        data = dumps({"prompt_token_ids": list(token_ids)})
+        headers = {"Content-Type": "application/json",
+                   **self.auth.headers(w.pool, "POST", PREFIX_PATH, data, audience=w.member_id)}
+        try:
+            async with self.session.post(w.base + PREFIX_PATH, headers=headers, data=data,
+                                         timeout=aiohttp.ClientTimeout(
+                                             total=PREFIX_TIMEOUT_S)) as r:
+                body = await r.read()
+                status = r.status
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise PrefixError(f"{w.url}{PREFIX_PATH}: {type(e).__name__}: {e}") from None
+        if status == 404:
+            w.kv_peer_reuse = False
+        if status != 200:
+            raise PrefixError(f"{w.url}{PREFIX_PATH} answered {status}: "
+                              f"{body[:200].decode(errors='replace')}")
+        try:
+            answer = loads(body)
+            n = answer["num_tokens"]
+            params = answer["kv_prefix"]
+        except (ValueError, TypeError, KeyError) as e:
+            raise PrefixError(f"{w.url}{PREFIX_PATH}: malformed answer: {e!r}") from None
+        if params is None:
+            return None
+        lease_id = params.get("ctx_request_id") if isinstance(params, dict) else None
+        number = isinstance(n, int) and not isinstance(n, bool)
+        if number and 0 < n < len(token_ids) and isinstance(lease_id, str):
+            return PrefixLease(w, n, params)
+        if isinstance(lease_id, str):  # a lease we will not use: freed now
+            self.release_lease(w, lease_id, self.metrics.kv_prefix_releases)
+        if number and n == 0:
+            return None  # (a lease of nothing)
+        raise PrefixError(f"{w.url}{PREFIX_PATH}: malformed answer: num_tokens {n!r} (prompt "
+                          f"{len(token_ids)} tokens), kv_prefix.ctx_request_id {lease_id!r}")
+
     # -- lease releases -------------------------------------------------------------------------
 
-    def release_lease(self, w: Worker, lease_id: Any) -> None:
-        """Fire and forget: the context worker frees a lease no generation worker will read
-        (idempotent there: a lease already confirmed or expired is left alone)."""
+    def release_lease(self, w: Worker, lease_id: Any, counter: Any = None) -> None:
+        """Fire and forget: ``w`` frees a lease nobody will read: a context answer's that no
+        generation worker took, a prefix lease whose request the chosen worker did not take
+        (idempotent there: a lease already confirmed or expired is left alone). ``counter``:
+        the metric a release counts in (``lease_releases`` by default)."""
         if not isinstance(lease_id, str) or self.session is None:
             return
-        task = asyncio.get_running_loop().create_task(self._post_release(w, lease_id))
+        task = asyncio.get_running_loop().create_task(self._post_release(
+            w, lease_id, self.metrics.lease_releases if counter is None else counter))
         self.background.add(task)  # the loop only keeps weak references to tasks
         task.add_done_callback(self.background.discard)
 
-    async def _post_release(self, w: Worker, lease_id: str) -> None:
+    async def _post_release(self, w: Worker, lease_id: str, counter: Any) -> None:
         assert self.session is not None
         data = dumps({"ctx_request_id": lease_id})
         headers = {"Content-Type": "application/json",
@@ -244,7 +319,7 @@ class UpstreamClient:
                                          data=data) as r:
                 body = await r.read()
             if r.status == 200:
-                self.metrics.lease_releases.inc()
+                counter.inc()
             else:
                 logger.info("lease %s on %s not released: %d %s", lease_id, w.url, r.status,
                             body[:200])
