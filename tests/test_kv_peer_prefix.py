@@ -230,7 +230,6 @@ def test_a_context_request_pulls_a_prefix_then_leases_its_blocks(model: str) -> 
 
 def test_http_prefix_lease_and_pull(tiny_checkpoint: Any) -> None:
     import httpx
-
     from router_fixtures import ROUTER_TOKEN, metric, worker_app
     from server_fixtures import serve_in_thread, signed, signed_post
 
@@ -298,3 +297,25 @@ def _until(cond: Any) -> None:
     while not cond():
         assert time.monotonic() < deadline, "timed out"
         threading.Event().wait(0.02)
+
+
+def test_a_tp2_peer_leases_to_a_one_rank_worker(model: str) -> None:
+    """The lease exists on both of the owner's ranks before its params leave (each rank
+    serves its kv heads); the one-rank asker reads both and converts the layout."""
+    ref, owner, asker = _engine(model), _engine(model, tensor_parallel_size=2), _engine(model)
+    try:
+        turn2 = PROMPT + [91, 92, 93, 94]
+        ref.add_request("r", turn2, GREEDY)
+        expected = _tokens(_run(ref), "r")
+        owner.add_request("t1", PROMPT, GREEDY)
+        _run(owner)
+        params = owner.lease_prefix(turn2)
+        assert params is not None and len(params.addresses) == 2
+        asker.add_request("t2", turn2, GREEDY, prefix=PrefixPull(params, trusted=True))
+        outs = _run(asker)
+        assert _tokens(outs, "t2") == expected
+        assert asker.peer_prefix_pulls == 1 and asker.peer_prefix_failed == 0
+        _leases_back(owner)  # ended on both ranks: the blocks are free
+    finally:
+        for e in (ref, owner, asker):
+            e.shutdown()
