@@ -95,6 +95,9 @@ class RankPeers(Protocol):
     def on_event(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (from a reader thread) whenever an event arrives."""
 
+    def sync(self) -> None:
+        """Return once every other rank handled the messages sent before (engine thread)."""
+
 
 class DisaggConnector(KVConnector):
     """Rank 0's KV connector (module docstring); ``peers`` for multi-rank workers."""
@@ -250,6 +253,9 @@ class DisaggConnector(KVConnector):
         if self.peers is not None:  # every rank leases its slice of the same blocks
             self.peers.send_all(AnnounceLeases(((lease_id, tuple(block_ids)),)))
             self._records[lease_id] = KVRecord(KVStatus.LEASED, self._all_ranks())
+            # before the answer leaves: a peer's READ may reach rank r at once (a context
+            # answer waits for its step instead, which rank r runs after the message)
+            self.peers.sync()
         try:
             lease = self.leases.create(lease_id, list(block_ids), readers=1)
         except BaseException:

@@ -328,6 +328,15 @@ class DistributedExecutor:
             self._fail(f"a rank stopped reading its control pipe: {e!r}")
             raise WorkerDiedError(self.error or repr(e)) from e
 
+    def sync(self, timeout_s: float = 30.0) -> None:
+        """Return once every other rank handled every message sent before this call (engine
+        thread, between steps): a round trip of ``GetStats`` behind them on each pipe."""
+        if self.error is not None:
+            raise WorkerDiedError(self.error)
+        for c in self._conns:
+            c.send_bytes(encode(GetStats()))
+        self._answers(StatsReply, timeout_s)
+
     def take_events(self) -> list[TransferEvent]:
         out = []
         while True:
