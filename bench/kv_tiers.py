@@ -352,7 +352,9 @@ class Cluster(soak.Cluster):
             "generation_servers": {
                 "num_instances": 2, "urls": [f"127.0.0.1:{p}" for p in self.ports],
                 "router": {"type": args.policy,
-                           **({"peer_reuse": True} if cfg.peer else {})},
+                           **({"peer_reuse": True} if cfg.peer else {}),
+                           **({} if args.load_weight is None
+                              else {"load_weight": args.load_weight})},
                 **cfg.worker_options(work / "tier")}}
         self.yaml_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
 
@@ -566,7 +568,9 @@ def report(data: dict[str, Any]) -> str:
     L += [f"- model: {data['model_desc']}; KV {data['kv_bytes_per_token']:,} bytes a token, "
           f"{a['tokens_per_block']}-token blocks of {data['block_bytes'] / 2**20:.2f} MiB",
           f"- cluster: `disagg launch -c` of an aggregated cluster YAML (below): `disagg router`"
-          f" (policy **{a['policy']}**) over 2 workers on loopback, not pinned, "
+          f" (policy **{a['policy']}**"
+          + ("" if a.get("load_weight") is None else f", load_weight {a['load_weight']:g}")
+          + ") over 2 workers on loopback, not pinned, "
           f"OMP_NUM_THREADS={data['omp_threads']}, started afresh for each configuration; each "
           f"worker's KV cache: **{a['kv_cache_tokens']:,} tokens** "
           f"({a['kv_cache_tokens'] // a['tokens_per_block']} blocks), max_model_len "
@@ -820,6 +824,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         f"(default: all)")
     p.add_argument("--policy", choices=POLICIES, default="kv_cache_aware",
                    help="the router's policy")
+    p.add_argument("--load-weight", type=float, default=None,
+                   help="the kv_cache_aware policy's load_weight (default: the router's, "
+                        "0.25): higher moves more turns away from the worker holding their "
+                        "history, which is where peer reuse pays")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", default=None,
                    help="folder for the YAMLs, logs and disk tiers (default: a new temp folder)")
@@ -841,6 +849,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = [n for n in names if n not in CONFIG_NAMES]
     if bad or not names or len(set(names)) != len(names):
         p.error(f"--configs: {args.configs!r}: each of {', '.join(CONFIG_NAMES)} at most once")
+    if args.load_weight is not None and (args.policy != "kv_cache_aware"
+                                         or args.load_weight < 0):
+        p.error("--load-weight: a kv_cache_aware policy's option, >= 0")
     if args.policy != "kv_cache_aware" and any(n.endswith("peer") for n in names):
         p.error("--configs: the peer configurations need --policy kv_cache_aware (the router "
                 "names the peer from its KV indexes)")
