@@ -541,8 +541,8 @@ def peer_line(runs: list[dict[str, Any]], sums: list[dict[str, Any]]) -> str:
     if not parts:
         return "- peer prefix reuse: not in this run's configurations"
     return ("- peer prefix reuse (a turn routed to a worker without its history pulls the "
-            "other worker's cached prefix; only what that worker's KV cache holds, not its "
-            "tiers): " + "; ".join(parts) + ". The pulled tokens count as cached tokens in "
+            "other worker's cached prefix, from its KV cache or copied back from its tiers "
+            "first): " + "; ".join(parts) + ". The pulled tokens count as cached tokens in "
             "the tables (usage), not in the prefix hit rate (the workers' own cache)")
 
 

@@ -26,7 +26,8 @@ WAIT_S = 20.0
 
 
 def _engine(model: str, role: Role = Role.AGGREGATED, **options: Any) -> LLMEngine:
-    cfg = build_engine_config(model, tokens_per_block=B, kv_cache_tokens=512, **options)
+    cfg = build_engine_config(model, **{"tokens_per_block": B, "kv_cache_tokens": 512,
+                                        **options})
     return LLMEngine(cfg, DisaggSettings(role, TOKEN, backend="TCP", kv_peer_reuse=True))
 
 
@@ -40,7 +41,7 @@ def _run(eng: LLMEngine, until: Any = None) -> list[Any]:
             return outs
         if eng.has_schedulable():
             outs += eng.step()
-        elif eng.scheduler.has_unfinished() or eng.scheduler.num_fetching:
+        elif eng.scheduler.has_unfinished() or eng.scheduler.num_fetching or until:
             threading.Event().wait(0.005)
         else:
             return outs
@@ -316,6 +317,40 @@ def test_a_tp2_peer_leases_to_a_one_rank_worker(model: str) -> None:
         assert _tokens(outs, "t2") == expected
         assert asker.peer_prefix_pulls == 1 and asker.peer_prefix_failed == 0
         _leases_back(owner)  # ended on both ranks: the blocks are free
+    finally:
+        for e in (ref, owner, asker):
+            e.shutdown()
+
+
+def test_a_prefix_in_the_peers_host_tier_is_loaded_then_leased(model: str) -> None:
+    """The owner's pool evicted the history into its host tier: the lease copies it back
+    into the pool (the tiers' loader) and then leases it; the asker's output is exact."""
+    ref, asker = _engine(model), _engine(model)
+    owner = _engine(model, kv_offload_host_gib=0.01, kv_cache_tokens=128)  # 16 blocks
+    try:
+        turn2 = PROMPT + [95, 96, 97]
+        ref.add_request("r", turn2, GREEDY)
+        expected = _tokens(_run(ref), "r")
+        owner.add_request("t1", PROMPT, GREEDY)
+        _run(owner)
+        for i in range(3):  # other prompts push PROMPT's blocks out of the 16-block pool
+            owner.add_request(f"o{i}", [200 + i] * 60, GREEDY)
+            _run(owner)
+        probe_hits = owner.scheduler.lease_prefix("probe", turn2)
+        owner.scheduler.release_held("probe")
+        assert len(probe_hits) < 7  # not (all) in the pool any more
+        got: list[Any] = []
+        owner.start_prefix_lease(turn2, lambda p, e: got.append((p, e)))
+        _run(owner, until=lambda: bool(got))
+        [(params, error)] = got
+        assert error is None and params is not None and params.num_tokens == 56
+        assert owner.offload is not None and owner.offload.stats().loaded_host > 0
+        asker.add_request("t2", turn2, GREEDY, prefix=PrefixPull(params, trusted=True))
+        outs = _run(asker)
+        assert _tokens(outs, "t2") == expected
+        assert asker.peer_prefix_pulls == 1
+        _leases_back(owner)
+        assert not owner.scheduler.prefix_loads
     finally:
         for e in (ref, owner, asker):
             e.shutdown()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import functools
 import logging
 import queue
 import threading
@@ -16,7 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from disagg.config import EngineConfig, build_engine_config
 from disagg.contracts.kv_mode import LOCAL, ContextOnly, KVMode, PrefixPull, Pull
@@ -48,6 +49,14 @@ class _Add:
     arrival_time: float
     mode: KVMode
     prefix: PrefixPull | None = None
+
+
+def _answer(fut: cf.Future[Any], result: Any, error: BaseException | None) -> None:
+    """Resolve ``fut`` with ``result``, or fail it with ``error`` (engine thread)."""
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
 
 
 @dataclass(frozen=True)
@@ -333,7 +342,8 @@ class AsyncLLM:
             elif isinstance(cmd, _LeasePrefix):
                 if cmd.result.set_running_or_notify_cancel():
                     try:
-                        cmd.result.set_result(self.engine.lease_prefix(cmd.token_ids))
+                        self.engine.start_prefix_lease(cmd.token_ids,
+                                                       functools.partial(_answer, cmd.result))
                     except Exception as e:
                         cmd.result.set_exception(e)
             elif isinstance(cmd, _SwitchRole):

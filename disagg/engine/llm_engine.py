@@ -62,6 +62,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# How a prefix lease is answered (``start_prefix_lease``): (params | None, None) or (None, error).
+PrefixReply = Callable[[ContextParams | None, BaseException | None], None]
+
 
 class LLMEngine:
     """One worker's engine, driven by one thread: ``add_request`` / ``abort_request`` queue
@@ -118,8 +121,10 @@ class LLMEngine:
         self._async_scheduling = (config.device.startswith("cuda") if asched is None
                                   else asched)
         self._inflight: _InFlight | None = None
-        # Peer prefix reuse (kv_peer_reuse): leases made for peers, pulls done and failed.
+        # Peer prefix reuse (kv_peer_reuse): leases made for peers, pulls done and failed;
+        # prefix leases waiting for their tier blocks (start_prefix_lease).
         self.peer_prefix_leases = self.peer_prefix_pulls = self.peer_prefix_failed = 0
+        self._prefix_replies: dict[str, tuple[list[int], PrefixReply]] = {}
         self.connector: KVConnector | None = None  # None: an aggregated worker
         if disagg is not None:
             try:
@@ -272,9 +277,35 @@ class LLMEngine:
         if self.connector is None:
             raise ValueError("kv_prefix: this worker has no KV transfer (no kv_peer_reuse)")
         lease_id = f"prefix-{uuid.uuid4().hex}"
-        blocks = self.scheduler.lease_prefix(lease_id, token_ids)
+        return self._lease(lease_id, token_ids,
+                           self.scheduler.lease_prefix(lease_id, token_ids))
+
+    def start_prefix_lease(self, token_ids: list[int], reply: PrefixReply) -> None:
+        """Engine thread: ``lease_prefix``, and when the prefix chain goes on in this
+        worker's offload tiers, those blocks copied back into the pool first (the tiers'
+        loader; ``_poll_offload`` finishes it): ``reply(params | None, None)`` once leased,
+        ``reply(None, error)`` if that failed. At once when no tier block follows."""
+        if self.connector is None:
+            raise ValueError("kv_prefix: this worker has no KV transfer (no kv_peer_reuse)")
+        lease_id = f"prefix-{uuid.uuid4().hex}"
+        load = (self.scheduler.begin_prefix_load(lease_id, token_ids)
+                if self.offload is not None else None)
+        if load is None:
+            reply(self.lease_prefix(token_ids), None)
+            return
+        assert self.offload is not None
+        self._prefix_replies[lease_id] = (list(token_ids), reply)
+        # as after schedule(): blocks the allocation evicted go down first (their bytes are
+        # still in place), then the load may write
+        self.offload.offload(self.kv.take_evicted())
+        self.offload.start([load])
+
+    def _lease(self, lease_id: str, token_ids: list[int], blocks: list[int]
+               ) -> ContextParams | None:
+        """Lease ``blocks`` (held by the scheduler under ``lease_id``) for a peer."""
         if not blocks:
             return None
+        assert self.connector is not None
         try:
             params = self.connector.lease_prefix(lease_id, token_ids, blocks)
         except BaseException:
@@ -282,6 +313,17 @@ class LLMEngine:
             raise
         self.peer_prefix_leases += 1
         return params
+
+    def _prefix_loaded(self, lease_id: str, num_loaded: int) -> None:
+        """A peer's prefix lease's tier load finished: lease what is in the pool now."""
+        token_ids, reply = self._prefix_replies.pop(lease_id)
+        blocks = self.scheduler.end_prefix_load(lease_id, num_loaded)
+        try:
+            params = self._lease(lease_id, token_ids, blocks)
+        except Exception as e:
+            reply(None, e)
+            return
+        reply(params, None)
 
     def service_transfers(self) -> list[RequestOutput]:
         """Engine thread, never blocks: free blocks of ended leases, expire leases, start
@@ -324,9 +366,12 @@ class LLMEngine:
         come is computed); an aborted one's blocks are free again (nothing writes them)."""
         assert self.offload is not None
         sch = self.scheduler
-        for done in self.offload.poll(lambda rid: rid in sch.loading):
+        for done in self.offload.poll(lambda rid: rid in sch.loading
+                                      or rid in sch.prefix_loads):
             if done.request_id in sch.loading:
                 sch.tier_kv_ready(done.request_id, done.num_loaded)
+            elif done.request_id in sch.prefix_loads:
+                self._prefix_loaded(done.request_id, done.num_loaded)
             else:
                 sch.release_draining(done.request_id)
 
