@@ -24,6 +24,19 @@ OPTIONS = dict(tokens_per_block=B, kv_cache_tokens=1024, max_num_tokens=256, max
 # ---- the log, exactly ---------------------------------------------------------------------
 
 
+def test_log_keeps_the_tier_a_stored_event_went_to() -> None:
+    """A block that left the KV cache for an offload tier is ``stored`` with its medium;
+    the medium goes when its event leaves the retained window."""
+    log = KVEventLog(max_events=2)
+    log.append([KVCacheEvent("stored", [1, 2]), KVCacheEvent("stored", [2], medium="host")])
+    b = log.since(0)
+    assert b.events == [(0, "stored", [1, 2]), (1, "stored", [2])] and b.media == {1: "host"}
+    assert log.since(2).media == {}
+    log.append([KVCacheEvent("removed", [1]), KVCacheEvent("stored", [3], medium="disk")])
+    assert log.since(2).media == {3: "disk"}  # (seq 1's went with its event)
+    assert log._media == {3: "disk"}
+
+
 def test_log_returns_events_in_order_from_since() -> None:
     log = KVEventLog(max_events=8)
     log.append([KVCacheEvent("stored", [1, 2]), KVCacheEvent("removed", [1]),

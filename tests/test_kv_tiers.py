@@ -207,12 +207,18 @@ def test_kv_events_count_a_block_cached_while_the_pool_or_a_tier_holds_it(host, 
         if any(r.request_id == "C" for r in done):
             break
     seen: set[int] = set()
+    tiered: set[int] = set()  # what the events say left the pool for a tier
     for ev in s.kv.take_events():
         if ev.kind == "stored":
             seen.update(ev.block_hashes)
+            (tiered.update if ev.medium is not None else tiered.difference_update)(
+                ev.block_hashes)
+            assert ev.medium in (None, "host", "disk")
         else:
             seen.difference_update(ev.block_hashes)
+            tiered.difference_update(ev.block_hashes)
     pool = {b.block_hash for b in s.kv.pool.blocks if b.block_hash is not None}
     assert seen == pool | set(tiers.host_order()) | set(tiers.disk_order())
+    assert tiered == seen - pool and tiered  # (the run evicted some into a tier)
     h0, _ = hash_token_blocks(A_PROMPT, B)
     assert h0 in seen  # A's first block: back in the pool or still in a tier

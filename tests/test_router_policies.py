@@ -310,3 +310,33 @@ def test_peer_reuse_ignores_peers_with_unusable_indexes() -> None:
     assert d.worker is c and d.peer is None
     d = _peer_policy().select([c], RouteRequest(), peers=[stale])  # no prompt known
     assert d.peer is None
+
+
+def test_a_peers_blocks_in_an_offload_tier_count_peer_tier_weight() -> None:
+    """KV events place a block that left a worker's KV cache for a tier (``medium``): the
+    index keeps it a hit, marked tiered until it is stored in the pool again or removed; a
+    peer's tiered blocks are credited at peer_tier_weight."""
+    prompt = list(range(200, 280))  # 80 tokens: 20 blocks of 4
+    req = RouteRequest.from_token_ids(prompt)
+    a = _holding("a", prompt[:64], kv_peer_reuse=True, active_requests=40)
+    b = _holding("b", prompt[:8], kv_peer_reuse=True)
+    hashes = hash_token_blocks(prompt[:64], 4)
+    assert a.kv is not None
+    # blocks 8..15 (tokens 32..63) went to a's host tier
+    a.kv.apply({**_answer("a", 2), "events": [
+        {"seq": 1, "type": "stored", "block_hashes": hashes[8:16], "medium": "host"}]})
+    assert a.kv.match(req.prompt) == 64  # still hits
+    assert a.kv.match_tiered(req.prompt) == [False] * 8 + [True] * 8
+    d = _peer_policy(peer_tier_weight=0.25).select([a, b], req, peers=[a, b])
+    # b: 8 + 0.5 * (32 - 8) + 0.25 * (64 - 32) = 28 tokens = 7 blocks
+    assert d.scores["b"] == pytest.approx(7.0) and d.peer is a
+    # back in a's KV cache (stored without a medium): full peer_weight again
+    a.kv.apply({**_answer("a", 3), "events": [
+        {"seq": 2, "type": "stored", "block_hashes": hashes[8:16]}]})
+    assert not any(a.kv.match_tiered(req.prompt))
+    d = _peer_policy(peer_tier_weight=0.25).select([a, b], req, peers=[a, b])
+    assert d.scores["b"] == pytest.approx(9.0)
+    # removed: gone from both
+    a.kv.apply({**_answer("a", 4), "events": [
+        {"seq": 3, "type": "removed", "block_hashes": hashes[12:16]}]})
+    assert a.kv.match(req.prompt) == 48 and not a.kv.tiered

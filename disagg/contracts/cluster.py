@@ -162,11 +162,14 @@ POLICY_OPTIONS: dict[str, dict[str, Opt]] = {
                            "holds itself (0..1: the transfer's cost)", default=0.5, ge=0),
         "peer_min_tokens": Opt(int, "the smallest advantage, in prompt tokens, of a peer's "
                                "prefix worth a pull", default=64, ge=1),
+        "peer_tier_weight": Opt(float, "what a block a peer holds only in an offload tier "
+                                "counts (0..1: copied back into its KV cache, then "
+                                "transferred)", default=0.25, ge=0),
         **_COMMON_POLICY_OPTIONS,
     },
 }
 # Upper bounds of policy options (``Opt`` has lower ones only).
-_POLICY_MAX: dict[str, float] = {"peer_weight": 1.0}
+_POLICY_MAX: dict[str, float] = {"peer_weight": 1.0, "peer_tier_weight": 1.0}
 
 # planner: (``disagg.router.planner.PlannerConfig`` checks the values' ranges)
 PLANNER_OPTIONS: dict[str, Opt] = {

@@ -46,10 +46,13 @@ class KVCacheEvent:
     """A change of the set of cached block hashes, for KV-aware routing.
 
     ``stored``: the hashes became available for prefix hits; ``removed``: they were evicted.
-    Consecutive changes of the same kind are merged into one event, in order."""
+    Consecutive changes of the same kind are merged into one event, in order. ``medium``:
+    where a stored hash is now, when it is not the KV cache: ``host`` or ``disk`` (it left
+    the pool into that offload tier: a hit on it is copied back first); None: the KV cache."""
 
     kind: EventKind
     block_hashes: list[int]
+    medium: str | None = None
 
 
 class BlockPool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from disagg.kv_cache.block_pool import KVCacheEvent
 
@@ -29,6 +29,9 @@ class KVEventBatch:
     next_seq: int
     events: list[tuple[int, str, list[int]]]  # (seq, "stored" | "removed", block hashes)
     snapshot: list[int] | None  # set instead of ``events`` when the reader must resync
+    # seq -> the offload tier ("host" / "disk") a ``stored`` event's hashes are in now
+    # (``KVCacheEvent.medium``); not in it: the KV cache
+    media: dict[int, str] = field(default_factory=dict)
 
 
 class KVEventLog:
@@ -37,6 +40,7 @@ class KVEventLog:
             raise ValueError("max_events must be >= 1")
         self._lock = threading.Lock()
         self._events: deque[tuple[int, str, list[int]]] = deque(maxlen=max_events)
+        self._media: dict[int, str] = {}  # seq -> medium, for the retained events that have one
         self._next_seq = 0
         self._cached: set[int] = set()
 
@@ -51,7 +55,11 @@ class KVEventLog:
                     self._cached.update(hashes)
                 else:
                     self._cached.difference_update(hashes)
+                if len(self._events) == self._events.maxlen:  # the oldest one goes
+                    self._media.pop(self._events[0][0], None)
                 self._events.append((self._next_seq, ev.kind, hashes))
+                if ev.medium is not None:
+                    self._media[self._next_seq] = ev.medium
                 self._next_seq += 1
 
     def since(self, seq: int) -> KVEventBatch:
@@ -63,7 +71,8 @@ class KVEventLog:
             # seq in [oldest, next_seq]: events are consecutive, so the index is seq - oldest.
             start = seq - oldest
             events = [self._events[i] for i in range(start, len(self._events))]
-            return KVEventBatch(self._next_seq, events, None)
+            media = {s: m for s, m in self._media.items() if s >= seq}
+            return KVEventBatch(self._next_seq, events, None, media)
 
     @property
     def next_seq(self) -> int:

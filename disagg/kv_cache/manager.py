@@ -77,8 +77,9 @@ class KVCacheManager:
 
     def take_events(self) -> list[KVCacheEvent]:
         """The pool's events; with offload tiers a block counts as cached while the pool or
-        a tier holds it: a ``removed`` hash that went to a tier is left out, and a hash that
-        left the last tier (and is not in the pool) is reported removed then."""
+        a tier holds it: a ``removed`` hash that went to a tier is reported ``stored`` in that
+        tier (``medium``), and a hash that left the last tier (and is not in the pool) is
+        reported removed then."""
         events = self.pool.take_events()
         if self.tiers is None:
             return events
@@ -93,6 +94,11 @@ class KVCacheManager:
                 hashes = [h for h in ev.block_hashes if gone(h)]
                 if hashes:
                     out.append(KVCacheEvent("removed", hashes))
+                by_tier: dict[str, list[int]] = {}
+                for h in ev.block_hashes:
+                    if pool.get_cached_block(h) is None and (t := tiers.lookup(h)) is not None:
+                        by_tier.setdefault(t, []).append(h)
+                out.extend(KVCacheEvent("stored", hs, medium=t) for t, hs in by_tier.items())
             else:
                 out.append(ev)
         left = [h for h in tiers.take_gone() if gone(h)]

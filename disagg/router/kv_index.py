@@ -10,6 +10,11 @@ with a stale block size.
 Matching hashes the prompt with the worker's block size exactly as the workers do
 (``disagg.kv_cache.hashing``) and counts the leading blocks found: the chain hash of block
 ``i`` covers blocks ``0..i``, so the first miss ends the match.
+
+With offload tiers a worker reports a block that left its KV cache for a tier as ``stored``
+with that ``medium`` (``host`` / ``disk``): it is still a hit, but one copied back first;
+``tiered`` keeps those hashes until the block is stored in the KV cache again or removed (a
+snapshot carries no medium: it clears ``tiered``).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class KVIndex:
 
     def __init__(self) -> None:
         self.blocks: set[int] = set()
+        self.tiered: set[int] = set()  # of ``blocks``: held in an offload tier only
         self.worker_id: str | None = None
         self.tokens_per_block: int | None = None
         self.next_seq = 0  # the ``since`` of the next poll
@@ -58,6 +64,7 @@ class KVIndex:
     def reset(self) -> None:
         """Forget everything: the next poll asks from seq 0, which gets a full picture."""
         self.blocks = set()
+        self.tiered = set()
         self.worker_id = None
         self.tokens_per_block = None
         self.next_seq = 0
@@ -72,8 +79,8 @@ class KVIndex:
             next_seq = int(answer["next_seq"])
             events = answer.get("events") or []
             snapshot = answer.get("snapshot")
-            parsed = [(int(ev["seq"]), str(ev["type"]), [int(h) for h in ev["block_hashes"]])
-                      for ev in events]
+            parsed = [(int(ev["seq"]), str(ev["type"]), [int(h) for h in ev["block_hashes"]],
+                       ev.get("medium")) for ev in events]
             snap = None if snapshot is None else {int(h) for h in snapshot}
         except (KeyError, TypeError, ValueError) as e:
             raise KVEventsError(f"malformed /kv_events answer: {e!r}") from None
@@ -94,18 +101,37 @@ class KVIndex:
                 return
         if snap is not None:
             self.blocks = snap
+            self.tiered = set()
             self.resyncs += self.synced
             self.synced = True
         elif not self.synced:
             return
         self.worker_id = worker_id
         self.tokens_per_block = block_size
-        for _seq, kind, hashes in parsed:
+        for _seq, kind, hashes, medium in parsed:
             if kind == "stored":
                 self.blocks.update(hashes)
+                if medium in ("host", "disk"):
+                    self.tiered.update(hashes)
+                else:
+                    self.tiered.difference_update(hashes)
             elif kind == "removed":
                 self.blocks.difference_update(hashes)
+                self.tiered.difference_update(hashes)
         self.next_seq = next_seq
+
+    def match_tiered(self, prompt: PromptHashes) -> list[bool]:
+        """Per leading block found (as ``match`` counts them): whether it is held in an
+        offload tier only (a hit copied back first)."""
+        if not self.usable:
+            return []
+        assert self.tokens_per_block is not None
+        out = []
+        for h in prompt.for_block_size(self.tokens_per_block):
+            if h not in self.blocks:
+                break
+            out.append(h in self.tiered)
+        return out
 
     def match(self, prompt: PromptHashes) -> int:
         """Prompt tokens whose KV this worker holds: leading full blocks found, times B."""

@@ -134,7 +134,9 @@ class KVCacheAwarePolicy(RoutingPolicy):
     blocks, which costs more than holding them (``peer_weight`` < 1) and less than computing
     them. Below that advantage, or for a candidate that cannot pull, no pull is made and none
     is credited. The Decision then names the peer (the longest match; equal ones: the least
-    loaded, then the first in ``peers``' order) and its ``peer_tokens`` (``M``).
+    loaded, then the first in ``peers``' order) and its ``peer_tokens`` (``M``). A peer's
+    block that its KV events place in an offload tier (``KVIndex.tiered``) counts
+    ``peer_tier_weight`` instead of ``peer_weight``: it is copied back before the transfer.
     """
 
     name = "kv_cache_aware"
@@ -148,6 +150,7 @@ class KVCacheAwarePolicy(RoutingPolicy):
         self.needs_peers = bool(config.option("peer_reuse"))
         self.peer_weight = float(config.option("peer_weight"))
         self.peer_min_tokens = int(config.option("peer_min_tokens"))
+        self.peer_tier_weight = float(config.option("peer_tier_weight"))
 
     def select(self, candidates: Sequence[RoutedWorker], request: RouteRequest,
                peers: Sequence[RoutedWorker] = ()) -> Decision:
@@ -163,7 +166,7 @@ class KVCacheAwarePolicy(RoutingPolicy):
         scores = []
         for w, m, pull in zip(candidates, matched, pulls, strict=True):
             load = (w.active_tokens / unit) if self.config.use_tokens else w.active_requests
-            effective = m if pull is None else m + self.peer_weight * (pull[1] - m)
+            effective = m if pull is None else m + self._credit(pull[0], m, pull[1], prompt)
             scores.append(self.match_weight * (effective / unit) - self.load_weight * load)
         best = max(scores)
         # Float noise must not break a tie between equal workers.
@@ -175,6 +178,18 @@ class KVCacheAwarePolicy(RoutingPolicy):
                         {w.url: s for w, s in zip(candidates, scores, strict=True)},
                         peer=None if pull is None else pull[0],
                         peer_tokens=0 if pull is None else pull[1])
+
+    def _credit(self, peer: RoutedWorker, m: int, M: int, prompt: PromptHashes | None
+                ) -> float:
+        """Tokens credited for pulling the peer's tokens [m, M): ``peer_weight`` each, or
+        ``peer_tier_weight`` for those in a block the peer holds in an offload tier."""
+        assert peer.kv is not None and prompt is not None
+        B = peer.kv.tokens_per_block or 1
+        tiered = peer.kv.match_tiered(prompt)
+        # peer blocks [0, len(tiered)) hold tokens [i*B, (i+1)*B); the pull's [m, M)
+        tier_tokens = sum(max(0, min(M, (i + 1) * B) - max(m, i * B))
+                          for i, t in enumerate(tiered) if t)
+        return self.peer_weight * (M - m - tier_tokens) + self.peer_tier_weight * tier_tokens
 
     def _pulls(self, candidates: Sequence[RoutedWorker], matched: Sequence[int],
                peers: Sequence[RoutedWorker], prompt: PromptHashes

@@ -168,7 +168,9 @@ class ClusterRoutes:
             "tokens_per_block": srv.config.cache.tokens_per_block,
             "block_hash_scheme": BLOCK_HASH_SCHEME,
             "next_seq": batch.next_seq,
-            "events": [{"seq": seq, "type": kind, "block_hashes": hashes}
+            # "medium": the offload tier a stored event's hashes went to (absent: KV cache)
+            "events": [{"seq": seq, "type": kind, "block_hashes": hashes,
+                        **({"medium": m} if (m := batch.media.get(seq)) else {})}
                        for seq, kind, hashes in batch.events],
             "snapshot": batch.snapshot,
         }
