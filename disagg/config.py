@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from disagg.model.gguf_modes import GGUF_WEIGHT_MODES  # (re-exported: options import it)
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field."""
@@ -374,11 +376,16 @@ def _deepseek_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
 DTYPES = {"float32", "bfloat16", "float16"}
 
 # With no sizing option set: a CUDA worker may use this share of the GPU's total memory
-# (vLLM's gpu_memory_utilization default); a CPU worker gives the KV cache this share of free
-# RAM (the same memory also holds the process, the OS and often other workers). The runner
-# applies them; `disagg serve --help` shows the first.
+# (vLLM's gpu_memory_utilization default); a CPU worker sizes its KV cache for what the model
+# and the load can use: DEFAULT_CPU_KV_SEQUENCES sequences of max_model_len tokens (at most
+# max_batch_size of them; at least max_num_tokens tokens, one full step), never more than
+# DEFAULT_CPU_KV_FRACTION of free RAM (the same memory also holds the process, the OS and
+# often other workers). The runner applies them; `disagg serve --help` shows the first.
 DEFAULT_GPU_MEMORY_FRACTION = 0.9
 DEFAULT_CPU_KV_FRACTION = 0.1
+# Four full-length requests at once (a chat request without max_tokens reserves max_model_len
+# under GUARANTEED_NO_EVICT), or as many shorter ones as fit in as many tokens.
+DEFAULT_CPU_KV_SEQUENCES = 4
 
 
 @dataclass(frozen=True)
@@ -391,12 +398,16 @@ class CacheConfig:
     the GPU's *total* memory this worker may use for weights + activations + KV cache, so
     workers sharing one GPU split it, like vLLM's ``gpu_memory_utilization``) each bound the
     number of blocks; the smallest capacity wins, as in TensorRT-LLM. With none of them set a
-    CUDA worker uses ``gpu_memory_fraction=0.9``, a CPU worker 0.1 of free RAM.
+    CUDA worker uses ``gpu_memory_fraction=0.9``; a CPU worker holds 4 sequences of
+    ``max_model_len`` tokens (no more than ``max_batch_size`` of them, no fewer tokens than
+    ``max_num_tokens``), capped at 0.1 of free RAM.
 
     Offload tiers (``disagg.engine.kv_offload``; all unset: none): prefix-cached blocks
     evicted from the pool go to a host-memory tier of ``kv_offload_host_gib`` and from there
     (or directly, without a host tier) to a disk tier of ``kv_offload_disk_gib`` under
     ``kv_offload_disk_dir``; a prefix hit in a tier is copied back before the request runs.
+    The sizes are the worker's: on a TP/PP worker every rank keeps its own slice of each block,
+    and a block's bytes are its slices on all ranks together.
     """
 
     tokens_per_block: int = 32
@@ -755,7 +766,7 @@ ENGINE_OPTION_NAMES = (
     "max_batch_size", "max_num_tokens", "enable_chunked_context", "capacity_policy",
     "max_model_len", "max_queue", "tensor_parallel_size", "pipeline_parallel_size",
     "pp_partition", "enable_expert_parallel", "dtype", "device", "seed", "speculative_config",
-    "async_scheduling",
+    "async_scheduling", "gguf_weights",
 )
 
 
@@ -767,8 +778,12 @@ def build_engine_config(model_dir: str, **options: Any) -> EngineConfig:
                           f"{', '.join(ENGINE_OPTION_NAMES)})")
     from disagg.model.gguf import resolve_model_dir  # torch-free; a .gguf is imported once
 
+    gguf_weights = options.get("gguf_weights") or GGUF_WEIGHT_MODES[0]
+    if gguf_weights not in GGUF_WEIGHT_MODES:
+        raise ConfigError(f"gguf_weights: {gguf_weights!r} is not one of "
+                          f"{list(GGUF_WEIGHT_MODES)}")
     try:
-        model_dir = resolve_model_dir(model_dir)
+        model_dir = resolve_model_dir(model_dir, gguf_weights)
     except (ValueError, OSError) as e:  # unreadable or unsupported GGUF
         raise ConfigError(str(e)) from None
     model = ModelConfig.from_dir(model_dir)

@@ -98,9 +98,10 @@ RESTART_TAIL_LINES = 5  # of a dead worker's log, printed with its restart
 ROUTER_LISTEN_RE = re.compile(r"disagg router listening on (http://\S+)")
 DEMO_OPTIONS: dict[str, Any] = {
     # One short chat needs little: a fixed KV size keeps each worker's memory small (the CPU
-    # default, a tenth of free RAM, would be gigabytes per worker for no gain; SmolLM2's KV
-    # is 45 KiB a token in float32). No cache_transceiver_config: the workers' default
-    # backend (UCX when ucxx imports, else TCP, each says which in its log).
+    # default, 4 sequences of max_model_len but at least max_num_tokens, would be twice this
+    # for no gain; SmolLM2's KV is 45 KiB a token in float32). No cache_transceiver_config:
+    # the workers' default backend (UCX when ucxx imports, else TCP, each says which in its
+    # log).
     "kv_cache_tokens": 4096,
     "max_model_len": 2048,
 }

@@ -14,10 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
-from disagg.config import DEFAULT_CPU_KV_FRACTION, DEFAULT_GPU_MEMORY_FRACTION, EngineConfig
+from disagg.config import (
+    DEFAULT_CPU_KV_FRACTION,
+    DEFAULT_CPU_KV_SEQUENCES,
+    DEFAULT_GPU_MEMORY_FRACTION,
+    EngineConfig,
+)
 from disagg.cuda_graph import DecodeGraphs, graph_batch_sizes
 from disagg.layout import ParallelLayout
 from disagg.model.attention import AttentionMetadata
+from disagg.model.cpu_ops import elementwise_kernel
 from disagg.model.kernels import paged_decode_kernel, small_linear_kernel
 from disagg.model.llama import GatedMLP
 from disagg.model.loader import allocate_kv_cache, kv_cache_bytes_per_block, load_model
@@ -112,6 +118,12 @@ class ModelRunner:
             self.model.workspace.decode_kernel = paged_decode_kernel()
             # Linear layers on few rows (decode batches) through the small-M GEMM; None: torch.
             self.model.use_linear_kernel(small_linear_kernel())
+            # Residual add + RMSNorm, and RoPE + the K/V write, one compiled call each (float32;
+            # the norm PyTorch's but for the last bits, RoPE bit for bit); None: PyTorch ops.
+            ops = elementwise_kernel() if self.dtype == torch.float32 else None
+            if ops is not None:
+                self.model.use_norm_kernel(ops.add_rms_norm)
+                self.model.workspace.rope_store = ops
         elif self.device.type == "cuda":
             # Residual add + RMSNorm in one launch (checked on this device first); None: torch.
             from disagg.model.triton_norm import triton_norm_kernel
@@ -150,6 +162,8 @@ class ModelRunner:
             config.model, self.num_blocks + extra, self.block_size, self.dtype, self.device,
             num_layers=lay.num_local_layers, num_kv_heads=lay.num_local_kv_heads,
         )
+        # Its layer views made once (a decode step would slice the cache per layer).
+        self.model.use_kv_cache(self.kv_cache)
         self.graphs: DecodeGraphs | None = None
         if decode is not None:
             self.graphs = self._make_graphs(decode)
@@ -200,13 +214,15 @@ class ModelRunner:
     def _decide_num_blocks(self) -> int:
         cache = self.config.cache
         lay = self.layout
+        sched = self.config.scheduler
         per_block = kv_cache_bytes_per_block(
             self.config.model, self.block_size, self.dtype, lay.num_local_layers,
             lay.num_local_kv_heads,
         )
-        candidates = []
+        # Each bound on the number of blocks, by what it is; the smallest is the size.
+        bounds: dict[str, int] = {}
         if cache.kv_cache_tokens is not None:
-            candidates.append(cache.kv_cache_tokens // self.block_size)
+            bounds["kv_cache_tokens"] = cache.kv_cache_tokens // self.block_size
         fraction = cache.kv_cache_fraction
         if self.device.type == "cuda":
             gpu_fraction = cache.gpu_memory_fraction
@@ -216,20 +232,27 @@ class ModelRunner:
                 prof = self._profile_cuda(per_block, fraction, gpu_fraction)
                 self.memory_profile = prof
                 logger.info("KV cache sizing: %s", prof.describe())
-                candidates.append(prof.kv_bytes // per_block)
+                bounds["memory profile"] = prof.kv_bytes // per_block
         else:
             if fraction is None and cache.kv_cache_tokens is None:
+                # The default: what the model and the load can use, capped by a share of RAM.
                 fraction = DEFAULT_CPU_KV_FRACTION
+                seqs = min(sched.max_batch_size, DEFAULT_CPU_KV_SEQUENCES)
+                bounds[f"the default, {seqs} sequence(s) of max_model_len "
+                       f"{self.config.max_model_len} and at least max_num_tokens "
+                       f"{sched.max_num_tokens}"] = self._cpu_default_blocks()
             if fraction is not None:
                 # The ranks of one worker share the host's memory: each takes its part.
                 share = fraction * free_memory_bytes(self.device) / lay.world_size
-                candidates.append(int(share) // per_block)
+                what = ("kv_cache_fraction " if cache.kv_cache_fraction is not None
+                        else "the default cap, ")
+                bounds[f"{what}{fraction} of free RAM"
+                       + (f" / {lay.world_size} ranks" if lay.world_size > 1 else "")
+                       ] = int(share) // per_block
         # Never more than every batch slot filled to the model length could use.
-        sched = self.config.scheduler
-        candidates.append(
-            math.ceil(sched.max_batch_size * self.config.max_model_len / self.block_size)
-        )
-        num_blocks = min(candidates)
+        bounds["max_batch_size x max_model_len"] = math.ceil(
+            sched.max_batch_size * self.config.max_model_len / self.block_size)
+        num_blocks = min(bounds.values())
         if num_blocks < 1:
             raise MemoryError(
                 f"KV cache: not enough memory for a single block of {per_block} bytes "
@@ -237,7 +260,33 @@ class ModelRunner:
                 f"gpu_memory_fraction={cache.gpu_memory_fraction}"
                 + (f"; {self.memory_profile.describe()}" if self.memory_profile else "") + ")"
             )
+        if self.device.type != "cuda":
+            logger.info("KV cache sizing: %s",
+                        self._describe_cpu_sizing(num_blocks, per_block, bounds))
         return num_blocks
+
+    def _cpu_default_blocks(self) -> int:
+        """A CPU worker's KV cache when no size is given: what the model and the load can
+        use, not a share of RAM: ``DEFAULT_CPU_KV_SEQUENCES`` sequences of ``max_model_len``
+        tokens (no more sequences than ``max_batch_size``), and no fewer tokens than one full
+        step (``max_num_tokens``: a step's new tokens all need their KV). The caller caps it
+        at ``DEFAULT_CPU_KV_FRACTION`` of free RAM."""
+        sched = self.config.scheduler
+        seqs = min(sched.max_batch_size, DEFAULT_CPU_KV_SEQUENCES)
+        tokens = max(seqs * self.config.max_model_len, sched.max_num_tokens)
+        return math.ceil(tokens / self.block_size)
+
+    def _describe_cpu_sizing(self, num_blocks: int, per_block: int,
+                             bounds: dict[str, int]) -> str:
+        """The start-up log line of a CPU worker's KV cache: its size and what set it
+        (``bounds``: each bound's name -> its blocks; the smallest is the size)."""
+        gib = 1024**3
+        setter = min(bounds, key=lambda k: bounds[k])
+        others = ", ".join(f"{k}: {v * self.block_size} tokens" for k, v in bounds.items()
+                           if k != setter)
+        return (f"{num_blocks} blocks of {self.block_size} tokens = "
+                f"{num_blocks * self.block_size} tokens, {num_blocks * per_block / gib:.2f} GiB;"
+                f" set by {setter}" + (f" (other bounds: {others})" if others else ""))
 
     def _profile_batch(self) -> SchedulerOutput:
         """A step as large as the scheduler can make: ``R = min(max_batch_size,

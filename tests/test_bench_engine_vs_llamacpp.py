@@ -117,6 +117,15 @@ def test_ratio_columns_from_the_run(live: dict[str, Any]) -> None:
     assert "llama.cpp rows missing" not in md
 
 
+def test_ratio_columns_pair_quantized_disagg_with_the_same_file() -> None:
+    """disagg's float32 import against every llama.cpp file; ``disagg Q8_0`` (the GGUF served
+    with --gguf-weights quantized) against llama.cpp on that file only; none without it."""
+    names = ["disagg", "llama.cpp F32", "disagg Q8_0", "llama.cpp Q8_0", "disagg Q4_1"]
+    assert evl.ratio_pairs(names) == [("disagg", "llama.cpp F32"), ("disagg", "llama.cpp Q8_0"),
+                                      ("disagg Q8_0", "llama.cpp Q8_0")]
+    assert evl.ratio_pairs(["disagg", "disagg Q4_1"]) == []
+
+
 def test_no_build_refuses_clearly(tmp_path: Path) -> None:
     with pytest.raises(evl.BuildError, match="no llama.cpp build in .* --no-build"):
         evl.ensure_llamacpp(tmp_path / "none", 10.0, allow_build=False)

@@ -490,7 +490,8 @@ def test_greedy_tokens_match_transformers_gguf(tie: bool, tmp_path: Path,
     # the same dequantized weights as transformers' own GGUF reader
     from safetensors.numpy import load_file
 
-    llm = LLM(str(path), max_num_tokens=128, kv_cache_tokens=512)  # imports into the cache
+    # the float32 import (gguf_weights "quantized", the default, is tests/test_gguf_quantized.py)
+    llm = LLM(str(path), max_num_tokens=128, kv_cache_tokens=512, gguf_weights="float32")
     imported = load_file(os.path.join(llm.engine.config.model_dir, "model.safetensors"))
     state = hf.state_dict()
     for name, value in imported.items():
@@ -560,7 +561,8 @@ def test_qwen3_greedy_tokens_match_transformers_gguf(tmp_path: Path,
 
     from disagg.config import ModelConfig
 
-    llm = LLM(str(path), max_num_tokens=128, kv_cache_tokens=512)  # imports into the cache
+    # the float32 import (gguf_weights "quantized", the default, is tests/test_gguf_quantized.py)
+    llm = LLM(str(path), max_num_tokens=128, kv_cache_tokens=512, gguf_weights="float32")
     mc = ModelConfig.from_dir(llm.engine.config.model_dir)
     assert (mc.architecture, mc.head_dim, mc.qk_norm, mc.tie_word_embeddings) == (
         "qwen3", 128, True, True)
@@ -800,7 +802,7 @@ def test_sentencepiece_model_end_to_end(tmp_path: Path,
         str(tmp_path), gguf_file=path.name, dtype=torch.float32)
     hf.generation_config.eos_token_id = None
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
-    llm = LLM(str(path), max_num_tokens=128, kv_cache_tokens=512)
+    llm = LLM(str(path), max_num_tokens=128, kv_cache_tokens=512, gguf_weights="float32")
     for prompt in PROMPTS[:2]:
         ids = hf_tok(prompt).input_ids
         assert llm.tokenizer.encode(prompt) == ids and ids[0] == 1  # BOS

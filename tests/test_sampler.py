@@ -189,3 +189,24 @@ def test_one_device_to_host_read_per_batch(monkeypatch: pytest.MonkeyPatch) -> N
     assert got.logprobs[1] is None and list(got.logprobs[2]) == [got.token_ids[2]]
     assert len(got.logprobs[0]) == 3 and got.token_ids[0] in got.logprobs[0]  # greedy: top 1
     assert 5 <= len(got.logprobs[3]) <= 6 and got.token_ids[3] in got.logprobs[3]
+
+
+def test_greedy_batch_is_the_sanitised_argmax() -> None:
+    """An all-greedy batch (no penalties, bans or logprobs) takes the argmax of the logits as
+    they are on CPU; a row whose winner is NaN or +inf decides on the sanitised logits (NaN
+    never wins, +inf is the largest finite value, the first of equals wins)."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, V, generator=g)
+    logits[1, 4] = float("nan")
+    logits[2, [5, 9]] = float("inf")
+    logits[3] = float("-inf")
+    logits[4, 7] = float("nan")
+    logits[4, 8] = float("inf")
+    logits[5, :] = 1.0  # ties: the first
+    want = logits.nan_to_num(nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
+    params = [SamplingParams(temperature=0)] * 6
+    for rows in ([0], [0, 5], [0, 1], list(range(6))):  # clean batches and mixed ones
+        out = Sampler().sample(logits[rows], [params[i] for i in rows], [0] * len(rows))
+        assert out.token_ids == want[rows].argmax(dim=-1).tolist(), rows
+    assert Sampler().sample(logits[:1], params[:1], [0]).token_ids == [
+        int(logits[0].argmax())]

@@ -37,6 +37,7 @@ from typing import Any
 
 from disagg.config import (
     DEFAULT_GPU_MEMORY_FRACTION,
+    GGUF_WEIGHT_MODES,
     CacheConfig,
     CapacityPolicy,
     ConfigError,
@@ -323,6 +324,12 @@ class WorkerOptions:
         "\"disable_by_batch_size\": N: no drafts in a step of N or more decodes (YAML: a "
         "mapping or its JSON text)", metavar="JSON")
 
+    gguf_weights: str | None = _engine(
+        str, "a .gguf model's weights: quantized (read from the file; on CPU its Q8_0, Q4_0, "
+        "Q4_1 and Q4_K linears stay quantized and run on quantized kernels, the rest is "
+        "dequantized; elsewhere all is dequantized) or float32 (the float32 import of the "
+        "file, as transformers loads it)", choices=GGUF_WEIGHT_MODES)
+
     def __post_init__(self) -> None:
         for name, opt in WORKER_OPTIONS.items():
             value = getattr(self, name)
@@ -366,6 +373,8 @@ def engine_default(name: str) -> Any:
     where the engine decides at run time (the checkpoint's dtype, the device found)."""
     if name == "gpu_memory_fraction":
         return DEFAULT_GPU_MEMORY_FRACTION  # the runner's, when no sizing option is set
+    if name == "gguf_weights":
+        return GGUF_WEIGHT_MODES[0]  # build_engine_config's
     for cls in (CacheConfig, SchedulerConfig, ParallelConfig, CudaGraphConfig):
         for f in fields(cls):
             if f.name == name and f.default is not MISSING:

@@ -31,12 +31,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from disagg.env import CUDA_ATTENTION
 from disagg.model.kernels import DecodeKernel
+
+if TYPE_CHECKING:
+    from disagg.model.cpu_ops import ElementwiseKernel
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,9 @@ class GatherWorkspace:
         self._buf: torch.Tensor | None = None
         # Set by the runner on CPU when the kernel builds; None: gather + SDPA for decodes.
         self.decode_kernel = decode_kernel
+        # Set by the runner on CPU (float32) when it builds: RoPE + the K/V write in one call
+        # (cpu_ops.ElementwiseKernel); None: apply_rope and write_kv.
+        self.rope_store: ElementwiseKernel | None = None
 
     def take(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         n = math.prod(shape)
@@ -255,23 +262,30 @@ def triton_paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: Attent
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                     meta: AttentionMetadata, scale: float,
-                    workspace: GatherWorkspace | None = None) -> torch.Tensor:
-    """Write the new K/V into the cache, then attend.
+                    workspace: GatherWorkspace | None = None,
+                    kv_written: bool = False) -> torch.Tensor:
+    """Write the new K/V into the cache (unless ``kv_written``: the caller did), then attend.
 
     q ``[T, H_q, D]``, k/v ``[T, H_kv, D]`` (RoPE applied), kv_layer ``[N, 2, H_kv, B, D]``.
     Returns ``[T, H_q, D]``.
     """
-    write_kv(kv_layer, k, v, meta)
+    if not kv_written:
+        write_kv(kv_layer, k, v, meta)
     if _triton_applies(q, kv_layer):
         return triton_paged_attention(q, kv_layer, meta, scale)
+    nd = meta.num_decodes
+    kernel = workspace.decode_kernel if workspace is not None else None
+    use_kernel = (nd > 0 and kernel is not None and q.device.type == "cpu"
+                  and q.dtype == kv_layer.dtype
+                  and not (q.requires_grad and torch.is_grad_enabled()))
+    if use_kernel and nd == q.shape[0] and nd == meta.block_tables.shape[0]:
+        # Every row a decode (a decode step): the kernel's output is the whole answer.
+        return kernel(q.contiguous(), kv_layer, meta.block_tables, meta.decode_seq_lens, scale)
     block_size = kv_layer.shape[3]
     out = torch.empty_like(q)
-    nd = meta.num_decodes
     qsl = meta.query_start_loc
 
-    kernel = workspace.decode_kernel if workspace is not None else None
-    if (nd > 0 and kernel is not None and q.device.type == "cpu" and q.dtype == kv_layer.dtype
-            and not (q.requires_grad and torch.is_grad_enabled())):
+    if use_kernel:
         # Decodes, in place: sequence i attends keys [0, decode_seq_lens[i]) of its blocks.
         out[:nd] = kernel(q[:nd].contiguous(), kv_layer, meta.block_tables[:nd],
                           meta.decode_seq_lens, scale)

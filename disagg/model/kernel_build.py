@@ -54,6 +54,8 @@ KERNEL_SOURCES = {
                               "paged attention", "the PyTorch gather path"),
     "linear": KernelSource("disagg_small_gemm", CSRC / "small_gemm.cpp", "small-M linear",
                            "torch's GEMM"),
+    "elementwise": KernelSource("disagg_elementwise", CSRC / "elementwise.cpp",
+                                "elementwise (RMSNorm, RoPE + K/V write)", "PyTorch ops"),
 }
 
 # The compiler (first found on PATH) and its flags: those of the former torch extension build

@@ -3,7 +3,9 @@
 - ``paged_decode_kernel()``: the decode attention of ``csrc/paged_attention.cpp`` (reads the
   paged KV cache in place instead of gathering it);
 - ``small_linear_kernel()``: ``csrc/small_gemm.cpp``, ``x @ w.T (+ bias)`` for a few rows
-  (decode batches), where BLAS is slow; ``small_linear_applies`` says when to use it.
+  (decode batches), where BLAS is slow; ``small_linear_applies`` says when to use it;
+- ``q8_0_kernel()``: the same library's GGUF Q8_0 linear (int8 weights, a float32 scale per
+  block of 32, widened in registers) and its dequantizer (``disagg.model.quant`` uses them).
 
 Each returns None when it cannot be had: not on a CPU, no C++ compiler, a failed build, or
 switched off by ``DISAGG_CPU_KERNELS``: ``0`` (or false/no/off) disables both, a comma list
@@ -33,10 +35,12 @@ from collections.abc import Callable
 import torch
 
 from disagg.env import CPU_KERNEL_NAMES
+from disagg.model.cpu_ops import elementwise_kernel
 from disagg.model.kernel_build import build_kernel, kernels_enabled
 
-__all__ = ["DecodeKernel", "LinearKernel", "SMALL_LINEAR_MAX_ROWS", "kernels_enabled",
-           "paged_decode_kernel", "small_linear_applies", "small_linear_kernel", "status"]
+__all__ = ["DecodeKernel", "LinearKernel", "Q8_0Kernel", "SMALL_LINEAR_MAX_ROWS",
+           "kernels_enabled", "paged_decode_kernel", "q8_0_kernel", "small_linear_applies",
+           "small_linear_kernel", "status"]
 
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
                         torch.Tensor]
@@ -145,6 +149,66 @@ class _SmallLinear:
         return out
 
 
+class Q8_0Kernel:
+    """GGUF Q8_0 weights (``q`` int8 [N, K], ``d`` float32 [N, K / 32]: w = d[n, k // 32] *
+    q[n, k]) over ``disagg_q8_0_linear`` / ``disagg_q8_0_dequantize``. ``disagg.model.quant``
+    checks the weights once, when it builds them; the per-call checks here are the input's."""
+
+    def __init__(self, lib: ctypes.PyDLL) -> None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._linear = lib.disagg_q8_0_linear
+        self._linear.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
+        self._linear.restype = None
+        self._deq = lib.disagg_q8_0_dequantize
+        self._deq.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+        self._deq.restype = None
+
+    @staticmethod
+    def check(q: torch.Tensor, d: torch.Tensor) -> None:
+        """Raise unless (q, d) are weights the kernel reads: CPU, contiguous, int8 [N, K] with
+        K % 32 == 0 and float32 [N, K / 32]."""
+        if not (q.is_cpu and d.is_cpu and q.dtype is torch.int8 and d.dtype is _F32
+                and q.dim() == 2 and q.is_contiguous() and d.is_contiguous()
+                and q.shape[1] % 32 == 0 and tuple(d.shape) == (q.shape[0], q.shape[1] // 32)):
+            raise RuntimeError(f"q8_0: q must be a contiguous CPU int8 [N, K] with K % 32 == 0 "
+                               f"and d a contiguous float32 [N, K / 32]; got {q.dtype} "
+                               f"{tuple(q.shape)}, {d.dtype} {tuple(d.shape)}")
+
+    def linear(self, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [M, K] @ (d * q).T (+ bias)``: float32 CPU ``x`` dense along K."""
+        if not (x.is_cpu and x.dtype is _F32 and x.dim() == 2
+                and (x.stride(1) == 1 or x.shape[1] <= 1)):
+            raise RuntimeError("q8_0: x must be a float32 CPU [M, K] with unit stride along K")
+        m, k = x.shape
+        n = q.shape[0]
+        if k != q.shape[1]:
+            raise RuntimeError(f"q8_0: x has K={k}, the weights K={q.shape[1]}")
+        bp = None
+        if bias is not None:
+            if not (bias.is_cpu and bias.dtype is _F32 and bias.dim() == 1
+                    and bias.shape[0] == n and bias.is_contiguous()):
+                raise RuntimeError("q8_0: bias must be a contiguous float32 [N]")
+            bp = bias.data_ptr()
+        out = x.new_empty(m, n)
+        if m and n:
+            self._linear(x.data_ptr(), q.data_ptr(), d.data_ptr(), bp, out.data_ptr(), m, k, n,
+                         x.stride(0), _num_threads())
+        return out
+
+    def dequantize(self, q: torch.Tensor, d: torch.Tensor, n0: int = 0,
+                   n1: int | None = None) -> torch.Tensor:
+        """The float32 weights of rows ``[n0, n1)`` (default: all), ``[n1 - n0, K]``."""
+        n1 = q.shape[0] if n1 is None else n1
+        if not 0 <= n0 <= n1 <= q.shape[0]:
+            raise RuntimeError(f"q8_0: rows [{n0}, {n1}) out of range of {q.shape[0]}")
+        out = torch.empty(n1 - n0, q.shape[1], dtype=_F32)
+        if n1 > n0:
+            self._deq(q.data_ptr(), d.data_ptr(), out.data_ptr(), n0, n1, q.shape[1],
+                      _num_threads())
+        return out
+
+
 @functools.lru_cache(maxsize=1)
 def paged_decode_kernel() -> DecodeKernel | None:
     """The compiled decode attention (built once per process, cached on disk), or None."""
@@ -166,7 +230,18 @@ def small_linear_kernel() -> LinearKernel | None:
     return None if lib is None else _SmallLinear(lib)
 
 
-_KERNELS = {"attention": paged_decode_kernel, "linear": small_linear_kernel}
+@functools.lru_cache(maxsize=1)
+def q8_0_kernel() -> Q8_0Kernel | None:
+    """The compiled Q8_0 linear of the ``linear`` library (built once per process, cached on
+    disk), or None: then Q8_0 weights are dequantized to float32 when they are loaded."""
+    if not kernels_enabled("linear"):
+        return None
+    lib = build_kernel("linear")
+    return None if lib is None else Q8_0Kernel(lib)
+
+
+_KERNELS = {"attention": paged_decode_kernel, "linear": small_linear_kernel,
+            "elementwise": elementwise_kernel}
 
 
 def status() -> dict[str, bool]:

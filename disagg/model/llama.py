@@ -40,6 +40,7 @@ from torch import nn
 from disagg.config import ConfigError, ModelConfig
 from disagg.layout import kv_head_replicas, tp_kv_head_range
 from disagg.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
+from disagg.model.cpu_ops import rope_store_applies
 from disagg.model.kernels import SMALL_LINEAR_MAX_ROWS, LinearKernel, small_linear_applies
 from disagg.model.moe import (
     MIXTRAL_EXPERT_NAMES,
@@ -48,6 +49,8 @@ from disagg.model.moe import (
     SparseMoeBlock,
     expert_range,
 )
+from disagg.model.norm import rms_norm_reference  # (re-exported: tests and kernels name it here)
+from disagg.model.quant import QuantizedWeight
 from disagg.model.static_decode import StaticDecodeMeta
 
 # (x, weight, eps, residual) -> (weight * rms_norm(h), h), h = residual + x (x when None)
@@ -55,17 +58,6 @@ NormKernel = Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor | None],
                       tuple[torch.Tensor, torch.Tensor]]
 # (gate, up) -> silu(gate) * up, rounded as silu_mul_reference rounds
 SiluMulKernel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                       residual: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weight * rms_norm(h), h)``, ``h = residual + x`` (``x`` when None), in PyTorch:
-    normalised in float32 (``F.rms_norm``: one kernel on CUDA), cast to x's dtype, scaled in
-    it, as transformers' LlamaRMSNorm rounds."""
-    h = x if residual is None else residual + x
-    y = nn.functional.rms_norm(h.float(), (h.shape[-1],), None, eps)
-    return weight * y.to(h.dtype), h
 
 
 class RMSNorm(nn.Module):
@@ -118,11 +110,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 class Linear(nn.Linear):
     """``nn.Linear`` that hands few-row float32 CPU inputs (decode batches) to the compiled
-    small-M kernel when the model was given one (``use_linear_kernel``; ``kernels.py``)."""
+    small-M kernel when the model was given one (``use_linear_kernel``; ``kernels.py``).
+
+    ``qweight``: a quantized weight in place of ``weight`` (``quant.py``; set by the GGUF
+    loader on CPU, ``gguf_weights.py``), which then stays an unloaded placeholder on the meta
+    device."""
 
     small_m_kernel: LinearKernel | None = None
+    qweight: QuantizedWeight | None = None
 
     def forward(self, x: torch.Tensor, add_bias: bool = True) -> torch.Tensor:
+        if self.qweight is not None:
+            return self.qweight.linear(x, self.bias if add_bias else None)
         return linear(x, self.weight, self.bias if add_bias else None, self.small_m_kernel)
 
 
@@ -166,7 +165,28 @@ class FusedRows:
         return linear(x, self.weight, self.bias, self.layers[0].small_m_kernel)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.matmul(x).split(self.sizes, dim=-1)
+        # split_with_sizes: Tensor.split's Python wrapper costs more than the views (decode)
+        return self.matmul(x).split_with_sizes(self.sizes, dim=-1)
+
+
+class QuantizedRows:
+    """``FusedRows`` of quantized layers: one quantized weight holds their rows, fused before
+    it was packed (the GGUF loader builds it; each layer's ``qweight`` is its rows of it).
+    Always run fused: the quantized kernels take any row count."""
+
+    def __init__(self, layers: list[Linear], weight: QuantizedWeight) -> None:
+        self.layers, self.weight = layers, weight
+        self.sizes = [m.out_features for m in layers]
+        self.bias = None  # GGUF linears have none
+
+    def pays(self, x: torch.Tensor) -> bool:
+        return True
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight.linear(x)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.matmul(x).split_with_sizes(self.sizes, dim=-1)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -260,7 +280,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self._reduce = reduce
-        self.qkv: FusedRows | None = None  # fuse_projections: q, k, v in one GEMM
+        # fuse_projections (or the GGUF loader): q, k, v in one GEMM
+        self.qkv: FusedRows | QuantizedRows | None = None
         # fuse_projections (Qwen3): the q/k norm weights as one [hq + hkv, d] matrix, row h
         # the weight of head h of the fused q|k columns, so one norm and one RoPE cover both.
         self.qk_norm_rows: torch.Tensor | None = None
@@ -289,6 +310,7 @@ class Attention(nn.Module):
         t, d, hq, hkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         # A padded decode batch with the fused RoPE + K/V-write kernel: RoPE is its job.
         rope = not (isinstance(meta, StaticDecodeMeta) and meta.rope_store is not None)
+        written = False  # the new K/V already in the cache (the CPU's compiled RoPE did it)
         if self.qkv is not None and self.qkv.pays(x):
             # One GEMM; q and k are adjacent column ranges:
             #   out [T, (hq + 2 hkv) d]: cols [0, hq d) q | [hq d, (hq + hkv) d) k | v
@@ -298,9 +320,17 @@ class Attention(nn.Module):
             if self.q_norm is None or self.qk_norm_rows is not None:
                 if self.qk_norm_rows is not None:  # Qwen3: every head normalised at once
                     qk = rms_norm_reference(qk, self.qk_norm_rows, self.qk_norm_eps)[0]
-                if rope:
+                store = (workspace.rope_store if workspace is not None and rope
+                         and not isinstance(meta, StaticDecodeMeta) else None)
+                if store is not None and rope_store_applies(qk, v, cos, sin, kv_layer,
+                                                            meta.slot_block, meta.slot_offset):
+                    # CPU: RoPE in place and the K/V write, one compiled call (same bits)
+                    store.rope_store(qk, v, cos, sin, kv_layer, meta.slot_block,
+                                     meta.slot_offset)
+                    written = True
+                elif rope:
                     qk = apply_rope(qk, cos, sin)  # one RoPE for both
-                q, k = qk.split((hq, hkv), dim=1)
+                q, k = qk.split_with_sizes((hq, hkv), dim=1)
             else:
                 q, k = self._norm_rope(qk[:, :hq], qk[:, hq:], cos, sin, rope)
         else:
@@ -311,7 +341,8 @@ class Attention(nn.Module):
             o = (meta.attend(q, k, v, kv_layer, self.scale) if rope
                  else meta.rope_attend(q, k, v, cos, sin, kv_layer, self.scale))
         else:
-            o = paged_attention(q, k, v, kv_layer, meta, self.scale, workspace)
+            o = paged_attention(q, k, v, kv_layer, meta, self.scale, workspace,
+                                kv_written=written)
         # Row-parallel o_proj: sum the ranks' partial products, then add the (replicated)
         # bias once.
         out = self._reduce(self.o_proj(o.reshape(t, self.num_heads * self.head_dim),
@@ -331,7 +362,8 @@ class MLP(GatedMLP):
         self.up_proj = Linear(h, self.intermediate_size, bias=False)
         self.down_proj = Linear(self.intermediate_size, h, bias=False)
         self._reduce = reduce
-        self.gate_up: FusedRows | None = None  # fuse_projections: gate and up in one GEMM
+        # fuse_projections (or the GGUF loader): gate and up in one GEMM
+        self.gate_up: FusedRows | QuantizedRows | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None and self.gate_up.pays(x):
@@ -396,9 +428,9 @@ class DecoderLayer(nn.Module):
         """The layer on the stream ``residual + x`` (``x`` when None) -> ``(ffn, h)``: the
         layer's output stream is ``h + ffn``, not added here (``LlamaForCausalLM.forward``)."""
         n, x = self.input_layernorm.add_norm(x, residual)  # x <- residual + x; n = norm(x)
-        a = self.self_attn(n, cos, sin, kv_layer, meta, workspace)
+        a = self.self_attn.forward(n, cos, sin, kv_layer, meta, workspace)
         h, x = self.post_attention_layernorm.add_norm(a, x)  # x <- x + a; h = norm(x)
-        return self.feed_forward(h), x
+        return self.feed_forward.forward(h), x
 
 
 class LlamaModel(nn.Module):
@@ -452,6 +484,9 @@ class LlamaForCausalLM(nn.Module):
         self.num_local_kv_heads = self.kv_head_range[1] - self.kv_head_range[0]
         self.rotary = self._rotary()
         self.workspace = GatherWorkspace()  # scratch for paged attention, shared by the layers
+        # (cache, [cache[:, i] per local layer]): the runner's cache and its layer views, made
+        # once (``use_kv_cache``); forward on another cache slices it per step.
+        self.kv_layer_views: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         self.model = LlamaModel(config, self.layer_range, self._layer)
         self.lm_head = (Linear(config.hidden_size, config.vocab_size, bias=False)
                         if self.model.is_last else None)
@@ -483,13 +518,23 @@ class LlamaForCausalLM(nn.Module):
         ``[E, 2I, H]`` / ``[E, H, I]`` (``MoeExperts.fuse``). Call once the weights are loaded."""
         for layer in self.model.layers.values():
             att, mlp = layer.self_attn, layer.feed_forward
-            if att.qkv is None:
-                att.qkv = FusedRows([att.q_proj, att.k_proj, att.v_proj])
+            # Quantized layers are fused by the GGUF loader or not at all (of mixed formats).
+            qkv = [att.q_proj, att.k_proj, att.v_proj]
+            if att.qkv is None and all(m.qweight is None for m in qkv):
+                att.qkv = FusedRows(qkv)
+            if att.qkv is not None and att.qk_norm_rows is None:
                 att.fuse_qk_norms()
             if isinstance(mlp, SparseMoeBlock):
                 mlp.experts.fuse()
-            elif mlp.gate_up is None:
+            elif mlp.gate_up is None and mlp.gate_proj.qweight is None \
+                    and mlp.up_proj.qweight is None:
                 mlp.gate_up = FusedRows([mlp.gate_proj, mlp.up_proj])
+
+    def use_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """Make the per-layer views of the cache the runner will pass to ``forward`` once,
+        not per step (``kv_layer_views``; the model then holds the cache)."""
+        self.kv_layer_views = (kv_cache, [kv_cache[:, i]
+                                          for i in range(self.num_local_layers)])
 
     def use_norm_kernel(self, kernel: NormKernel | None) -> None:
         """Let every RMSNorm use ``kernel`` (None: PyTorch). The runner sets it on CUDA once
@@ -591,8 +636,13 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         hook = self.layer_hook
         residual: torch.Tensor | None = None
+        views = self.kv_layer_views
+        layers = views[1] if views is not None and views[0] is kv_cache else None
+        # forward, not __call__ (here and inside the layers): no module hooks are used, and a
+        # one-token decode step pays nn.Module.__call__'s checks per module and layer.
         for i, layer in enumerate(self.model.layers.values()):
-            x, residual = layer(x, cos, sin, kv_cache[:, i], meta, self.workspace, residual)
+            kv_layer = layers[i] if layers is not None else kv_cache[:, i]
+            x, residual = layer.forward(x, cos, sin, kv_layer, meta, self.workspace, residual)
             if hook is not None:
                 hook(i)
         if self.model.norm is not None:

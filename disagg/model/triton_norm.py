@@ -23,7 +23,8 @@ import logging
 
 import torch
 
-from disagg.model.llama import NormKernel, rms_norm_reference
+from disagg.model.llama import NormKernel
+from disagg.model.norm import rms_norm_reference
 from disagg.model.triton_attention import HAS_TRITON, tl, triton
 
 logger = logging.getLogger("disagg.model")

@@ -1,0 +1,232 @@
+"""Quantized linear weights for CPU: GGUF blocks kept quantized and multiplied as they are.
+
+A ``QuantizedWeight`` stands in for a ``Linear``'s float weight (``llama.Linear.qweight``; the
+GGUF loader, ``gguf_weights.py``, builds them from the file's blocks, ``gguf_blocks.py``):
+
+- ``Q8_0Weight``: int8 ``q [N, K]`` and float32 ``d [N, K / 32]`` (w = d q, Q8_0's blocks
+  as they are, 1.125 bytes per weight). Up to ``Q8_0_KERNEL_MAX_ROWS`` input rows it runs the
+  C++ kernel (``kernels.q8_0_kernel``: the weights widened to float32 in registers, so the
+  products are exact and the result is F.linear's on the dequantized weights to the rounding
+  of the sum); more rows (prefill) go to torch's GEMM on dequantized tiles of
+  ``_DEQUANT_TILE_FLOATS`` (never the whole matrix of a large LM head at once).
+- ``Int4Weight``: Q4_0 / Q4_1 / Q4_K as ``aten._weight_int4pack_mm_for_cpu`` holds them, group
+  32: 4-bit codes packed by ``_convert_weight_to_int4pack_for_cpu`` and a bfloat16 scale and
+  zero per group (w = (q - 8) scale + zero; 0.625 bytes per weight); activations go in as
+  bfloat16 and the output comes back as bfloat16, at every row count (the op's bfloat16 path
+  matches float32 GEMM speed at 2,048 rows on this project's CPUs). Not exact: bfloat16 keeps
+  8 significant bits of fp16's 11 (bench/results/quant_kernels.md: output error within
+  llama.cpp's own activation rounding; ``tests/test_gguf_quantized.py`` states the bound).
+  The op needs N % 16 == 0 (``int4_unpackable`` says why a shape cannot be packed).
+
+``rows(lo, hi)`` is the weight of a row range (the per-layer view of a fused q/k/v or
+gate/up weight); ``QuantizedEmbedding`` looks rows up in a quantized table (a ``Q8_0Weight``
+shared with a tied LM head, or raw GGUF blocks dequantized per lookup).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from disagg.model.kernels import Q8_0Kernel
+
+QK = 32  # weights per block / group
+INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
+# Up to this many rows the Q8_0 kernel; more go to torch's GEMM on dequantized tiles. Measured
+# on a SmolLM2-135M step's linears (2 Zen 4 threads): the kernel 55 / 104 / 209 ms at 32 / 64 /
+# 128 rows, dequantized tiles + F.linear 93 / 110 / 186 ms.
+Q8_0_KERNEL_MAX_ROWS = 64
+_DEQUANT_TILE_FLOATS = 1 << 21  # 8 MiB of float32 weights per dequantized tile
+_F32, _BF16 = torch.float32, torch.bfloat16
+# Private aten ops (torch >= 2.6 on CPU); None where this torch has none.
+_INT4_MM = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
+_INT4_PACK = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
+
+
+class QuantizedWeight:
+    """A linear's ``[out_features, in_features]`` weight in a quantized format: ``linear(x,
+    bias)`` is ``F.linear(x, W, bias)`` on its weights, in ``x``'s dtype."""
+
+    label = "quantized"  # for logs: the format and the kernel
+
+    def __init__(self, out_features: int, in_features: int) -> None:
+        self.out_features, self.in_features = out_features, in_features
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def rows(self, lo: int, hi: int) -> QuantizedWeight:
+        """The weight of output rows ``[lo, hi)``."""
+        return _RowsOf(self, lo, hi)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this weight holds (0 for a view of another's rows)."""
+        return 0
+
+
+def _rows2d(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x`` as ``[M, K]`` with unit stride along K (a copy only when it has none)."""
+    x2 = x.reshape(-1, k)
+    return x2 if x2.stride(-1) == 1 or k <= 1 else x2.contiguous()
+
+
+class Q8_0Weight(QuantizedWeight):
+    """GGUF Q8_0 (see the module docstring): ``q`` int8 ``[N, K]``, ``d`` float32
+    ``[N, K / 32]``, run by ``kernel``."""
+
+    label = "Q8_0 (C++ kernel)"
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, kernel: Q8_0Kernel) -> None:
+        kernel.check(q, d)
+        super().__init__(q.shape[0], q.shape[1])
+        self.q, self.d, self.kernel = q, d, kernel
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.d.numel() * 4
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        k = self.in_features
+        x2 = _rows2d(x if x.dtype is _F32 else x.float(), k)
+        if x2.shape[0] <= Q8_0_KERNEL_MAX_ROWS:
+            y = self.kernel.linear(x2, self.q, self.d, bias)
+        else:
+            y = self._dequantized_linear(x2, bias)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if x.dtype is _F32 else y.to(x.dtype)
+
+    def _dequantized_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Many rows: torch's GEMM on float32 tiles of whole rows of the weights."""
+        n, k = self.out_features, self.in_features
+        step = max(1, _DEQUANT_TILE_FLOATS // k)
+        if step >= n:
+            return F.linear(x, self.kernel.dequantize(self.q, self.d), bias)
+        out = x.new_empty(x.shape[0], n)
+        for n0 in range(0, n, step):
+            n1 = min(n, n0 + step)
+            out[:, n0:n1] = F.linear(x, self.kernel.dequantize(self.q, self.d, n0, n1),
+                                     None if bias is None else bias[n0:n1])
+        return out
+
+    def rows(self, lo: int, hi: int) -> Q8_0Weight:
+        return Q8_0Weight(self.q[lo:hi], self.d[lo:hi], self.kernel)  # views: nothing copied
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weights (exactly the GGUF's)."""
+        return self.kernel.dequantize(self.q, self.d)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` in float32 (an embedding lookup): exactly the dequantized rows."""
+        q, d = self.q[ids], self.d[ids]
+        return (q.float().view(-1, d.shape[-1], QK) * d.unsqueeze(-1)).view(
+            *ids.shape, self.in_features)
+
+
+def int4_unpackable(n: int, k: int) -> str | None:
+    """Why an ``[n, k]`` weight cannot be an ``Int4Weight`` here, or None when it can."""
+    if _INT4_MM is None or _INT4_PACK is None:
+        return (f"this torch ({torch.__version__}) has no aten._weight_int4pack_mm_for_cpu / "
+                f"_convert_weight_to_int4pack_for_cpu")
+    if n % INT4_N_MULTIPLE:
+        return f"{n} output rows are not a multiple of {INT4_N_MULTIPLE} (int4pack's packing)"
+    if k % QK:
+        return f"{k} input columns are not a multiple of the group size {QK}"
+    return None
+
+
+class Int4Weight(QuantizedWeight):
+    """4-bit codes packed for ``aten._weight_int4pack_mm_for_cpu`` with bfloat16 group-32
+    scales and zeros (see the module docstring). Built from ``codes`` uint8 ``[N, K]`` (0..15)
+    and float32 ``scale`` / ``zero`` ``[N, K / 32]``, w = (codes - 8) * scale + zero; the codes
+    are not kept (the packed layout interleaves rows: slicing rows needs ``rows``)."""
+
+    label = "int4pack g32 bf16"
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        n, k = codes.shape
+        why = int4_unpackable(n, k)
+        if why is not None:
+            raise ValueError(f"int4pack: {why}")
+        if tuple(scale.shape) != (n, k // QK) or scale.shape != zero.shape:
+            raise ValueError(f"int4pack: scale / zero must be [{n}, {k // QK}], got "
+                             f"{tuple(scale.shape)} / {tuple(zero.shape)}")
+        super().__init__(n, k)
+        assert _INT4_PACK is not None
+        self.packed = _INT4_PACK(codes.to(torch.int32), 1)  # uint8 [N, K / 2], packed by CPU
+        # [K / 32, N, 2]: (scale, zero) of group g of row n
+        self.scales_zeros = torch.stack([scale, zero], -1).transpose(0, 1).to(_BF16).contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scales_zeros.numel() * 2
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        k = self.in_features
+        x2 = x.reshape(-1, k)
+        if x2.shape[0] == 0:
+            return x.new_empty(*x.shape[:-1], self.out_features)
+        assert _INT4_MM is not None
+        y = _INT4_MM(x2.to(_BF16).contiguous(), self.packed, QK, self.scales_zeros)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if bias is None else y + bias
+
+
+class _RowsOf(QuantizedWeight):
+    """Rows ``[lo, hi)`` of a weight whose rows cannot be viewed (a packed int4 one): the whole
+    product, then the columns. Only a caller that runs one projection of a fused group alone
+    gets here (the model runs the group: ``llama.QuantizedRows``)."""
+
+    def __init__(self, whole: QuantizedWeight, lo: int, hi: int) -> None:
+        super().__init__(hi - lo, whole.in_features)
+        self.whole, self.lo, self.hi = whole, lo, hi
+        self.label = whole.label
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.whole.linear(x)[..., self.lo:self.hi]
+        return y if bias is None else y + bias
+
+
+class RawBlocksTable:
+    """An embedding table kept as the GGUF file stores it (``raw`` uint8 ``[V, row bytes]``
+    of ``type_name`` blocks); ``lookup`` dequantizes the rows asked for (``gguf.quants``),
+    exactly the import's values."""
+
+    def __init__(self, raw: np.ndarray, type_name: str, dim: int) -> None:
+        self.raw = torch.from_numpy(np.ascontiguousarray(raw))
+        self.type_name, self.dim = type_name, dim
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        rows = self.raw[ids.reshape(-1).cpu()].numpy()
+        values = dequantize(rows, GGMLQuantizationType[self.type_name])
+        return torch.from_numpy(np.ascontiguousarray(values, np.float32)).view(*ids.shape,
+                                                                               self.dim)
+
+
+class QuantizedEmbedding(nn.Module):
+    """``nn.Embedding`` over a quantized table: ``lookup(ids)`` gives the float32 rows (a
+    ``Q8_0Weight``'s or a ``RawBlocksTable``'s), cast to ``dtype``."""
+
+    def __init__(self, lookup: Callable[[torch.Tensor], torch.Tensor], num_embeddings: int,
+                 embedding_dim: int, dtype: torch.dtype, label: str) -> None:
+        super().__init__()
+        self._lookup = lookup
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.dtype, self.label = dtype, label
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._lookup(ids).to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.label}"

