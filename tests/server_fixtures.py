@@ -217,7 +217,8 @@ class StoppedEngine:
         raise RuntimeError("the engine is not running")
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any,
-                       prompt: str | None = None, mode: Any = None) -> AsyncIterator[Any]:
+                       prompt: str | None = None, mode: Any = None, prefix: Any = None
+                       ) -> AsyncIterator[Any]:
         from disagg.engine.errors import EngineDeadError
 
         raise EngineDeadError("the engine is not running")
@@ -228,6 +229,11 @@ class StoppedEngine:
 
     def release_lease(self, lease_id: str) -> bool:
         return False
+
+    async def lease_prefix(self, token_ids: list[int]) -> Any:
+        from disagg.engine.errors import EngineDeadError
+
+        raise EngineDeadError("the engine is not running")
 
     def release_remote(self, lease: Any) -> None:
         pass

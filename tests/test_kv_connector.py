@@ -40,6 +40,13 @@ class Recorder(KVConnector):
         self.calls.append(("add_request", request_id))
         return lease
 
+    def add_prefix(self, request_id: str, params: Any) -> None:
+        self.calls.append(("add_prefix", request_id))
+
+    def lease_prefix(self, lease_id: str, token_ids: list[int], block_ids: list[int]) -> Any:
+        self.calls.append(("lease_prefix", (lease_id, len(block_ids))))
+        return self.lease
+
     def request_finished(self, request: Request, held_blocks: list[int] | None,
                          logprobs: list[dict[int, float]] | None) -> Any:
         self.calls.append(("request_finished", (request.request_id, request.status,
