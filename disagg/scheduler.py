@@ -179,7 +179,7 @@ class Scheduler:
         # (a recomputation after preemption hitting its own blocks is no prompt-cache hit).
         self.loading: dict[str, tuple[Request, KVLoad, bool]] = {}
         # Prefix leases for a peer whose chain goes on in the offload tiers: the probe
-        # holding the blocks, its load, and its pool hits (begin_prefix_load).
+        # holding the blocks, its load, and its pool hits (lease_prefix).
         self.prefix_loads: dict[str, tuple[Request, KVLoad, int]] = {}
         # Context-only requests whose blocks outlive them (leased to a generation worker):
         # marked by hold_blocks_on_finish, then block ids by request id until release_held.
@@ -355,30 +355,11 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
 
-    def begin_prefix_load(self, lease_id: str, token_ids: list[int]) -> KVLoad | None:
-        """A peer's prefix lease whose chain goes on in the offload tiers after the pool's
-        hits: blocks for the hits (referenced) and for the tier blocks (new; the tier entries
-        pinned), and the load that copies them back; None (nothing changed) when no tier
-        block follows or the blocks are not there. ``end_prefix_load`` makes it a lease."""
-        if self.kv.tiers is None or lease_id in self.held or lease_id in self.requests:
-            return None
-        probe = Request(lease_id, list(token_ids), SamplingParams())
-        hits, _ = self.kv.get_computed_blocks(probe)
-        tier = self.kv.get_tier_blocks(probe, len(hits))
-        # the table becomes hits [0, h) + tier blocks [h, h + t): tokens [0, (h + t) * B)
-        if not tier or self.kv.allocate_slots(probe, len(tier) * self.block_size,
-                                              hits) is None:
-            self.kv.detach(probe)  # (drops its hashes; it holds nothing)
-            return None
-        self.kv.tiers.pin(tier)
-        load = KVLoad(lease_id, self.kv.block_ids(lease_id)[len(hits):], tier)
-        self.prefix_loads[lease_id] = (probe, load, len(hits))
-        return load
-
     def end_prefix_load(self, lease_id: str, num_loaded: int) -> list[int]:
         """The tier load of a prefix lease finished, its first ``num_loaded`` blocks in
         place: those enter the prefix cache, the rest are freed, and the hits + loaded blocks
-        are held under ``lease_id`` (as ``lease_prefix``); returns them (empty: none)."""
+        are held under ``lease_id`` (as ``lease_prefix`` holds pool hits); returns them
+        (empty: none)."""
         probe, load, h = self.prefix_loads.pop(lease_id)
         assert self.kv.tiers is not None
         self.kv.tiers.unpin(load.block_hashes)
@@ -390,17 +371,33 @@ class Scheduler:
             self.held[lease_id] = table[:keep]
         return table[:keep]
 
-    def lease_prefix(self, lease_id: str, token_ids: list[int]) -> list[int]:
+    def lease_prefix(self, lease_id: str, token_ids: list[int], from_tiers: bool = True
+                     ) -> list[int] | KVLoad:
         """Hold the pool blocks that cache the leading full blocks of ``token_ids`` (at most
         ``(len - 1) // B`` of them: the asker computes at least the last token) under
-        ``lease_id`` in ``held``, for a peer to pull (``release_held`` frees them). Returns
-        their ids, tokens ``[0, len * B)``; empty (nothing held) on no hit."""
+        ``lease_id`` in ``held``, for a peer to pull (``release_held`` frees them); returns
+        their ids, tokens ``[0, len * B)``, empty (nothing held) on no hit.
+
+        ``from_tiers`` and the chain goes on in the offload tiers after the pool's hits:
+        blocks for the hits (referenced) and for the tier blocks (new; their tier entries
+        pinned) instead, and the ``KVLoad`` that copies them back is returned;
+        ``end_prefix_load`` holds them once it ran."""
         if lease_id in self.held or lease_id in self.requests or lease_id in self.prefix_loads:
             raise ValueError(f"{lease_id!r} is in use")
         probe = Request(lease_id, list(token_ids), SamplingParams())
         hits, _ = self.kv.get_computed_blocks(probe)
+        tier = self.kv.get_tier_blocks(probe, len(hits)) if from_tiers else []
+        # with tier blocks the table becomes hits [0, h) + tier blocks [h, h + t): tokens
+        # [0, (h + t) * B); else hits only (referenced: never evicted meanwhile)
+        if tier and self.kv.allocate_slots(probe, len(tier) * self.block_size,
+                                           hits) is not None:
+            assert self.kv.tiers is not None
+            self.kv.tiers.pin(tier)
+            load = KVLoad(lease_id, self.kv.block_ids(lease_id)[len(hits):], tier)
+            self.prefix_loads[lease_id] = (probe, load, len(hits))
+            return load
         if hits:
-            self.kv.allocate_slots(probe, 0, hits)  # references them: never evicted meanwhile
+            self.kv.allocate_slots(probe, 0, hits)
         blocks = self.kv.detach(probe)  # (also drops the probe's hashes)
         if blocks:
             self.held[lease_id] = blocks

@@ -271,34 +271,38 @@ class LLMEngine:
         return self.connector is not None and self.connector.release_lease(lease_id)
 
     def lease_prefix(self, token_ids: list[int]) -> ContextParams | None:
-        """Engine thread (``POST /kv_prefix``): lease the pool blocks that cache the leading
-        full blocks of ``token_ids`` for a peer to pull; their params, or None when none is
-        cached. The blocks stay referenced (never evicted) until the lease ends."""
-        if self.connector is None:
-            raise ValueError("kv_prefix: this worker has no KV transfer (no kv_peer_reuse)")
-        lease_id = f"prefix-{uuid.uuid4().hex}"
-        return self._lease(lease_id, token_ids,
-                           self.scheduler.lease_prefix(lease_id, token_ids))
+        """Engine thread: lease the pool blocks that cache the leading full blocks of
+        ``token_ids`` for a peer to pull; their params, or None when none is cached. The
+        blocks stay referenced (never evicted) until the lease ends. (``start_prefix_lease``
+        also brings back what the offload tiers hold.)"""
+        lease_id = self._prefix_lease_id()
+        blocks = self.scheduler.lease_prefix(lease_id, token_ids, from_tiers=False)
+        assert isinstance(blocks, list)
+        return self._lease(lease_id, token_ids, blocks)
 
     def start_prefix_lease(self, token_ids: list[int], reply: PrefixReply) -> None:
-        """Engine thread: ``lease_prefix``, and when the prefix chain goes on in this
-        worker's offload tiers, those blocks copied back into the pool first (the tiers'
-        loader; ``_poll_offload`` finishes it): ``reply(params | None, None)`` once leased,
-        ``reply(None, error)`` if that failed. At once when no tier block follows."""
-        if self.connector is None:
-            raise ValueError("kv_prefix: this worker has no KV transfer (no kv_peer_reuse)")
-        lease_id = f"prefix-{uuid.uuid4().hex}"
-        load = (self.scheduler.begin_prefix_load(lease_id, token_ids)
-                if self.offload is not None else None)
-        if load is None:
-            reply(self.lease_prefix(token_ids), None)
+        """Engine thread (``POST /kv_prefix``): ``lease_prefix``, and when the prefix chain
+        goes on in this worker's offload tiers, those blocks copied back into the pool first
+        (the tiers' loader; ``_poll_offload`` finishes it): ``reply(params | None, None)``
+        once leased, ``reply(None, error)`` if that failed. At once when no tier block
+        follows."""
+        lease_id = self._prefix_lease_id()
+        held = self.scheduler.lease_prefix(lease_id, token_ids,
+                                           from_tiers=self.offload is not None)
+        if isinstance(held, list):
+            reply(self._lease(lease_id, token_ids, held), None)
             return
         assert self.offload is not None
         self._prefix_replies[lease_id] = (list(token_ids), reply)
         # as after schedule(): blocks the allocation evicted go down first (their bytes are
         # still in place), then the load may write
         self.offload.offload(self.kv.take_evicted())
-        self.offload.start([load])
+        self.offload.start([held])
+
+    def _prefix_lease_id(self) -> str:
+        if self.connector is None:
+            raise ValueError("kv_prefix: this worker has no KV transfer (no kv_peer_reuse)")
+        return f"prefix-{uuid.uuid4().hex}"
 
     def _lease(self, lease_id: str, token_ids: list[int], blocks: list[int]
                ) -> ContextParams | None:
