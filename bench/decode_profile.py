@@ -90,12 +90,16 @@ CATEGORIES: list[tuple[str, list[tuple[str, str]]]] = [
     ("scheduler update", [("disagg.scheduler", "Scheduler.update_from_output")]),
     ("detokenize", [("disagg.tokenizer", "IncrementalDetokenizer.update")]),
     ("engine: other (bookkeeping, outputs)", [("disagg.engine.llm_engine", "LLMEngine.step")]),
+    ("compiled decode stack (every layer in one call)",
+     [("disagg.model.cpu_decoder", "CpuDecoder.forward")]),
 ]
-MODEL_CATS = {c for c, _ in CATEGORIES[:9]}
+MODEL_CATS = {c for c, _ in CATEGORIES[:9]} | {CATEGORIES[-1][0]}
 # The compiled kernels whose C entry points are timed apart (KERNEL_PART rows).
 KERNEL_GETTERS = [("disagg.model.kernels", "small_linear_kernel"),
                   ("disagg.model.kernels", "paged_decode_kernel"),
                   ("disagg.model.kernels", "q8_0_kernel"),
+                  ("disagg.model.kernels", "quant_kernel"),
+                  ("disagg.model.cpu_decoder", "_library"),
                   ("disagg.model.cpu_ops", "elementwise_kernel")]
 RSS_SETUPS = {False: "default options", True: "engine_vs_llamacpp's setup"}
 KERNEL_PART = ": inside the compiled kernel"

@@ -19,7 +19,7 @@ DISAGG_API_KEY             str (secret)    none                      the API key
 DISAGG_CPU_KERNELS         on/off or list  ``1`` (all)               the CPU C++ kernels to use:
                                                                      1/0 (yes/no, on/off ...) or
                                                                      names: ``attention,linear,``
-                                                                     ``elementwise``
+                                                                     ``elementwise,decoder``
 DISAGG_CUDA_ATTENTION      triton | torch  ``triton``                attention on CUDA: Triton
                                                                      kernels or PyTorch's SDPA
 DISAGG_CACHE_DIR           path            ``~/.cache/disagg``       root of the compiled CPU
@@ -152,9 +152,9 @@ def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-# Kernels of disagg/model/kernels.py (and cpu_ops.py: elementwise) that DISAGG_CPU_KERNELS
-# can name one by one.
-CPU_KERNEL_NAMES = ("attention", "linear", "elementwise")
+# Kernels of disagg/model/kernels.py (cpu_ops.py: elementwise; cpu_decoder.py: decoder) that
+# DISAGG_CPU_KERNELS can name one by one.
+CPU_KERNEL_NAMES = ("attention", "linear", "elementwise", "decoder")
 
 
 def parse_cpu_kernels(text: str) -> frozenset[str]:

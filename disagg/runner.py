@@ -23,9 +23,10 @@ from disagg.config import (
 from disagg.cuda_graph import DecodeGraphs, graph_batch_sizes
 from disagg.layout import ParallelLayout
 from disagg.model.attention import AttentionMetadata
+from disagg.model.cpu_decoder import cpu_decoder
 from disagg.model.cpu_ops import elementwise_kernel
 from disagg.model.kernels import paged_decode_kernel, small_linear_kernel
-from disagg.model.llama import GatedMLP
+from disagg.model.llama import GatedMLP, LlamaForCausalLM
 from disagg.model.loader import allocate_kv_cache, kv_cache_bytes_per_block, load_model
 from disagg.model.moe import MoeExperts, use_experts_kernel
 from disagg.model.static_decode import DecodeFn, triton_paged_decode
@@ -164,6 +165,9 @@ class ModelRunner:
         )
         # Its layer views made once (a decode step would slice the cache per layer).
         self.model.use_kv_cache(self.kv_cache)
+        if self.device.type == "cpu" and isinstance(self.model, LlamaForCausalLM):
+            # Pure decode steps of a GGUF-blocks model in one compiled call; None: layer loop.
+            self.model.cpu_decoder = cpu_decoder(self.model, self.kv_cache)
         self.graphs: DecodeGraphs | None = None
         if decode is not None:
             self.graphs = self._make_graphs(decode)

@@ -25,7 +25,7 @@ def test_unset_gives_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in env.VARIABLES:
         monkeypatch.delenv(var.name, raising=False)
     assert env.CLUSTER_TOKEN.get() is None
-    assert env.CPU_KERNELS.get() == frozenset({"attention", "linear", "elementwise"})
+    assert env.CPU_KERNELS.get() == frozenset({"attention", "linear", "elementwise", "decoder"})
     assert env.CUDA_ATTENTION.get() == "triton"
     assert env.DIST_TIMEOUT_S.get() == 300.0
     assert env.STARTUP_TIMEOUT_S.get() == 600.0
@@ -45,8 +45,8 @@ def test_values_parse_as_documented(monkeypatch: pytest.MonkeyPatch) -> None:
         (env.CPU_KERNELS, "0", frozenset()),
         (env.CPU_KERNELS, "", frozenset()),
         (env.CPU_KERNELS, "off", frozenset()),
-        (env.CPU_KERNELS, "Yes", frozenset({"attention", "linear", "elementwise"})),
-        (env.CPU_KERNELS, "all", frozenset({"attention", "linear", "elementwise"})),
+        (env.CPU_KERNELS, "Yes", frozenset({"attention", "linear", "elementwise", "decoder"})),
+        (env.CPU_KERNELS, "all", frozenset({"attention", "linear", "elementwise", "decoder"})),
         (env.CPU_KERNELS, "elementwise", frozenset({"elementwise"})),
         (env.CPU_KERNELS, " linear ", frozenset({"linear"})),
         (env.CPU_KERNELS, "attention,linear", frozenset({"attention", "linear"})),

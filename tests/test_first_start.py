@@ -26,8 +26,8 @@ def test_launcher_prebuilds_missing_kernels_once(tmp_path: Path,
     said: list[str] = []
     thread = launch.start_kernel_prebuild(said.append)
     assert thread is not None and said == [
-        "CPU kernels: building attention, linear, elementwise in the background (first start "
-        "only) ..."]
+        "CPU kernels: building attention, linear, elementwise, decoder in the background "
+        "(first start only) ..."]
     thread.join(timeout=300)
     assert not thread.is_alive()
     assert said[1].startswith("CPU kernels: built in ") and "failed" not in said[1], said

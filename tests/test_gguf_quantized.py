@@ -1,16 +1,19 @@
 """GGUF weights kept quantized on CPU (``gguf_weights: quantized``): the block decoders
-(``gguf_blocks.py``), the quantized linears (``quant.py``: the Q8_0 C++ kernel, PyTorch's
-int4pack op) against ``F.linear`` on the dequantized weights, and whole tiny models loaded
-from a GGUF (``gguf_weights.py``) against the float32 import of the same file: what is held,
-greedy tokens, logits.
+(``gguf_blocks.py``), the quantized linears (``quant.py``: the C++ block kernel, PyTorch's
+int4pack op where that cannot be built) against ``F.linear`` on the dequantized weights, and
+whole tiny models loaded from a GGUF (``gguf_weights.py``) against the float32 import of the
+same file: what is held, greedy tokens, logits.
 
-Bounds. The Q8_0 kernel widens d * q to float32 exactly, so it differs from ``F.linear`` on the
-dequantized weights by the order of the float32 sum only (checked bit-exact where every
-partial sum is exact). int4pack runs in bfloat16 (8 significant bits): the activations, the
-scale and zero of each group, the weights it forms from them and the output are each rounded
-once to bfloat16 (relative 2^-9 each), the products summed in float32; so per output
-|y - y_ref| <= 2^-8 (sum_k |x_k| (|w_k| + |(q_k - 8) s_k| + |z_k|) + |y_ref|), which
-``int4_bound`` computes (a factor 2 over the first-order sum of those roundings).
+Bounds. The block kernel rounds each input row to 8 bits per block of 32 (dx = max|x| / 127,
+q = round(x / dx)) and then sums exact integer products scaled in float32, as llama.cpp does:
+per output |y - y_ref| <= sum over blocks b of dx_b / 2 * sum_{k in b} |w_k|, plus float32
+rounding (``int8_bound``); where every input is an integer of a block whose largest magnitude
+is 127 nothing is rounded and, with power-of-two scales, the result is F.linear's bit for bit.
+int4pack runs in bfloat16 (8 significant bits): the activations, the scale and zero of each
+group, the weights it forms from them and the output are each rounded once to bfloat16
+(relative 2^-9 each), the products summed in float32; so per output |y - y_ref| <= 2^-8
+(sum_k |x_k| (|w_k| + |(q_k - 8) s_k| + |z_k|) + |y_ref|), which ``int4_bound`` computes (a
+factor 2 over the first-order sum of those roundings).
 """
 
 from __future__ import annotations
@@ -32,22 +35,23 @@ from test_gguf import PROMPTS, TINY, hf_checkpoint, random_k_quant, write_gguf  
 from disagg.config import ConfigError, ModelConfig, build_engine_config  # noqa: E402
 from disagg.model import gguf as imp  # noqa: E402
 from disagg.model.attention import AttentionMetadata  # noqa: E402
-from disagg.model.gguf_blocks import decode  # noqa: E402
+from disagg.model.gguf_blocks import decode, kernel_blocks  # noqa: E402
 from disagg.model.gguf_weights import load_gguf_model  # noqa: E402
-from disagg.model.kernels import q8_0_kernel  # noqa: E402
+from disagg.model.kernels import quant_kernel  # noqa: E402
 from disagg.model.llama import Linear, LlamaForCausalLM, QuantizedRows  # noqa: E402
 from disagg.model.loader import allocate_kv_cache, load_model  # noqa: E402
 from disagg.model.quant import (  # noqa: E402
-    Q8_0_KERNEL_MAX_ROWS,
+    BLOCK_KERNEL_MAX_ROWS,
+    BlockWeight,
     Int4Weight,
-    Q8_0Weight,
     QuantizedEmbedding,
     int4_unpackable,
 )
 
-KERNEL = q8_0_kernel()
+KERNEL = quant_kernel()
 needs_q8 = pytest.mark.skipif(KERNEL is None, reason="the CPU linear kernel did not build here "
                               "(no C++ compiler, or DISAGG_CPU_KERNELS off)")
+BLOCK_TYPES = (QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q8_0)
 needs_int4 = pytest.mark.skipif(int4_unpackable(16, 32) is not None,
                                 reason=str(int4_unpackable(16, 32)))
 INT4 = (QT.Q4_0, QT.Q4_1, QT.Q4_K)
@@ -84,54 +88,102 @@ def test_block_decoders_hold_the_gguf_weights_exactly(qtype: QT) -> None:
         w = (codes.astype(np.float32) - 8) * np.repeat(s, 32, 1) + np.repeat(z, 32, 1)
     np.testing.assert_array_equal(w, _reference(raw, qtype, (n, k)).numpy())
     assert decode(raw, "Q6_K", n, k) is None  # no kernel layout: the loader dequantizes
+    blocks, block_type = kernel_blocks(raw, qtype.name, n, k)
+    if qtype == QT.Q4_K:  # as blocks of 32 with float32 scale and minimum
+        assert block_type == "Q4F" and blocks.shape == (n, k // 32 * 24)
+    else:  # the file's bytes
+        assert block_type == qtype.name
+        np.testing.assert_array_equal(blocks.reshape(-1), raw.reshape(-1))
 
 
-def _q8(n: int, k: int, seed: int) -> tuple[Q8_0Weight, torch.Tensor]:
+def _block_weight(qtype: QT, n: int, k: int, seed: int) -> tuple[BlockWeight, torch.Tensor]:
+    """A ``BlockWeight`` of random ``qtype`` blocks and the GGUF-dequantized reference."""
     assert KERNEL is not None
     rng = np.random.default_rng(seed)
-    raw = _quantized(rng.standard_normal((n, k)) * rng.uniform(0.01, 1, (n, 1)), QT.Q8_0)
-    q, d = decode(raw, "Q8_0", n, k)  # type: ignore[misc]
-    return (Q8_0Weight(torch.from_numpy(q), torch.from_numpy(d), KERNEL),
-            _reference(raw, QT.Q8_0, (n, k)))
+    raw = _quantized(rng.standard_normal((n, k)) * rng.uniform(0.01, 1, (n, 1)), qtype, seed)
+    blocks, block_type = kernel_blocks(raw, qtype.name, n, k)
+    return (BlockWeight(torch.from_numpy(blocks), block_type, k, KERNEL),
+            _reference(raw, qtype, (n, k)))
+
+
+def int8_bound(x: torch.Tensor, ref_w: torch.Tensor) -> torch.Tensor:
+    """The module docstring's bound on |y - F.linear(x, ref_w)| per output of the block
+    kernel: the 8-bit rounding of x's blocks (dx / 2 each) times |w|, plus float32 rounding."""
+    m, k = x.shape
+    if k % 32:  # not blocks: a dequantized float32 linear (a TP shard off the blocks)
+        return F.linear(x.abs(), ref_w.abs()) * 4e-6 * k ** 0.5 + 1e-6
+    dx = x.abs().view(m, k // 32, 32).amax(-1) / 127  # [M, K / 32]
+    half = (dx / 2).repeat_interleave(32, 1)           # [M, K] the rounding of each input
+    scale = F.linear(x.abs() + half, ref_w.abs())
+    return F.linear(half, ref_w.abs()) * (1 + 1e-4) + scale * 4e-6 * k ** 0.5
 
 
 @needs_q8
-@pytest.mark.parametrize("n, k", [(1, 32), (7, 64), (33, 96), (192, 576), (40, 1536)])
-def test_q8_0_linear_matches_f_linear_on_the_dequantized_weights(n: int, k: int) -> None:
-    w, ref_w = _q8(n, k, n * k)
-    assert torch.equal(w.dequantize(), ref_w)
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n, k", [(1, 256), (7, 512), (33, 768), (192, 1536)])
+def test_block_linear_within_the_int8_input_bound(qtype: QT, n: int, k: int) -> None:
+    w, ref_w = _block_weight(qtype, n, k, n * k + int(qtype))
+    assert torch.equal(w.dequantize(), ref_w)  # the blocks hold the GGUF's weights exactly
     g = torch.Generator().manual_seed(k)
     bias = torch.randn(n, generator=g)
-    for m in [*range(1, 18), Q8_0_KERNEL_MAX_ROWS, Q8_0_KERNEL_MAX_ROWS + 1, 70]:
-        x = torch.randn(m, k, generator=g)
+    worst = 0.0
+    for m in [*range(1, 10), 17, BLOCK_KERNEL_MAX_ROWS]:
+        x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g)
         for b in (None, bias):
-            got, ref = w.linear(x, b), F.linear(x, ref_w, b)
-            # the sums' order differs: float32 rounding, growing like sqrt(k)
-            scale = F.linear(x.abs(), ref_w.abs()).max()
-            torch.testing.assert_close(got, ref, rtol=0, atol=float(scale) * 2e-6 * k ** 0.5)
+            err = (w.linear(x, b) - F.linear(x, ref_w, b)).abs()
+            bound = int8_bound(x, ref_w)
+            assert bool((err <= bound).all()), (m, float((err - bound).max()))
+            worst = max(worst, float((err / bound).max()))
+    assert worst > 0.05  # the bound is not vacuous
+    # more rows than the kernel takes: float32 GEMM on the dequantized weights
+    x = torch.randn(BLOCK_KERNEL_MAX_ROWS + 6, k, generator=g)
+    torch.testing.assert_close(w.linear(x, bias), F.linear(x, ref_w, bias), rtol=1e-5,
+                               atol=1e-4)
     x = torch.randn(3, 2, k, generator=g)  # leading dims, and another dtype
-    torch.testing.assert_close(w.linear(x), F.linear(x, ref_w), rtol=1e-5, atol=1e-4)
-    assert w.linear(x.double()).dtype == torch.float64
-    rows = w.rows(0, (n + 1) // 2)  # a view of the rows, as a fused q/k/v layer's
-    assert rows.q.data_ptr() == w.q.data_ptr() and rows.nbytes == rows.q.numel() * 9 // 8
-    torch.testing.assert_close(rows.linear(x[0]), F.linear(x[0], ref_w[:(n + 1) // 2]),
-                               rtol=1e-5, atol=1e-4)
+    assert w.linear(x).shape == (3, 2, n) and w.linear(x.double()).dtype == torch.float64
+    half = (n + 1) // 2
+    rows = w.rows(0, half)  # a view of the rows, as a fused q/k/v layer's
+    assert rows.blocks.data_ptr() == w.blocks.data_ptr()
+    assert rows.nbytes == w.nbytes * half // n
+    assert torch.equal(rows.linear(x[0]), w.linear(x[0])[:, :half])
+    ids = torch.tensor([[n - 1, 0], [half - 1, half - 1]])
+    assert torch.equal(w.lookup(ids), ref_w[ids])  # an embedding's rows, exactly
 
 
 @needs_q8
-def test_q8_0_kernel_is_bit_exact_where_the_sums_are() -> None:
-    """Power-of-two scales and small integer inputs: every product and partial sum is exact
-    in float32, whatever the order, so the kernel (M = 1 and tiles of several rows) and
-    F.linear must agree bit for bit."""
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_block_kernel_is_bit_exact_where_nothing_rounds(qtype: QT) -> None:
+    """Integer inputs whose blocks each hold a +-127 (8-bit rounding keeps them) and weights
+    with power-of-two scales: every product and partial sum is exact in float32, whatever the
+    order, so the kernel (1..9 rows) and F.linear on the dequantized weights agree bit for
+    bit."""
     assert KERNEL is not None
-    g = torch.Generator().manual_seed(0)
-    n, k = 50, 256
-    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-    d = 2.0 ** -torch.randint(0, 12, (n, k // 32), generator=g).float()
-    w = Q8_0Weight(q, d, KERNEL)
-    ref_w = q.float() * d.repeat_interleave(32, 1)
+    g = torch.Generator().manual_seed(int(qtype))
+    n, k = 21, 256
+    kb = k // 32
+    d = (2.0 ** -torch.randint(4, 10, (n, kb), generator=g)).to(torch.float16)
+    if qtype == QT.Q8_0:
+        q = torch.randint(-127, 128, (n, kb, 32), generator=g, dtype=torch.int8)
+        raw = torch.cat([d.view(torch.uint8).view(n, kb, 2), q.view(torch.uint8)], -1)
+    else:
+        qs = torch.randint(0, 256, (n, kb, 16), generator=g, dtype=torch.uint8)
+        head = [d.view(torch.uint8).view(n, kb, 2)]
+        if qtype == QT.Q4_1:
+            mn = -(2.0 ** -torch.randint(2, 8, (n, kb), generator=g)).to(torch.float16)
+            head.append(mn.view(torch.uint8).view(n, kb, 2))
+        raw = torch.cat([*head, qs], -1)
+    if qtype == QT.Q4_K:  # no random exact Q4_K here: its sub-blocks as Q4F blocks
+        qs = torch.randint(0, 256, (n, kb, 16), generator=g, dtype=torch.uint8)
+        df = d.float().view(n, kb, 1)
+        mf = -df * torch.randint(0, 8, (n, kb, 1), generator=g).float()
+        blocks, btype = torch.cat([df.view(torch.uint8), mf.view(torch.uint8), qs], -1), "Q4F"
+    else:
+        blocks, btype = raw.reshape(n, -1).contiguous(), qtype.name
+    w = BlockWeight(blocks.reshape(n, -1).contiguous(), btype, k, KERNEL)
+    ref_w = w.dequantize()
     for m in (1, 2, 3, 4, 5, 9):
-        x = torch.randint(-8, 9, (m, k), generator=g).float()
+        x = torch.randint(-126, 127, (m, k), generator=g).float()
+        x[:, ::32] = 127.0  # each block's largest magnitude: dx = 1
         assert torch.equal(w.linear(x), F.linear(x, ref_w)), m
 
 
@@ -259,11 +311,11 @@ def _agreement(path: Path, float_dir: str | None = None) -> dict[str, Any]:
 
 
 @needs_q8
-@needs_int4
 def test_quantized_load_holds_blocks_not_floats(cache: Path, tmp_path: Path) -> None:
-    """q/k/v Q4_0 (one fused int4 weight), o Q8_0, gate/up Q4_1 (fused), down Q8_0, a tied Q8_0
-    embedding that is the LM head: no float copy of any linear, the q/k rows unpermuted (the
-    outputs match the float32 import's, which tests/test_gguf.py checks against transformers)."""
+    """q/k/v Q4_0 (one fused block weight), o Q8_0, gate/up Q4_1 (fused), down Q8_0, a tied
+    Q8_0 embedding that is the LM head: no float copy of any linear, the q/k rows unpermuted
+    (the outputs match the float32 import's, which tests/test_gguf.py checks against
+    transformers, within the 8-bit input bound)."""
     path = _write(tmp_path, "blocks", {"q_proj.weight": QT.Q4_0, "k_proj.weight": QT.Q4_0,
                                        "v_proj.weight": QT.Q4_0, "gate_proj.weight": QT.Q4_1,
                                        "up_proj.weight": QT.Q4_1}, tie=True)
@@ -274,13 +326,16 @@ def test_quantized_load_holds_blocks_not_floats(cache: Path, tmp_path: Path) -> 
     quant, f32 = _models(path)
     for layer in quant.model.layers.values():
         att, mlp = layer.self_attn, layer.feed_forward
-        assert isinstance(att.qkv, QuantizedRows) and isinstance(att.qkv.weight, Int4Weight)
+        assert isinstance(att.qkv, QuantizedRows) and isinstance(att.qkv.weight, BlockWeight)
+        assert att.qkv.weight.type_name == "Q4_0"
         assert isinstance(mlp.gate_up, QuantizedRows) and isinstance(mlp.gate_up.weight,
-                                                                    Int4Weight)
-        assert isinstance(att.o_proj.qweight, Q8_0Weight)
-        assert isinstance(mlp.down_proj.qweight, Q8_0Weight)
+                                                                    BlockWeight)
+        assert mlp.gate_up.weight.type_name == "Q4_1"
+        assert isinstance(att.o_proj.qweight, BlockWeight)
+        assert isinstance(mlp.down_proj.qweight, BlockWeight)
+        assert mlp.down_proj.qweight.type_name == "Q8_0"
     assert isinstance(quant.model.embed_tokens, QuantizedEmbedding)
-    assert isinstance(quant.lm_head.qweight, Q8_0Weight)
+    assert isinstance(quant.lm_head.qweight, BlockWeight)
     float_bytes = sum(p.numel() * p.element_size() for p in quant.parameters() if not p.is_meta)
     assert float_bytes == sum(p.numel() * 4 for n, p in f32.named_parameters() if "norm" in n)
     linears = [m for m in quant.modules() if isinstance(m, Linear)]
@@ -291,40 +346,42 @@ def test_quantized_load_holds_blocks_not_floats(cache: Path, tmp_path: Path) -> 
     for (name, m), fm in zip(quant.named_modules(), f32.modules(), strict=True):
         if isinstance(m, Linear) and m.in_features == x.shape[1]:
             assert m.qweight is not None
-            bound = 2.0 ** -6 * F.linear(x.abs(), fm.weight.abs()) + 1e-5
+            bound = int8_bound(x, fm.weight)
             assert bool(((m(x) - F.linear(x, fm.weight)).abs() <= bound).all()), name
     ids = torch.tensor([3, 100, 511, 7])
     assert torch.equal(quant.model.embed_tokens(ids), f32.model.embed_tokens(ids))
 
 
 @needs_q8
-def test_q8_0_model_gives_the_float32_imports_tokens(cache: Path, tmp_path: Path) -> None:
-    """Q8_0 is exact by construction (the kernel's products are the float32 path's): served
-    quantized, a Q8_0 model's greedy tokens are the float32 import's (which are transformers',
-    tests/test_gguf.py), and its logits differ by float32 rounding only."""
+def test_q8_0_model_agreement_with_the_float32_import(cache: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]
+                                                      ) -> None:
+    """Q8_0 weights are the file's exactly; the kernel rounds each input row to 8 bits per
+    block of 32 (as llama.cpp does), so the logits move by that rounding: reported (-s), the
+    share of the float32 import's greedy tokens (transformers', tests/test_gguf.py) the
+    quantized model picks and the largest logit difference. Served, both modes answer."""
     from disagg import LLM, SamplingParams
 
     path = _write(tmp_path, "q8", {})
     stats = _agreement(path)
-    assert stats["agreement"] == 1.0, stats
-    assert stats["max_logit_err"] < 1e-4 * max(1.0, stats["logit_std"]), stats
+    with capsys.disabled():
+        print(f"\ntiny Q8_0 model vs its float32 import: {stats}")
+    assert stats["agreement"] >= 0.95, stats
+    assert 0 < stats["max_logit_err"] < 0.1 * stats["logit_std"], stats
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    outs = {}
     for mode in ("quantized", "float32"):
         llm = LLM(str(path), gguf_weights=mode, max_num_tokens=128, kv_cache_tokens=512)
-        outs[mode] = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)]
+        assert all(len(o.outputs[0].token_ids) == 12 for o in llm.generate(PROMPTS, params))
         llm.shutdown()
-    assert outs["quantized"] == outs["float32"]
 
 
 @needs_q8
-@needs_int4
 def test_q4_model_agreement_with_the_float32_import(cache: Path, tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    """4-bit linears run in bfloat16: not exact. Reported (-s): the share of the float32
+    """4-bit linears with 8-bit input rows: not exact. Reported (-s): the share of the float32
     import's greedy tokens the quantized model also picks (teacher-forced over PROMPTS, 12
-    tokens each) and the largest logit difference; the tiny model's peaky logits (std ~5)
-    leave room for bfloat16's error, so most positions agree."""
+    tokens each) and the largest logit difference: the tiny random model's logits (std ~7)
+    move by up to ~6% of their spread (0.37 measured), most positions agree (98%)."""
     from disagg import LLM, SamplingParams
 
     path = _write(tmp_path, "q4", {"q_proj.weight": QT.Q4_0, "k_proj.weight": QT.Q4_0,
@@ -336,9 +393,9 @@ def test_q4_model_agreement_with_the_float32_import(cache: Path, tmp_path: Path,
         print(f"\ntiny Q4_0/Q4_1 model vs its float32 import: {stats}")
     assert stats["positions"] == 13 * len(PROMPTS)  # 12 continued, then the next
     assert stats["agreement"] >= 0.9, stats
-    assert 0 < stats["max_logit_err"] < 0.05 * stats["logit_std"], stats
+    assert 0 < stats["max_logit_err"] < 0.1 * stats["logit_std"], stats
     llm = LLM(str(path), max_num_tokens=128, kv_cache_tokens=512)  # the default: quantized
-    assert isinstance(llm.engine.runner.model.lm_head.qweight, Int4Weight)
+    assert isinstance(llm.engine.runner.model.lm_head.qweight, BlockWeight)
     out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=8,
                                                    ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 8
@@ -357,21 +414,19 @@ def test_mixed_formats_are_not_fused_and_others_are_floats(cache: Path, tmp_path
         quant, f32 = _models(path)
     att = quant.model.layers["0"].self_attn
     assert att.qkv is None
-    assert isinstance(att.k_proj.qweight, Q8_0Weight) and att.v_proj.qweight is None
+    assert isinstance(att.k_proj.qweight, BlockWeight) and att.v_proj.qweight is None
     assert not att.v_proj.weight.is_meta
     assert torch.equal(att.v_proj.weight, f32.model.layers["0"].self_attn.v_proj.weight)
     assert "v_proj.weight: blk.0.attn_v.weight (Q5_0) dequantized to float32: Q5_0 has no " \
            "quantized CPU kernel here" in caplog.text
     assert "attn_down" not in caplog.text and "ffn_down" not in caplog.text  # F16: no news
-    if int4_unpackable(16, 32) is None:
-        assert isinstance(att.q_proj.qweight, Int4Weight)
+    assert isinstance(att.q_proj.qweight, BlockWeight)
     tokens = [5, 9, 200, 31, 77, 4, 300, 12]
     got, ref = _teacher_forced(quant, tokens, 5), _teacher_forced(f32, tokens, 5)
     assert float((got - ref).abs().max()) < 0.05 * float(ref.std())
 
 
 @needs_q8
-@needs_int4
 @pytest.mark.parametrize("tp_size", [2, 4])
 def test_tensor_parallel_ranks_hold_their_shard(tp_size: int, cache: Path, tmp_path: Path,
                                                 caplog: pytest.LogCaptureFixture) -> None:
@@ -395,7 +450,7 @@ def test_tensor_parallel_ranks_hold_their_shard(tp_size: int, cache: Path, tmp_p
                 continue
             w = fm.weight
             x = torch.randn(3, w.shape[1], generator=g)
-            bound = 2.0 ** -6 * F.linear(x.abs(), w.abs()) + 1e-5
+            bound = int8_bound(x, w)
             assert bool(((m(x) - F.linear(x, w)).abs() <= bound).all()), (rank, name)
             off_blocks = tp_size == 4 and name.endswith("o_proj")
             assert (m.qweight is None) == off_blocks, (rank, name)
@@ -408,7 +463,7 @@ def test_tensor_parallel_ranks_hold_their_shard(tp_size: int, cache: Path, tmp_p
 @needs_q8
 def test_qwen3_q8_0_gives_the_float32_imports_tokens(cache: Path, tmp_path: Path) -> None:
     """A Qwen3 GGUF (q/k rows not permuted, per-head q/k norms fused with a quantized q/k/v),
-    all linears Q8_0: greedy tokens equal the float32 import's."""
+    all linears Q8_0: the float32 import's greedy tokens, within the 8-bit inputs' rounding."""
     from test_gguf import qwen3_checkpoint
 
     weights, tok = qwen3_checkpoint(tmp_path / "hf", head_dim=32)
@@ -416,42 +471,42 @@ def test_qwen3_q8_0_gives_the_float32_imports_tokens(cache: Path, tmp_path: Path
     write_gguf(path, weights, tok, arch="qwen3", head_dim=32, pre="qwen2", add_bos=False,
                types={k: QT.Q8_0 for k, v in weights.items() if v.ndim == 2})
     stats = _agreement(path)
-    assert stats["agreement"] == 1.0 and stats["max_logit_err"] < 1e-3, stats
+    assert stats["agreement"] >= 0.95, stats
+    assert stats["max_logit_err"] < 0.15 * max(1.0, stats["logit_std"]), stats
     quant, _ = _models(path)
     att = quant.model.layers["0"].self_attn
     assert isinstance(att.qkv, QuantizedRows) and att.qk_norm_rows is not None
 
 
-@needs_int4
-def test_unpackable_head_falls_back_with_a_log_line(cache: Path, tmp_path: Path,
-                                                    caplog: pytest.LogCaptureFixture) -> None:
-    """A tied Q4_0 embedding of 520 rows: the table stays Q4_0 blocks (rows dequantized on
-    lookup, exactly the import's), the head cannot be packed (520 % 16 != 0) and is float32."""
+@needs_q8
+def test_tied_q4_0_table_is_the_head(cache: Path, tmp_path: Path) -> None:
+    """A tied Q4_0 embedding of 520 rows (not a multiple of 16, which int4pack needed): one
+    ``BlockWeight`` is the table (rows dequantized on lookup, exactly the import's) and the
+    LM head."""
     path = _write(tmp_path, "v520", {"embed_tokens.weight": QT.Q4_0}, tie=True,
                   vocab_size=520)
-    with caplog.at_level(logging.INFO, logger="disagg.model.gguf_weights"):
-        quant, f32 = _models(path)
-    assert "lm_head.weight: token_embd.weight (Q4_0) dequantized to float32: 520 " \
-           "output rows are not a multiple of 16" in caplog.text
+    quant, f32 = _models(path)
     assert isinstance(quant.model.embed_tokens, QuantizedEmbedding)
-    assert quant.lm_head.qweight is None and torch.equal(quant.lm_head.weight, f32.lm_head.weight)
+    assert isinstance(quant.lm_head.qweight, BlockWeight)
+    assert quant.lm_head.qweight.type_name == "Q4_0"
+    assert torch.equal(quant.lm_head.qweight.dequantize(), f32.lm_head.weight)
     ids = torch.tensor([[0, 519], [17, 17]])
     assert torch.equal(quant.model.embed_tokens(ids), f32.model.embed_tokens(ids))
 
 
 @needs_int4
-def test_without_the_q8_0_kernel_q8_0_is_dequantized(cache: Path, tmp_path: Path,
+def test_without_the_block_kernel_q8_0_is_dequantized(cache: Path, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch,
                                                      caplog: pytest.LogCaptureFixture) -> None:
     """No C++ compiler (or DISAGG_CPU_KERNELS without linear): Q8_0 linears and a tied Q8_0
-    head are float32 (said in log lines), the embedding keeps its blocks, Q4 stays int4."""
+    head are float32 (said in log lines), the embedding keeps its raw blocks, Q4 is int4pack."""
     import disagg.model.gguf_weights as gw
 
-    monkeypatch.setattr(gw, "q8_0_kernel", lambda: None)
+    monkeypatch.setattr(gw, "quant_kernel", lambda: None)
     path = _write(tmp_path, "nokernel", {"q_proj.weight": QT.Q4_0}, tie=True)
     with caplog.at_level(logging.INFO, logger="disagg.model.gguf_weights"):
         quant, f32 = _models(path)
-    assert "(Q8_0) dequantized to float32: the Q8_0 kernel is not available" in caplog.text
+    assert "(Q8_0) dequantized to float32: the block kernel is not available" in caplog.text
     att = quant.model.layers["1"].self_attn
     assert isinstance(att.q_proj.qweight, Int4Weight) and att.k_proj.qweight is None
     assert quant.lm_head.qweight is None
@@ -510,7 +565,6 @@ def test_gguf_weights_option_and_a_changed_file(cache: Path, tmp_path: Path) -> 
 
 @pytest.mark.slow
 @needs_q8
-@needs_int4
 def test_smollm2_q4_1_agreement(capsys: pytest.CaptureFixture[str]) -> None:
     """SmolLM2-135M-Instruct as shipped (Q4_1 linears, Q8_0 tied embedding): reported (-s)
     agreement and logit error of the quantized model against its float32 import (the disagg

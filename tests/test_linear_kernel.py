@@ -199,8 +199,10 @@ def test_a_failed_build_or_no_compiler_falls_back(tmp_path, monkeypatch, caplog)
 
 def test_status_says_which_kernels_are_active() -> None:
     from disagg.model import kernels
+    from disagg.model.cpu_decoder import _library
     from disagg.model.cpu_ops import elementwise_kernel
 
     assert kernels.status() == {"attention": kernels.paged_decode_kernel() is not None,
                                 "linear": KERNEL is not None,
-                                "elementwise": elementwise_kernel() is not None}
+                                "elementwise": elementwise_kernel() is not None,
+                                "decoder": _library() is not None}

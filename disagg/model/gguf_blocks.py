@@ -5,7 +5,7 @@ bytes per block]`` uint8, rows in the file's order) and returns arrays whose wei
 GGUF ones exactly (``tests/test_gguf_quantized.py`` checks them against ``gguf.quants``):
 
 - **Q8_0** (34 bytes per 32: fp16 d, 32 x int8 q): ``(q int8 [N, K], d float32 [N, K / 32])``,
-  ``w = d * q``: ``disagg_q8_0_linear`` (``csrc/small_gemm.cpp``) reads them as they are.
+  ``w = d * q``.
 - **Q4_0 / Q4_1 / Q4_K**: ``(codes uint8 [N, K] in 0..15, scale, zero float32 [N, K / 32])``,
   ``w = (codes - 8) * scale + zero``: the group-32 form of ``aten._weight_int4pack_mm_for_cpu``.
 
@@ -25,6 +25,12 @@ GGUF ones exactly (``tests/test_gguf_quantized.py`` checks them against ``gguf.q
 
 ``decode`` dispatches by type name; other types have no quantized kernel here (they are
 dequantized to float32 by the loader).
+
+``kernel_blocks`` gives the blocks ``csrc/quant_gemm.h``'s kernel reads (``quant.BlockWeight``):
+Q4_0, Q4_1 and Q8_0 the file's bytes as they are (``[N, K / 32 * block bytes]``); Q4_K as
+``Q4F`` blocks of 32 (float32 d = d_K sc_j and m = -dmin m_j, then 16 bytes of nibbles laid out
+as Q4_0's: element j low, j + 16 high), 24 bytes each: exactly its weights, each product of an
+fp16 and a 6-bit integer being exact in float32.
 """
 
 from __future__ import annotations
@@ -78,6 +84,15 @@ def decode_int4(raw: np.ndarray, type_name: str, n: int, k: int
         return _nibbles(b[..., 4:]).reshape(n, k), d, m + np.float32(8) * d
     if type_name != "Q4_K":
         raise ValueError(f"{type_name}: not a 4-bit type with blocks of 32 ({INT4_TYPES})")
+    codes, scale, minimum = _q4k_parts(raw, n, k)
+    return codes, scale, np.float32(8) * scale + minimum
+
+
+def _q4k_parts(raw: np.ndarray, n: int, k: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K -> ``(codes uint8 [N, K], d_j, m_j float32 [N, K / 32])``, ``w = d_j c + m_j``
+    per sub-block j of 32 (``d_j = d sc_j``, ``m_j = -dmin mn_j``: exact in float32)."""
+    b = _blocks(raw, "Q4_K", n, k)
     d, dmin = _f16(b[..., :2])[..., None], _f16(b[..., 2:4])[..., None]  # [N, KB, 1]
     s = b[..., 4:16].astype(np.uint8)  # the 12 bytes of 6-bit scales and minimums
     # Sub-blocks 0..3: low 6 bits of bytes 0..3 (scale) and 4..7 (min); 4..7: low / high
@@ -87,10 +102,29 @@ def decode_int4(raw: np.ndarray, type_name: str, n: int, k: int
     mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)],
                         axis=-1)
     scale = d * sc.astype(np.float32)  # [N, KB, 8]
-    zero = np.float32(8) * scale - dmin * mn.astype(np.float32)
+    minimum = -(dmin * mn.astype(np.float32))
     qs = b[..., 16:].reshape(n, k // 256, 4, 32)  # 4 x 32 bytes: sub-blocks (2i, 2i + 1)
     codes = np.stack([qs & 15, qs >> 4], axis=3)  # [N, KB, 4, 2, 32]
-    return codes.reshape(n, k), scale.reshape(n, -1), zero.reshape(n, -1)
+    return codes.reshape(n, k), scale.reshape(n, -1), minimum.reshape(n, -1)
+
+
+KERNEL_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
+_KERNEL_BLOCK = {"Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q4_K": "Q4F", "Q8_0": "Q8_0"}
+
+
+def kernel_blocks(raw: np.ndarray, type_name: str, n: int, k: int) -> tuple[np.ndarray, str]:
+    """``(blocks uint8 [N, K / 32 * block bytes], block type)`` for ``csrc/quant_gemm.h`` (see
+    the module docstring): the file's bytes, or Q4_K's as ``Q4F`` blocks."""
+    if type_name not in KERNEL_TYPES:
+        raise ValueError(f"{type_name}: no block kernel ({KERNEL_TYPES})")
+    if type_name != "Q4_K":
+        return _blocks(raw, type_name, n, k).reshape(n, -1), type_name
+    codes, d, m = _q4k_parts(raw, n, k)
+    c = codes.reshape(n, k // QK, 2, QK // 2)  # per block: elements [0, 16) and [16, 32)
+    qs = c[:, :, 0] | (c[:, :, 1] << 4)  # [N, KB, 16]
+    out = np.concatenate([d[..., None].view(np.uint8), m[..., None].view(np.uint8), qs],
+                         axis=-1)  # [N, KB, 4 + 4 + 16]
+    return np.ascontiguousarray(out).reshape(n, -1), "Q4F"
 
 
 def decode(raw: np.ndarray, type_name: str, n: int, k: int) -> tuple[np.ndarray, ...] | None:

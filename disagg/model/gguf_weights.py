@@ -9,15 +9,15 @@ the model are ever held, only what the model keeps and one tensor in flight.
 On CPU:
 
 - a linear of a type with a kernel becomes a ``quant.QuantizedWeight`` (``Linear.qweight``):
-  Q8_0 -> ``Q8_0Weight`` (the C++ kernel; where it cannot be built, or ``DISAGG_CPU_KERNELS``
-  leaves out ``linear``, Q8_0 is dequantized to float32), Q4_0 / Q4_1 / Q4_K ->
-  ``Int4Weight`` (PyTorch's int4pack op). q/k/v and gate/up of one format are concatenated
-  before packing: one product each (``llama.QuantizedRows``). llama.cpp's q/k row permutation
-  moves whole rows, so it is undone on the decoded blocks' rows (codes, scales and zeros
-  alike). A tensor that cannot be packed (int4pack needs N % 16 == 0), or a tensor-parallel
-  column shard that does not start and end on a block of 32, is dequantized instead, with a
+  Q4_0 / Q4_1 / Q4_K / Q8_0 -> ``BlockWeight`` (the C++ block kernel). Where that cannot be
+  built (no compiler, or ``DISAGG_CPU_KERNELS`` leaves out ``linear``), Q4_0 / Q4_1 / Q4_K
+  become ``Int4Weight`` (PyTorch's int4pack op) and Q8_0 is dequantized to float32. q/k/v and
+  gate/up of one format are concatenated: one product each (``llama.QuantizedRows``).
+  llama.cpp's q/k row permutation moves whole rows, so it is undone on the blocks' rows. A
+  tensor that cannot be packed (int4pack needs N % 16 == 0), or a tensor-parallel column shard
+  that does not start and end on a block of 32 (256 for Q4_K), is dequantized instead, with a
   log line that says why;
-- the token embedding: Q8_0 is one ``Q8_0Weight`` shared with a tied LM head (rows
+- the token embedding of a kernel type is one ``BlockWeight`` shared with a tied LM head (rows
   dequantized when looked up); another quantized type keeps its raw blocks
   (``quant.RawBlocksTable``), its tied head quantized as a linear of that type can be;
 - everything else (norms; F32 / F16 / BF16; Q5_0, Q5_1, Q5_K, Q6_K, which have no kernel here)
@@ -40,13 +40,13 @@ from torch import nn
 
 from disagg.config import ModelConfig
 from disagg.model.gguf import GGUFWeights, open_gguf_weights, rotary_heads, unpermute_rotary_rows
-from disagg.model.gguf_blocks import INT4_TYPES, Q8_TYPES, decode
-from disagg.model.kernels import Q8_0Kernel, q8_0_kernel
+from disagg.model.gguf_blocks import INT4_TYPES, KERNEL_TYPES, Q8_TYPES, decode, kernel_blocks
+from disagg.model.kernels import QuantKernel, quant_kernel
 from disagg.model.llama import Linear, LlamaForCausalLM, QuantizedRows
 from disagg.model.quant import (
     QK,
+    BlockWeight,
     Int4Weight,
-    Q8_0Weight,
     QuantizedEmbedding,
     QuantizedWeight,
     RawBlocksTable,
@@ -61,8 +61,9 @@ EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 @dataclass
 class _Parts:
-    """A linear's decoded blocks (``gguf_blocks``): ``q8_0`` (q, d) or ``int4`` (codes,
-    scale, zero), rows in HF order and this rank's shard."""
+    """A linear's decoded blocks (``gguf_blocks``): ``blocks`` (the kernel's blocks, ``kind``
+    ``blocks:<block type>``) or ``int4`` (codes, scale, zero), rows in HF order and this
+    rank's shard."""
 
     kind: str
     arrays: tuple[np.ndarray, ...]
@@ -101,7 +102,7 @@ class _GGUFLoader:
                  device: torch.device, quantize: bool) -> None:
         self.model, self.w, self.dtype, self.device = model, weights, dtype, device
         self.quantize = quantize
-        self.kernel: Q8_0Kernel | None = q8_0_kernel() if self.quantize else None
+        self.kernel: QuantKernel | None = quant_kernel() if self.quantize else None
         self.formats: Counter[str] = Counter()  # linears (and tables) by how they are held
         self.fallbacks: list[str] = []
         self.nbytes = 0
@@ -123,11 +124,17 @@ class _GGUFLoader:
         if type_name not in Q8_TYPES + INT4_TYPES:
             return None, f"{type_name} has no quantized CPU kernel here"
         if type_name in Q8_TYPES and self.kernel is None:
-            return None, "the Q8_0 kernel is not available (no C++ compiler, or " \
+            return None, "the block kernel is not available (no C++ compiler, or " \
                          "DISAGG_CPU_KERNELS leaves out linear)"
         n, k = self.w.shape(src)
-        arrays = decode(self.w.raw(src), type_name, n, k)
-        assert arrays is not None
+        if self.kernel is not None and type_name in KERNEL_TYPES:
+            blocks, block_type = kernel_blocks(self.w.raw(src), type_name, n, k)
+            arrays: tuple[np.ndarray, ...] = (blocks,)
+            kind = f"blocks:{block_type}"
+        else:
+            decoded = decode(self.w.raw(src), type_name, n, k)
+            assert decoded is not None
+            arrays, kind = decoded, "int4"
         heads = rotary_heads(src, self.w.cfg)
         if heads is not None:  # whole rows move: the same permutation for every array
             arrays = tuple(unpermute_rotary_rows(a, heads) for a in arrays)
@@ -139,15 +146,18 @@ class _GGUFLoader:
             elif lo % QK or hi % QK:
                 return None, (f"this tensor-parallel rank's columns [{lo}, {hi}) do not fall on "
                               f"blocks of {QK}")
+            elif kind != "int4":  # whole blocks of 32 along a row: their bytes
+                per = arrays[0].shape[1] // (k // QK)
+                arrays = (arrays[0][:, lo // QK * per:hi // QK * per],)
             else:
                 arrays = (arrays[0][:, lo:hi], *(a[:, lo // QK:hi // QK] for a in arrays[1:]))
-        return _Parts("q8_0" if type_name in Q8_TYPES else "int4", arrays), ""
+        return _Parts(kind, tuple(np.ascontiguousarray(a) for a in arrays)), ""
 
-    def _build(self, parts: _Parts) -> tuple[QuantizedWeight | None, str]:
-        if parts.kind == "q8_0":
+    def _build(self, parts: _Parts, k: int) -> tuple[QuantizedWeight | None, str]:
+        if parts.kind.startswith("blocks:"):
             assert self.kernel is not None
-            q, d = parts.arrays
-            return Q8_0Weight(_tensor(q), _tensor(d), self.kernel), ""
+            return BlockWeight(_tensor(parts.arrays[0]), parts.kind.split(":", 1)[1], k,
+                               self.kernel), ""
         codes, scale, zero = parts.arrays
         why = int4_unpackable(*codes.shape)
         if why is not None:
@@ -194,7 +204,8 @@ class _GGUFLoader:
                decoded: list[tuple[_Parts | None, str]], owner: object, attr: str) -> None:
         kinds = {p.kind if p is not None else None for p, _ in decoded}
         if owner is not None and len(members) > 1 and len(kinds) == 1 and None not in kinds:
-            fused, _ = self._build(_Parts.cat([p for p, _ in decoded if p is not None]))
+            fused, _ = self._build(_Parts.cat([p for p, _ in decoded if p is not None]),
+                                   members[0][2].in_features)
             if fused is not None:  # else (int4 rows not packable) each on its own, below
                 modules = [m for _, _, m in members]
                 setattr(owner, attr, QuantizedRows(modules, fused))
@@ -207,7 +218,7 @@ class _GGUFLoader:
         for (pname, src, module), (parts, why) in zip(members, decoded, strict=True):
             weight = None
             if parts is not None:
-                weight, why = self._build(parts)
+                weight, why = self._build(parts, module.in_features)
             if weight is None:
                 self._float(pname, src, why)
             else:
@@ -220,7 +231,7 @@ class _GGUFLoader:
         model, cfg = self.model, self.model.config
         embed, head = model.model.embed_tokens, model.lm_head
         tied = cfg.tie_word_embeddings and HEAD not in self.w.tensors
-        shared: Q8_0Weight | None = None
+        shared: BlockWeight | None = None
         if embed is not None:
             shared = self._embedding(embed.num_embeddings, embed.embedding_dim)
             _trim_heap()
@@ -248,18 +259,18 @@ class _GGUFLoader:
         model.fuse_projections()  # the float linears' groups (the quantized ones are fused)
         model.eval()
 
-    def _embedding(self, vocab: int, dim: int) -> Q8_0Weight | None:
-        """Load the token embedding; the ``Q8_0Weight`` a tied head can share, if it is one."""
+    def _embedding(self, vocab: int, dim: int) -> BlockWeight | None:
+        """Load the token embedding; the ``BlockWeight`` a tied head can share, if it is one."""
         type_name = self.w.type_name(EMBED)
         if not self.quantize or type_name in _FLOAT_TYPES:
             self._float(EMBED, EMBED)
             return None
         model = self.model
-        if type_name in Q8_TYPES and self.kernel is not None:
-            q, d = decode(self.w.raw(EMBED), type_name, vocab, dim)  # type: ignore[misc]
-            table = Q8_0Weight(_tensor(q), _tensor(d), self.kernel)
+        if type_name in KERNEL_TYPES and self.kernel is not None:
+            blocks, block_type = kernel_blocks(self.w.raw(EMBED), type_name, vocab, dim)
+            table = BlockWeight(_tensor(blocks), block_type, dim, self.kernel)
             model.model.embed_tokens = QuantizedEmbedding(table.lookup, vocab, dim, self.dtype,
-                                                          "Q8_0")
+                                                          type_name)
             self._held(table)
             return table
         raw = RawBlocksTable(self.w.raw(EMBED), type_name, dim)

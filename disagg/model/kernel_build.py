@@ -22,6 +22,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -56,6 +57,8 @@ KERNEL_SOURCES = {
                            "torch's GEMM"),
     "elementwise": KernelSource("disagg_elementwise", CSRC / "elementwise.cpp",
                                 "elementwise (RMSNorm, RoPE + K/V write)", "PyTorch ops"),
+    "decoder": KernelSource("disagg_decoder", CSRC / "decoder.cpp", "decode stack",
+                            "the layer-by-layer decode"),
 }
 
 # The compiler (first found on PATH) and its flags: those of the former torch extension build
@@ -91,8 +94,10 @@ def _compiler() -> str | None:
 
 
 def _sources(source: Path) -> list[Path]:
-    """What a build of ``source`` reads: it and the shared headers of csrc/."""
-    return [source, *sorted(CSRC.glob("*.h"))]
+    """What a build of ``source`` reads: it, the shared headers of csrc/ and the sources it
+    includes (``decoder.cpp`` includes other kernels' ``.cpp``)."""
+    included = re.findall(r'^#include "([^"]+\.cpp)"', source.read_text(), re.MULTILINE)
+    return [source, *sorted(CSRC.glob("*.h")), *(CSRC / name for name in included)]
 
 
 def _build_dir(source: Path, compiler: str) -> Path:

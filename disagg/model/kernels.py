@@ -4,8 +4,9 @@
   paged KV cache in place instead of gathering it);
 - ``small_linear_kernel()``: ``csrc/small_gemm.cpp``, ``x @ w.T (+ bias)`` for a few rows
   (decode batches), where BLAS is slow; ``small_linear_applies`` says when to use it;
-- ``q8_0_kernel()``: the same library's GGUF Q8_0 linear (int8 weights, a float32 scale per
-  block of 32, widened in registers) and its dequantizer (``disagg.model.quant`` uses them).
+- ``quant_kernel()``: the same library's linear on GGUF blocks (Q4_0, Q4_1, Q4_K's sub-blocks,
+  Q8_0; ``csrc/quant_gemm.h``: the input rows rounded to 8 bits per block of 32, integer dot
+  products, as llama.cpp computes them) and its dequantizer (``disagg.model.quant`` uses them).
 
 Each returns None when it cannot be had: not on a CPU, no C++ compiler, a failed build, or
 switched off by ``DISAGG_CPU_KERNELS``: ``0`` (or false/no/off) disables both, a comma list
@@ -38,9 +39,9 @@ from disagg.env import CPU_KERNEL_NAMES
 from disagg.model.cpu_ops import elementwise_kernel
 from disagg.model.kernel_build import build_kernel, kernels_enabled
 
-__all__ = ["DecodeKernel", "LinearKernel", "Q8_0Kernel", "SMALL_LINEAR_MAX_ROWS",
-           "kernels_enabled", "paged_decode_kernel", "q8_0_kernel", "small_linear_applies",
-           "small_linear_kernel", "status"]
+__all__ = ["BLOCK_TYPES", "DecodeKernel", "LinearKernel", "QuantKernel",
+           "SMALL_LINEAR_MAX_ROWS", "kernels_enabled", "paged_decode_kernel", "quant_kernel",
+           "small_linear_applies", "small_linear_kernel", "status"]
 
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
                         torch.Tensor]
@@ -149,62 +150,73 @@ class _SmallLinear:
         return out
 
 
-class Q8_0Kernel:
-    """GGUF Q8_0 weights (``q`` int8 [N, K], ``d`` float32 [N, K / 32]: w = d[n, k // 32] *
-    q[n, k]) over ``disagg_q8_0_linear`` / ``disagg_q8_0_dequantize``. ``disagg.model.quant``
-    checks the weights once, when it builds them; the per-call checks here are the input's."""
+# csrc/quant_gemm.h's block types: name -> (kernel code, bytes per block of 32 weights)
+BLOCK_TYPES = {"Q4_0": (0, 18), "Q4_1": (1, 20), "Q4F": (2, 24), "Q8_0": (3, 34)}
+
+
+class QuantKernel:
+    """Linears on GGUF blocks (``blocks`` uint8 ``[N, K / 32 * block bytes]`` of a
+    ``BLOCK_TYPES`` type) over ``disagg_quant_linear`` / ``disagg_quant_dequantize``.
+    ``disagg.model.quant.BlockWeight`` checks the blocks once, when it is built; the per-call
+    checks here are the input's."""
 
     def __init__(self, lib: ctypes.PyDLL) -> None:
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._linear = lib.disagg_q8_0_linear
-        self._linear.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
+        self._linear = lib.disagg_quant_linear
+        self._linear.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int, i64, ptr, ptr,
+                                 ctypes.c_int]
         self._linear.restype = None
-        self._deq = lib.disagg_q8_0_dequantize
-        self._deq.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+        self._deq = lib.disagg_quant_dequantize
+        self._deq.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ctypes.c_int]
         self._deq.restype = None
 
     @staticmethod
-    def check(q: torch.Tensor, d: torch.Tensor) -> None:
-        """Raise unless (q, d) are weights the kernel reads: CPU, contiguous, int8 [N, K] with
-        K % 32 == 0 and float32 [N, K / 32]."""
-        if not (q.is_cpu and d.is_cpu and q.dtype is torch.int8 and d.dtype is _F32
-                and q.dim() == 2 and q.is_contiguous() and d.is_contiguous()
-                and q.shape[1] % 32 == 0 and tuple(d.shape) == (q.shape[0], q.shape[1] // 32)):
-            raise RuntimeError(f"q8_0: q must be a contiguous CPU int8 [N, K] with K % 32 == 0 "
-                               f"and d a contiguous float32 [N, K / 32]; got {q.dtype} "
-                               f"{tuple(q.shape)}, {d.dtype} {tuple(d.shape)}")
+    def check(blocks: torch.Tensor, type_name: str, k: int) -> None:
+        """Raise unless ``blocks`` are rows of ``k`` weights the kernel reads: a contiguous
+        CPU uint8 ``[N, K / 32 * block bytes]``, K % 32 == 0."""
+        if type_name not in BLOCK_TYPES:
+            raise RuntimeError(f"quant: block type {type_name!r} is not one of "
+                               f"{list(BLOCK_TYPES)}")
+        nbytes = BLOCK_TYPES[type_name][1]
+        if not (blocks.is_cpu and blocks.dtype is torch.uint8 and blocks.dim() == 2
+                and blocks.is_contiguous() and k > 0 and k % 32 == 0
+                and blocks.shape[1] == k // 32 * nbytes):
+            raise RuntimeError(f"quant: {type_name} blocks of rows of {k} weights must be a "
+                               f"contiguous CPU uint8 [N, {k // 32 * nbytes}] (K % 32 == 0); "
+                               f"got {blocks.dtype} {tuple(blocks.shape)}")
 
-    def linear(self, x: torch.Tensor, q: torch.Tensor, d: torch.Tensor,
+    def linear(self, x: torch.Tensor, blocks: torch.Tensor, type_name: str, k: int,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x [M, K] @ (d * q).T (+ bias)``: float32 CPU ``x`` dense along K."""
+        """``x [M, K] @ W.T (+ bias)``: float32 CPU ``x`` dense along K; its rows rounded to
+        8 bits per block of 32 (``csrc/quant_gemm.h``)."""
         if not (x.is_cpu and x.dtype is _F32 and x.dim() == 2
                 and (x.stride(1) == 1 or x.shape[1] <= 1)):
-            raise RuntimeError("q8_0: x must be a float32 CPU [M, K] with unit stride along K")
-        m, k = x.shape
-        n = q.shape[0]
-        if k != q.shape[1]:
-            raise RuntimeError(f"q8_0: x has K={k}, the weights K={q.shape[1]}")
+            raise RuntimeError("quant: x must be a float32 CPU [M, K] with unit stride along K")
+        m, xk = x.shape
+        n = blocks.shape[0]
+        if xk != k:
+            raise RuntimeError(f"quant: x has K={xk}, the weights K={k}")
         bp = None
         if bias is not None:
             if not (bias.is_cpu and bias.dtype is _F32 and bias.dim() == 1
                     and bias.shape[0] == n and bias.is_contiguous()):
-                raise RuntimeError("q8_0: bias must be a contiguous float32 [N]")
+                raise RuntimeError("quant: bias must be a contiguous float32 [N]")
             bp = bias.data_ptr()
         out = x.new_empty(m, n)
         if m and n:
-            self._linear(x.data_ptr(), q.data_ptr(), d.data_ptr(), bp, out.data_ptr(), m, k, n,
-                         x.stride(0), _num_threads())
+            self._linear(x.data_ptr(), x.stride(0), m, k, blocks.data_ptr(),
+                         BLOCK_TYPES[type_name][0], n, bp, out.data_ptr(), _num_threads())
         return out
 
-    def dequantize(self, q: torch.Tensor, d: torch.Tensor, n0: int = 0,
+    def dequantize(self, blocks: torch.Tensor, type_name: str, k: int, n0: int = 0,
                    n1: int | None = None) -> torch.Tensor:
         """The float32 weights of rows ``[n0, n1)`` (default: all), ``[n1 - n0, K]``."""
-        n1 = q.shape[0] if n1 is None else n1
-        if not 0 <= n0 <= n1 <= q.shape[0]:
-            raise RuntimeError(f"q8_0: rows [{n0}, {n1}) out of range of {q.shape[0]}")
-        out = torch.empty(n1 - n0, q.shape[1], dtype=_F32)
+        n1 = blocks.shape[0] if n1 is None else n1
+        if not 0 <= n0 <= n1 <= blocks.shape[0]:
+            raise RuntimeError(f"quant: rows [{n0}, {n1}) out of range of {blocks.shape[0]}")
+        out = torch.empty(n1 - n0, k, dtype=_F32)
         if n1 > n0:
-            self._deq(q.data_ptr(), d.data_ptr(), out.data_ptr(), n0, n1, q.shape[1],
+            self._deq(BLOCK_TYPES[type_name][0], blocks.data_ptr(), k, n0, n1, out.data_ptr(),
                       _num_threads())
         return out
 
@@ -231,17 +243,23 @@ def small_linear_kernel() -> LinearKernel | None:
 
 
 @functools.lru_cache(maxsize=1)
-def q8_0_kernel() -> Q8_0Kernel | None:
-    """The compiled Q8_0 linear of the ``linear`` library (built once per process, cached on
-    disk), or None: then Q8_0 weights are dequantized to float32 when they are loaded."""
+def quant_kernel() -> QuantKernel | None:
+    """The compiled linear on GGUF blocks of the ``linear`` library (built once per process,
+    cached on disk), or None: then the GGUF loader falls back (``gguf_weights.py``)."""
     if not kernels_enabled("linear"):
         return None
     lib = build_kernel("linear")
-    return None if lib is None else Q8_0Kernel(lib)
+    return None if lib is None else QuantKernel(lib)
+
+
+def _decoder_library() -> object | None:
+    from disagg.model.cpu_decoder import _library
+
+    return _library()
 
 
 _KERNELS = {"attention": paged_decode_kernel, "linear": small_linear_kernel,
-            "elementwise": elementwise_kernel}
+            "elementwise": elementwise_kernel, "decoder": _decoder_library}
 
 
 def status() -> dict[str, bool]:

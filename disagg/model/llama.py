@@ -40,6 +40,7 @@ from torch import nn
 from disagg.config import ConfigError, ModelConfig
 from disagg.layout import kv_head_replicas, tp_kv_head_range
 from disagg.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
+from disagg.model.cpu_decoder import CpuDecoder
 from disagg.model.cpu_ops import rope_store_applies
 from disagg.model.kernels import SMALL_LINEAR_MAX_ROWS, LinearKernel, small_linear_applies
 from disagg.model.moe import (
@@ -487,6 +488,9 @@ class LlamaForCausalLM(nn.Module):
         # (cache, [cache[:, i] per local layer]): the runner's cache and its layer views, made
         # once (``use_kv_cache``); forward on another cache slices it per step.
         self.kv_layer_views: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        # Pure decode steps in one compiled call (``cpu_decoder.py``; the runner sets it on
+        # CPU for the models it takes); None: the layer loop below.
+        self.cpu_decoder: CpuDecoder | None = None
         self.model = LlamaModel(config, self.layer_range, self._layer)
         self.lm_head = (Linear(config.hidden_size, config.vocab_size, bias=False)
                         if self.model.is_last else None)
@@ -634,6 +638,10 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"kv_cache holds {kv_cache.shape[1]} layers, this stage has "
                              f"{self.num_local_layers}")
         cos, sin = self.rotary(positions, x.dtype)
+        fast = self.cpu_decoder
+        if (fast is not None and hidden_states is None and self.layer_hook is None
+                and fast.applies(meta, kv_cache, x.shape[0])):
+            return fast.forward(x, cos, sin, meta)  # type: ignore[arg-type]
         hook = self.layer_hook
         residual: torch.Tensor | None = None
         views = self.kv_layer_views

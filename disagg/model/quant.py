@@ -3,23 +3,25 @@
 A ``QuantizedWeight`` stands in for a ``Linear``'s float weight (``llama.Linear.qweight``; the
 GGUF loader, ``gguf_weights.py``, builds them from the file's blocks, ``gguf_blocks.py``):
 
-- ``Q8_0Weight``: int8 ``q [N, K]`` and float32 ``d [N, K / 32]`` (w = d q, Q8_0's blocks
-  as they are, 1.125 bytes per weight). Up to ``Q8_0_KERNEL_MAX_ROWS`` input rows it runs the
-  C++ kernel (``kernels.q8_0_kernel``: the weights widened to float32 in registers, so the
-  products are exact and the result is F.linear's on the dequantized weights to the rounding
-  of the sum); more rows (prefill) go to torch's GEMM on dequantized tiles of
-  ``_DEQUANT_TILE_FLOATS`` (never the whole matrix of a large LM head at once).
-- ``Int4Weight``: Q4_0 / Q4_1 / Q4_K as ``aten._weight_int4pack_mm_for_cpu`` holds them, group
-  32: 4-bit codes packed by ``_convert_weight_to_int4pack_for_cpu`` and a bfloat16 scale and
-  zero per group (w = (q - 8) scale + zero; 0.625 bytes per weight); activations go in as
-  bfloat16 and the output comes back as bfloat16, at every row count (the op's bfloat16 path
-  matches float32 GEMM speed at 2,048 rows on this project's CPUs). Not exact: bfloat16 keeps
-  8 significant bits of fp16's 11 (bench/results/quant_kernels.md: output error within
-  llama.cpp's own activation rounding; ``tests/test_gguf_quantized.py`` states the bound).
-  The op needs N % 16 == 0 (``int4_unpackable`` says why a shape cannot be packed).
+- ``BlockWeight``: Q4_0 / Q4_1 / Q8_0 as the file's blocks (0.5625 / 0.625 / 1.0625 bytes per
+  weight) and Q4_K as blocks of 32 with float32 scales (0.75; ``gguf_blocks.kernel_blocks``).
+  Up to ``BLOCK_KERNEL_MAX_ROWS`` input rows it runs the C++ kernel (``kernels.quant_kernel``,
+  ``csrc/quant_gemm.h``): each input row rounded to 8 bits per block of 32 and integer dot
+  products, as llama.cpp's CPU backend computes them; not exact (the rounding of the inputs:
+  ``tests/test_gguf_quantized.py`` states the agreement with the float32 import), and the
+  fastest path measured (bench/results/quant_kernels.md). More rows (prefill) go to torch's
+  GEMM on float32 tiles of ``_DEQUANT_TILE_FLOATS`` dequantized weights (never the whole matrix
+  of a large LM head at once): there the weights' values are the file's exactly.
+- ``Int4Weight`` (where the C++ kernel cannot be built): Q4_0 / Q4_1 / Q4_K as
+  ``aten._weight_int4pack_mm_for_cpu`` holds them, group 32: 4-bit codes packed by
+  ``_convert_weight_to_int4pack_for_cpu`` and a bfloat16 scale and zero per group
+  (w = (q - 8) scale + zero; 0.625 bytes per weight); activations go in as bfloat16 and the
+  output comes back as bfloat16, at every row count. Not exact: bfloat16 keeps 8 significant
+  bits of fp16's 11 (``tests/test_gguf_quantized.py`` states the bound). The op needs
+  N % 16 == 0 (``int4_unpackable`` says why a shape cannot be packed).
 
 ``rows(lo, hi)`` is the weight of a row range (the per-layer view of a fused q/k/v or
-gate/up weight); ``QuantizedEmbedding`` looks rows up in a quantized table (a ``Q8_0Weight``
+gate/up weight); ``QuantizedEmbedding`` looks rows up in a quantized table (a ``BlockWeight``
 shared with a tied LM head, or raw GGUF blocks dequantized per lookup).
 """
 
@@ -32,14 +34,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from disagg.model.kernels import Q8_0Kernel
+from disagg.model.kernels import QuantKernel
 
 QK = 32  # weights per block / group
 INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
-# Up to this many rows the Q8_0 kernel; more go to torch's GEMM on dequantized tiles. Measured
-# on a SmolLM2-135M step's linears (2 Zen 4 threads): the kernel 55 / 104 / 209 ms at 32 / 64 /
-# 128 rows, dequantized tiles + F.linear 93 / 110 / 186 ms.
-Q8_0_KERNEL_MAX_ROWS = 64
+# Up to this many rows the block kernel; more go to torch's GEMM on dequantized tiles.
+BLOCK_KERNEL_MAX_ROWS = 64
 _DEQUANT_TILE_FLOATS = 1 << 21  # 8 MiB of float32 weights per dequantized tile
 _F32, _BF16 = torch.float32, torch.bfloat16
 # Private aten ops (torch >= 2.6 on CPU); None where this torch has none.
@@ -75,56 +75,60 @@ def _rows2d(x: torch.Tensor, k: int) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 or k <= 1 else x2.contiguous()
 
 
-class Q8_0Weight(QuantizedWeight):
-    """GGUF Q8_0 (see the module docstring): ``q`` int8 ``[N, K]``, ``d`` float32
-    ``[N, K / 32]``, run by ``kernel``."""
+class BlockWeight(QuantizedWeight):
+    """GGUF blocks as ``csrc/quant_gemm.h`` reads them (see the module docstring): ``blocks``
+    uint8 ``[N, K / 32 * block bytes]`` of ``type_name`` (``kernels.BLOCK_TYPES``), run by
+    ``kernel``."""
 
-    label = "Q8_0 (C++ kernel)"
-
-    def __init__(self, q: torch.Tensor, d: torch.Tensor, kernel: Q8_0Kernel) -> None:
-        kernel.check(q, d)
-        super().__init__(q.shape[0], q.shape[1])
-        self.q, self.d, self.kernel = q, d, kernel
+    def __init__(self, blocks: torch.Tensor, type_name: str, k: int,
+                 kernel: QuantKernel) -> None:
+        kernel.check(blocks, type_name, k)
+        super().__init__(blocks.shape[0], k)
+        self.blocks, self.type_name, self.kernel = blocks, type_name, kernel
+        self.label = f"{type_name} blocks (C++ kernel)"
 
     @property
     def nbytes(self) -> int:
-        return self.q.numel() + self.d.numel() * 4
+        return self.blocks.numel()
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         k = self.in_features
         x2 = _rows2d(x if x.dtype is _F32 else x.float(), k)
-        if x2.shape[0] <= Q8_0_KERNEL_MAX_ROWS:
-            y = self.kernel.linear(x2, self.q, self.d, bias)
+        if x2.shape[0] <= BLOCK_KERNEL_MAX_ROWS:
+            y = self.kernel.linear(x2, self.blocks, self.type_name, k, bias)
         else:
             y = self._dequantized_linear(x2, bias)
-        y = y.reshape(*x.shape[:-1], self.out_features)
+        y = y.view(*x.shape[:-1], self.out_features)
         return y if x.dtype is _F32 else y.to(x.dtype)
 
     def _dequantized_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """Many rows: torch's GEMM on float32 tiles of whole rows of the weights."""
+        """Many rows (prefill): torch's GEMM on float32 tiles of whole rows of the weights
+        (never the whole matrix of a large LM head at once)."""
         n, k = self.out_features, self.in_features
         step = max(1, _DEQUANT_TILE_FLOATS // k)
+        deq = self.kernel.dequantize
         if step >= n:
-            return F.linear(x, self.kernel.dequantize(self.q, self.d), bias)
+            return F.linear(x, deq(self.blocks, self.type_name, k), bias)
         out = x.new_empty(x.shape[0], n)
         for n0 in range(0, n, step):
             n1 = min(n, n0 + step)
-            out[:, n0:n1] = F.linear(x, self.kernel.dequantize(self.q, self.d, n0, n1),
+            out[:, n0:n1] = F.linear(x, deq(self.blocks, self.type_name, k, n0, n1),
                                      None if bias is None else bias[n0:n1])
         return out
 
-    def rows(self, lo: int, hi: int) -> Q8_0Weight:
-        return Q8_0Weight(self.q[lo:hi], self.d[lo:hi], self.kernel)  # views: nothing copied
+    def rows(self, lo: int, hi: int) -> BlockWeight:
+        return BlockWeight(self.blocks[lo:hi], self.type_name, self.in_features,
+                           self.kernel)  # a view: nothing copied
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weights (exactly the GGUF's)."""
-        return self.kernel.dequantize(self.q, self.d)
+        return self.kernel.dequantize(self.blocks, self.type_name, self.in_features)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` in float32 (an embedding lookup): exactly the dequantized rows."""
-        q, d = self.q[ids], self.d[ids]
-        return (q.float().view(-1, d.shape[-1], QK) * d.unsqueeze(-1)).view(
-            *ids.shape, self.in_features)
+        rows = self.blocks[ids.reshape(-1)]
+        out = self.kernel.dequantize(rows, self.type_name, self.in_features)
+        return out.view(*ids.shape, self.in_features)
 
 
 def int4_unpackable(n: int, k: int) -> str | None:
@@ -216,7 +220,7 @@ class RawBlocksTable:
 
 class QuantizedEmbedding(nn.Module):
     """``nn.Embedding`` over a quantized table: ``lookup(ids)`` gives the float32 rows (a
-    ``Q8_0Weight``'s or a ``RawBlocksTable``'s), cast to ``dtype``."""
+    ``BlockWeight``'s or a ``RawBlocksTable``'s), cast to ``dtype``."""
 
     def __init__(self, lookup: Callable[[torch.Tensor], torch.Tensor], num_embeddings: int,
                  embedding_dim: int, dtype: torch.dtype, label: str) -> None:

@@ -26,8 +26,8 @@
 // A plain C ABI over raw pointers and sizes (no torch headers, so it compiles in a second or
 // two): kernels.py checks dtypes, layouts and devices and calls it through ctypes.
 //
-// The same tiling serves GGUF Q8_0 weights (disagg_q8_0_linear): int8 [N, K] with one float32
-// scale per block of 32 along K; see the Q8_0 section at the end.
+// GGUF quantized blocks (Q4_0, Q4_1, Q4_K's sub-blocks, Q8_0) have their own kernel,
+// quant_gemm.h, exported at the end (disagg_quant_linear).
 
 #include <algorithm>
 #include <cstdint>
@@ -171,160 +171,26 @@ extern "C" void disagg_small_linear(const float* x, const float* w, const float*
     run<NB>(w, x, M, K, ldx, bias, out, N, threads);
 }
 
-// ---- Q8_0 weights ------------------------------------------------------------------------
+// ---- GGUF blocks -------------------------------------------------------------------------
 //
-// GGUF Q8_0: w[n][k] = d[n][k / 32] * q[n][k], q int8, d an fp16 scale per block of 32
-// (held here as float32: fp16 widens exactly). The weights are read as they are stored, 1 byte
-// each plus 4 per block, and widened to float32 in registers: d * q needs at most 11 + 8
-// significant bits, so it is exact in float32, and the products with x are the float32
-// kernel's products on the dequantized weights (the results agree with F.linear on those to
-// the rounding of the sum, as the float32 kernel's do). Same tiles as above: TN weight rows x
-// TM input rows of accumulators in registers, each weight block widened once per tile and
-// dotted with all TM rows of x.
-//
-//   q     [N, K] int8, contiguous, K a multiple of 32
-//   d     [N, K / 32] float32, contiguous
-//   x, bias, out as above
-//
-// disagg_q8_0_dequantize writes the float32 weights of rows [n0, n1) (for many-row inputs,
-// which go to torch's GEMM on a dequantized tile).
+// GGUF blocks with 8-bit input rows (quant_gemm.h): Q4_0, Q4_1, Q4F (Q4_K's sub-blocks with
+// float32 scales) and Q8_0 weights, [N, K / 32] blocks of block type `type` (quant_gemm.h's
+// BlockType), K % 32 == 0.
+#include "quant_gemm.h"
 
-namespace {
-
-constexpr int QK = 32;  // weights per Q8_0 block
-static_assert(QK % V == 0, "a vector never straddles two blocks");
-inline vfloat load_q8(const int8_t* p) {  // V int8 widened to float32
-#if defined(__AVX512F__)
-  return (vfloat)_mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-#elif defined(__AVX2__)
-  return (vfloat)_mm256_cvtepi32_ps(
-      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-#else
-  // GCC 12 lowers __builtin_convertvector from int8 to scalar code; so does this loop, which
-  // at least needs no intrinsics (any target).
-  float f[V];
-  for (int i = 0; i < V; ++i) f[i] = p[i];
-  return load(f);
-#endif
-}
-
-// As tile() above; pf: when set, pf[0, pf_len) (bytes: the weights of a tile ahead) is
-// prefetched along the way.
-template <int TN, int TM>
-inline void q8_tile(const int8_t* __restrict w, const float* __restrict d,
-                    const float* __restrict x, int64_t K, int64_t ldx, const float* bias,
-                    float* __restrict out, int64_t ldo, const int8_t* pf, int64_t pf_len) {
-  const int64_t KB = K / QK;
-  vfloat acc[TN][TM];
-  for (int n = 0; n < TN; ++n)
-    for (int m = 0; m < TM; ++m) acc[n][m] = vfloat{};
-  for (int64_t b = 0; b < KB; ++b) {
-    float s[TN];
-    for (int n = 0; n < TN; ++n) s[n] = d[n * KB + b];
-    if (pf) {  // TN * 32 bytes of the tile ahead per block, one cache line at a time
-      for (int64_t j = b * QK * TN; j < (b + 1) * QK * TN && j < pf_len; j += 64)
-        __builtin_prefetch(pf + j, 0, kPrefetchLocality);
-    }
-    for (int j = 0; j < QK; j += V) {
-      const int64_t k = b * QK + j;
-      vfloat wv[TN];
-      for (int n = 0; n < TN; ++n) wv[n] = load_q8(w + n * K + k) * s[n];
-      for (int m = 0; m < TM; ++m) {
-        vfloat xv = load(x + m * ldx + k);
-#if defined(__x86_64__) && defined(__AVX__)
-        asm("" : "+x"(xv));  // as in tile(): keep x in a register
-#endif
-        for (int n = 0; n < TN; ++n) acc[n][m] += wv[n] * xv;
-      }
-    }
-  }
-  for (int n = 0; n < TN; ++n)
-    for (int m = 0; m < TM; ++m) {
-      const float s = hsum(acc[n][m]);
-      out[m * ldo + n] = bias ? s + bias[n] : s;
-    }
-}
-
-template <int TN>
-inline void q8_row_tile(const int8_t* wn, const float* dn, const float* x, int64_t M,
-                        int64_t K, int64_t ldx, const float* bn, float* on, int64_t N,
-                        const int8_t* pf, int64_t pf_len) {
-  int64_t m = 0;
-  for (; m + MB <= M; m += MB) {
-    q8_tile<TN, MB>(wn, dn, x + m * ldx, K, ldx, bn, on + m * N, N, pf, pf_len);
-    pf = nullptr;  // the first pass only (the one that reads from memory)
-  }
-  const float* xm = x + m * ldx;
-  float* om = on + m * N;
-  switch (M - m) {
-    case 1: q8_tile<TN, 1>(wn, dn, xm, K, ldx, bn, om, N, pf, pf_len); break;
-    case 2: q8_tile<TN, 2>(wn, dn, xm, K, ldx, bn, om, N, pf, pf_len); break;
-    case 3: q8_tile<TN, 3>(wn, dn, xm, K, ldx, bn, om, N, pf, pf_len); break;
-    default: break;
-  }
-}
-
-// Software prefetch of the int8 weights kQ8PrefetchBytes ahead (the float32 kernel's distance
-// in bytes). Measured on a Zen 4 core from DRAM: SmolLM2's 49152 x 576 LM head at M = 1 went
-// from 4.3 to 1.9 ms (the in-cache speed), a whole decode step's Q8_0 linears on 2 threads from
-// 12.8 to 7.1 ms; with several input rows it helped every shape tried (K = 576..14336, 4 rows:
-// 5-40%), but a single row of long rows (tiles over kQ8PrefetchMaxTileBytes: K = 4096, 14336)
-// ran 3-30% slower with it, as the float32 kernel's long rows do: those go without.
-constexpr int64_t kQ8PrefetchBytes = 4 * kPrefetchFloats;
-constexpr int64_t kQ8PrefetchMaxTileBytes = 4 * kPrefetchMaxTileFloats;
-
-template <int TN>
-void q8_run(const int8_t* q, const float* d, const float* x, int64_t M, int64_t K, int64_t ldx,
-            const float* bias, float* out, int64_t N, int threads) {
-  const int64_t KB = K / QK;
-  const int64_t tiles = (N + TN - 1) / TN;
-  const int64_t per_tile = std::max<int64_t>(1, M * K * TN);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / per_tile);
-  const bool prefetch = M > 1 || TN * K <= kQ8PrefetchMaxTileBytes;
-  const int64_t ahead = TN * ((kQ8PrefetchBytes + TN * K - 1) / (TN * K));  // whole tiles
-  disagg::parallel_for(0, tiles, grain, threads, [&](int64_t t0, int64_t t1) {
-    const int64_t n1 = std::min(N, t1 * TN);
-    int64_t n = t0 * TN;
-    for (; n + TN <= n1; n += TN) {
-      const int64_t p0 = prefetch ? std::min(N, n + ahead) : N, p1 = std::min(N, p0 + TN);
-      q8_row_tile<TN>(q + n * K, d + n * KB, x, M, K, ldx, bias ? bias + n : nullptr, out + n,
-                      N, p1 > p0 ? q + p0 * K : nullptr, (p1 - p0) * K);
-    }
-    for (; n < n1; ++n)
-      q8_row_tile<1>(q + n * K, d + n * KB, x, M, K, ldx, bias ? bias + n : nullptr, out + n,
-                     N, nullptr, 0);
-  });
-}
-
-}  // namespace
-
-// out[M, N] = x[M, K] @ (d * q)[N, K]^T (+ bias), on `threads` threads. K % 32 == 0.
-extern "C" void disagg_q8_0_linear(const float* x, const int8_t* q, const float* d,
-                                   const float* bias, float* out, int64_t M, int64_t K,
-                                   int64_t N, int64_t ldx, int threads) {
+// out[M, N] = x[M, K] @ W^T (+ bias), x's rows quantized to 8 bits per block of 32 first.
+extern "C" void disagg_quant_linear(const float* x, int64_t ldx, int64_t M, int64_t K,
+                                    const uint8_t* w, int type, int64_t N, const float* bias,
+                                    float* out, int threads) {
   if (M == 0 || N == 0) return;
-  if (M == 1)
-    q8_run<NB1>(q, d, x, M, K, ldx, bias, out, N, threads);
-  else
-    q8_run<NB>(q, d, x, M, K, ldx, bias, out, N, threads);
+  thread_local std::vector<disagg_quant::XBlock> xb;  // reused: no allocation per call
+  xb.resize(static_cast<size_t>(M * (K / disagg_quant::QK)));
+  disagg_quant::quantize_rows(x, M, K, ldx, xb.data(), threads);
+  disagg_quant::gemm_quantized_x(type, w, N, K, xb.data(), M, bias, out, N, threads);
 }
 
-// out[n1 - n0, K] = the float32 weights of rows [n0, n1). K % 32 == 0.
-extern "C" void disagg_q8_0_dequantize(const int8_t* q, const float* d, float* out,
-                                       int64_t n0, int64_t n1, int64_t K, int threads) {
-  const int64_t KB = K / QK;
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, K));
-  disagg::parallel_for(n0, n1, grain, threads, [&](int64_t r0, int64_t r1) {
-    for (int64_t n = r0; n < r1; ++n)
-      for (int64_t b = 0; b < KB; ++b) {
-        const float s = d[n * KB + b];
-        float* o = out + (n - n0) * K + b * QK;
-        const int8_t* src = q + n * K + b * QK;
-        for (int j = 0; j < QK; j += V) {
-          const vfloat v = load_q8(src + j) * s;
-          std::memcpy(o + j, &v, sizeof(v));
-        }
-      }
-  });
+// out[n1 - n0, K] = the float32 weights of rows [n0, n1).
+extern "C" void disagg_quant_dequantize(int type, const uint8_t* w, int64_t K, int64_t n0,
+                                        int64_t n1, float* out, int threads) {
+  disagg_quant::dequantize_rows(type, w, K, n0, n1, out, threads);
 }
