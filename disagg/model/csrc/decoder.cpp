@@ -71,15 +71,74 @@ struct DecoderStep {
 
 using disagg_quant::XBlock;
 
+// 16 floats (GCC / Clang vector extension: one AVX-512 register, two AVX2 ones, or scalar
+// code, whatever -march=native offers).
+typedef float vf16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+inline vf16 load16(const float* p) {
+  vf16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline float hsum16(vf16 v) {
+  float a[16];
+  std::memcpy(a, &v, sizeof(v));
+  for (int h = 8; h >= 1; h /= 2)
+    for (int i = 0; i < h; ++i) a[i] += a[i + h];
+  return a[0];
+}
+
+// e^v for v in [-87.3, 0] (softmax numerators; below: 0): 2^n e^f with n = round(v log2 e),
+// f = v - n ln 2 (ln 2 in two parts), e^f by its degree-6 Taylor polynomial (|f| <= 0.35:
+// relative error ~1e-7), 2^n added to the exponent bits.
+inline vf16 exp16(vf16 v) {
+  const vf16 lo = vf16{} - 87.3f;
+  v = v < lo ? lo : v;
+  const vf16 t = v * 1.44269504f;
+  const vf16 n = (t + 12582912.f) - 12582912.f;  // round to nearest (|t| < 2^22)
+  const vf16 f = (v - n * 0.693359375f) + n * 2.12194440e-4f;
+  vf16 p = vf16{} + 1.f / 720;
+  p = p * f + 1.f / 120;
+  p = p * f + 1.f / 24;
+  p = p * f + 1.f / 6;
+  p = p * f + 0.5f;
+  p = p * f + 1.f;
+  p = p * f + 1.f;
+  vi16 bits;
+  std::memcpy(&bits, &p, sizeof(p));
+  bits += __builtin_convertvector(n, vi16) << 23;
+  std::memcpy(&p, &bits, sizeof(p));
+  return p;
+}
+
+// sc[j] <- e^(sc[j] - mx), j < n; returns their sum.
+inline float exp_sub(float* sc, int64_t n, float mx) {
+  vf16 acc = {};
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const vf16 e = exp16(load16(sc + j) - mx);
+    std::memcpy(sc + j, &e, sizeof(e));
+    acc += e;
+  }
+  float sum = hsum16(acc);
+  for (; j < n; ++j) sum += (sc[j] = std::exp(sc[j] - mx));
+  return sum;
+}
+
 // Decode attention of T sequences (one query row each, q [T, Hq, D] dense) over the paged
 // cache, split along the keys so that a small batch still keeps every thread busy (one
 // sequence has only Hkv kv heads: 3 for SmolLM2, 2 : 1 over two threads). Item (t, h, c)
-// covers keys [c * chunk, min(L, (c + 1) * chunk)) of sequence t, kv head h, for its G query
-// heads; each keeps its max m, sum l of exp(s - m) and acc = sum exp(s - m) v, merged after:
+// covers keys [c * chunk, min(L, (c + 1) * chunk)) of sequence t, kv head h (chunk a whole
+// number of cache blocks), for its G query heads; each keeps its max m, sum l of exp(s - m)
+// and acc = sum exp(s - m) v, merged after:
 //
 //   out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c,   M = max_c m_c
 //
-// (flash-decoding's split-K). The block ids and lengths are checked by the caller.
+// (flash-decoding's split-K). Keys are read block by block (block i of the table holds
+// positions [i B, (i + 1) B)), each key row once for the G query heads. The block ids and
+// lengths are checked by the caller.
 void attend(const float* q, const float* kv, const int64_t* tab, int64_t s_tab,
             const int64_t* lens, float* out, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
             int64_t B, int64_t s_blk, int64_t s_kv, int64_t s_h, int64_t s_tok, float scale,
@@ -87,10 +146,11 @@ void attend(const float* q, const float* kv, const int64_t* tab, int64_t s_tab,
   const int64_t G = Hq / Hkv;
   int64_t max_len = 1;
   for (int64_t t = 0; t < T; ++t) max_len = std::max(max_len, lens[t]);
-  // items >= 4 per thread where the keys allow chunks of 32 or more
+  // items >= 4 per thread where the keys allow chunks of a block or more
   const int64_t want = (4 * threads + T * Hkv - 1) / (T * Hkv);
-  const int64_t splits = std::max<int64_t>(1, std::min(want, (max_len + 31) / 32));
+  const int64_t splits = std::max<int64_t>(1, std::min(want, (max_len + B - 1) / B));
   const int64_t items = T * Hkv * splits;
+  const bool vec = D % 16 == 0 && G <= 8;
   thread_local std::vector<float> pm, pl, pacc;
   pm.resize(items * G), pl.resize(items * G), pacc.resize(items * G * D);
   // pointers, not the vectors: inside the parallel region a thread_local names the running
@@ -100,8 +160,10 @@ void attend(const float* q, const float* kv, const int64_t* tab, int64_t s_tab,
     std::vector<float> scores, qf(G * D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t c = item % splits, h = (item / splits) % Hkv, t = item / (splits * Hkv);
-      const int64_t L = lens[t], chunk = (L + splits - 1) / splits;
-      const int64_t k0 = std::min(L, c * chunk), k1 = std::min(L, k0 + chunk), n = k1 - k0;
+      const int64_t L = lens[t], nblk = (L + B - 1) / B;
+      const int64_t per = (nblk + splits - 1) / splits;  // blocks per split
+      const int64_t b0 = std::min(nblk, c * per), b1 = std::min(nblk, b0 + per);
+      const int64_t k0 = b0 * B, n = std::min(L, b1 * B) - k0;
       float* m = pm_p + item * G;
       float* l = pl_p + item * G;
       float* acc = pacc_p + item * G * D;
@@ -111,33 +173,47 @@ void attend(const float* q, const float* kv, const int64_t* tab, int64_t s_tab,
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = q[(t * Hq + h * G + g) * D + d] * scale;
       scores.resize(static_cast<size_t>(G * n));
-      for (int64_t j = 0; j < n; ++j) {  // scores[g][j] = q_g . k_(k0 + j)
-        const int64_t pos = k0 + j;
-        const float* k = kv + tab[t * s_tab + pos / B] * s_blk + h * s_h + (pos % B) * s_tok;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf.data() + g * D;
-          float a = 0.f;
-#pragma omp simd reduction(+ : a)
-          for (int64_t d = 0; d < D; ++d) a += qg[d] * k[d];
-          scores[g * n + j] = a;
+      for (int64_t bi = b0; bi < b1; ++bi) {  // scores[g][j] = q_g . k_j
+        const float* kb = kv + tab[t * s_tab + bi] * s_blk + h * s_h;
+        const int64_t j0 = bi * B - k0, jn = std::min(B, L - bi * B);
+        for (int64_t j = 0; j < jn; ++j) {
+          const float* k = kb + j * s_tok;
+          if (vec) {
+            vf16 a[8];
+            for (int64_t g = 0; g < G; ++g) a[g] = vf16{};
+            for (int64_t d = 0; d < D; d += 16) {
+              const vf16 kv16 = load16(k + d);
+              for (int64_t g = 0; g < G; ++g) a[g] += load16(qf.data() + g * D + d) * kv16;
+            }
+            for (int64_t g = 0; g < G; ++g) scores[g * n + j0 + j] = hsum16(a[g]);
+          } else {
+            for (int64_t g = 0; g < G; ++g) {
+              const float* qg = qf.data() + g * D;
+              float a = 0.f;
+              for (int64_t d = 0; d < D; ++d) a += qg[d] * k[d];
+              scores[g * n + j0 + j] = a;
+            }
+          }
         }
       }
       for (int64_t g = 0; g < G; ++g) {
         float* sc = scores.data() + g * n;
-        float mx = -INFINITY, sum = 0.f;
+        float mx = -INFINITY;
         for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sc[j]);
-        for (int64_t j = 0; j < n; ++j) sum += (sc[j] = std::exp(sc[j] - mx));
-        m[g] = mx, l[g] = sum;
+        m[g] = mx;
+        l[g] = exp_sub(sc, n, mx);
       }
-      for (int64_t j = 0; j < n; ++j) {  // acc[g] += p[g][j] v_(k0 + j)
-        const int64_t pos = k0 + j;
-        const float* v =
-            kv + tab[t * s_tab + pos / B] * s_blk + s_kv + h * s_h + (pos % B) * s_tok;
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * n + j];
-          float* ag = acc + g * D;
+      for (int64_t bi = b0; bi < b1; ++bi) {  // acc[g] += p[g][j] v_j
+        const float* vb = kv + tab[t * s_tab + bi] * s_blk + s_kv + h * s_h;
+        const int64_t j0 = bi * B - k0, jn = std::min(B, L - bi * B);
+        for (int64_t j = 0; j < jn; ++j) {
+          const float* v = vb + j * s_tok;
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = scores[g * n + j0 + j];
+            float* ag = acc + g * D;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] += p * v[d];
+            for (int64_t d = 0; d < D; ++d) ag[d] += p * v[d];
+          }
         }
       }
     }
