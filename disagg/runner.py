@@ -6,6 +6,7 @@ calls it on the same SchedulerOutput (``disagg.parallel.worker``)."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import os
@@ -33,6 +34,20 @@ from disagg.model.static_decode import DecodeFn, triton_paged_decode
 from disagg.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger("disagg.runner")
+
+# A CPU step with at least this many new tokens (a prefill chunk) hands the heap pages its
+# activations freed back to the OS (``malloc_trim``): glibc keeps them resident otherwise, and
+# steps of other sizes (the next chunk attends a longer context) then grow the heap further.
+# Decode steps (fewer tokens) never trim: they would fault their few pages back every step.
+TRIM_AFTER_TOKENS = 64
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or None (another C library)."""
+    try:
+        return getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except OSError:
+        return None
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -171,6 +186,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if decode is not None:
             self.graphs = self._make_graphs(decode)
+        self._trim = _malloc_trim() if self.device.type == "cpu" else None
 
     def _make_graphs(self, decode: DecodeFn) -> DecodeGraphs | None:
         sched = self.config.scheduler
@@ -459,6 +475,8 @@ class ModelRunner:
             return [r.request_id for r in sched.scheduled], logits
         inputs = self.prepare_inputs(sched)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+        if self._trim is not None and sched.num_scheduled_tokens >= TRIM_AFTER_TOKENS:
+            self._trim(0)  # the forward's activations are freed (TRIM_AFTER_TOKENS)
         if not inputs.logits_indices.numel():
             return [], None
         logits = self.model.compute_logits(hidden[inputs.logits_indices])

@@ -168,6 +168,26 @@ def _attend_grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.view(hkv, s, g, n, dv).permute(1, 3, 0, 2, 4).reshape(s, n, hq, dv)
 
 
+def _attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """One sequence's prefill chunk over its cached context, on CPU.
+
+    q ``[n, H_q, D]``, k/v ``[H_kv, 1, L, D]`` (``_gather_context`` of one sequence), mask
+    ``[n, L]`` (True = attend) -> ``[n, H_q, D]``. SDPA's own GQA with the mask broadcast over
+    the heads: the CPU flash kernel reads the ``[n, L]`` mask as it is, where
+    ``_attend_grouped`` stacks the G query heads of a kv head and so copies the mask G times
+    (and SDPA turns that copy into a float one): chunked prefill's attention without a
+    ``[G*n, L]`` temporary, and faster (the same numbers: each query row's keys, scale and
+    reduction order are unchanged).
+    """
+    qi = q.transpose(0, 1).unsqueeze(0)  # [1, H_q, n, D]
+    ki = k.transpose(0, 1).to(q.dtype)   # [1, H_kv, L, D]
+    vi = v.transpose(0, 1).to(q.dtype)
+    o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask[None, None], scale=scale,
+                                       enable_gqa=ki.shape[1] != qi.shape[1])
+    return o[0].transpose(0, 1)
+
+
 # Chunks of at most this many tokens over a cached context (speculative decoding's checks:
 # the decoded token and its drafts) are attended in one batched call, not one call each.
 SHORT_CHUNK = 33
@@ -333,8 +353,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer:
             keys = torch.arange(nb * block_size, device=q.device)
             rows = torch.arange(n, device=q.device)
             mask = (keys[None, :] <= rows[:, None] + ctx).unsqueeze(0)  # [1, n, L]
-            out[start:end] = _attend_grouped(q[start:end].unsqueeze(0), kc, vc, mask,
-                                             scale)[0]
+            if q.device.type == "cpu":
+                out[start:end] = _attend_chunk(q[start:end], kc, vc, mask[0], scale)
+            else:
+                out[start:end] = _attend_grouped(q[start:end].unsqueeze(0), kc, vc, mask,
+                                                 scale)[0]
     return out
 
 

@@ -1,0 +1,99 @@
+"""A CPU worker's prefill memory (issue 43, item 3): chunked prefill by default on CPU
+(``DEFAULT_CPU_MAX_NUM_TOKENS``), the chunk-over-context attention without a ``[G*n, L]`` mask
+copy (``attention._attend_chunk``), and the heap handed back after a prefill step
+(``runner.TRIM_AFTER_TOKENS``); outputs stay those of a whole-prompt step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from disagg import SamplingParams
+from disagg.config import DEFAULT_CPU_MAX_NUM_TOKENS, SchedulerConfig, build_engine_config
+from disagg.engine import LLMEngine
+from disagg.model.attention import _attend_chunk, _attend_grouped
+from disagg.runner import TRIM_AFTER_TOKENS
+
+
+def test_cpu_default_chunks_the_prefill(tiny_llama: str) -> None:
+    cfg = build_engine_config(tiny_llama, device="cpu")
+    assert cfg.scheduler.max_num_tokens == DEFAULT_CPU_MAX_NUM_TOKENS
+    assert cfg.scheduler.enable_chunked_context
+    # what the user sets wins
+    assert build_engine_config(tiny_llama, device="cpu",
+                               max_num_tokens=4096).scheduler.max_num_tokens == 4096
+    # without chunking a smaller budget would refuse long prompts: the general default stays
+    no_chunks = build_engine_config(tiny_llama, device="cpu", enable_chunked_context=False)
+    assert no_chunks.scheduler.max_num_tokens == SchedulerConfig().max_num_tokens
+    # CUDA keeps it (the config is only built here, nothing runs on the device)
+    cuda = build_engine_config(tiny_llama, device="cuda")
+    assert cuda.scheduler.max_num_tokens == SchedulerConfig().max_num_tokens
+
+
+@pytest.mark.parametrize("hq,hkv", [(6, 2), (4, 4), (3, 1)])
+@pytest.mark.parametrize("n,ctx", [(5, 11), (32, 96), (1, 40)])
+def test_chunk_attention_is_the_grouped_one(hq: int, hkv: int, n: int, ctx: int) -> None:
+    g = torch.Generator().manual_seed(hq * 100 + n + ctx)
+    d, length = 16, ctx + n
+    q = torch.randn(n, hq, d, generator=g)
+    k = torch.randn(hkv, 1, length, d, generator=g)
+    v = torch.randn(hkv, 1, length, d, generator=g)
+    keys = torch.arange(length)
+    mask = keys[None, :] <= torch.arange(n)[:, None] + ctx  # [n, L]
+    want = _attend_grouped(q.unsqueeze(0), k, v, mask.unsqueeze(0), d ** -0.5)[0]
+    got = _attend_chunk(q, k, v, mask, d ** -0.5)
+    assert got.shape == want.shape == (n, hq, d)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # query j sees keys 0 .. ctx + j only: a change beyond them changes nothing
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, ctx + 1:] += 5.0
+    v2[:, :, ctx + 1:] -= 3.0
+    assert torch.equal(_attend_chunk(q, k2, v2, mask, d ** -0.5)[0], got[0])
+
+
+def _greedy(model: str, prompts: list[list[int]], **opts: object) -> list[list[int]]:
+    eng = LLMEngine.from_options(model, device="cpu", tokens_per_block=16, max_model_len=1024,
+                                 kv_cache_tokens=2048, enable_prefix_caching=False, **opts)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=8,
+                                                   ignore_eos=True))
+    done: dict[str, list[int]] = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    return [done[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_chunked_prefill_tokens_are_the_whole_prompts(tiny_llama: str) -> None:
+    rng = random.Random(7)
+    # longer than the CPU default (several chunks, the last one short), one chunk exactly,
+    # and a short one
+    prompts = [[rng.randrange(3, 200) for _ in range(n)]
+               for n in (DEFAULT_CPU_MAX_NUM_TOKENS + 300, DEFAULT_CPU_MAX_NUM_TOKENS, 37)]
+    whole = _greedy(tiny_llama, prompts, max_num_tokens=4096)
+    assert _greedy(tiny_llama, prompts) == whole  # the CPU default: chunks of 512
+    assert _greedy(tiny_llama, prompts, max_num_tokens=96) == whole  # many small chunks
+
+
+def test_prefill_steps_hand_the_heap_back(tiny_llama: str) -> None:
+    eng = LLMEngine.from_options(tiny_llama, device="cpu", tokens_per_block=16,
+                                 max_model_len=1024, kv_cache_tokens=2048,
+                                 enable_prefix_caching=False, max_num_tokens=128)
+    runner = eng.runner
+    if runner._trim is None:
+        pytest.skip("not glibc: no malloc_trim")
+    calls: list[int] = []
+    real = runner._trim
+    runner._trim = lambda pad: calls.append(pad) or real(pad)
+    big = TRIM_AFTER_TOKENS * 4  # two chunks of 128: two trims
+    eng.add_request("a", list(range(3, 3 + big)),
+                    SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+    assert steps == 2 + 5  # two prefill chunks, then five decode steps
+    assert calls == [0, 0]  # the chunks only; decode steps never trim
