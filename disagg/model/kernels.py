@@ -166,9 +166,13 @@ class QuantKernel:
         self._linear.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int, i64, ptr, ptr,
                                  ctypes.c_int]
         self._linear.restype = None
-        self._deq = lib.disagg_quant_dequantize
-        self._deq.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ctypes.c_int]
-        self._deq.restype = None
+        self._deq = {}
+        for dtype, name in ((_F32, "disagg_quant_dequantize"),
+                            (torch.bfloat16, "disagg_quant_dequantize_bf16")):
+            fn = getattr(lib, name)
+            fn.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, ctypes.c_int]
+            fn.restype = None
+            self._deq[dtype] = fn
 
     @staticmethod
     def check(blocks: torch.Tensor, type_name: str, k: int) -> None:
@@ -209,15 +213,18 @@ class QuantKernel:
         return out
 
     def dequantize(self, blocks: torch.Tensor, type_name: str, k: int, n0: int = 0,
-                   n1: int | None = None) -> torch.Tensor:
-        """The float32 weights of rows ``[n0, n1)`` (default: all), ``[n1 - n0, K]``."""
+                   n1: int | None = None, dtype: torch.dtype = _F32) -> torch.Tensor:
+        """The weights of rows ``[n0, n1)`` (default: all), ``[n1 - n0, K]``, in float32 (the
+        file's exactly) or bfloat16 (rounded to nearest even)."""
         n1 = blocks.shape[0] if n1 is None else n1
         if not 0 <= n0 <= n1 <= blocks.shape[0]:
             raise RuntimeError(f"quant: rows [{n0}, {n1}) out of range of {blocks.shape[0]}")
-        out = torch.empty(n1 - n0, k, dtype=_F32)
+        if dtype not in self._deq:
+            raise RuntimeError(f"quant: dequantize to {dtype}: only float32 or bfloat16")
+        out = torch.empty(n1 - n0, k, dtype=dtype)
         if n1 > n0:
-            self._deq(BLOCK_TYPES[type_name][0], blocks.data_ptr(), k, n0, n1, out.data_ptr(),
-                      _num_threads())
+            self._deq[dtype](BLOCK_TYPES[type_name][0], blocks.data_ptr(), k, n0, n1,
+                             out.data_ptr(), _num_threads())
         return out
 
 

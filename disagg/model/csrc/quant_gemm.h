@@ -281,20 +281,37 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, XBl
   });
 }
 
-// The float32 weights of rows [n0, n1) -> out[(n1 - n0), K].
+// float32 -> bfloat16, round to nearest even (as torch's conversion; NaN kept a NaN).
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? (u >> 16) | 0x40 : rounded);
+}
+
+// A block's 32 weights (computed in float32) stored as Out.
+inline void store_block(float* o, const float* v) { std::memcpy(o, v, sizeof(float) * QK); }
+inline void store_block(uint16_t* o, const float* v) {
+  for (int j = 0; j < QK; ++j) o[j] = to_bf16(v[j]);  // branch-free: vectorised
+}
+
+// The weights of rows [n0, n1) -> out[(n1 - n0), K], float32 or (uint16_t) bfloat16.
+template <typename Out>
 inline void dequantize_rows(int type, const uint8_t* w, int64_t K, int64_t n0, int64_t n1,
-                            float* out, int threads) {
+                            Out* out, int threads) {
   const int64_t KB = K / QK, bytes = block_bytes(type), row_bytes = KB * bytes;
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K));
   disagg::parallel_for(n0, n1, grain, threads, [&](int64_t r0, int64_t r1) {
     for (int64_t n = r0; n < r1; ++n)
       for (int64_t b = 0; b < KB; ++b) {
         const uint8_t* blk = w + n * row_bytes + b * bytes;
-        float* o = out + (n - n0) * K + b * QK;
+        Out* o = out + (n - n0) * K + b * QK;
+        float v[QK];
         if (type == kQ8_0) {
           const float d = f16_to_f32(load_u16(blk));
           const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
-          for (int j = 0; j < QK; ++j) o[j] = d * static_cast<float>(q[j]);
+          for (int j = 0; j < QK; ++j) v[j] = d * static_cast<float>(q[j]);
+          store_block(o, v);
           continue;
         }
         float d, mw;
@@ -308,11 +325,12 @@ inline void dequantize_rows(int type, const uint8_t* w, int64_t K, int64_t n0, i
         }
         for (int j = 0; j < QK / 2; ++j) {
           // Q4_0: d (c - 8) exactly (d c - 8 d may round differently): as the file means it
-          o[j] = type == kQ4_0 ? d * static_cast<float>((qs[j] & 0x0F) - 8)
+          v[j] = type == kQ4_0 ? d * static_cast<float>((qs[j] & 0x0F) - 8)
                                : d * static_cast<float>(qs[j] & 0x0F) + mw;
-          o[j + QK / 2] = type == kQ4_0 ? d * static_cast<float>((qs[j] >> 4) - 8)
+          v[j + QK / 2] = type == kQ4_0 ? d * static_cast<float>((qs[j] >> 4) - 8)
                                         : d * static_cast<float>(qs[j] >> 4) + mw;
         }
+        store_block(o, v);
       }
   });
 }

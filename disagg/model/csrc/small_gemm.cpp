@@ -194,3 +194,9 @@ extern "C" void disagg_quant_dequantize(int type, const uint8_t* w, int64_t K, i
                                         int64_t n1, float* out, int threads) {
   disagg_quant::dequantize_rows(type, w, K, n0, n1, out, threads);
 }
+
+// The same in bfloat16 (round to nearest even): tiles for a bfloat16 GEMM.
+extern "C" void disagg_quant_dequantize_bf16(int type, const uint8_t* w, int64_t K, int64_t n0,
+                                             int64_t n1, uint16_t* out, int threads) {
+  disagg_quant::dequantize_rows(type, w, K, n0, n1, out, threads);
+}
