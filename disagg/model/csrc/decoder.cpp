@@ -83,11 +83,15 @@ inline vf16 load16(const float* p) {
 }
 
 inline float hsum16(vf16 v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));  // a shuffle tree in registers
+#else
   float a[16];
   std::memcpy(a, &v, sizeof(v));
   for (int h = 8; h >= 1; h /= 2)
     for (int i = 0; i < h; ++i) a[i] += a[i + h];
   return a[0];
+#endif
 }
 
 // e^v for v in [-87.3, 0] (softmax numerators; below: 0): 2^n e^f with n = round(v log2 e),
@@ -147,7 +151,13 @@ void attend(const float* q, const float* kv, const int64_t* tab, int64_t s_tab,
   int64_t max_len = 1;
   for (int64_t t = 0; t < T; ++t) max_len = std::max(max_len, lens[t]);
   // items >= 4 per thread where the keys allow chunks of a block or more
-  const int64_t want = (4 * threads + T * Hkv - 1) / (T * Hkv);
+  // (and a multiple of the thread count where one is near: 3 heads x 4 splits over 2 threads)
+  int64_t want = (4 * threads + T * Hkv - 1) / (T * Hkv);
+  for (int64_t s2 = want; s2 < 2 * want; ++s2)
+    if ((T * Hkv * s2) % threads == 0) {
+      want = s2;
+      break;
+    }
   const int64_t splits = std::max<int64_t>(1, std::min(want, (max_len + B - 1) / B));
   const int64_t items = T * Hkv * splits;
   const bool vec = D % 16 == 0 && G <= 8;
