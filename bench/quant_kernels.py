@@ -14,8 +14,15 @@ linear is float32 ``F.linear`` on the GGUF-dequantized weights.
 
 Paths (each a whole step's linears, one call per linear, inputs already in the path's dtype):
 ``F.linear`` float32 (today's path) and bfloat16; the project's small-M C++ kernel
-(``disagg.model.kernels.small_linear_kernel``, float32); ``aten._weight_int8pack_mm`` (int8,
-one scale per output channel, the scale in the activation dtype: float32 or bfloat16);
+(``disagg.model.kernels.small_linear_kernel``, float32);
+the project's C++ block kernel (``disagg.model.kernels.quant_kernel``, ``csrc/quant_gemm.h``,
+as the engine runs it: ``gguf_blocks.kernel_blocks`` gives each linear's GGUF bytes, Q8_0 / Q4_1
+as they are, 1.0625 / 0.625 bytes per weight; a ``quant.BlockWeight`` over them, whose
+``linear`` rounds each float32 input row to 8 bits per block of 32 and does integer dot
+products, as llama.cpp does; timed through the thin ``QuantKernel.linear`` wrapper, as the
+small-M kernel through its own; one path per format, its stored bytes the blocks');
+``aten._weight_int8pack_mm`` (int8, one scale per output channel, the scale in the activation
+dtype: float32 or bfloat16);
 ``aten._weight_int4pack_mm_for_cpu`` (``_convert_weight_to_int4pack_for_cpu``: uint8 [N, K/2];
 per-group scale and zero [K/G, N, 2] in the activation dtype, float32 / float16 / bfloat16;
 w = (q - 8) * scale + zero); torchao's CPU weight-only tensors when ``import torchao`` works
@@ -38,8 +45,10 @@ the GGUF weights (max |W_path - W_gguf| over all weights, from the path's own pa
 the kernel's own view of 32 input columns of each layer-0 linear (its output for unit-vector
 inputs). Yardsticks: the GGUF quantization's own error, and llama.cpp's: its CPU dot products
 round the activations to 8-bit blocks of 32 first; a path whose error stays within the latter
-is called faithful. Q4_0 and Q4_K (which needs K % 256 == 0: the down projections here) are
-checked through int4pack too.
+is called faithful (the block kernel's error is that rounding, with float32 input scales where
+llama.cpp keeps fp16 ones: the report compares the two). Q4_0 and Q4_K (which needs K % 256 ==
+0: the down projections here) are checked through int4pack and the block kernel too (Q4_K as
+``Q4F`` blocks of 32 with float32 scale and minimum), each against both yardsticks.
 """
 
 from __future__ import annotations
@@ -61,7 +70,9 @@ import torch.nn.functional as F
 
 from bench.baseline import cpu_line, git, machine_busy_s
 from disagg.model.gguf import default_fetch_dir
-from disagg.model.kernels import small_linear_kernel
+from disagg.model.gguf_blocks import kernel_blocks
+from disagg.model.kernels import QuantKernel, quant_kernel, small_linear_kernel
+from disagg.model.quant import BlockWeight
 
 QK = 32  # elements per Q8_0 / Q4_1 block
 # torch's packed weight-only CPU ops are private aten names: looked up once, by name.
@@ -145,6 +156,7 @@ class Q8_0:
     d: Tensor    # [N, K / 32] float32 (fp16 values)
     q: Tensor    # [N, K] int8
     deq: Tensor  # [N, K] float32, gguf.quants.dequantize's
+    raw: np.ndarray  # [N, K / 32 * 34] uint8: the GGUF blocks' bytes
 
 
 @dataclass
@@ -155,6 +167,7 @@ class Q4_1:
     m: Tensor    # [N, K / 32] float32 (fp16 values)
     q: Tensor    # [N, K] uint8
     deq: Tensor  # [N, K] float32, gguf.quants.dequantize's
+    raw: np.ndarray  # [N, K / 32 * 20] uint8: the GGUF blocks' bytes
 
 
 def _halves(raw: np.ndarray, at: int) -> Tensor:
@@ -171,7 +184,8 @@ def quantize_q8_0(w: np.ndarray) -> Q8_0:
     raw = flat.reshape(n, k // QK, 2 + QK)
     q = np.ascontiguousarray(raw[..., 2:]).view(np.int8).reshape(n, k)
     deq = quants.dequantize(flat, GGMLQuantizationType.Q8_0).reshape(n, k)
-    return Q8_0(_halves(raw, 0), torch.from_numpy(q.copy()), torch.from_numpy(deq))
+    return Q8_0(_halves(raw, 0), torch.from_numpy(q.copy()), torch.from_numpy(deq),
+                flat.reshape(n, -1))
 
 
 def quantize_q4_1(w: np.ndarray) -> Q4_1:
@@ -184,11 +198,19 @@ def quantize_q4_1(w: np.ndarray) -> Q4_1:
     q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, k)
     deq = quants.dequantize(flat, GGMLQuantizationType.Q4_1).reshape(n, k)
     return Q4_1(_halves(raw, 0), _halves(raw, 2), torch.from_numpy(np.ascontiguousarray(q)),
-                torch.from_numpy(deq))
+                torch.from_numpy(deq), flat.reshape(n, -1))
 
 
-def quantize_q4_0(w: np.ndarray) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+Int4Params = tuple[Tensor, Tensor, Tensor, Tensor]  # (q, scale, zero, gguf's weights)
+
+
+def quantize_q4_0(w: np.ndarray) -> Int4Params:
     """GGUF Q4_0 (w = d (q - 8)) as int4pack's (q, scale = d, zero = 0) and gguf's weights."""
+    return q4_0_blocks(w)[0]
+
+
+def q4_0_blocks(w: np.ndarray) -> tuple[Int4Params, np.ndarray]:
+    """``quantize_q4_0``'s parameters and the GGUF blocks' bytes ([N, K / 32 * 18] uint8)."""
     from gguf import GGMLQuantizationType, quants
 
     n, k = w.shape
@@ -199,14 +221,19 @@ def quantize_q4_0(w: np.ndarray) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     d = _halves(raw, 0)
     deq = quants.dequantize(flat, GGMLQuantizationType.Q4_0).reshape(n, k)
     return (torch.from_numpy(np.ascontiguousarray(q)), d, torch.zeros_like(d),
-            torch.from_numpy(deq))
+            torch.from_numpy(deq)), flat.reshape(n, -1)
 
 
-def quantize_q4_k(w: np.ndarray) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def quantize_q4_k(w: np.ndarray) -> Int4Params:
     """GGUF Q4_K blocks (super-blocks of 256 = 8 x 32: fp16 d and dmin, 6-bit sc and m per
     32; w = d sc q - dmin m) from a plain min/max choice (gguf-py has no Q4_K quantizer; any
     valid block serves to check the representation), decoded by ``gguf.quants``; returned as
     int4pack's (q, scale = d sc, zero = 8 d sc - dmin m) and the decoded weights."""
+    return q4_k_blocks(w)[0]
+
+
+def q4_k_blocks(w: np.ndarray) -> tuple[Int4Params, np.ndarray]:
+    """``quantize_q4_k``'s parameters and the GGUF blocks' bytes ([N, K / 256 * 144] uint8)."""
     from gguf import GGMLQuantizationType, quants
 
     n, k = w.shape
@@ -232,7 +259,7 @@ def quantize_q4_k(w: np.ndarray) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     deq = quants.dequantize(raw.reshape(n, -1), GGMLQuantizationType.Q4_K).reshape(n, k)
     s = torch.from_numpy(scale.reshape(n, k // QK))
     z = 8 * s - torch.from_numpy(mins.reshape(n, k // QK))
-    return torch.from_numpy(q.reshape(n, k)), s, z, torch.from_numpy(deq)
+    return (torch.from_numpy(q.reshape(n, k)), s, z, torch.from_numpy(deq)), raw.reshape(n, -1)
 
 
 # ---------------------------------------------------------------------------- paths
@@ -333,6 +360,29 @@ def int4pack_path(params: list[tuple[Tensor, Tensor, Tensor]], act: torch.dtype,
                 weights)
 
 
+BLOCK_LABEL = "project C++ block kernel, int8 inputs"
+
+
+def block_path(raws: list[np.ndarray], fmt: str, shapes: list[tuple[int, int]],
+               kernel: QuantKernel) -> Path:
+    """The project's kernel on GGUF blocks (``csrc/quant_gemm.h``): each linear's bytes as
+    ``gguf_blocks.kernel_blocks`` lays them out (the file's bytes; Q4_K as Q4F blocks of 32)
+    in a ``quant.BlockWeight`` (which checks them; its ``dequantize`` gives ``w_eff``). A call
+    is ``QuantKernel.linear`` on the blocks, the thin wrapper (as the small-M kernel's path
+    calls its own), without ``BlockWeight.linear``'s reshaping around it; the input rows are
+    rounded to 8 bits per block of 32 inside the kernel, so it takes float32."""
+    ws = []
+    for raw, (n, k) in zip(raws, shapes, strict=True):
+        blocks, type_name = kernel_blocks(raw, fmt, n, k)
+        ws.append(BlockWeight(torch.from_numpy(blocks), type_name, k, kernel))
+    fns = [lambda x, w=w, f=kernel.linear: f(x, w.blocks, w.type_name, w.in_features)
+           for w in ws]
+    kind = ws[0].type_name if ws else fmt
+    name = fmt if kind == fmt else f"{fmt} as {kind}"
+    return Path(f"block_{kind.lower()}", f"{BLOCK_LABEL} ({name} blocks)", torch.float32,
+                fns, sum(w.nbytes for w in ws), lambda i: ws[i].dequantize())
+
+
 def torchao_paths(deqs8: list[Tensor], deqs4: list[Tensor]) -> tuple[dict[str, list[Path]], str]:
     """torchao's CPU weight-only paths ({format: paths}), or ({}, why not)."""
     try:
@@ -372,14 +422,18 @@ def build_paths(q8: list[Q8_0], q4: list[Q4_1], k_all: set[int],
     hears of each stage."""
     log = log or (lambda _: None)
     notes = []
-    kernel = small_linear_kernel()
+    kernel, qkernel = small_linear_kernel(), quant_kernel()
     out: dict[str, list[Path]] = {}
-    for fmt, deqs in (("Q8_0", [b.deq for b in q8]), ("Q4_1", [b.deq for b in q4])):
+    for fmt, bs in (("Q8_0", q8), ("Q4_1", q4)):
+        deqs = [b.deq for b in bs]
         paths = [dense_path("f32", "`F.linear` float32 (today)", deqs, torch.float32),
                  dense_path("bf16", "`F.linear` bfloat16", deqs, torch.bfloat16)]
         if kernel is not None:
             paths.append(dense_path("cpp_f32", "project C++ small-M kernel, float32", deqs,
                                     torch.float32, kernel))
+        if qkernel is not None:
+            paths.append(block_path([b.raw for b in bs], fmt,
+                                    [tuple(b.q.shape) for b in bs], qkernel))
         per_row = [int8_per_channel(w) for w in deqs]
         paths += [int8pack_path(per_row, torch.float32), int8pack_path(per_row, torch.bfloat16)]
         out[fmt] = paths
@@ -387,6 +441,9 @@ def build_paths(q8: list[Q8_0], q4: list[Q4_1], k_all: set[int],
     if kernel is None:
         notes.append("the project's C++ small-M kernel could not be built here (see its "
                      "warning): not measured")
+    if qkernel is None:
+        notes.append("the project's C++ block kernel (`quant_kernel()`) could not be built "
+                     "here (see its warning): not measured")
     exact = [int4_params_exact(b) for b in q4]
     deq4 = [b.deq for b in q4]
     g32 = int4pack_path(exact, torch.float32, "int4pack_g32_f32",
@@ -557,6 +614,36 @@ def agreement(path: Path, deqs: list[Tensor], kin: list[int], m: int,
             readback}
 
 
+def round_inputs(x: Tensor) -> Tensor:
+    """``x`` [M, K] float32 with each block of 32 rounded as the block kernel rounds it:
+    d = max |x| / 127 (float32), q = round(x * (1 / d)) (ties to even, as nearbyint), q d."""
+    m, k = x.shape
+    xb = x.reshape(m, k // QK, QK)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(xb * inv) * d).reshape(m, k)
+
+
+def block_agreement_of(path: Path, deqs: list[Tensor], kin: list[int], m: int,
+                       layer0: int) -> dict[str, Any]:
+    """``agreement`` of a block-kernel path, plus its error against float32 ``F.linear`` on
+    the inputs rounded as it rounds them (``round_inputs``): what is left once that rounding
+    is accounted for (the float summation order)."""
+    out = agreement(path, deqs, kin, m, layer0)
+    xs = inputs(set(kin), m, seed=1234)[torch.float32]
+    num = den = 0.0
+    max_err = 0.0
+    for fn, w, k in zip(path.fns, deqs, kin, strict=True):
+        ref = F.linear(round_inputs(xs[k]), w)
+        d = fn(xs[k]) - ref
+        num += float(d.double().square().sum())
+        den += float(ref.double().square().sum())
+        max_err = max(max_err, float(d.abs().max()))
+    out["vs_rounded_inputs"] = {"max_abs_err": max_err,
+                                "rel_err": (num / den) ** 0.5 if den else 0.0}
+    return out
+
+
 def quantization_error(orig: list[np.ndarray], deqs: list[Tensor], kin: list[int],
                        m: int) -> dict[str, float]:
     """The GGUF format's own error: outputs of the original float weights vs the reference."""
@@ -574,22 +661,30 @@ def quantization_error(orig: list[np.ndarray], deqs: list[Tensor], kin: list[int
 
 def extra_formats(orig: list[np.ndarray], lin: list[tuple[str, int, int]],
                   m: int) -> dict[str, Any]:
-    """Q4_0 and Q4_K through int4pack (group 32, float32), on the linears whose K is a
-    multiple of 256 (K-quants need it): representation and output errors."""
+    """Q4_0 and Q4_K through int4pack (group 32, float32) and the project's block kernel (when
+    it builds), on the linears whose K is a multiple of 256 (K-quants need it):
+    representation and output errors, and both yardsticks."""
     sub = [i for i, (_, _, k) in enumerate(lin) if k % 256 == 0]
     if not sub:
         return {}
     kin = [lin[i][2] for i in sub]
+    qkernel = quant_kernel()
     out = {}
-    for fmt, quant in (("Q4_0", quantize_q4_0), ("Q4_K", quantize_q4_k)):
-        params = [quant(orig[i]) for i in sub]
+    for fmt, quant in (("Q4_0", q4_0_blocks), ("Q4_K", q4_k_blocks)):
+        made = [quant(orig[i]) for i in sub]
+        params, raws = [p for p, _ in made], [r for _, r in made]
         deqs = [p[3] for p in params]
         path = int4pack_path([p[:3] for p in params], torch.float32, "int4pack_g32_f32",
                              "`_weight_int4pack_mm_for_cpu` g32, float32 act/scales")
         out[fmt] = {"linears": f"{len(sub)} x {lin[sub[0]][0].split('.')[-1]}"
                                f" ({lin[sub[0]][1]} x {lin[sub[0]][2]})",
                     "agreement": agreement(path, deqs, kin, m, 1),
-                    "gguf_error": quantization_error([orig[i] for i in sub], deqs, kin, m)}
+                    "gguf_error": quantization_error([orig[i] for i in sub], deqs, kin, m),
+                    "act_rounding_error": act_rounding_error(deqs, kin, m), "block": None}
+        if qkernel is not None:
+            bp = block_path(raws, fmt, [(lin[i][1], lin[i][2]) for i in sub], qkernel)
+            out[fmt]["block"] = {"key": bp.key, "label": bp.label, "nbytes": bp.nbytes,
+                                 "agreement": block_agreement_of(bp, deqs, kin, m, 1)}
     return out
 
 
@@ -676,11 +771,13 @@ def _sec(res: dict[str, Any], t: int, key: str, m: int) -> float | None:
 
 def classify(res: dict[str, Any], fmt: str) -> tuple[set[str], set[str]]:
     """(exact, faithful) path keys for ``fmt``: exact holds the GGUF weights bit for bit (all
-    weights, or the read-back where the format has no other); faithful keeps its output error
-    within what llama.cpp's own activation rounding costs (``act_rounding_error``)."""
+    weights, or the read-back where the format has no other) and takes its inputs as they are
+    (not the block kernel, which rounds them); faithful keeps its output error within what
+    llama.cpp's own activation rounding costs (``act_rounding_error``)."""
     errs, limit = res["agreement"][fmt], res["act_rounding_error"][fmt]["rel_err"]
-    exact = {key for key, a in errs.items() if a["w_max_abs_diff"] == 0.0
-             or (a["w_max_abs_diff"] is None and a["layer0_readback_max_abs_diff"] == 0.0)}
+    exact = {key for key, a in errs.items() if "vs_rounded_inputs" not in a
+             and (a["w_max_abs_diff"] == 0.0
+                  or (a["w_max_abs_diff"] is None and a["layer0_readback_max_abs_diff"] == 0.0))}
     return exact, {key for key, a in errs.items() if a["rel_err"] <= limit}
 
 
@@ -713,7 +810,8 @@ def best_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
 
 def render(res: dict[str, Any]) -> str:
     labels = res["labels"]
-    L = ["# Quantized weights on the CPU: packed int8 / int4 kernels vs float, for decode", "",
+    L = ["# Quantized weights on the CPU: PyTorch's packed int8 / int4 kernels and the "
+         "project's block kernel vs float, for decode", "",
          "Written by `python -m bench.quant_kernels` (method in its docstring); the command: "
          f"`python -m bench.quant_kernels {res['argv']}`.", ""]
     L += [f"- {ln}" for ln in res["machine"]]
@@ -793,10 +891,19 @@ def render(res: dict[str, Any]) -> str:
         q, a = e["gguf_error"], e["agreement"]
         L.append(f"| {fmt}, {e['linears']} | (yardstick) the {fmt} quantization itself | | | "
                  f"{q['max_abs_err']:.2e} | {q['rel_err']:.2e} |")
+        r = e["act_rounding_error"]
+        L.append(f"| {fmt}, {e['linears']} | (yardstick) llama.cpp's activation rounding "
+                 f"(8-bit blocks) | | | {r['max_abs_err']:.2e} | {r['rel_err']:.2e} |")
         L.append(f"| {fmt}, {e['linears']} | {labels['int4pack_g32_f32']} | "
                  f"{a['w_max_abs_diff']:.2e} | {a['layer0_readback_max_abs_diff']:.2e} | "
                  f"{a['max_abs_err']:.2e} | {a['rel_err']:.2e} |")
+        if e["block"] is not None:
+            b = e["block"]["agreement"]
+            L.append(f"| {fmt}, {e['linears']} | {e['block']['label']} | "
+                     f"{b['w_max_abs_diff']:.2e} | {b['layer0_readback_max_abs_diff']:.2e} | "
+                     f"{b['max_abs_err']:.2e} | {b['rel_err']:.2e} |")
     L.append("")
+    L += block_agreement(res)
     L += representability(res)
     L += conclusion(res)
     return "\n".join(L) + "\n"
@@ -822,10 +929,64 @@ def _by_threads(res: dict[str, Any], key: str) -> str:
                      for t in res["threads"])
 
 
+def _block_key(res: dict[str, Any], fmt: str) -> str | None:
+    """The block kernel's path key for ``fmt`` (None when it was not built)."""
+    return next((k for k in res["agreement"][fmt] if k.startswith("block_")), None)
+
+
+def _block_cases(res: dict[str, Any]) -> list[tuple[str, str, dict[str, Any], dict[str, Any]]]:
+    """(format, label, the block kernel's agreement, llama.cpp's yardstick) per format
+    checked: Q8_0 and Q4_1 on all linears, then the extra formats on their subset."""
+    out = []
+    for fmt in FORMATS:
+        key = _block_key(res, fmt)
+        if key is not None:
+            out.append((fmt, res["labels"][key], res["agreement"][fmt][key],
+                        res["act_rounding_error"][fmt]))
+    for fmt, e in res["extra_formats"].items():
+        if e["block"] is not None:
+            out.append((f"{fmt} ({e['linears']})", e["block"]["label"],
+                        e["block"]["agreement"], e["act_rounding_error"]))
+    return out
+
+
+def block_agreement(res: dict[str, Any]) -> list[str]:
+    """The block kernel's error against llama.cpp's activation-rounding yardstick."""
+    cases = _block_cases(res)
+    if not cases:
+        return []
+    L = ["The project's block kernel rounds each input row to 8 bits per block of 32 (float32 "
+         "scale max |x| / 127) and multiplies integers, the scheme of llama.cpp's CPU kernels "
+         "(which keep that scale in fp16); its weights are the GGUF ones exactly, so its whole "
+         "error is that rounding's (the last figure below: what is left of it once the "
+         "rounding is applied to the reference's inputs too). Against the yardstick:", ""]
+    for fmt, label, a, y in cases:
+        ratio = a["rel_err"] / y["rel_err"] if y["rel_err"] else float("inf")
+        verdict = "within it" if a["rel_err"] <= y["rel_err"] else "**over it**"
+        L.append(f"- {fmt}, {label}: rel err {a['rel_err']:.2e} against llama.cpp's "
+                 f"{y['rel_err']:.2e} ({ratio:.3f}x: {verdict}); max abs err "
+                 f"{a['max_abs_err']:.2e} against {y['max_abs_err']:.2e}; max |dW| "
+                 f"{a['w_max_abs_diff']:.1e}; against float32 `F.linear` on the inputs "
+                 f"rounded as it rounds them: rel err {a['vs_rounded_inputs']['rel_err']:.1e}, "
+                 f"max abs {a['vs_rounded_inputs']['max_abs_err']:.1e}.")
+    L.append("")
+    return L
+
+
 def representability(res: dict[str, Any]) -> list[str]:
     a8, a4 = res["agreement"]["Q8_0"], res["agreement"]["Q4_1"]
     q8, q4 = res["gguf_error"]["Q8_0"], res["gguf_error"]["Q4_1"]
-    L = ["## How exactly each PyTorch format holds the GGUF formats", ""]
+    L = ["## How exactly each PyTorch format (and the project's block kernel) holds the GGUF "
+         "formats", ""]
+    cases = _block_cases(res)
+    if cases:
+        L.append("- **the project's block kernel** (`csrc/quant_gemm.h`) keeps Q8_0, Q4_1 and "
+                 "Q4_0 as the file's bytes (1.0625 / 0.625 / 0.5625 bytes per weight) and Q4_K "
+                 "as Q4F blocks of 32 with a float32 scale and minimum (0.75 bytes per weight "
+                 "against Q4_K's 0.5625; each d sc and dmin m is exact in float32): max |dW| of "
+                 "its own dequantizer against gguf's: " + ", ".join(
+                     f"{fmt} {a['w_max_abs_diff']:.1e}" for fmt, _, a, _ in cases)
+                 + ". Its outputs are not exact: the inputs are rounded (above).")
     if "int4pack_g32_f32" in a4:
         e = a4["int4pack_g32_f32"]
         extra = "" if not res["extra_formats"] else "; measured on {}: {}".format(
@@ -890,6 +1051,30 @@ def representability(res: dict[str, Any]) -> list[str]:
     return L
 
 
+def _vs_bound(res: dict[str, Any], fmt: str, key: str) -> str:
+    """``key``'s ms per step against ``bound_s`` at each thread count and M."""
+    parts = []
+    for t in res["threads"]:
+        cells = []
+        for m in res["rows"]:
+            s = _sec(res, t, key, m)
+            if s is not None:
+                b, by = bound_s(res, fmt, t, m)
+                cells.append(f"M={m} {_fmt_ms(s)} ms = {s / b:.1f}x {_fmt_ms(b)} ({by})")
+        if cells:
+            parts.append(f"{t} thread(s): " + ", ".join(cells))
+    return "; ".join(parts) or "not timed"
+
+
+def _block_summary(res: dict[str, Any], fmt: str, key: str) -> str:
+    """One sentence on the block kernel for ``fmt``: speed, error against the yardstick."""
+    err, limit = res["agreement"][fmt][key]["rel_err"], res["act_rounding_error"][fmt]["rel_err"]
+    return (f"The project's block kernel ({res['labels'][key]}; {res['nbytes'][key] / 1e6:.0f} "
+            f"MB per step): {_by_threads(res, key)}; rel err {err:.1e}, "
+            f"{'within' if err <= limit else 'over'} llama.cpp's {limit:.1e}; against the floor "
+            f"of a kernel reading the GGUF blocks: {_vs_bound(res, fmt, key)}.")
+
+
 def conclusion(res: dict[str, Any]) -> list[str]:
     labels, rows, nbytes = res["labels"], best_rows(res), res["nbytes"]
 
@@ -901,11 +1086,14 @@ def conclusion(res: dict[str, Any]) -> list[str]:
                 + (f", {r[f'{name}_rel_err']:.1e}" if err else ""))
 
     L = ["## By format: today, the fastest exact / faithful / any path, and the bound", "",
+         "Exact: the GGUF weights held bit for bit and the inputs taken as they are (the "
+         "block kernel rounds its inputs, so it can be faithful, not exact). "
          "Faithful: output rel err within llama.cpp's own activation rounding (table above). "
          "Bound: a kernel reading the GGUF blocks as they are (block-scaled GEMV/GEMM in C++; "
          "Q8_0 1.0625, Q4_1 0.625 bytes per weight) cannot beat the larger of the bytes at the "
          "best read bandwidth and M multiply-adds per weight at the float32 mm rate (which of "
-         "the two binds in brackets).", "",
+         "the two binds in brackets; a kernel on int8 dot products, as the project's block "
+         "kernel, can go below the arithmetic one).", "",
          "| format | threads | M | today (f32 F.linear) ms | fastest exact: path, ms | "
          "fastest faithful: path, ms, rel err | fastest: path, ms, rel err | GGUF-block bound "
          "ms |", "|---|---|---|---|---|---|---|---|"]
@@ -934,19 +1122,33 @@ def conclusion(res: dict[str, Any]) -> list[str]:
                  f"{nbytes[pick] / 1e6:.0f} MB per step; {_by_threads(res, pick)}")
         head = (f"fastest faithful path at {wins} of {len(main)} M with {t0} thread(s): "
                 f"**{labels[pick]}** ({facts})")
-        if pick not in DENSE:
+        block = _block_key(res, fmt)
+        if block is not None and pick == block:
+            others = ""
+            if fmt == "Q4_1":
+                others = "".join(
+                    f" {x[0]} through the same kernel: rel err {x[2]['rel_err']:.1e} against "
+                    f"llama.cpp's {x[3]['rel_err']:.1e}."
+                    for x in _block_cases(res) if x[0] not in FORMATS)
+            L.append(f"- **{fmt}: build on {labels[pick]}**, the fastest faithful path at "
+                     f"{wins} of {len(main)} M with {t0} thread(s) ({facts}). It reads the "
+                     f"GGUF blocks as they are (the weights exact; its error is the inputs' "
+                     f"8-bit rounding, as llama.cpp's); measured against the floor of such a "
+                     f"kernel: {_vs_bound(res, fmt, pick)}.{others}")
+        elif pick not in DENSE:
             same = [f for f, x in res["extra_formats"].items()
                     if fmt == "Q4_1" and pick.startswith("int4pack_g32")
                     and x["agreement"]["w_max_abs_diff"] == 0.0]
             also = (f" (and {' / '.join(same)}: the same group-32 parameters, exact with "
                     f"float32 scales)") if same else ""
+            tail = (f"A C++ kernel reading the GGUF blocks as they are would be exact as well; "
+                    f"its floor per step: {bound}." if block is None
+                    else _block_summary(res, fmt, block))
             L.append(f"- **{fmt}{also}: build on {labels[pick]}**, the fastest faithful path "
-                     f"at {wins} of {len(main)} M with {t0} thread(s) ({facts}). A C++ kernel "
-                     f"reading the GGUF blocks as they are would be exact as well; its floor "
-                     f"per step: {bound}.")
+                     f"at {wins} of {len(main)} M with {t0} thread(s) ({facts}). {tail}")
         else:
             quantized = sorted(k for k in res["agreement"][fmt] if k not in DENSE
-                               and k in res["timing"][str(t0)]["seconds"])
+                               and k != block and k in res["timing"][str(t0)]["seconds"])
             best_q = min(quantized, key=lambda k: _sec(res, t0, k, res["rows"][0]) or 1e9,
                          default=None)
             alt = ("" if best_q is None else
@@ -954,25 +1156,42 @@ def conclusion(res: dict[str, Any]) -> list[str]:
                    f"({_by_threads(res, best_q)}), has rel err "
                    f"{res['agreement'][fmt][best_q]['rel_err']:.1e}, "
                    f"{res['agreement'][fmt][best_q]['rel_err'] / limit:.1f}x llama.cpp's.")
-            L.append(f"- **{fmt}: no quantized PyTorch kernel is faithful; the missing piece "
-                     f"is a block-scaled {fmt} GEMV/GEMM in C++** (the small-M kernel's tiling "
-                     f"with quantized weight tiles widened to float in registers). Until then "
-                     f"the {head}.{alt} The C++ kernel's floor per step: {bound}.")
+            if block is None:
+                L.append(f"- **{fmt}: no quantized PyTorch kernel is faithful; the missing "
+                         f"piece is a block-scaled {fmt} GEMV/GEMM in C++** (the small-M "
+                         f"kernel's tiling with quantized weight tiles widened to float in "
+                         f"registers). Until then the {head}.{alt} The C++ kernel's floor per "
+                         f"step: {bound}.")
+            elif res["agreement"][fmt][block]["rel_err"] <= limit:
+                L.append(f"- **{fmt}**: the {head}; the block kernel is faithful too but not "
+                         f"faster here.{alt} {_block_summary(res, fmt, block)}")
+            else:
+                L.append(f"- **{fmt}: no quantized kernel is faithful**; the {head}.{alt} "
+                         f"{_block_summary(res, fmt, block)}")
     flags = res["cpu_flags"]
     if flags["avx512_vnni"] or flags["avx_vnni"]:
         t, m = res["threads"][0], res["rows"][-1]
         arith = 2 * m * res["weights"]["n"] / (res["timing"][str(t)]["peak_gflops"] * 1e9)
+        timed = [(fmt, s) for fmt in FORMATS if (k := _block_key(res, fmt)) is not None
+                 and (s := _sec(res, t, k, m)) is not None]
+        measured = ("not measured here" if not timed else
+                    "the project's block kernel, which does this, measured " + ", ".join(
+                        f"{fmt} {_fmt_ms(s)} ms" for fmt, s in timed))
         L.append(f"- Beyond M of a few rows the floor is arithmetic, not memory ({_fmt_ms(arith)} "
                  f"ms at M={m} with {t} thread(s) in float32). This CPU has VNNI: a block "
                  f"kernel that rounds the activations to 8-bit blocks as llama.cpp does (so "
                  f"faithful by the yardstick's definition) can use int8 dot products, 64 "
                  f"multiply-adds per instruction against 16 in float32 (an estimate from the "
-                 f"instruction widths, not measured here: about {_fmt_ms(arith / 4)} ms).")
+                 f"instruction widths: about {_fmt_ms(arith / 4)} ms; {measured}).")
     if "cpp_f32" in res["nbytes"]:
+        home = ("is the block kernel's too (`csrc/quant_gemm.h`: Q4_0 / Q4_1 / Q4_K / Q8_0); "
+                "Q5 / Q6, which PyTorch has no kernel for either, still have none"
+                if any(_block_key(res, f) for f in FORMATS) else
+                "is the home for block kernels (Q8_0, and Q5 / Q6, which PyTorch has no kernel "
+                "for)")
         L.append(f"- The project's float32 C++ kernel: {_by_threads(res, 'cpp_f32')}. Its "
                  f"structure (each weight tile streamed once, all M rows against it in "
-                 f"registers) is the home for block kernels (Q8_0, and Q5 / Q6, which PyTorch "
-                 f"has no kernel for).")
+                 f"registers) {home}.")
     L.append(f"- bfloat16: AVX512-BF16 {'present' if flags['avx512_bf16'] else 'absent'}, AMX "
              f"{'present' if flags['amx_bf16'] else 'absent'} on this CPU; `F.linear` "
              f"bfloat16: {_by_threads(res, 'bf16')}.")
@@ -1016,7 +1235,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         deqs = [b.deq for b in (q8 if fmt == "Q8_0" else q4)]
         agree[fmt] = {}
         for p in by_format[fmt]:
-            agree[fmt][p.key] = agreement(p, deqs, kin, args.err_rows, layer0)
+            check = block_agreement_of if p.key.startswith("block_") else agreement
+            agree[fmt][p.key] = check(p, deqs, kin, args.err_rows, layer0)
             log(f"agreement {fmt} {p.key}")
     gguf_err = {"Q8_0": quantization_error(orig, [b.deq for b in q8], kin, args.err_rows),
                 "Q4_1": quantization_error(orig, [b.deq for b in q4], kin, args.err_rows)}
