@@ -33,8 +33,10 @@ from disagg.structured.spec import GrammarSpec
 
 K = 3  # draft tokens per step
 BLOCK = 16
+# max_num_tokens: room for every batched request's token and drafts in one step (the CPU
+# default, 512, would leave most of the 1000 requests without drafts in a step)
 OPTIONS: dict[str, object] = dict(tokens_per_block=BLOCK, kv_cache_tokens=65536,
-                                  max_model_len=512, seed=0)
+                                  max_model_len=512, max_num_tokens=8192, seed=0)
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1,
                     "prompt_lookup_max": 3})
 

@@ -18,14 +18,13 @@ once. The model calls ``CpuDecoder.forward`` from its own ``forward`` when ``app
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 
 import torch
 
 from disagg.model.attention import AttentionMetadata
-from disagg.model.kernel_build import build_kernel, kernels_enabled
-from disagg.model.kernels import BLOCK_TYPES
+from disagg.model.kernels import BLOCK_TYPES, decoder_library
+from disagg.model.llama import GatedMLP, LlamaForCausalLM, QuantizedRows
 from disagg.model.quant import BlockWeight
 
 logger = logging.getLogger(__name__)
@@ -57,11 +56,9 @@ class _Step(ctypes.Structure):
                 ("threads", ctypes.c_int32)]
 
 
-@functools.lru_cache(maxsize=1)
 def _library() -> ctypes.PyDLL | None:
-    if not kernels_enabled("decoder"):
-        return None
-    lib = build_kernel("decoder")
+    """``kernels.decoder_library()`` with its entry point declared (or None)."""
+    lib = decoder_library()
     if lib is not None:
         lib.disagg_decode_layers.argtypes = [ctypes.POINTER(_Step)]
         lib.disagg_decode_layers.restype = ctypes.c_int
@@ -74,8 +71,6 @@ def _block(weight: object) -> BlockWeight | None:
 
 def why_not(model: torch.nn.Module, kv_cache: torch.Tensor) -> str | None:
     """Why ``model`` cannot decode through the compiled stack (None: it can)."""
-    from disagg.model.llama import GatedMLP, LlamaForCausalLM, QuantizedRows
-
     if type(model) is not LlamaForCausalLM:
         return f"{type(model).__name__} is not the dense Llama-family model"
     if model.tp_size != 1 or not (model.is_first_stage and model.is_last_stage):

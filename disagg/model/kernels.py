@@ -40,8 +40,8 @@ from disagg.model.cpu_ops import elementwise_kernel
 from disagg.model.kernel_build import build_kernel, kernels_enabled
 
 __all__ = ["BLOCK_TYPES", "DecodeKernel", "LinearKernel", "QuantKernel",
-           "SMALL_LINEAR_MAX_ROWS", "kernels_enabled", "paged_decode_kernel", "quant_kernel",
-           "small_linear_applies", "small_linear_kernel", "status"]
+           "SMALL_LINEAR_MAX_ROWS", "decoder_library", "kernels_enabled", "paged_decode_kernel",
+           "quant_kernel", "small_linear_applies", "small_linear_kernel", "status"]
 
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
                         torch.Tensor]
@@ -259,14 +259,17 @@ def quant_kernel() -> QuantKernel | None:
     return None if lib is None else QuantKernel(lib)
 
 
-def _decoder_library() -> object | None:
-    from disagg.model.cpu_decoder import _library
-
-    return _library()
+@functools.lru_cache(maxsize=1)
+def decoder_library() -> ctypes.PyDLL | None:
+    """The compiled decode stack's library (``csrc/decoder.cpp``; ``cpu_decoder.py`` declares
+    its entry point), built once per process, cached on disk; or None."""
+    if not kernels_enabled("decoder"):
+        return None
+    return build_kernel("decoder")
 
 
 _KERNELS = {"attention": paged_decode_kernel, "linear": small_linear_kernel,
-            "elementwise": elementwise_kernel, "decoder": _decoder_library}
+            "elementwise": elementwise_kernel, "decoder": decoder_library}
 
 
 def status() -> dict[str, bool]:

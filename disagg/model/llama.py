@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -40,7 +41,6 @@ from torch import nn
 from disagg.config import ConfigError, ModelConfig
 from disagg.layout import kv_head_replicas, tp_kv_head_range
 from disagg.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
-from disagg.model.cpu_decoder import CpuDecoder
 from disagg.model.cpu_ops import rope_store_applies
 from disagg.model.kernels import SMALL_LINEAR_MAX_ROWS, LinearKernel, small_linear_applies
 from disagg.model.moe import (
@@ -53,6 +53,9 @@ from disagg.model.moe import (
 from disagg.model.norm import rms_norm_reference  # (re-exported: tests and kernels name it here)
 from disagg.model.quant import QuantizedWeight
 from disagg.model.static_decode import StaticDecodeMeta
+
+if TYPE_CHECKING:
+    from disagg.model.cpu_decoder import CpuDecoder
 
 # (x, weight, eps, residual) -> (weight * rms_norm(h), h), h = residual + x (x when None)
 NormKernel = Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor | None],
