@@ -17,8 +17,10 @@ from test_gguf import PROMPTS  # noqa: E402
 from test_gguf_quantized import (  # noqa: E402
     KERNEL,
     _models,
+    _teacher_forced,
     _write,
     cache,  # noqa: F401 (a fixture)
+    teacher_forced_cache,
 )
 
 from disagg.model.attention import AttentionMetadata  # noqa: E402
@@ -36,8 +38,7 @@ def _decode_logits(model: torch.nn.Module, tokens: list[int], prompt_len: int,
                    stack: bool) -> tuple[torch.Tensor, int]:
     """``_teacher_forced``'s logits on a cache of our own, with the stack on it or not; and
     how many forwards the stack ran."""
-    bs = 16
-    kv = allocate_kv_cache(model.config, -(-len(tokens) // bs) + 1, bs, torch.float32, "cpu")
+    kv = teacher_forced_cache(model, tokens)
     model.cpu_decoder = cpu_decoder(model, kv) if stack else None
     ran = 0
     if stack:
@@ -50,21 +51,10 @@ def _decode_logits(model: torch.nn.Module, tokens: list[int], prompt_len: int,
             return inner(*args)  # type: ignore[arg-type]
 
         model.cpu_decoder.forward = counted  # type: ignore[method-assign]
-    table = torch.arange(kv.shape[0], dtype=torch.int64)[None]
-    out, start = [], 0
-    with torch.inference_mode():
-        for end in [prompt_len, *range(prompt_len + 1, len(tokens) + 1)]:
-            pos = torch.arange(start, end)
-            decode = start > 0
-            meta = AttentionMetadata(
-                num_decodes=int(decode), query_start_loc=[0, end - start], seq_lens=[end],
-                block_tables=table, slot_block=pos // bs, slot_offset=pos % bs,
-                decode_seq_lens=torch.tensor([end] if decode else [], dtype=torch.int64))
-            h = model(torch.tensor(tokens[start:end]), pos, kv, meta)
-            out.append(model.compute_logits(h[-1:]))
-            start = end
-    model.cpu_decoder = None
-    return torch.cat(out), ran
+    try:
+        return _teacher_forced(model, tokens, prompt_len, kv), ran
+    finally:
+        model.cpu_decoder = None
 
 
 def test_one_sequence_matches_the_layer_loop(cache: Path, tmp_path: Path) -> None:  # noqa: F811

@@ -270,12 +270,23 @@ def _models(path: Path, float_dir: str | None = None
     return load_model(qdir, cfg), load_model(fdir, cfg)
 
 
-def _teacher_forced(model: LlamaForCausalLM, tokens: list[int], prompt_len: int
-                    ) -> torch.Tensor:
+TF_BLOCK = 16  # _teacher_forced's cache block size
+
+
+def teacher_forced_cache(model: LlamaForCausalLM, tokens: list[int]) -> torch.Tensor:
+    """A cache with room for ``tokens`` in blocks of ``TF_BLOCK`` (block i: positions
+    [16 i, 16 i + 16))."""
+    n = -(-len(tokens) // TF_BLOCK) + 1
+    return allocate_kv_cache(model.config, n, TF_BLOCK, torch.float32, "cpu")
+
+
+def _teacher_forced(model: LlamaForCausalLM, tokens: list[int], prompt_len: int,
+                    kv: torch.Tensor | None = None) -> torch.Tensor:
     """Logits predicting tokens[prompt_len:] (and one more): the prompt in one forward (a
-    prefill, many rows), then one token per forward (decode steps, one row)."""
-    bs = 16
-    kv = allocate_kv_cache(model.config, -(-len(tokens) // bs) + 1, bs, torch.float32, "cpu")
+    prefill, many rows), then one token per forward (decode steps, one row); on ``kv``
+    (``teacher_forced_cache``) or a fresh cache."""
+    bs = TF_BLOCK
+    kv = teacher_forced_cache(model, tokens) if kv is None else kv
     table = torch.arange(kv.shape[0], dtype=torch.int64)[None]
     out = []
     with torch.inference_mode():

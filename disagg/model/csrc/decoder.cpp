@@ -250,12 +250,10 @@ void attend(const float* q, const float* kv, const int64_t* tab, int64_t s_tab,
       }
 }
 
-// y[T, N] (row stride N) = x[T, K] @ W^T (+ bias), x's rows quantized into xb first.
-void linear(const float* x, int64_t T, int64_t K, const uint8_t* w, int type, int64_t N,
-            const float* bias, float* y, std::vector<XBlock>& xb, int threads) {
-  xb.resize(static_cast<size_t>(T * (K / disagg_quant::QK)));
-  disagg_quant::quantize_rows(x, T, K, K, xb.data(), threads);
-  disagg_quant::gemm_quantized_x(type, w, N, K, xb.data(), T, bias, y, N, threads);
+// y[T, N] = x[T, K] (dense rows) @ W^T (+ bias), through xb.
+inline void linear(const float* x, int64_t T, int64_t K, const uint8_t* w, int type, int64_t N,
+                   const float* bias, float* y, std::vector<XBlock>& xb, int threads) {
+  disagg_quant::linear(x, K, T, K, w, type, N, bias, y, xb, threads);
 }
 
 }  // namespace

@@ -281,6 +281,16 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, XBl
   });
 }
 
+// out[M, N] (row stride N) = x[M, K] (row stride ldx) @ W^T (+ bias): x's rows quantized into
+// xb (grown as needed, reused by the caller) first.
+inline void linear(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w,
+                   int type, int64_t N, const float* bias, float* out, std::vector<XBlock>& xb,
+                   int threads) {
+  xb.resize(static_cast<size_t>(M * (K / QK)));
+  quantize_rows(x, M, K, ldx, xb.data(), threads);
+  gemm_quantized_x(type, w, N, K, xb.data(), M, bias, out, N, threads);
+}
+
 // float32 -> bfloat16, round to nearest even (as torch's conversion; NaN kept a NaN).
 inline uint16_t to_bf16(float f) {
   uint32_t u;

@@ -184,9 +184,7 @@ extern "C" void disagg_quant_linear(const float* x, int64_t ldx, int64_t M, int6
                                     float* out, int threads) {
   if (M == 0 || N == 0) return;
   thread_local std::vector<disagg_quant::XBlock> xb;  // reused: no allocation per call
-  xb.resize(static_cast<size_t>(M * (K / disagg_quant::QK)));
-  disagg_quant::quantize_rows(x, M, K, ldx, xb.data(), threads);
-  disagg_quant::gemm_quantized_x(type, w, N, K, xb.data(), M, bias, out, N, threads);
+  disagg_quant::linear(x, ldx, M, K, w, type, N, bias, out, xb, threads);
 }
 
 // out[n1 - n0, K] = the float32 weights of rows [n0, n1).
