@@ -86,6 +86,13 @@ CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DGGML_N
                "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON",
                "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_UI=OFF",
                "-DLLAMA_USE_PREBUILT_UI=OFF")
+# x86: ggml's AMX matmul is compiled out (GCC takes an explicit -mno-* over -march=native's).
+# On the Xeon with AMX these benchmarks ran on (2026-11-29) llama.cpp built with it crashed
+# in its first forward (SIGSEGV in ggml_backend_amx_mul_mat, SmolLM2 Q4_1); without it
+# llama.cpp runs its AVX-512 VNNI / BF16 kernels. Both flags are no-ops where there is no AMX.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+if platform.machine().lower() in ("x86_64", "amd64"):
+    CMAKE_FLAGS += (f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}")
 BUILD_MARKER_VERSION = 1
 # llama_ftype values (llama.h) of the files made for llama.cpp.
 FTYPES = {"F32": 0, "Q8_0": 7, "Q4_1": 3}
