@@ -374,6 +374,8 @@ def _deepseek_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
 
 
 DTYPES = {"float32", "bfloat16", "float16"}
+# CacheConfig.kv_cache_dtype: auto (the compute dtype; see CacheConfig) or a dtype.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 # With no sizing option set: a CUDA worker may use this share of the GPU's total memory
 # (vLLM's gpu_memory_utilization default); a CPU worker sizes its KV cache for what the model
@@ -388,10 +390,11 @@ DEFAULT_CPU_KV_FRACTION = 0.1
 DEFAULT_CPU_KV_SEQUENCES = 4
 # A CPU worker's tokens per step when max_num_tokens is not given (and chunked context is on):
 # a long prompt is prefilled in chunks of this many tokens, so a step's activations (and the
-# heap they leave behind) are those of 512 rows, not of the whole prompt (SmolLM2 Q4_1: peak RSS
-# 612 -> 529 MiB over a 2,048-token prefill; CPU GEMMs run about as fast per row at 512 rows,
-# 256 measured ~10% slower). CUDA keeps SchedulerConfig's 8192.
-DEFAULT_CPU_MAX_NUM_TOKENS = 512
+# heap they leave behind) are those of 256 rows, not of the whole prompt (SmolLM2 Q4_1 with a
+# float16 cache, 2,048-token prefill, Xeon 2 cores: peak RSS 458-469 MiB in chunks of 512,
+# 444-450 in chunks of 256, 442 in chunks of 128; seconds 1.75-2.17 / 2.02-2.14 / 2.80, so
+# 256 costs no speed and 128 does). CUDA keeps SchedulerConfig's 8192.
+DEFAULT_CPU_MAX_NUM_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -414,6 +417,12 @@ class CacheConfig:
     ``kv_offload_disk_dir``; a prefix hit in a tier is copied back before the request runs.
     The sizes are the worker's: on a TP/PP worker every rank keeps its own slice of each block,
     and a block's bytes are its slices on all ranks together.
+
+    ``kv_cache_dtype`` is the cache's element type: ``auto`` is the compute dtype, except for
+    a GGUF served with its weights quantized on CPU, where it is ``float16`` (llama.cpp's
+    default cache type: half the bytes of float32; ``build_engine_config`` resolves it). A
+    16-bit cache under float32 compute stores each K/V value rounded to nearest even and
+    attention reads it back as float32; CPU only (``EngineConfig`` checks).
     """
 
     tokens_per_block: int = 32
@@ -426,9 +435,12 @@ class CacheConfig:
     kv_offload_host_gib: float | None = None
     kv_offload_disk_dir: str | None = None
     kv_offload_disk_gib: float | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.tokens_per_block > 0, "tokens_per_block", "must be > 0")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+                 f"must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.kv_cache_tokens is not None:
             _require(self.kv_cache_tokens >= self.tokens_per_block, "kv_cache_tokens",
                      f"must hold at least one block ({self.tokens_per_block} tokens)")
@@ -740,6 +752,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, "dtype", f"one of {sorted(DTYPES)}")
+        # The CUDA kernels and graphs read a cache of the compute dtype.
+        _require(self.kv_dtype == self.dtype or self.device.split(":")[0] == "cpu",
+                 "kv_cache_dtype", f"{self.kv_dtype} differs from the compute dtype "
+                 f"{self.dtype}: a cache of another dtype is CPU-only (on {self.device} use "
+                 "auto)")
         # Fail on a model that cannot be split this way now, not in a spawned rank.
         check_parallel_split(self.model, self.parallel)
         if self.cache.kv_offload:
@@ -754,6 +771,12 @@ class EngineConfig:
     @property
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len or self.model.max_position_embeddings
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV cache's dtype: ``cache.kv_cache_dtype``, ``auto`` being ``dtype``."""
+        kv = self.cache.kv_cache_dtype
+        return self.dtype if kv == "auto" else kv
 
 
 def pick_device(requested: str | None = None) -> str:
@@ -774,7 +797,7 @@ ENGINE_OPTION_NAMES = (
     "max_batch_size", "max_num_tokens", "enable_chunked_context", "capacity_policy",
     "max_model_len", "max_queue", "tensor_parallel_size", "pipeline_parallel_size",
     "pp_partition", "enable_expert_parallel", "dtype", "device", "seed", "speculative_config",
-    "async_scheduling", "gguf_weights",
+    "async_scheduling", "gguf_weights", "kv_cache_dtype",
 )
 
 
@@ -784,7 +807,8 @@ def build_engine_config(model_dir: str, **options: Any) -> EngineConfig:
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown engine option (known: "
                           f"{', '.join(ENGINE_OPTION_NAMES)})")
-    from disagg.model.gguf import resolve_model_dir  # torch-free; a .gguf is imported once
+    # torch-free; a .gguf is imported once
+    from disagg.model.gguf import is_quantized_import, resolve_model_dir
 
     gguf_weights = options.get("gguf_weights") or GGUF_WEIGHT_MODES[0]
     if gguf_weights not in GGUF_WEIGHT_MODES:
@@ -806,6 +830,11 @@ def build_engine_config(model_dir: str, **options: Any) -> EngineConfig:
     if dtype not in DTYPES:
         raise ConfigError(f"dtype: {dtype!r} is not one of {sorted(DTYPES)}")
     device = pick_device(options.get("device"))
+    cache_defaults: dict[str, Any] = {}
+    if (options.get("kv_cache_dtype") in (None, "auto") and device.split(":")[0] == "cpu"
+            and dtype == "float32" and is_quantized_import(model_dir)):
+        # A GGUF kept quantized: a float16 cache as llama.cpp keeps for the same file.
+        cache_defaults["kv_cache_dtype"] = "float16"
     sched_defaults: dict[str, Any] = {}
     if (device.split(":")[0] == "cpu" and options.get("max_num_tokens") is None
             and options.get("enable_chunked_context") is not False):
@@ -814,7 +843,7 @@ def build_engine_config(model_dir: str, **options: Any) -> EngineConfig:
     return EngineConfig(
         model_dir=model_dir,
         model=model,
-        cache=pick(CacheConfig),
+        cache=pick(CacheConfig, **cache_defaults),
         scheduler=pick(SchedulerConfig, **sched_defaults),
         parallel=pick(ParallelConfig),
         cuda_graph=pick(CudaGraphConfig),

@@ -119,6 +119,7 @@ class ModelRunner:
         self.layout = layout or ParallelLayout.for_rank(config.model, 1, 1, 0)
         self.device = torch.device(device if device is not None else config.device)
         self.dtype = getattr(torch, config.dtype)
+        self.kv_dtype = getattr(torch, config.kv_dtype)  # kv_cache_dtype (auto: dtype)
         self.block_size = config.cache.tokens_per_block
         lay = self.layout
         # Pinned staging of the step inputs (CUDA), grown on demand; see _to_device.
@@ -175,7 +176,7 @@ class ModelRunner:
         # Block num_blocks (past every block the pool hands out) is the padding rows' scratch.
         extra = 1 if decode is not None else 0
         self.kv_cache = allocate_kv_cache(
-            config.model, self.num_blocks + extra, self.block_size, self.dtype, self.device,
+            config.model, self.num_blocks + extra, self.block_size, self.kv_dtype, self.device,
             num_layers=lay.num_local_layers, num_kv_heads=lay.num_local_kv_heads,
         )
         # Its layer views made once (a decode step would slice the cache per layer).
@@ -187,6 +188,10 @@ class ModelRunner:
         if decode is not None:
             self.graphs = self._make_graphs(decode)
         self._trim = _malloc_trim() if self.device.type == "cpu" else None
+        if self._trim is not None:
+            # What loading freed (the tokenizer's JSON, the GGUF reader's buffers) back to the
+            # OS: glibc keeps it resident otherwise (SmolLM2 Q4_1: about 12 MiB).
+            self._trim(0)
 
     def _make_graphs(self, decode: DecodeFn) -> DecodeGraphs | None:
         sched = self.config.scheduler
@@ -236,7 +241,7 @@ class ModelRunner:
         lay = self.layout
         sched = self.config.scheduler
         per_block = kv_cache_bytes_per_block(
-            self.config.model, self.block_size, self.dtype, lay.num_local_layers,
+            self.config.model, self.block_size, self.kv_dtype, lay.num_local_layers,
             lay.num_local_kv_heads,
         )
         # Each bound on the number of blocks, by what it is; the smallest is the size.
@@ -347,7 +352,7 @@ class ModelRunner:
             sched = self._profile_batch()
             nb = max(len(r.block_ids) for r in sched.scheduled)
             lay = self.layout
-            dummy = allocate_kv_cache(self.config.model, nb, self.block_size, self.dtype, dev,
+            dummy = allocate_kv_cache(self.config.model, nb, self.block_size, self.kv_dtype, dev,
                                       num_layers=lay.num_local_layers,
                                       num_kv_heads=lay.num_local_kv_heads)
             torch.cuda.synchronize(dev)

@@ -63,6 +63,28 @@ def test_kernel_bfloat16_close_to_float32() -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (4, 1)])
+def test_kernel_float32_queries_over_a_16bit_cache(cache_dtype: torch.dtype, hq: int,
+                                                   hkv: int) -> None:
+    """kv_cache_dtype on CPU: float32 q, a float16 / bfloat16 cache. The kernel reads each
+    value as the float32 it is exactly: the gather path on the same cache (its .to(q.dtype))
+    gives the same numbers to float32 rounding order; the new K/V written alike."""
+    q, kv, meta = _decode_case(hq + 7, s=6, hq=hq, hkv=hkv, d=64, b=16, dtype=torch.float32)
+    kv = kv.to(cache_dtype)
+    k = torch.randn(6, hkv, 64)
+    v = torch.randn(6, hkv, 64)
+    ref_cache, ker_cache = kv.clone(), kv.clone()
+    ref = paged_attention(q, k, v, ref_cache[:, 1], meta, 0.125, GatherWorkspace())
+    got = paged_attention(q, k, v, ker_cache[:, 1], meta, 0.125, GatherWorkspace(KERNEL))
+    assert got.dtype == torch.float32
+    assert torch.equal(ref_cache, ker_cache)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="not supported"):  # a 16-bit q over float32: no
+        KERNEL(q.half(), kv.float()[:, 0], meta.block_tables, meta.decode_seq_lens, 0.125)
+
+
+@needs_kernel
 def test_kernel_rejects_bad_tables_and_lengths() -> None:
     q, kv, meta = _decode_case(9, s=2, hq=4, hkv=2, d=16, b=8, dtype=torch.float32)
     layer = kv[:, 0]
@@ -74,7 +96,7 @@ def test_kernel_rejects_bad_tables_and_lengths() -> None:
     too_long[1] = meta.block_tables.shape[1] * 8 + 1
     with pytest.raises(RuntimeError, match="sequence length"):
         KERNEL(q, layer, meta.block_tables, too_long, 1.0)
-    with pytest.raises(RuntimeError, match="dtypes differ"):
+    with pytest.raises(RuntimeError, match="not supported"):
         KERNEL(q.double(), layer, meta.block_tables, meta.decode_seq_lens, 1.0)
     with pytest.raises(RuntimeError, match="not supported"):
         KERNEL(q.int(), layer.int(), meta.block_tables, meta.decode_seq_lens, 1.0)

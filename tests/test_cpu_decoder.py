@@ -35,10 +35,11 @@ MIXED = {"q_proj.weight": QT.Q4_0, "k_proj.weight": QT.Q4_0, "v_proj.weight": QT
 
 
 def _decode_logits(model: torch.nn.Module, tokens: list[int], prompt_len: int,
-                   stack: bool) -> tuple[torch.Tensor, int]:
-    """``_teacher_forced``'s logits on a cache of our own, with the stack on it or not; and
-    how many forwards the stack ran."""
-    kv = teacher_forced_cache(model, tokens)
+                   stack: bool, dtype: torch.dtype = torch.float32
+                   ) -> tuple[torch.Tensor, int]:
+    """``_teacher_forced``'s logits on a cache of our own (of ``dtype``), with the stack on it
+    or not; and how many forwards the stack ran."""
+    kv = teacher_forced_cache(model, tokens, dtype)
     model.cpu_decoder = cpu_decoder(model, kv) if stack else None
     ran = 0
     if stack:
@@ -57,14 +58,16 @@ def _decode_logits(model: torch.nn.Module, tokens: list[int], prompt_len: int,
         model.cpu_decoder = None
 
 
-def test_one_sequence_matches_the_layer_loop(cache: Path, tmp_path: Path) -> None:  # noqa: F811
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_one_sequence_matches_the_layer_loop(cache: Path, tmp_path: Path,  # noqa: F811
+                                             dtype: torch.dtype) -> None:
     """Teacher-forced decode steps (one token a forward after the prompt) with the stack and
-    without: the same logits to float rounding, the same greedy tokens; the prefill stays in
-    the layer loop."""
+    without, on a float32 or 16-bit cache (kv_cache_dtype): the same logits to float rounding,
+    the same greedy tokens; the prefill stays in the layer loop."""
     quant, _ = _models(_write(tmp_path, "mixed", MIXED, tie=True))
     tokens = [5, 9, 200, 31, 77, 4, 300, 12, 8, 66, 2, 140, 141, 7, 99, 3, 250, 17, 18, 19]
-    ref, ran_ref = _decode_logits(quant, tokens, 5, stack=False)
-    got, ran = _decode_logits(quant, tokens, 5, stack=True)
+    ref, ran_ref = _decode_logits(quant, tokens, 5, stack=False, dtype=dtype)
+    got, ran = _decode_logits(quant, tokens, 5, stack=True, dtype=dtype)
     assert (ran_ref, ran) == (0, len(tokens) - 5)
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-4 * float(ref.abs().max()))
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
@@ -92,7 +95,7 @@ def test_batched_decodes_through_the_engine(cache: Path, tmp_path: Path) -> None
 
 def test_which_models_it_takes(cache: Path, tmp_path: Path) -> None:  # noqa: F811
     """A linear that is not blocks (Q5_0 dequantized to float32), the float32 import, or a
-    half-precision cache: the layer loop, with the reason."""
+    float64 cache: the layer loop, with the reason."""
     path = _write(tmp_path, "q5", {"v_proj.weight": QT.Q5_0})
     quant, f32 = _models(path)
     kv = allocate_kv_cache(quant.config, 3, 16, torch.float32, "cpu")
@@ -100,8 +103,10 @@ def test_which_models_it_takes(cache: Path, tmp_path: Path) -> None:  # noqa: F8
     assert why_not(f32, kv) == "a linear that is not GGUF blocks"
     assert cpu_decoder(quant, kv) is None
     ok, _ = _models(_write(tmp_path, "ok", MIXED))
-    half = allocate_kv_cache(ok.config, 3, 16, torch.bfloat16, "cpu")
-    assert why_not(ok, half) == "not a float32 CPU cache of K and V"
+    wide = allocate_kv_cache(ok.config, 3, 16, torch.float64, "cpu")
+    assert why_not(ok, wide) == "not a float32, bfloat16 or float16 CPU cache of K and V"
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        assert why_not(ok, allocate_kv_cache(ok.config, 3, 16, dtype, "cpu")) is None
 
 
 def test_bad_block_table_is_refused(cache: Path, tmp_path: Path) -> None:  # noqa: F811

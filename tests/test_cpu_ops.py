@@ -66,9 +66,13 @@ def _rope_case(t: int, hq: int, hkv: int, d: int, seed: int):  # type: ignore[no
 
 @needs_ops
 @pytest.mark.parametrize(("t", "hq", "hkv", "d"), [(1, 9, 3, 64), (5, 4, 4, 32), (130, 6, 2, 16)])
-def test_rope_store_is_apply_rope_and_write_kv_bit_for_bit(t: int, hq: int, hkv: int,
-                                                           d: int) -> None:
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_rope_store_is_apply_rope_and_write_kv_bit_for_bit(t: int, hq: int, hkv: int, d: int,
+                                                           cache_dtype: torch.dtype) -> None:
+    """float32 q/k/v; the cache float32 or 16-bit (kv_cache_dtype: each value rounded to
+    nearest even, as write_kv's .to)."""
     qk, v, cos, sin, kv, blocks, offsets = _rope_case(t, hq, hkv, d, seed=t)
+    kv = kv.to(cache_dtype)
     ref_qk = apply_rope(qk, cos, sin)
     ref_kv = kv.clone()
     meta = AttentionMetadata(0, [0, t], [t], torch.zeros(1, 1, dtype=torch.long), blocks,
@@ -99,7 +103,9 @@ def test_rope_store_applies_only_to_its_layouts() -> None:
     assert not rope_store_applies(qk, v, cos, sin, kv, blocks.int(), offsets)
     assert not rope_store_applies(qk, v, cos.expand(2, 3, 8), sin, kv, blocks, offsets)
     assert not rope_store_applies(qk.transpose(1, 2), v, cos, sin, kv, blocks, offsets)
-    assert not rope_store_applies(qk, v, cos, sin, kv.bfloat16(), blocks, offsets)
+    assert rope_store_applies(qk, v, cos, sin, kv.bfloat16(), blocks, offsets)
+    assert rope_store_applies(qk, v, cos, sin, kv.half(), blocks, offsets)
+    assert not rope_store_applies(qk, v, cos, sin, kv.double(), blocks, offsets)
 
 
 @needs_ops

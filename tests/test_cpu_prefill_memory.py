@@ -74,8 +74,24 @@ def test_chunked_prefill_tokens_are_the_whole_prompts(tiny_llama: str) -> None:
     prompts = [[rng.randrange(3, 200) for _ in range(n)]
                for n in (DEFAULT_CPU_MAX_NUM_TOKENS + 300, DEFAULT_CPU_MAX_NUM_TOKENS, 37)]
     whole = _greedy(tiny_llama, prompts, max_num_tokens=4096)
-    assert _greedy(tiny_llama, prompts) == whole  # the CPU default: chunks of 512
+    assert _greedy(tiny_llama, prompts) == whole  # the CPU default: chunks of 256
     assert _greedy(tiny_llama, prompts, max_num_tokens=96) == whole  # many small chunks
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+def test_a_16bit_cache_gives_the_same_tokens_however_the_prompt_is_chunked(
+        tiny_llama: str, kv_dtype: str) -> None:
+    """kv_cache_dtype on a float32 model (issue 43, item 3): the cache holds 16-bit K/V, and a
+    prompt's first chunk attends to its own K/V as the cache holds them (rounded), so whole
+    prompts, chunks and the decode kernel all see the same numbers."""
+    eng = LLMEngine.from_options(tiny_llama, device="cpu", kv_cache_tokens=256,
+                                 kv_cache_dtype=kv_dtype)
+    assert eng.runner.kv_cache.dtype == getattr(torch, kv_dtype)
+    assert eng.config.kv_dtype == kv_dtype and eng.config.dtype == "float32"
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 200) for _ in range(n)] for n in (300, 97, 5)]
+    whole = _greedy(tiny_llama, prompts, max_num_tokens=4096, kv_cache_dtype=kv_dtype)
+    assert _greedy(tiny_llama, prompts, max_num_tokens=64, kv_cache_dtype=kv_dtype) == whole
 
 
 def test_prefill_steps_hand_the_heap_back(tiny_llama: str) -> None:

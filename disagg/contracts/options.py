@@ -38,6 +38,7 @@ from typing import Any
 from disagg.config import (
     DEFAULT_GPU_MEMORY_FRACTION,
     GGUF_WEIGHT_MODES,
+    KV_CACHE_DTYPES,
     CacheConfig,
     CapacityPolicy,
     ConfigError,
@@ -278,6 +279,12 @@ class WorkerOptions:
         int, "CUDA: largest decode batch captured as a CUDA graph", metavar="N")
     enable_prefix_caching: bool | None = _engine(bool, "reuse cached KV blocks of shared "
                                                  "prompt prefixes")
+    kv_cache_dtype: str | None = _engine(
+        str, "the KV cache's element type: auto (the compute dtype; float16 for a GGUF served "
+        "with its weights quantized on CPU, as llama.cpp's cache) or float32, bfloat16, "
+        "float16 (another dtype than the compute dtype: CPU only; a 16-bit cache holds half "
+        "the tokens' bytes of float32, each K/V value rounded to nearest even)",
+        choices=KV_CACHE_DTYPES)
     kv_integrity: bool | None = _engine(
         bool, "check KV bytes that come from elsewhere against the checksum taken where they "
         "were written: each payload a generation worker pulls (the context worker sends it "

@@ -66,7 +66,7 @@ def worker_layout(config: EngineConfig) -> WorkerLayout:
     return WorkerLayout(
         tp_size=first.tp_size, pp_size=first.pp_size, num_layers=first.num_layers_total,
         num_kv_heads=first.num_kv_heads_total, head_dim=first.head_dim,
-        tokens_per_block=config.cache.tokens_per_block, dtype=config.dtype,
+        tokens_per_block=config.cache.tokens_per_block, dtype=config.kv_dtype,
         ranks=tuple(RankLayout(r.rank, r.tp_rank, r.pp_rank, r.layer_range, r.kv_head_range)
                     for r in ranks),
         cache_kind=first.cache_kind, kv_parts=first.kv_parts,

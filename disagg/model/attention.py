@@ -188,6 +188,9 @@ def _attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     return o[0].transpose(0, 1)
 
 
+# 16-bit caches the CPU decode kernel reads under float32 queries (``kv_cache_dtype``).
+_HALF_CACHE = (torch.float16, torch.bfloat16)
+
 # Chunks of at most this many tokens over a cached context (speculative decoding's checks:
 # the decoded token and its drafts) are attended in one batched call, not one call each.
 SHORT_CHUNK = 33
@@ -296,7 +299,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer:
     nd = meta.num_decodes
     kernel = workspace.decode_kernel if workspace is not None else None
     use_kernel = (nd > 0 and kernel is not None and q.device.type == "cpu"
-                  and q.dtype == kv_layer.dtype
+                  and (q.dtype == kv_layer.dtype or (q.dtype == torch.float32
+                                                     and kv_layer.dtype in _HALF_CACHE))
                   and not (q.requires_grad and torch.is_grad_enabled()))
     if use_kernel and nd == q.shape[0] and nd == meta.block_tables.shape[0]:
         # Every row a decode (a decode step): the kernel's output is the whole answer.
@@ -344,6 +348,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer:
             qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H_q, n, D]
             ki = k[start:end].transpose(0, 1).unsqueeze(0)  # [1, H_kv, n, D]
             vi = v[start:end].transpose(0, 1).unsqueeze(0)
+            if kv_layer.dtype != q.dtype:
+                # The values the cache holds (a 16-bit cache under float32 compute), as every
+                # later read sees them: the same numbers however the prompt is chunked.
+                ki = ki.to(kv_layer.dtype).to(q.dtype)
+                vi = vi.to(kv_layer.dtype).to(q.dtype)
             oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
                                                 enable_gqa=ki.shape[1] != qi.shape[1])
             out[start:end] = oi[0].transpose(0, 1)
@@ -407,7 +416,8 @@ def paged_latent_attention(q: torch.Tensor, latent: torch.Tensor, kv_layer: torc
         past = seq_len - n
         if past == 0:
             qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, n, W]
-            ki = latent[start:end].to(q.dtype)[None, None]   # [1, 1, n, W]
+            # (through the cache's dtype: the values later reads see, as paged_attention)
+            ki = latent[start:end].to(kv_layer.dtype).to(q.dtype)[None, None]  # [1, 1, n, W]
             oi = F.scaled_dot_product_attention(qi, ki, ki[..., :value_dim], is_causal=True,
                                                 scale=scale, enable_gqa=hq > 1)
             out[start:end] = oi[0].transpose(0, 1)

@@ -7,9 +7,10 @@ each with its Python, its argument checks and its tensors (bench/results/decode_
 ``CpuDecoder`` runs them all in C++ for the batches where that is plain: every sequence has one
 new token (a pure decode step), and the model is a dense Llama-family stack whose linears are
 all GGUF blocks (``quant.BlockWeight``, 8-bit input rows: the same products as the op-by-op
-path on those weights), on one rank holding every layer, float32 activations and cache, no
-per-layer hook (KV streaming), no q/k norms, no biases. Everything else (prefill, mixed steps,
-other models) keeps ``LlamaForCausalLM.forward``'s layer loop.
+path on those weights), on one rank holding every layer, float32 activations, a float32,
+bfloat16 or float16 cache (``kv_cache_dtype``), no per-layer hook (KV streaming), no q/k
+norms, no biases. Everything else (prefill, mixed steps, other models) keeps
+``LlamaForCausalLM.forward``'s layer loop.
 
 ``cpu_decoder(model, kv_cache)`` says which: a ``CpuDecoder``, or None with the reason logged
 once. The model calls ``CpuDecoder.forward`` from its own ``forward`` when ``applies``.
@@ -23,6 +24,7 @@ import logging
 import torch
 
 from disagg.model.attention import AttentionMetadata
+from disagg.model.cpu_ops import CACHE_TYPES
 from disagg.model.kernels import BLOCK_TYPES, decoder_library
 from disagg.model.llama import GatedMLP, LlamaForCausalLM, QuantizedRows
 from disagg.model.quant import BlockWeight
@@ -31,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 _F32, _I64, _num_threads = torch.float32, torch.int64, torch.get_num_threads
 _ERRORS = {1: "sequence length out of range of its block table", 2: "block id out of range",
-           3: "unsupported shape", 4: "slot out of range"}
+           3: "unsupported shape", 4: "slot out of range", 5: "unsupported cache dtype"}
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -53,7 +55,7 @@ class _Step(ctypes.Structure):
                 ("tables", _P), ("s_tab", _I), ("max_blocks", _I), ("lens", _P), ("N", _I),
                 ("B", _I), ("s_blk", _I), ("s_kv", _I), ("s_h", _I), ("s_tok", _I),
                 ("layers", _I), ("layer", ctypes.POINTER(_Layer)), ("final_norm", _P),
-                ("threads", ctypes.c_int32)]
+                ("threads", ctypes.c_int32), ("kv_dtype", ctypes.c_int32)]
 
 
 def _library() -> ctypes.PyDLL | None:
@@ -75,9 +77,9 @@ def why_not(model: torch.nn.Module, kv_cache: torch.Tensor) -> str | None:
         return f"{type(model).__name__} is not the dense Llama-family model"
     if model.tp_size != 1 or not (model.is_first_stage and model.is_last_stage):
         return "tensor or pipeline parallel"
-    if not (kv_cache.device.type == "cpu" and kv_cache.dtype is _F32 and kv_cache.dim() == 6
-            and kv_cache.shape[2] == 2 and kv_cache.stride(-1) == 1):
-        return "not a float32 CPU cache of K and V"
+    if not (kv_cache.device.type == "cpu" and kv_cache.dtype in CACHE_TYPES
+            and kv_cache.dim() == 6 and kv_cache.shape[2] == 2 and kv_cache.stride(-1) == 1):
+        return "not a float32, bfloat16 or float16 CPU cache of K and V"
     for layer in model.model.layers.values():
         att, mlp = layer.self_attn, layer.feed_forward
         if att.q_norm is not None or not isinstance(mlp, GatedMLP):
@@ -127,7 +129,8 @@ class CpuDecoder:
             T=0, H=cfg.hidden_size, Hq=att0.num_heads, Hkv=att0.num_kv_heads, D=att0.head_dim,
             I=layers[0].feed_forward.gate_up.sizes[0], eps=cfg.rms_norm_eps, scale=att0.scale,
             N=n, B=b, s_blk=s[0], s_kv=s[2], s_h=s[3], s_tok=s[4], layers=len(layers),
-            layer=self._layers, final_norm=final.data_ptr())
+            layer=self._layers, final_norm=final.data_ptr(),
+            kv_dtype=CACHE_TYPES[kv_cache.dtype])
         self._step_ref = ctypes.byref(self._step)
         if hkv != att0.num_kv_heads or d != att0.head_dim:
             raise ValueError(f"cache of {hkv} heads of {d} for a model of "

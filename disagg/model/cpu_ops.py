@@ -30,7 +30,10 @@ from disagg.model.norm import rms_norm_reference
 
 _F32, _I64, _num_threads = torch.float32, torch.int64, torch.get_num_threads
 _ROPE_ERRORS = {1: "block id out of range", 2: "block offset out of range",
-                3: "head dim odd or above 1024"}
+                3: "head dim odd or above 1024", 5: "unsupported cache dtype"}
+# KV cache dtypes the compiled kernels read and write (csrc/half.h's codes): float32, and the
+# 16-bit caches of kv_cache_dtype under float32 compute.
+CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 2, torch.float16: 3}
 
 
 class ElementwiseKernel:
@@ -44,8 +47,8 @@ class ElementwiseKernel:
                                ctypes.c_int]
         self._norm.restype = None
         self._rope = lib.disagg_rope_store
-        self._rope.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, *[i64] * 10, ptr, ptr,
-                               ctypes.c_int]
+        self._rope.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_int, *[i64] * 10,
+                               ptr, ptr, ctypes.c_int]
         self._rope.restype = ctypes.c_int
 
     def add_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -72,13 +75,15 @@ class ElementwiseKernel:
                    slot_offset: torch.Tensor) -> None:
         """RoPE of ``qk`` ``[T, Hq + Hkv, D]`` in place (``apply_rope``'s bits), then row t's
         k heads (``qk[t, Hq:]``) and ``v[t]`` written to ``kv_layer`` ``[N, 2, Hkv, B, D]``
-        at block ``slot_block[t]``, offset ``slot_offset[t]``. Only for what
-        ``rope_store_applies`` accepts."""
+        at block ``slot_block[t]``, offset ``slot_offset[t]`` (a 16-bit cache gets them rounded
+        to nearest even, as ``write_kv``'s ``.to``). Only for what ``rope_store_applies``
+        accepts."""
         t, heads, d = qk.shape
         n, _, hkv, b, _ = kv_layer.shape
         ks = kv_layer.stride()
         err = self._rope(qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0),
-                         cos.data_ptr(), sin.data_ptr(), kv_layer.data_ptr(), t, heads - hkv,
+                         cos.data_ptr(), sin.data_ptr(), kv_layer.data_ptr(),
+                         CACHE_TYPES[kv_layer.dtype], t, heads - hkv,
                          hkv, d, n, b, ks[0], ks[1], ks[2], ks[3], slot_block.data_ptr(),
                          slot_offset.data_ptr(), _num_threads())
         if err:  # checked by the kernel before writing anything
@@ -104,12 +109,13 @@ def _norm_applies(x: torch.Tensor, weight: torch.Tensor,
 def rope_store_applies(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                        sin: torch.Tensor, kv_layer: torch.Tensor, slot_block: torch.Tensor,
                        slot_offset: torch.Tensor) -> bool:
-    """Whether ``rope_store`` serves ``apply_rope`` + ``write_kv`` here: float32 CPU tensors,
+    """Whether ``rope_store`` serves ``apply_rope`` + ``write_kv`` here: float32 CPU tensors
+    (the cache float32, bfloat16 or float16),
     ``qk`` ``[T, Hq + Hkv, D]`` and ``v`` ``[T, Hkv, D]`` with dense heads, ``cos`` and
     ``sin`` ``[T, 1, D]`` contiguous, a ``[N, 2, Hkv, B, D]`` cache with a dense last dim,
     contiguous int64 ``[T]`` slots, no autograd to record."""
     if not (qk.dim() == 3 and v.dim() == 3 and kv_layer.dim() == 5 and qk.dtype is _F32
-            and v.dtype is _F32 and kv_layer.dtype is _F32 and cos.dtype is _F32
+            and v.dtype is _F32 and kv_layer.dtype in CACHE_TYPES and cos.dtype is _F32
             and qk.is_cpu and v.is_cpu and kv_layer.is_cpu and cos.is_cpu):
         return False
     t, _, d = qk.shape

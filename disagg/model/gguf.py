@@ -478,6 +478,12 @@ class GGUFWeights:
         return w if heads is None else unpermute_rotary_rows(w, heads)
 
 
+def is_quantized_import(model_dir: str) -> bool:
+    """Whether ``model_dir`` is a GGUF import whose weights the loader reads from the file
+    (``gguf_weights`` quantized: it holds ``GGUF_SOURCE_FILE``)."""
+    return os.path.isfile(os.path.join(model_dir, GGUF_SOURCE_FILE))
+
+
 def open_gguf_weights(model_dir: str) -> GGUFWeights | None:
     """The GGUF weights of ``model_dir`` when ``import_gguf`` wrote it without weights (it holds
     ``GGUF_SOURCE_FILE``), else None. GGUFError when the file is gone or changed since."""

@@ -68,8 +68,8 @@ class _PagedDecode:
     def __init__(self, lib: ctypes.PyDLL) -> None:
         fn = lib.disagg_paged_decode_attention
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_int, *[i64] * 12, ctypes.c_double,
-                       ctypes.c_int]
+        fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, *[i64] * 12,
+                       ctypes.c_double, ctypes.c_int]
         fn.restype = ctypes.c_int
         self._fn = fn
 
@@ -82,11 +82,13 @@ class _PagedDecode:
         strides = kv_layer.stride()
         if not (len(strides) == 5 and kv_layer.shape[1] == 2 and strides[4] == 1):
             raise RuntimeError("kv_layer must be [N, 2, Hkv, B, D] with a dense last dim")
-        if q.dtype is not kv_layer.dtype:
-            raise RuntimeError("q and kv_layer dtypes differ")
         dtype = _DECODE_DTYPES.get(q.dtype)
-        if dtype is None:
-            raise RuntimeError(f"paged_decode_attention: {q.dtype} not supported")
+        kv_dtype = _DECODE_DTYPES.get(kv_layer.dtype)
+        if dtype is None or kv_dtype is None or not (
+                dtype == kv_dtype or (q.dtype is _F32 and kv_dtype in (2, 3))):
+            raise RuntimeError(f"paged_decode_attention: q {q.dtype} over a {kv_layer.dtype} "
+                               "cache not supported (the same dtype, or float32 over a 16-bit "
+                               "cache)")
         s, hq, d = q.shape
         n, _, hkv, b, kv_d = kv_layer.shape
         if d != kv_d:
@@ -101,7 +103,7 @@ class _PagedDecode:
             raise RuntimeError("lens must be [S] int64")
         out = torch.empty_like(q)
         err = self._fn(q.data_ptr(), kv_layer.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-                       out.data_ptr(), dtype, s, hq, d, hkv, b, n, strides[0], strides[1],
+                       out.data_ptr(), dtype, kv_dtype, s, hq, d, hkv, b, n, strides[0], strides[1],
                        strides[2], strides[3], t_strides[0], tables.shape[1], scale,
                        _num_threads())
         if err:  # checked by the kernel before reading anything

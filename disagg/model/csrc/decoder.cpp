@@ -15,13 +15,16 @@
 //   gu   = n @ Wgu^T                         [T, 2 I]: gate | up
 //   x    = (silu(gate) * up) @ Wdown^T       the next layer's x, h2 its residual
 //
-// and at the end out = final_norm * rms_norm(h2 + x). Linears with 8-bit input rows
+// and at the end out = final_norm * rms_norm(h2 + x). The cache may hold float32, bfloat16 or
+// float16 (half.h; attention reads it as floats, the K/V write rounds to nearest even). Linears with 8-bit input rows
 // (quant_gemm.h), the rest the same functions the op-by-op path calls: the output matches
 // that path on the same weights up to float rounding order (tests/test_cpu_decoder.py).
 //
 // A plain C ABI over two structs (DecoderStep, DecoderLayer; ctypes mirrors in
 // model/cpu_decoder.py, which checks that a model and a step qualify). Scratch buffers are
 // thread-local vectors, grown on demand and reused by every call.
+
+#include <type_traits>
 
 #include "quant_gemm.h"
 
@@ -46,7 +49,7 @@ struct DecoderLayer {
   const uint8_t* o;       // [H, Hq D] blocks
   const uint8_t* gate_up; // [2 I, H] blocks
   const uint8_t* down;    // [H, I] blocks
-  float* kv;              // this layer's cache [N, 2, Hkv, B, D] (strides in DecoderStep)
+  void* kv;               // this layer's cache [N, 2, Hkv, B, D] (strides in DecoderStep)
   int32_t qkv_type, o_type, gate_up_type, down_type;
 };
 
@@ -62,14 +65,17 @@ struct DecoderStep {
   const int64_t* tables;         // [T, max_blocks] at row stride s_tab
   int64_t s_tab, max_blocks;
   const int64_t* lens;           // [T] context length of each sequence, this token included
-  int64_t N, B, s_blk, s_kv, s_h, s_tok;  // the cache's geometry and strides (floats)
+  int64_t N, B, s_blk, s_kv, s_h, s_tok;  // the cache's geometry and strides (elements)
   int64_t layers;
   const DecoderLayer* layer;
   const float* final_norm;       // [H]
   int32_t threads;
+  int32_t kv_dtype;              // the cache's elements: half.h's codes (float32, bf16, f16)
 };
 
 using disagg_quant::XBlock;
+using disagg_half::bf16;
+using disagg_half::f16;
 
 // 16 floats (GCC / Clang vector extension: one AVX-512 register, two AVX2 ones, or scalar
 // code, whatever -march=native offers).
@@ -80,6 +86,29 @@ inline vf16 load16(const float* p) {
   vf16 v;
   std::memcpy(&v, p, sizeof(v));
   return v;
+}
+
+// 16 cache values as floats.
+inline vf16 load16(const bf16* p) {  // bfloat16: the high half of a float's bits
+  typedef uint16_t vu16 __attribute__((vector_size(32)));
+  vu16 u;
+  std::memcpy(&u, p, sizeof(u));
+  const vi16 w = __builtin_convertvector(u, vi16) << 16;
+  vf16 v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+inline vf16 load16(const f16* p) {
+#if defined(__AVX512F__)
+  const __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  vf16 v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+#else
+  float a[16];
+  disagg_half::load_row(p, a, 16);
+  return load16(a);
+#endif
 }
 
 inline float hsum16(vf16 v) {
@@ -143,7 +172,8 @@ inline float exp_sub(float* sc, int64_t n, float mx) {
 // (flash-decoding's split-K). Keys are read block by block (block i of the table holds
 // positions [i B, (i + 1) B)), each key row once for the G query heads. The block ids and
 // lengths are checked by the caller.
-void attend(const float* q, const float* kv, const int64_t* tab, int64_t s_tab,
+template <typename C>
+void attend(const float* q, const C* kv, const int64_t* tab, int64_t s_tab,
             const int64_t* lens, float* out, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
             int64_t B, int64_t s_blk, int64_t s_kv, int64_t s_h, int64_t s_tok, float scale,
             int threads) {
@@ -167,7 +197,16 @@ void attend(const float* q, const float* kv, const int64_t* tab, int64_t s_tab,
   // thread's own (empty) instance
   float *const pm_p = pm.data(), *const pl_p = pl.data(), *const pacc_p = pacc.data();
   disagg::parallel_for(0, items, 1, threads, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, qf(G * D);
+    std::vector<float> scores, qf(G * D), row(D);
+    // a cache row as floats (the scalar path): in place, or converted into `row`
+    auto as_float = [&](const C* p) -> const float* {
+      if constexpr (std::is_same_v<C, float>) {
+        return p;
+      } else {
+        disagg_half::load_row(p, row.data(), D);
+        return row.data();
+      }
+    };
     for (int64_t item = begin; item < end; ++item) {
       const int64_t c = item % splits, h = (item / splits) % Hkv, t = item / (splits * Hkv);
       const int64_t L = lens[t], nblk = (L + B - 1) / B;
@@ -184,11 +223,11 @@ void attend(const float* q, const float* kv, const int64_t* tab, int64_t s_tab,
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = q[(t * Hq + h * G + g) * D + d] * scale;
       scores.resize(static_cast<size_t>(G * n));
       for (int64_t bi = b0; bi < b1; ++bi) {  // scores[g][j] = q_g . k_j
-        const float* kb = kv + tab[t * s_tab + bi] * s_blk + h * s_h;
+        const C* kb = kv + tab[t * s_tab + bi] * s_blk + h * s_h;
         const int64_t j0 = bi * B - k0, jn = std::min(B, L - bi * B);
         for (int64_t j = 0; j < jn; ++j) {
-          const float* k = kb + j * s_tok;
           if (vec) {
+            const C* k = kb + j * s_tok;
             vf16 a[8];
             for (int64_t g = 0; g < G; ++g) a[g] = vf16{};
             for (int64_t d = 0; d < D; d += 16) {
@@ -197,6 +236,7 @@ void attend(const float* q, const float* kv, const int64_t* tab, int64_t s_tab,
             }
             for (int64_t g = 0; g < G; ++g) scores[g * n + j0 + j] = hsum16(a[g]);
           } else {
+            const float* k = as_float(kb + j * s_tok);
             for (int64_t g = 0; g < G; ++g) {
               const float* qg = qf.data() + g * D;
               float a = 0.f;
@@ -214,10 +254,22 @@ void attend(const float* q, const float* kv, const int64_t* tab, int64_t s_tab,
         l[g] = exp_sub(sc, n, mx);
       }
       for (int64_t bi = b0; bi < b1; ++bi) {  // acc[g] += p[g][j] v_j
-        const float* vb = kv + tab[t * s_tab + bi] * s_blk + s_kv + h * s_h;
+        const C* vb = kv + tab[t * s_tab + bi] * s_blk + s_kv + h * s_h;
         const int64_t j0 = bi * B - k0, jn = std::min(B, L - bi * B);
         for (int64_t j = 0; j < jn; ++j) {
-          const float* v = vb + j * s_tok;
+          if (vec) {
+            const C* v = vb + j * s_tok;
+            for (int64_t d = 0; d < D; d += 16) {
+              const vf16 v16 = load16(v + d);
+              for (int64_t g = 0; g < G; ++g) {
+                float* ag = acc + g * D + d;
+                const vf16 r = load16(ag) + scores[g * n + j0 + j] * v16;
+                std::memcpy(ag, &r, sizeof(r));
+              }
+            }
+            continue;
+          }
+          const float* v = as_float(vb + j * s_tok);
           for (int64_t g = 0; g < G; ++g) {
             const float p = scores[g * n + j0 + j];
             float* ag = acc + g * D;
@@ -260,13 +312,16 @@ inline void linear(const float* x, int64_t T, int64_t K, const uint8_t* w, int t
 
 // Returns 0, or (checked before the cache is touched) 1 a sequence length out of range of its
 // block table, 2 a block id out of range, 3 an unsupported shape (K not a multiple of 32, head
-// dim odd or over 1024), 4 a slot out of range.
+// dim odd or over 1024), 4 a slot out of range, 5 an unknown cache type.
 extern "C" int disagg_decode_layers(const DecoderStep* a) {
   const int64_t T = a->T, H = a->H, Hq = a->Hq, Hkv = a->Hkv, D = a->D, I = a->I;
   const int threads = a->threads;
   if (H % disagg_quant::QK || (Hq * D) % disagg_quant::QK || I % disagg_quant::QK ||
       D % 2 || D > kMaxHeadDim)
     return 3;
+  if (a->kv_dtype != disagg_half::kF32 && a->kv_dtype != disagg_half::kBF16 &&
+      a->kv_dtype != disagg_half::kF16)
+    return 5;
   for (int64_t t = 0; t < T; ++t) {
     if (!(a->lens[t] >= 1 && a->lens[t] <= a->max_blocks * a->B)) return 1;
     for (int64_t i = 0; i < (a->lens[t] + a->B - 1) / a->B; ++i) {
@@ -293,13 +348,22 @@ extern "C" int disagg_decode_layers(const DecoderStep* a) {
     const float* hs = res ? h.data() : x;
     linear(n.data(), T, H, L.qkv, L.qkv_type, W, L.qkv_bias, qkv.data(), xb, threads);
     // RoPE of the q | k heads of each row in place; k, v into the cache (slots checked above)
-    disagg_rope_store(qkv.data(), W, qkv.data() + (Hq + Hkv) * D, W, a->cos, a->sin, L.kv, T,
-                      Hq, Hkv, D, a->N, a->B, a->s_blk, a->s_kv, a->s_h, a->s_tok,
-                      a->slot_block, a->slot_offset, 1);
+    disagg_rope_store(qkv.data(), W, qkv.data() + (Hq + Hkv) * D, W, a->cos, a->sin, L.kv,
+                      a->kv_dtype, T, Hq, Hkv, D, a->N, a->B, a->s_blk, a->s_kv, a->s_h,
+                      a->s_tok, a->slot_block, a->slot_offset, 1);
     for (int64_t t = 0; t < T; ++t)  // q rows dense for the attention kernel: [T, Hq, D]
       std::memcpy(q.data() + t * Hq * D, qkv.data() + t * W, sizeof(float) * Hq * D);
-    attend(q.data(), L.kv, a->tables, a->s_tab, a->lens, att.data(), T, Hq, Hkv, D, a->B,
-           a->s_blk, a->s_kv, a->s_h, a->s_tok, static_cast<float>(a->scale), threads);
+#define DISAGG_ATTEND(C)                                                                     \
+  attend(q.data(), static_cast<const C*>(L.kv), a->tables, a->s_tab, a->lens, att.data(), T, \
+         Hq, Hkv, D, a->B, a->s_blk, a->s_kv, a->s_h, a->s_tok,                             \
+         static_cast<float>(a->scale), threads)
+    if (a->kv_dtype == disagg_half::kF32)
+      DISAGG_ATTEND(float);
+    else if (a->kv_dtype == disagg_half::kBF16)
+      DISAGG_ATTEND(bf16);
+    else
+      DISAGG_ATTEND(f16);
+#undef DISAGG_ATTEND
     linear(att.data(), T, Hq * D, L.o, L.o_type, H, nullptr, o.data(), xb, threads);
     // h2 = h + o; n = ln2 * norm(h2)
     disagg_add_rms_norm(o.data(), H, hs, H, L.ln2, n.data(), h2.data(), T, H, feps, threads);

@@ -15,18 +15,21 @@
 //                          qk  [T, Hq + Hkv, D] at row stride s_qk, heads dense
 //                          v   [T, Hkv, D] at row stride s_v, heads dense
 //                          cos, sin [T, D] contiguous
-//                          kv  [N, 2, Hkv, B, D] strided (s_blk, s_kv, s_h, s_tok), last dim dense
+//                          kv  [N, 2, Hkv, B, D] strided (s_blk, s_kv, s_h, s_tok), last dim dense;
+//                              float32, bfloat16 or float16 (kv_dtype: half.h's codes)
 //                        The arithmetic is apply_rope's, product by product and rounded the
 //                        same way (no fused multiply-add: see the pragma below), so q, k and
-//                        the cache hold the bits the PyTorch path writes.
+//                        the cache hold the bits the PyTorch path writes (a 16-bit cache: the
+//                        float32 values rounded to nearest even, as write_kv's .to()).
 //
-// float32 only (the CPU engine's dtype). A plain C ABI over raw pointers, strides and sizes,
+// q, k, v float32 (the CPU engine's dtype). A plain C ABI over raw pointers, strides and sizes,
 // as the other kernels here; cpu_ops.py checks dtypes, layouts and devices.
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
+#include "half.h"
 #include "parallel_for.h"
 
 // x * c + y * s must round each product, as PyTorch's separate mul and add kernels do.
@@ -82,36 +85,63 @@ extern "C" void disagg_add_rms_norm(const float* x, int64_t s_x, const float* re
   });
 }
 
+namespace {
+
+// disagg_rope_store's rows [b, e) into a cache of C (float, or 16-bit: each value rounded to
+// nearest even, as write_kv's .to(cache dtype)).
+template <typename C>
+void rope_store_rows(float* qk, int64_t s_qk, const float* v, int64_t s_v, const float* cos,
+                     const float* sin, C* kv, int64_t Hq, int64_t Hkv, int64_t D,
+                     int64_t s_blk, int64_t s_kv, int64_t s_h, int64_t s_tok,
+                     const int64_t* slot_block, const int64_t* slot_offset, int64_t b,
+                     int64_t e) {
+  const int64_t half = D / 2;
+  float tmp[kMaxHeadDim];
+  for (int64_t t = b; t < e; ++t) {
+    const float* c = cos + t * D;
+    const float* s = sin + t * D;
+    C* cache = kv + slot_block[t] * s_blk + slot_offset[t] * s_tok;
+    for (int64_t hd = 0; hd < Hq + Hkv; ++hd) {
+      float* x = qk + t * s_qk + hd * D;
+      for (int64_t j = 0; j < half; ++j) tmp[j] = x[j] * c[j] - x[j + half] * s[j];
+      for (int64_t j = half; j < D; ++j) tmp[j] = x[j] * c[j] + x[j - half] * s[j];
+      std::memcpy(x, tmp, sizeof(float) * D);
+      if (hd >= Hq) disagg_half::store_row(tmp, cache + (hd - Hq) * s_h, D);
+    }
+    for (int64_t hd = 0; hd < Hkv; ++hd)
+      disagg_half::store_row(v + t * s_v + hd * D, cache + s_kv + hd * s_h, D);
+  }
+}
+
+}  // namespace
+
 // Returns 0, or before writing anything: 1 a block id out of range [0, N), 2 an offset out
-// of range [0, B), 3 an odd or too large head dim.
+// of range [0, B), 3 an odd or too large head dim, 5 an unknown cache type.
 extern "C" int disagg_rope_store(float* qk, int64_t s_qk, const float* v, int64_t s_v,
-                                 const float* cos, const float* sin, float* kv, int64_t T,
-                                 int64_t Hq, int64_t Hkv, int64_t D, int64_t N, int64_t B,
-                                 int64_t s_blk, int64_t s_kv, int64_t s_h, int64_t s_tok,
-                                 const int64_t* slot_block, const int64_t* slot_offset,
-                                 int threads) {
+                                 const float* cos, const float* sin, void* kv, int kv_dtype,
+                                 int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t N,
+                                 int64_t B, int64_t s_blk, int64_t s_kv, int64_t s_h,
+                                 int64_t s_tok, const int64_t* slot_block,
+                                 const int64_t* slot_offset, int threads) {
   if (D % 2 != 0 || D > kMaxHeadDim) return 3;
+  if (kv_dtype != disagg_half::kF32 && kv_dtype != disagg_half::kBF16 &&
+      kv_dtype != disagg_half::kF16)
+    return 5;
   for (int64_t t = 0; t < T; ++t) {
     if (!(slot_block[t] >= 0 && slot_block[t] < N)) return 1;
     if (!(slot_offset[t] >= 0 && slot_offset[t] < B)) return 2;
   }
-  const int64_t half = D / 2;
   disagg::parallel_for(0, T, kGrainRows, threads, [&](int64_t b, int64_t e) {
-    float tmp[kMaxHeadDim];
-    for (int64_t t = b; t < e; ++t) {
-      const float* c = cos + t * D;
-      const float* s = sin + t * D;
-      float* cache = kv + slot_block[t] * s_blk + slot_offset[t] * s_tok;
-      for (int64_t hd = 0; hd < Hq + Hkv; ++hd) {
-        float* x = qk + t * s_qk + hd * D;
-        for (int64_t j = 0; j < half; ++j) tmp[j] = x[j] * c[j] - x[j + half] * s[j];
-        for (int64_t j = half; j < D; ++j) tmp[j] = x[j] * c[j] + x[j - half] * s[j];
-        std::memcpy(x, tmp, sizeof(float) * D);
-        if (hd >= Hq) std::memcpy(cache + (hd - Hq) * s_h, tmp, sizeof(float) * D);
-      }
-      for (int64_t hd = 0; hd < Hkv; ++hd)
-        std::memcpy(cache + s_kv + hd * s_h, v + t * s_v + hd * D, sizeof(float) * D);
-    }
+#define DISAGG_ROPE_STORE(C)                                                                \
+  rope_store_rows(qk, s_qk, v, s_v, cos, sin, static_cast<C*>(kv), Hq, Hkv, D, s_blk, s_kv, \
+                  s_h, s_tok, slot_block, slot_offset, b, e)
+    if (kv_dtype == disagg_half::kF32)
+      DISAGG_ROPE_STORE(float);
+    else if (kv_dtype == disagg_half::kBF16)
+      DISAGG_ROPE_STORE(disagg_half::bf16);
+    else
+      DISAGG_ROPE_STORE(disagg_half::f16);
+#undef DISAGG_ROPE_STORE
   });
   return 0;
 }

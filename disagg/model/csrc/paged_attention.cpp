@@ -24,101 +24,36 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
+#include "half.h"
 #include "parallel_for.h"
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
-// bfloat16 and IEEE half as torch stores them, converted as c10::BFloat16 / c10::Half do.
-struct bf16 {
-  uint16_t x;
-  operator float() const {
-    const uint32_t u = static_cast<uint32_t>(x) << 16;
-    float f;
-    std::memcpy(&f, &u, sizeof(f));
-    return f;
-  }
-};
-struct f16 {
-  uint16_t x;
-  operator float() const;
-};
+using disagg_half::bf16;
+using disagg_half::f16;
+using disagg_half::from_float;
+using disagg_half::load_row;
 
-inline bf16 to_bf16(float f) {  // round to nearest even; NaN -> 0x7FC0 (c10's)
-  if (std::isnan(f)) return bf16{0x7FC0};
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  const uint32_t rounding_bias = ((u >> 16) & 1) + UINT32_C(0x7FFF);
-  return bf16{static_cast<uint16_t>((u + rounding_bias) >> 16)};
-}
-
-inline float bits_f32(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-inline uint32_t f32_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return u;
-}
-
-#if defined(__F16C__)
-f16::operator float() const { return _cvtsh_ss(x); }
-inline f16 to_f16(float f) {
-  return f16{static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT))};
-}
-#else
-// c10's portable conversions (from the FP16 library), exact / round to nearest even.
-f16::operator float() const {
-  const uint32_t w = static_cast<uint32_t>(x) << 16;
-  const uint32_t sign = w & UINT32_C(0x80000000);
-  const uint32_t two_w = w + w;
-  const uint32_t exp_offset = UINT32_C(0xE0) << 23;
-  const float exp_scale = bits_f32(UINT32_C(0x7800000));
-  const float normalized = bits_f32((two_w >> 4) + exp_offset) * exp_scale;
-  const uint32_t magic_mask = UINT32_C(126) << 23;
-  const float magic_bias = 0.5f;
-  const float denormalized = bits_f32((two_w >> 17) | magic_mask) - magic_bias;
-  const uint32_t denormalized_cutoff = UINT32_C(1) << 27;
-  const uint32_t result =
-      sign | (two_w < denormalized_cutoff ? f32_bits(denormalized) : f32_bits(normalized));
-  return bits_f32(result);
-}
-inline f16 to_f16(float f) {
-  const float scale_to_inf = bits_f32(UINT32_C(239) << 23);
-  const float scale_to_zero = bits_f32(UINT32_C(17) << 23);
-  float base = (std::fabs(f) * scale_to_inf) * scale_to_zero;
-  const uint32_t w = f32_bits(f);
-  const uint32_t shl1_w = w + w;
-  const uint32_t sign = w & UINT32_C(0x80000000);
-  uint32_t bias = shl1_w & UINT32_C(0xFF000000);
-  if (bias < UINT32_C(0x71000000)) bias = UINT32_C(0x71000000);
-  base = bits_f32((bias >> 1) + UINT32_C(0x07800000)) + base;
-  const uint32_t bits = f32_bits(base);
-  const uint32_t exp_bits = (bits >> 13) & UINT32_C(0x00007C00);
-  const uint32_t mantissa_bits = bits & UINT32_C(0x00000FFF);
-  const uint32_t nonsign = exp_bits + mantissa_bits;
-  return f16{static_cast<uint16_t>((sign >> 16) |
-                                   (shl1_w > UINT32_C(0xFF000000) ? UINT16_C(0x7E00) : nonsign))};
-}
-#endif
-
-template <typename T> inline T from_float(float f) { return static_cast<T>(f); }
-template <> inline bf16 from_float<bf16>(float f) { return to_bf16(f); }
-template <> inline f16 from_float<f16>(float f) { return to_f16(f); }
-
-template <typename T>
-void decode(const T* qp, const T* kvp, const int64_t* tab, const int64_t* lp, T* op, int64_t S,
+// q and out of T, the cache of C (T itself, or a 16-bit cache under float32 queries).
+template <typename T, typename C>
+void decode(const T* qp, const C* kvp, const int64_t* tab, const int64_t* lp, T* op, int64_t S,
             int64_t Hq, int64_t D, int64_t Hkv, int64_t B, int64_t s_blk, int64_t s_kv,
             int64_t s_h, int64_t s_tok, int64_t s_tab, float fscale, int threads) {
   const int64_t G = Hq / Hkv;
   disagg::parallel_for(0, S * Hkv, 1, threads, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), scores, inv(G);
+    std::vector<float> qf(G * D), acc(G * D), scores, inv(G), row(D);
+    // a cache row as floats: in place for a float cache, else converted into `row`
+    auto as_float = [&](const C* p) -> const float* {
+      if constexpr (std::is_same_v<C, float>) {
+        return p;
+      } else {
+        load_row(p, row.data(), D);
+        return row.data();
+      }
+    };
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / Hkv, h = item % Hkv;
       const int64_t L = lp[s];
@@ -130,15 +65,15 @@ void decode(const T* qp, const T* kvp, const int64_t* tab, const int64_t* lp, T*
       // Pass 1: scores[g][t] = q_g . k_t
       for (int64_t t0 = 0; t0 < L; t0 += B) {
         const int64_t blk = tab[s * s_tab + t0 / B];
-        const T* kb = kvp + blk * s_blk + h * s_h;  // K of this block and head
+        const C* kb = kvp + blk * s_blk + h * s_h;  // K of this block and head
         const int64_t n = std::min(B, L - t0);
         for (int64_t j = 0; j < n; ++j) {
-          const T* k = kb + j * s_tok;
+          const float* k = as_float(kb + j * s_tok);
           for (int64_t g = 0; g < G; ++g) {
             const float* qg = qf.data() + g * D;
             float a = 0.f;
 #pragma omp simd reduction(+ : a)
-            for (int64_t d = 0; d < D; ++d) a += qg[d] * static_cast<float>(k[d]);
+            for (int64_t d = 0; d < D; ++d) a += qg[d] * k[d];
             scores[g * L + t0 + j] = a;
           }
         }
@@ -159,15 +94,15 @@ void decode(const T* qp, const T* kvp, const int64_t* tab, const int64_t* lp, T*
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < L; t0 += B) {
         const int64_t blk = tab[s * s_tab + t0 / B];
-        const T* vb = kvp + blk * s_blk + s_kv + h * s_h;  // V of this block and head
+        const C* vb = kvp + blk * s_blk + s_kv + h * s_h;  // V of this block and head
         const int64_t n = std::min(B, L - t0);
         for (int64_t j = 0; j < n; ++j) {
-          const T* v = vb + j * s_tok;
+          const float* v = as_float(vb + j * s_tok);
           for (int64_t g = 0; g < G; ++g) {
             const float p = scores[g * L + t0 + j];
             float* ag = acc.data() + g * D;
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) ag[d] += p * static_cast<float>(v[d]);
+            for (int64_t d = 0; d < D; ++d) ag[d] += p * v[d];
           }
         }
       }
@@ -181,12 +116,13 @@ void decode(const T* qp, const T* kvp, const int64_t* tab, const int64_t* lp, T*
 
 }  // namespace
 
-// The kernel's C entry point; dtype: 0 float32, 1 float64, 2 bfloat16, 3 float16.
+// The kernel's C entry point; dtype (q and out) and kv_dtype (the cache): 0 float32,
+// 1 float64, 2 bfloat16, 3 float16, the same for both or a float32 q over a 16-bit cache.
 // Returns 0, or before touching anything: 1 a sequence length out of range of its block table,
-// 2 a block id out of range [0, N), 3 an unknown dtype.
+// 2 a block id out of range [0, N), 3 an unknown dtype or pair.
 extern "C" int disagg_paged_decode_attention(
     const void* q, const void* kv, const int64_t* tables, const int64_t* lens, void* out,
-    int dtype, int64_t S, int64_t Hq, int64_t D, int64_t Hkv, int64_t B, int64_t N,
+    int dtype, int kv_dtype, int64_t S, int64_t Hq, int64_t D, int64_t Hkv, int64_t B, int64_t N,
     int64_t s_blk, int64_t s_kv, int64_t s_h, int64_t s_tok, int64_t s_tab, int64_t max_blocks,
     double scale, int threads) {
   // Checked here, not in the parallel loop: a bad id would read outside the cache.
@@ -198,16 +134,21 @@ extern "C" int disagg_paged_decode_attention(
     }
   }
   const float fscale = static_cast<float>(scale);
-#define DISAGG_DECODE(T)                                                                    \
-  decode<T>(static_cast<const T*>(q), static_cast<const T*>(kv), tables, lens,              \
-            static_cast<T*>(out), S, Hq, D, Hkv, B, s_blk, s_kv, s_h, s_tok, s_tab, fscale, \
-            threads)
-  switch (dtype) {
-    case 0: DISAGG_DECODE(float); return 0;
-    case 1: DISAGG_DECODE(double); return 0;
-    case 2: DISAGG_DECODE(bf16); return 0;
-    case 3: DISAGG_DECODE(f16); return 0;
-    default: return 3;
+#define DISAGG_DECODE(T, C)                                                                 \
+  decode<T, C>(static_cast<const T*>(q), static_cast<const C*>(kv), tables, lens,           \
+               static_cast<T*>(out), S, Hq, D, Hkv, B, s_blk, s_kv, s_h, s_tok, s_tab,      \
+               fscale, threads)
+  if (kv_dtype == dtype) {
+    switch (dtype) {
+      case 0: DISAGG_DECODE(float, float); return 0;
+      case 1: DISAGG_DECODE(double, double); return 0;
+      case 2: DISAGG_DECODE(bf16, bf16); return 0;
+      case 3: DISAGG_DECODE(f16, f16); return 0;
+      default: return 3;
+    }
   }
+  if (dtype == 0 && kv_dtype == 2) return DISAGG_DECODE(float, bf16), 0;
+  if (dtype == 0 && kv_dtype == 3) return DISAGG_DECODE(float, f16), 0;
+  return 3;
 #undef DISAGG_DECODE
 }
