@@ -1,10 +1,12 @@
 """A CPU worker's prefill memory (issue 43, item 3): chunked prefill by default on CPU
 (``DEFAULT_CPU_MAX_NUM_TOKENS``), the chunk-over-context attention without a ``[G*n, L]`` mask
 copy (``attention._attend_chunk``), and the heap handed back after a prefill step
-(``runner.TRIM_AFTER_TOKENS``); outputs stay those of a whole-prompt step."""
+(``runner.TRIM_AFTER_TOKENS``), oneDNN's primitive cache bounded (``ONEDNN_PRIMITIVE_CACHE``), a
+16-bit KV cache (``kv_cache_dtype``); outputs stay those of a whole-prompt step."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -14,7 +16,7 @@ from disagg import SamplingParams
 from disagg.config import DEFAULT_CPU_MAX_NUM_TOKENS, SchedulerConfig, build_engine_config
 from disagg.engine import LLMEngine
 from disagg.model.attention import _attend_chunk, _attend_grouped
-from disagg.runner import TRIM_AFTER_TOKENS
+from disagg.runner import ONEDNN_PRIMITIVE_CACHE, TRIM_AFTER_TOKENS
 
 
 def test_cpu_default_chunks_the_prefill(tiny_llama: str) -> None:
@@ -92,6 +94,18 @@ def test_a_16bit_cache_gives_the_same_tokens_however_the_prompt_is_chunked(
     prompts = [[rng.randrange(3, 200) for _ in range(n)] for n in (300, 97, 5)]
     whole = _greedy(tiny_llama, prompts, max_num_tokens=4096, kv_cache_dtype=kv_dtype)
     assert _greedy(tiny_llama, prompts, max_num_tokens=64, kv_cache_dtype=kv_dtype) == whole
+
+
+def test_cpu_runner_bounds_onednn_primitive_cache(tiny_llama: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU engine sets oneDNN's primitive cache to ONEDNN_PRIMITIVE_CACHE entries unless the
+    user set it (oneDNN reads it at its first primitive, after the engine starts)."""
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    LLMEngine.from_options(tiny_llama, device="cpu", kv_cache_tokens=256)
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_PRIMITIVE_CACHE)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+    LLMEngine.from_options(tiny_llama, device="cpu", kv_cache_tokens=256)
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"
 
 
 def test_prefill_steps_hand_the_heap_back(tiny_llama: str) -> None:
