@@ -42,16 +42,18 @@ logger = logging.getLogger("disagg.runner")
 TRIM_AFTER_TOKENS = 64
 
 
-# oneDNN (torch's bfloat16 GEMMs on CPU: the quantized models' prefill tiles) keeps up to 1024
-# primitives, each with its JIT code, one per (rows, out, in) shape: a server's mixed steps come
-# in every row count up to max_num_tokens, so it kept hundreds (SmolLM2 Q4_1, 16 streams through
-# disagg serve: peak RSS 733 MiB, 690 with 16 kept, the same tokens/s). oneDNN reads the
-# variable once, at its first primitive; a value the user set wins.
+# torch's bfloat16 GEMMs on CPU (the quantized models' prefill tiles) go through ideep and
+# oneDNN, which keep up to 1024 matmuls each (ideep's LRU of computations, oneDNN's primitives
+# with their JIT code), one per (rows, out, in) shape: a server's mixed steps come in every row
+# count up to max_num_tokens, so they kept hundreds (SmolLM2 Q4_1, 16 streams through disagg
+# serve: peak RSS 733 MiB; 690 with oneDNN's held to 16, 625 with ideep's too, the same
+# tokens/s). Both read their variable once, at first use; a value the user set wins.
 ONEDNN_PRIMITIVE_CACHE = 16
 
 
 def _limit_onednn_cache() -> None:
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE))
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(name, str(ONEDNN_PRIMITIVE_CACHE))
 
 
 def _malloc_trim() -> Callable[[int], int] | None:

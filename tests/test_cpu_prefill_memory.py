@@ -98,14 +98,16 @@ def test_a_16bit_cache_gives_the_same_tokens_however_the_prompt_is_chunked(
 
 def test_cpu_runner_bounds_onednn_primitive_cache(tiny_llama: str,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """A CPU engine sets oneDNN's primitive cache to ONEDNN_PRIMITIVE_CACHE entries unless the
-    user set it (oneDNN reads it at its first primitive, after the engine starts)."""
-    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    """A CPU engine sets oneDNN's primitive cache and ideep's LRU of matmuls to
+    ONEDNN_PRIMITIVE_CACHE entries unless the user set them (both read their variable at first
+    use, after the engine starts)."""
+    names = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "64")
     LLMEngine.from_options(tiny_llama, device="cpu", kv_cache_tokens=256)
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_PRIMITIVE_CACHE)
-    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
-    LLMEngine.from_options(tiny_llama, device="cpu", kv_cache_tokens=256)
-    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"
+    assert os.environ["LRU_CACHE_CAPACITY"] == "64"  # the user's
 
 
 def test_prefill_steps_hand_the_heap_back(tiny_llama: str) -> None:
