@@ -24,8 +24,6 @@
 // model/cpu_decoder.py, which checks that a model and a step qualify). Scratch buffers are
 // thread-local vectors, grown on demand and reused by every call.
 
-#include <type_traits>
-
 #include "quant_gemm.h"
 
 // elementwise.cpp turns off fp-contract for its RoPE's bits; not for the code below
@@ -197,16 +195,7 @@ void attend(const float* q, const C* kv, const int64_t* tab, int64_t s_tab,
   // thread's own (empty) instance
   float *const pm_p = pm.data(), *const pl_p = pl.data(), *const pacc_p = pacc.data();
   disagg::parallel_for(0, items, 1, threads, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, qf(G * D), row(D);
-    // a cache row as floats (the scalar path): in place, or converted into `row`
-    auto as_float = [&](const C* p) -> const float* {
-      if constexpr (std::is_same_v<C, float>) {
-        return p;
-      } else {
-        disagg_half::load_row(p, row.data(), D);
-        return row.data();
-      }
-    };
+    std::vector<float> scores, qf(G * D), row(D);  // row: a 16-bit key (scalar path)
     for (int64_t item = begin; item < end; ++item) {
       const int64_t c = item % splits, h = (item / splits) % Hkv, t = item / (splits * Hkv);
       const int64_t L = lens[t], nblk = (L + B - 1) / B;
@@ -236,7 +225,7 @@ void attend(const float* q, const C* kv, const int64_t* tab, int64_t s_tab,
             }
             for (int64_t g = 0; g < G; ++g) scores[g * n + j0 + j] = hsum16(a[g]);
           } else {
-            const float* k = as_float(kb + j * s_tok);
+            const float* k = disagg_half::as_floats(kb + j * s_tok, row.data(), D);
             for (int64_t g = 0; g < G; ++g) {
               const float* qg = qf.data() + g * D;
               float a = 0.f;
@@ -269,7 +258,7 @@ void attend(const float* q, const C* kv, const int64_t* tab, int64_t s_tab,
             }
             continue;
           }
-          const float* v = as_float(vb + j * s_tok);
+          const float* v = disagg_half::as_floats(vb + j * s_tok, row.data(), D);
           for (int64_t g = 0; g < G; ++g) {
             const float p = scores[g * n + j0 + j];
             float* ag = acc + g * D;

@@ -39,11 +39,12 @@ struct f16 {
   operator float() const;
 };
 
-inline bf16 to_bf16(float f) {  // round to nearest even; NaN -> 0x7FC0 (c10's)
-  if (std::isnan(f)) return bf16{0x7FC0};
+// Round to nearest even; NaN -> 0x7FC0 (c10's). A select, not a branch: loops over it vectorise.
+inline bf16 to_bf16(float f) {
   const uint32_t u = f32_bits(f);
-  const uint32_t rounding_bias = ((u >> 16) & 1) + UINT32_C(0x7FFF);
-  return bf16{static_cast<uint16_t>((u + rounding_bias) >> 16)};
+  const uint32_t rounded = (u + UINT32_C(0x7FFF) + ((u >> 16) & 1)) >> 16;
+  return bf16{static_cast<uint16_t>((u & UINT32_C(0x7FFFFFFF)) > UINT32_C(0x7F800000)
+                                        ? UINT32_C(0x7FC0) : rounded)};
 }
 
 #if defined(__F16C__)
@@ -107,6 +108,13 @@ template <> inline void load_row<f16>(const f16* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 #endif
+
+// Row p of n values as floats: p itself for a float row, else converted into buf (n floats).
+template <typename C> inline const float* as_floats(const C* p, float* buf, int64_t n) {
+  load_row(p, buf, n);
+  return buf;
+}
+template <> inline const float* as_floats<float>(const float* p, float*, int64_t) { return p; }
 
 // dst[i] = C(src[i]) rounded to nearest even, i < n.
 template <typename C> inline void store_row(const float* src, C* dst, int64_t n) {

@@ -24,7 +24,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #include "half.h"
@@ -35,7 +34,6 @@ namespace {
 using disagg_half::bf16;
 using disagg_half::f16;
 using disagg_half::from_float;
-using disagg_half::load_row;
 
 // q and out of T, the cache of C (T itself, or a 16-bit cache under float32 queries).
 template <typename T, typename C>
@@ -44,16 +42,7 @@ void decode(const T* qp, const C* kvp, const int64_t* tab, const int64_t* lp, T*
             int64_t s_h, int64_t s_tok, int64_t s_tab, float fscale, int threads) {
   const int64_t G = Hq / Hkv;
   disagg::parallel_for(0, S * Hkv, 1, threads, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), scores, inv(G), row(D);
-    // a cache row as floats: in place for a float cache, else converted into `row`
-    auto as_float = [&](const C* p) -> const float* {
-      if constexpr (std::is_same_v<C, float>) {
-        return p;
-      } else {
-        load_row(p, row.data(), D);
-        return row.data();
-      }
-    };
+    std::vector<float> qf(G * D), acc(G * D), scores, inv(G), row(D);  // row: a 16-bit key
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / Hkv, h = item % Hkv;
       const int64_t L = lp[s];
@@ -68,7 +57,7 @@ void decode(const T* qp, const C* kvp, const int64_t* tab, const int64_t* lp, T*
         const C* kb = kvp + blk * s_blk + h * s_h;  // K of this block and head
         const int64_t n = std::min(B, L - t0);
         for (int64_t j = 0; j < n; ++j) {
-          const float* k = as_float(kb + j * s_tok);
+          const float* k = disagg_half::as_floats(kb + j * s_tok, row.data(), D);
           for (int64_t g = 0; g < G; ++g) {
             const float* qg = qf.data() + g * D;
             float a = 0.f;
@@ -97,7 +86,7 @@ void decode(const T* qp, const C* kvp, const int64_t* tab, const int64_t* lp, T*
         const C* vb = kvp + blk * s_blk + s_kv + h * s_h;  // V of this block and head
         const int64_t n = std::min(B, L - t0);
         for (int64_t j = 0; j < n; ++j) {
-          const float* v = as_float(vb + j * s_tok);
+          const float* v = disagg_half::as_floats(vb + j * s_tok, row.data(), D);
           for (int64_t g = 0; g < G; ++g) {
             const float p = scores[g * L + t0 + j];
             float* ag = acc.data() + g * D;

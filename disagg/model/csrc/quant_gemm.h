@@ -39,6 +39,7 @@
 #include <immintrin.h>
 #endif
 
+#include "half.h"
 #include "parallel_for.h"
 
 namespace disagg_quant {
@@ -57,30 +58,8 @@ inline int block_bytes(int type) {
   }
 }
 
-inline float f16_to_f32(uint16_t h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = uint32_t(h & 0x8000) << 16;
-  uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
-  if (exp == 0) {
-    if (man == 0) {
-      bits = sign;
-    } else {  // subnormal: normalise
-      exp = 127 - 15 + 1;
-      while (!(man & 0x400)) { man <<= 1; --exp; }
-      bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7F800000 | (man << 13);
-  } else {
-    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-#endif
-}
+// A block's scale (IEEE half) as float: half.h's conversion (F16C where there is one).
+inline float f16_to_f32(uint16_t h) { return static_cast<float>(disagg_half::f16{h}); }
 
 inline uint16_t load_u16(const uint8_t* p) {
   uint16_t v;
@@ -291,18 +270,10 @@ inline void linear(const float* x, int64_t ldx, int64_t M, int64_t K, const uint
   gemm_quantized_x(type, w, N, K, xb.data(), M, bias, out, N, threads);
 }
 
-// float32 -> bfloat16, round to nearest even (as torch's conversion; NaN kept a NaN).
-inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? (u >> 16) | 0x40 : rounded);
-}
-
 // A block's 32 weights (computed in float32) stored as Out.
 inline void store_block(float* o, const float* v) { std::memcpy(o, v, sizeof(float) * QK); }
 inline void store_block(uint16_t* o, const float* v) {
-  for (int j = 0; j < QK; ++j) o[j] = to_bf16(v[j]);  // branch-free: vectorised
+  for (int j = 0; j < QK; ++j) o[j] = disagg_half::to_bf16(v[j]).x;  // branch-free: vectorised
 }
 
 // The weights of rows [n0, n1) -> out[(n1 - n0), K], float32 or (uint16_t) bfloat16.
