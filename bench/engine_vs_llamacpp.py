@@ -347,12 +347,16 @@ def _decode_stats(times: list[float]) -> dict[str, float]:
 
 
 def child_disagg(a: argparse.Namespace, prompts: dict[str, list[int]]) -> dict[str, Any]:
-    import torch
-
-    torch.set_num_threads(a.threads)
+    # disagg first, as a user's script does (``from disagg import LLM``): on a CPU-only torch
+    # its import then skips CUDA's Python packages (disagg/torch_import.py)
+    # isort: off
     from disagg import SamplingParams
     from disagg.engine import LLMEngine
     from disagg.model import kernels
+    import torch
+    # isort: on
+
+    torch.set_num_threads(a.threads)
 
     t0 = time.perf_counter()
     extra = {"gguf_weights": a.gguf_weights} if a.gguf_weights else {}

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from disagg.request import SamplingParams
+from disagg import torch_import
+
+# Before anything imports torch: a CPU-only torch then skips CUDA's Python packages (11.5 MiB
+# per process where UCX's CUDA build installed them; torch_import.py).
+torch_import.install()
+
+from disagg.request import SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]
