@@ -977,3 +977,23 @@ def test_smollm2_fetch_cli_uses_cache(smollm2: dict[str, str],
 
     assert main(["model", "fetch", "smollm2"]) == 0
     assert smollm2["dir"] in capsys.readouterr().out
+
+
+def test_the_type_table_is_ggmls() -> None:
+    """gguf_file.GGML_TYPES (the reader's own, so reading a file does not import the gguf
+    package) against gguf's: names, block sizes, bytes; the enum equal to gguf's member; an id
+    only gguf knows found there; an unknown one a ValueError."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from disagg.model.gguf_file import GGML_TYPES, ggml_type
+
+    for i, (name, block, size) in GGML_TYPES.items():
+        t = GGMLQuantizationType(i)
+        assert (name, (block, size)) == (t.name, GGML_QUANT_SIZES[t])
+        got, got_block, got_size = ggml_type(i)
+        assert got == t and got.name == t.name and (got_block, got_size) == (block, size)
+    newer = [t for t in GGMLQuantizationType if t.value not in GGML_TYPES]
+    for t in newer:
+        assert ggml_type(t.value) == (t, *GGML_QUANT_SIZES[t])
+    with pytest.raises(ValueError):
+        ggml_type(10_000)

@@ -424,6 +424,28 @@ def test_q4_model_agreement_with_the_float32_import(cache: Path, tmp_path: Path,
     llm.shutdown()
 
 
+def test_quantized_load_leaves_the_gguf_package_unimported(cache: Path, tmp_path: Path
+                                                           ) -> None:
+    """Reading the file (the format's type table, gguf_file.GGML_TYPES) and loading it
+    quantized (blocks and float32 norms) never import the ``gguf`` package (2.8 MiB of RSS and
+    the yaml it imports): a fresh interpreter, with the import already done here."""
+    import subprocess
+    import sys
+
+    path = _write(tmp_path, "noimport", {"gate_proj.weight": QT.Q4_1,
+                                         "up_proj.weight": QT.Q4_1}, tie=True)
+    qdir = imp.resolve_model_dir(str(path), "quantized")
+    code = (f"import sys, disagg\nfrom disagg.config import ModelConfig\n"
+            f"from disagg.model.loader import load_model\n"
+            f"m = load_model({qdir!r}, ModelConfig.from_dir({qdir!r}))\n"
+            f"print(sorted(k for k in sys.modules if k.split('.')[0] in ('gguf', 'yaml')))")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
 @needs_q8
 def test_mixed_formats_are_not_fused_and_others_are_floats(cache: Path, tmp_path: Path,
                                                           caplog: pytest.LogCaptureFixture

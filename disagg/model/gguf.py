@@ -59,7 +59,7 @@ from disagg.model.gguf_modes import GGUF_WEIGHT_MODES
 logger = logging.getLogger(__name__)
 
 # Bump when the files written change: cached imports are then redone.
-IMPORT_FORMAT_VERSION = 1
+IMPORT_FORMAT_VERSION = 2  # 2: tokenizer.json's merges as strings (save_tokenizer)
 
 # ggml type name -> what it is. Every one is dequantized by gguf.quants.dequantize and
 # checked against an independent decoder in tests/test_gguf.py.
@@ -205,11 +205,14 @@ def dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...], *, path
                name: str = "?") -> np.ndarray:
     """A GGUF tensor's raw ``data`` (as ``GGUFReader`` returns it) -> float32 of ``shape``
     (numpy order: GGUF's dims reversed). Raises ``GGUFError`` for a type not supported."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize as gguf_dequantize
-
     check_type(type_name, path, name)
-    values = gguf_dequantize(np.asarray(data), GGMLQuantizationType[type_name])
+    if type_name in ("F32", "F16"):  # already floats (norms): no decoder needed
+        values = np.asarray(data)
+    else:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize as gguf_dequantize
+
+        values = gguf_dequantize(np.asarray(data), GGMLQuantizationType[type_name])
     # A copy: the reader's arrays are views of a memory map that closes with the reader.
     return np.array(values.reshape(shape), dtype=np.float32, order="C", copy=True)
 
@@ -698,6 +701,25 @@ def build_tokenizer(meta: dict[str, Any], path: str = "?") -> tuple[Any, dict[st
 # -- writing -----------------------------------------------------------------------------------
 
 
+def save_tokenizer(tok: Any, file: str) -> None:
+    """``tok.save(file)``, with a BPE model's merges written as ``"left right"`` strings (the
+    form most published tokenizer.json files have) instead of ``[left, right]`` pairs where no
+    token of a merge holds a space (the two forms then mean the same): tokenizers keeps 2.4 MiB
+    less resident after loading SmolLM2's 48,900 merges in that form (15.4 -> 13.0 MiB)."""
+    tok.save(file)
+    with open(file, encoding="utf-8") as f:
+        data = json.load(f)
+    model = data.get("model") or {}
+    merges = model.get("merges")
+    if (model.get("type") != "BPE" or not merges
+            or not all(isinstance(m, list) and len(m) == 2 and " " not in m[0] + m[1]
+                       for m in merges)):
+        return
+    model["merges"] = [f"{a} {b}" for a, b in merges]
+    with open(file, "w", encoding="utf-8") as f:
+        json.dump(data, f, ensure_ascii=False)
+
+
 def import_gguf(path: str, out_dir: str, weights: str = "float32") -> str:
     """Write the Hugging Face folder for the GGUF ``path`` into ``out_dir`` (created, files
     overwritten); return ``out_dir``. Raises ``GGUFError`` naming the key or tensor that
@@ -746,7 +768,7 @@ def import_gguf(path: str, out_dir: str, weights: str = "float32") -> str:
     dump("generation_config.json", {k: cfg[k] for k in (
         "bos_token_id", "eos_token_id", "pad_token_id") if cfg[k] is not None})
     dump("tokenizer_config.json", tok_cfg)
-    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    save_tokenizer(tok, os.path.join(out_dir, "tokenizer.json"))
     if tensors is None:
         real = os.path.realpath(path)
         st = os.stat(real)
