@@ -997,3 +997,30 @@ def test_the_type_table_is_ggmls() -> None:
         assert ggml_type(t.value) == (t, *GGML_QUANT_SIZES[t])
     with pytest.raises(ValueError):
         ggml_type(10_000)
+
+
+def test_save_tokenizer_writes_merges_as_strings_where_that_is_unambiguous(tmp_path: Path
+                                                                           ) -> None:
+    """``save_tokenizer``: a BPE's merges as "left right" strings when no token of any merge
+    holds a space, else the [left, right] pairs tokenizers writes; either file encodes as the
+    tokenizer it was saved from."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from disagg.model.gguf import save_tokenizer
+
+    texts = ["ab abc", "abcab cab", "c a b", "a  bc"]
+    for spaced in (False, True):
+        vocab = {"a": 0, "b": 1, "c": 2, " ": 3, "ab": 4, "abc": 5, "c ": 6}
+        merges = [("a", "b"), ("ab", "c")] + ([("c", " ")] if spaced else [])
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+        if not spaced:
+            tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        file = tmp_path / f"tokenizer-{spaced}.json"
+        save_tokenizer(tok, str(file))
+        written = json.loads(file.read_text())["model"]["merges"]
+        if spaced:
+            assert written == [list(m) for m in merges]
+        else:
+            assert written == ["a b", "ab c"]
+        again = Tokenizer.from_file(str(file))
+        assert [again.encode(t).ids for t in texts] == [tok.encode(t).ids for t in texts]
