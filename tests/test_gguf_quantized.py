@@ -159,48 +159,6 @@ def test_block_linear_within_the_int8_input_bound(qtype: QT, n: int, k: int) -> 
 
 @needs_q8
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
-def test_gated_prefill_product_in_column_tiles(qtype: QT, monkeypatch: pytest.MonkeyPatch
-                                               ) -> None:
-    """A prefill's gate|up product taken apart in column tiles (``BlockWeight.gated``):
-    silu(x W_g^T) * (x W_u^T) on the GGUF's weights, each of gate and up within the GEMM's
-    rounding (as the untiled product: 2^-7 of |x| |w| in bfloat16, else float32's), carried
-    through silu (slope <= 1.1) and the product; the same through ``QuantizedRows`` (a model's
-    MLP); None where the fused product is used (few rows: the int8 kernel; another dtype)."""
-    from disagg.model import quant
-    from disagg.model.llama import silu_mul_reference
-
-    inter, k = 200, 256
-    w, ref_w = _block_weight(qtype, 2 * inter, k, 7 + int(qtype))
-    # at most 64 columns a tile: 4 tiles of 50 ([0, 50) [50, 100) [100, 150) [150, 200))
-    monkeypatch.setattr(quant, "_GATED_TILE_FLOATS", 64 * 2 * k)
-    g = torch.Generator().manual_seed(int(qtype))
-    x = torch.randn(BLOCK_KERNEL_MAX_ROWS + 7, k, generator=g)
-    got = w.gated(x, silu_mul_reference)
-    assert got is not None and got.shape == (x.shape[0], inter) and got.dtype == torch.float32
-    gate, up = F.linear(x, ref_w).split(inter, -1)
-    rel = 2.0 ** -7 if BF16_GEMM else 1e-5
-    err_g, err_u = (rel * F.linear(x.abs(), ref_w.abs()) + 1e-4).split(inter, -1)
-    bound = 1.1 * err_g * (up.abs() + err_u) + F.silu(gate).abs() * err_u + 1e-5
-    err = (got - F.silu(gate) * up).abs()
-    assert bool((err <= bound).all()), float((err - bound).max())
-    assert float((err / bound).max()) > 1e-3  # the bound is not vacuous
-    # leading dims are kept; the untiled path (one tile) gives the same within the bound
-    monkeypatch.setattr(quant, "_GATED_TILE_FLOATS", 1 << 19)
-    whole = w.gated(x.view(1, *x.shape), silu_mul_reference)
-    assert whole is not None and whole.shape == (1, x.shape[0], inter)
-    assert bool(((whole[0] - F.silu(gate) * up).abs() <= bound).all())
-    # where the fused product runs instead
-    assert w.gated(x[:BLOCK_KERNEL_MAX_ROWS], silu_mul_reference) is None
-    assert w.gated(x.double(), silu_mul_reference) is None
-    layers = [Linear(k, inter, bias=False), Linear(k, inter, bias=False)]
-    rows = QuantizedRows(layers, w)
-    assert torch.equal(rows.gated(x, silu_mul_reference), whole[0])
-    assert QuantizedRows([Linear(k, 150, bias=False), Linear(k, 250, bias=False)],
-                         w).gated(x, silu_mul_reference) is None
-
-
-@needs_q8
-@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
 def test_block_kernel_is_bit_exact_where_nothing_rounds(qtype: QT) -> None:
     """Integer inputs whose blocks each hold a +-127 (8-bit rounding keeps them) and weights
     with power-of-two scales: every product and partial sum is exact in float32, whatever the

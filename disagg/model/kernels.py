@@ -215,21 +215,15 @@ class QuantKernel:
         return out
 
     def dequantize(self, blocks: torch.Tensor, type_name: str, k: int, n0: int = 0,
-                   n1: int | None = None, dtype: torch.dtype = _F32,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   n1: int | None = None, dtype: torch.dtype = _F32) -> torch.Tensor:
         """The weights of rows ``[n0, n1)`` (default: all), ``[n1 - n0, K]``, in float32 (the
-        file's exactly) or bfloat16 (rounded to nearest even); written into ``out`` when given
-        (contiguous, that shape, ``dtype``)."""
+        file's exactly) or bfloat16 (rounded to nearest even)."""
         n1 = blocks.shape[0] if n1 is None else n1
         if not 0 <= n0 <= n1 <= blocks.shape[0]:
             raise RuntimeError(f"quant: rows [{n0}, {n1}) out of range of {blocks.shape[0]}")
         if dtype not in self._deq:
             raise RuntimeError(f"quant: dequantize to {dtype}: only float32 or bfloat16")
-        if out is None:
-            out = torch.empty(n1 - n0, k, dtype=dtype)
-        elif not (out.is_cpu and out.dtype == dtype and out.is_contiguous()
-                  and tuple(out.shape) == (n1 - n0, k)):
-            raise RuntimeError(f"quant: out must be a contiguous {dtype} CPU [{n1 - n0}, {k}]")
+        out = torch.empty(n1 - n0, k, dtype=dtype)
         if n1 > n0:
             self._deq[dtype](BLOCK_TYPES[type_name][0], blocks.data_ptr(), k, n0, n1,
                              out.data_ptr(), _num_threads())

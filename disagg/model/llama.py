@@ -173,12 +173,6 @@ class FusedRows:
         # split_with_sizes: Tensor.split's Python wrapper costs more than the views (decode)
         return self.matmul(x).split_with_sizes(self.sizes, dim=-1)
 
-    def gated(self, x: torch.Tensor, act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-              ) -> torch.Tensor | None:
-        """A gate|up pair's ``act(gate, up)`` taken apart in tiles, or None: the caller runs
-        ``__call__`` (dense weights: always; ``QuantizedRows`` may)."""
-        return None
-
 
 class QuantizedRows:
     """``FusedRows`` of quantized layers: one quantized weight holds their rows, fused before
@@ -198,15 +192,6 @@ class QuantizedRows:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.matmul(x).split_with_sizes(self.sizes, dim=-1)
-
-    def gated(self, x: torch.Tensor, act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-              ) -> torch.Tensor | None:
-        """``act(gate, up)`` without the whole ``[T, 2I]`` product where the weight can
-        (``quant.BlockWeight.gated``: a prefill's rows), else None."""
-        gated = getattr(self.weight, "gated", None)
-        if gated is None or len(self.sizes) != 2 or self.sizes[0] != self.sizes[1]:
-            return None
-        return gated(x, act)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -385,21 +370,14 @@ class MLP(GatedMLP):
         # fuse_projections (or the GGUF loader): gate and up in one GEMM
         self.gate_up: FusedRows | QuantizedRows | None = None
 
-    def gated(self, x: torch.Tensor) -> torch.Tensor:
-        """``silu(gate(x)) * up(x)``: fused gate|up where it pays, in tiles where the weight
-        takes it apart (a quantized prefill: ``QuantizedRows.gated``)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None and self.gate_up.pays(x):
-            act = self.gate_up.gated(x, self.silu_mul)
-            if act is not None:
-                return act
             gate, up = self.gate_up(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.silu_mul(gate, up)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The [T, 2I] gate|up product dies with gated()'s frame, before down_proj's temporaries
-        return self._reduce(self.down_proj(self.gated(x)))
+        act = self.silu_mul(gate, up)
+        del gate, up  # the [T, 2I] product freed before the down projection's temporaries
+        return self._reduce(self.down_proj(act))
 
 
 def sparse_moe(config: ModelConfig, tp_rank: int, tp_size: int, expert_parallel: bool,

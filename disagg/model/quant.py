@@ -49,12 +49,6 @@ BF16_GEMM = bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)(
 # float32 tiles 5.3 / 8.4 / 26.6.
 BLOCK_KERNEL_MAX_ROWS = 64
 _DEQUANT_TILE_FLOATS = 1 << 21  # 8 MiB of float32 weights per dequantized tile
-# Weights per tile of a gate|up product taken apart (``BlockWeight.gated``): at most 1 MiB of
-# bfloat16 (SmolLM2: 4 tiles of 384 intermediate columns). Measured on its Q4_1 2,048-token
-# prefill (2 Xeon threads): the same speed as the whole product (2.24 vs 2.29 s, medians of 4),
-# 0-3 MiB less peak RSS there; a larger model saves more (Llama-3-8B, a 256-token chunk: the
-# 28 MiB float32 [T, 2I] product).
-_GATED_TILE_FLOATS = 1 << 19
 _F32, _BF16 = torch.float32, torch.bfloat16
 # Private aten ops (torch >= 2.6 on CPU); None where this torch has none.
 _INT4_MM = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
@@ -130,50 +124,6 @@ class BlockWeight(QuantizedWeight):
             tile = self.kernel.dequantize(self.blocks, self.type_name, k, n0, n1, dtype)
             out[:, n0:n1] = F.linear(xt, tile)
         return out if bias is None else out + bias
-
-    def gated(self, x: torch.Tensor, act: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-              ) -> torch.Tensor | None:
-        """``act(x W_g^T, x W_u^T)`` (SwiGLU's ``silu(gate) * up``) for this weight's rows as
-        ``[gate; up]`` (a fused gate_up, ``2I`` rows), where ``x`` has more rows than the
-        kernel takes (prefill); None otherwise (the caller runs the fused product).
-
-        The product is taken in column tiles of the intermediate dimension: tile
-        ``[j0, j1)`` dequantizes rows ``[j0, j1)`` (gate) and ``[I + j0, I + j1)`` (up) into
-        one bfloat16 ``[2s, K]`` tile, one GEMM gives ``[T, 2s]``, ``act`` writes columns
-        ``[j0, j1)`` of the result::
-
-            tile  [2s, K]  rows [0, s) gate j0..j1-1 | [s, 2s) up j0..j1-1
-            prod  [T, 2s]  cols [0, s) gate          | [s, 2s) up
-            out   [T, I]   cols [j0, j1) = act(gate, up)
-
-        So the ``[T, 2I]`` float32 product and the whole dequantized weight never exist (a
-        256-token chunk of SmolLM2: 3 MiB and 3.4 MiB). The same numbers as ``linear`` then
-        ``act``: each output is the same dot product over K, rounded to bfloat16 by the GEMM,
-        then widened to float32 for ``act``."""
-        n, k = self.out_features, self.in_features
-        if x.shape[-1] != k or n % 2 or x.dtype is not _F32:
-            return None
-        x2 = _rows2d(x, k)
-        if x2.shape[0] <= BLOCK_KERNEL_MAX_ROWS:
-            return None
-        inter = n // 2
-        dtype = _BF16 if BF16_GEMM else _F32
-        # Tiles of equal width (one GEMM shape: oneDNN builds one primitive for them all)
-        most = max(1, min(inter, _GATED_TILE_FLOATS // (2 * k)))
-        step = -(-inter // -(-inter // most))
-        xt = x2.to(dtype)
-        out = x2.new_empty(x2.shape[0], inter)
-        tile = torch.empty(2 * step, k, dtype=dtype)
-        for j0 in range(0, inter, step):
-            j1 = min(inter, j0 + step)
-            s = j1 - j0
-            w = tile[:2 * s]
-            self.kernel.dequantize(self.blocks, self.type_name, k, j0, j1, dtype, out=w[:s])
-            self.kernel.dequantize(self.blocks, self.type_name, k, inter + j0, inter + j1,
-                                   dtype, out=w[s:])
-            prod = F.linear(xt, w)
-            out[:, j0:j1] = act(prod[:, :s].float(), prod[:, s:].float())
-        return out.view(*x.shape[:-1], inter)
 
     def rows(self, lo: int, hi: int) -> BlockWeight:
         return BlockWeight(self.blocks[lo:hi], self.type_name, self.in_features,
