@@ -54,6 +54,10 @@ OPENAI_API_KEY             str             none                      ``disagg be
 DISAGG_ROUTER_UVLOOP       boolean         unset: uvloop if there    ``disagg router``'s event
                                                                      loop: true uvloop (an error
                                                                      without it), false asyncio's
+DISAGG_TORCH_CUDA_PY       boolean         false                     true: torch imports CUDA's
+                                                                     Python packages even where
+                                                                     its build has no GPU
+                                                                     (``torch_import.py``)
 DISAGG_LAUNCH_ID           str             none                      set by ``disagg launch``,
                                                                      fresh for each child start:
                                                                      ``disagg serve`` / ``router``
@@ -249,11 +253,16 @@ ROUTER_UVLOOP: EnvVar[bool | None] = EnvVar(
     "disagg router's event loop: true uvloop (an error when it is not installed), false "
     "asyncio's own; unset: uvloop when installed (a dependency except on Windows)")
 
+TORCH_CUDA_PY: EnvVar[bool] = EnvVar(
+    "DISAGG_TORCH_CUDA_PY", parse_bool, False,
+    "true: torch's import loads pynvml and cuda-bindings even where its build has no GPU (as "
+    "without disagg); false / unset: import disagg keeps them out of a CPU-only torch's import")
+
 VARIABLES: tuple[EnvVar, ...] = (
     CLUSTER_TOKEN, API_KEY, CPU_KERNELS, CUDA_ATTENTION, KERNEL_CACHE_DIR, CACHE, XDG_CACHE_HOME,
     DIST_TIMEOUT_S, STARTUP_TIMEOUT_S, KV_DEVICE_DIRECT, KV_RECV_POOL, KV_RUNS, KV_IPC,
     CUDA_VISIBLE_DEVICES,
-    UCX_TLS, OPENAI_API_KEY, ROUTER_UVLOOP, LAUNCH_ID)
+    UCX_TLS, OPENAI_API_KEY, ROUTER_UVLOOP, LAUNCH_ID, TORCH_CUDA_PY)
 
 
 def cache_root() -> str:

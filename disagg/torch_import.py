@@ -14,7 +14,7 @@ the build has neither CUDA nor ROCm (``cuda = None``, ``hip = None``): while tor
 ``torch.cuda._utils._HAS_CUDA_BINDINGS`` are False, as without the packages); then they are
 removed, so a later ``import cuda.bindings`` (ucxx's, through rmm) imports them as usual. A
 torch imported before disagg, or a CUDA / ROCm build, is left alone. ``DISAGG_TORCH_CUDA_PY=1``
-turns it off.
+(``env.TORCH_CUDA_PY``) turns it off.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
+from disagg.env import TORCH_CUDA_PY
+
 # What a CPU-only torch imports for nothing (cuda-bindings's site .pth imports the "cuda"
 # namespace package itself at start-up: its "bindings" is what is blocked)
 HIDDEN = ("pynvml", "cuda.bindings")
-OFF_ENV = "DISAGG_TORCH_CUDA_PY"
 
 
 def build_has_no_gpu(version_py: str) -> bool:
@@ -110,8 +111,9 @@ class _TorchFinder(importlib.abc.MetaPathFinder):
 
 def install() -> None:
     """Put the finder first on ``sys.meta_path`` (nothing when torch is imported already, or
-    ``DISAGG_TORCH_CUDA_PY=1``); idempotent."""
-    if "torch" in sys.modules or os.environ.get(OFF_ENV) == "1":
+    ``DISAGG_TORCH_CUDA_PY`` is true: a value that is not a boolean raises ``EnvError`` naming
+    it); idempotent."""
+    if "torch" in sys.modules or TORCH_CUDA_PY.get():
         return
     if not any(isinstance(f, _TorchFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _TorchFinder())

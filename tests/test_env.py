@@ -33,6 +33,7 @@ def test_unset_gives_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
     assert env.CUDA_VISIBLE_DEVICES.get() is None
     assert env.UCX_TLS.get() == ""
     assert env.OPENAI_API_KEY.get() is None
+    assert env.TORCH_CUDA_PY.get() is False
     home = str(Path.home())
     assert env.cache_root() == f"{home}/.cache/disagg"
     assert env.kernel_cache_root() == f"{home}/.cache/disagg"
@@ -66,6 +67,8 @@ def test_values_parse_as_documented(monkeypatch: pytest.MonkeyPatch) -> None:
         (env.CACHE, "/tmp/x", "/tmp/x"),
         (env.KERNEL_CACHE_DIR, "/tmp/k", "/tmp/k"),
         (env.XDG_CACHE_HOME, "/tmp/xdg", "/tmp/xdg"),
+        (env.TORCH_CUDA_PY, "1", True),
+        (env.TORCH_CUDA_PY, "off", False),
     ]
     for var, raw, expected in cases:
         monkeypatch.setenv(var.name, raw)
@@ -92,6 +95,7 @@ def test_cache_roots(monkeypatch: pytest.MonkeyPatch) -> None:
     (env.STARTUP_TIMEOUT_S, "", "seconds > 0"),
     (env.STARTUP_TIMEOUT_S, "-1", "seconds > 0"),
     (env.KV_DEVICE_DIRECT, "maybe", "boolean"),
+    (env.TORCH_CUDA_PY, "sometimes", "boolean"),
 ])
 def test_a_bad_value_names_the_variable(monkeypatch: pytest.MonkeyPatch, var: env.EnvVar,
                                         raw: str, says: str) -> None:

@@ -98,6 +98,15 @@ def test_a_cpu_build_is_imported_without_them(tmp_path: Path) -> None:
                     "loader": "SourceFileLoader", "after": True}
 
 
+def test_a_bad_switch_value_is_an_error_naming_it(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "DISAGG_TORCH_CUDA_PY"}
+    env.update(DISAGG_TORCH_CUDA_PY="sometimes", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", "import disagg"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "$DISAGG_TORCH_CUDA_PY='sometimes': expected a boolean" in proc.stderr
+
+
 def test_a_cuda_build_or_the_switch_or_torch_first_are_left_alone(tmp_path: Path) -> None:
     probe = PROBE.format(first="import disagg", middle="")
     seen = _run(probe, [_fake_torch(tmp_path / "cu", "12.8")])
