@@ -45,6 +45,8 @@ and the context worker that serves the read makes a ``kv_read`` span under it. T
 
 Spans are named after the phases (``timing.py``); a retried call is one span (the phase covers
 its tries), and a worker span of an earlier try is parented under the call's last span. A
+request that fails still gets its spans (``server/request_timing.py``: the root an error). A
+``/v1/responses`` request is traced as its chat form, its root named after its own path. A
 ``kv_streaming`` request's context call runs beside the generation call: its span is the
 root's child, next to ``generation_call``. Each process stamps with its own clock (monotonic,
 turned into wall-clock time when the spans are made): across hosts, a worker's spans sit
@@ -428,11 +430,13 @@ atexit.register(close_all)
 
 
 def worker_request_attributes(role: str, request_id: str, prompt_tokens: int,
-                              output_tokens: int) -> dict[str, Any]:
-    """A worker's root span's attributes."""
+                              output_tokens: int, status: int = 200) -> dict[str, Any]:
+    """A worker's root span's attributes (``status``: the answer's HTTP status, 499 when
+    the client went away first)."""
     return {"disagg.role": role, "disagg.request_id": request_id,
             "gen_ai.usage.input_tokens": prompt_tokens,
-            "gen_ai.usage.output_tokens": output_tokens}
+            "gen_ai.usage.output_tokens": output_tokens,
+            "http.response.status_code": status}
 
 
 def router_request_attributes(path: str, outcome: str) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from disagg.contracts.cluster import RouterConfigError, parse_cluster_config
 
 NAME = "tiny"
 CHAT = "/v1/chat/completions"
+RESPONSES = "/v1/responses"
 PROMPT = "The harbour was quiet and the boats rocked slowly in the evening light"
 DUR_TOL_S = 5e-6  # the breakdown's 1 us rounding, the spans' ns
 CLOCK_TOL_S = 1e-3
@@ -148,6 +149,49 @@ def test_off_imports_nothing_of_opentelemetrys_sdk() -> None:
     assert out.strip() == "[]", out
 
 
+def test_a_failed_requests_span_status() -> None:
+    # RequestTiming.failed: the server span once, an error for the server's failures and a
+    # client gone (499), unset for a client error; nothing when the request is not traced.
+    import asyncio
+
+    from disagg.contracts import protocol as P
+    from disagg.server.fanout import Choice
+    from disagg.server.request_timing import CLIENT_CLOSED, RequestTiming
+    from disagg.server.respond import CLIENT_GONE, error_text
+
+    made: list[tuple[Any, ...]] = []
+    tracer = SimpleNamespace(request_spans=lambda *a: made.append(a))
+    srv = SimpleNamespace(tracer=tracer, role=SimpleNamespace(value="generation"))
+    choice = Choice(0, "r1", 0, [1, 2, 3], None, None)  # type: ignore[arg-type]
+    err502 = P.APIError(502, "the KV pull failed", type="server_error",
+                        code="kv_transfer_failed")
+
+    async def one(status: int, error: str, traced: bool = True) -> tuple[Any, ...] | None:
+        made.clear()
+        trace = tracing.Trace(1, None, True) if traced else None
+        timer = RequestTiming(0.0, False, trace, CHAT)
+        timer.failed(srv, [choice], status, error)  # type: ignore[arg-type]
+        timer.failed(srv, [choice], 503, "again")  # type: ignore[arg-type]
+        await asyncio.sleep(0)  # (made on the loop's next turn)
+        assert len(made) <= 1
+        return made[0] if made else None
+
+    args = asyncio.run(one(502, error_text(err502)))
+    assert args is not None
+    _, name, start, ends, _, attributes, error = args
+    assert name == "POST " + CHAT and start == 0.0 and ends == []  # no engine output yet
+    assert error == "502 kv_transfer_failed: the KV pull failed"
+    assert attributes["http.response.status_code"] == 502
+    assert attributes["disagg.request_id"] == "r1"
+    assert attributes["gen_ai.usage.input_tokens"] == 3
+    gone = asyncio.run(one(CLIENT_CLOSED, CLIENT_GONE))
+    assert gone is not None and gone[-1] == CLIENT_GONE
+    client_error = asyncio.run(one(400, "400 invalid_request_error: too long"))
+    assert client_error is not None and client_error[-1] is None
+    assert client_error[-2]["http.response.status_code"] == 400
+    assert asyncio.run(one(502, "x", traced=False)) is None
+
+
 # ---- live: router + context + generation (TCP), spans to a receiver ----------------------------
 
 
@@ -174,7 +218,8 @@ def cluster(model_dir: str, loop: LoopThread) -> Iterator[SimpleNamespace]:
         wait_for(lambda: httpx.get(streaming + "/cluster_info", timeout=5).json()["workers"][
             "context"][0].get("kv_transfer"), 30, what="kv_transfer")
         http = stack.enter_context(httpx.Client(timeout=60))
-        yield SimpleNamespace(router=router, streaming=streaming, http=http, receiver=receiver)
+        yield SimpleNamespace(router=router, streaming=streaming, http=http, receiver=receiver,
+                              ctx=ctx, gen=gen)
 
 
 def _request(c: SimpleNamespace, url: str, stream: bool, traceparent: str | None = None
@@ -194,9 +239,10 @@ def _request(c: SimpleNamespace, url: str, stream: bool, traceparent: str | None
     return next(e[T.FIELD] for e in events if T.FIELD in e)
 
 
-def _root(spans: list[Span], service: str, role: str | None = None) -> Span:
+def _root(spans: list[Span], service: str, role: str | None = None, path: str = CHAT
+          ) -> Span:
     got = [s for s in spans if s.service == service and s.kind == "server"
-           and s.name == "POST " + CHAT and (role is None or s.attributes.get("disagg.role")
+           and s.name == "POST " + path and (role is None or s.attributes.get("disagg.role")
                                               == role)]
     assert len(got) == 1, [(s.service, s.name, s.kind) for s in spans]
     return got[0]
@@ -357,3 +403,70 @@ def test_an_unsampled_trace_makes_no_span_anywhere(cluster: SimpleNamespace) -> 
     _request(cluster, cluster.router, False, f"00-{loud}-{CLIENT_SPAN}-01")
     _trace_of(cluster.receiver, loud, 5 + 5 + 7 + 1)
     assert cluster.receiver.of_trace(quiet) == []
+
+
+def test_a_responses_requests_trace(cluster: SimpleNamespace) -> None:
+    # The router serves /v1/responses as its chat form: its root is the Responses request's,
+    # its calls and the workers' spans those of the chat form.
+    tid = "7" * 32
+    r = cluster.http.post(cluster.router + RESPONSES,
+                          json={"model": NAME, "input": PROMPT, "max_output_tokens": 6,
+                                "temperature": 0},
+                          headers={"traceparent": f"00-{tid}-{CLIENT_SPAN}-01"})
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "response"
+    gen_names = [*GEN_HEAD, T.DECODE, T.FINISH]
+    expected = (1 + 4) + (1 + len(CTX_PHASES)) + (1 + len(gen_names)) + 1
+    spans = _trace_of(cluster.receiver, tid, expected)
+    root = _root(spans, tracing.ROUTER_SERVICE, path=RESPONSES)
+    assert root.parent_id == CLIENT_SPAN and not root.error
+    assert root.attributes["url.path"] == RESPONSES
+    assert root.attributes["disagg.outcome"] == "success"
+    phases = _children(spans, root)
+    assert [s.name for s in phases] == list(T.ROUTER_PHASES[:4])
+    by = {s.name: s for s in phases}
+    ctx = _root(spans, tracing.WORKER_SERVICE, "context")
+    gen = _root(spans, tracing.WORKER_SERVICE, "generation")
+    assert ctx.parent_id == by[T.CONTEXT_CALL].span_id
+    assert gen.parent_id == by[T.GENERATION_CALL].span_id
+    assert [s.name for s in _children(spans, gen)] == gen_names
+    kv = next(s for s in _children(spans, gen) if s.name == T.KV_TRANSFER)
+    assert [s.parent_id for s in spans if s.name == tracing.KV_READ] == [kv.span_id]
+
+
+def test_a_workers_own_responses_request_is_traced(cluster: SimpleNamespace) -> None:
+    # A worker serving /v1/responses itself (no router) traces it as a chat request, under
+    # its own path.
+    tid = "8" * 32
+    r = cluster.http.post(cluster.gen + RESPONSES,
+                          json={"model": NAME, "input": PROMPT, "max_output_tokens": 5,
+                                "temperature": 0},
+                          headers={"traceparent": f"00-{tid}-{CLIENT_SPAN}-01"})
+    assert r.status_code == 200, r.text
+    names = [T.ADMISSION, T.QUEUE, T.PREFILL, T.DECODE, T.FINISH]
+    spans = _trace_of(cluster.receiver, tid, 1 + len(names))
+    root = _root(spans, tracing.WORKER_SERVICE, "generation", path=RESPONSES)
+    assert root.parent_id == CLIENT_SPAN and not root.error
+    assert root.attributes["http.response.status_code"] == 200
+    assert root.attributes["gen_ai.usage.output_tokens"] == r.json()["usage"]["output_tokens"]
+    _check_worker(spans, root, names, "generation", {}, set())
+
+
+def test_a_client_gone_mid_stream_leaves_its_spans(cluster: SimpleNamespace) -> None:
+    # The client hangs up after its first chunk: the worker's server span ends then, an
+    # error (499), with the phases its engine output had stamped (prefill done, decoding).
+    tid = "9" * 32
+    body = {"model": NAME, "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": 450, "ignore_eos": True, "stream": True}
+    with cluster.http.stream("POST", cluster.gen + CHAT, json=body,
+                             headers={"traceparent": f"00-{tid}-{CLIENT_SPAN}-01"}) as r:
+        assert r.status_code == 200
+        first = next(line for line in r.iter_lines() if line.startswith("data: {"))
+        assert json.loads(first[6:])["object"] == "chat.completion.chunk"
+    spans = _trace_of(cluster.receiver, tid, 4)
+    root = _root(spans, tracing.WORKER_SERVICE, "generation")
+    assert root.error and root.parent_id == CLIENT_SPAN
+    assert root.attributes["http.response.status_code"] == 499
+    assert 1 <= root.attributes["gen_ai.usage.output_tokens"] < 450
+    names = [s.name for s in _children(spans, root)]
+    assert names[:4] == [T.ADMISSION, T.QUEUE, T.PREFILL, T.FIRST_TOKEN], names

@@ -115,12 +115,7 @@ class Handlers:
         ``read_body``, its body (raising ``Reply`` for a late, large or encoded one);
         ``timing_header``: its ``X-Disagg-Timing`` header; ``traceparent``: its W3C trace
         context (continued when the router traces)."""
-        st = RequestState(path)
-        t0 = st.timeline.start
-        metrics = self.router.metrics
-        tracer = self.router.tracer
-        if tracer is not None:
-            st.trace = tracer.begin(traceparent)
+        st = self.begin(path, traceparent)
         try:
             self.check_authorization(authorization)
             try:
@@ -136,14 +131,28 @@ class Handlers:
                 st.outcome = "disconnected"
             raise
         finally:
-            end = time.monotonic()
-            metrics.child(metrics.requests, path, st.outcome).inc()
-            metrics.request_latency.observe(end - t0)
-            if st.outcome == "success":
-                metrics.phases.observe_timeline(st.timeline)
-            if st.trace is not None:  # (after the answer is written: not on its way)
-                asyncio.get_running_loop().call_soon(_trace_request, self.router.tracer, st,
-                                                     end)
+            self.end(st)
+
+    def begin(self, path: str, traceparent: str | None) -> RequestState:
+        """A client request to ``path`` comes in: its state, its trace begun (continuing
+        ``traceparent``) when the router traces."""
+        st = RequestState(path)
+        tracer = self.router.tracer
+        if tracer is not None:
+            st.trace = tracer.begin(traceparent)
+        return st
+
+    def end(self, st: RequestState) -> None:
+        """The request ended (answered, refused or abandoned): its count by outcome, its
+        latency, its phases when it succeeded, and its spans when traced."""
+        end = time.monotonic()
+        metrics = self.router.metrics
+        metrics.child(metrics.requests, st.endpoint, st.outcome).inc()
+        metrics.request_latency.observe(end - st.timeline.start)
+        if st.outcome == "success":
+            metrics.phases.observe_timeline(st.timeline)
+        if st.trace is not None:  # (after the answer is written: not on its way)
+            asyncio.get_running_loop().call_soon(_trace_request, self.router.tracer, st, end)
 
     async def route(self, out: ClientStream, st: RequestState, path: str, raw: bytes
                      ) -> Answer:

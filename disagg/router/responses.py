@@ -20,12 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from disagg import tracing
 from disagg.contracts import protocol as P
 from disagg.contracts import responses as R
 from disagg.router.client_io import AiohttpStream, Answer, ClientStream
 from disagg.router.processes import from_sibling
 from disagg.router.prompt_tokens import CHAT
-from disagg.router.relay import SSE_HEADERS, RequestState
+from disagg.router.relay import SSE_HEADERS
 from disagg.router.replies import Reply, dumps, loads, parse_body
 
 if TYPE_CHECKING:
@@ -128,17 +129,18 @@ class ResponsesRoutes:
     async def create(self, request: web.Request) -> web.StreamResponse:
         out = AiohttpStream(request)
         answer = await self.serve(out, request.headers.get("Authorization"),
-                                  lambda: self.handlers.read_body(request))
+                                  lambda: self.handlers.read_body(request),
+                                  request.headers.get(tracing.HEADER))
         return out.to_response(answer)
 
     async def serve(self, out: ClientStream, authorization: str | None,
-                    read_body: Callable[[], Awaitable[bytes]]) -> Answer:
+                    read_body: Callable[[], Awaitable[bytes]],
+                    traceparent: str | None = None) -> Answer:
         """One Responses request: its chat form through the chat flow, answered as a
-        Response (or its events)."""
+        Response (or its events); counted, timed and traced (continuing ``traceparent``) as
+        a chat request is, under its own path."""
         h = self.handlers
-        st = RequestState(RESPONSES)
-        t0 = time.monotonic()
-        metrics = self.router.metrics
+        st = h.begin(RESPONSES, traceparent)
         try:
             h.check_authorization(authorization)
             body = parse_body(await read_body())
@@ -162,8 +164,7 @@ class ResponsesRoutes:
                 st.outcome = "disconnected"
             raise
         finally:
-            metrics.child(metrics.requests, RESPONSES, st.outcome).inc()
-            metrics.request_latency.observe(time.monotonic() - t0)
+            h.end(st)
 
     async def _call(self, body: dict[str, Any]) -> R.ResponsesCall:
         req = R.parse_request(body)

@@ -42,6 +42,7 @@ class Choice:
     prompt_text: str | None
     params: SamplingParams
     final: RequestOutput | None = None  # the finished output
+    last: RequestOutput | None = None  # the latest output (a failed request's stamps)
     finished: bool = False
     num_tokens: int = 0
     t_last_token: float | None = None
@@ -120,6 +121,7 @@ class FanOut:
                 self.buffer.append((c, item))
                 waiting.discard(c)
                 continue
+            c.last = item
             if item.finished and transfer_failed(item):
                 # No token yet: a failed KV pull gets its own status, streamed or not.
                 raise kv_transfer_error(str(item.kv_transfer_error))
@@ -152,6 +154,7 @@ class FanOut:
             pass
 
     def _observe(self, c: Choice, out: RequestOutput) -> None:
+        c.last = out
         comp = out.outputs[0]
         now = time.monotonic()
         n = len(comp.delta_token_ids)

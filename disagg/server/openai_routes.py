@@ -76,9 +76,14 @@ class OpenAIRoutes:
         out = fmt(srv, req, P.new_id(fmt.id_prefix))
         migration_fields(out)  # (the router's: token ids in the stream, a resumed answer)
         out.timing = timing_asked(request, req)
-        if srv.tracer is not None:  # (off: this check alone)
-            out.trace = srv.tracer.begin(request.headers.get(HEADER))
+        self._trace(request, out)
         return out
+
+    def _trace(self, request: Request, fmt: Format) -> None:
+        """The request's trace (``disagg/tracing.py``), continuing its ``traceparent``, when
+        this worker traces."""
+        if self.srv.tracer is not None:  # (off: this check alone)
+            fmt.trace = self.srv.tracer.begin(request.headers.get(HEADER))
 
     async def completions(self, request: Request) -> Response:
         t_arrival = time.monotonic()
@@ -165,6 +170,9 @@ class OpenAIRoutes:
         except ValidationError as e:
             raise P.from_validation_error(e) from None
         fmt = ResponsesFormat(srv, req, call.response_id, call, self.store)
+        # Traced as a chat request is; a Response object has no place for the timing
+        # breakdown, so it is not offered here (its phases are still recorded).
+        self._trace(request, fmt)
         return await self._chat(request, fmt, t_arrival)
 
     async def get_response(self, request: Request, response_id: str) -> dict[str, Any]:

@@ -13,7 +13,10 @@ true``, the router's ``disaggregated_params.timing: true``, or the header ``X-Di
 Traced (``disagg/tracing.py``: the worker has a tracer and the request's ``trace``), the same
 stamps become its spans: the server span (HTTP request in -> answer built) under the caller's
 ``traceparent``, one child per phase; a pull's ``kv_transfer`` span has the id its KV READs
-name (``disagg_requests``), so the context worker's ``kv_read`` spans sit under it.
+name (``disagg_requests``), so the context worker's ``kv_read`` spans sit under it. A request
+that ends without its answer (refused or failed in the engine, aborted there, its client gone)
+has its spans too, from the stamps its engine output had by then, the server span's status an
+error (a client error's, 4xx, is left unset) and its HTTP status an attribute.
 """
 
 from __future__ import annotations
@@ -29,6 +32,11 @@ from disagg.contracts import protocol as P
 from disagg.contracts.kv_mode import Dummy, KVMode, Pull
 from disagg.engine.outputs import RequestMetrics
 from disagg.tracing import Trace, worker_request_attributes
+
+# nginx's "client closed request": the status of an answer its client left before it
+# (``respond``).
+CLIENT_CLOSED = 499
+ABORTED = "aborted in the engine"  # a span's error: the request ended without its output
 
 if TYPE_CHECKING:
     from disagg.server.fanout import Choice
@@ -99,14 +107,46 @@ class RequestTiming:
         done = time.monotonic()
         final = choices[0].final if choices else None
         if final is None:
+            if choices and self.trace is not None:  # ended in the engine without its final
+                # output (aborted there)
+                self._spans(srv, choices[0], self._ends(choices[0], done), done, 200, ABORTED)
             return None
         ends, first, first_at = worker_stamps(choices[0].mode, final.metrics, self.first_sent,
                                               done)
         b = T.worker_breakdown(srv.role.value, self.received, ends, first, first_at)
         srv.metrics.phases((p.name, p.seconds) for p in b.phases)
-        if self.trace is not None and srv.tracer is not None:  # (made once the answer left)
-            asyncio.get_running_loop().call_soon(
-                srv.tracer.request_spans, self.trace, self.name, self.received, ends, done,
-                worker_request_attributes(srv.role.value, choices[0].request_id,
-                                          len(choices[0].prompt_ids), choices[0].num_tokens))
+        self._spans(srv, choices[0], ends, done, 200, None)
         return b.to_json() if self.asked else None
+
+    def failed(self, srv: ServerState, choices: list[Choice], status: int, error: str) -> None:
+        """The request ended without its whole answer: refused or failed in the engine
+        (``status``: the error's HTTP status, ``error`` what it said) or its client gone
+        (499). Not in the phase metrics (those are of answers); traced, its spans are made as
+        ``finish`` makes them, from what its engine output had stamped by then (nothing yet:
+        the server span alone). The server span's status is an error, but for a client error
+        (4xx other than 499), which OpenTelemetry's HTTP conventions leave unset."""
+        if self.trace is None or srv.tracer is None or not choices:
+            return
+        done = time.monotonic()
+        server_side = status >= 500 or status == CLIENT_CLOSED
+        self._spans(srv, choices[0], self._ends(choices[0], done), done, status,
+                    error if server_side else None)
+
+    def _ends(self, c: Choice, done: float) -> list[tuple[str, float | None]]:
+        """The phase ends ``c``'s latest engine output stamped (none yet: [])."""
+        out = c.final or c.last
+        if out is None or out.metrics is None:
+            return []
+        return worker_stamps(c.mode, out.metrics, self.first_sent, done)[0]
+
+    def _spans(self, srv: ServerState, c: Choice, ends: list[tuple[str, float | None]],
+               done: float, status: int, error: str | None) -> None:
+        """The request's spans (traced), made once the answer left (the loop's next turn),
+        and only once: a request that failed after its answer was built keeps its first."""
+        trace, self.trace = self.trace, None
+        if trace is None or srv.tracer is None:
+            return
+        asyncio.get_running_loop().call_soon(
+            srv.tracer.request_spans, trace, self.name, self.received, ends, done,
+            worker_request_attributes(srv.role.value, c.request_id, len(c.prompt_ids),
+                                      c.num_tokens, status), error)

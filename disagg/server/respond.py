@@ -35,12 +35,11 @@ from disagg.contracts import protocol as P
 from disagg.contracts.kv_mode import ContextOnly
 from disagg.server.fanout import Choice, FanOut
 from disagg.server.formats import Format
-from disagg.server.request_timing import RequestTiming
+from disagg.server.request_timing import CLIENT_CLOSED, RequestTiming
 from disagg.server.state import ClientGone, ServerState
 
 logger = logging.getLogger(__name__)
 
-CLIENT_CLOSED = 499
 # A context answer larger than this is written in pieces (``ContextAnswer``): asyncio's
 # default high-water mark of a transport's buffer.
 ANSWER_PIECE_BYTES = 64 * 1024
@@ -58,7 +57,11 @@ async def respond(srv: ServerState, request: Request, choices: list[Choice], fmt
         try:
             await srv.until_disconnect(request, fan.start())
         except ClientGone:
+            timer.failed(srv, choices, CLIENT_CLOSED, CLIENT_GONE)
             return Response(status_code=CLIENT_CLOSED)
+        except P.APIError as e:
+            timer.failed(srv, choices, e.status, error_text(e))
+            raise
         return StreamingResponse(
             sse_events(fan, fmt, timer), media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Request-Id": fmt.rid},
@@ -67,7 +70,11 @@ async def respond(srv: ServerState, request: Request, choices: list[Choice], fmt
         await srv.until_disconnect(request, _run(fan))
     except ClientGone:
         release_unread(srv, choices)
+        timer.failed(srv, choices, CLIENT_CLOSED, CLIENT_GONE)
         return Response(status_code=CLIENT_CLOSED)  # nobody reads it
+    except P.APIError as e:
+        timer.failed(srv, choices, e.status, error_text(e))
+        raise
     body = fmt.response(choices)
     headers = {"X-Request-Id": fmt.rid}
     if not choices[0].mode.is_context:
@@ -82,6 +89,14 @@ async def respond(srv: ServerState, request: Request, choices: list[Choice], fmt
     if body["disaggregated_params"] is None:
         return JSONResponse(body, headers=headers)
     return ContextAnswer(body, headers=headers, on_unread=lambda: release_unread(srv, choices))
+
+
+CLIENT_GONE = "the client went away before its answer"
+
+
+def error_text(e: P.APIError) -> str:
+    """An error answer as a span's status says it: ``502 kv_transfer_failed: ...``."""
+    return f"{e.status} {e.code or e.type}: {e.message}"
 
 
 def _add_timing(body: dict[str, Any], timing: dict[str, Any] | None) -> None:
@@ -193,10 +208,14 @@ async def sse_events(fan: FanOut, fmt: Format, timer: RequestTiming | None = Non
         elif timing is not None:
             yield fmt.sse(fmt.timing_chunk(timing))
     except P.APIError as e:  # headers are gone: report in-band, as OpenAI does
+        if timer is not None:
+            timer.failed(fan.server, fan.choices, e.status, error_text(e))
         yield fmt.sse_error(e.body())
     finally:
         # Client gone (cancelled) or error: free the engine's blocks now. No await here:
         # under cancellation an await would be cancelled again.
+        if timer is not None and not fan.done:  # (a no-op when spans were made already)
+            timer.failed(fan.server, fan.choices, CLIENT_CLOSED, CLIENT_GONE)
         if not fan.done:
             fan.abort()
     yield fmt.sse_end()
