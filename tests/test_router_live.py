@@ -193,6 +193,23 @@ def test_first_token_final_answer_is_returned_by_the_router(router: str,
     assert _client(router).models.list().data[0].id == NAME
 
 
+def test_client_ttft_is_observed_for_streamed_answers(router: str) -> None:
+    # disagg_router_time_to_first_token_seconds: a streamed answer's request in -> first event
+    # out, inside its request's latency; a whole answer has none.
+    ttft, lat = "disagg_router_time_to_first_token_seconds", "disagg_router_request_latency_seconds"
+    n0, s0 = metric(router, ttft + "_count"), metric(router, ttft + "_sum")
+    c0, l0 = metric(router, lat + "_count"), metric(router, lat + "_sum")
+    _complete(_client(router), CHAT, stream=False)
+    wait_for(lambda: metric(router, lat + "_count") >= c0 + 1, 10, what="the request's end")
+    l1 = metric(router, lat + "_sum")
+    _complete(_client(router), CHAT, stream=True)
+    wait_for(lambda: metric(router, lat + "_count") >= c0 + 2, 10, what="the stream's end")
+    assert metric(router, ttft + "_count") == n0 + 1
+    first = metric(router, ttft + "_sum") - s0
+    assert 0 < first < metric(router, lat + "_sum") - l1
+    assert l1 > l0
+
+
 def test_aggregated_cluster_behind_the_router(reference: str, loop: LoopThread) -> None:
     addr = reference.removeprefix("http://")
     cfg = {"health_check_interval_sec": 0.2, "generation_servers": {

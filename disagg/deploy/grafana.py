@@ -125,18 +125,21 @@ def _rows() -> tuple[Row, ...]:
                          "generated")), "short", 8),
         )),
         Row("Latency", (
+            Panel("TTFT (clients, at the router)", "Streamed requests: from the request's "
+                  "arrival at the router to its first token sent to the client (what a "
+                  "client sees, less the network); the phases row splits it into route, "
+                  "context_call, handover and generation_call.",
+                  quantiles("disagg_router_time_to_first_token_seconds_bucket"), "s", 8),
             Panel("TTFT (workers)", "Time from a request's arrival at a worker to its first "
                   "token: a context worker's prefill, a generation worker's KV pull + first "
-                  "step (or its local prefill). A client's TTFT through the router is its "
-                  "route + context_call + handover + generation_call phases (the phases row).",
-                  quantiles(ttft), "s", 8),
+                  "step (or its local prefill).", quantiles(ttft), "s", 8),
             Panel("TPOT / inter-token latency (workers)", "Time between successive tokens of "
                   "a request.", quantiles(itl), "s", 8),
             Panel("E2E latency", "The whole request: at the router (what a client sees, less "
                   "the network) and at the workers.",
                   (*quantiles("disagg_router_request_latency_seconds_bucket", legend="router "
                               "p{q}"),
-                   *quantiles(e2e, legend="workers p{q}")), "s", 8),
+                   *quantiles(e2e, legend="workers p{q}")), "s", 12),
             Panel("Router calls p90", "The router's two calls: context (sent -> answer), "
                   "generation (sent -> first byte, and -> end).",
                   (*quantiles("disagg_router_ctx_latency_seconds_bucket",
@@ -147,7 +150,7 @@ def _rows() -> tuple[Row, ...]:
                               legend="generation call p{q}")[1:2]), "s", 12),
             Panel("Queue time (workers)", "Time from arrival in a worker's engine to first "
                   "being scheduled.",
-                  quantiles(f"disagg_request_queue_time_seconds_bucket{{{W}}}"), "s", 12),
+                  quantiles(f"disagg_request_queue_time_seconds_bucket{{{W}}}"), "s", 24),
         )),
         Row("Where the time goes: phases (disagg_request_phase_seconds)", (
             Panel("Router phases: mean per request", "route -> context_call -> handover -> "

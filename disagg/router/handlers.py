@@ -144,11 +144,14 @@ class Handlers:
 
     def end(self, st: RequestState) -> None:
         """The request ended (answered, refused or abandoned): its count by outcome, its
-        latency, its phases when it succeeded, and its spans when traced."""
+        latency, its TTFT when its stream began, its phases when it succeeded, and its spans
+        when traced."""
         end = time.monotonic()
         metrics = self.router.metrics
         metrics.child(metrics.requests, st.endpoint, st.outcome).inc()
         metrics.request_latency.observe(end - st.timeline.start)
+        if st.first_byte_at is not None:  # a stream began (whatever came of it later)
+            metrics.ttft.observe(st.first_byte_at - st.timeline.start)
         if st.outcome == "success":
             metrics.phases.observe_timeline(st.timeline)
         if st.trace is not None:  # (after the answer is written: not on its way)

@@ -85,6 +85,10 @@ class RouterMetrics:
                                          "end.", LATENCY_BUCKETS, registry=r)
         self.request_latency = LoopHistogram(P + "request_latency_seconds", "Whole request at "
                                              "the router.", LATENCY_BUCKETS, registry=r)
+        self.ttft = LoopHistogram(P + "time_to_first_token_seconds", "Streamed answers: the "
+                                  "request in -> its first event (the first token) sent to the "
+                                  "client: a client's TTFT less the network.", LATENCY_BUCKETS,
+                                  registry=r)
         self.decisions = LoopCounter(P + "routing_decisions", "Workers chosen, by policy.",
                                      ("role", "policy", "worker"), registry=r)
         self.retries = Counter(P + "retries", "Tries on another worker, or new prefills.",
