@@ -108,8 +108,10 @@ def test_the_two_materialisers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         local_model(ModelRef.parse("gone", "c.yaml", catalog))
     packaged = ModelRef.parse("smollm2", "c.yaml", catalog)
     source = target_model(packaged, "/models", absolute_only=True)
-    assert source.path == "/models/smollm2" and source.generated
-    assert source.prepare_args() == ("model", "fetch", "smollm2", "/models/smollm2")
+    # the GGUF file itself, served as a .gguf (gguf_weights applies), not a float32 import
+    assert source.path == "/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" and source.generated
+    assert source.mount_dir == "/models/smollm2"
+    assert source.prepare_args() == ("model", "fetch", "smollm2", "/models/smollm2", "--gguf")
     monkeypatch.setenv("DISAGG_CACHE", str(tmp_path / "cache"))
     tiny = ModelRef.parse("tiny", "c.yaml", catalog)
     assert Path(local_model(tiny), "config.json").is_file()

@@ -248,6 +248,24 @@ def test_api_keys_make_the_config_a_secret(tmp_path: Path,
     assert configured(args).api_key is None
 
 
+def test_a_packaged_model_is_brought_as_its_gguf_file(tmp_path: Path) -> None:
+    # smollm2: the init container writes the GGUF file itself into the models volume and the
+    # workers serve that .gguf (gguf_weights applies: quantized by default, as launch's).
+    config = tmp_path / "c.yaml"
+    config.write_text("model: smollm2\ngeneration_servers: {urls: ['h:8001']}\n")
+    files = render(tmp_path / "o", config, "--cpu")
+    worker = by_kind(files, "Deployment")["disagg-aggregated"]
+    kubernetes_validate.validate(worker, K8S_VERSIONS[-1], strict=True)
+    spec = worker["spec"]["template"]["spec"]
+    [init] = spec["initContainers"]
+    assert init["args"] == ["model", "fetch", "smollm2", "/models/smollm2", "--gguf"]
+    build_parser().parse_args(init["args"])  # disagg's own CLI takes it
+    (tmp_path / "w.yaml").write_text(
+        by_kind(files, "ConfigMap")["disagg-config"]["data"]["aggregated.yaml"])
+    model = load_worker_yaml(str(tmp_path / "w.yaml"))["model"]
+    assert model == "/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
 def test_a_yaml_without_api_keys_renders_a_config_map(tmp_path: Path) -> None:
     config = tmp_path / "c.yaml"
     config.write_text("model: tiny\ngeneration_servers: {urls: ['h:8001']}\n")

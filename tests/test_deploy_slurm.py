@@ -66,6 +66,16 @@ def test_rendered_script_is_shellcheck_clean(tmp_path: Path, config: Path,
     assert "DISAGG_CLUSTER_TOKEN=" in text and "cluster_token" not in text
 
 
+def test_a_packaged_model_is_brought_as_its_gguf_file(tmp_path: Path) -> None:
+    # smollm2: written once on the shared filesystem as its GGUF file, served as a .gguf.
+    config = tmp_path / "c.yaml"
+    config.write_text("model: smollm2\ngeneration_servers: {urls: ['h:8001']}\n")
+    text = render(tmp_path, config, "--cpu").read_text()
+    gguf = "models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # (the job folder's models/)
+    assert f"[[ -e {gguf} ]] || disagg model fetch smollm2 models/smollm2 --gguf\n" in text
+    assert f"\nmodel: {gguf}\n" in text
+
+
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
 def test_fake_slurm_is_shellcheck_clean() -> None:
     scripts = sorted(str(p) for p in FAKE_SLURM.iterdir())

