@@ -337,8 +337,13 @@ class Harness:
         check_pool_integrity(self.sched, self.cached)
 
     def drain(self) -> None:
-        """Liveness: whatever happened, the queue drains (no request waits forever)."""
-        for _ in range(300):
+        """Liveness: whatever happened, the queue drains (no request waits forever), within a
+        bound of the work left: a step moves some request on by a token at least, and a
+        preempted one recomputes what it had (hence the factor). A fixed bound (300 steps) was
+        too few for 60 queued requests at 2 a step and 3 tokens a step (320 needed)."""
+        work = sum(len(r.all_token_ids) + r.sampling_params.max_tokens
+                   for r in self.sched.requests.values())
+        for _ in range(4 * work + 50):
             if not self.sched.has_unfinished():
                 break
             self.step(lambda: 1)
