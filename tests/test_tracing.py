@@ -405,16 +405,21 @@ def test_an_unsampled_trace_makes_no_span_anywhere(cluster: SimpleNamespace) -> 
     assert cluster.receiver.of_trace(quiet) == []
 
 
+def _responses(c: SimpleNamespace, url: str, tid: str, max_output_tokens: int) -> Any:
+    """A Responses request to ``url`` under the client's span of trace ``tid``: its answer."""
+    r = c.http.post(url + RESPONSES,
+                    json={"model": NAME, "input": PROMPT,
+                          "max_output_tokens": max_output_tokens, "temperature": 0},
+                    headers={"traceparent": f"00-{tid}-{CLIENT_SPAN}-01"})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 def test_a_responses_requests_trace(cluster: SimpleNamespace) -> None:
     # The router serves /v1/responses as its chat form: its root is the Responses request's,
     # its calls and the workers' spans those of the chat form.
     tid = "7" * 32
-    r = cluster.http.post(cluster.router + RESPONSES,
-                          json={"model": NAME, "input": PROMPT, "max_output_tokens": 6,
-                                "temperature": 0},
-                          headers={"traceparent": f"00-{tid}-{CLIENT_SPAN}-01"})
-    assert r.status_code == 200, r.text
-    assert r.json()["object"] == "response"
+    assert _responses(cluster, cluster.router, tid, 6)["object"] == "response"
     gen_names = [*GEN_HEAD, T.DECODE, T.FINISH]
     expected = (1 + 4) + (1 + len(CTX_PHASES)) + (1 + len(gen_names)) + 1
     spans = _trace_of(cluster.receiver, tid, expected)
@@ -438,17 +443,13 @@ def test_a_workers_own_responses_request_is_traced(cluster: SimpleNamespace) -> 
     # A worker serving /v1/responses itself (no router) traces it as a chat request, under
     # its own path.
     tid = "8" * 32
-    r = cluster.http.post(cluster.gen + RESPONSES,
-                          json={"model": NAME, "input": PROMPT, "max_output_tokens": 5,
-                                "temperature": 0},
-                          headers={"traceparent": f"00-{tid}-{CLIENT_SPAN}-01"})
-    assert r.status_code == 200, r.text
+    answer = _responses(cluster, cluster.gen, tid, 5)
     names = [T.ADMISSION, T.QUEUE, T.PREFILL, T.DECODE, T.FINISH]
     spans = _trace_of(cluster.receiver, tid, 1 + len(names))
     root = _root(spans, tracing.WORKER_SERVICE, "generation", path=RESPONSES)
     assert root.parent_id == CLIENT_SPAN and not root.error
     assert root.attributes["http.response.status_code"] == 200
-    assert root.attributes["gen_ai.usage.output_tokens"] == r.json()["usage"]["output_tokens"]
+    assert root.attributes["gen_ai.usage.output_tokens"] == answer["usage"]["output_tokens"]
     _check_worker(spans, root, names, "generation", {}, set())
 
 
