@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import gzip
 import json
+import os
 import socket
 import threading
 import time
@@ -571,6 +572,7 @@ def test_closed_connections_are_freed_at_once_not_by_the_cycle_collector(
 
 
 NAME = "tiny"
+BAD_TRAFFIC_S = float(os.environ.get("DISAGG_BAD_TRAFFIC_S", "20"))
 KV_TOKENS = 1536  # 96 blocks of 16: five 300-token leases (19 blocks each) hold 95 of them
 PROMPT_IDS = [(7 * i) % 500 + 1 for i in range(300)]
 
@@ -688,9 +690,11 @@ def _bad_traffic(rt_url: str, rt_port: int, pair: SimpleNamespace) -> list[Any]:
 def test_bad_traffic_does_not_fail_an_honest_client(pair: SimpleNamespace, loop: LoopThread,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 22's bar: a router whose workers get bad requests at 10/s (through the router and
-    straight to them) serves an honest client with 0 failed requests over a minute."""
+    straight to them) serves an honest client with 0 failed requests. Issue 22 asked for a
+    minute (``DISAGG_BAD_TRAFFIC_S=60``); the suite runs 20 s of it (each of the 19 kinds of bad
+    request goes by about 10 times), to keep the whole suite inside CI's 25 minutes."""
     monkeypatch.setenv("DISAGG_CLUSTER_TOKEN", TOKEN)
-    duration_s, bad_rate = 60.0, 10.0
+    duration_s, bad_rate = BAD_TRAFFIC_S, 10.0
     with router(loop, pair_config(pair), body_timeout_s=2.0) as rt:
         rounds = _bad_traffic(rt.url, rt.port, pair)
         stop = threading.Event()
@@ -745,7 +749,7 @@ def test_bad_traffic_does_not_fail_an_honest_client(pair: SimpleNamespace, loop:
             for t in threads:
                 t.join(30)
         assert not failures, (len(failures), served, failures[:5])
-        assert served >= 30, served
+        assert served >= duration_s / 2, served
         assert len(bad_statuses) >= 0.5 * duration_s * bad_rate * 0.5
         assert all(s < 500 for s in bad_statuses), sorted(set(bad_statuses))
     pair.ctx.wait_blocks(0)
