@@ -1,5 +1,5 @@
-"""`disagg demo` (an alias of the README's first command, `disagg launch`) and the offline
-`disagg generate`."""
+"""`disagg demo` (an alias of the README's first command, `disagg launch`), the offline
+`disagg generate`, and what the command line imports."""
 
 from __future__ import annotations
 
@@ -33,3 +33,34 @@ def test_cli_reports_bad_option(tiny_llama):
     proc = subprocess.run([sys.executable, "-m", "disagg.cli", "generate", tiny_llama,
                            "--top-p", "0"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "top_p" in proc.stderr
+
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_a_command_imports_only_its_own_module():
+    """`disagg serve` builds serve's parser alone (no router, bench, deploy ... imports at every
+    worker's start); no command, or one it does not know, gets every command's."""
+    code = """if True:
+        import sys
+        from disagg import cli
+        mods = {m for _, m in cli.SUBCOMMANDS}
+        parser = cli.build_parser(sys.argv[1] if len(sys.argv) > 1 else None)
+        print(sorted(m for m in mods if m in sys.modules))
+        print(sorted(parser._subparsers._group_actions[0].choices))
+    """
+    alone = _python(code.replace("sys.argv[1] if len(sys.argv) > 1 else None", "'serve'"))
+    assert alone.stdout.split("\n")[:2] == ["['disagg.server.cli']", "['serve']"], alone.stderr
+    for command in ("None", "'serv'"):
+        every = _python(code.replace("sys.argv[1] if len(sys.argv) > 1 else None", command))
+        from disagg.cli import SUBCOMMANDS
+
+        assert every.stdout.split("\n")[1] == str(sorted(c for c, _ in SUBCOMMANDS)), every
+    # the one-command parser is the full parser's subcommand: same options, same usage
+    proc = subprocess.run([sys.executable, "-m", "disagg.cli", "serve", "--port", "x"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("usage: disagg serve ")
+    assert "argument --port: invalid int value: 'x'" in proc.stderr
+
