@@ -54,5 +54,15 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def run() -> None:
+    """The `disagg` command (the console script, ``python -m disagg.cli``): ``main``, then the
+    process ends (``procs.freeze_for_exit``: its final collections skipped)."""
+    code = main()
+    from disagg.procs import freeze_for_exit
+
+    freeze_for_exit()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

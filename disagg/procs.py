@@ -29,6 +29,8 @@ module is the one place that does it. The contract:
   names it as ``launch_id`` in every ``/health`` answer (``disagg serve`` and ``disagg
   router`` do); ``child_health`` tells its answer from another process's. The id is no
   secret: it only says which process answered, and lets nobody call or sign anything.
+- ``freeze_for_exit``: a process whose work is done (``disagg`` commands, the spawned ranks)
+  skips the collector's last full passes over every object it holds.
 - ``stop`` / ``stop_all``: SIGTERM (the child drains and exits), a grace period, then SIGKILL to
   the whole process group, then a wait of at most ``kill_wait_s`` (a SIGKILLed process is gone at
   once unless stuck in the kernel: such a one is left, and its exit code stays None).
@@ -40,6 +42,7 @@ import contextlib
 import ctypes
 import enum
 import errno
+import gc
 import http.client
 import json
 import os
@@ -340,3 +343,16 @@ def stop(proc: subprocess.Popen, grace_s: float = 30.0, kill_wait_s: float = KIL
          ) -> int | None:
     """``stop_all`` for one child."""
     return stop_all([proc], grace_s, kill_wait_s)[0]
+
+
+def freeze_for_exit() -> None:
+    """Called as a process ends, its work done and its resources released: every object moves
+    to the collector's permanent generation, so the interpreter's final collections skip them.
+    A process that imported torch spends about 0.25 s of CPU at exit in those passes (2-core
+    Xeon: a worker's SIGTERM-to-exit 0.6 s, 0.25 with this), paid by every worker and rank a
+    cluster's stop or a test suite ends. Nothing waits for them: atexit hooks and
+    ``weakref.finalize`` callbacks still run, logging still flushes, the operating system
+    closes what is left; only ``__del__`` of objects in reference cycles may not run, which
+    Python never promises at exit. Not for a process that goes on (a test calling ``main``):
+    frozen objects are never collected."""
+    gc.freeze()

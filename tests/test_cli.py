@@ -1,5 +1,5 @@
 """`disagg demo` (an alias of the README's first command, `disagg launch`), the offline
-`disagg generate`, and what the command line imports."""
+`disagg generate`, and what the command line imports and does at its end."""
 
 from __future__ import annotations
 
@@ -64,3 +64,15 @@ def test_a_command_imports_only_its_own_module():
     assert proc.returncode == 2 and proc.stderr.startswith("usage: disagg serve ")
     assert "argument --port: invalid int value: 'x'" in proc.stderr
 
+
+def test_the_command_freezes_the_heap_as_it_ends():
+    """``cli.run`` (the console script, ``python -m disagg.cli``) ends with every object in the
+    collector's permanent generation (procs.freeze_for_exit) and its exit code; ``main``, which
+    tests and scripts call, leaves the heap alone."""
+    show = "import atexit, gc; atexit.register(lambda: print('frozen', gc.get_freeze_count()))"
+    ran = _python(f"{show}\nfrom disagg.cli import run\nrun()")
+    assert ran.returncode == 2 and "usage: disagg" in ran.stdout  # no command: help, 2
+    frozen = int(ran.stdout.rsplit("frozen", 1)[1])
+    assert frozen > 10000, ran.stdout
+    called = _python(f"{show}\nfrom disagg.cli import main\nmain([])")
+    assert called.returncode == 0 and called.stdout.rstrip().endswith("frozen 0"), called

@@ -58,6 +58,7 @@ from disagg.parallel.messages import (
     Step,
     Stop,
 )
+from disagg.procs import freeze_for_exit
 from disagg.runner import ModelRunner
 from disagg.scheduler import SchedulerOutput
 
@@ -312,6 +313,7 @@ def rank_main(config: EngineConfig, layout: ParallelLayout, store_host: str, sto
     for t in tiers:
         t.close()
     worker.comm.close()
+    freeze_for_exit()  # the process ends with this function (multiprocessing's spawn_main)
 
 
 Emit = Callable[[TransferEvent | TierEvent], None]
