@@ -29,9 +29,12 @@ What runs (issue 43's baseline):
   tokens decoded greedily (EOS ignored) after a 32-token and after a 512-token prompt (decode
   tokens/s = (n - 1) / (time of token n - time of token 1): the prefill excluded), then the
   prefill of a 2,048-token prompt (seconds to its first token), and the child's peak RSS
-  (``VmHWM``). disagg: ``LLMEngine`` stepped directly; llama.cpp: llama-cpp-python's
-  ``Llama.generate`` (``n_batch`` 2048, ``n_ubatch`` 512: llama.cpp's CLI defaults). Prompts are
-  the same seeded random token ids for both (the tokenizers are the GGUF's).
+  (``VmHWM``), with its RSS once the runtime is imported, before the model loads (disagg
+  and torch; llama-cpp-python and its libraries) and the peak above that (the model, the KV
+  cache, the work: what each engine adds to its runtime). disagg: ``LLMEngine`` stepped
+  directly; llama.cpp: llama-cpp-python's ``Llama.generate`` (``n_batch`` 2048, ``n_ubatch``
+  512: llama.cpp's CLI defaults). Prompts are the same seeded random token ids for both (the
+  tokenizers are the GGUF's).
 - **serving**: ``disagg serve`` (``--max-batch-size`` = the concurrency) vs llama.cpp's own
   ``llama-server`` with as many parallel slots (``-np``; continuous batching), the same KV room
   for both, prompt caches off on both (the prompts are random: nothing to reuse), 2 threads
@@ -340,6 +343,10 @@ def _peak_rss_mib() -> float:
     return status_kib(os.getpid(), "VmHWM") / 1024
 
 
+def _rss_mib() -> float:
+    return status_kib(os.getpid(), "VmRSS") / 1024
+
+
 def _decode_stats(times: list[float]) -> dict[str, float]:
     """Token arrival times (s from the request) -> first-token time and decode tokens/s."""
     return {"first_token_s": times[0], "decode_tok_s": (len(times) - 1) / (times[-1] - times[0]),
@@ -357,6 +364,7 @@ def child_disagg(a: argparse.Namespace, prompts: dict[str, list[int]]) -> dict[s
     # isort: on
 
     torch.set_num_threads(a.threads)
+    import_rss = _rss_mib()
 
     t0 = time.perf_counter()
     extra = {"gguf_weights": a.gguf_weights} if a.gguf_weights else {}
@@ -383,7 +391,8 @@ def child_disagg(a: argparse.Namespace, prompts: dict[str, list[int]]) -> dict[s
         return times
 
     return _measure(run, prompts, a.decode_tokens, load_s,
-                    {"kernels": [k for k, v in kernels.status().items() if v],
+                    {"import_rss_mib": import_rss,
+                     "kernels": [k for k, v in kernels.status().items() if v],
                      "threads": torch.get_num_threads(),
                      "weights": f"gguf_weights {a.gguf_weights}" if a.gguf_weights else ""})
 
@@ -391,6 +400,7 @@ def child_disagg(a: argparse.Namespace, prompts: dict[str, list[int]]) -> dict[s
 def child_llamacpp(a: argparse.Namespace, prompts: dict[str, list[int]]) -> dict[str, Any]:
     import llama_cpp
 
+    import_rss = _rss_mib()
     t0 = time.perf_counter()
     llm = llama_cpp.Llama(model_path=a.model, n_ctx=a.ctx, n_threads=a.threads,
                           n_threads_batch=a.threads, n_batch=2048, n_ubatch=512, seed=0,
@@ -409,7 +419,7 @@ def child_llamacpp(a: argparse.Namespace, prompts: dict[str, list[int]]) -> dict
         return times
 
     return _measure(run, prompts, a.decode_tokens, load_s, {
-        "llama_cpp_python": llama_cpp.__version__,
+        "import_rss_mib": import_rss, "llama_cpp_python": llama_cpp.__version__,
         "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip()})
 
 
@@ -647,13 +657,21 @@ OFFLINE_ROWS = (  # key, label (formatted with the arguments), higher is better
                     "prompt", True),
     ("prefill", "prefill of {prefill_tokens} tokens (s to the first token)", False),
     ("peak_rss", "peak RSS, offline single-stream process (MiB)", False),
+    ("import_rss", "of it: RSS once the runtime is imported, before the model (MiB)", False),
+    ("above_import", "of it: peak RSS above that (model, KV cache, work; MiB)", False),
 )
+# The rows that are sizes (ratios as sizes: >1 disagg bigger).
+SIZE_ROWS = ("peak_rss", "import_rss", "above_import")
 
 
 def offline_value(r: Run, key: str) -> float:
     res = r.result
     if key.startswith("decode_"):
         return float(res[key]["decode_tok_s"])
+    if key == "import_rss":
+        return float(res["import_rss_mib"])
+    if key == "above_import":
+        return float(res["peak_rss_mib"] - res["import_rss_mib"])
     return float(res["prefill_s"] if key == "prefill" else res["peak_rss_mib"])
 
 
@@ -758,14 +776,14 @@ def report(a: argparse.Namespace, systems: list[System], runs: list[Run],
     for key, label, higher in OFFLINE_ROWS:
         label = label.format(**vars(a))
         row = summary["offline"][key]
-        spec = ".3g" if key == "prefill" else ".1f" if key != "peak_rss" else ".0f"
+        spec = ".3g" if key == "prefill" else ".0f" if key in SIZE_ROWS else ".1f"
         cells = [_cell(row[s.name], spec) for s in systems]
         for m, n in pairs:
             d, o = row.get(m), row.get(n)
             if d is None or o is None:
                 cells.append("-")
                 continue
-            size = key == "peak_rss"
+            size = key in SIZE_ROWS
             r = (d["median"] / o["median"]) if size else ratio(d["median"], o["median"], higher)
             pr = pair_ratios(runs, lambda x, k=key: offline_value(x, k) if not x.error else 0,
                              n, a.repeats, True if size else higher, m)
@@ -807,12 +825,12 @@ def report(a: argparse.Namespace, systems: list[System], runs: list[Run],
           "| run | system | load avg before | waited s | others' CPU (cores) | load s | "
           f"decode after {a.short_prompt} (tok/s) | decode after {a.long_prompt} (tok/s) | "
           f"first token after {a.long_prompt} (s) | prefill {a.prefill_tokens} (s) | "
-          "peak RSS (MiB) | note |", "|---" * 12 + "|"]
+          "RSS after imports (MiB) | peak RSS (MiB) | note |", "|---" * 13 + "|"]
     for i, r in enumerate(runs):
         res = r.result
         if r.error:
             L.append(f"| {i + 1} | {r.system} | {r.load1:.2f} | {r.waited_s:.0f} | "
-                     f"{r.other_cores:.2f} | | | | | | | FAILED: {r.error} |")
+                     f"{r.other_cores:.2f} | | | | | | | | FAILED: {r.error} |")
             continue
         note = ", ".join(res.get("kernels", [])) and "kernels " + ", ".join(res["kernels"])
         if res.get("weights"):
@@ -824,7 +842,7 @@ def report(a: argparse.Namespace, systems: list[System], runs: list[Run],
                  f"{res['decode_short']['decode_tok_s']:.1f} | "
                  f"{res['decode_long']['decode_tok_s']:.1f} | "
                  f"{res['decode_long']['first_token_s']:.2f} | {res['prefill_s']:.2f} | "
-                 f"{res['peak_rss_mib']:.0f} | {note} |")
+                 f"{res['import_rss_mib']:.0f} | {res['peak_rss_mib']:.0f} | {note} |")
     L += ["", "| run | server | load avg before | waited s | others' CPU (cores) | start s | "
           "load window s | requests complete | output tokens | output tok/s | peak RSS (MiB) | "
           "RSS after (MiB) | errors |", "|---" * 13 + "|"]
